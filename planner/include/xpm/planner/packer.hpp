@@ -1,0 +1,79 @@
+// xpm/planner/packer.hpp — split an outer batch into microbatches that fit a memory budget.
+//
+// Records are described by their dims only: record_dims[i][v] is record i's value of variable v
+// (formula variable_names() order; the batch-size entry is ignored). A microbatch's dims are
+// the aggregation of its records' dims (MemoryModel::aggregation(): count, max or sum).
+//
+//   AdaptivePacker packer({.sort_by = "l"});
+//   MicrobatchPlan plan = packer.pack(record_dims, model, budget.usable_bytes());
+//   for (const Microbatch& mb : plan.microbatches) run(mb.record_indices);
+//
+// Guarantees of every packer: each record index 0..n-1 appears in exactly one microbatch; a
+// record whose prediction alone exceeds the budget is put in a microbatch of its own with
+// over_budget = true and listed in plan.over_budget_records (never silently treated as fitting).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "xpm/planner/memory_model.hpp"
+
+namespace xpm {
+
+struct Microbatch {
+  std::vector<std::size_t> record_indices;  // indices into the outer batch
+  std::vector<double> dims;                 // aggregated dims, variable_names() order
+  double predicted_bytes = 0;               // model.predict_bytes(dims)
+  bool over_budget = false;                 // predicted_bytes > budget (only for a lone record)
+};
+
+struct MicrobatchPlan {
+  std::vector<Microbatch> microbatches;
+  std::vector<std::size_t> over_budget_records;  // records that do not fit even alone
+};
+
+/// Aggregates the dims of `indices` under `model`'s aggregation rules.
+std::vector<double> aggregate_dims(const std::vector<std::vector<double>>& record_dims,
+                                   const std::vector<std::size_t>& indices,
+                                   const MemoryModel& model);
+
+class MicrobatchPacker {
+ public:
+  virtual ~MicrobatchPacker() = default;
+  /// Packs records 0..record_dims.size()-1. Throws std::invalid_argument when a record has
+  /// the wrong number of dims or usable_bytes <= 0. Deterministic; every rank calling with the
+  /// same input gets the same plan.
+  virtual MicrobatchPlan pack(const std::vector<std::vector<double>>& record_dims,
+                              const MemoryModel& model, std::int64_t usable_bytes) const = 0;
+  virtual std::string name() const = 0;
+};
+
+/// One microbatch size from the whole outer batch's dims, then equal slices in record order
+/// (sizes differ by at most one). Optimal for homogeneous records, conservative otherwise.
+class UniformPacker : public MicrobatchPacker {
+ public:
+  MicrobatchPlan pack(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
+                      std::int64_t usable_bytes) const override;
+  std::string name() const override { return "uniform"; }
+};
+
+struct AdaptivePackerOptions {
+  std::string sort_by;  // variable to sort by, heaviest first (stable); "" keeps record order
+};
+
+/// Grows the current microbatch record by record while its predicted bytes fit, then starts a
+/// new one. Dims are aggregated incrementally (O(1) per record, O(n log n) with sorting).
+class AdaptivePacker : public MicrobatchPacker {
+ public:
+  explicit AdaptivePacker(AdaptivePackerOptions options = {});
+  MicrobatchPlan pack(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
+                      std::int64_t usable_bytes) const override;
+  std::string name() const override;
+
+ private:
+  AdaptivePackerOptions options_;
+};
+
+}  // namespace xpm
