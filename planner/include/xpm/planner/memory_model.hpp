@@ -60,8 +60,12 @@ class MemoryModel {
   nlohmann::json& metadata() { return metadata_; }
   const nlohmann::json& metadata() const { return metadata_; }
 
+  /// JSON (format_version 1): format_version, formula {text, canonical, coefficient_names,
+  /// variable_names}, coefficients {name: bytes}, floor_bytes, batch_size_variable,
+  /// aggregation {variable: "count"|"max"|"sum"}, metadata {...}.
   nlohmann::json to_json() const;
-  /// Throws std::invalid_argument naming the missing or bad field.
+  /// Throws std::invalid_argument naming the missing or bad field (e.g. "coefficients.b").
+  /// formula.text is re-parsed with the stored names; formula.canonical is informative only.
   static MemoryModel from_json(const nlohmann::json& j);
   /// Writes atomically (temp file in the same folder, then rename). Throws std::runtime_error.
   void save(const std::string& path) const;

@@ -52,6 +52,10 @@ class MicrobatchPacker {
 
 /// One microbatch size from the whole outer batch's dims, then equal slices in record order
 /// (sizes differ by at most one). Optimal for homogeneous records, conservative otherwise.
+/// If even one record at the whole batch's dims is over budget, the batch is handled per
+/// record: each record over budget alone gets its own over-budget microbatch, the other records
+/// are sliced the same way at their own aggregated dims (one record per microbatch if that still
+/// does not fit), and the microbatches are ordered by their first record index.
 class UniformPacker : public MicrobatchPacker {
  public:
   MicrobatchPlan pack(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,

@@ -1,0 +1,346 @@
+// memory_model.cpp — MemoryModel: prediction, microbatch-size search, JSON file (see header).
+#include "xpm/planner/memory_model.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace xpm {
+namespace {
+
+constexpr int kFormatVersion = 1;
+
+std::string format_double(double v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  return os.str();
+}
+
+// A JSON value for an error message: compact, one line, at most ~60 characters.
+std::string brief(const nlohmann::json& v) {
+  std::string s = v.dump();
+  if (s.size() > 60) s = s.substr(0, 57) + "...";
+  return s;
+}
+
+[[noreturn]] void bad_field(const std::string& field, const std::string& why) {
+  throw std::invalid_argument("memory model: field '" + field + "': " + why);
+}
+
+const nlohmann::json& required(const nlohmann::json& j, const std::string& key,
+                               const std::string& field) {
+  auto it = j.find(key);
+  if (it == j.end()) bad_field(field, "missing");
+  return *it;
+}
+
+std::string get_string(const nlohmann::json& j, const std::string& key, const std::string& field) {
+  const nlohmann::json& v = required(j, key, field);
+  if (!v.is_string()) bad_field(field, "expected a string, got " + brief(v));
+  return v.get<std::string>();
+}
+
+double get_number(const nlohmann::json& v, const std::string& field) {
+  if (!v.is_number()) bad_field(field, "expected a number, got " + brief(v));
+  return v.get<double>();
+}
+
+std::vector<std::string> get_string_array(const nlohmann::json& j, const std::string& key,
+                                          const std::string& field) {
+  const nlohmann::json& v = required(j, key, field);
+  if (!v.is_array()) bad_field(field, "expected an array of strings, got " + brief(v));
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (!v[i].is_string()) {
+      bad_field(field + "[" + std::to_string(i) + "]", "expected a string, got " + brief(v[i]));
+    }
+    out.push_back(v[i].get<std::string>());
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string to_string(DimAggregation a) {
+  switch (a) {
+    case DimAggregation::kCount: return "count";
+    case DimAggregation::kMax: return "max";
+    case DimAggregation::kSum: return "sum";
+  }
+  throw std::invalid_argument("unknown DimAggregation value " +
+                              std::to_string(static_cast<int>(a)));
+}
+
+DimAggregation dim_aggregation_from_string(const std::string& s) {
+  if (s == "count") return DimAggregation::kCount;
+  if (s == "max") return DimAggregation::kMax;
+  if (s == "sum") return DimAggregation::kSum;
+  throw std::invalid_argument("unknown dim aggregation '" + s +
+                              "'; expected \"count\", \"max\" or \"sum\"");
+}
+
+MemoryModel::MemoryModel(CostFormula formula, std::vector<double> coefficients, double floor_bytes,
+                         std::string batch_size_variable,
+                         std::map<std::string, DimAggregation> aggregation)
+    : formula_(std::move(formula)),
+      coefficients_(std::move(coefficients)),
+      floor_bytes_(floor_bytes),
+      batch_size_variable_(std::move(batch_size_variable)),
+      batch_size_index_(0) {
+  const auto& coef_names = formula_.coefficient_names();
+  const auto& vars = formula_.variable_names();
+  if (coefficients_.size() != coef_names.size()) {
+    throw std::invalid_argument("MemoryModel: " + std::to_string(coefficients_.size()) +
+                                " coefficients given for " + std::to_string(coef_names.size()) +
+                                " declared in the formula");
+  }
+  for (std::size_t k = 0; k < coefficients_.size(); ++k) {
+    if (!std::isfinite(coefficients_[k])) {
+      throw std::invalid_argument("MemoryModel: coefficient '" + coef_names[k] + "' = " +
+                                  format_double(coefficients_[k]) + " is not finite");
+    }
+  }
+  if (!(std::isfinite(floor_bytes_) && floor_bytes_ >= 0)) {
+    throw std::invalid_argument("MemoryModel: floor_bytes must be finite and >= 0, got " +
+                                format_double(floor_bytes_));
+  }
+  auto bs = std::find(vars.begin(), vars.end(), batch_size_variable_);
+  if (bs == vars.end()) {
+    throw std::invalid_argument("MemoryModel: batch-size variable '" + batch_size_variable_ +
+                                "' is not a declared variable of the formula");
+  }
+  batch_size_index_ = static_cast<std::size_t>(bs - vars.begin());
+  for (const auto& [name, how] : aggregation) {
+    if (std::find(vars.begin(), vars.end(), name) == vars.end()) {
+      throw std::invalid_argument("MemoryModel: aggregation given for '" + name +
+                                  "', which is not a declared variable of the formula");
+    }
+    if (name == batch_size_variable_ && how != DimAggregation::kCount) {
+      throw std::invalid_argument("MemoryModel: the batch-size variable '" + name +
+                                  "' must aggregate by count, not " + to_string(how));
+    }
+  }
+  aggregation_.resize(vars.size(), DimAggregation::kMax);
+  for (std::size_t v = 0; v < vars.size(); ++v) {
+    auto it = aggregation.find(vars[v]);
+    if (it != aggregation.end()) aggregation_[v] = it->second;
+  }
+  aggregation_[batch_size_index_] = DimAggregation::kCount;
+}
+
+double MemoryModel::predict_bytes(const std::vector<double>& dims) const {
+  return std::max(floor_bytes_, formula_.predict(coefficients_, dims));
+}
+
+std::int64_t MemoryModel::max_microbatch_size(std::vector<double> dims, std::int64_t usable_bytes,
+                                              std::int64_t max_size) const {
+  if (dims.size() != formula_.variable_names().size()) {
+    throw std::invalid_argument("max_microbatch_size: got " + std::to_string(dims.size()) +
+                                " dims, expected " +
+                                std::to_string(formula_.variable_names().size()));
+  }
+  if (max_size < 1) {
+    throw std::invalid_argument("max_microbatch_size: max_size must be >= 1, got " +
+                                std::to_string(max_size));
+  }
+  const double budget = static_cast<double>(usable_bytes);
+  // NaN predictions compare false, i.e. count as not fitting.
+  auto fits = [&](std::int64_t m) {
+    dims[batch_size_index_] = static_cast<double>(m);
+    return predict_bytes(dims) <= budget;
+  };
+  if (!fits(1)) {
+    throw std::invalid_argument(
+        "max_microbatch_size: even a microbatch of 1 is predicted at " +
+        format_double(predict_bytes(dims)) + " bytes, over the usable budget of " +
+        std::to_string(usable_bytes) + " bytes");
+  }
+  // Invariant: `lo` was evaluated and fits; `hi` (when > lo) was evaluated and does not. The
+  // answer is therefore always a verified size, even if the model is not monotone in the
+  // batch size (then it is a fitting size, not necessarily the largest).
+  std::int64_t lo = 1;
+  std::int64_t hi = 0;
+  while (true) {  // exponential phase
+    const std::int64_t next = lo > max_size / 2 ? max_size : lo * 2;
+    if (next == lo) return lo;  // lo == max_size
+    if (!fits(next)) {
+      hi = next;
+      break;
+    }
+    lo = next;
+  }
+  while (hi - lo > 1) {  // binary phase
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    if (fits(mid)) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+nlohmann::json MemoryModel::to_json() const {
+  const auto& coef_names = formula_.coefficient_names();
+  const auto& vars = formula_.variable_names();
+  nlohmann::json j;
+  j["format_version"] = kFormatVersion;
+  j["formula"] = {{"text", formula_.text()},
+                  {"canonical", formula_.canonical()},
+                  {"coefficient_names", coef_names},
+                  {"variable_names", vars}};
+  nlohmann::json coefs = nlohmann::json::object();
+  for (std::size_t k = 0; k < coef_names.size(); ++k) coefs[coef_names[k]] = coefficients_[k];
+  j["coefficients"] = std::move(coefs);
+  j["floor_bytes"] = floor_bytes_;
+  j["batch_size_variable"] = batch_size_variable_;
+  nlohmann::json agg = nlohmann::json::object();
+  for (std::size_t v = 0; v < vars.size(); ++v) agg[vars[v]] = to_string(aggregation_[v]);
+  j["aggregation"] = std::move(agg);
+  j["metadata"] = metadata_;
+  return j;
+}
+
+MemoryModel MemoryModel::from_json(const nlohmann::json& j) {
+  if (!j.is_object()) bad_field("(root)", "expected a JSON object");
+  const nlohmann::json& version = required(j, "format_version", "format_version");
+  if (!version.is_number_integer() || version.get<std::int64_t>() != kFormatVersion) {
+    bad_field("format_version", "unsupported value " + brief(version) + "; expected " +
+                                    std::to_string(kFormatVersion));
+  }
+
+  const nlohmann::json& jf = required(j, "formula", "formula");
+  if (!jf.is_object()) bad_field("formula", "expected an object");
+  const std::string text = get_string(jf, "text", "formula.text");
+  std::vector<std::string> coef_names =
+      get_string_array(jf, "coefficient_names", "formula.coefficient_names");
+  std::vector<std::string> var_names =
+      get_string_array(jf, "variable_names", "formula.variable_names");
+  // formula.canonical is informative: the text is re-parsed, so a newer canonical printer
+  // still reads older files. It must be a string when present.
+  if (auto it = jf.find("canonical"); it != jf.end() && !it->is_string()) {
+    bad_field("formula.canonical", "expected a string, got " + brief(*it));
+  }
+  CostFormula formula = [&] {
+    try {
+      return CostFormula(text, coef_names, var_names);
+    } catch (const std::invalid_argument& e) {
+      bad_field("formula.text", e.what());
+    }
+  }();
+
+  const nlohmann::json& jc = required(j, "coefficients", "coefficients");
+  if (!jc.is_object()) bad_field("coefficients", "expected an object name -> bytes");
+  std::vector<double> coefficients;
+  for (const std::string& name : coef_names) {
+    coefficients.push_back(get_number(required(jc, name, "coefficients." + name),
+                                      "coefficients." + name));
+  }
+  for (const auto& item : jc.items()) {
+    if (std::find(coef_names.begin(), coef_names.end(), item.key()) == coef_names.end()) {
+      bad_field("coefficients." + item.key(), "not a coefficient of the formula");
+    }
+  }
+
+  const double floor_bytes = get_number(required(j, "floor_bytes", "floor_bytes"), "floor_bytes");
+  const std::string bs = get_string(j, "batch_size_variable", "batch_size_variable");
+
+  std::map<std::string, DimAggregation> aggregation;
+  const nlohmann::json& ja = required(j, "aggregation", "aggregation");
+  if (!ja.is_object()) bad_field("aggregation", "expected an object variable -> count|max|sum");
+  for (const auto& item : ja.items()) {
+    const std::string field = "aggregation." + item.key();
+    if (!item.value().is_string()) bad_field(field, "expected a string, got " + brief(item.value()));
+    try {
+      aggregation[item.key()] = dim_aggregation_from_string(item.value().get<std::string>());
+    } catch (const std::invalid_argument& e) {
+      bad_field(field, e.what());
+    }
+  }
+
+  nlohmann::json metadata = nlohmann::json::object();
+  if (auto it = j.find("metadata"); it != j.end()) {
+    if (!it->is_object()) bad_field("metadata", "expected an object");
+    metadata = *it;
+  }
+
+  // The constructor's errors name the bad argument (floor_bytes, batch-size variable, ...).
+  MemoryModel model(std::move(formula), std::move(coefficients), floor_bytes, bs,
+                    std::move(aggregation));
+  model.metadata_ = std::move(metadata);
+  return model;
+}
+
+void MemoryModel::save(const std::string& path) const {
+  const std::string text = to_json().dump(2) + "\n";
+  std::string tmp = path + ".tmp.XXXXXX";
+  const int fd = ::mkstemp(tmp.data());
+  if (fd < 0) {
+    throw std::runtime_error("cannot save memory model to '" + path +
+                             "': cannot create a temporary file: " + std::strerror(errno));
+  }
+  auto fail = [&](const std::string& what) {
+    const int err = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw std::runtime_error("cannot save memory model to '" + path + "': " + what + ": " +
+                             std::strerror(err));
+  };
+  if (::fchmod(fd, 0644) != 0) fail("chmod of the temporary file failed");
+  const char* p = text.data();
+  std::size_t left = text.size();
+  while (left > 0) {
+    const ssize_t n = ::write(fd, p, left);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail("write failed");
+    }
+    p += n;
+    left -= static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0) fail("fsync failed");
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw std::runtime_error("cannot save memory model to '" + path +
+                             "': close failed: " + std::strerror(err));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw std::runtime_error("cannot save memory model to '" + path +
+                             "': rename failed: " + std::strerror(err));
+  }
+}
+
+MemoryModel MemoryModel::load(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw std::runtime_error("cannot read memory model '" + path + "': " + std::strerror(errno));
+  }
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error("memory model '" + path + "' is not valid JSON: " + e.what());
+  }
+  try {
+    return from_json(j);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(path + ": " + e.what());
+  }
+}
+
+}  // namespace xpm

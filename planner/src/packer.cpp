@@ -1,0 +1,272 @@
+// packer.cpp — UniformPacker and AdaptivePacker (see packer.hpp).
+#include "xpm/planner/packer.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+namespace xpm {
+namespace {
+
+void validate_pack_inputs(const std::vector<std::vector<double>>& record_dims,
+                          const MemoryModel& model, std::int64_t usable_bytes) {
+  if (usable_bytes <= 0) {
+    throw std::invalid_argument("pack: usable_bytes must be > 0, got " +
+                                std::to_string(usable_bytes));
+  }
+  const auto& vars = model.formula().variable_names();
+  for (std::size_t i = 0; i < record_dims.size(); ++i) {
+    if (record_dims[i].size() != vars.size()) {
+      throw std::invalid_argument("pack: record " + std::to_string(i) + " has " +
+                                  std::to_string(record_dims[i].size()) + " dims, expected " +
+                                  std::to_string(vars.size()));
+    }
+    for (std::size_t v = 0; v < vars.size(); ++v) {
+      if (v != model.batch_size_index() && !std::isfinite(record_dims[i][v])) {
+        throw std::invalid_argument("pack: record " + std::to_string(i) + " has " + vars[v] +
+                                    " = " + std::to_string(record_dims[i][v]) +
+                                    "; dims must be finite");
+      }
+    }
+  }
+}
+
+// Running aggregation of a growing set of records: O(1) per added record.
+class RunningDims {
+ public:
+  explicit RunningDims(const MemoryModel& model)
+      : model_(model), dims_(model.formula().variable_names().size(), 0.0) {}
+
+  std::size_t count() const { return count_; }
+  const std::vector<double>& dims() const { return dims_; }
+
+  // The dims this set would have with `record` added (does not modify the set).
+  void with(const std::vector<double>& record, std::vector<double>& out) const {
+    out = dims_;
+    const auto& agg = model_.aggregation();
+    for (std::size_t v = 0; v < dims_.size(); ++v) {
+      switch (agg[v]) {
+        case DimAggregation::kCount: out[v] = static_cast<double>(count_ + 1); break;
+        case DimAggregation::kMax: out[v] = count_ == 0 ? record[v] : std::max(dims_[v], record[v]); break;
+        case DimAggregation::kSum: out[v] = dims_[v] + record[v]; break;
+      }
+    }
+  }
+  void add(const std::vector<double>& new_dims) {
+    dims_ = new_dims;
+    ++count_;
+  }
+  void clear() {
+    std::fill(dims_.begin(), dims_.end(), 0.0);
+    count_ = 0;
+  }
+
+ private:
+  const MemoryModel& model_;
+  std::vector<double> dims_;  // aggregated dims of the records added so far
+  std::size_t count_ = 0;
+};
+
+Microbatch make_microbatch(std::vector<std::size_t> indices, std::vector<double> dims,
+                           const MemoryModel& model, std::int64_t usable_bytes) {
+  Microbatch mb;
+  mb.record_indices = std::move(indices);
+  mb.predicted_bytes = model.predict_bytes(dims);
+  mb.dims = std::move(dims);
+  mb.over_budget = !(mb.predicted_bytes <= static_cast<double>(usable_bytes));
+  return mb;
+}
+
+// Equal slices of `records` (in the given order) of at most `max_size` each; sizes differ by at
+// most one. Returns false (and leaves `out` untouched) if a slice is predicted over budget,
+// which only happens when the model is not monotone in the dims.
+bool equal_slices(const std::vector<std::vector<double>>& record_dims,
+                  const std::vector<std::size_t>& records, std::int64_t max_size,
+                  const MemoryModel& model, std::int64_t usable_bytes,
+                  std::vector<Microbatch>& out) {
+  const std::size_t n = records.size();
+  const std::size_t m = static_cast<std::size_t>(max_size);
+  const std::size_t k = (n + m - 1) / m;
+  const std::size_t base = n / k;
+  const std::size_t extra = n % k;  // the first `extra` slices get one more record
+  std::vector<Microbatch> slices;
+  slices.reserve(k);
+  std::size_t begin = 0;
+  for (std::size_t s = 0; s < k; ++s) {
+    const std::size_t size = base + (s < extra ? 1 : 0);
+    std::vector<std::size_t> indices(records.begin() + static_cast<std::ptrdiff_t>(begin),
+                                     records.begin() + static_cast<std::ptrdiff_t>(begin + size));
+    begin += size;
+    std::vector<double> dims = aggregate_dims(record_dims, indices, model);
+    Microbatch mb = make_microbatch(std::move(indices), std::move(dims), model, usable_bytes);
+    if (mb.over_budget) return false;
+    slices.push_back(std::move(mb));
+  }
+  for (Microbatch& mb : slices) out.push_back(std::move(mb));
+  return true;
+}
+
+// Uniform slicing of `records`: one size from their aggregated dims. False if even one record
+// at those dims is over budget (or a slice is, for a non-monotone model).
+bool try_uniform(const std::vector<std::vector<double>>& record_dims,
+                 const std::vector<std::size_t>& records, const MemoryModel& model,
+                 std::int64_t usable_bytes, std::vector<Microbatch>& out) {
+  if (records.empty()) return true;
+  std::vector<double> dims = aggregate_dims(record_dims, records, model);
+  dims[model.batch_size_index()] = 1;
+  if (!(model.predict_bytes(dims) <= static_cast<double>(usable_bytes))) return false;
+  const std::int64_t m = model.max_microbatch_size(dims, usable_bytes,
+                                                   static_cast<std::int64_t>(records.size()));
+  return equal_slices(record_dims, records, m, model, usable_bytes, out);
+}
+
+}  // namespace
+
+std::vector<double> aggregate_dims(const std::vector<std::vector<double>>& record_dims,
+                                   const std::vector<std::size_t>& indices,
+                                   const MemoryModel& model) {
+  const std::size_t nv = model.formula().variable_names().size();
+  const auto& agg = model.aggregation();
+  std::vector<double> dims(nv, 0.0);
+  for (std::size_t v = 0; v < nv; ++v) {
+    if (agg[v] == DimAggregation::kCount) dims[v] = static_cast<double>(indices.size());
+  }
+  bool first = true;
+  for (std::size_t i : indices) {
+    if (i >= record_dims.size()) {
+      throw std::invalid_argument("aggregate_dims: record index " + std::to_string(i) +
+                                  " out of range (" + std::to_string(record_dims.size()) +
+                                  " records)");
+    }
+    const std::vector<double>& r = record_dims[i];
+    if (r.size() != nv) {
+      throw std::invalid_argument("aggregate_dims: record " + std::to_string(i) + " has " +
+                                  std::to_string(r.size()) + " dims, expected " +
+                                  std::to_string(nv));
+    }
+    for (std::size_t v = 0; v < nv; ++v) {
+      if (agg[v] == DimAggregation::kMax) dims[v] = first ? r[v] : std::max(dims[v], r[v]);
+      if (agg[v] == DimAggregation::kSum) dims[v] += r[v];
+    }
+    first = false;
+  }
+  return dims;
+}
+
+// ---------------------------------------------------------------------------------------------
+// UniformPacker. If one record at the whole batch's dims does not fit, the batch is handled per
+// record: records that do not fit alone become over-budget microbatches of their own, the others
+// are sliced uniformly at their own aggregated dims (or, if even that does not fit, delivered
+// one per microbatch). Microbatches are then ordered by their first record index.
+
+MicrobatchPlan UniformPacker::pack(const std::vector<std::vector<double>>& record_dims,
+                                   const MemoryModel& model, std::int64_t usable_bytes) const {
+  validate_pack_inputs(record_dims, model, usable_bytes);
+  MicrobatchPlan plan;
+  std::vector<std::size_t> all(record_dims.size());
+  std::iota(all.begin(), all.end(), std::size_t{0});
+  if (try_uniform(record_dims, all, model, usable_bytes, plan.microbatches)) return plan;
+
+  // Fallback: per-record handling.
+  std::vector<std::size_t> fitting;
+  for (std::size_t i : all) {
+    std::vector<double> dims = aggregate_dims(record_dims, {i}, model);
+    Microbatch alone = make_microbatch({i}, std::move(dims), model, usable_bytes);
+    if (alone.over_budget) {
+      plan.over_budget_records.push_back(i);
+      plan.microbatches.push_back(std::move(alone));
+    } else {
+      fitting.push_back(i);
+    }
+  }
+  if (!try_uniform(record_dims, fitting, model, usable_bytes, plan.microbatches)) {
+    for (std::size_t i : fitting) {
+      plan.microbatches.push_back(
+          make_microbatch({i}, aggregate_dims(record_dims, {i}, model), model, usable_bytes));
+    }
+  }
+  std::stable_sort(plan.microbatches.begin(), plan.microbatches.end(),
+                   [](const Microbatch& a, const Microbatch& b) {
+                     return a.record_indices.front() < b.record_indices.front();
+                   });
+  return plan;
+}
+
+// ---------------------------------------------------------------------------------------------
+// AdaptivePacker
+
+AdaptivePacker::AdaptivePacker(AdaptivePackerOptions options) : options_(std::move(options)) {}
+
+std::string AdaptivePacker::name() const {
+  return options_.sort_by.empty() ? "adaptive" : "adaptive(sort_by=" + options_.sort_by + ")";
+}
+
+MicrobatchPlan AdaptivePacker::pack(const std::vector<std::vector<double>>& record_dims,
+                                    const MemoryModel& model, std::int64_t usable_bytes) const {
+  validate_pack_inputs(record_dims, model, usable_bytes);
+  const std::size_t n = record_dims.size();
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  if (!options_.sort_by.empty()) {
+    const auto& vars = model.formula().variable_names();
+    auto it = std::find(vars.begin(), vars.end(), options_.sort_by);
+    if (it == vars.end()) {
+      throw std::invalid_argument("AdaptivePacker: sort_by '" + options_.sort_by +
+                                  "' is not a variable of the formula");
+    }
+    const std::size_t key = static_cast<std::size_t>(it - vars.begin());
+    if (key == model.batch_size_index()) {
+      throw std::invalid_argument("AdaptivePacker: sort_by '" + options_.sort_by +
+                                  "' is the batch-size variable; sort by a record dimension");
+    }
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return record_dims[a][key] > record_dims[b][key];
+    });
+  }
+
+  const double budget = static_cast<double>(usable_bytes);
+  MicrobatchPlan plan;
+  RunningDims current(model);
+  std::vector<std::size_t> current_indices;
+  std::vector<double> trial;
+  auto close_current = [&] {
+    if (current_indices.empty()) return;
+    Microbatch mb;
+    mb.record_indices = std::move(current_indices);
+    mb.dims = current.dims();
+    mb.predicted_bytes = model.predict_bytes(mb.dims);
+    plan.microbatches.push_back(std::move(mb));
+    current_indices.clear();
+    current.clear();
+  };
+
+  for (std::size_t i : order) {
+    current.with(record_dims[i], trial);
+    if (model.predict_bytes(trial) <= budget) {
+      current.add(trial);
+      current_indices.push_back(i);
+      continue;
+    }
+    if (!current_indices.empty()) {
+      close_current();
+      current.with(record_dims[i], trial);
+      if (model.predict_bytes(trial) <= budget) {
+        current.add(trial);
+        current_indices.push_back(i);
+        continue;
+      }
+    }
+    // Does not fit even alone: its own microbatch, reported.
+    Microbatch lone = make_microbatch({i}, trial, model, usable_bytes);
+    lone.over_budget = true;
+    plan.over_budget_records.push_back(i);
+    plan.microbatches.push_back(std::move(lone));
+  }
+  close_current();
+  return plan;
+}
+
+}  // namespace xpm

@@ -1,0 +1,76 @@
+# xpm-plan rejects bad input with exit code 2, one line on stderr starting "xpm-plan: error:",
+# nothing on stdout and no model file written.
+# Run as: cmake -DXPM_PLAN=<xpm-plan> -DWORK_DIR=<dir> -P xpm_plan_bad_csv_test.cmake
+cmake_minimum_required(VERSION 3.22)
+foreach(var XPM_PLAN WORK_DIR)
+  if(NOT DEFINED ${var})
+    message(FATAL_ERROR "define ${var}")
+  endif()
+endforeach()
+set(dir "${WORK_DIR}/xpm_plan_bad_csv_test")
+file(REMOVE_RECURSE "${dir}")
+file(MAKE_DIRECTORY "${dir}")
+set(model "${dir}/model.json")
+
+# expect_input_error(<label> <regex the stderr line must match> <xpm-plan args>...)
+function(expect_input_error label pattern)
+  execute_process(COMMAND "${XPM_PLAN}" ${ARGN}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 2)
+    message(FATAL_ERROR "${label}: exit code ${rc}, expected 2 (stderr: ${err})")
+  endif()
+  string(REGEX REPLACE "\n$" "" line "${err}")
+  if(line MATCHES "\n" OR NOT err MATCHES "\n$")
+    message(FATAL_ERROR "${label}: stderr is not exactly one line: [${err}]")
+  endif()
+  if(NOT line MATCHES "^xpm-plan: error: ")
+    message(FATAL_ERROR "${label}: stderr does not start with 'xpm-plan: error:': [${line}]")
+  endif()
+  if(NOT line MATCHES "${pattern}")
+    message(FATAL_ERROR "${label}: stderr [${line}] does not match '${pattern}'")
+  endif()
+  if(NOT out STREQUAL "")
+    message(FATAL_ERROR "${label}: unexpected stdout: [${out}]")
+  endif()
+  if(EXISTS "${model}")
+    message(FATAL_ERROR "${label}: ${model} was written")
+  endif()
+  file(GLOB leftovers "${dir}/*.tmp*")
+  if(leftovers)
+    message(FATAL_ERROR "${label}: temporary files left behind: ${leftovers}")
+  endif()
+endfunction()
+
+set(fit_args --formula "a*bs*l^2 + b*bs*l + c" --coefficients a,b,c --variables bs,l
+             --bytes-column bytes --output "${model}" --json)
+
+# A non-numeric cell on line 4 (header is line 1).
+set(bad "${dir}/bad_cell.csv")
+file(WRITE "${bad}" "bs,l,bytes\n1,16,1000768\n2,64,1030000\n4,128,abc\n8,256,2600000\n")
+expect_input_error("non-numeric cell" "line 4, column 'bytes': 'abc'" fit --csv "${bad}" ${fit_args})
+
+# A row with a missing cell.
+set(short "${dir}/short_row.csv")
+file(WRITE "${short}" "bs,l,bytes\n1,16,1000768\n2,64\n4,128,1200000\n8,256,2600000\n")
+expect_input_error("short row" "line 3 has 2 cells" fit --csv "${short}" ${fit_args})
+
+# A column the options name but the file lacks.
+set(no_bytes "${dir}/no_bytes.csv")
+file(WRITE "${no_bytes}" "bs,l,peak\n1,16,1000768\n2,64,1030000\n4,128,1200000\n")
+expect_input_error("missing column" "no column 'bytes'" fit --csv "${no_bytes}" ${fit_args})
+
+# Zero bytes.
+set(zero "${dir}/zero_bytes.csv")
+file(WRITE "${zero}" "bs,l,bytes\n1,16,1000768\n2,64,0\n4,128,1200000\n8,256,2600000\n")
+expect_input_error("zero bytes" "line 3" fit --csv "${zero}" ${fit_args})
+
+# A file that does not exist, a bad formula, an unknown option, an unknown command.
+expect_input_error("missing file" "missing[.]csv" fit --csv "${dir}/missing.csv" ${fit_args})
+set(good "${dir}/good.csv")
+file(WRITE "${good}" "bs,l,bytes\n1,16,1000768\n2,64,1030000\n4,128,1200000\n8,256,2600000\n")
+expect_input_error("bad formula" "zz" fit --csv "${good}" --formula "a*bs*zz + b + c"
+                   --coefficients a,b,c --variables bs,l --bytes-column bytes --output "${model}")
+expect_input_error("unknown option" "--frobnicate" fit --csv "${good}" ${fit_args} --frobnicate)
+expect_input_error("unknown command" "unknown command 'fitt'" fitt --csv "${good}")
+expect_input_error("missing required option" "bytes-column" fit --csv "${good}"
+                   --formula "a*bs" --coefficients a --variables bs)

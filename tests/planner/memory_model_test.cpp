@@ -1,0 +1,225 @@
+// memory_model_test.cpp — MemoryModel: prediction with a floor, microbatch-size search, JSON file.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+
+#include "xpm/planner/memory_model.hpp"
+
+namespace fs = std::filesystem;
+using xpm::CostFormula;
+using xpm::DimAggregation;
+using xpm::MemoryModel;
+
+namespace {
+
+// a*bs*l^2 + b*bs*l + c with a = 2, b = 10, c = 1000; variables (bs, l).
+MemoryModel quadratic_model(double floor_bytes = 0) {
+  return MemoryModel(CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"}),
+                     {2.0, 10.0, 1000.0}, floor_bytes, "bs", {{"l", DimAggregation::kMax}});
+}
+
+double cost(double bs, double l) { return 2 * bs * l * l + 10 * bs * l + 1000; }
+
+// A fresh, empty directory under the build tree for file tests.
+fs::path scratch_dir(const std::string& name) {
+  fs::path dir = fs::path(XPM_BINARY_DIR) / "test_scratch" / name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::string error_of_load(const fs::path& path) {
+  try {
+    MemoryModel::load(path.string());
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+}
+
+}  // namespace
+
+TEST_CASE("prediction is the formula or the floor, whichever is larger") {
+  const MemoryModel model = quadratic_model(/*floor_bytes=*/5000);
+  CHECK(model.predict_bytes({1, 8}) == 5000);  // formula gives 1208
+  CHECK(model.predict_bytes({4, 64}) == doctest::Approx(cost(4, 64)));
+}
+
+TEST_CASE("max microbatch size is 10 for a budget between the costs of 10 and 11") {
+  const MemoryModel model = quadratic_model();
+  const auto budget = static_cast<std::int64_t>((cost(10, 128) + cost(11, 128)) / 2);
+  CHECK(model.max_microbatch_size({0, 128}, budget) == 10);
+  CHECK(model.max_microbatch_size({0, 128}, static_cast<std::int64_t>(cost(10, 128))) == 10);
+  CHECK(model.max_microbatch_size({0, 128}, static_cast<std::int64_t>(cost(10, 128)) - 1) == 9);
+}
+
+TEST_CASE("max microbatch size is an error, not 1, when even one record is over budget") {
+  const MemoryModel model = quadratic_model();
+  const auto budget = static_cast<std::int64_t>(cost(1, 128)) - 1;
+  CHECK_THROWS_WITH_AS(model.max_microbatch_size({0, 128}, budget),
+                       doctest::Contains(std::to_string(budget).c_str()), std::invalid_argument);
+}
+
+TEST_CASE("max microbatch size never exceeds max_size and ignores the given batch size") {
+  const MemoryModel model = quadratic_model();
+  CHECK(model.max_microbatch_size({999, 128}, std::int64_t{1} << 50, 37) == 37);
+  CHECK(model.max_microbatch_size({999, 128}, std::int64_t{1} << 50, 1) == 1);
+  CHECK_THROWS_AS(model.max_microbatch_size({1, 128}, 1 << 30, 0), std::invalid_argument);
+}
+
+TEST_CASE("max microbatch size agrees with a linear scan for many budgets") {
+  const MemoryModel model = quadratic_model(/*floor_bytes=*/20000);
+  for (std::int64_t budget = 20000; budget < 400000; budget += 7919) {
+    std::int64_t expected = 0;
+    for (std::int64_t m = 1; m <= 1000; ++m) {
+      if (model.predict_bytes({static_cast<double>(m), 30}) <= static_cast<double>(budget)) {
+        expected = m;
+      }
+    }
+    CAPTURE(budget);
+    CHECK(model.max_microbatch_size({0, 30}, budget) == expected);
+  }
+}
+
+TEST_CASE("max microbatch size returns a size predicted within budget for a non-monotone model") {
+  // b < 0: the prediction dips then rises in bs; the answer must still be a fitting size.
+  const MemoryModel model(CostFormula("a*bs^2 + b*bs + c", {"a", "b", "c"}, {"bs"}),
+                          {1.0, -100.0, 3000.0}, 0, "bs");
+  for (std::int64_t budget : {2950, 3000, 5000, 12000}) {
+    const std::int64_t m = model.max_microbatch_size({0}, budget);
+    CAPTURE(budget);
+    CHECK(m >= 1);
+    CHECK(model.predict_bytes({static_cast<double>(m)}) <= static_cast<double>(budget));
+  }
+}
+
+TEST_CASE("model rejects a batch-size variable that is not declared") {
+  CHECK_THROWS_WITH_AS(MemoryModel(CostFormula("a*bs", {"a"}, {"bs"}), {1.0}, 0, "n"),
+                       doctest::Contains("'n'"), std::invalid_argument);
+}
+
+TEST_CASE("model rejects a coefficient count that does not match the formula") {
+  CHECK_THROWS_AS(MemoryModel(CostFormula("a*bs", {"a"}, {"bs"}), {1.0, 2.0}, 0, "bs"),
+                  std::invalid_argument);
+}
+
+TEST_CASE("model rejects a batch-size variable aggregated by anything but count") {
+  CHECK_THROWS_AS(MemoryModel(CostFormula("a*bs*l", {"a"}, {"bs", "l"}), {1.0}, 0, "bs",
+                              {{"bs", DimAggregation::kMax}}),
+                  std::invalid_argument);
+}
+
+TEST_CASE("model aggregates variables by max unless told otherwise") {
+  const MemoryModel model(CostFormula("a*bs*l + b*t", {"a", "b"}, {"bs", "l", "t"}), {1, 1}, 0,
+                          "bs", {{"t", DimAggregation::kSum}});
+  CHECK(model.batch_size_index() == 0);
+  CHECK(model.aggregation()[0] == DimAggregation::kCount);
+  CHECK(model.aggregation()[1] == DimAggregation::kMax);
+  CHECK(model.aggregation()[2] == DimAggregation::kSum);
+}
+
+TEST_CASE("dim aggregations convert to and from their names") {
+  for (DimAggregation a : {DimAggregation::kCount, DimAggregation::kMax, DimAggregation::kSum}) {
+    CHECK(xpm::dim_aggregation_from_string(xpm::to_string(a)) == a);
+  }
+  CHECK_THROWS_WITH_AS(xpm::dim_aggregation_from_string("mean"), doctest::Contains("mean"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("model round-trips through JSON") {
+  MemoryModel model = quadratic_model(/*floor_bytes=*/1234.5);
+  model.metadata()["device"] = "cpu";
+  const nlohmann::json j = model.to_json();
+  CHECK(j["format_version"] == 1);
+  CHECK(j["coefficients"]["b"] == 10.0);
+  CHECK(j["aggregation"]["bs"] == "count");
+  CHECK(j["formula"]["canonical"] == model.formula().canonical());
+
+  const MemoryModel back = MemoryModel::from_json(j);
+  CHECK(back.coefficients() == model.coefficients());
+  CHECK(back.floor_bytes() == 1234.5);
+  CHECK(back.batch_size_variable() == "bs");
+  CHECK(back.aggregation() == model.aggregation());
+  CHECK(back.formula().canonical() == model.formula().canonical());
+  CHECK(back.metadata()["device"] == "cpu");
+  CHECK(back.to_json() == j);
+}
+
+TEST_CASE("model from JSON names a missing or bad field") {
+  const nlohmann::json good = quadratic_model().to_json();
+  nlohmann::json j = good;
+  j["coefficients"].erase("b");
+  CHECK_THROWS_WITH_AS(MemoryModel::from_json(j), doctest::Contains("coefficients.b"),
+                       std::invalid_argument);
+  j = good;
+  j["floor_bytes"] = "lots";
+  CHECK_THROWS_WITH_AS(MemoryModel::from_json(j), doctest::Contains("floor_bytes"),
+                       std::invalid_argument);
+  j = good;
+  j["format_version"] = 2;
+  CHECK_THROWS_WITH_AS(MemoryModel::from_json(j), doctest::Contains("format_version"),
+                       std::invalid_argument);
+  j = good;
+  j["aggregation"]["l"] = "mean";
+  CHECK_THROWS_WITH_AS(MemoryModel::from_json(j), doctest::Contains("aggregation.l"),
+                       std::invalid_argument);
+  j = good;
+  j["formula"]["text"] = "a*bs*zz";
+  CHECK_THROWS_WITH_AS(MemoryModel::from_json(j), doctest::Contains("formula.text"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("save writes atomically and leaves no temporary file") {
+  const fs::path dir = scratch_dir("memory_model_save");
+  const fs::path path = dir / "model.json";
+  write_text(path, "old contents");
+  const MemoryModel model = quadratic_model(/*floor_bytes=*/42);
+  model.save(path.string());
+
+  std::size_t files = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    CHECK(entry.path().filename() == "model.json");
+    ++files;
+  }
+  CHECK(files == 1);
+  const MemoryModel back = MemoryModel::load(path.string());
+  CHECK(back.coefficients() == model.coefficients());
+  CHECK(back.floor_bytes() == 42);
+}
+
+TEST_CASE("save to a folder that does not exist fails naming the path and writes nothing") {
+  const fs::path dir = scratch_dir("memory_model_save_missing");
+  const fs::path path = dir / "missing" / "model.json";
+  CHECK_THROWS_WITH_AS(quadratic_model().save(path.string()),
+                       doctest::Contains(path.string().c_str()), std::runtime_error);
+  CHECK(fs::is_empty(dir));
+}
+
+TEST_CASE("load of a bad file names the path") {
+  const fs::path dir = scratch_dir("memory_model_load");
+  const fs::path not_json = dir / "not_json.json";
+  write_text(not_json, "{ this is not json");
+  CHECK(error_of_load(not_json).find(not_json.string()) != std::string::npos);
+
+  const fs::path bad_field = dir / "bad_field.json";
+  nlohmann::json j = quadratic_model().to_json();
+  j.erase("batch_size_variable");
+  write_text(bad_field, j.dump());
+  const std::string msg = error_of_load(bad_field);
+  CHECK(msg.find(bad_field.string()) != std::string::npos);
+  CHECK(msg.find("batch_size_variable") != std::string::npos);
+  CHECK_THROWS_AS(MemoryModel::load(bad_field.string()), std::invalid_argument);
+
+  const fs::path missing = dir / "missing.json";
+  CHECK(error_of_load(missing).find(missing.string()) != std::string::npos);
+  CHECK_THROWS_AS(MemoryModel::load(missing.string()), std::runtime_error);
+}

@@ -1,0 +1,256 @@
+// packer_test.cpp — UniformPacker and AdaptivePacker: coverage, budgets, sorting, over-budget.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "xpm/planner/packer.hpp"
+
+using xpm::AdaptivePacker;
+using xpm::AdaptivePackerOptions;
+using xpm::CostFormula;
+using xpm::DimAggregation;
+using xpm::MemoryModel;
+using xpm::MicrobatchPlan;
+using xpm::UniformPacker;
+
+namespace {
+
+using Records = std::vector<std::vector<double>>;
+
+// a*bs*l^2 with a = 1; variables (bs, l), l aggregated by max.
+MemoryModel square_model() {
+  return MemoryModel(CostFormula("a*bs*l^2", {"a"}, {"bs", "l"}), {1.0}, 0, "bs",
+                     {{"l", DimAggregation::kMax}});
+}
+
+// a*bs*l^2 + b*bs*l + c with positive coefficients.
+MemoryModel quadratic_model() {
+  return MemoryModel(CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"}),
+                     {2.0, 64.0, 5000.0}, 0, "bs", {{"l", DimAggregation::kMax}});
+}
+
+Records records_of_lengths(const std::vector<double>& lengths) {
+  Records r;
+  for (double l : lengths) r.push_back({0.0, l});  // batch-size entry ignored
+  return r;
+}
+
+AdaptivePacker sorted_by(const std::string& variable) {
+  AdaptivePackerOptions options;
+  options.sort_by = variable;
+  return AdaptivePacker(options);
+}
+
+// Every record index appears in exactly one microbatch.
+void check_each_record_once(const MicrobatchPlan& plan, std::size_t n) {
+  std::vector<int> seen(n, 0);
+  for (const auto& mb : plan.microbatches) {
+    CHECK_FALSE(mb.record_indices.empty());
+    for (std::size_t i : mb.record_indices) {
+      REQUIRE(i < n);
+      ++seen[i];
+    }
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    CAPTURE(i);
+    CHECK(seen[i] == 1);
+  }
+}
+
+// Microbatches not marked over budget are predicted within budget; marked ones are lone records.
+void check_budget_respected(const MicrobatchPlan& plan, std::int64_t usable_bytes) {
+  for (const auto& mb : plan.microbatches) {
+    if (mb.over_budget) {
+      CHECK(mb.record_indices.size() == 1);
+      CHECK(mb.predicted_bytes > static_cast<double>(usable_bytes));
+      CHECK(std::count(plan.over_budget_records.begin(), plan.over_budget_records.end(),
+                       mb.record_indices[0]) == 1);
+    } else {
+      CHECK(mb.predicted_bytes <= static_cast<double>(usable_bytes));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("uniform packer cuts 10 records with max size 4 into slices of 4, 3 and 3") {
+  const MemoryModel model = square_model();
+  const Records records = records_of_lengths(std::vector<double>(10, 8.0));
+  const auto budget = static_cast<std::int64_t>(4 * 8 * 8);  // 4 records fit, 5 do not
+  const MicrobatchPlan plan = UniformPacker().pack(records, model, budget);
+  REQUIRE(plan.microbatches.size() == 3);
+  CHECK(plan.microbatches[0].record_indices == std::vector<std::size_t>{0, 1, 2, 3});
+  CHECK(plan.microbatches[1].record_indices == std::vector<std::size_t>{4, 5, 6});
+  CHECK(plan.microbatches[2].record_indices == std::vector<std::size_t>{7, 8, 9});
+  CHECK(plan.microbatches[0].dims == std::vector<double>{4, 8});
+  CHECK(plan.microbatches[0].predicted_bytes == 256);
+  CHECK(plan.over_budget_records.empty());
+}
+
+TEST_CASE("uniform packer slice sizes differ by at most one and respect the max size") {
+  const MemoryModel model = square_model();
+  for (std::size_t n = 1; n <= 40; ++n) {
+    for (std::int64_t max_fit = 1; max_fit <= 12; ++max_fit) {
+      const Records records = records_of_lengths(std::vector<double>(n, 2.0));
+      const MicrobatchPlan plan = UniformPacker().pack(records, model, max_fit * 4);
+      const std::size_t m = static_cast<std::size_t>(max_fit);
+      CAPTURE(n);
+      CAPTURE(max_fit);
+      CHECK(plan.microbatches.size() == (n + m - 1) / m);
+      std::size_t smallest = n, largest = 0;
+      for (const auto& mb : plan.microbatches) {
+        smallest = std::min(smallest, mb.record_indices.size());
+        largest = std::max(largest, mb.record_indices.size());
+      }
+      CHECK(largest - smallest <= 1);
+      CHECK(largest <= m);
+      check_each_record_once(plan, n);
+    }
+  }
+}
+
+TEST_CASE("uniform packer sizes microbatches from the longest record of the outer batch") {
+  const MemoryModel model = square_model();
+  const Records records = records_of_lengths({8, 8, 8, 16, 8, 8});
+  // One 16-record costs 256: the budget allows 2 at l = 16, so 3 slices of 2.
+  const MicrobatchPlan plan = UniformPacker().pack(records, model, 2 * 256);
+  CHECK(plan.microbatches.size() == 3);
+  check_budget_respected(plan, 2 * 256);
+}
+
+TEST_CASE("uniform packer reports an over-budget record and still delivers the others") {
+  const MemoryModel model = square_model();
+  const Records records = records_of_lengths({8, 8, 100, 8, 8});
+  const std::int64_t budget = 2 * 64;  // two records of length 8 fit; the 100 never does
+  const MicrobatchPlan plan = UniformPacker().pack(records, model, budget);
+  CHECK(plan.over_budget_records == std::vector<std::size_t>{2});
+  check_each_record_once(plan, records.size());
+  check_budget_respected(plan, budget);
+  CHECK(plan.microbatches.size() == 3);  // {0,1}, {2} over budget, {3,4}
+}
+
+TEST_CASE("uniform packer returns an empty plan for an empty outer batch") {
+  const MicrobatchPlan plan = UniformPacker().pack({}, square_model(), 100);
+  CHECK(plan.microbatches.empty());
+  CHECK(plan.over_budget_records.empty());
+}
+
+TEST_CASE("adaptive packer fills four long and sixteen short records into exactly two microbatches") {
+  std::vector<double> lengths(4, 128.0);
+  lengths.insert(lengths.end(), 16, 32.0);
+  const MicrobatchPlan plan =
+      AdaptivePacker().pack(records_of_lengths(lengths), square_model(), 4 * 128 * 128);
+  REQUIRE(plan.microbatches.size() == 2);
+  CHECK(plan.microbatches[0].record_indices.size() == 4);
+  CHECK(plan.microbatches[0].dims == std::vector<double>{4, 128});
+  CHECK(plan.microbatches[1].record_indices.size() == 16);
+  CHECK(plan.microbatches[1].dims == std::vector<double>{16, 32});
+  CHECK(plan.microbatches[1].predicted_bytes == 16 * 32 * 32);
+  CHECK(plan.over_budget_records.empty());
+}
+
+TEST_CASE("adaptive packer sorting never increases the microbatch count") {
+  const MemoryModel model = quadratic_model();
+  for (unsigned seed = 0; seed < 300; ++seed) {
+    std::mt19937 rng(seed);
+    std::uniform_int_distribution<int> count(1, 80);
+    std::lognormal_distribution<double> length(4.0, 0.8);
+    std::vector<double> lengths(static_cast<std::size_t>(count(rng)));
+    for (double& l : lengths) l = std::max(1.0, std::round(length(rng)));
+    const Records records = records_of_lengths(lengths);
+    std::uniform_int_distribution<std::int64_t> budget_dist(20000, 4000000);
+    const std::int64_t budget = budget_dist(rng);
+
+    const MicrobatchPlan unsorted = AdaptivePacker().pack(records, model, budget);
+    const MicrobatchPlan sorted = sorted_by("l").pack(records, model, budget);
+    CAPTURE(seed);
+    CHECK(sorted.microbatches.size() <= unsorted.microbatches.size());
+    check_each_record_once(sorted, records.size());
+    check_budget_respected(sorted, budget);
+  }
+}
+
+TEST_CASE("adaptive packer sorts heaviest records first and keeps ties in record order") {
+  const MicrobatchPlan plan = sorted_by("l").pack(records_of_lengths({4, 9, 4, 9, 1}),
+                                                  square_model(), 1 << 20);
+  REQUIRE(plan.microbatches.size() == 1);
+  CHECK(plan.microbatches[0].record_indices == std::vector<std::size_t>{1, 3, 0, 2, 4});
+}
+
+TEST_CASE("every packer delivers all 17 records exactly once under any budget") {
+  const MemoryModel model = quadratic_model();
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int> length(1, 300);
+  std::vector<double> lengths(17);
+  for (double& l : lengths) l = length(rng);
+  const Records records = records_of_lengths(lengths);
+  const UniformPacker uniform;
+  const AdaptivePacker adaptive;
+  const AdaptivePacker adaptive_sorted = sorted_by("l");
+  for (std::int64_t budget = 1; budget < 40000000; budget = budget * 3 / 2 + 1) {
+    for (const xpm::MicrobatchPacker* packer :
+         {static_cast<const xpm::MicrobatchPacker*>(&uniform),
+          static_cast<const xpm::MicrobatchPacker*>(&adaptive),
+          static_cast<const xpm::MicrobatchPacker*>(&adaptive_sorted)}) {
+      CAPTURE(budget);
+      CAPTURE(packer->name());
+      const MicrobatchPlan plan = packer->pack(records, model, budget);
+      check_each_record_once(plan, records.size());
+      check_budget_respected(plan, budget);
+    }
+  }
+}
+
+TEST_CASE("adaptive packer reports an over-budget record and delivers it exactly once") {
+  const Records records = records_of_lengths({8, 8, 100, 8, 8});
+  const std::int64_t budget = 4 * 64;
+  const MicrobatchPlan plan = AdaptivePacker().pack(records, square_model(), budget);
+  CHECK(plan.over_budget_records == std::vector<std::size_t>{2});
+  check_each_record_once(plan, records.size());
+  check_budget_respected(plan, budget);
+  REQUIRE(plan.microbatches.size() == 3);
+  CHECK(plan.microbatches[1].over_budget);
+  CHECK(plan.microbatches[1].predicted_bytes == 100 * 100);
+}
+
+TEST_CASE("adaptive packer rejects sorting by an unknown or the batch-size variable") {
+  const Records records = records_of_lengths({8, 8});
+  CHECK_THROWS_WITH_AS(sorted_by("len").pack(records, square_model(), 1000),
+                       doctest::Contains("'len'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(sorted_by("bs").pack(records, square_model(), 1000),
+                       doctest::Contains("batch-size"), std::invalid_argument);
+}
+
+TEST_CASE("packers reject records with the wrong number of dims and a non-positive budget") {
+  const Records bad = {{0.0, 8.0}, {8.0}};
+  CHECK_THROWS_WITH_AS(AdaptivePacker().pack(bad, square_model(), 1000),
+                       doctest::Contains("record 1"), std::invalid_argument);
+  CHECK_THROWS_AS(UniformPacker().pack(bad, square_model(), 1000), std::invalid_argument);
+  CHECK_THROWS_AS(UniformPacker().pack(records_of_lengths({8}), square_model(), 0),
+                  std::invalid_argument);
+}
+
+TEST_CASE("aggregate dims count records, take the max and sum as declared") {
+  const MemoryModel model(CostFormula("a*bs*l + b*t", {"a", "b"}, {"bs", "l", "t"}), {1, 1}, 0,
+                          "bs", {{"t", DimAggregation::kSum}});
+  const Records records = {{0, 5, 10}, {0, 9, 20}, {0, 7, 30}};
+  CHECK(xpm::aggregate_dims(records, {0, 2}, model) == std::vector<double>{2, 7, 40});
+  CHECK(xpm::aggregate_dims(records, {0, 1, 2}, model) == std::vector<double>{3, 9, 60});
+}
+
+TEST_CASE("adaptive packer with a sum dimension matches the aggregated dims it reports") {
+  const MemoryModel model(CostFormula("a*bs + b*t", {"a", "b"}, {"bs", "t"}), {100, 1}, 0, "bs",
+                          {{"t", DimAggregation::kSum}});
+  Records records;
+  for (int i = 0; i < 50; ++i) records.push_back({0, static_cast<double>(10 + i % 7)});
+  const MicrobatchPlan plan = AdaptivePacker().pack(records, model, 1000);
+  check_each_record_once(plan, records.size());
+  check_budget_respected(plan, 1000);
+  for (const auto& mb : plan.microbatches) {
+    CHECK(mb.dims == xpm::aggregate_dims(records, mb.record_indices, model));
+  }
+}
