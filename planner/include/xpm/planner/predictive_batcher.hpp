@@ -1,0 +1,84 @@
+// xpm/planner/predictive_batcher.hpp — probe, fit, then split every outer batch into
+// microbatches predicted to fit the memory budget.
+//
+//   PredictiveBatcherOptions options;              // formula a*bs*l^2 + b*bs*l + c by default
+//   options.budget = {.capacity_bytes = cap, .memory_fraction = 0.9};
+//   options.variable_max = {{"bs", 64}, {"l", 180}};  // ranges for the automatic probe design
+//   PredictiveBatcher batcher(options, std::make_shared<AdaptivePacker>(
+//                                          AdaptivePackerOptions{.sort_by = "l"}));
+//   batcher.probe_and_fit(executor);                // rank 0 only, before DDP wrapping
+//   MicrobatchPlan plan = batcher.plan(record_dims); // every step, on every rank
+//
+// Model: the formula is fitted to the forward/backward peaks of the probes (the phase that
+// grows with the dims); the floor is the largest optimizer-step peak and the static bytes;
+// prediction is max(floor, formula) (DESIGN.md section 3).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "xpm/planner/budget.hpp"
+#include "xpm/planner/fit.hpp"
+#include "xpm/planner/memory_model.hpp"
+#include "xpm/planner/packer.hpp"
+#include "xpm/planner/probe.hpp"
+
+namespace xpm {
+
+struct PredictiveBatcherOptions {
+  std::string formula = "a*bs*l^2 + b*bs*l + c";               // cost formula, bytes
+  std::vector<std::string> coefficient_names = {"a", "b", "c"};
+  std::vector<std::string> variable_names = {"bs", "l"};
+  std::string batch_size_variable = "bs";                      // the microbatch size variable
+  std::map<std::string, DimAggregation> aggregation;           // non-bs variables; default max
+  std::vector<ProbePoint> probe_points;                        // empty: automatic design
+  std::map<std::string, double> variable_max;                  // upper ends for the design
+  std::vector<double> design_fractions = {1.0, 0.75, 0.5};     // of each non-bs variable's max
+  MemoryBudget budget;                                         // the plan's budget
+  FitOptions fit;                                              // Ceres options
+  /// Throws std::invalid_argument naming the bad field (formula errors are FormulaError).
+  void validate() const;
+};
+
+class PredictiveBatcher {
+ public:
+  PredictiveBatcher(PredictiveBatcherOptions options, std::shared_ptr<const MicrobatchPacker> packer);
+
+  /// Runs the probes through `executor`, fits the formula and stores the model. Rank 0 only,
+  /// before DDP wrapping. Automatic design (no probe points given): for each fraction f of
+  /// design_fractions, the non-bs variables are set to f * their max and the microbatch size
+  /// doubles from 1 up to variable_max[bs], stopping at the first infeasible probe or the first
+  /// whose step peak exceeds the budget; infeasible probes are kept in probes() (feasible =
+  /// false), never dropped silently. The formula is fitted to the forward/backward peaks that
+  /// lie above the floor (where the budget binds), or to every feasible probe when too few do. Throws std::runtime_error when fewer feasible probes than
+  /// coefficients remain, or when the budget is below the static bytes.
+  const MemoryModel& probe_and_fit(ProbeExecutor& executor);
+
+  /// Uses a model fitted elsewhere (cache, broadcast from rank 0).
+  void set_model(MemoryModel model);
+  bool has_model() const { return model_.has_value(); }
+  /// Throws std::logic_error before probe_and_fit() or set_model().
+  const MemoryModel& model() const;
+  const FitSummary& fit_summary() const { return fit_summary_; }
+  const std::vector<ProbeResult>& probes() const { return probes_; }
+  const PredictiveBatcherOptions& options() const { return options_; }
+  const MicrobatchPacker& packer() const { return *packer_; }
+
+  /// Splits one outer batch (record dims in variable_names() order) into microbatches under
+  /// the budget. Deterministic: every rank gets the same plan for the same records.
+  MicrobatchPlan plan(const std::vector<std::vector<double>>& record_dims) const;
+
+ private:
+  std::vector<std::vector<double>> design_probe_dims(const CostFormula& formula) const;
+
+  PredictiveBatcherOptions options_;
+  std::shared_ptr<const MicrobatchPacker> packer_;
+  std::optional<MemoryModel> model_;
+  FitSummary fit_summary_;
+  std::vector<ProbeResult> probes_;
+};
+
+}  // namespace xpm

