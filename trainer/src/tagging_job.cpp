@@ -103,6 +103,10 @@ void TaggingJobConfig::validate() const {
   require(memory_cap_factor == 0 || memory_cap_factor > 1,
           "memory_cap_factor must be 0 (off) or > 1 (a multiple of the static memory), got " +
               std::to_string(memory_cap_factor));
+  require(memory_fraction > 0 && memory_fraction <= 1,
+          "memory_fraction must be in (0, 1], got " + std::to_string(memory_fraction));
+  require(extra_overhead_bytes >= 0, "extra_overhead_bytes must be >= 0, got " +
+                                         std::to_string(extra_overhead_bytes));
   require(packer == "adaptive" || packer == "uniform",
           "packer must be 'adaptive' or 'uniform', got '" + packer + "'");
   require(log_every >= 1, "log_every must be >= 1, got " + std::to_string(log_every));

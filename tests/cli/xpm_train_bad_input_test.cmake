@@ -1,0 +1,23 @@
+# xpm-train rejects bad input with exit code 2 and a one-line error naming the value, and writes
+# no run folder.
+cmake_minimum_required(VERSION 3.22)
+set(run "${WORK_DIR}/xpm_train_bad_input_test")
+file(REMOVE_RECURSE "${run}")
+function(expect_input_error label pattern)
+  execute_process(COMMAND "${XPM_TRAIN}" --run-dir "${run}" ${ARGN}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 2)
+    message(FATAL_ERROR "${label}: exit code ${rc}, expected 2 (stderr: ${err})")
+  endif()
+  if(NOT err MATCHES "^xpm-train: error: [^\n]*${pattern}[^\n]*\n$")
+    message(FATAL_ERROR "${label}: stderr [${err}] is not one line matching '${pattern}'")
+  endif()
+  if(EXISTS "${run}")
+    message(FATAL_ERROR "${label}: a run folder was written")
+  endif()
+endfunction()
+expect_input_error("unknown option" "unrecognised option '--no-such-option'" --no-such-option)
+expect_input_error("missing corpus" "--data-dir '/nonexistent' has no cats.txt" --data-dir /nonexistent)
+expect_input_error("bad memory fraction" "memory_fraction" --data-dir "${DATA_DIR}" --memory-fraction 1.5)
+expect_input_error("bad probe point" "'8y64' is not of the form BSxL" --data-dir "${DATA_DIR}" --probe-points 8y64)
+expect_input_error("bad packer" "packer must be 'adaptive' or 'uniform', got 'ffd'" --data-dir "${DATA_DIR}" --packer ffd)
