@@ -107,6 +107,11 @@ int main(int argc, char** argv) {
       ("max-validation-sentences",
        po::value(&config.max_validation_sentences)->default_value(config.max_validation_sentences),
        "validate on the first N validation sentences (0: all)")
+      ("memory-model-cache", po::value(&config.memory_model_cache)->default_value(config.memory_model_cache),
+       "folder of fitted memory models keyed by setup identity; a rerun reuses it (empty: off)")
+      ("underprediction-tolerance",
+       po::value(&config.underprediction_tolerance)->default_value(config.underprediction_tolerance),
+       "online correction when a measured peak exceeds (1 + tolerance) x the prediction")
       ("quiet,q", po::bool_switch(&config.quiet), "no progress lines");
   try {
     po::variables_map vm;

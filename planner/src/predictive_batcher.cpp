@@ -132,6 +132,13 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
   nlohmann::json probes_json = nlohmann::json::array();
   for (const ProbeResult& probe : probes_) probes_json.push_back(to_json(probe));
   model.metadata()["probes"] = probes_json;
+  nlohmann::json measurements_json = nlohmann::json::array();
+  for (const Measurement& m : measurements) {
+    measurements_json.push_back({{"dims", m.dims}, {"bytes", m.bytes}});
+  }
+  model.metadata()["fit_measurements"] = measurements_json;
+  fit_measurements_ = measurements;
+  corrections_ = 0;
   model.metadata()["static_bytes"] = static_bytes;
   model.metadata()["fit"] = {{"converged", fit.summary.converged},
                              {"max_rel_error", fit.summary.max_rel_error},
@@ -143,7 +150,51 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
   return *model_;
 }
 
-void PredictiveBatcher::set_model(MemoryModel model) { model_ = std::move(model); }
+void PredictiveBatcher::set_model(MemoryModel model) {
+  fit_measurements_.clear();
+  const auto it = model.metadata().find("fit_measurements");
+  if (it != model.metadata().end() && it->is_array()) {
+    for (const auto& m : *it) {
+      fit_measurements_.push_back({m.at("dims").get<std::vector<double>>(), m.at("bytes").get<double>()});
+    }
+  }
+  corrections_ = 0;
+  model_ = std::move(model);
+}
+
+const MemoryModel& PredictiveBatcher::add_measurement(const Measurement& measurement) {
+  if (!model_) throw std::logic_error("PredictiveBatcher: add_measurement before a model was set");
+  fit_measurements_.push_back(measurement);
+  const CostFormula& formula = model_->formula();
+  if (fit_measurements_.size() < formula.coefficient_names().size()) {
+    // Too little data to refit (a model set without its fit data): stay safe by raising the
+    // floor to the measured bytes; the refit takes over once enough measurements accumulated.
+    return raise_floor_bytes(measurement.bytes);
+  }
+  FitResult fit = fit_coefficients(formula, fit_measurements_, options_.fit);
+  fit_summary_ = fit.summary;
+  MemoryModel refitted(formula, fit.coefficients, model_->floor_bytes(),
+                       model_->batch_size_variable(), options_.aggregation);
+  refitted.metadata() = model_->metadata();
+  refitted.metadata()["fit_measurements"].push_back(
+      {{"dims", measurement.dims}, {"bytes", measurement.bytes}, {"online", true}});
+  refitted.metadata()["fit"]["max_rel_error"] = fit.summary.max_rel_error;
+  refitted.metadata()["fit"]["mean_rel_error"] = fit.summary.mean_rel_error;
+  ++corrections_;
+  model_ = std::move(refitted);
+  return *model_;
+}
+
+const MemoryModel& PredictiveBatcher::raise_floor_bytes(double floor_bytes) {
+  if (!model_) throw std::logic_error("PredictiveBatcher: raise_floor_bytes before a model was set");
+  if (floor_bytes <= model_->floor_bytes()) return *model_;
+  MemoryModel raised(model_->formula(), model_->coefficients(), floor_bytes,
+                     model_->batch_size_variable(), options_.aggregation);
+  raised.metadata() = model_->metadata();
+  ++corrections_;
+  model_ = std::move(raised);
+  return *model_;
+}
 
 const MemoryModel& PredictiveBatcher::model() const {
   if (!model_) throw std::logic_error("PredictiveBatcher: no model yet; call probe_and_fit first");

@@ -8,6 +8,7 @@
 #include <iostream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <stdexcept>
 
@@ -15,6 +16,7 @@
 
 #include <torch/torch.h>
 
+#include "xpm/planner/memory_model_cache.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/planner_torch/probe_runner.hpp"
@@ -22,6 +24,7 @@
 #include "xpm/trainer/loss_trainer.hpp"
 #include "xpm/trainer/run_files.hpp"
 #include "xpm/trainer/tagging_batch.hpp"
+#include "xpm/trainer/tagging_task.hpp"
 
 namespace xpm {
 namespace {
@@ -55,16 +58,32 @@ double scheduled_learning_rate(const TaggingJobConfig& config, std::int64_t step
   return peak * (1.0 - 0.9 * progress);
 }
 
-// Back to a fresh AdamW (step 0, zero moments) without freeing the state, so the memory of
-// step 1 is the steady-state memory the probes measured.
-void reset_adamw_state(torch::optim::AdamW& optimizer) {
-  for (auto& entry : optimizer.state()) {
-    auto& state = static_cast<torch::optim::AdamWParamState&>(*entry.second);
-    state.step(0);
-    state.exp_avg().zero_();
-    state.exp_avg_sq().zero_();
-    if (state.max_exp_avg_sq().defined()) state.max_exp_avg_sq().zero_();
-  }
+// What the memory model depends on: a change of any field probes again (DESIGN.md section 3).
+nlohmann::json memory_model_identity(const TaggingJobConfig& config,
+                                     const PredictiveBatcherOptions& batcher_options,
+                                     const nlohmann::json& model_signature,
+                                     std::int64_t capacity_bytes) {
+  nlohmann::json probe_points = nlohmann::json::array();
+  for (const ProbePoint& point : batcher_options.probe_points) probe_points.push_back(point.values);
+  const CostFormula formula(batcher_options.formula, batcher_options.coefficient_names,
+                            batcher_options.variable_names);
+  return {{"xpm_memory_model_format", 1},
+          {"formula", formula.canonical()},
+          {"coefficient_names", formula.coefficient_names()},
+          {"variable_names", formula.variable_names()},
+          {"model_signature", model_signature},
+          {"model", {{"nhead", config.model.nhead}, {"dropout", config.model.dropout}}},
+          {"optimizer", {{"name", "adamw"}, {"weight_decay", config.weight_decay}}},
+          {"precision", "32-true"},
+          {"device", "cpu"},
+          {"world_size", 1},
+          {"torch_version", TORCH_VERSION},
+          {"capacity_bytes", capacity_bytes},
+          {"memory_fraction", batcher_options.budget.memory_fraction},
+          {"extra_overhead_bytes", batcher_options.budget.extra_overhead_bytes},
+          {"probe_points", probe_points},
+          {"variable_max", batcher_options.variable_max},
+          {"design_fractions", batcher_options.design_fractions}};
 }
 
 struct Accuracy {
@@ -122,6 +141,8 @@ void TaggingJobConfig::validate() const {
   require(packer == "adaptive" || packer == "uniform",
           "packer must be 'adaptive' or 'uniform', got '" + packer + "'");
   require(log_every >= 1, "log_every must be >= 1, got " + std::to_string(log_every));
+  require(underprediction_tolerance >= 0, "underprediction_tolerance must be >= 0, got " +
+                                             std::to_string(underprediction_tolerance));
   require(validate_every >= 0, "validate_every must be >= 0, got " + std::to_string(validate_every));
   require(variables.size() == 2 && variables[0] == "bs" && variables[1] == "l",
           "variables must be bs,l for the tagging task (batch size, padded length)");
@@ -163,12 +184,13 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"sort_by", sort_by},
           {"log_every", log_every},
           {"validate_every", validate_every},
-          {"max_validation_sentences", max_validation_sentences}};
+          {"max_validation_sentences", max_validation_sentences},
+          {"memory_model_cache", memory_model_cache},
+          {"underprediction_tolerance", underprediction_tolerance}};
 }
 
-nlohmann::json run_tagging_job(const TaggingJobConfig& input_config) {
-  input_config.validate();
-  TaggingJobConfig config = input_config;
+nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
+  config.validate();
   const auto job_start = Clock::now();
   const auto log = [&](const std::string& line) {
     if (!config.quiet) std::cout << line << std::endl;
@@ -178,43 +200,23 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& input_config) {
   torch::manual_seed(config.seed);
 
   // Data.
-  const BrownCorpus corpus = read_brown_corpus(config.data_dir);
-  CorpusSplit split = split_by_file(corpus, config.validation_every_files);
-  if (config.max_validation_sentences > 0 &&
-      split.validation.size() > static_cast<std::size_t>(config.max_validation_sentences)) {
-    split.validation.resize(static_cast<std::size_t>(config.max_validation_sentences));
-  }
-  const Vocabulary vocab = Vocabulary::build(split.train, config.vocab_size, config.min_word_count);
-  const TagSet tags = TagSet::build(split.train);
-  const std::vector<EncodedSentence> train = encode(split.train, vocab, tags);
-  const std::vector<EncodedSentence> validation = encode(split.validation, vocab, tags);
-  const double baseline_accuracy = most_frequent_tag_accuracy(split.train, split.validation);
-  std::size_t max_train_length = 0;
-  for (const auto& s : train) max_train_length = std::max(max_train_length, s.token_ids.size());
-  for (const auto& s : validation) max_train_length = std::max(max_train_length, s.token_ids.size());
-  config.model.vocab_size = static_cast<std::int64_t>(vocab.size());
-  config.model.num_tags = static_cast<std::int64_t>(tags.size());
-  config.model.max_length = std::max<std::int64_t>(config.model.max_length,
-                                                   static_cast<std::int64_t>(max_train_length));
-  log("xpm-train: " + std::to_string(corpus.files.size()) + " files, " +
+  const TaggingData data = load_tagging_data(config);
+  const std::vector<EncodedSentence>& train = data.train;
+  const std::vector<EncodedSentence>& validation = data.validation;
+  const double baseline_accuracy =
+      most_frequent_tag_accuracy(data.train_sentences, data.validation_sentences);
+  log("xpm-train: " + std::to_string(data.file_count) + " files, " +
       std::to_string(train.size()) + " train / " + std::to_string(validation.size()) +
-      " validation sentences, vocabulary " + std::to_string(vocab.size()) + ", " +
-      std::to_string(tags.size()) + " tags, longest sentence " +
-      std::to_string(max_train_length) + " tokens");
+      " validation sentences, vocabulary " + std::to_string(data.vocab.size()) + ", " +
+      std::to_string(data.tags.size()) + " tags, longest sentence " +
+      std::to_string(data.max_length) + " tokens");
 
   // Model, optimizer, static memory: everything from here is counted by the meter.
   CpuMemoryMeter& meter = CpuMemoryMeter::install();
   meter.set_capacity_bytes(0);
-  TransformerTagger model(config.model);
-  model->train();
-  torch::optim::AdamW optimizer(
-      model->parameters(),
-      torch::optim::AdamWOptions(config.learning_rate).weight_decay(config.weight_decay));
-  for (auto& parameter : model->parameters()) {
-    parameter.mutable_grad() = torch::zeros_like(parameter);  // gradients stay allocated
-  }
-  set_learning_rate(optimizer, 0.0);
-  optimizer.step();  // allocates the AdamW state; lr 0 leaves the parameters unchanged
+  TaggingModelSetup setup(config, data);
+  TransformerTagger& model = setup.model();
+  torch::optim::AdamW& optimizer = setup.optimizer();
   const std::int64_t static_bytes = meter.current_allocated_bytes();
 
   std::int64_t capacity_bytes = config.memory_cap_bytes;
@@ -227,7 +229,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& input_config) {
   log("xpm-train: static memory " + std::to_string(static_bytes) + " bytes, capacity " +
       std::to_string(capacity_bytes) + " bytes" + (capped ? " (CPU cap)" : " (physical memory)"));
 
-  // Probe and fit (rank 0, before any wrapping).
+  // Probe and fit (rank 0, before any wrapping), unless the cache has this setup's model.
   PredictiveBatcherOptions batcher_options;
   batcher_options.formula = config.formula;
   batcher_options.coefficient_names = config.coefficients;
@@ -236,7 +238,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& input_config) {
   batcher_options.aggregation = {{"l", DimAggregation::kMax}};
   batcher_options.probe_points = config.probe_points;
   batcher_options.variable_max = {{"bs", static_cast<double>(config.outer_batch_size)},
-                                  {"l", static_cast<double>(max_train_length)}};
+                                  {"l", static_cast<double>(data.max_length)}};
   batcher_options.budget = {capacity_bytes, config.memory_fraction, config.extra_overhead_bytes};
   std::shared_ptr<const MicrobatchPacker> packer;
   if (config.packer == "uniform") {
@@ -247,39 +249,45 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& input_config) {
   PredictiveBatcher batcher(batcher_options, packer);
   const std::size_t l_index = 1;
 
-  TorchProbeSteps steps;
-  steps.forward_backward = [&](const std::vector<double>& dims) {
-    const TaggingBatch batch = synthetic_batch(static_cast<std::int64_t>(dims[0]),
-                                               static_cast<std::int64_t>(dims[1]),
-                                               config.model.vocab_size, config.model.num_tags);
-    torch::Tensor loss = token_cross_entropy_sum(model->forward(batch.token_ids, batch.padding_mask),
-                                                 batch.tag_ids) /
-                         static_cast<double>(batch.real_tokens);
-    loss.backward();
-  };
-  steps.optimizer_step = [&] { optimizer.step(); };
-  steps.zero_grad = [&] { optimizer.zero_grad(); };
-  TorchProbeExecutor executor(steps, meter);
-  const auto probe_start = Clock::now();
-  const MemoryModel& memory_model = batcher.probe_and_fit(executor);
-  const double probe_s = seconds_since(probe_start);
-  reset_adamw_state(optimizer);     // probes fed synthetic gradients into the AdamW moments
-  torch::manual_seed(config.seed);  // training does not depend on how many probes ran
-  std::int64_t infeasible_probes = 0;
-  for (const ProbeResult& probe : batcher.probes()) infeasible_probes += probe.feasible ? 0 : 1;
-  log("xpm-train: " + std::to_string(batcher.probes().size()) + " probes (" +
-      std::to_string(infeasible_probes) + " out of memory) in " + std::to_string(probe_s) +
-      " s; " + batcher.fit_summary().brief_report());
-  log("xpm-train: memory model " + memory_model.formula().canonical() + ", floor " +
-      std::to_string(static_cast<std::int64_t>(memory_model.floor_bytes())) + " bytes");
-
-  MemoryModel saved_model = memory_model;
-  saved_model.metadata()["device"] = "cpu";
-  saved_model.metadata()["capacity_bytes"] = capacity_bytes;
-  saved_model.metadata()["precision"] = "32-true";
-  saved_model.metadata()["optimizer"] = "adamw";
-  saved_model.metadata()["torch_version"] = TORCH_VERSION;
-  saved_model.save(config.run_dir + "/memory_model.json");
+  const nlohmann::json identity =
+      memory_model_identity(config, batcher_options, setup.signature(), capacity_bytes);
+  std::optional<MemoryModelCache> cache;
+  if (!config.memory_model_cache.empty()) cache.emplace(config.memory_model_cache);
+  std::string cache_warning;
+  std::optional<MemoryModel> cached = cache ? cache->lookup(identity, &cache_warning) : std::nullopt;
+  if (!cache_warning.empty()) log("xpm-train: warning: " + cache_warning);
+  double probe_s = 0;
+  std::int64_t infeasible_probes = 0, probes_run = 0;
+  if (cached) {
+    batcher.set_model(*cached);
+    log("xpm-train: memory model from the cache (" + cache->path_for(identity) + "), no probing");
+  } else {
+    TorchProbeExecutor executor(setup.probe_steps(), meter);
+    const auto probe_start = Clock::now();
+    batcher.probe_and_fit(executor);
+    probe_s = seconds_since(probe_start);
+    setup.reset_optimizer_state();    // probes fed synthetic gradients into the AdamW moments
+    probes_run = static_cast<std::int64_t>(batcher.probes().size());
+    for (const ProbeResult& probe : batcher.probes()) infeasible_probes += probe.feasible ? 0 : 1;
+    log("xpm-train: " + std::to_string(probes_run) + " probes (" +
+        std::to_string(infeasible_probes) + " out of memory) in " + std::to_string(probe_s) +
+        " s; " + batcher.fit_summary().brief_report());
+    MemoryModel fitted = batcher.model();
+    fitted.metadata()["device"] = "cpu";
+    fitted.metadata()["capacity_bytes"] = capacity_bytes;
+    fitted.metadata()["precision"] = "32-true";
+    fitted.metadata()["optimizer"] = "adamw";
+    fitted.metadata()["torch_version"] = TORCH_VERSION;
+    fitted.metadata()["model_signature"] = setup.signature();
+    batcher.set_model(fitted);
+    if (cache) cache->store(identity, fitted);
+  }
+  torch::manual_seed(config.seed);  // training is the same whether probed or cached
+  const double initial_fit_max_rel_error =
+      batcher.model().metadata().value("fit", nlohmann::json::object()).value("max_rel_error", 0.0);
+  log("xpm-train: memory model " + batcher.model().formula().canonical() + ", floor " +
+      std::to_string(static_cast<std::int64_t>(batcher.model().floor_bytes())) + " bytes");
+  batcher.model().save(config.run_dir + "/memory_model.json");
   write_file_atomically(config.run_dir + "/config.json", config.to_json().dump(2) + "\n");
 
   // Train.
@@ -296,6 +304,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& input_config) {
   std::mt19937_64 sampler(config.seed);
   std::vector<std::size_t> order(train.size());
   std::int64_t step = 0, ooms = 0, total_microbatches = 0, skipped_records = 0;
+  std::int64_t underpredictions = 0;
   std::int64_t peak_allocated_bytes = 0;
   double train_time_s = 0, real_tokens = 0, max_prediction_error = 0, last_loss = 0;
   nlohmann::json validations = nlohmann::json::array();
@@ -331,6 +340,29 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& input_config) {
           });
       ++step;
       ooms += result.oom ? 1 : 0;
+      // Online correction: a microbatch (or the optimizer step) that needed more than predicted
+      // joins the fit data (or raises the floor), so later plans take it into account.
+      std::int64_t step_underpredictions = 0;
+      for (const MicrobatchPeak& peak : result.microbatch_peaks) {
+        if (peak.forward_backward_peak_bytes >
+            (1 + config.underprediction_tolerance) * peak.predicted_bytes) {
+          ++step_underpredictions;
+          batcher.add_measurement({peak.dims, peak.forward_backward_peak_bytes});
+          log("xpm-train: underprediction at step " + std::to_string(step) + ": measured " +
+              std::to_string(static_cast<std::int64_t>(peak.forward_backward_peak_bytes)) +
+              " bytes, predicted " + std::to_string(static_cast<std::int64_t>(peak.predicted_bytes)) +
+              " at bs=" + std::to_string(peak.dims[0]) + " l=" + std::to_string(peak.dims[1]) +
+              "; refitted");
+        }
+      }
+      if (result.optimizer_step_peak_bytes >
+          (1 + config.underprediction_tolerance) * batcher.model().floor_bytes()) {
+        ++step_underpredictions;
+        batcher.raise_floor_bytes(result.optimizer_step_peak_bytes);
+        log("xpm-train: optimizer step at step " + std::to_string(step) + " peaked above the floor; "
+            "floor raised to " + std::to_string(static_cast<std::int64_t>(result.optimizer_step_peak_bytes)));
+      }
+      underpredictions += step_underpredictions;
       total_microbatches += result.microbatches;
       skipped_records += result.skipped_records;
       peak_allocated_bytes = std::max(peak_allocated_bytes, result.peak_allocated_bytes);
@@ -354,6 +386,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& input_config) {
                              {"peak_allocated_bytes", result.peak_allocated_bytes},
                              {"predicted_peak_bytes", result.max_predicted_bytes},
                              {"prediction_rel_error", prediction_error},
+                             {"underpredictions", step_underpredictions},
                              {"capacity_bytes", capacity_bytes},
                              {"duration_s", result.duration_s},
                              {"tokens_per_s", step_tokens / std::max(1e-9, result.duration_s)}};
@@ -405,16 +438,19 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& input_config) {
       {"microbatches", total_microbatches},
       {"skipped_records", skipped_records},
       {"final_loss", last_loss},
-      {"probes", batcher.probes().size()},
+      {"probes", probes_run},
+      {"memory_model_from_cache", cached.has_value()},
+      {"underpredictions", underpredictions},
+      {"online_corrections", batcher.corrections()},
       {"infeasible_probes", infeasible_probes},
       {"probe_s", probe_s},
-      {"fit_max_rel_error", batcher.fit_summary().max_rel_error},
+      {"fit_max_rel_error", initial_fit_max_rel_error},
       {"max_step_prediction_rel_error", max_prediction_error},
       {"train_s", train_time_s},
       {"validation_s", validation_s},
       {"total_s", seconds_since(job_start)},
       {"validations", validations},
-      {"canonical_formula", memory_model.formula().canonical()}};
+      {"canonical_formula", batcher.model().formula().canonical()}};
   write_file_atomically(config.run_dir + "/summary.json", summary.dump(2) + "\n");
   return summary;
 }

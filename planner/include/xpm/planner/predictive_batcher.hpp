@@ -14,6 +14,7 @@
 // prediction is max(floor, formula) (DESIGN.md section 3).
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
@@ -57,8 +58,22 @@ class PredictiveBatcher {
   /// coefficients remain, or when the budget is below the static bytes.
   const MemoryModel& probe_and_fit(ProbeExecutor& executor);
 
-  /// Uses a model fitted elsewhere (cache, broadcast from rank 0).
+  /// Uses a model fitted elsewhere (cache, broadcast from rank 0). Its metadata's
+  /// "fit_measurements" (written by probe_and_fit) seed later online corrections.
   void set_model(MemoryModel model);
+
+  /// Online correction: adds a measured forward/backward peak at `dims` to the fit data and
+  /// refits the coefficients (floor kept). Call with the same measurement on every rank (under
+  /// DDP the measurement must be agreed first, e.g. all-reduced), so plans stay identical.
+  /// With fewer fit measurements than coefficients (a model set without its fit data) it raises
+  /// the floor to the measured bytes instead. Returns the new model. Throws std::logic_error
+  /// without a model.
+  const MemoryModel& add_measurement(const Measurement& measurement);
+  /// Online correction of the floor: sets it to max(floor, floor_bytes) (a measured
+  /// optimizer-step peak above it). Same rule as add_measurement for ranks.
+  const MemoryModel& raise_floor_bytes(double floor_bytes);
+  /// Number of add_measurement() / raise_floor_bytes() calls since the model was set.
+  std::int64_t corrections() const { return corrections_; }
   bool has_model() const { return model_.has_value(); }
   /// Throws std::logic_error before probe_and_fit() or set_model().
   const MemoryModel& model() const;
@@ -79,6 +94,8 @@ class PredictiveBatcher {
   std::optional<MemoryModel> model_;
   FitSummary fit_summary_;
   std::vector<ProbeResult> probes_;
+  std::vector<Measurement> fit_measurements_;  // what the current coefficients were fitted to
+  std::int64_t corrections_ = 0;
 };
 
 }  // namespace xpm

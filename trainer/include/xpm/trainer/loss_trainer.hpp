@@ -27,6 +27,13 @@ namespace xpm {
 /// Returns the SUM of per-unit losses over the given records (a scalar tensor requiring grad).
 using MicrobatchLossFn = std::function<torch::Tensor(const std::vector<std::size_t>& records)>;
 
+/// What one microbatch was predicted to need and what its forward/backward measured.
+struct MicrobatchPeak {
+  std::vector<double> dims;                // aggregated dims of the microbatch
+  double predicted_bytes = 0;              // model.predict_bytes(dims) when planned
+  double forward_backward_peak_bytes = 0;  // measured peak allocated bytes
+};
+
 struct StepResult {
   double loss = 0;                   // mean loss per unit over the outer batch (executed records)
   double units = 0;                  // units (e.g. real tokens) in the executed records
@@ -35,6 +42,8 @@ struct StepResult {
   bool oom = false;                  // the step ran out of memory and was skipped
   std::int64_t peak_allocated_bytes = 0;  // meter peak during the step (0 without a meter)
   double max_predicted_bytes = 0;    // largest predicted microbatch peak in the plan
+  std::vector<MicrobatchPeak> microbatch_peaks;  // one per microbatch run (with a meter)
+  double optimizer_step_peak_bytes = 0;  // measured peak of the optimizer step (with a meter)
   double duration_s = 0;             // wall time of the step
 };
 
@@ -60,6 +69,7 @@ class LossTrainer {
   torch::optim::Optimizer& optimizer_;
   const PredictiveBatcher& batcher_;
   MemoryMeter* meter_;
+  std::int64_t step_peak_bytes_ = 0;  // running maximum of the meter's peak within a step
 };
 
 }  // namespace xpm

@@ -9,9 +9,12 @@
 //
 // Order of work (single process): read and split the corpus; build vocabulary, tag set, model
 // and AdamW; allocate gradients and optimizer state (the static memory); set the CPU memory cap;
-// probe full training steps with a learning rate of 0 (parameters unchanged, optimizer state
-// cleared afterwards, RNG re-seeded), fit the cost formula, save memory_model.json; train with
-// the predictive batcher, exact gradient accumulation and a linear-warmup, linear-decay LR;
+// look the memory model up in the cache (keyed by formula, model signature, optimizer,
+// precision, device, capacity, budget and probe design); on a miss, probe full training steps
+// with a learning rate of 0 (parameters unchanged, optimizer state reset afterwards, RNG
+// re-seeded), fit the cost formula and store it; save memory_model.json; train with the
+// predictive batcher, exact gradient accumulation and a linear-warmup, linear-decay LR,
+// correcting the model online when a microbatch's measured peak exceeds its prediction;
 // validate; write summary.json.
 //
 // Run folder: config.json (resolved config), memory_model.json, metrics.jsonl (one JSON object
@@ -58,6 +61,8 @@ struct TaggingJobConfig {
   std::int64_t log_every = 10;                // progress line every N steps
   std::int64_t validate_every = 0;            // validation every N steps (0: at the end only)
   std::int64_t max_validation_sentences = 0;  // 0: the whole validation split
+  std::string memory_model_cache = ".cache/xpm/memory-models";  // "" disables the cache
+  double underprediction_tolerance = 0.005;   // online correction when measured > (1+tol) x predicted
   bool quiet = false;                         // no progress lines
 
   /// Throws std::invalid_argument naming the field and its value.

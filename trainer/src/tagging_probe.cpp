@@ -1,0 +1,43 @@
+#include "xpm/trainer/tagging_probe.hpp"
+
+#include <stdexcept>
+#include <string>
+
+#include "xpm/planner_torch/cpu_memory_meter.hpp"
+#include "xpm/trainer/tagging_task.hpp"
+
+namespace xpm {
+
+TaggingProbeReport probe_tagging_task(const TaggingJobConfig& config,
+                                      const std::vector<std::vector<double>>& dims_list) {
+  config.validate();
+  torch::set_num_threads(config.threads);
+  torch::manual_seed(config.seed);
+  const TaggingData data = load_tagging_data(config);
+  CpuMemoryMeter& meter = CpuMemoryMeter::install();
+  meter.set_capacity_bytes(0);
+  TaggingModelSetup setup(config, data);
+  for (std::size_t i = 0; i < dims_list.size(); ++i) {
+    const auto& dims = dims_list[i];
+    if (dims.size() != 2 || dims[0] < 1 || dims[1] < 1 ||
+        dims[1] > static_cast<double>(setup.model_options().max_length)) {
+      throw std::invalid_argument(
+          "probe point " + std::to_string(i) + " must be {bs >= 1, 1 <= l <= " +
+          std::to_string(setup.model_options().max_length) + "}");
+    }
+  }
+  TaggingProbeReport report;
+  report.static_bytes = meter.current_allocated_bytes();
+  report.max_length = static_cast<std::int64_t>(data.max_length);
+  report.capacity_bytes = config.memory_cap_bytes;
+  if (report.capacity_bytes == 0 && config.memory_cap_factor > 0) {
+    report.capacity_bytes =
+        static_cast<std::int64_t>(config.memory_cap_factor * static_cast<double>(report.static_bytes));
+  }
+  ScopedMemoryCap cap(report.capacity_bytes);
+  TorchProbeExecutor executor(setup.probe_steps(), meter);
+  for (const auto& dims : dims_list) report.probes.push_back(executor.run_probe(dims));
+  return report;
+}
+
+}  // namespace xpm

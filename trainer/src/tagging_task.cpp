@@ -1,0 +1,94 @@
+#include "xpm/trainer/tagging_task.hpp"
+
+#include <algorithm>
+
+#include "xpm/trainer/tagging_batch.hpp"
+
+namespace xpm {
+
+TaggingData load_tagging_data(const TaggingJobConfig& config) {
+  const BrownCorpus corpus = read_brown_corpus(config.data_dir);
+  CorpusSplit split = split_by_file(corpus, config.validation_every_files);
+  if (config.max_validation_sentences > 0 &&
+      split.validation.size() > static_cast<std::size_t>(config.max_validation_sentences)) {
+    split.validation.resize(static_cast<std::size_t>(config.max_validation_sentences));
+  }
+  TaggingData data;
+  data.file_count = corpus.files.size();
+  data.vocab = Vocabulary::build(split.train, config.vocab_size, config.min_word_count);
+  data.tags = TagSet::build(split.train);
+  data.train = encode(split.train, data.vocab, data.tags);
+  data.validation = encode(split.validation, data.vocab, data.tags);
+  data.train_sentences = std::move(split.train);
+  data.validation_sentences = std::move(split.validation);
+  for (const auto* set : {&data.train, &data.validation}) {
+    for (const auto& s : *set) data.max_length = std::max(data.max_length, s.token_ids.size());
+  }
+  return data;
+}
+
+TransformerTaggerOptions model_options_for(const TaggingJobConfig& config, const TaggingData& data) {
+  TransformerTaggerOptions options = config.model;
+  options.vocab_size = static_cast<std::int64_t>(data.vocab.size());
+  options.num_tags = static_cast<std::int64_t>(data.tags.size());
+  options.max_length =
+      std::max<std::int64_t>(options.max_length, static_cast<std::int64_t>(data.max_length));
+  return options;
+}
+
+TaggingModelSetup::TaggingModelSetup(const TaggingJobConfig& config, const TaggingData& data)
+    : options_(model_options_for(config, data)), model_(options_) {
+  model_->train();
+  optimizer_ = std::make_unique<torch::optim::AdamW>(
+      model_->parameters(),
+      torch::optim::AdamWOptions(config.learning_rate).weight_decay(config.weight_decay));
+  for (auto& parameter : model_->parameters()) {
+    parameter.mutable_grad() = torch::zeros_like(parameter);  // gradients stay allocated
+  }
+  set_learning_rate(0.0);
+  optimizer_->step();  // allocates the AdamW state; lr 0 leaves the parameters unchanged
+  reset_optimizer_state();
+}
+
+void TaggingModelSetup::set_learning_rate(double lr) {
+  for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
+}
+
+void TaggingModelSetup::reset_optimizer_state() {
+  for (auto& entry : optimizer_->state()) {
+    auto& state = static_cast<torch::optim::AdamWParamState&>(*entry.second);
+    state.step(0);
+    state.exp_avg().zero_();
+    state.exp_avg_sq().zero_();
+    if (state.max_exp_avg_sq().defined()) state.max_exp_avg_sq().zero_();
+  }
+}
+
+TorchProbeSteps TaggingModelSetup::probe_steps() {
+  TorchProbeSteps steps;
+  steps.forward_backward = [this](const std::vector<double>& dims) {
+    const TaggingBatch batch =
+        synthetic_batch(static_cast<std::int64_t>(dims.at(0)), static_cast<std::int64_t>(dims.at(1)),
+                        options_.vocab_size, options_.num_tags);
+    torch::Tensor loss =
+        token_cross_entropy_sum(model_->forward(batch.token_ids, batch.padding_mask),
+                                batch.tag_ids) /
+        static_cast<double>(batch.real_tokens);
+    loss.backward();
+  };
+  steps.optimizer_step = [this] { optimizer_->step(); };
+  steps.zero_grad = [this] { optimizer_->zero_grad(); };
+  return steps;
+}
+
+nlohmann::json TaggingModelSetup::signature() const {
+  nlohmann::json parameters = nlohmann::json::array();
+  for (const auto& item : model_->named_parameters()) {
+    parameters.push_back({{"name", item.key()},
+                          {"shape", item.value().sizes().vec()},
+                          {"dtype", std::string(c10::toString(item.value().scalar_type()))}});
+  }
+  return parameters;
+}
+
+}  // namespace xpm
