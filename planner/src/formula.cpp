@@ -4,6 +4,8 @@
 
 #include <muparserx/mpParser.h>
 
+#include <cstdint>
+#include <cstdio>
 #include <set>
 #include <stdexcept>
 #include <utility>
@@ -30,6 +32,35 @@ std::string join(const std::vector<std::string>& names) {
   return out.empty() ? "none" : out;
 }
 
+// The formula on one line (whitespace shown as blanks) and a caret under byte `position`,
+// both indented by two blanks. Long formulas are cut to a window around the position. The
+// caret counts UTF-8 characters, not bytes, so it sits under the right character.
+std::string caret_lines(const std::string& text, std::size_t position) {
+  constexpr std::size_t kWindow = 100;
+  const auto is_continuation = [&text](std::size_t i) {
+    return i < text.size() && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80;
+  };
+  position = std::min(position, text.size());
+  std::size_t begin = 0;
+  std::size_t end = text.size();
+  if (text.size() > kWindow) {
+    begin = position > kWindow / 2 ? position - kWindow / 2 : 0;
+    end = std::min(text.size(), begin + kWindow);
+    while (begin > 0 && is_continuation(begin)) --begin;
+    while (end < text.size() && is_continuation(end)) ++end;
+  }
+  std::string line = begin > 0 ? "..." : "";
+  std::size_t caret = line.size();
+  for (std::size_t i = begin; i < end; ++i) {
+    const char c = text[i];
+    const bool blank = c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+    line += blank ? ' ' : c;
+    if (i < position && !is_continuation(i)) ++caret;
+  }
+  if (end < text.size()) line += "...";
+  return "\n  " + line + "\n  " + std::string(caret, ' ') + "^";
+}
+
 bool is_identifier(const std::string& name) {
   if (name.empty()) return false;
   for (std::size_t i = 0; i < name.size(); ++i) {
@@ -49,6 +80,10 @@ void check_names(const std::vector<std::string>& coefficient_names,
       throw std::invalid_argument(std::string("xpm: ") + kind + " name '" + name +
                                   "' is not an identifier ([A-Za-z_][A-Za-z0-9_]*)");
     }
+    if (name == "max") {
+      throw std::invalid_argument(std::string("xpm: ") + kind +
+                                  " name 'max' is reserved for the max(...) function");
+    }
     if (!seen.insert(name).second) {
       throw std::invalid_argument(std::string("xpm: ") + kind + " name '" + name +
                                   "' is declared twice (names must be unique across "
@@ -65,6 +100,21 @@ double integer_power(double base, int exponent) {
   return out;
 }
 
+// 64-bit FNV-1a (offset basis 14695981039346656037, prime 1099511628211).
+std::uint64_t fnv1a_64(const std::string& bytes) {
+  std::uint64_t hash = 14695981039346656037ull;
+  for (const char c : bytes) {
+    hash ^= static_cast<unsigned char>(c);
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+std::vector<std::string> sorted(std::vector<std::string> names) {
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 double term_value(const Monomial& m, const std::vector<double>& dims) {
   double value = m.factor;
   for (std::size_t v = 0; v < dims.size(); ++v) value *= integer_power(dims[v], m.powers[v]);
@@ -73,20 +123,74 @@ double term_value(const Monomial& m, const std::vector<double>& dims) {
 
 }  // namespace
 
-FormulaError::FormulaError(const std::string& message, std::size_t position, std::string symbol)
-    : std::invalid_argument(describe(message, position, symbol)),
+FormulaError::FormulaError(const std::string& message, std::size_t position, std::string symbol,
+                           std::string formula_text)
+    : std::invalid_argument(describe(message, position, symbol) +
+                            (formula_text.empty() || position == std::string::npos
+                                 ? std::string()
+                                 : caret_lines(formula_text, position))),
       position_(position),
-      symbol_(std::move(symbol)) {}
+      symbol_(std::move(symbol)),
+      message_(message),
+      brief_(describe(message, position, symbol_)),
+      formula_text_(std::move(formula_text)) {}
 
 CostFormula::CostFormula(const std::string& text, std::vector<std::string> coefficient_names,
-                         std::vector<std::string> variable_names)
+                         std::vector<std::string> variable_names, CostFormulaOptions options)
     : text_(text),
       coefficient_names_(std::move(coefficient_names)),
-      variable_names_(std::move(variable_names)) {
+      variable_names_(std::move(variable_names)),
+      options_(options) {
   check_names(coefficient_names_, variable_names_);
-  const formula_ast::Node root = formula_ast::parse(text_);
-  monomials_ = formula_ast::expand(root, text_, coefficient_names_, variable_names_);
-  canonical_ = formula_ast::print(monomials_, coefficient_names_, variable_names_);
+  try {
+    const formula_ast::Node root = formula_ast::parse(text_);
+    expression_ = formula_ast::expand(root, text_, coefficient_names_, variable_names_,
+                                      options_.allow_nonlinear);
+  } catch (const FormulaError& e) {
+    if (!e.formula_text().empty()) throw;
+    throw FormulaError(e.message(), e.position(), e.symbol(), text_);
+  }
+  canonical_ = formula_ast::print(expression_->terms, coefficient_names_, variable_names_);
+  linear_ = expression_->linear;
+  if (linear_) {
+    monomials_.reserve(expression_->terms.size());
+    for (const formula_ast::Term& t : expression_->terms) {
+      Monomial m;
+      m.factor = t.factor;
+      for (std::size_t k = 0; k < t.coefficient_powers.size(); ++k) {
+        if (t.coefficient_powers[k] != 0) m.coefficient = static_cast<int>(k);
+      }
+      m.powers = t.variable_powers;
+      monomials_.push_back(std::move(m));
+    }
+  }
+}
+
+std::string CostFormula::identity_hash() const {
+  std::string key = "xpm-cost-formula-v1\ncanonical=" + canonical_ + "\ncoefficients=";
+  for (const std::string& name : sorted(coefficient_names_)) key += name + ",";
+  key += "\nvariables=";
+  for (const std::string& name : sorted(variable_names_)) key += name + ",";
+  key += linear_ ? "\nmode=linear" : "\nmode=nonlinear";
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a_64(key)));
+  return hex;
+}
+
+namespace {
+
+[[noreturn]] void throw_not_linear(const std::string& canonical, const char* what) {
+  throw std::logic_error("xpm: " + std::string(what) + " needs a formula linear in its " +
+                         "coefficients, and '" + canonical + "' is not (it has max(...) or a " +
+                         "term non-linear in a coefficient); fit it with the non-linear fit, " +
+                         "evaluate it with predict()");
+}
+
+}  // namespace
+
+const std::vector<Monomial>& CostFormula::monomials() const {
+  if (!linear_) throw_not_linear(canonical_, "monomials()");
+  return monomials_;
 }
 
 std::size_t CostFormula::variable_index(const std::string& name) const {
@@ -122,6 +226,7 @@ void check_coefficients(const std::vector<double>& coefficients,
 }  // namespace
 
 std::vector<double> CostFormula::basis(const std::vector<double>& dims) const {
+  if (!linear_) throw_not_linear(canonical_, "basis()");
   check_dims(dims, variable_names_, canonical_);
   std::vector<double> out(coefficient_names_.size(), 0.0);
   for (const Monomial& m : monomials_) {
@@ -131,6 +236,7 @@ std::vector<double> CostFormula::basis(const std::vector<double>& dims) const {
 }
 
 double CostFormula::offset(const std::vector<double>& dims) const {
+  if (!linear_) throw_not_linear(canonical_, "offset()");
   check_dims(dims, variable_names_, canonical_);
   double out = 0.0;
   for (const Monomial& m : monomials_) {
@@ -143,6 +249,7 @@ double CostFormula::predict(const std::vector<double>& coefficients,
                             const std::vector<double>& dims) const {
   check_coefficients(coefficients, coefficient_names_, canonical_);
   check_dims(dims, variable_names_, canonical_);
+  if (!linear_) return formula_ast::value(expression_->terms, coefficients, dims);
   double out = 0.0;
   for (const Monomial& m : monomials_) {
     const double scale =
@@ -158,7 +265,8 @@ double CostFormula::evaluate(const std::vector<double>& coefficients,
   check_dims(dims, variable_names_, canonical_);
 
   // The canonical string with each declared name replaced by a private alias (_c0.., _v0..),
-  // so names that muparserx reserves (e, pi, sin, true, ...) still evaluate as ours.
+  // so names that muparserx reserves (e, pi, sin, true, ...) still evaluate as ours. `max` is
+  // muparserx's own max(...) (package pckCOMMON), which takes any number of arguments.
   std::string expression;
   std::size_t copied = 0;
   for (const formula_ast::Token& token : formula_ast::tokenize(canonical_)) {
@@ -178,6 +286,7 @@ double CostFormula::evaluate(const std::vector<double>& coefficients,
         found = true;
       }
     }
+    if (!found) expression += token.text;  // max
   }
   expression += canonical_.substr(copied);
 

@@ -1,6 +1,7 @@
 // fit_test.cpp — fit_coefficients: recovery, bounds, input validation, reports.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -11,6 +12,7 @@
 using xpm::CostFormula;
 using xpm::FitOptions;
 using xpm::FitResult;
+using xpm::IdentifiabilityError;
 using xpm::Measurement;
 
 namespace {
@@ -151,4 +153,282 @@ TEST_CASE("brief report says whether the fit converged and gives the errors") {
   CHECK(report.find("16 points") != std::string::npos);
   CHECK(report.find("max relative error") != std::string::npos);
   CHECK(report.find('\n') == std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Non-linear fit, identifiability, robust loss, leave-one-out, usable (issue 3).
+
+namespace {
+
+xpm::CostFormulaOptions nonlinear() {
+  xpm::CostFormulaOptions options;
+  options.allow_nonlinear = true;
+  return options;
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+bool any_reason_contains(const xpm::FitSummary& s, const std::string& needle) {
+  return std::any_of(s.reasons.begin(), s.reasons.end(),
+                     [&](const std::string& r) { return contains(r, needle); });
+}
+
+IdentifiabilityError identifiability_error(const CostFormula& f,
+                                           const std::vector<Measurement>& m) {
+  try {
+    xpm::fit_coefficients(f, m);
+  } catch (const IdentifiabilityError& e) {
+    return e;
+  }
+  throw std::logic_error("expected an IdentifiabilityError");
+}
+
+}  // namespace
+
+TEST_CASE("non-linear fit recovers a known exponent") {
+  const CostFormula f("a*bs*l^p + c", {"a", "c", "p"}, {"bs", "l"}, nonlinear());
+  REQUIRE_FALSE(f.is_linear());
+  const double a = 3.0, c = 1e6, p = 1.7;
+  std::vector<Measurement> m;
+  for (double bs : {1.0, 2.0, 4.0, 8.0}) {
+    for (double l : {16.0, 64.0, 128.0, 256.0}) m.push_back({{bs, l}, a * bs * std::pow(l, p) + c});
+  }
+  const FitResult r = xpm::fit_coefficients(f, m);
+  CHECK(r.coefficients[2] == doctest::Approx(p).epsilon(1e-4));
+  CHECK(std::abs(r.coefficients[2] - p) < 1e-4);
+  CHECK(r.coefficients[0] == doctest::Approx(a).epsilon(1e-3));
+  CHECK(r.coefficients[1] == doctest::Approx(c).epsilon(1e-3));
+  CHECK_FALSE(r.summary.linear);
+  CHECK(r.summary.converged);
+  CHECK(r.summary.max_rel_error < 1e-6);
+  CHECK(r.summary.usable);
+  CHECK(contains(r.summary.brief_report(), "non-linear least squares"));
+}
+
+TEST_CASE("non-linear fit starts from the given initial values") {
+  const CostFormula f("a*bs*l^p + c", {"a", "c", "p"}, {"bs", "l"}, nonlinear());
+  std::vector<Measurement> m;
+  for (double bs : {1.0, 4.0, 16.0}) {
+    for (double l : {8.0, 32.0, 128.0, 512.0}) m.push_back({{bs, l}, 50.0 * bs * std::pow(l, 1.25) + 3e8});
+  }
+  FitOptions options;
+  options.initial_values = {{"a", 10.0}, {"c", 1e8}, {"p", 1.0}};
+  const FitResult r = xpm::fit_coefficients(f, m, options);
+  CHECK(r.coefficients[2] == doctest::Approx(1.25).epsilon(1e-6));
+  CHECK(r.coefficients[0] == doctest::Approx(50.0).epsilon(1e-5));
+  CHECK(r.coefficients[1] == doctest::Approx(3e8).epsilon(1e-6));
+  CHECK(r.summary.usable);
+}
+
+TEST_CASE("fit of a formula with max recovers the floor and the growing term") {
+  // Peak = max(floor, activations): probes on both sides of the floor.
+  const CostFormula f("max(c, a*bs*l^2 + b*bs*l)", {"a", "b", "c"}, {"bs", "l"});
+  REQUIRE_FALSE(f.is_linear());
+  const double a = 2.0, b = 500.0, c = 4e6;
+  std::vector<Measurement> m;
+  for (double bs : {1.0, 4.0, 16.0, 64.0}) {
+    for (double l : {16.0, 128.0, 512.0}) {
+      m.push_back({{bs, l}, std::max(c, a * bs * l * l + b * bs * l)});
+    }
+  }
+  FitOptions options;
+  options.initial_values = {{"a", 1.0}, {"b", 100.0}, {"c", 1e6}};
+  const FitResult r = xpm::fit_coefficients(f, m, options);
+  CHECK(r.coefficients[0] == doctest::Approx(a).epsilon(1e-4));
+  CHECK(r.coefficients[1] == doctest::Approx(b).epsilon(1e-3));
+  CHECK(r.coefficients[2] == doctest::Approx(c).epsilon(1e-6));
+  CHECK(r.summary.max_rel_error < 1e-6);
+}
+
+TEST_CASE("identifiability error names the coefficients when every probe has one l") {
+  std::vector<Measurement> m;
+  for (double bs : {1.0, 2.0, 4.0, 8.0, 16.0}) m.push_back({{bs, 64.0}, 1000.0 * bs + 5e6});
+  const IdentifiabilityError e = identifiability_error(quadratic(), m);
+  CHECK(e.coefficients() == std::vector<std::string>{"a", "b"});
+  CHECK(e.dependent() == "b");
+  const std::string what = e.what();
+  CHECK_MESSAGE(contains(what, "coefficients a and b cannot be separated by the probe shapes"),
+                what);
+  CHECK_MESSAGE(contains(what, "every probe has l = 64"), what);
+  const std::invalid_argument& base = e;  // an IdentifiabilityError is an invalid_argument
+  CHECK(contains(base.what(), "'b'"));
+}
+
+TEST_CASE("identifiability error names a coefficient whose term moves with another's") {
+  // bs == l at every probe: a*bs and b*l cannot be told apart, though neither dim is constant.
+  const CostFormula f("a*bs + b*l + c", {"a", "b", "c"}, {"bs", "l"});
+  std::vector<Measurement> m;
+  for (double x : {1.0, 2.0, 3.0, 5.0}) m.push_back({{x, x}, 7.0 * x + 100.0});
+  const IdentifiabilityError e = identifiability_error(f, m);
+  CHECK(e.dependent() == "b");
+  CHECK(e.coefficients() == std::vector<std::string>{"a", "b"});
+  CHECK(contains(e.what(), "linearly dependent"));
+}
+
+TEST_CASE("identifiability error names every coefficient when every dim is fixed") {
+  std::vector<Measurement> m(4, Measurement{{4.0, 64.0}, 1e6});
+  const IdentifiabilityError e = identifiability_error(quadratic(), m);
+  CHECK(e.coefficients() == std::vector<std::string>{"a", "b"});
+  CHECK(contains(e.what(), "every probe has bs = 4 and l = 64"));
+}
+
+TEST_CASE("robust loss downweights one outlier") {
+  const double a = 3.5, b = 1200.0, c = 2.0e8;
+  std::vector<Measurement> m = exact_grid(a, b, c);
+  m[13].bytes *= 1.3;  // one bad probe (bs = 8, l = 64)
+  const auto distance = [&](const FitResult& r) {
+    return std::abs(r.coefficients[0] - a) / a + std::abs(r.coefficients[1] - b) / b +
+           std::abs(r.coefficients[2] - c) / c;
+  };
+  const FitResult plain = xpm::fit_coefficients(quadratic(), m);
+  FitOptions huber;
+  huber.robust_loss = "huber";
+  const FitResult robust = xpm::fit_coefficients(quadratic(), m, huber);
+  FitOptions cauchy;
+  cauchy.robust_loss = "cauchy";
+  const FitResult robust_cauchy = xpm::fit_coefficients(quadratic(), m, cauchy);
+  CHECK(distance(robust) < distance(plain));
+  CHECK(distance(robust_cauchy) < distance(plain));
+  CHECK(distance(plain) > 1.0);          // the outlier drives a to 0 and b far off
+  CHECK(distance(robust_cauchy) < 0.2);  // a, b, c each within 10 % or so
+  CHECK(robust.summary.robust_loss == "huber");
+  CHECK(contains(robust.summary.brief_report(), "robust loss huber"));
+  // The outlier shows in the per-point errors, the other points fit.
+  CHECK(std::abs(robust_cauchy.summary.rel_errors[13]) > 0.2);
+}
+
+TEST_CASE("leave-one-out error on exact data is about zero") {
+  const FitResult r = xpm::fit_coefficients(quadratic(), exact_grid(3.5, 1200.0, 2e8));
+  CHECK(r.summary.leave_one_out_note.empty());
+  REQUIRE(r.summary.leave_one_out_rel_errors.size() == 16);
+  CHECK(r.summary.leave_one_out_max_rel_error < 1e-8);
+  CHECK(contains(r.summary.brief_report(), "leave-one-out max relative error"));
+}
+
+TEST_CASE("leave-one-out reveals a point that the others do not predict") {
+  std::vector<Measurement> m = exact_grid(3.5, 1200.0, 2e8);
+  m[6].bytes *= 1.1;
+  const FitResult r = xpm::fit_coefficients(quadratic(), m);
+  CHECK(r.summary.leave_one_out_max_rel_error > r.summary.max_rel_error);
+  CHECK(std::abs(r.summary.leave_one_out_rel_errors[6]) ==
+        doctest::Approx(r.summary.leave_one_out_max_rel_error));
+}
+
+TEST_CASE("leave-one-out is skipped and says so when points do not outnumber coefficients") {
+  std::vector<Measurement> m = exact_grid(1.0, 2.0, 3e6);
+  m = {m[0], m[5], m[10]};
+  const FitResult r = xpm::fit_coefficients(quadratic(), m);
+  CHECK(std::isnan(r.summary.leave_one_out_max_rel_error));
+  CHECK(r.summary.leave_one_out_rel_errors.empty());
+  CHECK(contains(r.summary.leave_one_out_note, "3 points for 3 coefficients"));
+  CHECK(contains(r.summary.brief_report(), "3 points for 3 coefficients"));
+}
+
+TEST_CASE("leave-one-out is skipped and says so when a point is needed to identify the fit") {
+  // Only the probe at l = 128 separates a from b.
+  std::vector<Measurement> m;
+  for (double bs : {1.0, 2.0, 4.0}) m.push_back({{bs, 64.0}, 3.0 * bs * 64 * 64 + 7.0 * bs * 64 + 1e6});
+  m.push_back({{2.0, 128.0}, 3.0 * 2 * 128 * 128 + 7.0 * 2 * 128 + 1e6});
+  const FitResult r = xpm::fit_coefficients(quadratic(), m);
+  CHECK(contains(r.summary.leave_one_out_note, "without point 3"));
+  CHECK(std::isnan(r.summary.leave_one_out_max_rel_error));
+}
+
+TEST_CASE("a fit whose prediction decreases as the batch size grows is not usable") {
+  const CostFormula f("a*bs + c", {"a", "c"}, {"bs"});
+  std::vector<Measurement> m;
+  for (double bs : {1.0, 2.0, 4.0, 8.0}) m.push_back({{bs}, 1e6 - 1000.0 * bs});
+  FitOptions options;
+  options.non_negative = false;
+  const FitResult unchecked = xpm::fit_coefficients(f, m, options);
+  CHECK(unchecked.coefficients[0] == doctest::Approx(-1000.0));
+  CHECK(unchecked.summary.usable);  // without a batch-size variable nothing is checked
+
+  options.batch_size_variable = "bs";
+  const FitResult r = xpm::fit_coefficients(f, m, options);
+  CHECK_FALSE(r.summary.usable);
+  REQUIRE(r.summary.reasons.size() == 1);
+  CHECK_MESSAGE(contains(r.summary.reasons[0], "decreases as bs grows at 4 of 4 measured dims"),
+                r.summary.reasons[0]);
+  CHECK(contains(r.summary.brief_report(), "Not usable"));
+  CHECK(contains(r.summary.brief_report(), "decreases as bs grows"));
+
+  // Non-negative coefficients cannot decrease with bs: a = 0, c near the mean, within 1 %.
+  options.non_negative = true;
+  const FitResult bounded = xpm::fit_coefficients(f, m, options);
+  CHECK(bounded.coefficients[0] == 0.0);
+  CHECK(bounded.summary.usable);
+}
+
+TEST_CASE("a fit with a large relative error is not usable, with the point and the limit") {
+  // A linear formula fitted to quadratic data.
+  const CostFormula f("b*bs*l + c", {"b", "c"}, {"bs", "l"});
+  const FitResult r = xpm::fit_coefficients(f, exact_grid(5.0, 10.0, 1e5));
+  CHECK(r.summary.max_rel_error > 0.05);
+  CHECK_FALSE(r.summary.usable);
+  CHECK(any_reason_contains(r.summary, "above the limit 5 %"));
+  FitOptions lenient;
+  lenient.usable_max_rel_error = 100.0;
+  CHECK(xpm::fit_coefficients(f, exact_grid(5.0, 10.0, 1e5), lenient).summary.usable);
+}
+
+TEST_CASE("a good fit is usable and says so") {
+  FitOptions options;
+  options.batch_size_variable = "bs";
+  const FitResult r = xpm::fit_coefficients(quadratic(), exact_grid(3.5, 1200.0, 2e8), options);
+  CHECK(r.summary.usable);
+  CHECK(r.summary.reasons.empty());
+  CHECK(r.summary.linear);
+  CHECK(r.summary.coefficient_count == 3);
+  const std::string report = r.summary.brief_report();
+  CHECK(contains(report, "Usable."));
+  CHECK(contains(report, "linear least squares, 3 coefficients"));
+  CHECK(report.find('\n') == std::string::npos);
+  const std::string full = r.summary.full_report();
+  CHECK(contains(full, "point 15: relative error"));
+  CHECK(contains(full, "leave-one-out"));
+}
+
+TEST_CASE("non-linear fit marks a coefficient the probes cannot identify as not usable") {
+  // Every probe lies above the floor c, so no probe says anything about c.
+  const CostFormula f("max(c, a*bs*l)", {"a", "c"}, {"bs", "l"});
+  std::vector<Measurement> m;
+  for (double bs : {1.0, 2.0, 4.0}) {
+    for (double l : {16.0, 32.0}) m.push_back({{bs, l}, 5.0 * bs * l});
+  }
+  const FitResult r = xpm::fit_coefficients(f, m);
+  CHECK(r.coefficients[0] == doctest::Approx(5.0).epsilon(1e-6));
+  CHECK_FALSE(r.summary.usable);
+  CHECK(any_reason_contains(r.summary, "coefficient 'c' has no effect"));
+}
+
+TEST_CASE("fit options reject an unknown robust loss, a bad scale and bad initial values") {
+  FitOptions o;
+  o.robust_loss = "tukey";
+  CHECK_THROWS_WITH_AS(o.validate(), doctest::Contains("robust_loss"), std::invalid_argument);
+  o = FitOptions{};
+  o.robust_loss_scale = 0;
+  CHECK_THROWS_WITH_AS(o.validate(), doctest::Contains("robust_loss_scale"),
+                       std::invalid_argument);
+  o = FitOptions{};
+  o.usable_max_rel_error = -1;
+  CHECK_THROWS_WITH_AS(o.validate(), doctest::Contains("usable_max_rel_error"),
+                       std::invalid_argument);
+  o = FitOptions{};
+  o.initial_values = {{"q", 1.0}};
+  CHECK(contains(message_of(exact_grid(1, 1, 1), o), "'q'"));
+  o.initial_values = {{"a", -1.0}};
+  CHECK(contains(message_of(exact_grid(1, 1, 1), o), "negative"));
+  o.initial_values = {{"a", std::nan("")}};
+  CHECK(contains(message_of(exact_grid(1, 1, 1), o), "initial_values"));
+}
+
+TEST_CASE("fit rejects a batch-size variable that is not a variable of the formula") {
+  FitOptions o;
+  o.batch_size_variable = "n";
+  const std::string msg = message_of(exact_grid(1, 1, 1), o);
+  CHECK(contains(msg, "batch_size_variable 'n'"));
+  CHECK(contains(msg, "bs, l"));
 }

@@ -440,3 +440,376 @@ TEST_CASE("random well-formed formulas are idempotent and evaluate alike both wa
   }
   CHECK(parsed > 750);
 }
+
+// ---------------------------------------------------------------------------------------------
+// max(...), non-linear terms, identity hash, caret lines (issue 3).
+
+namespace {
+
+xpm::CostFormulaOptions nonlinear() {
+  xpm::CostFormulaOptions options;
+  options.allow_nonlinear = true;
+  return options;
+}
+
+const std::vector<std::string> kNonlinearCoefficients = {"a", "b", "c", "p"};
+
+std::string nonlinear_canonical(const std::string& text) {
+  return CostFormula(text, kNonlinearCoefficients, kVariables, nonlinear()).canonical();
+}
+
+}  // namespace
+
+TEST_CASE("max sorts its canonical arguments so argument order does not matter") {
+  CHECK(canonical("max(b*bs, a*bs*l^2)") == "max(a*bs*l^2, b*bs)");
+  CHECK(canonical("max(a*bs*l**2, b * bs)") == "max(a*bs*l^2, b*bs)");
+  CHECK(canonical("max(bs, l)*c") == canonical("c*max(l, bs)"));
+  CHECK(canonical("max(bs*(l-1)*a, c)") == "max(a*bs*l - a*bs, c)");
+  CHECK(canonical("c + max(a*bs, b*l)") == "max(a*bs, b*l) + c");
+}
+
+TEST_CASE("max flattens nested max and drops duplicate arguments") {
+  CHECK(canonical("max(c, max(b*l, a*bs))") == "max(a*bs, b*l, c)");
+  CHECK(canonical("max(max(a*bs, c), max(c, b*l))") == "max(a*bs, b*l, c)");
+  CHECK(canonical("max(c, c, a*bs)") == "max(a*bs, c)");
+  CHECK(canonical("max(a*bs, bs*a)") == "a*bs");
+  CHECK(canonical("max(a*bs, 2*a*bs/2)") == "a*bs");
+}
+
+TEST_CASE("max folds constant arguments into the largest one") {
+  CHECK(canonical("max(2, 3)*c") == "3*c");
+  CHECK(canonical("max(1, a*bs, 2)") == "max(2, a*bs)");
+  CHECK(canonical("max(max(1, a*bs), 5)") == "max(5, a*bs)");
+  CHECK(canonical("a*bs^max(1, 2)") == "a*bs^2");
+}
+
+TEST_CASE("a formula with max is not linear, so basis, offset and monomials refuse it") {
+  const CostFormula f("max(a*bs*l^2 + b*bs*l, c)", kCoefficients, kVariables);
+  CHECK_FALSE(f.is_linear());
+  CHECK_THROWS_WITH_AS(f.basis({1, 2}), doctest::Contains("not"), std::logic_error);
+  CHECK_THROWS_AS(f.offset({1, 2}), std::logic_error);
+  CHECK_THROWS_AS(f.monomials(), std::logic_error);
+  CHECK(CostFormula("a*bs*l^2 + c", kCoefficients, kVariables).is_linear());
+}
+
+TEST_CASE("max evaluates to its largest argument, alike by predict and by muparserx") {
+  const CostFormula f("max(a*bs*l^2 + b*bs*l, c) + 100", kCoefficients, kVariables);
+  const std::vector<double> coefficients = {2.0, 30.0, 1e6};
+  for (const std::vector<double>& dims : {std::vector<double>{1, 8}, {64, 512}, {4, 128}}) {
+    const double bs = dims[0], l = dims[1];
+    const double expected = std::max(2.0 * bs * l * l + 30.0 * bs * l, 1e6) + 100;
+    CHECK(f.predict(coefficients, dims) == doctest::Approx(expected).epsilon(1e-12));
+    CHECK(f.evaluate(coefficients, dims) == doctest::Approx(expected).epsilon(1e-12));
+  }
+  const CostFormula three("max(a*bs, b*l, -c)*2", kCoefficients, kVariables);
+  CHECK(three.predict({1, 2, 3}, {5, 7}) == 28.0);
+  CHECK(three.evaluate({1, 2, 3}, {5, 7}) == doctest::Approx(28.0));
+  CHECK(three.predict({-1, -2, 3}, {5, 7}) == -6.0);
+}
+
+TEST_CASE("rejects a malformed max call at its position") {
+  struct Case {
+    const char* text;
+    std::size_t position;
+    const char* symbol;
+    const char* message;
+  };
+  for (const Case& c : {
+           Case{"max(a*bs)", 0, "max", "two arguments or more"},
+           Case{"max a", 0, "max", "'max' is a function"},
+           Case{"max", 0, "max", "'max' is a function"},
+           Case{"max()", 4, ")", "expected a number"},
+           Case{"max(a, bs", 3, "(", "never closed"},
+           Case{"max(a,", 3, "(", "never closed"},
+           Case{"max(a, )", 7, ")", "expected a number"},
+           Case{"max(a bs)", 6, "bs", "expected ',' or ')'"},
+           Case{"a, bs", 1, ",", "outside max"},
+           Case{"(a, bs)", 2, ",", "outside max"},
+           Case{"min(a, b)", 0, "min", "unknown function 'min'"},
+           Case{"a(bs)", 0, "a", "unknown function"},
+           Case{"max(a*bs, x)", 10, "x", "undeclared symbol"},
+       }) {
+    CAPTURE(c.text);
+    const FormulaError e = formula_error(c.text);
+    CHECK(e.position() == c.position);
+    CHECK(e.symbol() == c.symbol);
+    CHECK_MESSAGE(contains(e.what(), c.message), e.what());
+  }
+  CHECK(contains(invalid_argument_message([] { CostFormula("max", {"max"}, {"bs"}); }),
+                 "reserved"));
+}
+
+TEST_CASE("max keeps the linear rules inside its arguments unless non-linear terms are allowed") {
+  CHECK(contains(formula_error("max(a^2, c)").what(), "not linear"));
+  CHECK(contains(formula_error("a*max(b*bs, c)").what(), "two coefficients ('a' and 'b')"));
+  CHECK(contains(formula_error("max(a*bs, c)^2").what(), "raised to a power"));
+  CHECK(contains(formula_error("bs/max(a, 2)").what(), "used in a divisor"));
+  CHECK(canonical("bs*max(a, c)") == "bs*max(a, c)");
+  CHECK(nonlinear_canonical("a*max(b*bs, c)") == "a*max(b*bs, c)");
+  CHECK(nonlinear_canonical("max(a*bs, c)^2") == "max(a*bs, c)^2");
+}
+
+TEST_CASE("rejects terms non-linear in a coefficient without allow_nonlinear") {
+  for (const char* text : {"a*bs*l^p", "a^2*bs", "a*b*bs", "bs/a", "a*l^1.5", "bs/(a+b)"}) {
+    CAPTURE(text);
+    const FormulaError e = formula_error(text, kNonlinearCoefficients, kVariables);
+    const std::string what = e.what();
+    CHECK_MESSAGE((contains(what, "not linear") || contains(what, "two coefficients") ||
+                   contains(what, "non-negative integer")),
+                  what);
+  }
+  const FormulaError e = formula_error("a*bs*l^p", kNonlinearCoefficients, kVariables);
+  CHECK(e.symbol() == "p");
+  CHECK(contains(e.what(), "used in an exponent"));
+}
+
+TEST_CASE("accepts terms non-linear in a coefficient with allow_nonlinear") {
+  struct Case {
+    const char* text;
+    const char* canonical;
+  };
+  for (const Case& c : {
+           Case{"a*bs*l^p + c", "a*bs*l^p + c"},
+           Case{"l^p*bs*a", "a*bs*l^p"},
+           Case{"a^2*bs", "a^2*bs"},
+           Case{"a*a*bs", "a^2*bs"},
+           Case{"b*bs*a", "a*b*bs"},
+           Case{"bs/a", "bs/a"},
+           Case{"2*bs/a^2", "2*bs/a^2"},
+           Case{"1/(2*a)", "0.5/a"},
+           Case{"a^-1", "1/a"},
+           Case{"a*l^1.5", "a*l^1.5"},
+           Case{"bs/(a+b)", "bs/(a + b)"},
+           Case{"(a+b)^-2", "1/(a + b)/(a + b)"},
+           Case{"a*l^(p+1)", "a*l^(p + 1)"},
+           Case{"a*(bs*l)^p", "a*(bs*l)^p"},
+           Case{"a*l^p*l^p", "a*(l^p)^2"},
+           Case{"c*2^p", "c*2^p"},
+           Case{"a*bs*l^p - a*bs*l^p + c", "c"},
+           Case{"a*bs*l^2", "a*bs*l^2"},
+       }) {
+    CAPTURE(c.text);
+    const CostFormula f(c.text, kNonlinearCoefficients, kVariables, nonlinear());
+    CHECK(f.canonical() == c.canonical);
+  }
+  CHECK_FALSE(CostFormula("a*bs*l^p", kNonlinearCoefficients, kVariables, nonlinear())
+                  .is_linear());
+  // Variables stay out of divisors and exponents even so.
+  CHECK(contains(formula_error("a*bs/l", kNonlinearCoefficients, kVariables).what(),
+                 "division by a non-constant"));
+  for (const char* text : {"a*bs/l", "a*bs^l", "a*l^-1", "bs/(a + l)"}) {
+    CAPTURE(text);
+    CHECK_THROWS_AS(CostFormula(text, kNonlinearCoefficients, kVariables, nonlinear()),
+                    FormulaError);
+  }
+}
+
+TEST_CASE("non-linear formulas re-parse to themselves and evaluate alike both ways") {
+  const std::vector<double> coefficients = {3.0, 1.5, 1e6, 1.7};
+  for (const char* text :
+       {"a*bs*l^p + c", "max(c, a*bs*l^p)", "a*b*bs + c/b", "bs/(a + b) + (a+b)^-2",
+        "a*l^(p+1) - 2*bs*l^p", "a*(bs*l)^p*l^p", "c*2^p + a*l^1.5", "-a*l^p + 4*c",
+        "max(a*bs, b*l)^2/c", "a^-0.5*bs", "(l^p)^2*a + b/(a*c)"}) {
+    CAPTURE(text);
+    const CostFormula once(text, kNonlinearCoefficients, kVariables, nonlinear());
+    const CostFormula twice(once.canonical(), kNonlinearCoefficients, kVariables, nonlinear());
+    CHECK(twice.canonical() == once.canonical());
+    CHECK(twice.identity_hash() == once.identity_hash());
+    for (const std::vector<double>& dims : {std::vector<double>{4, 128}, {1, 3}, {7, 0.5}}) {
+      const double predicted = once.predict(coefficients, dims);
+      CHECK(std::isfinite(predicted));
+      CHECK(once.evaluate(coefficients, dims) == doctest::Approx(predicted).epsilon(1e-12));
+    }
+  }
+  const CostFormula f("a*bs*l^p + c", kNonlinearCoefficients, kVariables, nonlinear());
+  CHECK(f.predict({3.0, 0.0, 1e6, 1.7}, {4, 128}) ==
+        doctest::Approx(3.0 * 4 * std::pow(128.0, 1.7) + 1e6).epsilon(1e-14));
+}
+
+TEST_CASE("a linear formula parsed with allow_nonlinear is the same formula") {
+  const CostFormula linear("a*bs*(l-1) + c", kCoefficients, kVariables);
+  const CostFormula relaxed("a*bs*(l-1) + c", kCoefficients, kVariables, nonlinear());
+  CHECK(relaxed.is_linear());
+  CHECK(relaxed.canonical() == linear.canonical());
+  CHECK(relaxed.identity_hash() == linear.identity_hash());
+  CHECK(relaxed.basis({4, 128}) == linear.basis({4, 128}));
+}
+
+TEST_CASE("identity hash is equal for equivalent inputs") {
+  const std::string hash =
+      CostFormula("a*bs*l**2 + b*bs*(l-1) + c", kCoefficients, kVariables).identity_hash();
+  CHECK(hash.size() == 16);
+  CHECK(hash.find_first_not_of("0123456789abcdef") == std::string::npos);
+  CHECK(CostFormula("c + b*bs*l - b*bs + a * bs * l ^ 2", kCoefficients, kVariables)
+            .identity_hash() == hash);
+  CHECK(CostFormula("a*bs*l^2 + b*bs*(l-1) + c", {"c", "b", "a"}, {"l", "bs"}).identity_hash() ==
+        hash);
+  CHECK(CostFormula("max(b*l, a*bs)", kCoefficients, kVariables).identity_hash() ==
+        CostFormula("max(a*bs, max(b*l, bs*a))", kCoefficients, kVariables).identity_hash());
+}
+
+TEST_CASE("identity hash differs when the formula or its names differ") {
+  const std::string hash = CostFormula("a*bs*l^2 + c", {"a", "c"}, kVariables).identity_hash();
+  CHECK(CostFormula("a*bs*l^2 + 2*c", {"a", "c"}, kVariables).identity_hash() != hash);
+  CHECK(CostFormula("a*bs*l + c", {"a", "c"}, kVariables).identity_hash() != hash);
+  CHECK(CostFormula("a*bs*l^2 + c", {"a", "c", "b"}, kVariables).identity_hash() != hash);
+  CHECK(CostFormula("a*bs*l^2 + c", {"a", "c"}, {"bs", "l", "t"}).identity_hash() != hash);
+  CHECK(CostFormula("a*bs*l^2 + c", {"a"}, {"bs", "l", "c"}).identity_hash() != hash);
+  CHECK(CostFormula("max(a*bs*l^2, c)", {"a", "c"}, kVariables).identity_hash() != hash);
+}
+
+TEST_CASE("identity hash is the documented FNV-1a digest, the same on every run") {
+  // Pinned: a change here invalidates every memory-model cache; do it only on purpose. The
+  // digest is FNV-1a 64 of "xpm-cost-formula-v1\ncanonical=a*bs*l^2 + b*bs*l + c\n
+  // coefficients=a,b,c,\nvariables=bs,l,\nmode=linear" (docs/formula.md).
+  CHECK(CostFormula("a*bs*l^2 + b*bs*l + c", kCoefficients, kVariables).identity_hash() ==
+        "28be4b5e6a283eb5");
+}
+
+TEST_CASE("error message has a caret line under the offending column") {
+  const FormulaError e = formula_error("a*bs + x*l");
+  CHECK(std::string(e.what()) ==
+        "formula error at column 8 (symbol 'x'): undeclared symbol (neither a declared "
+        "coefficient nor a declared variable)\n"
+        "  a*bs + x*l\n"
+        "         ^");
+  CHECK(e.brief() ==
+        "formula error at column 8 (symbol 'x'): undeclared symbol (neither a declared "
+        "coefficient nor a declared variable)");
+  CHECK(e.message() == "undeclared symbol (neither a declared coefficient nor a declared variable)");
+  CHECK(e.formula_text() == "a*bs + x*l");
+  CHECK(e.brief().find('\n') == std::string::npos);
+}
+
+TEST_CASE("caret line shows blanks for tabs and newlines and points past the end") {
+  const FormulaError tab = formula_error("a*bs\t+\nx");
+  CHECK(contains(tab.what(), "\n  a*bs + x\n         ^"));
+  const FormulaError end = formula_error("a*bs +");
+  CHECK(contains(end.what(), "\n  a*bs +\n       ^"));
+  CHECK(std::string(formula_error("").what()) == "formula error at column 1: empty formula");
+  CHECK(std::string(formula_error(" \t").what()) ==
+        "formula error at column 1: empty formula\n    \n  ^");
+}
+
+TEST_CASE("caret line of a long formula is a window around the column") {
+  std::string text;
+  for (int i = 0; i < 40; ++i) text += "a*bs + ";
+  text += "x";
+  const FormulaError e = formula_error(text);
+  const std::string what = e.what();
+  const std::size_t first = what.find('\n');
+  const std::size_t second = what.find('\n', first + 1);
+  REQUIRE(second != std::string::npos);
+  const std::string line = what.substr(first + 1, second - first - 1);
+  const std::string caret = what.substr(second + 1);
+  CHECK(line.size() < 120);
+  CHECK(line.rfind("  ...", 0) == 0);
+  CHECK(line[caret.size() - 1] == 'x');
+  CHECK(caret.back() == '^');
+}
+
+TEST_CASE("caret counts characters, not bytes, before the column") {
+  const FormulaError e = formula_error("a*bs + \xc3\xa9");  // an e with an acute accent
+  CHECK(e.position() == 7);
+  CHECK(contains(e.what(), "\n         ^"));
+}
+
+TEST_CASE("random token strings with max, commas and non-linear terms only parse or fail cleanly") {
+  const std::vector<std::string> tokens = {"a",   "p",  "bs", "l", "+", "*", "**", "^", "(",
+                                           ")",   "2",  "-",  "/", ",", " ", "max", "max(",
+                                           "1.5", ".5", "1e3"};
+  std::mt19937 rng(20250301u);
+  std::uniform_int_distribution<std::size_t> pick(0, tokens.size() - 1);
+  std::uniform_int_distribution<int> length(0, 12);
+  int parsed = 0;
+  int parsed_nonlinear = 0;
+  for (int i = 0; i < 6000; ++i) {
+    std::string text;
+    const char* separator = i % 3 == 0 ? " " : "";
+    for (int n = length(rng); n > 0; --n) text += tokens[pick(rng)] + separator;
+    xpm::CostFormulaOptions options;
+    options.allow_nonlinear = i % 2 == 1;
+    try {
+      const CostFormula f(text, {"a", "p"}, {"bs", "l"}, options);
+      ++parsed;
+      parsed_nonlinear += f.is_linear() ? 0 : 1;
+      const CostFormula again(f.canonical(), {"a", "p"}, {"bs", "l"}, options);
+      CHECK_MESSAGE(again.canonical() == f.canonical(), text);
+      const double predicted = f.predict({1.5, 0.75}, {3, 5});
+      const double evaluated = f.evaluate({1.5, 0.75}, {3, 5});
+      if (std::isfinite(predicted) && std::isfinite(evaluated)) {
+        CHECK_MESSAGE(evaluated == doctest::Approx(predicted).epsilon(1e-9), text);
+      }
+    } catch (const FormulaError& e) {
+      CHECK_MESSAGE(e.position() <= text.size(), text);
+      CHECK_MESSAGE(e.brief().find('\n') == std::string::npos, text);
+    }
+  }
+  CHECK(parsed > 200);
+  CHECK(parsed_nonlinear > 0);
+}
+
+namespace {
+
+// A random well-formed formula over coefficients `a`, `p` and variables `bs`, `l`, with max()
+// and powers whose exponent may be a coefficient.
+std::string random_nonlinear_formula(std::mt19937& rng, int depth) {
+  std::uniform_int_distribution<int> choice(0, depth > 0 ? 8 : 1);
+  const auto any = [&rng](std::initializer_list<const char*> options) {
+    std::uniform_int_distribution<std::size_t> i(0, options.size() - 1);
+    return std::string(options.begin()[i(rng)]);
+  };
+  switch (choice(rng)) {
+    case 0:
+      return any({"2", "0.5", "3", "1e3"});
+    case 1:
+      return any({"bs", "l", "a", "p"});
+    case 2:
+      return "max(" + random_nonlinear_formula(rng, depth - 1) + ", " +
+             random_nonlinear_formula(rng, depth - 1) +
+             (choice(rng) % 2 == 0 ? ", " + random_nonlinear_formula(rng, depth - 1) : "") + ")";
+    case 3:
+      return random_nonlinear_formula(rng, depth - 1) + any({" + ", " - "}) +
+             random_nonlinear_formula(rng, depth - 1);
+    case 4:
+      return random_nonlinear_formula(rng, depth - 1) + "*" +
+             random_nonlinear_formula(rng, depth - 1);
+    case 5:
+      return "(" + random_nonlinear_formula(rng, depth - 1) + ")/" + any({"2", "a", "(a + p)"});
+    case 6:
+      return "-" + random_nonlinear_formula(rng, depth - 1);
+    case 7:
+      return any({"l", "bs", "(bs*l)", "2"}) + "^" + any({"p", "(p + 1)", "1.5", "2"});
+    default:
+      return "(" + random_nonlinear_formula(rng, depth - 1) + ")^" + any({"0", "1", "2"});
+  }
+}
+
+}  // namespace
+
+TEST_CASE("random well-formed non-linear formulas with max are idempotent and evaluate alike") {
+  std::mt19937 rng(11u);
+  int parsed = 0;
+  for (int i = 0; i < 1500; ++i) {
+    const std::string text = random_nonlinear_formula(rng, 4);
+    CAPTURE(text);
+    try {
+      const CostFormula f(text, {"a", "p"}, {"bs", "l"}, nonlinear());
+      ++parsed;
+      const CostFormula again(f.canonical(), {"a", "p"}, {"bs", "l"}, nonlinear());
+      CHECK(again.canonical() == f.canonical());
+      CHECK(again.identity_hash() == f.identity_hash());
+      for (const std::vector<double>& dims : {std::vector<double>{3, 5}, {0.5, 17}}) {
+        const double predicted = f.predict({1.5, 0.75}, dims);
+        const double evaluated = f.evaluate({1.5, 0.75}, dims);
+        if (std::isfinite(predicted)) {
+          CHECK(evaluated == doctest::Approx(predicted).epsilon(1e-9));
+        }
+      }
+    } catch (const FormulaError& e) {
+      const std::string what = e.what();
+      CHECK_MESSAGE((contains(what, "degree") || contains(what, "above")), what);
+    }
+  }
+  CHECK(parsed > 1400);
+}

@@ -2,16 +2,35 @@
 //
 //   CostFormula f("a*bs*l^2 + b*bs*l + c", {"a","b","c"}, {"bs","l"});
 //   std::vector<Measurement> m = {{{1, 64}, 2.1e6}, {{4, 128}, 9.5e6}, ...};
-//   FitResult r = fit_coefficients(f, m);   // r.coefficients in bytes per unit of each term
-//   if (!r.summary.converged) ...; std::cout << r.summary.brief_report();
+//   FitOptions options;
+//   options.batch_size_variable = "bs";     // refuse a model that shrinks as bs grows
+//   FitResult r = fit_coefficients(f, m, options);  // coefficients in bytes per unit of each term
+//   if (!r.summary.usable) std::cerr << r.summary.brief_report();
 //
-// Method: linear least squares solved by Ceres (DENSE_QR, trust region). Residual i is
-// relative, (predicted_i - measured_i) / measured_i, so a 1 MB probe and a 1 GB probe weigh the
-// same. Columns are scaled: the solver sees x_k = coefficient_k * s_k with s_k = max_i |basis_ik|,
-// so every parameter is O(measured/1). Non-negative bounds (x_k >= 0) by default: memory terms
-// cannot be negative, and the bound stops the fit trading one term against another.
+// Method. Residual i is relative, (predicted_i - measured_i) / measured_i, so a 1 MB probe and a
+// 1 GB probe weigh the same; an optional robust loss (Huber, Cauchy) on it limits what one bad
+// probe can do. Coefficients are non-negative by default: memory terms cannot be negative, and
+// the bound stops the fit trading one term against another.
+//  - Linear formulas (CostFormula::is_linear()): linear least squares solved by Ceres (DENSE_QR,
+//    trust region) on scaled columns: the solver sees x_k = coefficient_k * s_k / Y with
+//    s_k = max_i |basis_ik| and Y the largest measurement, so every parameter is O(1), starting
+//    from the exact (non-negative) least-squares solution. Before solving, the scaled
+//    design matrix must have full column rank: a coefficient the probe shapes cannot separate
+//    from the others is an IdentifiabilityError naming it, never a silent minimum-norm answer.
+//  - Other formulas (max(...), l^p, ...): non-linear least squares, Ceres Levenberg-Marquardt
+//    with central numeric differences of CostFormula::predict, starting from
+//    FitOptions::initial_values (1 for a coefficient not listed). The solver works on
+//    x_k = coefficient_k / s_k with s_k = |initial value| (1 when the initial value is 0).
+//    Identifiability is checked at the solution (numeric Jacobian); a coefficient the probes
+//    cannot identify there makes the fit not usable, with the reason.
+// Diagnostics: per-point relative errors, max/mean, leave-one-out error, and a usable flag with
+// the reasons when not (no convergence, max relative error above a limit, prediction that
+// decreases as the batch size grows).
 #pragma once
 
+#include <limits>
+#include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -25,13 +44,40 @@ struct Measurement {
   double bytes = 0;          // measured peak allocated bytes, > 0
 };
 
+/// The probe shapes cannot separate some coefficients: at every measurement, the term of one
+/// coefficient is a combination of the terms of others (e.g. every probe has l = 64, so
+/// a*bs*l^2 and b*bs*l move together), or is zero. what() names them and says why, e.g.
+/// "fit: coefficients a and b cannot be separated by the probe shapes: every probe has l = 64 ...".
+class IdentifiabilityError : public std::invalid_argument {
+ public:
+  IdentifiabilityError(const std::string& message, std::vector<std::string> coefficients,
+                       std::string dependent);
+  /// Every coefficient involved, in declared order.
+  const std::vector<std::string>& coefficients() const { return coefficients_; }
+  /// The coefficient whose term depends on the others' (the last one, in declared order, that
+  /// the probe shapes cannot tell apart from those before it).
+  const std::string& dependent() const { return dependent_; }
+
+ private:
+  std::vector<std::string> coefficients_;
+  std::string dependent_;
+};
+
 /// Options of fit_coefficients (Ceres-style plain struct).
 struct FitOptions {
-  bool non_negative = true;          // lower bound 0 on every coefficient
-  int max_iterations = 200;          // Ceres max_num_iterations
-  double function_tolerance = 1e-14; // Ceres function_tolerance
-  double gradient_tolerance = 1e-16; // Ceres gradient_tolerance
-  double parameter_tolerance = 1e-14;// Ceres parameter_tolerance
+  bool non_negative = true;            // lower bound 0 on every coefficient (false: any sign)
+  int max_iterations = 200;            // Ceres max_num_iterations
+  double function_tolerance = 1e-14;   // Ceres function_tolerance
+  double gradient_tolerance = 1e-16;   // Ceres gradient_tolerance
+  double parameter_tolerance = 1e-14;  // Ceres parameter_tolerance
+  std::string robust_loss = "none";    // "none" | "huber" | "cauchy", on the relative residuals
+  double robust_loss_scale = 0.01;     // relative residual where the robust loss bends (0.01: 1 %)
+  std::map<std::string, double> initial_values;  // non-linear fit start, bytes per unit; default 1
+  std::string batch_size_variable;     // "": no check; else refuse a decreasing prediction in it
+  double usable_max_rel_error = 0.05;  // a larger max relative error makes the fit not usable
+  bool leave_one_out = true;           // refit without each point (one refit per point)
+  double identifiability_tolerance = 1e-9;  // relative distance of a unit column to the others'
+                                            // span below which it counts as dependent
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;
 };
@@ -40,12 +86,25 @@ struct FitOptions {
 struct FitSummary {
   bool converged = false;              // Ceres reported CONVERGENCE (not NO_CONVERGENCE/FAILURE)
   int iterations = 0;                  // Ceres iterations
+  bool linear = true;                  // linear least squares (else non-linear)
+  std::size_t coefficient_count = 0;   // fitted coefficients
+  std::string robust_loss = "none";    // FitOptions::robust_loss used
   double max_rel_error = 0;            // max_i |pred_i - meas_i| / meas_i
   double mean_rel_error = 0;           // mean of the same
   std::vector<double> rel_errors;      // signed (pred - meas) / meas, one per measurement
+  /// max_i |pred_{-i}(dims_i) - meas_i| / meas_i, with pred_{-i} fitted without point i; NaN when
+  /// not computed (see leave_one_out_note).
+  double leave_one_out_max_rel_error = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> leave_one_out_rel_errors;  // signed, one per measurement; empty: not computed
+  std::string leave_one_out_note;      // why leave-one-out was not computed; "" when it was
+  bool usable = false;                 // converged, accurate enough, non-decreasing in bs
+  std::vector<std::string> reasons;    // why not usable (one sentence each); empty when usable
   std::string solver_report;           // Ceres BriefReport()
-  /// One paragraph: converged?, points, max/mean relative error.
+  /// One paragraph, no newline: converged?, iterations, points, method, max/mean relative
+  /// error, leave-one-out error (or why not computed), usable or the reasons.
   std::string brief_report() const;
+  /// brief_report() and then one line per point: relative error and leave-one-out error.
+  std::string full_report() const;
 };
 
 struct FitResult {
@@ -55,8 +114,12 @@ struct FitResult {
 
 /// Fits the coefficients of `formula` to `measurements`.
 /// Throws std::invalid_argument when: there are fewer measurements than coefficients, a
-/// measurement has the wrong number of dims or non-positive/non-finite bytes (the message names
-/// the measurement index and the value), or the formula has no coefficient.
+/// measurement has the wrong number of dims, non-finite dims or non-positive/non-finite bytes
+/// (the message names the measurement index and the value), the formula has no coefficient,
+/// options.batch_size_variable is not a variable of the formula, options.initial_values names
+/// something that is not a coefficient or gives a negative start with non_negative; and
+/// IdentifiabilityError (an invalid_argument) when the formula is linear and the probe shapes
+/// cannot separate its coefficients.
 /// Pure function; thread-safe.
 FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measurement>& measurements,
                            const FitOptions& options = {});
