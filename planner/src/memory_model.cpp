@@ -235,7 +235,9 @@ MemoryModel MemoryModel::from_json(const nlohmann::json& j) {
   }
   CostFormula formula = [&] {
     try {
-      return CostFormula(text, coef_names, var_names);
+      // Non-linear terms allowed: the file holds a formula that was already fitted; for a
+      // linear formula the result (canonical form, identity hash) is the same either way.
+      return CostFormula(text, coef_names, var_names, CostFormulaOptions{true});
     } catch (const std::invalid_argument& e) {
       bad_field("formula.text", e.what());
     }

@@ -40,6 +40,10 @@ PredictiveBatcher::PredictiveBatcher(PredictiveBatcherOptions options,
                                      std::shared_ptr<const MicrobatchPacker> packer)
     : options_(std::move(options)), packer_(std::move(packer)) {
   if (!packer_) throw std::invalid_argument("PredictiveBatcher: packer is null");
+  // The fit refuses a model whose prediction decreases as the microbatch grows.
+  if (options_.fit.batch_size_variable.empty()) {
+    options_.fit.batch_size_variable = options_.batch_size_variable;
+  }
   options_.validate();
   // Parse once here so a bad formula fails at construction, not after probing.
   CostFormula(options_.formula, options_.coefficient_names, options_.variable_names);
@@ -63,7 +67,7 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
   const double usable_bytes = static_cast<double>(options_.budget.usable_bytes());
   const double static_bytes = executor.static_bytes();
   if (static_bytes >= usable_bytes) {
-    throw std::runtime_error("PredictiveBatcher: the static memory (weights, gradients, optimizer "
+    throw std::invalid_argument("PredictiveBatcher: the static memory (weights, gradients, optimizer "
                              "state) takes " + std::to_string(static_cast<long long>(static_bytes)) +
                              " bytes, at or above the usable budget of " +
                              std::to_string(static_cast<long long>(usable_bytes)) +
@@ -119,14 +123,25 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
   }
   const bool fitted_above_floor = measurements.size() >= formula.coefficient_names().size();
   if (!fitted_above_floor) measurements = all_feasible;
+  if (floor_bytes >= usable_bytes) {
+    throw std::invalid_argument(
+        "PredictiveBatcher: the optimizer step alone peaks at " +
+        std::to_string(static_cast<long long>(floor_bytes)) + " bytes, at or above the usable budget of " +
+        std::to_string(static_cast<long long>(usable_bytes)) + " bytes: no microbatch can fit; raise the capacity");
+  }
   if (measurements.size() < formula.coefficient_names().size()) {
-    throw std::runtime_error("PredictiveBatcher: only " + std::to_string(measurements.size()) +
+    throw std::invalid_argument("PredictiveBatcher: only " + std::to_string(measurements.size()) +
                              " feasible probes for " +
                              std::to_string(formula.coefficient_names().size()) +
-                             " coefficients; raise the memory cap or give smaller probe points");
+                             " coefficients; raise the capacity or give probe points that fit it");
   }
   FitResult fit = fit_coefficients(formula, measurements, options_.fit);
   fit_summary_ = fit.summary;
+  if (!fit.summary.usable) {
+    std::string reasons;
+    for (const std::string& reason : fit.summary.reasons) reasons += (reasons.empty() ? "" : "; ") + reason;
+    throw std::runtime_error("PredictiveBatcher: the fitted memory model is not usable: " + reasons);
+  }
   MemoryModel model(formula, fit.coefficients, floor_bytes, options_.batch_size_variable,
                     options_.aggregation);
   nlohmann::json probes_json = nlohmann::json::array();
@@ -143,6 +158,11 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
   model.metadata()["fit"] = {{"converged", fit.summary.converged},
                              {"max_rel_error", fit.summary.max_rel_error},
                              {"mean_rel_error", fit.summary.mean_rel_error},
+                             {"leave_one_out_max_rel_error",
+                              std::isnan(fit.summary.leave_one_out_max_rel_error)
+                                  ? nlohmann::json(nullptr)
+                                  : nlohmann::json(fit.summary.leave_one_out_max_rel_error)},
+                             {"usable", fit.summary.usable},
                              {"fitted_to", "forward_backward_peak_bytes"},
                              {"fitted_points", measurements.size()},
                              {"fitted_above_floor_only", fitted_above_floor}};
@@ -171,7 +191,15 @@ const MemoryModel& PredictiveBatcher::add_measurement(const Measurement& measure
     // floor to the measured bytes; the refit takes over once enough measurements accumulated.
     return raise_floor_bytes(measurement.bytes);
   }
-  FitResult fit = fit_coefficients(formula, fit_measurements_, options_.fit);
+  FitResult fit;
+  try {
+    fit = fit_coefficients(formula, fit_measurements_, options_.fit);
+  } catch (const std::invalid_argument&) {
+    // The accumulated measurements cannot separate the coefficients (IdentifiabilityError):
+    // stay safe with the floor, as above.
+    fit_measurements_.pop_back();
+    return raise_floor_bytes(measurement.bytes);
+  }
   fit_summary_ = fit.summary;
   MemoryModel refitted(formula, fit.coefficients, model_->floor_bytes(),
                        model_->batch_size_variable(), options_.aggregation);

@@ -61,7 +61,7 @@ TEST_CASE("the automatic design grows toward the budget, keeps infeasible probes
 TEST_CASE("a budget below the static memory is an error before any probe") {
   FakeExecutor executor(1e12);
   xpm::PredictiveBatcher batcher(options_with_cap(1'000'000), std::make_shared<xpm::AdaptivePacker>());
-  CHECK_THROWS_AS(batcher.probe_and_fit(executor), std::runtime_error);
+  CHECK_THROWS_AS(batcher.probe_and_fit(executor), std::invalid_argument);
   CHECK(executor.calls == 0);
 }
 

@@ -1,6 +1,7 @@
 #include "xpm/trainer/tagging_job.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -89,6 +90,7 @@ nlohmann::json memory_model_identity(const TaggingJobConfig& config,
 struct Accuracy {
   std::int64_t correct = 0;
   std::int64_t total = 0;
+  std::int64_t ooms = 0;  // validation microbatches that ran out of memory
   double value() const { return total == 0 ? 0.0 : static_cast<double>(correct) / total; }
 };
 
@@ -104,9 +106,13 @@ Accuracy evaluate(TransformerTagger& model, const std::vector<EncodedSentence>& 
   const MicrobatchPlan plan = batcher.plan(dims);
   for (const Microbatch& microbatch : plan.microbatches) {
     const TaggingBatch batch = collate(sentences, microbatch.record_indices);
-    const torch::Tensor predicted = model->forward(batch.token_ids, batch.padding_mask).argmax(-1);
-    const torch::Tensor real = batch.padding_mask.logical_not();
-    accuracy.correct += (predicted.eq(batch.tag_ids).logical_and(real)).sum().item<std::int64_t>();
+    try {
+      const torch::Tensor predicted = model->forward(batch.token_ids, batch.padding_mask).argmax(-1);
+      const torch::Tensor real = batch.padding_mask.logical_not();
+      accuracy.correct += (predicted.eq(batch.tag_ids).logical_and(real)).sum().item<std::int64_t>();
+    } catch (const c10::OutOfMemoryError&) {
+      ++accuracy.ooms;  // its tokens count as errors: the accuracy never looks better for an OOM
+    }
     accuracy.total += batch.real_tokens;
   }
   model->train();
@@ -146,6 +152,20 @@ void TaggingJobConfig::validate() const {
   require(validate_every >= 0, "validate_every must be >= 0, got " + std::to_string(validate_every));
   require(variables.size() == 2 && variables[0] == "bs" && variables[1] == "l",
           "variables must be bs,l for the tagging task (batch size, padded length)");
+  require(sort_by.empty() || sort_by == "l", "sort_by must be 'l' or empty, got '" + sort_by + "'");
+  require(max_validation_sentences >= 0, "max_validation_sentences must be >= 0, got " +
+                                             std::to_string(max_validation_sentences));
+  require(probe_points.empty() || probe_points.size() >= coefficients.size(),
+          "probe_points: " + std::to_string(probe_points.size()) + " given, at least one per "
+          "coefficient (" + std::to_string(coefficients.size()) + ") needed");
+  for (const ProbePoint& point : probe_points) {
+    for (const auto& [name, value] : point.values) {
+      require(value >= 1 && value <= 1e6 && value == std::floor(value),
+              "probe_points: " + name + " = " + std::to_string(value) +
+                  " must be a whole number in [1, 1000000]");
+    }
+  }
+  CostFormula(formula, coefficients, variables);  // FormulaError (invalid_argument) now, not later
   model.validate();
 }
 
@@ -200,7 +220,21 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
   torch::manual_seed(config.seed);
 
   // Data.
-  const TaggingData data = load_tagging_data(config);
+  const TaggingData data = [&] {
+    try {
+      return load_tagging_data(config);
+    } catch (const std::runtime_error& error) {  // missing or malformed corpus: bad input
+      throw std::invalid_argument(std::string("--data-dir: ") + error.what());
+    }
+  }();
+  for (const ProbePoint& point : config.probe_points) {
+    const double l = point.values.at("l");
+    const std::int64_t max_length = model_options_for(config, data).max_length;
+    if (l > static_cast<double>(max_length)) {
+      throw std::invalid_argument("--probe-points: l = " + std::to_string(static_cast<long long>(l)) +
+                                  " is longer than the model's max length " + std::to_string(max_length));
+    }
+  }
   const std::vector<EncodedSentence>& train = data.train;
   const std::vector<EncodedSentence>& validation = data.validation;
   const double baseline_accuracy =
@@ -427,6 +461,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
       {"baseline_token_accuracy", baseline_accuracy},
       {"validation_tokens", accuracy.total},
       {"ooms", ooms},
+      {"validation_ooms", accuracy.ooms},
       {"peak_allocated_bytes", peak_allocated_bytes},
       {"capacity_bytes", capacity_bytes},
       {"capacity_is_cap", capped},

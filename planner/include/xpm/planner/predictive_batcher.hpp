@@ -52,10 +52,14 @@ class PredictiveBatcher {
   /// before DDP wrapping. Automatic design (no probe points given): for each fraction f of
   /// design_fractions, the non-bs variables are set to f * their max and the microbatch size
   /// doubles from 1 up to variable_max[bs], stopping at the first infeasible probe or the first
-  /// whose step peak exceeds the budget; infeasible probes are kept in probes() (feasible =
-  /// false), never dropped silently. The formula is fitted to the forward/backward peaks that
-  /// lie above the floor (where the budget binds), or to every feasible probe when too few do. Throws std::runtime_error when fewer feasible probes than
-  /// coefficients remain, or when the budget is below the static bytes.
+  /// whose step peak exceeds the budget, then one bisection probe between the last fit and the
+  /// first miss. Infeasible probes are kept in probes() (feasible = false), never dropped
+  /// silently. The formula is fitted to the forward/backward peaks that lie above the floor
+  /// (where the budget binds), or to every feasible probe when too few do.
+  /// Throws std::invalid_argument when the budget cannot work (below the static bytes or the
+  /// floor, or fewer feasible probes than coefficients; IdentifiabilityError when the probes
+  /// cannot separate the coefficients) and std::runtime_error when the fit is not usable
+  /// (FitSummary::usable: not converged, error too large, prediction decreasing in bs).
   const MemoryModel& probe_and_fit(ProbeExecutor& executor);
 
   /// Uses a model fitted elsewhere (cache, broadcast from rank 0). Its metadata's
