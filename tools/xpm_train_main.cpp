@@ -1,6 +1,8 @@
 // xpm-train — trains the bundled task (part-of-speech tagging of the Brown corpus with a small
 // Transformer) with memory planned by xpm's predictive batcher. See `xpm-train --help`.
 // Exit codes: 0 success, 2 bad input (option, config, data), 1 other failure.
+#include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -48,6 +50,33 @@ std::vector<xpm::ProbePoint> parse_probe_points(const std::string& text) {
     points.push_back({{{"bs", bs}, {"l", l}}});
   }
   return points;
+}
+
+// "TaggingJobConfig.max_steps must ..." -> "--max-steps must ...": errors name the option the
+// user typed, not our field.
+std::string with_option_names(std::string message) {
+  static const std::vector<std::pair<std::string, std::string>> renamed = {
+      {"learning_rate", "lr"}, {"model.nhead", "heads"}, {"model.d_model", "d-model"},
+      {"model.dim_feedforward", "ff-dim"}, {"model.num_layers", "layers"},
+      {"model.dropout", "dropout"}, {"coefficients", "coefficients"}};
+  const std::string prefix = "TaggingJobConfig.";
+  for (std::size_t at = message.find(prefix); at != std::string::npos; at = message.find(prefix)) {
+    std::size_t end = at + prefix.size();
+    while (end < message.size() && (std::isalnum(static_cast<unsigned char>(message[end])) ||
+                                    message[end] == '_' || message[end] == '.')) {
+      ++end;
+    }
+    std::string field = message.substr(at + prefix.size(), end - at - prefix.size());
+    std::string option = field;
+    for (const auto& [from, to] : renamed) {
+      if (field == from) option = to;
+    }
+    std::replace(option.begin(), option.end(), '_', '-');
+    message.replace(at, end - at, "--" + option);
+  }
+  const std::string model_prefix = "TransformerTaggerOptions.";
+  if (message.rfind(model_prefix, 0) == 0) message.replace(0, model_prefix.size(), "model ");
+  return message;
 }
 
 }  // namespace
@@ -141,7 +170,7 @@ int main(int argc, char** argv) {
                                   (run_dir_error ? ": " + run_dir_error.message() : ""));
     }
   } catch (const std::exception& error) {
-    std::cerr << "xpm-train: error: " << error.what() << "\n";
+    std::cerr << "xpm-train: error: " << with_option_names(error.what()) << "\n";
     return 2;
   }
   try {

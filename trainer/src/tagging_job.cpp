@@ -144,6 +144,9 @@ void TaggingJobConfig::validate() const {
           "memory_fraction must be in (0, 1], got " + std::to_string(memory_fraction));
   require(extra_overhead_bytes >= 0, "extra_overhead_bytes must be >= 0, got " +
                                          std::to_string(extra_overhead_bytes));
+  require(memory_cap_bytes == 0 || memory_cap_factor == 0,
+          "memory_cap_bytes and TaggingJobConfig.memory_cap_factor are exclusive: give one (got " +
+              std::to_string(memory_cap_bytes) + " and " + std::to_string(memory_cap_factor) + ")");
   require(packer == "adaptive" || packer == "uniform",
           "packer must be 'adaptive' or 'uniform', got '" + packer + "'");
   require(log_every >= 1, "log_every must be >= 1, got " + std::to_string(log_every));
