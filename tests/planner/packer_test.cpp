@@ -254,3 +254,27 @@ TEST_CASE("adaptive packer with a sum dimension matches the aggregated dims it r
     CHECK(mb.dims == xpm::aggregate_dims(records, mb.record_indices, model));
   }
 }
+
+TEST_CASE("500 records of length 1 and 8 of maximum length pack densely, each microbatch in budget") {
+  // Per-record overhead (b*bs*l) and the quadratic term (a*bs*l^2) both matter here; the
+  // coefficients are the bundled tagger's fitted ones (bytes).
+  const xpm::MemoryModel model(
+      xpm::CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"}),
+      {96.0, 25811.8, 49091683.6}, 69570620.0, "bs");
+  std::vector<std::vector<double>> records(500, std::vector<double>{1, 1});
+  for (int i = 0; i < 8; ++i) records.push_back({1, 180});
+  const std::int64_t budget = 88363094;
+  const xpm::MicrobatchPlan adaptive =
+      xpm::AdaptivePacker(xpm::AdaptivePackerOptions{"l"}).pack(records, model, budget);
+  const xpm::MicrobatchPlan uniform = xpm::UniformPacker().pack(records, model, budget);
+  std::vector<int> seen(records.size(), 0);
+  for (const auto& mb : adaptive.microbatches) {
+    CHECK(mb.predicted_bytes <= budget);
+    for (std::size_t i : mb.record_indices) ++seen[i];
+  }
+  CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+  CHECK(adaptive.over_budget_records.empty());
+  // 8 long records need 2 microbatches (at most 6 fit at l = 180); the 500 short ones 1.
+  CHECK(adaptive.microbatches.size() == 3);
+  CHECK(uniform.microbatches.size() > 50);  // one size for all, set by l = 180
+}

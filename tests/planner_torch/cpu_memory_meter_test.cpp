@@ -1,4 +1,4 @@
-#include <doctest/doctest.h>
+#include "../torch_doctest.hpp"
 
 #include <torch/torch.h>
 

@@ -1,4 +1,4 @@
-#include <doctest/doctest.h>
+#include "../torch_doctest.hpp"
 
 #include <torch/torch.h>
 
@@ -78,4 +78,27 @@ TEST_CASE("the predictive batcher fits measured probes of a real step and predic
   const xpm::ProbeResult held_out = executor.run_probe({24, 48});
   const double predicted = model.predict_bytes({24, 48});
   CHECK(std::abs(predicted - held_out.step_peak_bytes()) / held_out.step_peak_bytes() < 0.01);
+}
+
+TEST_CASE("a probe without optimizer state under-predicts; ours allocates it and measures more") {
+  xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
+  torch::nn::Linear layer(torch::nn::LinearOptions(256, 256));
+  // Naive: forward + backward of a fresh model, no gradients or optimizer state beforehand.
+  meter.reset_peak();
+  layer(torch::randn({4, 256})).sum().backward();
+  const double naive_bytes = static_cast<double>(meter.peak_allocated_bytes());
+  // Ours: the full step with AdamW's state allocated, as in training.
+  ProbeFixture fixture;  // a 64x64 layer: compare like with like below
+  torch::optim::AdamW optimizer(layer->parameters(), torch::optim::AdamWOptions(0.0));
+  xpm::TorchProbeSteps steps;
+  steps.forward_backward = [&](const std::vector<double>& dims) {
+    layer(torch::randn({static_cast<std::int64_t>(dims[0]), 256})).sum().backward();
+  };
+  steps.optimizer_step = [&] { optimizer.step(); };
+  steps.zero_grad = [&] { optimizer.zero_grad(); };
+  xpm::TorchProbeExecutor executor(steps, meter);
+  executor.run_probe({4, 1});  // allocates the AdamW state
+  const xpm::ProbeResult probe = executor.run_probe({4, 1});
+  // AdamW keeps two moments per parameter: 2 x (256*256 + 256) floats more than the naive probe.
+  CHECK(probe.step_peak_bytes() - naive_bytes >= 2.0 * (256 * 256 + 256) * 4);
 }
