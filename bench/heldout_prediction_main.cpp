@@ -27,7 +27,7 @@
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/planner_torch/probe_runner.hpp"
-#include "xpm/trainer/run_files.hpp"
+#include "xpm/planner/atomic_file.hpp"
 #include "xpm/trainer/tagging_batch.hpp"
 #include "xpm/trainer/tagging_task.hpp"
 

@@ -1,6 +1,8 @@
 // memory_model.cpp — MemoryModel: prediction, microbatch-size search, JSON file (see header).
 #include "xpm/planner/memory_model.hpp"
 
+#include "xpm/planner/atomic_file.hpp"
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -12,9 +14,6 @@
 #include <stdexcept>
 #include <utility>
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 namespace xpm {
 namespace {
@@ -286,45 +285,7 @@ MemoryModel MemoryModel::from_json(const nlohmann::json& j) {
 }
 
 void MemoryModel::save(const std::string& path) const {
-  const std::string text = to_json().dump(2) + "\n";
-  std::string tmp = path + ".tmp.XXXXXX";
-  const int fd = ::mkstemp(tmp.data());
-  if (fd < 0) {
-    throw std::runtime_error("cannot save memory model to '" + path +
-                             "': cannot create a temporary file: " + std::strerror(errno));
-  }
-  auto fail = [&](const std::string& what) {
-    const int err = errno;
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw std::runtime_error("cannot save memory model to '" + path + "': " + what + ": " +
-                             std::strerror(err));
-  };
-  if (::fchmod(fd, 0644) != 0) fail("chmod of the temporary file failed");
-  const char* p = text.data();
-  std::size_t left = text.size();
-  while (left > 0) {
-    const ssize_t n = ::write(fd, p, left);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail("write failed");
-    }
-    p += n;
-    left -= static_cast<std::size_t>(n);
-  }
-  if (::fsync(fd) != 0) fail("fsync failed");
-  if (::close(fd) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    throw std::runtime_error("cannot save memory model to '" + path +
-                             "': close failed: " + std::strerror(err));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    throw std::runtime_error("cannot save memory model to '" + path +
-                             "': rename failed: " + std::strerror(err));
-  }
+  write_file_atomically(path, to_json().dump(2) + "\n");
 }
 
 MemoryModel MemoryModel::load(const std::string& path) {

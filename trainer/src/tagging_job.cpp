@@ -23,7 +23,7 @@
 #include "xpm/planner_torch/probe_runner.hpp"
 #include "xpm/trainer/brown_corpus.hpp"
 #include "xpm/trainer/loss_trainer.hpp"
-#include "xpm/trainer/run_files.hpp"
+#include "xpm/planner/atomic_file.hpp"
 #include "xpm/trainer/tagging_batch.hpp"
 #include "xpm/trainer/tagging_task.hpp"
 
