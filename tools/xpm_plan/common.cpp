@@ -1,0 +1,259 @@
+// xpm-plan shared pieces (see common.hpp).
+#include "common.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "xpm/planner/budget.hpp"
+
+namespace xpm_plan {
+
+std::string first_line(const std::string& text) {
+  const auto end = text.find_first_of("\r\n");
+  return end == std::string::npos ? text : text.substr(0, end);
+}
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t");
+  if (b == std::string::npos) return "";
+  const auto e = s.find_last_not_of(" \t");
+  return s.substr(b, e - b + 1);
+}
+
+std::vector<std::string> split_list(const std::string& text, const std::string& option) {
+  std::vector<std::string> items;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    item = trim(item);
+    if (item.empty()) throw InputError("--" + option + ": empty item in '" + text + "'");
+    items.push_back(item);
+  }
+  if (items.empty()) throw InputError("--" + option + ": expected a comma-separated list");
+  return items;
+}
+
+double parse_number(const std::string& text, const std::string& what) {
+  const std::string t = trim(text);
+  double value = 0;
+  auto [ptr, ec] = std::from_chars(t.data(), t.data() + t.size(), value);
+  if (t.empty() || ec != std::errc() || ptr != t.data() + t.size() || !std::isfinite(value)) {
+    throw InputError(what + ": '" + text + "' is not a finite number");
+  }
+  return value;
+}
+
+std::map<std::string, double> parse_assignments(const std::vector<std::string>& args,
+                                                const std::string& option) {
+  std::map<std::string, double> out;
+  for (const std::string& arg : args) {
+    for (const std::string& item : split_list(arg, option)) {
+      const auto eq = item.find('=');
+      if (eq == std::string::npos) {
+        throw InputError("--" + option + ": expected NAME=VALUE, got '" + item + "'");
+      }
+      const std::string name = trim(item.substr(0, eq));
+      if (name.empty()) throw InputError("--" + option + ": empty name in '" + item + "'");
+      if (out.count(name)) throw InputError("--" + option + ": '" + name + "' given twice");
+      out[name] = parse_number(item.substr(eq + 1), "--" + option + " " + name);
+    }
+  }
+  return out;
+}
+
+void add_budget_options(po::options_description& desc) {
+  desc.add_options()
+      ("capacity-bytes", po::value<std::int64_t>()->required(),
+       "device total memory or CPU cap, bytes (required)")
+      ("memory-fraction", po::value<double>()->default_value(0.9, "0.9"),
+       "share of capacity the plan may use, in (0, 1]")
+      ("extra-overhead-bytes", po::value<std::int64_t>()->default_value(0),
+       "bytes kept back for what probes don't see");
+}
+
+std::int64_t usable_bytes_from(const po::variables_map& vm) {
+  xpm::MemoryBudget budget;
+  budget.capacity_bytes = vm["capacity-bytes"].as<std::int64_t>();
+  budget.memory_fraction = vm["memory-fraction"].as<double>();
+  budget.extra_overhead_bytes = vm["extra-overhead-bytes"].as<std::int64_t>();
+  try {
+    return budget.usable_bytes();
+  } catch (const std::invalid_argument& e) {
+    // "MemoryBudget: capacity_bytes must be > 0, got 0" -> "--capacity-bytes must be > 0, got 0"
+    std::string message = first_line(e.what());
+    const std::string prefix = "MemoryBudget: ";
+    if (message.rfind(prefix, 0) == 0) message = message.substr(prefix.size());
+    for (const char* field : {"capacity_bytes", "memory_fraction", "extra_overhead_bytes"}) {
+      std::string option = std::string("--") + field;
+      std::replace(option.begin(), option.end(), '_', '-');
+      for (auto pos = message.find(field); pos != std::string::npos; pos = message.find(field)) {
+        message.replace(pos, std::strlen(field), option);
+      }
+    }
+    throw InputError("budget: " + message);
+  }
+}
+
+nlohmann::json budget_json(const po::variables_map& vm) {
+  return {{"capacity_bytes", vm["capacity-bytes"].as<std::int64_t>()},
+          {"memory_fraction", vm["memory-fraction"].as<double>()},
+          {"extra_overhead_bytes", vm["extra-overhead-bytes"].as<std::int64_t>()},
+          {"usable_bytes", usable_bytes_from(vm)}};
+}
+
+std::string bytes_text(double bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.0f", bytes);
+  return buf;
+}
+
+std::string mib_text(double bytes) {
+  char buf[64];
+  const double mib = bytes / (1024.0 * 1024.0);
+  if (std::fabs(mib) >= 1024.0 * 10) {
+    std::snprintf(buf, sizeof buf, "%.1f GiB", mib / 1024.0);
+  } else if (std::fabs(mib) >= 0.1) {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", mib);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f KiB", bytes / 1024.0);
+  }
+  return buf;
+}
+
+std::string number_text(double value) {
+  char buf[64];
+  auto [ptr, ec] = std::to_chars(buf, buf + sizeof buf, value);
+  if (ec != std::errc()) return "?";
+  return std::string(buf, ptr);
+}
+
+std::string dims_text(const xpm::MemoryModel& model, const std::vector<double>& dims) {
+  std::string out;
+  const auto& vars = model.formula().variable_names();
+  for (std::size_t v = 0; v < vars.size() && v < dims.size(); ++v) {
+    out += (v ? " " : "") + vars[v] + "=" + number_text(dims[v]);
+  }
+  return out;
+}
+
+nlohmann::json dims_json(const xpm::MemoryModel& model, const std::vector<double>& dims) {
+  nlohmann::json j = nlohmann::json::object();
+  const auto& vars = model.formula().variable_names();
+  for (std::size_t v = 0; v < vars.size() && v < dims.size(); ++v) j[vars[v]] = dims[v];
+  return j;
+}
+
+xpm::MemoryModel load_model(const std::string& path) {
+  try {
+    return xpm::MemoryModel::load(path);
+  } catch (const std::exception& e) {
+    throw InputError("--model: " + first_line(e.what()));
+  }
+}
+
+void write_file_atomically(const std::string& path, const std::string& text) {
+  std::string tmp = path + ".tmp.XXXXXX";
+  const int fd = ::mkstemp(tmp.data());
+  if (fd < 0) {
+    throw std::runtime_error("cannot write '" + path +
+                             "': cannot create a temporary file: " + std::strerror(errno));
+  }
+  auto fail = [&](const std::string& what) {
+    const int err = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw std::runtime_error("cannot write '" + path + "': " + what + ": " + std::strerror(err));
+  };
+  if (::fchmod(fd, 0644) != 0) fail("chmod of the temporary file failed");
+  const char* p = text.data();
+  std::size_t left = text.size();
+  while (left > 0) {
+    const ssize_t n = ::write(fd, p, left);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail("write failed");
+    }
+    p += n;
+    left -= static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0) fail("fsync failed");
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw std::runtime_error("cannot write '" + path + "': close failed: " + std::strerror(err));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw std::runtime_error("cannot write '" + path + "': rename failed: " + std::strerror(err));
+  }
+}
+
+std::string read_file(const std::string& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError(what + ": cannot read '" + path + "': " + std::strerror(errno));
+  std::ostringstream os;
+  os << in.rdbuf();
+  if (in.bad()) throw InputError(what + ": error while reading '" + path + "'");
+  return os.str();
+}
+
+}  // namespace xpm_plan
+
+namespace xpm_plan {
+
+std::vector<std::string> coefficient_terms(const xpm::CostFormula& formula) {
+  const auto& coefs = formula.coefficient_names();
+  const auto& vars = formula.variable_names();
+  std::vector<std::string> terms(coefs.size());
+  if (!formula.is_linear()) return terms;  // max(...), l^p: no single term per coefficient
+  for (const xpm::Monomial& m : formula.monomials()) {
+    if (m.coefficient < 0 || static_cast<std::size_t>(m.coefficient) >= coefs.size()) continue;
+    std::string product;
+    for (std::size_t v = 0; v < vars.size() && v < m.powers.size(); ++v) {
+      if (m.powers[v] == 0) continue;
+      product += (product.empty() ? "" : "*") + vars[v];
+      if (m.powers[v] > 1) product += "^" + std::to_string(m.powers[v]);
+    }
+    double factor = m.factor;
+    std::string& term = terms[static_cast<std::size_t>(m.coefficient)];
+    const bool negative = factor < 0;
+    factor = std::fabs(factor);
+    std::string text;
+    if (factor != 1 || product.empty()) text = number_text(factor);
+    if (!product.empty()) text += (text.empty() ? "" : "*") + product;
+    if (term.empty()) {
+      term = (negative ? "-" : "") + text;
+    } else {
+      term += (negative ? " - " : " + ") + text;
+    }
+  }
+  return terms;
+}
+
+std::string coefficient_unit(const std::string& term, bool linear) {
+  if (!linear) return "";
+  if (term.empty() || term == "1") return "bytes";
+  const bool compound = term.find(' ') != std::string::npos;
+  return "bytes per " + (compound ? "(" + term + ")" : term);
+}
+
+std::string coefficient_text(double value, const std::string& term, bool linear) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, std::fabs(value) >= 1e5 && std::fabs(value) < 1e15 ? "%.0f" : "%.6g",
+                value);
+  const std::string unit = coefficient_unit(term, linear);
+  return unit.empty() ? std::string(buf) : std::string(buf) + " " + unit;
+}
+
+}  // namespace xpm_plan

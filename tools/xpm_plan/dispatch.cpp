@@ -1,0 +1,97 @@
+// xpm-plan command dispatch (see dispatch.hpp).
+#include "dispatch.hpp"
+
+#include <algorithm>
+#include <iostream>
+
+#include "common.hpp"
+
+namespace xpm_plan {
+namespace {
+
+std::vector<std::string>& argv_store() {
+  static std::vector<std::string> args;
+  return args;
+}
+
+std::string verb_names(const std::vector<Verb>& verbs) {
+  std::string names;
+  for (const Verb& v : verbs) names += (names.empty() ? "" : ", ") + std::string(v.name);
+  return names;
+}
+
+void print_usage(std::ostream& os, const std::vector<Verb>& verbs) {
+  os << "usage: xpm-plan COMMAND [options]   (xpm-plan COMMAND --help for one command)\n\n"
+     << "commands:\n";
+  for (const Verb& v : verbs) {
+    const std::string name = v.name;
+    os << "  " << name << std::string(name.size() < 11 ? 11 - name.size() : 1, ' ') << v.summary
+       << "\n";
+  }
+  os << "\nEvery command takes --help and --json (one JSON object or list on stdout).\n"
+     << "exit codes: 0 success, 1 infeasible (e.g. nothing fits the budget), 2 bad input,\n"
+     << "3 internal error; errors are one line on stderr starting 'xpm-plan: error:'.\n";
+}
+
+int run(int argc, char** argv, const std::vector<Verb>& verbs) {
+  if (argc < 2) {
+    throw InputError("missing command (" + verb_names(verbs) + "); see xpm-plan --help");
+  }
+  const std::string name = argv[1];
+  if (name == "--help" || name == "-h" || name == "help") {
+    print_usage(std::cout, verbs);
+    return 0;
+  }
+  auto it = std::find_if(verbs.begin(), verbs.end(), [&](const Verb& v) { return name == v.name; });
+  if (it == verbs.end()) {
+    throw InputError("unknown command '" + name + "' (" + verb_names(verbs) +
+                     "); see xpm-plan --help");
+  }
+  const po::options_description desc = it->options();
+  po::positional_options_description positional;
+  if (it->positional != nullptr) positional.add(it->positional, 1);
+  po::variables_map vm;
+  po::store(po::command_line_parser(std::vector<std::string>(argv + 2, argv + argc))
+                .options(desc)
+                .positional(positional)
+                .run(),
+            vm);
+  if (vm.count("help")) {
+    std::cout << desc;
+    return 0;
+  }
+  po::notify(vm);
+  return it->run(vm);
+}
+
+void report(const char* kind, const std::exception& e) {
+  std::cerr << "xpm-plan: " << kind << ": " << first_line(e.what()) << "\n";
+}
+
+}  // namespace
+
+const std::vector<std::string>& command_line() { return argv_store(); }
+
+int dispatch(int argc, char** argv, const std::vector<Verb>& verbs) {
+  argv_store().assign(argv, argv + argc);
+  try {
+    return run(argc, argv, verbs);
+  } catch (const InfeasibleError& e) {
+    report("error", e);
+    return 1;
+  } catch (const po::error& e) {
+    report("error", e);
+  } catch (const InputError& e) {
+    report("error", e);
+  } catch (const std::invalid_argument& e) {  // planner errors not mapped by a verb
+    report("error", e);
+  } catch (const std::runtime_error& e) {  // unreadable or unwritable files
+    report("error", e);
+  } catch (const std::exception& e) {
+    report("internal error", e);
+    return 3;
+  }
+  return 2;
+}
+
+}  // namespace xpm_plan

@@ -1,0 +1,203 @@
+// xpm-plan fit options and report (see fit_report.hpp).
+#include "fit_report.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "common.hpp"
+
+namespace xpm_plan {
+
+FitRequest fit_request_from(const boost::program_options::variables_map& vm) {
+  FitRequest r;
+  r.allow_negative = vm["allow-negative"].as<bool>();
+  r.nonlinear = vm["nonlinear"].as<bool>();
+  if (vm.count("initial")) {
+    r.initial = parse_assignments(vm["initial"].as<std::vector<std::string>>(), "initial");
+  }
+  r.robust_loss = vm["robust-loss"].as<std::string>();
+  r.robust_scale = vm["robust-scale"].as<double>();
+  r.usable_max_rel_error = vm["usable-max-rel-error"].as<double>();
+  if (!(r.robust_scale > 0) || !std::isfinite(r.robust_scale)) {
+    throw InputError("--robust-scale must be > 0, got " + number_text(r.robust_scale));
+  }
+  if (!(r.usable_max_rel_error > 0) || !std::isfinite(r.usable_max_rel_error)) {
+    throw InputError("--usable-max-rel-error must be > 0, got " + number_text(r.usable_max_rel_error));
+  }
+  if (r.robust_loss != "none" && r.robust_loss != "huber" && r.robust_loss != "cauchy") {
+    throw InputError("--robust-loss: expected none, huber or cauchy, got '" + r.robust_loss + "'");
+  }
+  if (!r.initial.empty() && !r.nonlinear) {
+    throw InputError("--initial applies to non-linear fits only; add --nonlinear");
+  }
+  return r;
+}
+
+xpm::CostFormula make_formula(const std::string& text, const std::vector<std::string>& coefficients,
+                              const std::vector<std::string>& variables, const FitRequest& request) {
+  try {
+    xpm::CostFormulaOptions options;
+    options.allow_nonlinear = request.nonlinear;
+    return xpm::CostFormula(text, coefficients, variables, options);
+  } catch (const xpm::FormulaError& e) {
+    const bool nonlinear_term = e.message().find("not linear") != std::string::npos ||
+                                e.message().find("two coefficients") != std::string::npos;
+    throw InputError("--formula '" + text + "': " + e.brief() +
+                     (nonlinear_term && !request.nonlinear ? " (--nonlinear allows it)" : ""));
+  } catch (const std::invalid_argument& e) {  // names: duplicates, both coefficient and variable
+    throw InputError("--formula '" + text + "': " + first_line(e.what()));
+  }
+}
+
+FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSet& set,
+                            const FitRequest& request, const std::string& batch_size_variable) {
+  xpm::FitOptions options;
+  options.non_negative = !request.allow_negative;
+  options.robust_loss = request.robust_loss;
+  options.robust_loss_scale = request.robust_scale;
+  options.initial_values = request.initial;
+  options.batch_size_variable = batch_size_variable;
+  options.usable_max_rel_error = request.usable_max_rel_error;
+  try {
+    options.validate();
+  } catch (const std::invalid_argument& e) {
+    throw InputError("fit options: " + first_line(e.what()));
+  }
+  for (const auto& [name, value] : request.initial) {
+    const auto& names = formula.coefficient_names();
+    if (std::find(names.begin(), names.end(), name) == names.end()) {
+      throw InputError("--initial: '" + name + "' is not a coefficient of the formula");
+    }
+    (void)value;
+  }
+  FitOutcome outcome;
+  try {
+    outcome.result = xpm::fit_coefficients(formula, set.measurements, options);
+  } catch (const std::invalid_argument& e) {  // includes IdentifiabilityError
+    throw InputError(set.path + ": " + first_line(e.what()));
+  }
+  const xpm::FitSummary& s = outcome.result.summary;
+  outcome.usable = s.usable;
+  for (const std::string& reason : s.reasons) {
+    outcome.unusable_reason += (outcome.unusable_reason.empty() ? "" : " ") + reason;
+  }
+  return outcome;
+}
+
+nlohmann::json fit_summary_json(const xpm::FitSummary& s, const FitOutcome& outcome) {
+  auto finite_or_null = [](double v) {
+    return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr);
+  };
+  nlohmann::json loo = nlohmann::json::array();
+  for (double e : s.leave_one_out_rel_errors) loo.push_back(finite_or_null(e));
+  return {{"converged", s.converged},
+          {"usable", outcome.usable},
+          {"reasons", s.reasons},
+          {"linear", s.linear},
+          {"robust_loss", s.robust_loss},
+          {"iterations", s.iterations},
+          {"max_rel_error", s.max_rel_error},
+          {"mean_rel_error", s.mean_rel_error},
+          {"rel_errors", s.rel_errors},
+          {"leave_one_out_max_rel_error", finite_or_null(s.leave_one_out_max_rel_error)},
+          {"leave_one_out_rel_errors", std::move(loo)},
+          {"leave_one_out_note", s.leave_one_out_note},
+          {"solver_report", s.solver_report},
+          {"brief_report", s.brief_report()}};
+}
+
+namespace {
+
+std::string percent(double rel) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%+.3f %%", rel * 100);
+  return buf;
+}
+
+}  // namespace
+
+void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const MeasurementSet& set,
+                      const xpm::FitSummary& s, const FitOutcome& outcome, bool json,
+                      const std::string& output, const std::string& figure) {
+  const xpm::CostFormula& formula = model.formula();
+  const auto& names = formula.coefficient_names();
+  const auto terms = coefficient_terms(formula);
+  const auto& coefficients = model.coefficients();
+  if (json) {
+    nlohmann::json j;
+    j["formula"] = formula.text();
+    j["canonical"] = formula.canonical();
+    j["identity_hash"] = formula.identity_hash();
+    j["coefficients"] = model.to_json()["coefficients"];
+    nlohmann::json units = nlohmann::json::object();
+    for (std::size_t k = 0; k < names.size(); ++k) {
+      units[names[k]] = coefficient_unit(terms[k], formula.is_linear());
+    }
+    j["coefficient_units"] = std::move(units);
+    j["variables"] = formula.variable_names();
+    j["batch_size_variable"] = model.batch_size_variable();
+    j["floor_bytes"] = model.floor_bytes();
+    j["points"] = set.measurements.size();
+    const nlohmann::json summary_json = fit_summary_json(s, outcome);
+    for (const auto& item : summary_json.items()) j[item.key()] = item.value();
+    nlohmann::json points = nlohmann::json::array();
+    for (std::size_t i = 0; i < set.measurements.size(); ++i) {
+      const auto& m = set.measurements[i];
+      const double predicted = formula.predict(coefficients, m.dims);
+      nlohmann::json point = {{"source", set.labels[i]},
+                              {"dims", dims_json(model, m.dims)},
+                              {"measured_bytes", m.bytes},
+                              {"predicted_bytes", predicted},
+                              {"rel_error", (predicted - m.bytes) / m.bytes},
+                              {"leave_one_out_rel_error", nullptr}};
+      if (i < s.leave_one_out_rel_errors.size() && std::isfinite(s.leave_one_out_rel_errors[i])) {
+        point["leave_one_out_rel_error"] = s.leave_one_out_rel_errors[i];
+      }
+      points.push_back(std::move(point));
+    }
+    j["residuals"] = std::move(points);
+    nlohmann::json infeasible = nlohmann::json::array();
+    for (const auto& d : set.infeasible) infeasible.push_back(dims_json(model, d));
+    j["infeasible_probes"] = std::move(infeasible);
+    if (!outcome.usable) j["unusable_reason"] = outcome.unusable_reason;
+    j["output"] = output.empty() ? nlohmann::json(nullptr) : nlohmann::json(output);
+    j["figure"] = figure.empty() ? nlohmann::json(nullptr) : nlohmann::json(figure);
+    os << j.dump() << "\n";
+    return;
+  }
+  os << "formula:      " << formula.canonical() << "  (identity " << formula.identity_hash()
+     << ")\n"
+     << "coefficients: " << (formula.is_linear() ? "(bytes per unit of the term each multiplies)"
+                                                 : "(non-linear formula)")
+     << "\n";
+  for (std::size_t k = 0; k < names.size(); ++k) {
+    os << "  " << names[k] << " = " << coefficient_text(coefficients[k], terms[k], formula.is_linear())
+       << "\n";
+  }
+  os << "floor:        " << bytes_text(model.floor_bytes()) << " bytes ("
+     << mib_text(model.floor_bytes()) << "); predictions are max(floor, formula)\n"
+     << s.brief_report() << "\n";
+  os << "residuals ((predicted - measured) / measured; left out: predicted by a fit without "
+        "that point):\n";
+  for (std::size_t i = 0; i < set.measurements.size(); ++i) {
+    const auto& m = set.measurements[i];
+    const double predicted = formula.predict(coefficients, m.dims);
+    os << "  " << dims_text(model, m.dims) << ": measured " << bytes_text(m.bytes)
+       << ", predicted " << bytes_text(predicted) << ", " << percent((predicted - m.bytes) / m.bytes);
+    if (i < s.leave_one_out_rel_errors.size() && std::isfinite(s.leave_one_out_rel_errors[i])) {
+      os << ", left out " << percent(s.leave_one_out_rel_errors[i]);
+    }
+    os << "  (" << set.labels[i] << ")\n";
+  }
+  if (!set.infeasible.empty()) {
+    os << set.infeasible.size() << " probes ran out of memory and were not fitted:";
+    for (const auto& d : set.infeasible) os << "  [" << dims_text(model, d) << "]";
+    os << "\n";
+  }
+  if (!s.converged) os << "solver: " << s.solver_report << "\n";
+  if (!output.empty()) os << "saved memory model to " << output << "\n";
+  if (!figure.empty()) os << "wrote figure " << figure << "\n";
+}
+
+}  // namespace xpm_plan

@@ -1,0 +1,56 @@
+// xpm-plan fit: from command-line options to the planner's formula and fit options, and the
+// fit report (text or JSON).
+#pragma once
+
+#include <map>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <boost/program_options.hpp>
+#include <nlohmann/json.hpp>
+
+#include "measurements.hpp"
+#include "xpm/planner/fit.hpp"
+#include "xpm/planner/formula.hpp"
+#include "xpm/planner/memory_model.hpp"
+
+namespace xpm_plan {
+
+struct FitRequest {
+  bool allow_negative = false;             // --allow-negative
+  bool nonlinear = false;                  // --nonlinear
+  std::map<std::string, double> initial;   // --initial NAME=VALUE
+  std::string robust_loss = "none";        // --robust-loss none|huber|cauchy
+  double robust_scale = 0.01;              // --robust-scale: relative residual where it bends
+  double usable_max_rel_error = 0.05;      // --usable-max-rel-error
+};
+
+/// Reads and checks --allow-negative, --nonlinear, --initial, --robust-loss.
+FitRequest fit_request_from(const boost::program_options::variables_map& vm);
+
+/// Parses the formula; errors become InputError naming --formula (first line of the message).
+xpm::CostFormula make_formula(const std::string& text, const std::vector<std::string>& coefficients,
+                              const std::vector<std::string>& variables, const FitRequest& request);
+
+struct FitOutcome {
+  xpm::FitResult result;
+  bool usable = true;            // the planner's verdict (FitSummary::usable)
+  std::string unusable_reason;   // FitSummary::reasons joined, when !usable
+};
+
+/// Fits; the planner's input errors (identifiability, too few points) become InputError.
+/// The fit refuses a prediction that decreases as `batch_size_variable` grows (not usable).
+FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSet& set,
+                            const FitRequest& request, const std::string& batch_size_variable);
+
+/// The fit summary as JSON (converged, iterations, errors, ...).
+nlohmann::json fit_summary_json(const xpm::FitSummary& summary, const FitOutcome& outcome);
+
+/// Prints the report: text (formula, coefficients with units, floor, brief report, per-point
+/// residuals, infeasible probes, files written) or one JSON object.
+void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const MeasurementSet& set,
+                      const xpm::FitSummary& summary, const FitOutcome& outcome, bool json,
+                      const std::string& output, const std::string& figure);
+
+}  // namespace xpm_plan

@@ -1,0 +1,255 @@
+// xpm-plan measurements from CSV or JSON (see measurements.hpp).
+#include "measurements.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common.hpp"
+#include "csv_table.hpp"
+
+namespace xpm_plan {
+namespace {
+
+// Probe fields copied into saved records when present.
+const char* const kProbeFields[] = {"forward_backward_peak_bytes", "optimizer_step_peak_bytes",
+                                    "step_peak_bytes", "duration_s"};
+
+std::string brief(const nlohmann::json& v) {
+  std::string s = v.dump();
+  if (s.size() > 40) s = s.substr(0, 37) + "...";
+  return s;
+}
+
+bool is_field(const std::string& name, const std::string& bytes, const std::string& floor) {
+  if (name == bytes || name == floor) return true;
+  for (const char* f : kProbeFields) {
+    if (name == f) return true;
+  }
+  return false;
+}
+
+MeasurementSet read_csv_measurements(const MeasurementRequest& req, const std::string& text) {
+  if (req.variables.empty()) {
+    throw InputError("--variables is required with CSV measurements (" + req.path + ")");
+  }
+  const CsvTable table = parse_csv(text, req.path);
+  MeasurementSet set;
+  set.path = req.path;
+  set.format = "csv";
+  set.variables = req.variables;
+  std::vector<std::size_t> var_columns;
+  for (const auto& v : req.variables) var_columns.push_back(table.column(v));
+  const std::size_t bytes_column = table.column(req.bytes_column);
+  std::optional<std::size_t> floor_column;
+  if (!req.floor_column.empty()) floor_column = table.column(req.floor_column);
+  std::optional<std::size_t> feasible_column;
+  if (std::find(req.variables.begin(), req.variables.end(), "feasible") == req.variables.end()) {
+    feasible_column = table.find_column("feasible");
+  }
+  std::vector<std::pair<std::string, std::size_t>> extra;
+  for (const char* f : kProbeFields) {
+    if (f == req.bytes_column || f == req.floor_column) continue;
+    if (auto c = table.find_column(f)) extra.emplace_back(f, *c);
+  }
+  for (std::size_t r = 0; r < table.rows.size(); ++r) {
+    std::vector<double> dims;
+    for (std::size_t c : var_columns) dims.push_back(table.number(r, c));
+    nlohmann::json record = {{"dims", dims}};
+    const bool feasible = feasible_column ? table.boolean(r, *feasible_column) : true;
+    record["feasible"] = feasible;
+    if (!feasible) {
+      set.infeasible.push_back(dims);
+      set.infeasible_records.push_back(record);
+      set.all_records.push_back(std::move(record));
+      continue;
+    }
+    const double bytes = table.number(r, bytes_column);
+    if (!(bytes > 0)) {
+      throw InputError(table.where(r, bytes_column) + ": bytes must be > 0, got " +
+                       table.rows[r][bytes_column]);
+    }
+    record[req.bytes_column] = bytes;
+    if (floor_column) {
+      const double floor = table.number(r, *floor_column);
+      if (floor < 0) {
+        throw InputError(table.where(r, *floor_column) + ": bytes must be >= 0, got " +
+                         table.rows[r][*floor_column]);
+      }
+      record[req.floor_column] = floor;
+      set.floor_bytes = std::max(set.floor_bytes.value_or(0.0), floor);
+    }
+    for (const auto& [name, c] : extra) {
+      const std::string& cell = table.rows[r][c];
+      if (!cell.empty()) record[name] = table.number(r, c);
+    }
+    set.measurements.push_back({dims, bytes});
+    set.labels.push_back("line " + std::to_string(table.line_numbers[r]));
+    set.records.push_back(record);
+    set.all_records.push_back(std::move(record));
+  }
+  return set;
+}
+
+double json_number(const nlohmann::json& v, const std::string& where) {
+  if (!v.is_number()) throw InputError(where + ": expected a number, got " + brief(v));
+  const double x = v.get<double>();
+  if (!std::isfinite(x)) throw InputError(where + ": not a finite number");
+  return x;
+}
+
+MeasurementSet read_json_measurements(const MeasurementRequest& req, const std::string& text) {
+  nlohmann::json root;
+  try {
+    root = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(req.path + ": not valid JSON: " + first_line(e.what()));
+  }
+  const std::string& p = req.path;
+  const nlohmann::json* entries = nullptr;
+  std::string entries_name;
+  std::vector<std::string> file_variables;  // order of list-valued dims
+  if (root.is_array()) {
+    entries = &root;
+    entries_name = "";
+  } else if (root.is_object()) {
+    const nlohmann::json* names = nullptr;
+    if (root.contains("probes")) {  // xpm-plan probe --json
+      entries = &root["probes"];
+      entries_name = "probes";
+      if (root.contains("variable_names")) names = &root["variable_names"];
+    } else if (root.contains("metadata") && root["metadata"].is_object() &&
+               root["metadata"].contains("probes")) {  // memory model file
+      entries = &root["metadata"]["probes"];
+      entries_name = "metadata.probes";
+      if (root.contains("formula") && root["formula"].is_object() &&
+          root["formula"].contains("variable_names")) {
+        names = &root["formula"]["variable_names"];
+      }
+    } else {
+      throw InputError(p + ": expected a list of measurements, a memory model file with "
+                       "metadata.probes, or `xpm-plan probe --json` output with probes");
+    }
+    if (names != nullptr) {
+      if (!names->is_array()) throw InputError(p + ": variable names: expected a list of strings");
+      for (const auto& n : *names) {
+        if (!n.is_string()) throw InputError(p + ": variable names: expected a list of strings");
+        file_variables.push_back(n.get<std::string>());
+      }
+    }
+  } else {
+    throw InputError(p + ": expected a JSON list or object, got " + brief(root));
+  }
+  if (!entries->is_array()) {
+    throw InputError(p + ": " + entries_name + ": expected a list, got " + brief(*entries));
+  }
+  if (entries->empty()) throw InputError(p + ": " + (entries_name.empty() ? "the list" : entries_name) + " is empty");
+
+  MeasurementSet set;
+  set.path = p;
+  set.format = "json";
+  set.variables = req.variables.empty() ? file_variables : req.variables;
+  if (set.variables.empty()) {
+    throw InputError("--variables is required: " + p + " does not name its variables");
+  }
+  for (std::size_t i = 0; i < entries->size(); ++i) {
+    const nlohmann::json& e = (*entries)[i];
+    const std::string where = p + ": " + entries_name + "[" + std::to_string(i) + "]";
+    if (!e.is_object()) throw InputError(where + ": expected an object, got " + brief(e));
+    std::vector<double> dims;
+    if (e.contains("dims")) {
+      const nlohmann::json& d = e["dims"];
+      if (d.is_array()) {
+        if (file_variables.empty()) {
+          throw InputError(where + ".dims: a list, but the file does not name its variables; "
+                           "give dims as an object by name");
+        }
+        if (d.size() != file_variables.size()) {
+          throw InputError(where + ".dims: " + std::to_string(d.size()) + " values for " +
+                           std::to_string(file_variables.size()) + " variables");
+        }
+        for (const auto& v : set.variables) {
+          auto it = std::find(file_variables.begin(), file_variables.end(), v);
+          if (it == file_variables.end()) {
+            throw InputError(where + ".dims: no variable '" + v + "' in the file's variables");
+          }
+          const auto k = static_cast<std::size_t>(it - file_variables.begin());
+          dims.push_back(json_number(d[k], where + ".dims[" + std::to_string(k) + "]"));
+        }
+      } else if (d.is_object()) {
+        for (const auto& v : set.variables) {
+          if (!d.contains(v)) throw InputError(where + ".dims: no variable '" + v + "'");
+          dims.push_back(json_number(d[v], where + ".dims." + v));
+        }
+      } else {
+        throw InputError(where + ".dims: expected a list or an object, got " + brief(d));
+      }
+    } else {
+      for (const auto& v : set.variables) {
+        if (!e.contains(v)) throw InputError(where + ": no variable '" + v + "'");
+        dims.push_back(json_number(e[v], where + "." + v));
+      }
+    }
+    bool feasible = true;
+    if (e.contains("feasible")) {
+      const nlohmann::json& f = e["feasible"];
+      if (f.is_boolean()) {
+        feasible = f.get<bool>();
+      } else if (f.is_number_integer() && (f.get<int>() == 0 || f.get<int>() == 1)) {
+        feasible = f.get<int>() == 1;
+      } else {
+        throw InputError(where + ".feasible: expected true or false, got " + brief(f));
+      }
+    }
+    nlohmann::json record = {{"dims", dims}, {"feasible", feasible}};
+    if (!feasible) {
+      if (e.contains("error") && e["error"].is_string()) record["error"] = e["error"];
+      set.infeasible.push_back(dims);
+      set.infeasible_records.push_back(record);
+      set.all_records.push_back(std::move(record));
+      continue;
+    }
+    if (!e.contains(req.bytes_column)) {
+      throw InputError(where + ": no bytes field '" + req.bytes_column + "' (--bytes-column)");
+    }
+    const double bytes = json_number(e[req.bytes_column], where + "." + req.bytes_column);
+    if (!(bytes > 0)) {
+      throw InputError(where + "." + req.bytes_column + ": bytes must be > 0, got " +
+                       brief(e[req.bytes_column]));
+    }
+    if (!req.floor_column.empty()) {
+      if (!e.contains(req.floor_column)) {
+        throw InputError(where + ": no field '" + req.floor_column + "' (--floor-column)");
+      }
+      const double floor = json_number(e[req.floor_column], where + "." + req.floor_column);
+      if (floor < 0) throw InputError(where + "." + req.floor_column + ": must be >= 0");
+      set.floor_bytes = std::max(set.floor_bytes.value_or(0.0), floor);
+    }
+    for (const auto& item : e.items()) {
+      if (is_field(item.key(), req.bytes_column, req.floor_column) && item.value().is_number()) {
+        record[item.key()] = item.value();
+      }
+    }
+    set.measurements.push_back({dims, bytes});
+    set.labels.push_back(entries_name + "[" + std::to_string(i) + "]");
+    set.records.push_back(record);
+    set.all_records.push_back(std::move(record));
+  }
+  return set;
+}
+
+}  // namespace
+
+MeasurementSet read_measurements(const MeasurementRequest& request) {
+  const std::string text = read_file(request.path, "measurements");
+  std::string format = request.format;
+  if (format == "auto") {
+    const auto first = text.find_first_not_of(" \t\r\n");
+    format = first != std::string::npos && (text[first] == '[' || text[first] == '{') ? "json"
+                                                                                        : "csv";
+  }
+  if (format == "csv") return read_csv_measurements(request, text);
+  if (format == "json") return read_json_measurements(request, text);
+  throw InputError("--format: expected csv, json or auto, got '" + request.format + "'");
+}
+
+}  // namespace xpm_plan

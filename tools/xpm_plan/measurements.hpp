@@ -1,0 +1,53 @@
+// xpm-plan measurements: the data `fit` reads, from a CSV file or a JSON file.
+//
+// CSV: a header row with one column per variable and the bytes column (see csv_table.hpp). An
+// optional `feasible` column (1/0, true/false) marks probes that ran out of memory.
+//
+// JSON, one of:
+//   - a list of objects, one per measurement, with a number per variable and the bytes key:
+//       [{"bs": 1, "l": 16, "peak_bytes": 1000768}, ...]
+//   - a memory model file (xpm-train's memory_model.json, `xpm-plan fit --output`): its
+//     metadata.probes, dims in formula.variable_names order;
+//   - the output of `xpm-plan probe --json`: its probes, dims in variable_names order.
+// A probe's dims may be a list (in the file's variable order) or an object by name; its
+// "feasible" (default true) false marks a probe that ran out of memory.
+//
+// Infeasible probes are not fitted (their peak is unknown, only that it exceeds the cap): they
+// are kept in `infeasible` and reported, never dropped silently.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "xpm/planner/fit.hpp"
+
+namespace xpm_plan {
+
+struct MeasurementRequest {
+  std::string path;                   // file to read
+  std::string format = "auto";        // csv | json | auto (JSON when it starts with [ or {)
+  std::vector<std::string> variables; // formula variable order; empty: from the JSON file
+  std::string bytes_column;           // the measured peak to fit
+  std::string floor_column;           // optional: floor = max of this column over feasible rows
+};
+
+struct MeasurementSet {
+  std::string path;
+  std::string format;                         // "csv" or "json"
+  std::vector<std::string> variables;         // order of every dims vector below
+  std::vector<xpm::Measurement> measurements; // feasible ones, fitted
+  std::vector<std::string> labels;            // where each came from: "line 3", "probes[2]"
+  std::vector<nlohmann::json> records;        // each feasible one as a probe record (for saving)
+  std::vector<std::vector<double>> infeasible;// dims of probes that ran out of memory
+  std::vector<nlohmann::json> infeasible_records;
+  std::vector<nlohmann::json> all_records;    // feasible and infeasible, in file order
+  std::optional<double> floor_bytes;          // from floor_column
+};
+
+/// Reads the measurements; InputError naming the file, the entry and the field on bad input.
+MeasurementSet read_measurements(const MeasurementRequest& request);
+
+}  // namespace xpm_plan

@@ -1,0 +1,333 @@
+// xpm-plan figures: SVG writer (see svg_plot.hpp).
+#include "svg_plot.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <sstream>
+
+namespace xpm_plan {
+namespace {
+
+constexpr double kLeft = 86;     // room for y tick labels and the y label
+constexpr double kRight = 24;
+constexpr double kTitle = 34;    // title baseline area
+constexpr double kNote = 16;     // per note line
+constexpr double kLegend = 22;   // legend row above each plot
+constexpr double kAxisBelow = 46;// x tick labels + x label under each plot
+constexpr double kGap = 18;      // between panels
+
+std::string num(double v) {  // coordinates: 2 decimals, no trailing zeros
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", v);
+  std::string s = buf;
+  while (!s.empty() && s.back() == '0') s.pop_back();
+  if (!s.empty() && s.back() == '.') s.pop_back();
+  return s == "-0" ? "0" : s;
+}
+
+std::string tick_text(double v, double step) {
+  if (std::fabs(v) < step * 1e-9) v = 0;
+  int decimals = 0;
+  if (step < 1) {
+    decimals = static_cast<int>(std::ceil(-std::log10(step) - 1e-9));
+    // 0.25-style steps need one more digit than their magnitude.
+    const double scaled = step * std::pow(10.0, decimals);
+    if (std::fabs(scaled - std::round(scaled)) > 1e-6) ++decimals;
+  }
+  char buf[64];
+  if (std::fabs(v) >= 1e9) {
+    std::snprintf(buf, sizeof buf, "%.3g", v);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
+  }
+  return buf;
+}
+
+struct Range {
+  double lo = std::numeric_limits<double>::infinity();
+  double hi = -std::numeric_limits<double>::infinity();
+  void add(double v) {
+    if (!std::isfinite(v)) return;
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  bool empty() const { return !(lo <= hi); }
+};
+
+double tick_step(double lo, double hi, int count) {
+  const double span = hi - lo;
+  const double raw = span / std::max(count, 1);
+  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
+  for (double m : {1.0, 2.0, 2.5, 5.0, 10.0}) {
+    if (m * mag >= raw) return m * mag;
+  }
+  return 10 * mag;
+}
+
+// Final axis range: padded data range snapped outward to the tick step.
+struct Axis {
+  double lo = 0, hi = 1, step = 0.25;
+  std::vector<double> ticks;
+};
+
+Axis make_axis(Range r, bool pad, std::optional<double> fixed_lo, std::optional<double> fixed_hi,
+               int count, bool integer_ticks) {
+  if (r.empty()) r = {0, 1};
+  if (fixed_lo) r.lo = *fixed_lo;
+  if (fixed_hi) r.hi = *fixed_hi;
+  if (r.hi - r.lo <= std::fabs(r.hi) * 1e-12) {  // one value: widen around it
+    const double w = r.hi == 0 ? 1 : std::fabs(r.hi) * 0.05;
+    if (!fixed_lo) r.lo -= w;
+    if (!fixed_hi) r.hi += w;
+  }
+  if (pad) {
+    const double p = (r.hi - r.lo) * 0.04;
+    if (!fixed_lo) r.lo -= p;
+    if (!fixed_hi) r.hi += p;
+  }
+  Axis a;
+  a.step = tick_step(r.lo, r.hi, count);
+  if (integer_ticks) a.step = std::max(1.0, std::round(a.step));
+  a.lo = fixed_lo ? *fixed_lo : std::floor(r.lo / a.step + 1e-9) * a.step;
+  a.hi = fixed_hi ? *fixed_hi : std::ceil(r.hi / a.step - 1e-9) * a.step;
+  if (a.hi <= a.lo) a.hi = a.lo + a.step;
+  for (double t = std::ceil(a.lo / a.step - 1e-9) * a.step; t <= a.hi + a.step * 1e-9;
+       t += a.step) {
+    a.ticks.push_back(std::fabs(t) < a.step * 1e-9 ? 0.0 : t);
+    if (a.ticks.size() > 200) break;
+  }
+  return a;
+}
+
+}  // namespace
+
+std::vector<double> nice_ticks(double lo, double hi, int count) {
+  Range r;
+  r.add(lo);
+  r.add(hi);
+  return make_axis(r, false, std::nullopt, std::nullopt, count, false).ticks;
+}
+
+std::string xml_escape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&apos;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+Panel& Figure::add_panel(std::string x_label, std::string y_label) {
+  panels.emplace_back();
+  panels.back().x_label = std::move(x_label);
+  panels.back().y_label = std::move(y_label);
+  return panels.back();
+}
+
+std::string Figure::render() const {
+  double total_height = kTitle + kNote * static_cast<double>(notes.size()) + 8;
+  for (const Panel& p : panels) total_height += kLegend + p.height + kAxisBelow + kGap;
+
+  std::ostringstream svg;
+  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << num(width) << "\" height=\""
+      << num(total_height) << "\" viewBox=\"0 0 " << num(width) << " " << num(total_height)
+      << "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\" font-size=\"12\">\n"
+      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      << "<text x=\"" << num(width / 2) << "\" y=\"22\" text-anchor=\"middle\" font-size=\"15\""
+      << " font-weight=\"bold\">" << xml_escape(title) << "</text>\n";
+  double y0 = kTitle;
+  for (const std::string& note : notes) {
+    svg << "<text x=\"" << num(width / 2) << "\" y=\"" << num(y0 + 10)
+        << "\" text-anchor=\"middle\" fill=\"#444\">" << xml_escape(note) << "</text>\n";
+    y0 += kNote;
+  }
+  y0 += 8;
+
+  const double plot_w = width - kLeft - kRight;
+  int panel_index = 0;
+  for (const Panel& p : panels) {
+    // Ranges.
+    bool bars = false;
+    Range xr, yr;
+    for (const Series& s : p.series) {
+      if (s.kind == SeriesKind::kBars) bars = true;
+      for (std::size_t i = 0; i < s.x.size() && i < s.y.size(); ++i) {
+        xr.add(s.x[i]);
+        yr.add(s.y[i]);
+      }
+    }
+    for (const ReferenceLine& h : p.hlines) yr.add(h.y);
+    if (p.include_zero_y || bars) yr.add(0);
+    if (p.diagonal && !xr.empty()) {  // same range on both axes: y = x is the diagonal
+      xr.add(yr.lo);
+      xr.add(yr.hi);
+      yr = xr;
+    }
+    if (bars && !xr.empty()) {
+      xr.lo -= 0.5;
+      xr.hi += 0.5;
+    }
+    const Axis ax = make_axis(xr, !bars, p.x_min ? p.x_min : (bars ? std::optional<double>(xr.lo) : std::nullopt),
+                              p.x_max ? p.x_max : (bars ? std::optional<double>(xr.hi) : std::nullopt),
+                              8, bars);
+    const bool y_from_zero = (p.include_zero_y || bars) && !yr.empty() && yr.lo >= 0;
+    Axis ay = make_axis(yr, true, p.y_min ? p.y_min : (y_from_zero ? std::optional<double>(0.0) : std::nullopt),
+                        p.y_max, 6, false);
+    if (p.diagonal) ay = ax;
+
+    const double top = y0 + kLegend;
+    const double left = kLeft;
+    const double h = p.height;
+    auto sx = [&](double x) { return left + (x - ax.lo) / (ax.hi - ax.lo) * plot_w; };
+    auto sy = [&](double y) { return top + h - (y - ay.lo) / (ay.hi - ay.lo) * h; };
+
+    // Legend.
+    double lx = left;
+    for (const Series& s : p.series) {
+      if (s.label.empty()) continue;
+      const double cy = y0 + 11;
+      switch (s.kind) {
+        case SeriesKind::kPoints:
+          svg << "<circle cx=\"" << num(lx + 6) << "\" cy=\"" << num(cy) << "\" r=\"4\" fill=\""
+              << s.color << "\"/>";
+          break;
+        case SeriesKind::kCrosses:
+          svg << "<path d=\"M" << num(lx + 2) << " " << num(cy - 4) << "l8 8M" << num(lx + 2)
+              << " " << num(cy + 4) << "l8 -8\" stroke=\"" << s.color
+              << "\" stroke-width=\"1.8\"/>";
+          break;
+        case SeriesKind::kLine:
+          svg << "<line x1=\"" << num(lx) << "\" y1=\"" << num(cy) << "\" x2=\"" << num(lx + 14)
+              << "\" y2=\"" << num(cy) << "\" stroke=\"" << s.color << "\" stroke-width=\"2\"/>";
+          break;
+        case SeriesKind::kBars:
+          svg << "<rect x=\"" << num(lx) << "\" y=\"" << num(cy - 5) << "\" width=\"12\""
+              << " height=\"10\" fill=\"" << s.color << "\"/>";
+          break;
+      }
+      svg << "<text x=\"" << num(lx + 18) << "\" y=\"" << num(cy + 4) << "\">"
+          << xml_escape(s.label) << "</text>\n";
+      lx += 28 + 7.0 * static_cast<double>(s.label.size());
+    }
+    for (const ReferenceLine& r : p.hlines) {
+      if (r.label.empty()) continue;
+      const double cy = y0 + 11;
+      svg << "<line x1=\"" << num(lx) << "\" y1=\"" << num(cy) << "\" x2=\"" << num(lx + 14)
+          << "\" y2=\"" << num(cy) << "\" stroke=\"" << r.color << "\" stroke-width=\"1.5\""
+          << (r.dashed ? " stroke-dasharray=\"5 3\"" : "") << "/>"
+          << "<text x=\"" << num(lx + 18) << "\" y=\"" << num(cy + 4) << "\">"
+          << xml_escape(r.label) << "</text>\n";
+      lx += 28 + 7.0 * static_cast<double>(r.label.size());
+    }
+
+    // Frame, grid and ticks.
+    svg << "<g stroke=\"#e6e6e6\" stroke-width=\"1\">";
+    for (double t : ax.ticks) {
+      svg << "<line x1=\"" << num(sx(t)) << "\" y1=\"" << num(top) << "\" x2=\"" << num(sx(t))
+          << "\" y2=\"" << num(top + h) << "\"/>";
+    }
+    for (double t : ay.ticks) {
+      svg << "<line x1=\"" << num(left) << "\" y1=\"" << num(sy(t)) << "\" x2=\""
+          << num(left + plot_w) << "\" y2=\"" << num(sy(t)) << "\"/>";
+    }
+    svg << "</g>\n<rect x=\"" << num(left) << "\" y=\"" << num(top) << "\" width=\""
+        << num(plot_w) << "\" height=\"" << num(h)
+        << "\" fill=\"none\" stroke=\"#333\" stroke-width=\"1\"/>\n<g fill=\"#333\">";
+    for (double t : ax.ticks) {
+      svg << "<text x=\"" << num(sx(t)) << "\" y=\"" << num(top + h + 15)
+          << "\" text-anchor=\"middle\">" << tick_text(t, ax.step) << "</text>";
+    }
+    for (double t : ay.ticks) {
+      svg << "<text x=\"" << num(left - 6) << "\" y=\"" << num(sy(t) + 4)
+          << "\" text-anchor=\"end\">" << tick_text(t, ay.step) << "</text>";
+    }
+    svg << "</g>\n<text x=\"" << num(left + plot_w / 2) << "\" y=\"" << num(top + h + 36)
+        << "\" text-anchor=\"middle\">" << xml_escape(p.x_label) << "</text>\n"
+        << "<text transform=\"translate(" << num(18) << " " << num(top + h / 2)
+        << ") rotate(-90)\" text-anchor=\"middle\">" << xml_escape(p.y_label) << "</text>\n";
+
+    // Data, clipped to the plot area.
+    const std::string clip = "plot" + std::to_string(panel_index);
+    svg << "<clipPath id=\"" << clip << "\"><rect x=\"" << num(left) << "\" y=\"" << num(top)
+        << "\" width=\"" << num(plot_w) << "\" height=\"" << num(h) << "\"/></clipPath>\n"
+        << "<g clip-path=\"url(#" << clip << ")\">\n";
+    if (p.diagonal) {
+      svg << "<line x1=\"" << num(sx(ax.lo)) << "\" y1=\"" << num(sy(ax.lo)) << "\" x2=\""
+          << num(sx(ax.hi)) << "\" y2=\"" << num(sy(ax.hi))
+          << "\" stroke=\"#888\" stroke-width=\"1\" stroke-dasharray=\"4 3\"/>\n";
+    }
+    for (const Series& s : p.series) {
+      const std::size_t n = std::min(s.x.size(), s.y.size());
+      auto color_of = [&](std::size_t i) { return i < s.colors.size() ? s.colors[i] : s.color; };
+      auto tooltip = [&](std::size_t i) {
+        return i < s.tooltips.size() ? "<title>" + xml_escape(s.tooltips[i]) + "</title>"
+                                     : std::string();
+      };
+      if (s.kind == SeriesKind::kLine) {
+        svg << "<polyline fill=\"none\" stroke=\"" << s.color << "\" stroke-width=\"2\" points=\"";
+        for (std::size_t i = 0; i < n; ++i) {
+          svg << (i ? " " : "") << num(sx(s.x[i])) << "," << num(sy(s.y[i]));
+        }
+        svg << "\"/>\n";
+        continue;
+      }
+      for (std::size_t i = 0; i < n; ++i) {
+        if (!std::isfinite(s.x[i]) || !std::isfinite(s.y[i])) continue;
+        const double px = sx(s.x[i]), py = sy(s.y[i]);
+        switch (s.kind) {
+          case SeriesKind::kPoints:
+            svg << "<circle cx=\"" << num(px) << "\" cy=\"" << num(py) << "\" r=\"4\" fill=\""
+                << color_of(i) << "\" fill-opacity=\"0.85\">" << tooltip(i) << "</circle>\n";
+            break;
+          case SeriesKind::kCrosses:
+            svg << "<path d=\"M" << num(px - 4) << " " << num(py - 4) << "l8 8M" << num(px - 4)
+                << " " << num(py + 4) << "l8 -8\" stroke=\"" << color_of(i)
+                << "\" stroke-width=\"1.8\">" << tooltip(i) << "</path>\n";
+            break;
+          case SeriesKind::kBars: {
+            const double half = 0.4 * plot_w / (ax.hi - ax.lo);
+            const double base = sy(std::max(ay.lo, 0.0));
+            svg << "<rect x=\"" << num(px - half) << "\" y=\"" << num(std::min(py, base))
+                << "\" width=\"" << num(std::max(2 * half, 0.5)) << "\" height=\""
+                << num(std::fabs(base - py)) << "\" fill=\"" << color_of(i) << "\">" << tooltip(i)
+                << "</rect>\n";
+            break;
+          }
+          case SeriesKind::kLine: break;
+        }
+        if (i < s.labels.size() && !s.labels[i].empty()) {
+          if (s.kind == SeriesKind::kBars) {
+            const double base = sy(std::max(ay.lo, 0.0));
+            svg << "<text x=\"" << num(px) << "\" y=\"" << num(std::min(py, base) - 4)
+                << "\" text-anchor=\"middle\" font-size=\"10\" fill=\"#333\">"
+                << xml_escape(s.labels[i]) << "</text>\n";
+          } else {
+            svg << "<text x=\"" << num(px + 7) << "\" y=\"" << num(py + 4)
+                << "\" font-size=\"10\" fill=\"#555\">" << xml_escape(s.labels[i]) << "</text>\n";
+          }
+        }
+      }
+    }
+    for (const ReferenceLine& r : p.hlines) {
+      svg << "<line x1=\"" << num(left) << "\" y1=\"" << num(sy(r.y)) << "\" x2=\""
+          << num(left + plot_w) << "\" y2=\"" << num(sy(r.y)) << "\" stroke=\"" << r.color
+          << "\" stroke-width=\"1.5\"" << (r.dashed ? " stroke-dasharray=\"5 3\"" : "") << "/>\n";
+    }
+    svg << "</g>\n";
+    y0 = top + h + kAxisBelow + kGap;
+    ++panel_index;
+  }
+  svg << "</svg>\n";
+  return svg.str();
+}
+
+}  // namespace xpm_plan

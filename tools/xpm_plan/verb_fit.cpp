@@ -1,0 +1,216 @@
+// xpm-plan fit: fit a cost formula to measured peaks (CSV or JSON), print the fit report, save
+// the memory model and optionally a figure of measured vs predicted bytes with residuals.
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <iostream>
+#include <optional>
+
+#include "common.hpp"
+#include "figures.hpp"
+#include "fit_report.hpp"
+#include "measurements.hpp"
+#include "verbs.hpp"
+#include "xpm/planner/fit.hpp"
+#include "xpm/planner/formula.hpp"
+#include "xpm/planner/memory_model.hpp"
+
+namespace xpm_plan {
+namespace {
+
+// Names in the formula text that are neither variables nor functions, in order of first
+// appearance: the default coefficient list ("a*bs*l^2 + b*bs*l + c" -> a, b, c).
+std::vector<std::string> infer_coefficients(const std::string& text,
+                                            const std::vector<std::string>& variables) {
+  std::vector<std::string> names;
+  std::size_t i = 0;
+  while (i < text.size()) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (std::isdigit(c) || c == '.') {  // a number, with its exponent
+      while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
+      if (i < text.size() && (text[i] == 'e' || text[i] == 'E')) {
+        std::size_t j = i + 1;
+        if (j < text.size() && (text[j] == '+' || text[j] == '-')) ++j;
+        if (j < text.size() && std::isdigit(static_cast<unsigned char>(text[j]))) {
+          i = j;
+          while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+        }
+      }
+    } else if (std::isalpha(c) || c == '_') {
+      const std::size_t start = i;
+      while (i < text.size() && (std::isalnum(static_cast<unsigned char>(text[i])) || text[i] == '_')) ++i;
+      const std::string name = text.substr(start, i - start);
+      std::size_t next = i;
+      while (next < text.size() && std::isspace(static_cast<unsigned char>(text[next]))) ++next;
+      const bool function = next < text.size() && text[next] == '(';
+      if (!function && std::find(variables.begin(), variables.end(), name) == variables.end() &&
+          std::find(names.begin(), names.end(), name) == names.end()) {
+        names.push_back(name);
+      }
+    } else {
+      ++i;
+    }
+  }
+  if (names.empty()) {
+    throw InputError("--formula '" + text + "': no coefficient to fit (every name is a variable)");
+  }
+  return names;
+}
+
+std::map<std::string, xpm::DimAggregation> parse_aggregation(const std::vector<std::string>& args) {
+  std::map<std::string, xpm::DimAggregation> out;
+  for (const std::string& arg : args) {
+    for (const std::string& item : split_list(arg, "aggregation")) {
+      const auto eq = item.find('=');
+      if (eq == std::string::npos) {
+        throw InputError("--aggregation: expected VAR=count|max|sum, got '" + item + "'");
+      }
+      try {
+        out[trim(item.substr(0, eq))] = xpm::dim_aggregation_from_string(trim(item.substr(eq + 1)));
+      } catch (const std::invalid_argument& e) {
+        throw InputError("--aggregation " + item + ": " + first_line(e.what()));
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+po::options_description fit_options() {
+  po::options_description desc(
+      "xpm-plan fit [MEASUREMENTS] --formula F --bytes-column C [options]\n"
+      "Fits the coefficients of a cost formula to measured peak bytes (Ceres, relative "
+      "residuals,\nnon-negative by default), prints the fit report and saves the memory model.\n"
+      "MEASUREMENTS is a CSV file, a JSON list of objects, a memory model file (its probes) or\n"
+      "`xpm-plan probe --json` output; the format is read from the content. Probes marked\n"
+      "infeasible (out of memory) are reported and not fitted.\nOptions");
+  desc.add_options()
+      ("help,h", "show this help")
+      ("measurements", po::value<std::string>(),
+       "measurements file, CSV or JSON (also the positional argument)")
+      ("csv", po::value<std::string>(), "measurements file, read as CSV")
+      ("formula", po::value<std::string>()->required(),
+       "cost formula in bytes, e.g. 'a*bs*l^2 + b*bs*l + c' or 'max(a*bs*l^2, b*bs*l) + c' "
+       "(required)")
+      ("coefficients", po::value<std::string>(),
+       "comma-separated coefficient names (default: the formula's names that are not variables)")
+      ("variables", po::value<std::string>(),
+       "comma-separated variable names, e.g. bs,l (required for CSV; JSON probe files name "
+       "theirs)")
+      ("bytes-column", po::value<std::string>()->required(),
+       "column (CSV) or key (JSON) with the measured peak bytes to fit, e.g. "
+       "forward_backward_peak_bytes (required)")
+      ("batch-size-variable", po::value<std::string>()->default_value("", "first variable"),
+       "variable that counts records in a microbatch")
+      ("floor-bytes", po::value<double>(),
+       "constant floor of every prediction (static memory), bytes (default 0)")
+      ("floor-column", po::value<std::string>(),
+       "floor = the largest value of this column over the feasible measurements, e.g. "
+       "optimizer_step_peak_bytes")
+      ("aggregation", po::value<std::vector<std::string>>()->composing(),
+       "VAR=count|max|sum, how records combine per variable (repeatable; default: max)")
+      ("allow-negative", po::bool_switch()->default_value(false),
+       "let coefficients be negative (default: bounded below by 0)")
+      ("nonlinear", po::bool_switch()->default_value(false),
+       "allow coefficients used non-linearly, e.g. the exponent p in 'a*bs*l^p + c'")
+      ("initial", po::value<std::vector<std::string>>()->composing(),
+       "NAME=VALUE starting values for a non-linear fit, e.g. p=1.5 (repeatable)")
+      ("robust-loss", po::value<std::string>()->default_value("none"),
+       "none, huber or cauchy: down-weight outliers (on relative residuals)")
+      ("robust-scale", po::value<double>()->default_value(0.01, "0.01"),
+       "relative residual where the robust loss bends (0.01: 1 %)")
+      ("usable-max-rel-error", po::value<double>()->default_value(0.05, "0.05"),
+       "a fit whose max relative error exceeds this is not usable (exit code 1, no file)")
+      ("output,o", po::value<std::string>(), "save the memory model JSON here (atomic write)")
+      ("figure", po::value<std::string>(),
+       "write an SVG figure here: measured vs predicted bytes, and relative residuals")
+      ("json", po::bool_switch()->default_value(false), "print one JSON object instead of text");
+  return desc;
+}
+
+int run_fit(const po::variables_map& vm) {
+  // Options first: every bad option is reported before any file is read.
+  MeasurementRequest request;
+  if (vm.count("measurements") && vm.count("csv")) {
+    throw InputError("give the measurements once: --csv '" + vm["csv"].as<std::string>() +
+                     "' and '" + vm["measurements"].as<std::string>() + "'");
+  }
+  if (vm.count("csv")) {
+    request.path = vm["csv"].as<std::string>();
+    request.format = "csv";
+  } else if (vm.count("measurements")) {
+    request.path = vm["measurements"].as<std::string>();
+  } else {
+    throw InputError("no measurements file: give it as the first argument or with --csv");
+  }
+  request.bytes_column = vm["bytes-column"].as<std::string>();
+  if (vm.count("variables")) {
+    request.variables = split_list(vm["variables"].as<std::string>(), "variables");
+  }
+  if (vm.count("floor-column")) {
+    if (vm.count("floor-bytes")) throw InputError("give --floor-bytes or --floor-column, not both");
+    request.floor_column = vm["floor-column"].as<std::string>();
+  }
+  const FitRequest fit_request = fit_request_from(vm);
+  const std::string formula_text = vm["formula"].as<std::string>();
+
+  const MeasurementSet set = read_measurements(request);
+  const std::vector<std::string>& variables = set.variables;
+  const std::vector<std::string> coefficients =
+      vm.count("coefficients") ? split_list(vm["coefficients"].as<std::string>(), "coefficients")
+                               : infer_coefficients(formula_text, variables);
+  const xpm::CostFormula formula = make_formula(formula_text, coefficients, variables,
+                                                fit_request);
+  std::string bs_variable = vm["batch-size-variable"].as<std::string>();
+  if (bs_variable.empty()) bs_variable = variables.front();
+  const auto aggregation = vm.count("aggregation")
+                               ? parse_aggregation(vm["aggregation"].as<std::vector<std::string>>())
+                               : std::map<std::string, xpm::DimAggregation>{};
+  double floor_bytes = vm.count("floor-bytes") ? vm["floor-bytes"].as<double>() : 0.0;
+  if (set.floor_bytes) floor_bytes = *set.floor_bytes;
+  try {  // validates the batch-size variable, aggregation and floor before fitting
+    (void)xpm::MemoryModel(formula, std::vector<double>(coefficients.size(), 0.0), floor_bytes,
+                           bs_variable, aggregation);
+  } catch (const std::invalid_argument& e) {
+    throw InputError(first_line(e.what()));
+  }
+  if (set.measurements.empty()) {
+    throw InfeasibleError(set.path + ": no feasible measurement to fit (" +
+                          std::to_string(set.infeasible.size()) + " ran out of memory)");
+  }
+
+  const FitOutcome outcome = fit_measurements(formula, set, fit_request, bs_variable);
+  const xpm::FitSummary& s = outcome.result.summary;
+
+  xpm::MemoryModel model(formula, outcome.result.coefficients, floor_bytes, bs_variable,
+                         aggregation);
+  nlohmann::json probes = nlohmann::json::array();
+  for (const auto& r : set.all_records) probes.push_back(r);
+  model.metadata()["created_by"] = "xpm-plan fit";
+  model.metadata()["source"] = set.path;
+  model.metadata()["fit"] = fit_summary_json(s, outcome);
+  model.metadata()["fit"]["fitted_to"] = request.bytes_column;
+  model.metadata()["fit"]["points"] = set.measurements.size();
+  model.metadata()["fit"]["infeasible_probes"] = set.infeasible.size();
+  if (!request.floor_column.empty()) model.metadata()["floor_from"] = request.floor_column;
+  model.metadata()["probes"] = std::move(probes);
+
+  // Render everything, then write: a failure leaves no file behind.
+  const std::string output = vm.count("output") ? vm["output"].as<std::string>() : "";
+  const std::string figure = vm.count("figure") ? vm["figure"].as<std::string>() : "";
+  std::string figure_svg;
+  if (!figure.empty()) figure_svg = fit_figure_svg(model, set, s, request.bytes_column);
+  if (!outcome.usable) {
+    print_fit_report(std::cout, model, set, s, outcome, vm["json"].as<bool>(), "", "");
+    throw InfeasibleError("the fit is not usable: " + outcome.unusable_reason +
+                          "; no file written");
+  }
+  if (!figure.empty()) write_file_atomically(figure, figure_svg);
+  if (!output.empty()) model.save(output);
+  print_fit_report(std::cout, model, set, s, outcome, vm["json"].as<bool>(), output, figure);
+  if (!s.converged) std::cerr << "xpm-plan: warning: the fit did not converge\n";
+  return 0;
+}
+
+}  // namespace xpm_plan

@@ -1,0 +1,233 @@
+// xpm-plan show: print a memory model file — formula, coefficients with units, floor, metadata
+// and the probes with the model's prediction at each.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+
+#include "common.hpp"
+#include "verbs.hpp"
+
+namespace xpm_plan {
+namespace {
+
+// Probe fields shown as table columns, in this order, when present.
+const char* const kProbeColumns[] = {"forward_backward_peak_bytes", "optimizer_step_peak_bytes",
+                                     "step_peak_bytes"};
+
+std::string scalar_text(const nlohmann::json& v) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_number_float()) return number_text(v.get<double>());
+  return v.dump();
+}
+
+// Probe dims as a vector in the model's variable order (list or object by name).
+std::vector<double> probe_dims(const nlohmann::json& probe, const xpm::MemoryModel& model,
+                               const std::string& where) {
+  const auto& vars = model.formula().variable_names();
+  if (!probe.is_object() || !probe.contains("dims")) {
+    throw InputError(where + ": expected an object with dims");
+  }
+  const nlohmann::json& d = probe["dims"];
+  std::vector<double> dims;
+  for (std::size_t v = 0; v < vars.size(); ++v) {
+    const nlohmann::json* x = nullptr;
+    if (d.is_array() && d.size() == vars.size()) x = &d[v];
+    if (d.is_object() && d.contains(vars[v])) x = &d[vars[v]];
+    if (x == nullptr || !x->is_number()) {
+      throw InputError(where + ".dims: no number for variable '" + vars[v] + "'");
+    }
+    dims.push_back(x->get<double>());
+  }
+  return dims;
+}
+
+}  // namespace
+
+po::options_description show_options() {
+  po::options_description desc(
+      "xpm-plan show [--model] M [--json]\n"
+      "Prints a memory model file: formula (as given and canonical), coefficients with their\n"
+      "units (bytes per unit of the term), floor, metadata, and the probes with the model's\n"
+      "prediction at each.\nOptions");
+  desc.add_options()
+      ("help,h", "show this help")
+      ("model", po::value<std::string>()->required(), "memory model JSON (required; positional)")
+      ("json", po::bool_switch()->default_value(false), "print one JSON object instead of text");
+  return desc;
+}
+
+int run_show(const po::variables_map& vm) {
+  const std::string path = vm["model"].as<std::string>();
+  const xpm::MemoryModel model = load_model(path);
+  const xpm::CostFormula& formula = model.formula();
+  const auto& names = formula.coefficient_names();
+  const auto& vars = formula.variable_names();
+  const auto terms = coefficient_terms(formula);
+  nlohmann::json metadata = model.metadata();
+  nlohmann::json probes = nlohmann::json::array();
+  if (metadata.contains("probes")) {
+    if (!metadata["probes"].is_array()) throw InputError(path + ": metadata.probes is not a list");
+    probes = metadata["probes"];
+    metadata.erase("probes");
+  }
+  std::vector<std::vector<double>> dims;
+  for (std::size_t i = 0; i < probes.size(); ++i) {
+    dims.push_back(probe_dims(probes[i], model, path + ": metadata.probes[" + std::to_string(i) + "]"));
+  }
+
+  if (vm["json"].as<bool>()) {
+    nlohmann::json j;
+    j["path"] = path;
+    j["formula"] = formula.text();
+    j["canonical"] = formula.canonical();
+    j["identity_hash"] = formula.identity_hash();
+    j["linear"] = formula.is_linear();
+    j["variables"] = vars;
+    j["batch_size_variable"] = model.batch_size_variable();
+    nlohmann::json agg = nlohmann::json::object();
+    for (std::size_t v = 0; v < vars.size(); ++v) agg[vars[v]] = xpm::to_string(model.aggregation()[v]);
+    j["aggregation"] = std::move(agg);
+    nlohmann::json coefs = nlohmann::json::array();
+    for (std::size_t k = 0; k < names.size(); ++k) {
+      coefs.push_back({{"name", names[k]},
+                       {"value", model.coefficients()[k]},
+                       {"term", terms[k]},
+                       {"unit", coefficient_unit(terms[k], formula.is_linear())}});
+    }
+    j["coefficients"] = std::move(coefs);
+    j["floor_bytes"] = model.floor_bytes();
+    j["metadata"] = metadata;
+    for (std::size_t i = 0; i < probes.size(); ++i) {
+      probes[i]["dims"] = dims_json(model, dims[i]);
+      probes[i]["predicted_bytes"] = model.predict_bytes(dims[i]);
+    }
+    j["probes"] = std::move(probes);
+    std::cout << j.dump() << "\n";
+    return 0;
+  }
+
+  std::ostream& os = std::cout;
+  os << "memory model  " << path << "\n"
+     << "formula       " << formula.text() << "\n"
+     << "canonical     " << formula.canonical() << "\n"
+     << "variables     ";
+  for (std::size_t v = 0; v < vars.size(); ++v) {
+    os << (v ? ", " : "") << vars[v] << " ("
+       << (v == model.batch_size_index() ? "batch size, " : "")
+       << xpm::to_string(model.aggregation()[v]) << " over records)";
+  }
+  os << "\nidentity      " << formula.identity_hash() << "\n"
+     << "coefficients  "
+     << (formula.is_linear() ? "(bytes per unit of the term each multiplies)" : "(non-linear formula)")
+     << "\n";
+  for (std::size_t k = 0; k < names.size(); ++k) {
+    os << "  " << names[k] << " = "
+       << coefficient_text(model.coefficients()[k], terms[k], formula.is_linear()) << "\n";
+  }
+  os << "floor         " << bytes_text(model.floor_bytes()) << " bytes ("
+     << mib_text(model.floor_bytes()) << "); prediction = max(floor, formula)\n";
+  for (const auto& item : metadata.items()) {
+    const nlohmann::json& v = item.value();
+    if (item.key() == "fit" && v.is_object()) {  // the fit's one-paragraph report
+      if (v.contains("brief_report") && v["brief_report"].is_string()) {
+        os << "fit           " << v["brief_report"].get<std::string>() << "\n";
+      }
+      std::string line;
+      for (const char* key : {"fitted_to", "points", "infeasible_probes", "max_rel_error",
+                              "mean_rel_error", "leave_one_out_max_rel_error", "usable"}) {
+        if (v.contains(key) && !v[key].is_structured()) {
+          line += (line.empty() ? "" : ", ") + std::string(key) + " " + scalar_text(v[key]);
+        }
+      }
+      if (!line.empty()) os << "              " << line << "\n";
+    } else if (v.is_object()) {
+      std::string line;
+      for (const auto& sub : v.items()) {
+        if (sub.value().is_structured()) continue;  // lists such as rel_errors: see --json
+        line += (line.empty() ? "" : ", ") + sub.key() + " " + scalar_text(sub.value());
+      }
+      os << std::left << std::setw(14) << item.key() << std::right << line << "\n";
+    } else if (!v.is_array()) {
+      os << std::left << std::setw(14) << item.key() << std::right << scalar_text(v);
+      if (v.is_number() && item.key().size() > 6 &&
+          item.key().compare(item.key().size() - 6, 6, "_bytes") == 0) {
+        os << " (" << mib_text(v.get<double>()) << ")";
+      }
+      os << "\n";
+    }
+  }
+  if (probes.empty()) {
+    os << "probes        none recorded\n";
+    return 0;
+  }
+  std::size_t infeasible = 0;
+  for (const auto& p : probes) infeasible += p.value("feasible", true) ? 0 : 1;
+  os << "probes        " << probes.size() << " (" << infeasible
+     << " out of memory); bytes, predicted = max(floor, formula)\n";
+  std::vector<std::string> columns;
+  for (const char* c : kProbeColumns) {
+    if (std::any_of(probes.begin(), probes.end(), [&](const nlohmann::json& p) { return p.contains(c); })) {
+      columns.push_back(c);
+    }
+  }
+  // Other numeric byte fields (e.g. the fitted column of a CSV fit).
+  for (const auto& p : probes) {
+    for (const auto& item : p.items()) {
+      const std::string& k = item.key();
+      if (item.value().is_number() && k.size() > 5 && k.find("bytes") != std::string::npos &&
+          std::find(columns.begin(), columns.end(), k) == columns.end()) {
+        columns.push_back(k);
+      }
+    }
+  }
+  std::string fitted_to;
+  if (metadata.contains("fit") && metadata["fit"].is_object() &&
+      metadata["fit"].contains("fitted_to") && metadata["fit"]["fitted_to"].is_string()) {
+    fitted_to = metadata["fit"]["fitted_to"].get<std::string>();
+  }
+  auto short_name = [](std::string c) {
+    const std::string suffix = "_peak_bytes";
+    if (c.size() > suffix.size() && c.compare(c.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      c = c.substr(0, c.size() - suffix.size());
+    }
+    return c;
+  };
+  os << " ";
+  for (const auto& v : vars) os << std::setw(7) << v;
+  for (const auto& c : columns) os << std::setw(std::max<int>(14, static_cast<int>(short_name(c).size()) + 2)) << short_name(c);
+  os << std::setw(14) << "predicted" << std::setw(10) << "error" << "  feasible\n";
+  // error: (predicted - step peak) / step peak, or against the fitted column without step peaks.
+  for (std::size_t i = 0; i < probes.size(); ++i) {
+    const nlohmann::json& p = probes[i];
+    os << " ";
+    for (double d : dims[i]) os << std::setw(7) << number_text(d);
+    const double predicted = model.predict_bytes(dims[i]);
+    for (const auto& c : columns) {
+      const int w = std::max<int>(14, static_cast<int>(short_name(c).size()) + 2);
+      if (p.contains(c) && p[c].is_number()) {
+        os << std::setw(w) << bytes_text(p[c].get<double>());
+      } else {
+        os << std::setw(w) << "-";
+      }
+    }
+    const bool feasible = p.value("feasible", true);
+    os << std::setw(14) << bytes_text(predicted);
+    // Error against the step peak (what the budget must hold), else the fitted column.
+    const std::string reference = p.contains("step_peak_bytes") ? "step_peak_bytes" : fitted_to;
+    if (feasible && !reference.empty() && p.contains(reference) && p[reference].is_number() &&
+        p[reference].get<double>() > 0) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%+.2f%%",
+                    (predicted - p[reference].get<double>()) / p[reference].get<double>() * 100);
+      os << std::setw(10) << buf;
+    } else {
+      os << std::setw(10) << "-";
+    }
+    os << "  " << (feasible ? "yes" : "NO (out of memory)") << "\n";
+  }
+  return 0;
+}
+
+}  // namespace xpm_plan
