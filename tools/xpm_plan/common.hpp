@@ -65,8 +65,8 @@ nlohmann::json dims_json(const xpm::MemoryModel& model, const std::vector<double
 /// Loads a memory model; errors name the path (--model).
 xpm::MemoryModel load_model(const std::string& path);
 
-/// Writes `text` to `path` atomically (temporary file in the same folder, fsync, rename).
-/// Throws std::runtime_error naming the path.
+/// Writes `text` to `path` atomically (xpm::write_file_atomically: temporary file in the same
+/// folder, fsync, rename). Throws std::runtime_error naming the path.
 void write_file_atomically(const std::string& path, const std::string& text);
 
 /// Reads a whole file; InputError naming `what` and the path when unreadable.

@@ -28,9 +28,6 @@ FitRequest fit_request_from(const boost::program_options::variables_map& vm) {
   if (r.robust_loss != "none" && r.robust_loss != "huber" && r.robust_loss != "cauchy") {
     throw InputError("--robust-loss: expected none, huber or cauchy, got '" + r.robust_loss + "'");
   }
-  if (!r.initial.empty() && !r.nonlinear) {
-    throw InputError("--initial applies to non-linear fits only; add --nonlinear");
-  }
   return r;
 }
 
@@ -64,6 +61,10 @@ FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSe
   } catch (const std::invalid_argument& e) {
     throw InputError("fit options: " + first_line(e.what()));
   }
+  if (!request.initial.empty() && formula.is_linear()) {
+    throw InputError("--initial applies to non-linear formulas only (max(...), or terms such as "
+                     "l^p with --nonlinear); '" + formula.text() + "' is fitted linearly");
+  }
   for (const auto& [name, value] : request.initial) {
     const auto& names = formula.coefficient_names();
     if (std::find(names.begin(), names.end(), name) == names.end()) {
@@ -80,7 +81,7 @@ FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSe
   const xpm::FitSummary& s = outcome.result.summary;
   outcome.usable = s.usable;
   for (const std::string& reason : s.reasons) {
-    outcome.unusable_reason += (outcome.unusable_reason.empty() ? "" : " ") + reason;
+    outcome.unusable_reason += (outcome.unusable_reason.empty() ? "" : "; ") + reason;
   }
   return outcome;
 }
