@@ -21,6 +21,12 @@ Series make_series(std::string label, SeriesKind kind, std::string color) {
   return s;
 }
 
+std::string significant(double v) {  // 3 significant digits, no exponent for |v| >= 1e-4
+  char buf[64];
+  std::snprintf(buf, sizeof buf, std::fabs(v) >= 1e-4 || v == 0 ? "%.3g" : "%.2e", v);
+  return buf;
+}
+
 std::string fixed(double v, int decimals) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
@@ -35,9 +41,13 @@ std::string fit_figure_svg(const xpm::MemoryModel& model, const MeasurementSet& 
   Figure fig;
   fig.title = "Fit of " + formula.canonical();
   fig.notes.push_back(std::to_string(set.measurements.size()) + " measurements of " +
-                      bytes_column + " from " + set.path + "; max |relative error| " +
-                      fixed(summary.max_rel_error * 100, 3) + " %, mean " +
-                      fixed(summary.mean_rel_error * 100, 3) + " %");
+                      bytes_column + " from " + set.path);
+  std::string errors = "fitted: max |relative error| " + significant(summary.max_rel_error * 100) +
+                       " %, mean " + significant(summary.mean_rel_error * 100) + " %";
+  if (std::isfinite(summary.leave_one_out_max_rel_error)) {
+    errors += "; leave-one-out max " + significant(summary.leave_one_out_max_rel_error * 100) + " %";
+  }
+  fig.notes.push_back(errors + (summary.usable ? "" : "; NOT USABLE"));
   if (!set.infeasible.empty()) {
     fig.notes.push_back(std::to_string(set.infeasible.size()) +
                         " probes ran out of memory (not fitted, not shown)");
@@ -68,8 +78,21 @@ std::string fit_figure_svg(const xpm::MemoryModel& model, const MeasurementSet& 
                                   fixed(summary.leave_one_out_rel_errors[i] * 100, 3) + " %");
     }
   }
-  Panel& top = fig.add_panel("measured " + bytes_column + " (MiB)", "predicted (MiB)");
+  Series below = make_series("at or below the floor: not fitted", SeriesKind::kPoints, "#b0b0b0");
+  for (const auto& m : set.below_floor) {
+    const double predicted = formula.predict(model.coefficients(), m.dims);
+    below.x.push_back(m.bytes / kMiB);
+    below.y.push_back(predicted / kMiB);
+    below.tooltips.push_back(dims_text(model, m.dims) + ": measured " + bytes_text(m.bytes) +
+                             ", formula " + bytes_text(predicted) + " (not fitted)");
+  }
+  if (!set.below_floor.empty()) {
+    fig.notes.push_back(std::to_string(set.below_floor.size()) +
+                        " measurements at or below the floor not fitted (grey)");
+  }
+  Panel& top = fig.add_panel("measured " + bytes_column + " (MiB)", "predicted by the formula (MiB)");
   top.series.push_back(std::move(measured_vs_predicted));
+  if (!below.x.empty()) top.series.push_back(std::move(below));
   top.diagonal = true;
   if (model.floor_bytes() > 0) {
     top.hlines.push_back({model.floor_bytes() / kMiB,
@@ -83,8 +106,8 @@ std::string fit_figure_svg(const xpm::MemoryModel& model, const MeasurementSet& 
   if (!left_out.x.empty()) bottom.series.push_back(std::move(left_out));
   bottom.hlines.push_back({0.0, "", "#888", true});
   bottom.height = 200;
-  // Symmetric residual axis, at least +-0.1 % so round-off noise is not blown up.
-  double extent = 0.1;
+  // Symmetric residual axis, at least +-0.001 % so round-off noise is not blown up.
+  double extent = 0.001;
   for (double r : summary.rel_errors) extent = std::max(extent, std::fabs(r) * 100 * 1.1);
   for (double r : summary.leave_one_out_rel_errors) {
     if (std::isfinite(r)) extent = std::max(extent, std::fabs(r) * 100 * 1.1);
@@ -94,10 +117,12 @@ std::string fit_figure_svg(const xpm::MemoryModel& model, const MeasurementSet& 
   // Same x range in both panels: measured and predicted, snapped to tick values.
   if (!set.measurements.empty()) {
     double lo = 1e300, hi = -1e300;
-    for (const std::vector<double>* values : {&fig.panels[0].series[0].x, &fig.panels[0].series[0].y}) {
-      for (double v : *values) {
-        lo = std::min(lo, v);
-        hi = std::max(hi, v);
+    for (const Series& series : fig.panels[0].series) {
+      for (const std::vector<double>* values : {&series.x, &series.y}) {
+        for (double v : *values) {
+          lo = std::min(lo, v);
+          hi = std::max(hi, v);
+        }
       }
     }
     for (const ReferenceLine& floor : fig.panels[0].hlines) {

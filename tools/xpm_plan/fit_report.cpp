@@ -112,7 +112,7 @@ namespace {
 
 std::string percent(double rel) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%+.3f %%", rel * 100);
+  std::snprintf(buf, sizeof buf, "%+.4f %%", rel * 100);
   return buf;
 }
 
@@ -161,6 +161,9 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
     nlohmann::json infeasible = nlohmann::json::array();
     for (const auto& d : set.infeasible) infeasible.push_back(dims_json(model, d));
     j["infeasible_probes"] = std::move(infeasible);
+    nlohmann::json below = nlohmann::json::array();
+    for (const auto& m : set.below_floor) below.push_back(dims_json(model, m.dims));
+    j["below_floor_not_fitted"] = std::move(below);
     if (!outcome.usable) j["unusable_reason"] = outcome.unusable_reason;
     j["output"] = output.empty() ? nlohmann::json(nullptr) : nlohmann::json(output);
     j["figure"] = figure.empty() ? nlohmann::json(nullptr) : nlohmann::json(figure);
@@ -190,6 +193,12 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
       os << ", left out " << percent(s.leave_one_out_rel_errors[i]);
     }
     os << "  (" << set.labels[i] << ")\n";
+  }
+  if (!set.below_floor.empty()) {
+    os << set.below_floor.size() << " measurements at or below the floor were not fitted "
+       << "(--above-floor-only; the prediction there is the floor):";
+    for (const auto& m : set.below_floor) os << "  [" << dims_text(model, m.dims) << "]";
+    os << "\n";
   }
   if (!set.infeasible.empty()) {
     os << set.infeasible.size() << " probes ran out of memory and were not fitted:";

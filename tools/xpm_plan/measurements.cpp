@@ -147,6 +147,17 @@ MeasurementSet read_json_measurements(const MeasurementRequest& req, const std::
   MeasurementSet set;
   set.path = p;
   set.format = "json";
+  // What the probes ran on, kept in the fitted model's metadata.
+  const char* const kSetupKeys[] = {"task",      "device",        "capacity_bytes", "static_bytes",
+                                    "precision", "optimizer",     "torch_version",  "signature",
+                                    "max_length", "data_dir"};
+  if (root.is_object()) {
+    const nlohmann::json* source = &root;
+    if (!root.contains("probes") && root.contains("metadata")) source = &root["metadata"];
+    for (const char* key : kSetupKeys) {
+      if (source->contains(key)) set.setup[key] = (*source)[key];
+    }
+  }
   set.variables = req.variables.empty() ? file_variables : req.variables;
   if (set.variables.empty()) {
     throw InputError("--variables is required: " + p + " does not name its variables");
@@ -238,6 +249,25 @@ MeasurementSet read_json_measurements(const MeasurementRequest& req, const std::
 }
 
 }  // namespace
+
+void MeasurementSet::keep_above_floor(double floor) {
+  std::vector<xpm::Measurement> kept;
+  std::vector<std::string> kept_labels;
+  std::vector<nlohmann::json> kept_records;
+  for (std::size_t i = 0; i < measurements.size(); ++i) {
+    if (measurements[i].bytes > floor) {
+      kept.push_back(measurements[i]);
+      kept_labels.push_back(labels[i]);
+      kept_records.push_back(records[i]);
+    } else {
+      below_floor.push_back(measurements[i]);
+      below_floor_labels.push_back(labels[i]);
+    }
+  }
+  measurements = std::move(kept);
+  labels = std::move(kept_labels);
+  records = std::move(kept_records);
+}
 
 MeasurementSet read_measurements(const MeasurementRequest& request) {
   const std::string text = read_file(request.path, "measurements");

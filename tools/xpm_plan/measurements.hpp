@@ -45,6 +45,14 @@ struct MeasurementSet {
   std::vector<nlohmann::json> infeasible_records;
   std::vector<nlohmann::json> all_records;    // feasible and infeasible, in file order
   std::optional<double> floor_bytes;          // from floor_column
+  nlohmann::json setup = nlohmann::json::object();  // JSON files: device, capacity_bytes,
+                                              // static_bytes, task, ... of the probes
+  std::vector<xpm::Measurement> below_floor;  // feasible but not fitted (keep_above_floor)
+  std::vector<std::string> below_floor_labels;
+
+  /// Moves the measurements with bytes <= floor_bytes to below_floor: where the floor is the
+  /// prediction, they say nothing about the formula (DESIGN.md section 3).
+  void keep_above_floor(double floor_bytes);
 };
 
 /// Reads the measurements; InputError naming the file, the entry and the field on bad input.

@@ -14,7 +14,8 @@ constexpr double kLeft = 86;     // room for y tick labels and the y label
 constexpr double kRight = 24;
 constexpr double kTitle = 34;    // title baseline area
 constexpr double kNote = 16;     // per note line
-constexpr double kLegend = 22;   // legend row above each plot
+constexpr double kLegendRow = 18;  // one legend row above a plot
+constexpr double kCharWidth = 7;   // approximate width of a 12 px character
 constexpr double kAxisBelow = 46;// x tick labels + x label under each plot
 constexpr double kGap = 18;      // between panels
 
@@ -101,6 +102,29 @@ Axis make_axis(Range r, bool pad, std::optional<double> fixed_lo, std::optional<
   return a;
 }
 
+// Height of a panel's legend: rows of entries wrapped to the plot width (as drawn in render()).
+double legend_height(const Panel& p, double plot_w) {
+  std::vector<std::string> labels;
+  for (const Series& s : p.series) {
+    if (!s.label.empty()) labels.push_back(s.label);
+  }
+  for (const ReferenceLine& r : p.hlines) {
+    if (!r.label.empty()) labels.push_back(r.label);
+  }
+  if (labels.empty()) return 8;
+  int rows = 1;
+  double x = 0;
+  for (const std::string& label : labels) {
+    const double w = 28 + kCharWidth * static_cast<double>(label.size());
+    if (x > 0 && x + w > plot_w) {
+      ++rows;
+      x = 0;
+    }
+    x += w;
+  }
+  return 4 + kLegendRow * rows;
+}
+
 }  // namespace
 
 std::vector<double> nice_ticks(double lo, double hi, int count) {
@@ -134,7 +158,9 @@ Panel& Figure::add_panel(std::string x_label, std::string y_label) {
 
 std::string Figure::render() const {
   double total_height = kTitle + kNote * static_cast<double>(notes.size()) + 8;
-  for (const Panel& p : panels) total_height += kLegend + p.height + kAxisBelow + kGap;
+  for (const Panel& p : panels) {
+    total_height += legend_height(p, width - kLeft - kRight) + p.height + kAxisBelow + kGap;
+  }
 
   std::ostringstream svg;
   svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
@@ -184,17 +210,26 @@ std::string Figure::render() const {
                         p.y_max, 6, false);
     if (p.diagonal) ay = ax;
 
-    const double top = y0 + kLegend;
+    const double top = y0 + legend_height(p, plot_w);
     const double left = kLeft;
     const double h = p.height;
     auto sx = [&](double x) { return left + (x - ax.lo) / (ax.hi - ax.lo) * plot_w; };
     auto sy = [&](double y) { return top + h - (y - ay.lo) / (ay.hi - ay.lo) * h; };
 
-    // Legend.
+    // Legend: one entry per labelled series and reference line, wrapped to the plot width.
     double lx = left;
+    double cy = y0 + 11;
+    auto next_entry = [&](const std::string& label) {
+      const double w = 28 + kCharWidth * static_cast<double>(label.size());
+      if (lx > left && lx + w > left + plot_w) {
+        lx = left;
+        cy += kLegendRow;
+      }
+      return w;
+    };
     for (const Series& s : p.series) {
       if (s.label.empty()) continue;
-      const double cy = y0 + 11;
+      const double w = next_entry(s.label);
       switch (s.kind) {
         case SeriesKind::kPoints:
           svg << "<circle cx=\"" << num(lx + 6) << "\" cy=\"" << num(cy) << "\" r=\"4\" fill=\""
@@ -216,17 +251,17 @@ std::string Figure::render() const {
       }
       svg << "<text x=\"" << num(lx + 18) << "\" y=\"" << num(cy + 4) << "\">"
           << xml_escape(s.label) << "</text>\n";
-      lx += 28 + 7.0 * static_cast<double>(s.label.size());
+      lx += w;
     }
     for (const ReferenceLine& r : p.hlines) {
       if (r.label.empty()) continue;
-      const double cy = y0 + 11;
+      const double w = next_entry(r.label);
       svg << "<line x1=\"" << num(lx) << "\" y1=\"" << num(cy) << "\" x2=\"" << num(lx + 14)
           << "\" y2=\"" << num(cy) << "\" stroke=\"" << r.color << "\" stroke-width=\"1.5\""
           << (r.dashed ? " stroke-dasharray=\"5 3\"" : "") << "/>"
           << "<text x=\"" << num(lx + 18) << "\" y=\"" << num(cy + 4) << "\">"
           << xml_escape(r.label) << "</text>\n";
-      lx += 28 + 7.0 * static_cast<double>(r.label.size());
+      lx += w;
     }
 
     // Frame, grid and ticks.
@@ -311,8 +346,12 @@ std::string Figure::render() const {
                 << "\" text-anchor=\"middle\" font-size=\"10\" fill=\"#333\">"
                 << xml_escape(s.labels[i]) << "</text>\n";
           } else {
-            svg << "<text x=\"" << num(px + 7) << "\" y=\"" << num(py + 4)
-                << "\" font-size=\"10\" fill=\"#555\">" << xml_escape(s.labels[i]) << "</text>\n";
+            const double text_w = 6.0 * static_cast<double>(s.labels[i].size());
+            const bool left_side = px + 7 + text_w > left + plot_w;
+            svg << "<text x=\"" << num(left_side ? px - 7 : px + 7) << "\" y=\"" << num(py + 4)
+                << "\" font-size=\"10\" fill=\"#555\""
+                << (left_side ? " text-anchor=\"end\"" : "") << ">" << xml_escape(s.labels[i])
+                << "</text>\n";
           }
         }
       }

@@ -108,6 +108,9 @@ po::options_description fit_options() {
       ("floor-column", po::value<std::string>(),
        "floor = the largest value of this column over the feasible measurements, e.g. "
        "optimizer_step_peak_bytes")
+      ("above-floor-only", po::bool_switch()->default_value(false),
+       "fit only the measurements above the floor (where the prediction is the formula, not the "
+       "floor); the others are reported")
       ("aggregation", po::value<std::vector<std::string>>()->composing(),
        "VAR=count|max|sum, how records combine per variable (repeatable; default: max)")
       ("allow-negative", po::bool_switch()->default_value(false),
@@ -155,7 +158,7 @@ int run_fit(const po::variables_map& vm) {
   const FitRequest fit_request = fit_request_from(vm);
   const std::string formula_text = vm["formula"].as<std::string>();
 
-  const MeasurementSet set = read_measurements(request);
+  MeasurementSet set = read_measurements(request);
   const std::vector<std::string>& variables = set.variables;
   const std::vector<std::string> coefficients =
       vm.count("coefficients") ? split_list(vm["coefficients"].as<std::string>(), "coefficients")
@@ -175,6 +178,21 @@ int run_fit(const po::variables_map& vm) {
   } catch (const std::invalid_argument& e) {
     throw InputError(first_line(e.what()));
   }
+  if (vm["above-floor-only"].as<bool>()) {
+    if (!(floor_bytes > 0)) {
+      throw InputError("--above-floor-only needs a floor: --floor-bytes or --floor-column");
+    }
+    const std::size_t feasible = set.measurements.size();
+    set.keep_above_floor(floor_bytes);
+    if (set.measurements.size() < coefficients.size()) {
+      throw InputError(set.path + ": --above-floor-only keeps " +
+                       std::to_string(set.measurements.size()) + " of " +
+                       std::to_string(feasible) + " measurements (above the floor of " +
+                       bytes_text(floor_bytes) + " bytes), fewer than the " +
+                       std::to_string(coefficients.size()) +
+                       " coefficients: probe larger shapes");
+    }
+  }
   if (set.measurements.empty()) {
     throw InfeasibleError(set.path + ": no feasible measurement to fit (" +
                           std::to_string(set.infeasible.size()) + " ran out of memory)");
@@ -187,12 +205,14 @@ int run_fit(const po::variables_map& vm) {
                          aggregation);
   nlohmann::json probes = nlohmann::json::array();
   for (const auto& r : set.all_records) probes.push_back(r);
+  for (const auto& item : set.setup.items()) model.metadata()[item.key()] = item.value();
   model.metadata()["created_by"] = "xpm-plan fit";
   model.metadata()["source"] = set.path;
   model.metadata()["fit"] = fit_summary_json(s, outcome);
   model.metadata()["fit"]["fitted_to"] = request.bytes_column;
   model.metadata()["fit"]["points"] = set.measurements.size();
   model.metadata()["fit"]["infeasible_probes"] = set.infeasible.size();
+  model.metadata()["fit"]["below_floor_not_fitted"] = set.below_floor.size();
   if (!request.floor_column.empty()) model.metadata()["floor_from"] = request.floor_column;
   model.metadata()["probes"] = std::move(probes);
 

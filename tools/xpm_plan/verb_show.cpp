@@ -128,6 +128,9 @@ int run_show(const po::variables_map& vm) {
   }
   os << "floor         " << bytes_text(model.floor_bytes()) << " bytes ("
      << mib_text(model.floor_bytes()) << "); prediction = max(floor, formula)\n";
+  auto label = [](const std::string& key) {  // "key" padded to the value column
+    return key + std::string(key.size() < 14 ? 14 - key.size() : 1, ' ');
+  };
   for (const auto& item : metadata.items()) {
     const nlohmann::json& v = item.value();
     if (item.key() == "fit" && v.is_object()) {  // the fit's one-paragraph report
@@ -135,8 +138,8 @@ int run_show(const po::variables_map& vm) {
         os << "fit           " << v["brief_report"].get<std::string>() << "\n";
       }
       std::string line;
-      for (const char* key : {"fitted_to", "points", "infeasible_probes", "max_rel_error",
-                              "mean_rel_error", "leave_one_out_max_rel_error", "usable"}) {
+      for (const char* key : {"fitted_to", "points", "below_floor_not_fitted", "infeasible_probes",
+                              "usable"}) {
         if (v.contains(key) && !v[key].is_structured()) {
           line += (line.empty() ? "" : ", ") + std::string(key) + " " + scalar_text(v[key]);
         }
@@ -148,9 +151,9 @@ int run_show(const po::variables_map& vm) {
         if (sub.value().is_structured()) continue;  // lists such as rel_errors: see --json
         line += (line.empty() ? "" : ", ") + sub.key() + " " + scalar_text(sub.value());
       }
-      os << std::left << std::setw(14) << item.key() << std::right << line << "\n";
+      os << label(item.key()) << line << "\n";
     } else if (!v.is_array()) {
-      os << std::left << std::setw(14) << item.key() << std::right << scalar_text(v);
+      os << label(item.key()) << scalar_text(v);
       if (v.is_number() && item.key().size() > 6 &&
           item.key().compare(item.key().size() - 6, 6, "_bytes") == 0) {
         os << " (" << mib_text(v.get<double>()) << ")";
@@ -182,6 +185,10 @@ int run_show(const po::variables_map& vm) {
       }
     }
   }
+  double capacity = 0;  // the probes' memory cap, when recorded
+  if (metadata.contains("capacity_bytes") && metadata["capacity_bytes"].is_number()) {
+    capacity = metadata["capacity_bytes"].get<double>();
+  }
   std::string fitted_to;
   if (metadata.contains("fit") && metadata["fit"].is_object() &&
       metadata["fit"].contains("fitted_to") && metadata["fit"]["fitted_to"].is_string()) {
@@ -198,28 +205,32 @@ int run_show(const po::variables_map& vm) {
   for (const auto& v : vars) os << std::setw(7) << v;
   for (const auto& c : columns) os << std::setw(std::max<int>(14, static_cast<int>(short_name(c).size()) + 2)) << short_name(c);
   os << std::setw(14) << "predicted" << std::setw(10) << "error" << "  feasible\n";
-  // error: (predicted - step peak) / step peak, or against the fitted column without step peaks.
+  // error: (predicted - step peak) / step peak, or against the fitted column without step peaks;
+  // for a probe that ran out of memory under the recorded cap, whether the model predicts it
+  // above the cap ("> cap") or, wrongly, under it ("UNDER cap").
   for (std::size_t i = 0; i < probes.size(); ++i) {
     const nlohmann::json& p = probes[i];
     os << " ";
     for (double d : dims[i]) os << std::setw(7) << number_text(d);
     const double predicted = model.predict_bytes(dims[i]);
+    const bool feasible = p.value("feasible", true);
     for (const auto& c : columns) {
       const int w = std::max<int>(14, static_cast<int>(short_name(c).size()) + 2);
-      if (p.contains(c) && p[c].is_number()) {
+      if (feasible && p.contains(c) && p[c].is_number()) {  // out of memory: no peak measured
         os << std::setw(w) << bytes_text(p[c].get<double>());
       } else {
         os << std::setw(w) << "-";
       }
     }
-    const bool feasible = p.value("feasible", true);
     os << std::setw(14) << bytes_text(predicted);
     // Error against the step peak (what the budget must hold), else the fitted column.
     const std::string reference = p.contains("step_peak_bytes") ? "step_peak_bytes" : fitted_to;
-    if (feasible && !reference.empty() && p.contains(reference) && p[reference].is_number() &&
+    if (!feasible && capacity > 0) {  // an out-of-memory probe is an upper bound
+      os << std::setw(10) << (predicted > capacity ? "> cap" : "UNDER cap");
+    } else if (feasible && !reference.empty() && p.contains(reference) && p[reference].is_number() &&
         p[reference].get<double>() > 0) {
       char buf[32];
-      std::snprintf(buf, sizeof buf, "%+.2f%%",
+      std::snprintf(buf, sizeof buf, "%+.4f%%",
                     (predicted - p[reference].get<double>()) / p[reference].get<double>() * 100);
       os << std::setw(10) << buf;
     } else {
