@@ -65,6 +65,24 @@ if(NOT floor EQUAL 1100000 OR NOT points EQUAL 2)
   message(FATAL_ERROR "fit of a model file: floor ${floor}, ${points} points: ${OUT}")
 endif()
 
+# --above-floor-only: the probe at the floor (bs=1, l=16) is reported, not fitted.
+xpm_plan_run(0 "fit above the floor" fit "${model_file}" --formula "a*bs*l^2 + 1000000"
+             --bytes-column forward_backward_peak_bytes --floor-column optimizer_step_peak_bytes
+             --above-floor-only --json)
+string(JSON points GET "${OUT}" points)
+string(JSON below LENGTH "${OUT}" below_floor_not_fitted)
+string(JSON below_l GET "${OUT}" below_floor_not_fitted 0 l)
+if(NOT points EQUAL 1 OR NOT below EQUAL 1 OR NOT below_l EQUAL 16)
+  message(FATAL_ERROR "fit --above-floor-only: ${OUT}")
+endif()
+xpm_plan_run(2 "too few above the floor" fit "${model_file}" --formula "b*bs*l + c"
+             --bytes-column forward_backward_peak_bytes --floor-column optimizer_step_peak_bytes
+             --above-floor-only)
+expect_match("too few above the floor" "${ERR}" "keeps 1 of 2 measurements .*fewer than the 2 coefficients")
+xpm_plan_run(2 "above the floor without a floor" fit "${model_file}" --formula "b*bs*l + c"
+             --bytes-column forward_backward_peak_bytes --above-floor-only)
+expect_match("above the floor without a floor" "${ERR}" "--above-floor-only needs a floor")
+
 # `xpm-plan probe --json` output: dims as lists in variable_names order.
 file(WRITE "${dir}/probe_output.json" [=[
 {"variable_names": ["bs", "l"], "static_bytes": 1000000, "capacity_bytes": 0, "probes": [
