@@ -55,6 +55,25 @@ if(NOT floor EQUAL opt1)
   message(FATAL_ERROR "fit of probe JSON: floor ${floor}, expected ${opt1}")
 endif()
 
+# --grid: bs = 1, 2 times l = 90, 180 (the longest sentence is 180 tokens).
+xpm_plan_run(0 "probe --grid" probe --data-dir "${DATA_DIR}" --grid --grid-max-bs 2 --grid-lengths 2 --json)
+string(JSON n LENGTH "${OUT}" probes)
+string(JSON max_length GET "${OUT}" max_length)
+string(JSON l3 GET "${OUT}" probes 3 dims 1)
+string(JSON bs3 GET "${OUT}" probes 3 dims 0)
+if(NOT n EQUAL 4 OR NOT max_length EQUAL 180 OR NOT l3 EQUAL 180 OR NOT bs3 EQUAL 2)
+  message(FATAL_ERROR "probe --grid: ${OUT}")
+endif()
+
+# A cap barely above the static memory: every probe runs out of memory, exit 1, no file.
+xpm_plan_run(1 "every probe out of memory" probe --data-dir "${DATA_DIR}" --probe-points 2x16
+             --memory-cap-factor 1.01 --output "${dir}/oom.csv")
+expect_match("every probe out of memory" "${ERR}" "every probe ran out of memory")
+expect_match("every probe out of memory" "${OUT}" "NO \\(out of memory\\)")
+if(EXISTS "${dir}/oom.csv")
+  message(FATAL_ERROR "every probe out of memory: the CSV was written")
+endif()
+
 # Bad input: exit 2, nothing written.
 xpm_plan_run(2 "bad probe point" probe --data-dir "${DATA_DIR}" --probe-points 8y64 --output "${dir}/bad.csv")
 expect_match("bad probe point" "${ERR}" "'8y64' is not of the form BSxL")

@@ -340,7 +340,11 @@ std::string Figure::render() const {
           case SeriesKind::kLine: break;
         }
         if (i < s.labels.size() && !s.labels[i].empty()) {
-          if (s.kind == SeriesKind::kBars) {
+          const double bar_spacing = plot_w / (ax.hi - ax.lo);
+          const double bar_label_w = 6.0 * static_cast<double>(s.labels[i].size());
+          if (s.kind == SeriesKind::kBars && bar_label_w > bar_spacing) {
+            // too narrow for its label: the tooltip still has it
+          } else if (s.kind == SeriesKind::kBars) {
             const double base = sy(std::max(ay.lo, 0.0));
             svg << "<text x=\"" << num(px) << "\" y=\"" << num(std::min(py, base) - 4)
                 << "\" text-anchor=\"middle\" font-size=\"10\" fill=\"#333\">"
