@@ -88,3 +88,13 @@ TEST_CASE("the most-frequent-tag baseline matches a hand count") {
   // is unseen and gets the most frequent train tag (nn or ".", 4 each), not rb: 3 of 4.
   CHECK(xpm::most_frequent_tag_accuracy(split.train, split.validation) == doctest::Approx(0.75));
 }
+
+TEST_CASE("cats.txt may only name files inside the corpus folder") {
+  const auto dir = std::filesystem::temp_directory_path() / "xpm_brown_escape";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "cats.txt") << "../../etc/passwd news\n";
+  CHECK_THROWS_WITH_AS(xpm::read_brown_corpus(dir.string()),
+                       doctest::Contains("not a file name inside the corpus folder"),
+                       std::runtime_error);
+}

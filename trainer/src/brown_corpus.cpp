@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -81,12 +82,22 @@ BrownCorpus read_brown_corpus(const std::string& directory) {
   const std::string cats_path = directory + "/cats.txt";
   std::istringstream cats(read_file(cats_path));
   BrownCorpus corpus;
+  std::set<std::string> listed;
   std::string line;
   while (std::getline(cats, line)) {
     std::istringstream fields(line);
     BrownFile file;
     if (!(fields >> file.name)) continue;
     fields >> file.genre;
+    const bool plain_name =
+        file.name.find('/') == std::string::npos && file.name != "." && file.name != "..";
+    if (!plain_name) {
+      throw std::runtime_error("'" + cats_path + "' lists '" + file.name +
+                               "', not a file name inside the corpus folder");
+    }
+    if (!listed.insert(file.name).second) {
+      throw std::runtime_error("'" + cats_path + "' lists '" + file.name + "' twice");
+    }
     file.sentences = parse_brown_text(read_file(directory + "/" + file.name), file.name);
     corpus.files.push_back(std::move(file));
   }

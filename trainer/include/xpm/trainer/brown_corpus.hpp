@@ -49,7 +49,8 @@ std::string normalize_brown_tag(const std::string& raw_tag);
 std::vector<TaggedSentence> parse_brown_text(const std::string& text, const std::string& source);
 
 /// Reads cats.txt and every file it lists from `directory`. Throws std::runtime_error naming
-/// the path when cats.txt or a listed file is missing or unreadable.
+/// the path when cats.txt or a listed file is missing or unreadable, or when cats.txt lists a
+/// name twice or a path outside the folder.
 BrownCorpus read_brown_corpus(const std::string& directory);
 
 struct CorpusSplit {
