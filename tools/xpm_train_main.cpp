@@ -74,6 +74,12 @@ std::string with_option_names(std::string message) {
     std::replace(option.begin(), option.end(), '_', '-');
     message.replace(at, end - at, "--" + option);
   }
+  const std::string batcher_prefix = "PredictiveBatcher: ";
+  if (message.rfind(batcher_prefix, 0) == 0) {
+    message.replace(0, batcher_prefix.size(),
+                    "memory budget (--memory-cap-bytes or --memory-cap-factor, --memory-fraction, "
+                    "--extra-overhead-bytes): ");
+  }
   const std::string model_prefix = "TransformerTaggerOptions.";
   if (message.rfind(model_prefix, 0) == 0) message.replace(0, model_prefix.size(), "model ");
   return message;
@@ -180,7 +186,7 @@ int main(int argc, char** argv) {
     std::cerr << "xpm-train: error: --formula: " << error.brief() << "\n";
     return 2;
   } catch (const std::invalid_argument& error) {
-    std::cerr << "xpm-train: error: " << error.what() << "\n";
+    std::cerr << "xpm-train: error: " << with_option_names(error.what()) << "\n";
     return 2;
   } catch (const std::exception& error) {
     std::cerr << "xpm-train: error: " << error.what() << "\n";
