@@ -1,12 +1,7 @@
 # xpm-plan rejects bad input with exit code 2, one line on stderr starting "xpm-plan: error:",
 # nothing on stdout and no model file written.
 # Run as: cmake -DXPM_PLAN=<xpm-plan> -DWORK_DIR=<dir> -P xpm_plan_bad_csv_test.cmake
-cmake_minimum_required(VERSION 3.22)
-foreach(var XPM_PLAN WORK_DIR)
-  if(NOT DEFINED ${var})
-    message(FATAL_ERROR "define ${var}")
-  endif()
-endforeach()
+include("${CMAKE_CURRENT_LIST_DIR}/xpm_plan_test_helpers.cmake")
 set(dir "${WORK_DIR}/xpm_plan_bad_csv_test")
 file(REMOVE_RECURSE "${dir}")
 file(MAKE_DIRECTORY "${dir}")
@@ -14,18 +9,9 @@ set(model "${dir}/model.json")
 
 # expect_input_error(<label> <regex the stderr line must match> <xpm-plan args>...)
 function(expect_input_error label pattern)
-  execute_process(COMMAND "${XPM_PLAN}" ${ARGN}
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 2)
-    message(FATAL_ERROR "${label}: exit code ${rc}, expected 2 (stderr: ${err})")
-  endif()
-  string(REGEX REPLACE "\n$" "" line "${err}")
-  if(line MATCHES "\n" OR NOT err MATCHES "\n$")
-    message(FATAL_ERROR "${label}: stderr is not exactly one line: [${err}]")
-  endif()
-  if(NOT line MATCHES "^xpm-plan: error: ")
-    message(FATAL_ERROR "${label}: stderr does not start with 'xpm-plan: error:': [${line}]")
-  endif()
+  xpm_plan_run(2 "${label}" ${ARGN})  # exit 2, one stderr line "xpm-plan: error: ..."
+  set(out "${OUT}")
+  string(REGEX REPLACE "\n$" "" line "${ERR}")
   if(NOT line MATCHES "${pattern}")
     message(FATAL_ERROR "${label}: stderr [${line}] does not match '${pattern}'")
   endif()
