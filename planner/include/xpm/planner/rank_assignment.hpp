@@ -1,0 +1,36 @@
+// xpm/planner/rank_assignment.hpp — split one global batch among the ranks of a data-parallel
+// job so that every rank gets about the same predicted compute.
+//
+//   std::vector<double> cost = ...;           // one predicted cost per record of the global batch
+//   RankAssignment a = assign_records_to_ranks(cost, world_size);
+//   const std::vector<std::size_t>& mine = a.records_per_rank[rank];
+//
+// Algorithm: longest processing time first (Graham 1969, "Bounds on multiprocessing timing
+// anomalies", SIAM J. Appl. Math. 17(2)): records in decreasing cost (ties: lower index
+// first) each go to the rank with the least assigned cost so far (ties: lower rank). The
+// largest rank load is at most 4/3 - 1/(3w) of the optimum. The result depends only on the
+// costs and world_size, so every rank computes the same assignment from the same global batch
+// without communicating (DESIGN.md: no desync by construction). Every record is assigned to
+// exactly one rank; a rank may get none when there are fewer records than ranks.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+namespace xpm {
+
+struct RankAssignment {
+  std::vector<std::vector<std::size_t>> records_per_rank;  // record indices, ascending per rank
+  std::vector<double> cost_per_rank;                        // summed predicted cost per rank
+
+  /// max rank cost / mean rank cost (1 = perfectly balanced; 1 when every cost is 0).
+  double imbalance() const;
+};
+
+/// Assigns records 0..costs.size()-1 to world_size ranks (LPT, see above). Costs are in any
+/// unit (the tagging job uses predicted bytes of the record alone above the constant term).
+/// Throws std::invalid_argument when world_size < 1 or a cost is negative or not finite (the
+/// message names the record index and the value). Pure; thread-safe.
+RankAssignment assign_records_to_ranks(const std::vector<double>& costs, int world_size);
+
+}  // namespace xpm
