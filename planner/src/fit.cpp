@@ -30,6 +30,9 @@
 #include <Eigen/Dense>
 #include <ceres/ceres.h>
 
+#include "fit_start.hpp"
+#include "nnls.hpp"
+
 namespace xpm {
 namespace {
 
@@ -79,6 +82,77 @@ class PredictRelativeResidual {
   std::vector<double> scales_;
 };
 
+// The hinge aims a little above exceeds_bytes so that the penalty's equilibrium, a hair below
+// its target, still satisfies the bound.
+constexpr double kBoundMargin = 1e-6;
+// Extra solves with 10x the hinge weight while a bound is violated.
+constexpr int kBoundRounds = 4;
+
+double hinge_target(const InfeasibleBound& bound) { return bound.exceeds_bytes * (1 + kBoundMargin); }
+
+// One infeasible bound's hinge, linear formulas: weight * max(0, t0 - row . x).
+class LinearHingeResidual final : public ceres::CostFunction {
+ public:
+  LinearHingeResidual(Eigen::RowVectorXd row, double t0, double weight)
+      : row_(std::move(row)), t0_(t0), weight_(weight) {
+    set_num_residuals(1);
+    mutable_parameter_block_sizes()->push_back(static_cast<int>(row_.size()));
+  }
+
+  bool Evaluate(double const* const* parameters, double* residuals,
+                double** jacobians) const override {
+    const Eigen::Index k = row_.size();
+    Eigen::Map<const Eigen::VectorXd> x(parameters[0], k);
+    const double shortfall = t0_ - row_.dot(x);
+    const bool active = shortfall > 0;
+    residuals[0] = active ? weight_ * shortfall : 0.0;
+    if (jacobians != nullptr && jacobians[0] != nullptr) {
+      Eigen::Map<Eigen::RowVectorXd> jacobian(jacobians[0], k);
+      if (active) {
+        jacobian = -weight_ * row_;
+      } else {
+        jacobian.setZero();
+      }
+    }
+    return true;
+  }
+
+ private:
+  Eigen::RowVectorXd row_;  // [coefficients] d(prediction / exceeds) / dx
+  double t0_;               // (target - offset) / exceeds
+  double weight_;
+};
+
+// One infeasible bound's hinge, any formula, for numeric differentiation:
+// weight * max(0, (target - predict) / exceeds).
+class PredictHingeResidual {
+ public:
+  PredictHingeResidual(const CostFormula& formula, const InfeasibleBound& bound,
+                       std::vector<double> scales, double weight)
+      : formula_(formula),
+        dims_(bound.dims),
+        exceeds_bytes_(bound.exceeds_bytes),
+        target_bytes_(hinge_target(bound)),
+        scales_(std::move(scales)),
+        weight_(weight) {}
+
+  bool operator()(double const* const* parameters, double* residuals) const {
+    std::vector<double> coefficients(scales_.size());
+    for (std::size_t k = 0; k < scales_.size(); ++k) coefficients[k] = parameters[0][k] * scales_[k];
+    const double shortfall = (target_bytes_ - formula_.predict(coefficients, dims_)) / exceeds_bytes_;
+    residuals[0] = weight_ * std::max(0.0, shortfall);
+    return std::isfinite(residuals[0]);
+  }
+
+ private:
+  const CostFormula& formula_;
+  std::vector<double> dims_;
+  double exceeds_bytes_;
+  double target_bytes_;
+  std::vector<double> scales_;
+  double weight_;
+};
+
 std::string join(const std::vector<std::string>& names) {
   std::string out;
   for (std::size_t i = 0; i < names.size(); ++i) out += (i ? ", " : "") + names[i];
@@ -125,7 +199,7 @@ std::string describe_dims(const CostFormula& formula, const std::vector<double>&
 }
 
 void validate_inputs(const CostFormula& formula, const std::vector<Measurement>& measurements,
-                     const FitOptions& options) {
+                     const std::vector<InfeasibleBound>& bounds, const FitOptions& options) {
   const auto& coefs = formula.coefficient_names();
   const auto& vars = formula.variable_names();
   if (coefs.empty()) {
@@ -154,6 +228,26 @@ void validate_inputs(const CostFormula& formula, const std::vector<Measurement>&
     if (!(std::isfinite(m.bytes) && m.bytes > 0)) {
       throw std::invalid_argument("fit: measurement " + std::to_string(i) + " has bytes = " +
                                   format_double(m.bytes) + "; bytes must be finite and > 0");
+    }
+  }
+  for (std::size_t b = 0; b < bounds.size(); ++b) {
+    const InfeasibleBound& bound = bounds[b];
+    if (bound.dims.size() != vars.size()) {
+      throw std::invalid_argument("fit: infeasible bound " + std::to_string(b) + " has " +
+                                  std::to_string(bound.dims.size()) + " dims, expected " +
+                                  std::to_string(vars.size()) + " (" + join(vars) + ")");
+    }
+    for (std::size_t v = 0; v < vars.size(); ++v) {
+      if (!std::isfinite(bound.dims[v])) {
+        throw std::invalid_argument("fit: infeasible bound " + std::to_string(b) + " has " +
+                                    vars[v] + " = " + format_double(bound.dims[v]) +
+                                    "; dims must be finite");
+      }
+    }
+    if (!(std::isfinite(bound.exceeds_bytes) && bound.exceeds_bytes > 0)) {
+      throw std::invalid_argument("fit: infeasible bound " + std::to_string(b) +
+                                  " has exceeds_bytes = " + format_double(bound.exceeds_bytes) +
+                                  "; it must be finite and > 0");
     }
   }
   if (!options.batch_size_variable.empty() &&
@@ -308,75 +402,19 @@ std::pair<std::string, std::vector<std::string>> describe_dependence(
   return {message, names};
 }
 
-// min |A x - b| subject to x >= 0: Lawson and Hanson's active-set algorithm ("Solving Least
-// Squares Problems", 1974, chapter 23). A has full column rank (checked before).
-Eigen::VectorXd non_negative_least_squares(const Eigen::MatrixXd& a, const Eigen::VectorXd& b) {
-  const Eigen::Index k = a.cols();
-  Eigen::VectorXd x = Eigen::VectorXd::Zero(k);
-  std::vector<bool> passive(static_cast<std::size_t>(k), false);
-  const double tolerance = 10 * std::numeric_limits<double>::epsilon() *
-                           a.cwiseAbs().colwise().sum().maxCoeff() *
-                           static_cast<double>(std::max(a.rows(), k));
-  const auto solve_passive = [&]() {
-    std::vector<Eigen::Index> columns;
-    for (Eigen::Index j = 0; j < k; ++j) {
-      if (passive[static_cast<std::size_t>(j)]) columns.push_back(j);
-    }
-    Eigen::MatrixXd sub(a.rows(), static_cast<Eigen::Index>(columns.size()));
-    for (std::size_t c = 0; c < columns.size(); ++c) {
-      sub.col(static_cast<Eigen::Index>(c)) = a.col(columns[c]);
-    }
-    const Eigen::VectorXd z = sub.colPivHouseholderQr().solve(b);
-    Eigen::VectorXd s = Eigen::VectorXd::Zero(k);
-    for (std::size_t c = 0; c < columns.size(); ++c) s(columns[c]) = z(static_cast<Eigen::Index>(c));
-    return s;
-  };
-  for (int outer = 0; outer < 3 * static_cast<int>(k) + 10; ++outer) {
-    const Eigen::VectorXd w = a.transpose() * (b - a * x);
-    Eigen::Index best = -1;
-    for (Eigen::Index j = 0; j < k; ++j) {
-      if (!passive[static_cast<std::size_t>(j)] && w(j) > tolerance &&
-          (best < 0 || w(j) > w(best))) {
-        best = j;
-      }
-    }
-    if (best < 0) break;  // Kuhn-Tucker conditions hold
-    passive[static_cast<std::size_t>(best)] = true;
-    for (int inner = 0; inner < 3 * static_cast<int>(k) + 10; ++inner) {
-      const Eigen::VectorXd s = solve_passive();
-      bool feasible = true;
-      double alpha = 1.0;
-      for (Eigen::Index j = 0; j < k; ++j) {
-        if (passive[static_cast<std::size_t>(j)] && s(j) <= 0) {
-          feasible = false;
-          alpha = std::min(alpha, x(j) / (x(j) - s(j)));
-        }
-      }
-      if (feasible) {
-        x = s;
-        break;
-      }
-      x += alpha * (s - x);
-      for (Eigen::Index j = 0; j < k; ++j) {
-        if (passive[static_cast<std::size_t>(j)] && x(j) <= tolerance) {
-          passive[static_cast<std::size_t>(j)] = false;
-          x(j) = 0;
-        }
-      }
-    }
-  }
-  return x;
-}
-
 struct Solution {
   std::vector<double> coefficients;
   ceres::Solver::Summary summary;
+  double weight = 0;  // hinge weight of the last solve
 };
 
-// Linear least squares; throws IdentifiabilityError before solving when the columns of the
-// scaled design matrix are dependent.
+// Linear least squares with the bounds' hinges of weight `weight`, from `start` (coefficients)
+// or, when null, from the exact (non-negative) least-squares solution of the measurements;
+// throws IdentifiabilityError before solving when the columns of the scaled design matrix are
+// dependent (the measurements alone must identify every coefficient).
 Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>& measurements,
-                      const FitOptions& options) {
+                      const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
+                      double weight, const std::vector<double>* start) {
   const auto& coefs = formula.coefficient_names();
   const Eigen::Index n = static_cast<Eigen::Index>(measurements.size());
   const Eigen::Index k = static_cast<Eigen::Index>(coefs.size());
@@ -427,8 +465,13 @@ Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>
   // bounds). Ceres then only has to account for the robust loss. Starting from the
   // unconstrained solution clipped to the bounds would not do: there, the projected Gauss-
   // Newton step can be zero and Ceres stops at a point that is not the constrained minimum.
-  Eigen::VectorXd x0 = options.non_negative ? non_negative_least_squares(jacobian, -r0)
+  Eigen::VectorXd x0 = options.non_negative ? detail::non_negative_least_squares(jacobian, -r0)
                                             : jacobian.colPivHouseholderQr().solve(-r0);
+  if (start != nullptr) {
+    for (Eigen::Index j = 0; j < k; ++j) {
+      x0(j) = (*start)[static_cast<std::size_t>(j)] * scale(j) / y_max;
+    }
+  }
   if (!x0.allFinite()) x0 = Eigen::VectorXd::Ones(k);
   if (options.non_negative) x0 = x0.cwiseMax(0.0);
   std::vector<double> x(x0.data(), x0.data() + k);
@@ -437,6 +480,24 @@ Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>
   for (Eigen::Index i = 0; i < n; ++i) {
     problem.AddResidualBlock(new LinearRelativeResidual(jacobian.row(i), r0(i)),
                              make_loss(options), x.data());
+  }
+  // Hinge of bound b: weight * max(0, t0 - row . x), the prediction at its dims being
+  // exceeds * (1 - t0 + row . x) with t0 = (target - offset) / exceeds.
+  for (std::size_t b = 0; b < bounds.size(); ++b) {
+    const InfeasibleBound& bound = bounds[b];
+    const std::vector<double> term = formula.basis(bound.dims);
+    const double bound_offset = formula.offset(bound.dims);
+    Eigen::RowVectorXd row(k);
+    for (Eigen::Index j = 0; j < k; ++j) {
+      row(j) = term[static_cast<std::size_t>(j)] * y_max / scale(j) / bound.exceeds_bytes;
+    }
+    if (!row.allFinite() || !std::isfinite(bound_offset)) {
+      throw std::invalid_argument("fit: the formula is not finite at infeasible bound " +
+                                  std::to_string(b) + " (" + describe_dims(formula, bound.dims) +
+                                  ")");
+    }
+    const double t0 = (hinge_target(bound) - bound_offset) / bound.exceeds_bytes;
+    problem.AddResidualBlock(new LinearHingeResidual(row, t0, weight), nullptr, x.data());
   }
   if (options.non_negative) {
     for (int j = 0; j < static_cast<int>(k); ++j) problem.SetParameterLowerBound(x.data(), j, 0.0);
@@ -452,9 +513,10 @@ Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>
   return s;
 }
 
-// Non-linear least squares from `start` (coefficients, declared order).
+// Non-linear least squares with the bounds' hinges, from `start` (coefficients, declared order).
 Solution solve_nonlinear(const CostFormula& formula, const std::vector<Measurement>& measurements,
-                         const FitOptions& options, const std::vector<double>& start) {
+                         const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
+                         double weight, const std::vector<double>& start) {
   const std::size_t k = formula.coefficient_names().size();
   std::vector<double> scales(k);
   std::vector<double> x(k);
@@ -470,6 +532,13 @@ Solution solve_nonlinear(const CostFormula& formula, const std::vector<Measureme
     cost->SetNumResiduals(1);
     problem.AddResidualBlock(cost, make_loss(options), x.data());
   }
+  for (const InfeasibleBound& bound : bounds) {
+    using Cost = ceres::DynamicNumericDiffCostFunction<PredictHingeResidual, ceres::CENTRAL>;
+    auto* cost = new Cost(new PredictHingeResidual(formula, bound, scales, weight));
+    cost->AddParameterBlock(static_cast<int>(k));
+    cost->SetNumResiduals(1);
+    problem.AddResidualBlock(cost, nullptr, x.data());
+  }
   if (options.non_negative) {
     for (int j = 0; j < static_cast<int>(k); ++j) problem.SetParameterLowerBound(x.data(), j, 0.0);
   }
@@ -484,24 +553,84 @@ Solution solve_nonlinear(const CostFormula& formula, const std::vector<Measureme
   return s;
 }
 
-Solution solve(const CostFormula& formula, const std::vector<Measurement>& measurements,
-               const FitOptions& options, const std::vector<double>& start) {
-  if (formula.is_linear()) return solve_linear(formula, measurements, options);
-  Solution first = solve_nonlinear(formula, measurements, options, start);
+void add_steps(Solution& to, const Solution& from) {
+  to.summary.num_successful_steps += from.summary.num_successful_steps;
+  to.summary.num_unsuccessful_steps += from.summary.num_unsuccessful_steps;
+}
+
+// One solve at hinge weight `weight`. `start` may be null for a linear formula only.
+Solution solve_at_weight(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                         const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
+                         double weight, const std::vector<double>* start) {
+  if (formula.is_linear()) {
+    return solve_linear(formula, measurements, bounds, options, weight, start);
+  }
+  Solution first = solve_nonlinear(formula, measurements, bounds, options, weight, *start);
   // The start fixed the scales; when the solution is far from them (a 1e6-byte constant
   // started at 1), solve again from the solution with the solution as scales, so the final
   // steps and tolerances work on O(1) parameters.
   bool rescale = false;
-  for (std::size_t j = 0; j < start.size(); ++j) {
-    const double ratio = std::abs(first.coefficients[j]) / (start[j] != 0 ? std::abs(start[j]) : 1.0);
+  for (std::size_t j = 0; j < start->size(); ++j) {
+    const double s = (*start)[j] != 0 ? std::abs((*start)[j]) : 1.0;
+    const double ratio = std::abs(first.coefficients[j]) / s;
     rescale = rescale || (first.coefficients[j] != 0 && (ratio > 10 || ratio < 0.1));
   }
   if (!rescale) return first;
-  Solution second = solve_nonlinear(formula, measurements, options, first.coefficients);
+  Solution second =
+      solve_nonlinear(formula, measurements, bounds, options, weight, first.coefficients);
   if (!(second.summary.final_cost <= first.summary.final_cost)) return first;
-  second.summary.num_successful_steps += first.summary.num_successful_steps;
-  second.summary.num_unsuccessful_steps += first.summary.num_unsuccessful_steps;
+  add_steps(second, first);
   return second;
+}
+
+std::size_t violated_bounds(const CostFormula& formula, const std::vector<InfeasibleBound>& bounds,
+                            const std::vector<double>& coefficients) {
+  std::size_t violated = 0;
+  for (const InfeasibleBound& bound : bounds) {
+    violated += formula.predict(coefficients, bound.dims) >= bound.exceeds_bytes ? 0 : 1;
+  }
+  return violated;
+}
+
+// Solves; while a bound is violated at the solution, solves again from it with 10x the hinge
+// weight (at most kBoundRounds more times).
+Solution solve(const CostFormula& formula, const std::vector<Measurement>& measurements,
+               const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
+               const std::vector<double>* start) {
+  double weight = options.infeasible_bound_weight;
+  Solution s = solve_at_weight(formula, measurements, bounds, options, weight, start);
+  for (int round = 0; round < kBoundRounds && violated_bounds(formula, bounds, s.coefficients) > 0;
+       ++round) {
+    weight *= 10;
+    Solution next =
+        solve_at_weight(formula, measurements, bounds, options, weight, &s.coefficients);
+    add_steps(next, s);
+    s = std::move(next);
+  }
+  s.weight = weight;
+  return s;
+}
+
+// The objective at `coefficients` with the hinge weight of the options: 1/2 sum rho(r_i^2) over
+// the measurements plus 1/2 sum hinge_b^2 over the bounds. Compares solutions from two starts.
+double objective(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                 const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
+                 const std::vector<double>& coefficients) {
+  std::unique_ptr<ceres::LossFunction> loss(make_loss(options));
+  double sum = 0;
+  for (const Measurement& m : measurements) {
+    const double r = (formula.predict(coefficients, m.dims) - m.bytes) / m.bytes;
+    double rho[3] = {r * r, 1, 0};
+    if (loss) loss->Evaluate(r * r, rho);
+    sum += 0.5 * rho[0];
+  }
+  for (const InfeasibleBound& bound : bounds) {
+    const double shortfall =
+        std::max(0.0, (hinge_target(bound) - formula.predict(coefficients, bound.dims)) /
+                          bound.exceeds_bytes);
+    sum += 0.5 * std::pow(options.infeasible_bound_weight * shortfall, 2);
+  }
+  return std::isfinite(sum) ? sum : std::numeric_limits<double>::infinity();
 }
 
 // Central-difference Jacobian of the relative residuals [points, coefficients] at
@@ -544,86 +673,16 @@ IdentifiabilityError::IdentifiabilityError(const std::string& message,
       coefficients_(std::move(coefficients)),
       dependent_(std::move(dependent)) {}
 
-void FitOptions::validate() const {
-  if (max_iterations < 1) {
-    throw std::invalid_argument("FitOptions: max_iterations must be >= 1, got " +
-                                std::to_string(max_iterations));
-  }
-  const std::pair<const char*, double> tolerances[] = {
-      {"function_tolerance", function_tolerance},
-      {"gradient_tolerance", gradient_tolerance},
-      {"parameter_tolerance", parameter_tolerance},
-      {"identifiability_tolerance", identifiability_tolerance}};
-  for (const auto& [name, value] : tolerances) {
-    if (!(std::isfinite(value) && value >= 0)) {
-      throw std::invalid_argument(std::string("FitOptions: ") + name +
-                                  " must be finite and >= 0, got " + format_double(value));
-    }
-  }
-  if (robust_loss != "none" && robust_loss != "huber" && robust_loss != "cauchy") {
-    throw std::invalid_argument("FitOptions: robust_loss must be \"none\", \"huber\" or "
-                                "\"cauchy\", got \"" + robust_loss + "\"");
-  }
-  if (!(std::isfinite(robust_loss_scale) && robust_loss_scale > 0)) {
-    throw std::invalid_argument("FitOptions: robust_loss_scale must be finite and > 0, got " +
-                                format_double(robust_loss_scale));
-  }
-  if (!(usable_max_rel_error >= 0)) {  // +inf allowed: no limit
-    throw std::invalid_argument("FitOptions: usable_max_rel_error must be >= 0, got " +
-                                format_double(usable_max_rel_error));
-  }
-  for (const auto& [name, value] : initial_values) {
-    if (!std::isfinite(value)) {
-      throw std::invalid_argument("FitOptions: initial_values['" + name +
-                                  "'] must be finite, got " + format_double(value));
-    }
-  }
-}
-
-std::string FitSummary::brief_report() const {
-  std::ostringstream os;
-  os << (converged ? "Fit converged" : "Fit did NOT converge") << " after " << iterations
-     << (iterations == 1 ? " iteration" : " iterations") << " on " << rel_errors.size()
-     << (rel_errors.size() == 1 ? " point" : " points") << " ("
-     << (linear ? "linear" : "non-linear") << " least squares, " << coefficient_count
-     << (coefficient_count == 1 ? " coefficient" : " coefficients") << ", robust loss "
-     << robust_loss << "): max relative error " << percent(max_rel_error) << ", mean "
-     << percent(mean_rel_error) << ", ";
-  if (leave_one_out_note.empty() && !leave_one_out_rel_errors.empty()) {
-    os << "leave-one-out max relative error " << percent(leave_one_out_max_rel_error) << ".";
-  } else {
-    os << "leave-one-out " << (leave_one_out_note.empty() ? "not computed" : leave_one_out_note)
-       << ".";
-  }
-  if (usable) {
-    os << " Usable.";
-  } else {
-    os << " Not usable: ";
-    for (std::size_t i = 0; i < reasons.size(); ++i) os << (i ? "; " : "") << reasons[i];
-    if (reasons.empty()) os << "no fit";
-    os << ".";
-  }
-  if (!converged && !solver_report.empty()) os << " Solver: " << solver_report;
-  return os.str();
-}
-
-std::string FitSummary::full_report() const {
-  std::ostringstream os;
-  os << brief_report() << "\n";
-  for (std::size_t i = 0; i < rel_errors.size(); ++i) {
-    os << "  point " << i << ": relative error " << percent(rel_errors[i]);
-    if (i < leave_one_out_rel_errors.size()) {
-      os << ", leave-one-out " << percent(leave_one_out_rel_errors[i]);
-    }
-    os << "\n";
-  }
-  return os.str();
+FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                           const FitOptions& options) {
+  return fit_coefficients(formula, measurements, {}, options);
 }
 
 FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                           const std::vector<InfeasibleBound>& bounds,
                            const FitOptions& options) {
   options.validate();
-  validate_inputs(formula, measurements, options);
+  validate_inputs(formula, measurements, bounds, options);
   const auto& coefs = formula.coefficient_names();
   const std::size_t k = coefs.size();
   const std::size_t n = measurements.size();
@@ -634,7 +693,33 @@ FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measure
     if (it != options.initial_values.end()) start[j] = it->second;
   }
 
-  const Solution solution = solve(formula, measurements, options, start);
+  Solution solution;
+  std::string start_note;
+  if (formula.is_linear()) {
+    solution = solve(formula, measurements, bounds, options, nullptr);
+  } else if (!options.initial_values.empty() || !options.automatic_start) {
+    solution = solve(formula, measurements, bounds, options, &start);
+    start_note = options.initial_values.empty() ? "1 for every coefficient"
+                                                : "FitOptions::initial_values (1 where not given)";
+  } else {
+    // Ceres from the automatic start and from the plain one; the lower objective wins.
+    const detail::AutomaticStart automatic =
+        detail::automatic_start(formula, measurements, options, start);
+    Solution from_automatic = solve(formula, measurements, bounds, options, &automatic.coefficients);
+    Solution from_plain = solve(formula, measurements, bounds, options, &start);
+    const double automatic_objective =
+        objective(formula, measurements, bounds, options, from_automatic.coefficients);
+    const double plain_objective =
+        objective(formula, measurements, bounds, options, from_plain.coefficients);
+    if (plain_objective < automatic_objective) {
+      solution = std::move(from_plain);
+      start_note = "1 for every coefficient (it reached a lower cost than the " +
+                   automatic.description + " start)";
+    } else {
+      solution = std::move(from_automatic);
+      start_note = automatic.description;
+    }
+  }
   FitResult result;
   result.coefficients = solution.coefficients;
 
@@ -645,6 +730,8 @@ FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measure
   s.converged = solution.summary.termination_type == ceres::CONVERGENCE ||
                 solution.summary.termination_type == ceres::USER_SUCCESS;
   s.iterations = solution.summary.num_successful_steps + solution.summary.num_unsuccessful_steps;
+  s.start = start_note;
+  s.infeasible_bound_weight = bounds.empty() ? 0.0 : solution.weight;
   s.solver_report = solution.summary.BriefReport();
   if (!solution.summary.message.empty()) s.solver_report += " (" + solution.summary.message + ")";
   s.rel_errors.reserve(n);
@@ -683,7 +770,7 @@ FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measure
         if (j != i) rest.push_back(measurements[j]);
       }
       try {
-        const Solution without = solve(formula, rest, options, result.coefficients);
+        const Solution without = solve(formula, rest, bounds, options, &result.coefficients);
         const Measurement& m = measurements[i];
         const double rel = (formula.predict(without.coefficients, m.dims) - m.bytes) / m.bytes;
         loo.push_back(rel);
@@ -714,6 +801,19 @@ FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measure
                         describe_dims(formula, measurements[worst].dims) +
                         ") is above the limit " + percent(options.usable_max_rel_error) +
                         " (FitOptions::usable_max_rel_error)");
+  }
+  s.infeasible_bound_count = bounds.size();
+  for (std::size_t b = 0; b < bounds.size(); ++b) {
+    const double predicted = formula.predict(result.coefficients, bounds[b].dims);
+    const bool satisfied = predicted >= bounds[b].exceeds_bytes;
+    s.infeasible_bound_predicted_bytes.push_back(predicted);
+    s.infeasible_bound_satisfied.push_back(satisfied);
+    if (!satisfied) {
+      s.reasons.push_back("a probe ran out of memory at " + describe_dims(formula, bounds[b].dims) +
+                          " (infeasible bound " + std::to_string(b) + ") under " +
+                          short_double(bounds[b].exceeds_bytes) + " bytes, but the fit predicts " +
+                          short_double(predicted) + " bytes there");
+    }
   }
   if (!formula.is_linear()) {
     const Eigen::MatrixXd jacobian = numeric_jacobian(formula, measurements, result.coefficients);

@@ -143,6 +143,46 @@ double MemoryModel::predict_bytes(const std::vector<double>& dims) const {
   return std::max(floor_bytes_, formula_.predict(coefficients_, dims));
 }
 
+void MemoryModel::set_infeasible_probes(std::vector<InfeasibleBound> probes) {
+  const auto& vars = formula_.variable_names();
+  for (std::size_t i = 0; i < probes.size(); ++i) {
+    const InfeasibleBound& p = probes[i];
+    const std::string where = "MemoryModel: infeasible probe " + std::to_string(i);
+    if (p.dims.size() != vars.size()) {
+      throw std::invalid_argument(where + " has " + std::to_string(p.dims.size()) +
+                                  " dims, expected " + std::to_string(vars.size()));
+    }
+    for (std::size_t v = 0; v < vars.size(); ++v) {
+      if (!std::isfinite(p.dims[v])) {
+        throw std::invalid_argument(where + " has " + vars[v] + " = " + format_double(p.dims[v]) +
+                                    "; dims must be finite");
+      }
+    }
+    if (!(std::isfinite(p.exceeds_bytes) && p.exceeds_bytes > 0)) {
+      throw std::invalid_argument(where + " has exceeds_bytes = " +
+                                  format_double(p.exceeds_bytes) + "; it must be finite and > 0");
+    }
+  }
+  infeasible_probes_ = std::move(probes);
+}
+
+const InfeasibleBound* MemoryModel::dominated_infeasible_probe(const std::vector<double>& dims,
+                                                               double usable_bytes) const {
+  for (const InfeasibleBound& p : infeasible_probes_) {
+    if (p.exceeds_bytes < usable_bytes || dims.size() != p.dims.size()) continue;
+    bool dominates = true;
+    for (std::size_t v = 0; v < dims.size() && dominates; ++v) dominates = dims[v] >= p.dims[v];
+    if (dominates) return &p;
+  }
+  return nullptr;
+}
+
+bool MemoryModel::fits(const std::vector<double>& dims, double usable_bytes) const {
+  // NaN predictions compare false, i.e. count as not fitting.
+  return predict_bytes(dims) <= usable_bytes &&
+         dominated_infeasible_probe(dims, usable_bytes) == nullptr;
+}
+
 std::int64_t MemoryModel::max_microbatch_size(std::vector<double> dims, std::int64_t usable_bytes,
                                               std::int64_t max_size) const {
   if (dims.size() != formula_.variable_names().size()) {
@@ -155,12 +195,32 @@ std::int64_t MemoryModel::max_microbatch_size(std::vector<double> dims, std::int
                                 std::to_string(max_size));
   }
   const double budget = static_cast<double>(usable_bytes);
-  // NaN predictions compare false, i.e. count as not fitting.
-  auto fits = [&](std::int64_t m) {
+  // Below the batch size of every infeasible probe whose other dims these dims reach.
+  for (const InfeasibleBound& p : infeasible_probes_) {
+    if (p.exceeds_bytes < budget) continue;
+    bool reaches = true;
+    for (std::size_t v = 0; v < dims.size() && reaches; ++v) {
+      reaches = v == batch_size_index_ || dims[v] >= p.dims[v];
+    }
+    if (!reaches) continue;
+    const double below = std::ceil(p.dims[batch_size_index_]) - 1;
+    if (below < 1) {
+      dims[batch_size_index_] = 1;
+      std::string at;
+      for (std::size_t v = 0; v < dims.size(); ++v) {
+        at += (v ? ", " : "") + formula_.variable_names()[v] + " = " + format_double(p.dims[v]);
+      }
+      throw std::invalid_argument(
+          "max_microbatch_size: even a microbatch of 1 reaches a probe that ran out of memory at " +
+          at + " under " + format_double(p.exceeds_bytes) + " bytes");
+    }
+    if (below < static_cast<double>(max_size)) max_size = static_cast<std::int64_t>(below);
+  }
+  auto fits_at = [&](std::int64_t m) {
     dims[batch_size_index_] = static_cast<double>(m);
-    return predict_bytes(dims) <= budget;
+    return fits(dims, budget);
   };
-  if (!fits(1)) {
+  if (!fits_at(1)) {
     throw std::invalid_argument(
         "max_microbatch_size: even a microbatch of 1 is predicted at " +
         format_double(predict_bytes(dims)) + " bytes, over the usable budget of " +
@@ -174,7 +234,7 @@ std::int64_t MemoryModel::max_microbatch_size(std::vector<double> dims, std::int
   while (true) {  // exponential phase
     const std::int64_t next = lo > max_size / 2 ? max_size : lo * 2;
     if (next == lo) return lo;  // lo == max_size
-    if (!fits(next)) {
+    if (!fits_at(next)) {
       hi = next;
       break;
     }
@@ -182,7 +242,7 @@ std::int64_t MemoryModel::max_microbatch_size(std::vector<double> dims, std::int
   }
   while (hi - lo > 1) {  // binary phase
     const std::int64_t mid = lo + (hi - lo) / 2;
-    if (fits(mid)) {
+    if (fits_at(mid)) {
       lo = mid;
     } else {
       hi = mid;
@@ -208,6 +268,11 @@ nlohmann::json MemoryModel::to_json() const {
   nlohmann::json agg = nlohmann::json::object();
   for (std::size_t v = 0; v < vars.size(); ++v) agg[vars[v]] = to_string(aggregation_[v]);
   j["aggregation"] = std::move(agg);
+  nlohmann::json infeasible = nlohmann::json::array();
+  for (const InfeasibleBound& p : infeasible_probes_) {
+    infeasible.push_back({{"dims", p.dims}, {"exceeds_bytes", p.exceeds_bytes}});
+  }
+  j["infeasible_probes"] = std::move(infeasible);
   j["metadata"] = metadata_;
   return j;
 }
@@ -271,6 +336,31 @@ MemoryModel MemoryModel::from_json(const nlohmann::json& j) {
     }
   }
 
+  // infeasible_probes: optional (files written before it existed have none).
+  std::vector<InfeasibleBound> infeasible;
+  if (auto it = j.find("infeasible_probes"); it != j.end()) {
+    if (!it->is_array()) bad_field("infeasible_probes", "expected an array, got " + brief(*it));
+    for (std::size_t i = 0; i < it->size(); ++i) {
+      const std::string field = "infeasible_probes[" + std::to_string(i) + "]";
+      const nlohmann::json& entry = (*it)[i];
+      if (!entry.is_object()) bad_field(field, "expected an object {dims, exceeds_bytes}");
+      const nlohmann::json& jd = required(entry, "dims", field + ".dims");
+      if (!jd.is_array() || jd.size() != var_names.size()) {
+        bad_field(field + ".dims", "expected an array of " + std::to_string(var_names.size()) +
+                                       " numbers (variable_names order), got " + brief(jd));
+      }
+      InfeasibleBound probe;
+      for (std::size_t v = 0; v < jd.size(); ++v) {
+        probe.dims.push_back(get_number(jd[v], field + ".dims[" + std::to_string(v) + "]"));
+      }
+      probe.exceeds_bytes =
+          get_number(required(entry, "exceeds_bytes", field + ".exceeds_bytes"),
+                     field + ".exceeds_bytes");
+      if (!(probe.exceeds_bytes > 0)) bad_field(field + ".exceeds_bytes", "must be > 0");
+      infeasible.push_back(std::move(probe));
+    }
+  }
+
   nlohmann::json metadata = nlohmann::json::object();
   if (auto it = j.find("metadata"); it != j.end()) {
     if (!it->is_object()) bad_field("metadata", "expected an object");
@@ -280,6 +370,7 @@ MemoryModel MemoryModel::from_json(const nlohmann::json& j) {
   // The constructor's errors name the bad argument (floor_bytes, batch-size variable, ...).
   MemoryModel model(std::move(formula), std::move(coefficients), floor_bytes, bs,
                     std::move(aggregation));
+  model.set_infeasible_probes(std::move(infeasible));
   model.metadata_ = std::move(metadata);
   return model;
 }

@@ -76,7 +76,7 @@ Microbatch make_microbatch(std::vector<std::size_t> indices, std::vector<double>
   mb.record_indices = std::move(indices);
   mb.predicted_bytes = model.predict_bytes(dims);
   mb.dims = std::move(dims);
-  mb.over_budget = !(mb.predicted_bytes <= static_cast<double>(usable_bytes));
+  mb.over_budget = !model.fits(mb.dims, static_cast<double>(usable_bytes));
   return mb;
 }
 
@@ -117,7 +117,7 @@ bool try_uniform(const std::vector<std::vector<double>>& record_dims,
   if (records.empty()) return true;
   std::vector<double> dims = aggregate_dims(record_dims, records, model);
   dims[model.batch_size_index()] = 1;
-  if (!(model.predict_bytes(dims) <= static_cast<double>(usable_bytes))) return false;
+  if (!model.fits(dims, static_cast<double>(usable_bytes))) return false;
   const std::int64_t m = model.max_microbatch_size(dims, usable_bytes,
                                                    static_cast<std::int64_t>(records.size()));
   return equal_slices(record_dims, records, m, model, usable_bytes, out);
@@ -245,7 +245,7 @@ MicrobatchPlan AdaptivePacker::pack(const std::vector<std::vector<double>>& reco
 
   for (std::size_t i : order) {
     current.with(record_dims[i], trial);
-    if (model.predict_bytes(trial) <= budget) {
+    if (model.fits(trial, budget)) {
       current.add(trial);
       current_indices.push_back(i);
       continue;
@@ -253,7 +253,7 @@ MicrobatchPlan AdaptivePacker::pack(const std::vector<std::vector<double>>& reco
     if (!current_indices.empty()) {
       close_current();
       current.with(record_dims[i], trial);
-      if (model.predict_bytes(trial) <= budget) {
+      if (model.fits(trial, budget)) {
         current.add(trial);
         current_indices.push_back(i);
         continue;

@@ -121,6 +121,15 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
     all_feasible.push_back({probe.dims, probe.forward_backward_peak_bytes});
     if (probe.forward_backward_peak_bytes > floor_bytes) measurements.push_back(all_feasible.back());
   }
+  // Probes that ran out of memory: lower bounds of the fit, limits of the plans.
+  std::vector<InfeasibleBound> infeasible;
+  for (const ProbeResult& probe : probes_) {
+    if (probe.feasible) continue;
+    const double capacity = probe.capacity_bytes > 0
+                                ? probe.capacity_bytes
+                                : static_cast<double>(options_.budget.capacity_bytes);
+    infeasible.push_back({probe.dims, capacity});
+  }
   const bool fitted_above_floor = measurements.size() >= formula.coefficient_names().size();
   if (!fitted_above_floor) measurements = all_feasible;
   if (floor_bytes >= usable_bytes) {
@@ -135,7 +144,7 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
                              std::to_string(formula.coefficient_names().size()) +
                              " coefficients; raise the capacity or give probe points that fit it");
   }
-  FitResult fit = fit_coefficients(formula, measurements, options_.fit);
+  FitResult fit = fit_coefficients(formula, measurements, infeasible, options_.fit);
   fit_summary_ = fit.summary;
   if (!fit.summary.usable) {
     std::string reasons;
@@ -144,6 +153,7 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
   }
   MemoryModel model(formula, fit.coefficients, floor_bytes, options_.batch_size_variable,
                     options_.aggregation);
+  model.set_infeasible_probes(infeasible);
   nlohmann::json probes_json = nlohmann::json::array();
   for (const ProbeResult& probe : probes_) probes_json.push_back(to_json(probe));
   model.metadata()["probes"] = probes_json;
@@ -165,6 +175,7 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
                              {"usable", fit.summary.usable},
                              {"fitted_to", "forward_backward_peak_bytes"},
                              {"fitted_points", measurements.size()},
+                             {"infeasible_bounds", infeasible.size()},
                              {"fitted_above_floor_only", fitted_above_floor}};
   model_ = std::move(model);
   return *model_;
@@ -193,7 +204,7 @@ const MemoryModel& PredictiveBatcher::add_measurement(const Measurement& measure
   }
   FitResult fit;
   try {
-    fit = fit_coefficients(formula, fit_measurements_, options_.fit);
+    fit = fit_coefficients(formula, fit_measurements_, model_->infeasible_probes(), options_.fit);
   } catch (const std::invalid_argument&) {
     // The accumulated measurements cannot separate the coefficients (IdentifiabilityError):
     // stay safe with the floor, as above.
@@ -203,6 +214,7 @@ const MemoryModel& PredictiveBatcher::add_measurement(const Measurement& measure
   fit_summary_ = fit.summary;
   MemoryModel refitted(formula, fit.coefficients, model_->floor_bytes(),
                        model_->batch_size_variable(), options_.aggregation);
+  refitted.set_infeasible_probes(model_->infeasible_probes());
   refitted.metadata() = model_->metadata();
   refitted.metadata()["fit_measurements"].push_back(
       {{"dims", measurement.dims}, {"bytes", measurement.bytes}, {"online", true}});
@@ -218,6 +230,7 @@ const MemoryModel& PredictiveBatcher::raise_floor_bytes(double floor_bytes) {
   if (floor_bytes <= model_->floor_bytes()) return *model_;
   MemoryModel raised(model_->formula(), model_->coefficients(), floor_bytes,
                      model_->batch_size_variable(), options_.aggregation);
+  raised.set_infeasible_probes(model_->infeasible_probes());
   raised.metadata() = model_->metadata();
   ++corrections_;
   model_ = std::move(raised);

@@ -432,3 +432,88 @@ TEST_CASE("fit rejects a batch-size variable that is not a variable of the formu
   CHECK(contains(msg, "batch_size_variable 'n'"));
   CHECK(contains(msg, "bs, l"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Infeasible probes as lower bounds.
+
+namespace {
+
+// Peak = 1000*bs*l + 2*bs*l^2 + 1e7, measured at small shapes where the quadratic term hides.
+std::vector<Measurement> small_shapes() {
+  std::vector<Measurement> m;
+  for (double bs : {1.0, 2.0, 4.0}) {
+    for (double l : {16.0, 32.0, 64.0}) {
+      m.push_back({{bs, l}, 1000 * bs * l + 2 * bs * l * l + 1e7});
+    }
+  }
+  return m;
+}
+
+// bs = 32, l = 512 ran out of memory under 40e6 bytes (the truth there is 43.2e6).
+const xpm::InfeasibleBound kOutOfMemory{{32, 512}, 40e6};
+
+}  // namespace
+
+TEST_CASE("an infeasible probe raises a linear fit's prediction there to the capacity") {
+  const CostFormula f("a*bs*l + c", {"a", "c"}, {"bs", "l"});
+  const FitResult feasible_only = xpm::fit_coefficients(f, small_shapes());
+  REQUIRE(f.predict(feasible_only.coefficients, kOutOfMemory.dims) < kOutOfMemory.exceeds_bytes);
+  CHECK(feasible_only.summary.infeasible_bound_count == 0);
+
+  const FitResult bounded = xpm::fit_coefficients(f, small_shapes(), {kOutOfMemory});
+  const double predicted = f.predict(bounded.coefficients, kOutOfMemory.dims);
+  CHECK(predicted >= kOutOfMemory.exceeds_bytes);
+  CHECK(predicted < kOutOfMemory.exceeds_bytes * 1.001);  // no further than the data asks
+  CHECK(bounded.summary.infeasible_bound_count == 1);
+  REQUIRE(bounded.summary.infeasible_bound_satisfied.size() == 1);
+  CHECK(bounded.summary.infeasible_bound_satisfied[0]);
+  CHECK(bounded.summary.infeasible_bound_predicted_bytes[0] == doctest::Approx(predicted));
+  CHECK(bounded.summary.usable);  // the feasible points still fit within 5 %
+  CHECK(bounded.summary.rel_errors.size() == 9);  // bounds are not points
+  CHECK(bounded.summary.leave_one_out_rel_errors.size() == 9);
+  CHECK(contains(bounded.summary.brief_report(), "1 infeasible-probe bound: all satisfied"));
+  CHECK(contains(bounded.summary.full_report(), "infeasible bound 0: predicted"));
+}
+
+TEST_CASE("an infeasible probe raises a non-linear fit's prediction there to the capacity") {
+  const CostFormula f("max(c, a*bs*l)", {"a", "c"}, {"bs", "l"});
+  FitOptions options;
+  options.usable_max_rel_error = 1;  // max(c, a*bs*l) does not fit these points well
+  const FitResult feasible_only = xpm::fit_coefficients(f, small_shapes(), options);
+  REQUIRE(f.predict(feasible_only.coefficients, kOutOfMemory.dims) < kOutOfMemory.exceeds_bytes);
+  const FitResult bounded = xpm::fit_coefficients(f, small_shapes(), {kOutOfMemory}, options);
+  CHECK(f.predict(bounded.coefficients, kOutOfMemory.dims) >= kOutOfMemory.exceeds_bytes);
+  CHECK(bounded.summary.infeasible_bound_satisfied.at(0));
+  CHECK_FALSE(bounded.summary.linear);
+}
+
+TEST_CASE("a bound the formula cannot meet makes the fit not usable, naming the dims") {
+  // a*bs*l is 0 at l = 0 whatever a is, so a probe out of memory there cannot be honored.
+  const CostFormula f("a*bs*l + c", {"a", "c"}, {"bs", "l"});
+  std::vector<Measurement> m = {{{1, 16}, 2e6}, {{2, 16}, 3e6}, {{4, 32}, 9e6}};
+  const FitResult r = xpm::fit_coefficients(f, {{{1, 16}, 2e6}, {{2, 16}, 3e6}},
+                                            {{{8, 0}, 5e9}});
+  CHECK_FALSE(r.summary.usable);
+  CHECK_FALSE(r.summary.infeasible_bound_satisfied.at(0));
+  CHECK(any_reason_contains(r.summary, "ran out of memory at bs = 8, l = 0"));
+  CHECK(contains(r.summary.brief_report(), "1 violated"));
+}
+
+TEST_CASE("fit rejects a malformed infeasible bound naming it") {
+  const CostFormula f("a*bs*l + c", {"a", "c"}, {"bs", "l"});
+  const auto message = [&](const xpm::InfeasibleBound& bound) {
+    try {
+      xpm::fit_coefficients(f, small_shapes(), {kOutOfMemory, bound});
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(contains(message({{1}, 5e6}), "infeasible bound 1 has 1 dims"));
+  CHECK(contains(message({{1, std::nan("")}, 5e6}), "infeasible bound 1 has l = nan"));
+  CHECK(contains(message({{1, 8}, 0}), "infeasible bound 1 has exceeds_bytes = 0"));
+  FitOptions o;
+  o.infeasible_bound_weight = 0;
+  CHECK_THROWS_WITH_AS(o.validate(), doctest::Contains("infeasible_bound_weight"),
+                       std::invalid_argument);
+}

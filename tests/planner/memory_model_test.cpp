@@ -223,3 +223,70 @@ TEST_CASE("load of a bad file names the path") {
   CHECK(error_of_load(missing).find(missing.string()) != std::string::npos);
   CHECK_THROWS_AS(MemoryModel::load(missing.string()), std::runtime_error);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Infeasible probes: no answer dominates one.
+
+TEST_CASE("max microbatch size stays below an infeasible probe's bs at its l and above") {
+  MemoryModel model = quadratic_model();
+  // The model predicts 48 records of l = 128 at about 1.6 MB, but that probe ran out of 10 MB.
+  model.set_infeasible_probes({{{48, 128}, 10e6}});
+  const std::int64_t budget = 9'000'000;  // usable, below the probe's capacity
+  CHECK(model.max_microbatch_size({0, 128}, budget) == 47);
+  CHECK(model.max_microbatch_size({0, 200}, budget) == 47);  // longer records: same limit
+  const std::int64_t shorter = model.max_microbatch_size({0, 100}, budget);
+  CHECK(shorter > 47);  // the probe says nothing about l = 100
+  CHECK(model.predict_bytes({static_cast<double>(shorter), 100}) <= budget);
+  CHECK_FALSE(model.fits({48, 128}, budget));
+  CHECK(model.fits({47, 128}, budget));
+  CHECK(model.dominated_infeasible_probe({64, 256}, budget) == &model.infeasible_probes()[0]);
+  CHECK(model.dominated_infeasible_probe({64, 100}, budget) == nullptr);
+  // A budget above the capacity the probe ran under is not bound by it.
+  CHECK(model.max_microbatch_size({0, 128}, 20'000'000) > 47);
+}
+
+TEST_CASE("max microbatch size is an error when a probe of one record ran out of memory") {
+  MemoryModel model = quadratic_model();
+  model.set_infeasible_probes({{{1, 512}, 10e6}});
+  CHECK_THROWS_WITH_AS(model.max_microbatch_size({0, 600}, 9'000'000),
+                       doctest::Contains("ran out of memory at bs = 1, l = 512"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("infeasible probes round-trip through JSON; a file without them has none") {
+  MemoryModel model = quadratic_model();
+  model.set_infeasible_probes({{{48, 128}, 10e6}, {{4, 1024}, 10e6}});
+  const nlohmann::json j = model.to_json();
+  CHECK(j["infeasible_probes"].size() == 2);
+  CHECK(j["infeasible_probes"][1]["dims"] == nlohmann::json({4, 1024}));
+  CHECK(j["infeasible_probes"][1]["exceeds_bytes"] == 10e6);
+  const MemoryModel back = MemoryModel::from_json(j);
+  REQUIRE(back.infeasible_probes().size() == 2);
+  CHECK(back.infeasible_probes()[0].dims == std::vector<double>{48, 128});
+  CHECK(back.infeasible_probes()[0].exceeds_bytes == 10e6);
+  CHECK(back.to_json() == j);
+
+  nlohmann::json old = j;
+  old.erase("infeasible_probes");  // written before the field existed
+  CHECK(MemoryModel::from_json(old).infeasible_probes().empty());
+}
+
+TEST_CASE("model from JSON names a bad infeasible probe") {
+  nlohmann::json j = quadratic_model().to_json();
+  const auto error_of = [](const nlohmann::json& file) {
+    try {
+      MemoryModel::from_json(file);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  j["infeasible_probes"] = {{{"dims", {48}}, {"exceeds_bytes", 1e6}}};
+  CHECK(error_of(j).find("infeasible_probes[0].dims") != std::string::npos);
+  j["infeasible_probes"] = {{{"dims", {48, 128}}}};
+  CHECK(error_of(j).find("infeasible_probes[0].exceeds_bytes") != std::string::npos);
+  j["infeasible_probes"] = {{{"dims", {48, 128}}, {"exceeds_bytes", 0}}};
+  CHECK(error_of(j).find("must be > 0") != std::string::npos);
+  j["infeasible_probes"] = "none";
+  CHECK(error_of(j).find("infeasible_probes") != std::string::npos);
+}

@@ -22,6 +22,7 @@ class FakeExecutor : public xpm::ProbeExecutor {
       r.feasible = false;
       r.error = "out of memory";
     }
+    r.capacity_bytes = limit_bytes_;  // what it ran under
     ++calls;
     return r;
   }
@@ -92,4 +93,49 @@ TEST_CASE("online correction without fit data raises the floor to the measuremen
                                      {10, 1000, 1e6}, 0, "bs"));
   batcher.add_measurement({{4, 100}, 9e6});
   CHECK(batcher.model().predict_bytes({4, 100}) >= 9e6);
+}
+
+TEST_CASE("infeasible probes bound the fit and limit every plan") {
+  FakeExecutor executor(4e6);  // a hard limit below the usable budget of 0.9 * 5e6
+  xpm::PredictiveBatcher batcher(options_with_cap(5'000'000),
+                                 std::make_shared<xpm::AdaptivePacker>());
+  const xpm::MemoryModel& model = batcher.probe_and_fit(executor);
+  std::vector<std::vector<double>> infeasible;
+  for (const auto& probe : batcher.probes()) {
+    if (!probe.feasible) infeasible.push_back(probe.dims);
+  }
+  REQUIRE_FALSE(infeasible.empty());
+  CHECK(batcher.fit_summary().infeasible_bound_count == infeasible.size());
+  REQUIRE(model.infeasible_probes().size() == infeasible.size());
+  for (std::size_t i = 0; i < infeasible.size(); ++i) {
+    CHECK(model.infeasible_probes()[i].dims == infeasible[i]);
+    CHECK(model.infeasible_probes()[i].exceeds_bytes == 4e6);  // ProbeResult::capacity_bytes
+    CHECK(batcher.fit_summary().infeasible_bound_satisfied[i]);
+  }
+  CHECK(model.to_json()["infeasible_probes"].size() == infeasible.size());
+
+  // Under a budget at the probes' limit, no microbatch dominates an infeasible probe.
+  std::vector<std::vector<double>> records(200, std::vector<double>{1, 128});
+  const xpm::MicrobatchPlan plan = batcher.packer().pack(records, model, 4'000'000);
+  for (const auto& mb : plan.microbatches) {
+    CHECK(model.dominated_infeasible_probe(mb.dims, 4e6) == nullptr);
+    CHECK_FALSE(mb.over_budget);
+  }
+}
+
+TEST_CASE("a probe without a recorded capacity is bounded by the budget's capacity") {
+  class NoCapacity : public FakeExecutor {
+   public:
+    using FakeExecutor::FakeExecutor;
+    xpm::ProbeResult run_probe(const std::vector<double>& dims) override {
+      xpm::ProbeResult r = FakeExecutor::run_probe(dims);
+      r.capacity_bytes = 0;
+      return r;
+    }
+  };
+  NoCapacity executor(5e6);  // runs out exactly at the capacity, like a capped allocator
+  xpm::PredictiveBatcher batcher(options_with_cap(5'000'000),
+                                 std::make_shared<xpm::AdaptivePacker>());
+  const xpm::MemoryModel& model = batcher.probe_and_fit(executor);
+  for (const auto& probe : model.infeasible_probes()) CHECK(probe.exceeds_bytes == 5e6);
 }

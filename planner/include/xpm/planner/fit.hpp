@@ -2,9 +2,10 @@
 //
 //   CostFormula f("a*bs*l^2 + b*bs*l + c", {"a","b","c"}, {"bs","l"});
 //   std::vector<Measurement> m = {{{1, 64}, 2.1e6}, {{4, 128}, 9.5e6}, ...};
+//   std::vector<InfeasibleBound> oom = {{{32, 512}, 16e9}};  // ran out of memory under 16 GB
 //   FitOptions options;
 //   options.batch_size_variable = "bs";     // refuse a model that shrinks as bs grows
-//   FitResult r = fit_coefficients(f, m, options);  // coefficients in bytes per unit of each term
+//   FitResult r = fit_coefficients(f, m, oom, options);  // bytes per unit of each term
 //   if (!r.summary.usable) std::cerr << r.summary.brief_report();
 //
 // Method. Residual i is relative, (predicted_i - measured_i) / measured_i, so a 1 MB probe and a
@@ -18,14 +19,27 @@
 //    design matrix must have full column rank: a coefficient the probe shapes cannot separate
 //    from the others is an IdentifiabilityError naming it, never a silent minimum-norm answer.
 //  - Other formulas (max(...), l^p, ...): non-linear least squares, Ceres Levenberg-Marquardt
-//    with central numeric differences of CostFormula::predict, starting from
-//    FitOptions::initial_values (1 for a coefficient not listed). The solver works on
-//    x_k = coefficient_k / s_k with s_k = |initial value| (1 when the initial value is 0).
+//    with central numeric differences of CostFormula::predict. The start is
+//    FitOptions::initial_values (1 for a coefficient not listed) when any is given; otherwise
+//    an automatic start (FitOptions::automatic_start): a coarse-to-fine search over the
+//    coefficients in exponents (l^p), each candidate completed by non-negative least squares
+//    over the coefficients that enter linearly, max(...) resolved by the argument that wins at
+//    each point (see docs/formula.md, "Non-linear fits"). Ceres then runs from that start and
+//    from the plain start (1 each) and keeps the lower cost. The solver works on
+//    x_k = coefficient_k / s_k with s_k = |start value| (1 when the start is 0).
 //    Identifiability is checked at the solution (numeric Jacobian); a coefficient the probes
 //    cannot identify there makes the fit not usable, with the reason.
-// Diagnostics: per-point relative errors, max/mean, leave-one-out error, and a usable flag with
-// the reasons when not (no convergence, max relative error above a limit, prediction that
-// decreases as the batch size grows).
+// Infeasible probes. A probe that ran out of memory at dims d under a capacity C says that the
+// true peak at d exceeds C. Each such InfeasibleBound adds a one-sided (hinge) residual
+//   w * max(0, (C - predicted(d)) / C)
+// (w = FitOptions::infeasible_bound_weight), zero when the prediction is at or above C, to the
+// same Ceres problem (linear and non-linear). When a bound is still violated at the solution
+// the fit is solved again with 10x the weight, up to 4 times. A bound still violated then makes
+// the fit not usable, with a reason naming its dims. Bounds never count as points for the
+// identifiability check, the error statistics or leave-one-out (each left-out refit keeps them).
+// Diagnostics: per-point relative errors, max/mean, leave-one-out error, the bounds, and a usable
+// flag with the reasons when not (no convergence, max relative error above a limit, violated
+// infeasible bound, prediction that decreases as the batch size grows).
 #pragma once
 
 #include <limits>
@@ -42,6 +56,13 @@ namespace xpm {
 struct Measurement {
   std::vector<double> dims;  // one value per formula variable
   double bytes = 0;          // measured peak allocated bytes, > 0
+};
+
+/// A probe that ran out of memory: the true peak at `dims` is above `exceeds_bytes` (the capacity
+/// the probe ran under). Used by the fit as a lower bound on the prediction there.
+struct InfeasibleBound {
+  std::vector<double> dims;  // one value per formula variable
+  double exceeds_bytes = 0;  // capacity the probe ran out of, bytes, > 0
 };
 
 /// The probe shapes cannot separate some coefficients: at every measurement, the term of one
@@ -73,6 +94,8 @@ struct FitOptions {
   std::string robust_loss = "none";    // "none" | "huber" | "cauchy", on the relative residuals
   double robust_loss_scale = 0.01;     // relative residual where the robust loss bends (0.01: 1 %)
   std::map<std::string, double> initial_values;  // non-linear fit start, bytes per unit; default 1
+  bool automatic_start = true;         // non-linear fit without initial_values: search a start
+  double infeasible_bound_weight = 100;  // weight w of an infeasible bound's hinge residual, > 0
   std::string batch_size_variable;     // "": no check; else refuse a decreasing prediction in it
   double usable_max_rel_error = 0.05;  // a larger max relative error makes the fit not usable
   bool leave_one_out = true;           // refit without each point (one refit per point)
@@ -100,10 +123,17 @@ struct FitSummary {
   bool usable = false;                 // converged, accurate enough, non-decreasing in bs
   std::vector<std::string> reasons;    // why not usable (one sentence each); empty when usable
   std::string solver_report;           // Ceres BriefReport()
+  std::string start;                   // non-linear fits: where Ceres started ("" when linear)
+  std::size_t infeasible_bound_count = 0;  // InfeasibleBounds given to the fit
+  std::vector<double> infeasible_bound_predicted_bytes;  // prediction at each bound's dims
+  std::vector<bool> infeasible_bound_satisfied;  // predicted >= exceeds_bytes, one per bound
+  double infeasible_bound_weight = 0;  // hinge weight of the last solve (after any increase)
   /// One paragraph, no newline: converged?, iterations, points, method, max/mean relative
-  /// error, leave-one-out error (or why not computed), usable or the reasons.
+  /// error, leave-one-out error (or why not computed), infeasible bounds (when any), usable or
+  /// the reasons.
   std::string brief_report() const;
-  /// brief_report() and then one line per point: relative error and leave-one-out error.
+  /// brief_report() and then one line per point (relative error and leave-one-out error) and
+  /// one per infeasible bound (predicted bytes, satisfied or not).
   std::string full_report() const;
 };
 
@@ -112,7 +142,7 @@ struct FitResult {
   FitSummary summary;
 };
 
-/// Fits the coefficients of `formula` to `measurements`.
+/// Fits the coefficients of `formula` to `measurements` (feasible probes).
 /// Throws std::invalid_argument when: there are fewer measurements than coefficients, a
 /// measurement has the wrong number of dims, non-finite dims or non-positive/non-finite bytes
 /// (the message names the measurement index and the value), the formula has no coefficient,
@@ -122,6 +152,13 @@ struct FitResult {
 /// cannot separate its coefficients.
 /// Pure function; thread-safe.
 FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                           const FitOptions& options = {});
+
+/// Same, with the probes that ran out of memory as lower bounds on the prediction (see the file
+/// comment). Also throws std::invalid_argument naming the bound ("infeasible bound 2") when one
+/// has the wrong number of dims, non-finite dims, or exceeds_bytes not finite and > 0.
+FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                           const std::vector<InfeasibleBound>& infeasible_bounds,
                            const FitOptions& options = {});
 
 }  // namespace xpm

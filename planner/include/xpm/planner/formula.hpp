@@ -137,6 +137,11 @@ class CostFormula {
   std::vector<double> dims_from_map(const std::map<std::string, double>& dims,
                                     const std::string& where = "dims") const;
 
+  /// The canonical expression tree. Its type is private to xpm::planner
+  /// (planner/src/formula_ast.hpp): for the planner's own algorithms (e.g. the automatic start
+  /// of non-linear fits), not an API for embedders.
+  const formula_ast::Expression& expression() const { return *expression_; }
+
  private:
   std::string text_;
   std::string canonical_;

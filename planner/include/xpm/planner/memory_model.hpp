@@ -9,6 +9,17 @@
 // Prediction is max(floor_bytes, formula(dims)): at small shapes the static memory (weights,
 // gradients, optimizer state) dominates and a polynomial fitted where activations dominate
 // would under-predict it (DESIGN.md section 3, "Peaks are a maximum over phases").
+//
+// Infeasible probes. The model keeps the probes that ran out of memory (dims and the capacity
+// they ran under, InfeasibleBound) and never lets a microbatch dominate one: dims d dominate a
+// probe at p when d[v] >= p[v] for every variable (bs included). For a cost that grows with
+// every dim, such a microbatch would run out of memory too, whatever the formula predicts.
+// The rule applies under a budget at or below the probe's capacity (usable_bytes <=
+// exceeds_bytes); a larger budget is not bound by it. fits() and max_microbatch_size() apply it,
+// and so do the packers.
+//
+//   model.set_infeasible_probes({{{64, 128}, 16e9}});   // bs=64, l=128 ran out of 16 GB
+//   model.max_microbatch_size({1, 200}, usable);       // <= 63: l=200 >= 128
 #pragma once
 
 #include <cstdint>
@@ -49,10 +60,23 @@ class MemoryModel {
   /// max(floor_bytes, formula(dims)); dims in variable_names() order.
   double predict_bytes(const std::vector<double>& dims) const;
 
-  /// Largest microbatch size m in [1, max_size] such that predict_bytes(dims with
-  /// batch-size variable = m) <= usable_bytes. The batch-size entry of `dims` is ignored.
+  /// Probes that ran out of memory (dims in variable_names() order, capacity in bytes).
+  const std::vector<InfeasibleBound>& infeasible_probes() const { return infeasible_probes_; }
+  /// Replaces them. Throws std::invalid_argument naming the entry ("infeasible probe 1") when its
+  /// dims have the wrong size or are not finite, or exceeds_bytes is not finite and > 0.
+  void set_infeasible_probes(std::vector<InfeasibleBound> probes);
+  /// The first infeasible probe that `dims` dominate (dims[v] >= probe.dims[v] for every v) and
+  /// whose capacity is at or above `usable_bytes`; nullptr when none.
+  const InfeasibleBound* dominated_infeasible_probe(const std::vector<double>& dims,
+                                                    double usable_bytes) const;
+  /// predict_bytes(dims) <= usable_bytes and no infeasible probe dominated (see above).
+  bool fits(const std::vector<double>& dims, double usable_bytes) const;
+
+  /// Largest microbatch size m in [1, max_size] such that fits(dims with batch-size variable =
+  /// m, usable_bytes): predicted within budget, and below the batch size of every infeasible
+  /// probe whose other dims `dims` reach. The batch-size entry of `dims` is ignored.
   /// Never returns a size the model predicts over budget. Throws std::invalid_argument when even
-  /// m = 1 is predicted over budget (message gives the prediction and the budget).
+  /// m = 1 does not fit (message gives the prediction and the budget, or the infeasible probe).
   std::int64_t max_microbatch_size(std::vector<double> dims, std::int64_t usable_bytes,
                                    std::int64_t max_size = std::int64_t{1} << 40) const;
 
@@ -62,7 +86,9 @@ class MemoryModel {
 
   /// JSON (format_version 1): format_version, formula {text, canonical, coefficient_names,
   /// variable_names}, coefficients {name: bytes}, floor_bytes, batch_size_variable,
-  /// aggregation {variable: "count"|"max"|"sum"}, metadata {...}.
+  /// aggregation {variable: "count"|"max"|"sum"}, infeasible_probes [{dims: [...] in
+  /// variable_names order, exceeds_bytes}] (optional when reading: missing = none),
+  /// metadata {...}.
   nlohmann::json to_json() const;
   /// Throws std::invalid_argument naming the missing or bad field (e.g. "coefficients.b").
   /// formula.text is re-parsed with the stored names; formula.canonical is informative only.
@@ -80,6 +106,7 @@ class MemoryModel {
   std::string batch_size_variable_;
   std::size_t batch_size_index_;
   std::vector<DimAggregation> aggregation_;
+  std::vector<InfeasibleBound> infeasible_probes_;
   nlohmann::json metadata_ = nlohmann::json::object();
 };
 

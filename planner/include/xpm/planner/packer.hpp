@@ -9,7 +9,8 @@
 //   for (const Microbatch& mb : plan.microbatches) run(mb.record_indices);
 //
 // Guarantees of every packer: each record index 0..n-1 appears in exactly one microbatch; a
-// record whose prediction alone exceeds the budget is put in a microbatch of its own with
+// microbatch fits (MemoryModel::fits: predicted within budget, and dominating no probe that ran
+// out of memory); a record that does not fit alone is put in a microbatch of its own with
 // over_budget = true and listed in plan.over_budget_records (never silently treated as fitting).
 #pragma once
 
@@ -26,7 +27,8 @@ struct Microbatch {
   std::vector<std::size_t> record_indices;  // indices into the outer batch
   std::vector<double> dims;                 // aggregated dims, variable_names() order
   double predicted_bytes = 0;               // model.predict_bytes(dims)
-  bool over_budget = false;                 // predicted_bytes > budget (only for a lone record)
+  bool over_budget = false;                 // !model.fits(dims, budget) (only a lone record):
+                                            // over budget, or dominates an infeasible probe
 };
 
 struct MicrobatchPlan {

@@ -11,7 +11,10 @@
 //
 // Model: the formula is fitted to the forward/backward peaks of the probes (the phase that
 // grows with the dims); the floor is the largest optimizer-step peak and the static bytes;
-// prediction is max(floor, formula) (DESIGN.md section 3).
+// prediction is max(floor, formula) (DESIGN.md section 3). Probes that ran out of memory are
+// upper bounds, never dropped: each is an InfeasibleBound of the fit (the prediction at its dims
+// must reach the capacity it ran under) and an infeasible probe of the model (no plan dominates
+// its dims; MemoryModel::fits).
 #pragma once
 
 #include <cstdint>
@@ -54,12 +57,16 @@ class PredictiveBatcher {
   /// doubles from 1 up to variable_max[bs], stopping at the first infeasible probe or the first
   /// whose step peak exceeds the budget, then one bisection probe between the last fit and the
   /// first miss. Infeasible probes are kept in probes() (feasible = false), never dropped
-  /// silently. The formula is fitted to the forward/backward peaks that lie above the floor
-  /// (where the budget binds), or to every feasible probe when too few do.
+  /// silently: each one bounds the fit from below at its dims (InfeasibleBound with
+  /// exceeds_bytes = ProbeResult::capacity_bytes, or the budget's capacity_bytes when 0) and is
+  /// stored in the model (MemoryModel::infeasible_probes), which keeps every plan below it.
+  /// The formula is fitted to the forward/backward peaks that lie above the floor (where the
+  /// budget binds), or to every feasible probe when too few do.
   /// Throws std::invalid_argument when the budget cannot work (below the static bytes or the
   /// floor, or fewer feasible probes than coefficients; IdentifiabilityError when the probes
   /// cannot separate the coefficients) and std::runtime_error when the fit is not usable
-  /// (FitSummary::usable: not converged, error too large, prediction decreasing in bs).
+  /// (FitSummary::usable: not converged, error too large, an infeasible probe's bound violated,
+  /// prediction decreasing in bs).
   const MemoryModel& probe_and_fit(ProbeExecutor& executor);
 
   /// Uses a model fitted elsewhere (cache, broadcast from rank 0). Its metadata's
@@ -67,7 +74,7 @@ class PredictiveBatcher {
   void set_model(MemoryModel model);
 
   /// Online correction: adds a measured forward/backward peak at `dims` to the fit data and
-  /// refits the coefficients (floor kept). Call with the same measurement on every rank (under
+  /// refits the coefficients (floor and infeasible probes kept, the latter as bounds). Call with the same measurement on every rank (under
   /// DDP the measurement must be agreed first, e.g. all-reduced), so plans stay identical.
   /// With fewer fit measurements than coefficients (a model set without its fit data) it raises
   /// the floor to the measured bytes instead. Returns the new model. Throws std::logic_error

@@ -29,6 +29,8 @@ struct ProbeResult {
   double optimizer_step_peak_bytes = 0;    // peak allocated bytes during the optimizer step
   double duration_s = 0;                   // wall time of the probe step
   std::string error;                       // the OOM message when infeasible
+  double capacity_bytes = 0;               // memory limit the probe ran under, bytes; 0: not
+                                           // recorded (PredictiveBatcher assumes its budget's)
 
   /// Peak of the whole step: max over phases.
   double step_peak_bytes() const;

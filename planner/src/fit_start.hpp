@@ -1,0 +1,44 @@
+// fit_start.hpp — private to xpm::planner: the automatic start of non-linear fits (fit.cpp).
+//
+//   AutomaticStart s = automatic_start(formula, measurements, options, ones);
+//   // s.coefficients: p of a*bs*l^p + c from a grid search, a and c by least squares at that p
+//
+// The formula's structure (planner/src/formula_ast.hpp) sorts the coefficients into three roles:
+//  - exponent: inside the exponent of a power (p in l^p, bs^(q+1)): searched on a grid,
+//    coarse (0 to 4 by 0.25, from -2 when negative coefficients are allowed) then finer around
+//    the best value (steps 0.05, 0.01, 0.002), one coefficient at a time, a few sweeps;
+//  - linear: enters each term linearly and alone, possibly inside max(...) (a in a*bs*l^p,
+//    a and b in max(a*bs*l, b*bs)): given the exponents, solved by (non-negative) linear least
+//    squares on the relative residuals. A max(...) that holds linear coefficients is replaced
+//    first by the sum of its arguments, then, at each point, by the argument that wins there
+//    under the current coefficients, refitting until the cost stops falling (the least-squares
+//    partition algorithm for max-affine fits);
+//  - fixed: any other use (a*b*bs, a^2, bs/(a + b), the base of a power with a fitted exponent):
+//    kept at the fallback start.
+// Every candidate is scored by the true cost, the sum of squared relative residuals of
+// CostFormula::predict; the best one is the start.
+#pragma once
+
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "xpm/planner/fit.hpp"
+#include "xpm/planner/formula.hpp"
+
+namespace xpm::detail {
+
+struct AutomaticStart {
+  std::vector<double> coefficients;  // formula.coefficient_names() order
+  double cost = std::numeric_limits<double>::infinity();  // sum of squared relative residuals
+  std::string description;  // e.g. "automatic: p = 1.7 by grid search, a and c by least squares"
+};
+
+/// The automatic start of a non-linear fit of `formula` to `measurements` (validated by the
+/// caller). `fallback` (declared order) gives the values of the fixed coefficients and is
+/// returned, with its cost, when no candidate beats it. Honors options.non_negative.
+AutomaticStart automatic_start(const CostFormula& formula,
+                               const std::vector<Measurement>& measurements,
+                               const FitOptions& options, const std::vector<double>& fallback);
+
+}  // namespace xpm::detail

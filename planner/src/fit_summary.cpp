@@ -1,0 +1,131 @@
+// fit_summary.cpp — FitOptions::validate and the FitSummary reports (see fit.hpp).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "xpm/planner/fit.hpp"
+
+namespace xpm {
+namespace {
+
+std::string format_double(double v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  return os.str();
+}
+
+std::string short_double(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+std::string percent(double rel) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.3g %%", rel * 100.0);
+  return buf;
+}
+
+}  // namespace
+
+void FitOptions::validate() const {
+  if (max_iterations < 1) {
+    throw std::invalid_argument("FitOptions: max_iterations must be >= 1, got " +
+                                std::to_string(max_iterations));
+  }
+  const std::pair<const char*, double> tolerances[] = {
+      {"function_tolerance", function_tolerance},
+      {"gradient_tolerance", gradient_tolerance},
+      {"parameter_tolerance", parameter_tolerance},
+      {"identifiability_tolerance", identifiability_tolerance}};
+  for (const auto& [name, value] : tolerances) {
+    if (!(std::isfinite(value) && value >= 0)) {
+      throw std::invalid_argument(std::string("FitOptions: ") + name +
+                                  " must be finite and >= 0, got " + format_double(value));
+    }
+  }
+  if (robust_loss != "none" && robust_loss != "huber" && robust_loss != "cauchy") {
+    throw std::invalid_argument("FitOptions: robust_loss must be \"none\", \"huber\" or "
+                                "\"cauchy\", got \"" + robust_loss + "\"");
+  }
+  if (!(std::isfinite(robust_loss_scale) && robust_loss_scale > 0)) {
+    throw std::invalid_argument("FitOptions: robust_loss_scale must be finite and > 0, got " +
+                                format_double(robust_loss_scale));
+  }
+  if (!(usable_max_rel_error >= 0)) {  // +inf allowed: no limit
+    throw std::invalid_argument("FitOptions: usable_max_rel_error must be >= 0, got " +
+                                format_double(usable_max_rel_error));
+  }
+  if (!(std::isfinite(infeasible_bound_weight) && infeasible_bound_weight > 0)) {
+    throw std::invalid_argument("FitOptions: infeasible_bound_weight must be finite and > 0, got " +
+                                format_double(infeasible_bound_weight));
+  }
+  for (const auto& [name, value] : initial_values) {
+    if (!std::isfinite(value)) {
+      throw std::invalid_argument("FitOptions: initial_values['" + name +
+                                  "'] must be finite, got " + format_double(value));
+    }
+  }
+}
+
+std::string FitSummary::brief_report() const {
+  std::ostringstream os;
+  os << (converged ? "Fit converged" : "Fit did NOT converge") << " after " << iterations
+     << (iterations == 1 ? " iteration" : " iterations") << " on " << rel_errors.size()
+     << (rel_errors.size() == 1 ? " point" : " points") << " ("
+     << (linear ? "linear" : "non-linear") << " least squares, " << coefficient_count
+     << (coefficient_count == 1 ? " coefficient" : " coefficients") << ", robust loss "
+     << robust_loss << "): max relative error " << percent(max_rel_error) << ", mean "
+     << percent(mean_rel_error) << ", ";
+  if (leave_one_out_note.empty() && !leave_one_out_rel_errors.empty()) {
+    os << "leave-one-out max relative error " << percent(leave_one_out_max_rel_error) << ".";
+  } else {
+    os << "leave-one-out " << (leave_one_out_note.empty() ? "not computed" : leave_one_out_note)
+       << ".";
+  }
+  if (infeasible_bound_count > 0) {
+    const auto violated = static_cast<std::size_t>(std::count(
+        infeasible_bound_satisfied.begin(), infeasible_bound_satisfied.end(), false));
+    os << " " << infeasible_bound_count
+       << (infeasible_bound_count == 1 ? " infeasible-probe bound" : " infeasible-probe bounds")
+       << ": " << (violated == 0 ? "all satisfied" : std::to_string(violated) + " violated") << ".";
+  }
+  if (usable) {
+    os << " Usable.";
+  } else {
+    os << " Not usable: ";
+    for (std::size_t i = 0; i < reasons.size(); ++i) os << (i ? "; " : "") << reasons[i];
+    if (reasons.empty()) os << "no fit";
+    os << ".";
+  }
+  if (!converged && !solver_report.empty()) os << " Solver: " << solver_report;
+  return os.str();
+}
+
+std::string FitSummary::full_report() const {
+  std::ostringstream os;
+  os << brief_report() << "\n";
+  for (std::size_t i = 0; i < rel_errors.size(); ++i) {
+    os << "  point " << i << ": relative error " << percent(rel_errors[i]);
+    if (i < leave_one_out_rel_errors.size()) {
+      os << ", leave-one-out " << percent(leave_one_out_rel_errors[i]);
+    }
+    os << "\n";
+  }
+  for (std::size_t b = 0; b < infeasible_bound_predicted_bytes.size(); ++b) {
+    os << "  infeasible bound " << b << ": predicted " << short_double(infeasible_bound_predicted_bytes[b])
+       << " bytes, " << (b < infeasible_bound_satisfied.size() && infeasible_bound_satisfied[b]
+                            ? "satisfied"
+                            : "VIOLATED")
+       << "\n";
+  }
+  if (!start.empty()) os << "  start: " << start << "\n";
+  return os.str();
+}
+
+}  // namespace xpm
