@@ -51,6 +51,26 @@ double parse_number(const std::string& text, const std::string& what) {
   return value;
 }
 
+std::string dim_problem(double value, const std::string& text, const std::string& name,
+                        bool count) {
+  const std::string shown = text.empty() ? number_text(value) : trim(text);
+  if (!std::isfinite(value)) return shown + " is not finite; dims must be finite numbers >= 0";
+  if (value < 0) return shown + " is negative; dims must be >= 0";
+  if (count && value == 0) {
+    return shown + " is not a valid " + name +
+           ": the batch-size variable counts records and must be > 0";
+  }
+  return "";
+}
+
+void check_dims(const std::vector<double>& dims, const std::vector<std::string>& names,
+                std::size_t count_index, const std::string& where) {
+  for (std::size_t v = 0; v < dims.size() && v < names.size(); ++v) {
+    const std::string problem = dim_problem(dims[v], "", names[v], v == count_index);
+    if (!problem.empty()) throw InputError(where + " " + names[v] + ": " + problem);
+  }
+}
+
 std::map<std::string, double> parse_assignments(const std::vector<std::string>& args,
                                                 const std::string& option) {
   std::map<std::string, double> out;

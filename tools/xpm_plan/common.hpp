@@ -39,6 +39,16 @@ std::vector<std::string> split_list(const std::string& text, const std::string& 
 /// Parses a finite number; `what` names the source in the error ("--dims l").
 double parse_number(const std::string& text, const std::string& what);
 
+/// What is wrong with a dim (a value of a formula variable), "" when nothing: not finite,
+/// negative ("-4 is negative; dims must be >= 0"), or, for the batch-size variable (`count`),
+/// zero. `text` is the value as written (number_text(value) when ""), `name` the variable.
+std::string dim_problem(double value, const std::string& text, const std::string& name,
+                        bool count);
+/// Checks every dim of `dims` (variable order `names`; `count_index` the batch-size variable,
+/// or >= names.size() for none); InputError "<where> <name>: <problem>" on the first bad one.
+void check_dims(const std::vector<double>& dims, const std::vector<std::string>& names,
+                std::size_t count_index, const std::string& where);
+
 /// "l=128,d=64" (possibly given as several --option) -> {l: 128, d: 64}.
 std::map<std::string, double> parse_assignments(const std::vector<std::string>& args,
                                                 const std::string& option);

@@ -39,6 +39,22 @@ double CsvTable::number(std::size_t row, std::size_t col) const {
   return value;
 }
 
+double CsvTable::dim(std::size_t row, std::size_t col, const std::string& verb,
+                     bool count) const {
+  const std::string& cell = rows[row][col];
+  const std::string where =
+      verb + ": " + path + " line " + std::to_string(line_numbers[row]) + ", column " + header[col];
+  double value = 0;
+  const char* end = cell.data() + cell.size();
+  auto [ptr, ec] = std::from_chars(cell.data(), end, value);
+  if (cell.empty() || ec != std::errc() || ptr != end) {
+    throw InputError(where + ": '" + cell + "' is not a number; dims must be finite numbers >= 0");
+  }
+  const std::string problem = dim_problem(value, cell, header[col], count);
+  if (!problem.empty()) throw InputError(where + ": " + problem);
+  return value;
+}
+
 bool CsvTable::boolean(std::size_t row, std::size_t col) const {
   std::string cell = rows[row][col];
   std::transform(cell.begin(), cell.end(), cell.begin(),

@@ -25,6 +25,10 @@ struct CsvTable {
   std::optional<std::size_t> find_column(const std::string& name) const;
   /// The cell as a finite number; InputError naming file, line, column and cell otherwise.
   double number(std::size_t row, std::size_t col) const;
+  /// The cell as a dim (a value of a formula variable): a finite number >= 0, and > 0 when
+  /// `count` (the batch-size variable counts records). InputError otherwise, e.g.
+  /// "predict: data.csv line 3, column l: -4 is negative; dims must be >= 0" (`verb` first).
+  double dim(std::size_t row, std::size_t col, const std::string& verb, bool count) const;
   /// The cell as a boolean: 1/0, true/false, yes/no (any case); InputError otherwise.
   bool boolean(std::size_t row, std::size_t col) const;
   /// "FILE: line N, column 'C'" for messages.

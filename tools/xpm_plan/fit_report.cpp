@@ -48,7 +48,8 @@ xpm::CostFormula make_formula(const std::string& text, const std::vector<std::st
 }
 
 FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSet& set,
-                            const FitRequest& request, const std::string& batch_size_variable) {
+                            const FitRequest& request, const std::string& batch_size_variable,
+                            const std::vector<xpm::InfeasibleBound>& bounds) {
   xpm::FitOptions options;
   options.non_negative = !request.allow_negative;
   options.robust_loss = request.robust_loss;
@@ -74,7 +75,7 @@ FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSe
   }
   FitOutcome outcome;
   try {
-    outcome.result = xpm::fit_coefficients(formula, set.measurements, options);
+    outcome.result = xpm::fit_coefficients(formula, set.measurements, bounds, options);
   } catch (const std::invalid_argument& e) {  // includes IdentifiabilityError
     throw InputError(set.path + ": " + first_line(e.what()));
   }
@@ -105,6 +106,8 @@ nlohmann::json fit_summary_json(const xpm::FitSummary& s, const FitOutcome& outc
           {"leave_one_out_rel_errors", std::move(loo)},
           {"leave_one_out_note", s.leave_one_out_note},
           {"solver_report", s.solver_report},
+          {"start", s.start},
+          {"infeasible_bounds", s.infeasible_bound_count},
           {"brief_report", s.brief_report()}};
 }
 
@@ -161,6 +164,20 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
     nlohmann::json infeasible = nlohmann::json::array();
     for (const auto& d : set.infeasible) infeasible.push_back(dims_json(model, d));
     j["infeasible_probes"] = std::move(infeasible);
+    nlohmann::json bounds = nlohmann::json::array();
+    for (std::size_t b = 0; b < model.infeasible_probes().size(); ++b) {
+      const xpm::InfeasibleBound& bound = model.infeasible_probes()[b];
+      nlohmann::json entry = {{"dims", dims_json(model, bound.dims)},
+                              {"exceeds_bytes", bound.exceeds_bytes},
+                              {"predicted_bytes", nullptr},
+                              {"satisfied", nullptr}};
+      if (b < s.infeasible_bound_predicted_bytes.size()) {
+        entry["predicted_bytes"] = s.infeasible_bound_predicted_bytes[b];
+        entry["satisfied"] = static_cast<bool>(s.infeasible_bound_satisfied[b]);
+      }
+      bounds.push_back(std::move(entry));
+    }
+    j["infeasible_bounds"] = std::move(bounds);
     nlohmann::json below = nlohmann::json::array();
     for (const auto& m : set.below_floor) below.push_back(dims_json(model, m.dims));
     j["below_floor_not_fitted"] = std::move(below);
@@ -204,7 +221,27 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
     os << set.infeasible.size() << " probes ran out of memory and were not fitted:";
     for (const auto& d : set.infeasible) os << "  [" << dims_text(model, d) << "]";
     os << "\n";
+    const auto& bounds = model.infeasible_probes();
+    if (!bounds.empty()) {
+      os << "  used as lower bounds of the fit (the prediction there must reach the capacity "
+            "they ran under) and as limits of every plan:\n";
+    }
+    for (std::size_t b = 0; b < bounds.size(); ++b) {
+      os << "    " << dims_text(model, bounds[b].dims) << ": out of memory under "
+         << bytes_text(bounds[b].exceeds_bytes) << " bytes";
+      if (b < s.infeasible_bound_predicted_bytes.size()) {
+        os << ", predicted " << bytes_text(s.infeasible_bound_predicted_bytes[b]) << ": "
+           << (s.infeasible_bound_satisfied[b] ? "satisfied" : "VIOLATED");
+      }
+      os << "\n";
+    }
+    if (bounds.size() < set.infeasible.size()) {
+      os << "  " << set.infeasible.size() - bounds.size()
+         << " not used as bounds: the capacity they ran under is unknown (give "
+            "--probe-capacity-bytes)\n";
+    }
   }
+  if (!s.start.empty()) os << "start: " << s.start << "\n";
   if (!s.converged) os << "solver: " << s.solver_report << "\n";
   if (!output.empty()) os << "saved memory model to " << output << "\n";
   if (!figure.empty()) os << "wrote figure " << figure << "\n";

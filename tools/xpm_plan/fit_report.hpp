@@ -41,8 +41,10 @@ struct FitOutcome {
 
 /// Fits; the planner's input errors (identifiability, too few points) become InputError.
 /// The fit refuses a prediction that decreases as `batch_size_variable` grows (not usable).
+/// `bounds`: the infeasible probes with a known capacity, lower bounds of the fit.
 FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSet& set,
-                            const FitRequest& request, const std::string& batch_size_variable);
+                            const FitRequest& request, const std::string& batch_size_variable,
+                            const std::vector<xpm::InfeasibleBound>& bounds);
 
 /// The fit summary as JSON (converged, iterations, errors, ...).
 nlohmann::json fit_summary_json(const xpm::FitSummary& summary, const FitOutcome& outcome);

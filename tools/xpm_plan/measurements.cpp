@@ -46,6 +46,9 @@ MeasurementSet read_csv_measurements(const MeasurementRequest& req, const std::s
   if (std::find(req.variables.begin(), req.variables.end(), "feasible") == req.variables.end()) {
     feasible_column = table.find_column("feasible");
   }
+  const std::string& count_variable =
+      req.count_variable.empty() ? req.variables.front() : req.count_variable;
+  std::optional<std::size_t> capacity_column = table.find_column("capacity_bytes");
   std::vector<std::pair<std::string, std::size_t>> extra;
   for (const char* f : kProbeFields) {
     if (f == req.bytes_column || f == req.floor_column) continue;
@@ -53,12 +56,24 @@ MeasurementSet read_csv_measurements(const MeasurementRequest& req, const std::s
   }
   for (std::size_t r = 0; r < table.rows.size(); ++r) {
     std::vector<double> dims;
-    for (std::size_t c : var_columns) dims.push_back(table.number(r, c));
+    for (std::size_t v = 0; v < var_columns.size(); ++v) {
+      dims.push_back(table.dim(r, var_columns[v], req.verb, req.variables[v] == count_variable));
+    }
     nlohmann::json record = {{"dims", dims}};
     const bool feasible = feasible_column ? table.boolean(r, *feasible_column) : true;
     record["feasible"] = feasible;
     if (!feasible) {
+      double capacity = 0;
+      if (capacity_column && !table.rows[r][*capacity_column].empty()) {
+        capacity = table.number(r, *capacity_column);
+        if (!(capacity > 0)) {
+          throw InputError(table.where(r, *capacity_column) + ": capacity must be > 0, got " +
+                           table.rows[r][*capacity_column]);
+        }
+        record["capacity_bytes"] = capacity;
+      }
       set.infeasible.push_back(dims);
+      set.infeasible_capacity_bytes.push_back(capacity);
       set.infeasible_records.push_back(record);
       set.all_records.push_back(std::move(record));
       continue;
@@ -200,6 +215,13 @@ MeasurementSet read_json_measurements(const MeasurementRequest& req, const std::
         dims.push_back(json_number(e[v], where + "." + v));
       }
     }
+    {
+      const std::string& count = req.count_variable.empty() ? set.variables.front()
+                                                            : req.count_variable;
+      const auto it = std::find(set.variables.begin(), set.variables.end(), count);
+      check_dims(dims, set.variables, static_cast<std::size_t>(it - set.variables.begin()),
+                 req.verb + ": " + where + ", variable");
+    }
     bool feasible = true;
     if (e.contains("feasible")) {
       const nlohmann::json& f = e["feasible"];
@@ -214,7 +236,14 @@ MeasurementSet read_json_measurements(const MeasurementRequest& req, const std::
     nlohmann::json record = {{"dims", dims}, {"feasible", feasible}};
     if (!feasible) {
       if (e.contains("error") && e["error"].is_string()) record["error"] = e["error"];
+      double capacity = 0;
+      if (e.contains("capacity_bytes")) {
+        capacity = json_number(e["capacity_bytes"], where + ".capacity_bytes");
+        if (capacity < 0) throw InputError(where + ".capacity_bytes: must be >= 0");
+        if (capacity > 0) record["capacity_bytes"] = capacity;
+      }
       set.infeasible.push_back(dims);
+      set.infeasible_capacity_bytes.push_back(capacity);
       set.infeasible_records.push_back(record);
       set.all_records.push_back(std::move(record));
       continue;

@@ -12,8 +12,14 @@
 // A probe's dims may be a list (in the file's variable order) or an object by name; its
 // "feasible" (default true) false marks a probe that ran out of memory.
 //
-// Infeasible probes are not fitted (their peak is unknown, only that it exceeds the cap): they
-// are kept in `infeasible` and reported, never dropped silently.
+// Dims must be finite numbers >= 0, and the batch-size variable (count_variable) > 0: anything
+// else is an InputError naming the file, the line (CSV) or entry (JSON) and the variable.
+//
+// Infeasible probes are not fitted as points (their peak is unknown, only that it exceeds the
+// capacity they ran under): they are kept in `infeasible`, with that capacity when the probe
+// records it (a `capacity_bytes` column or key > 0; `xpm-plan fit` falls back on
+// --probe-capacity-bytes, then on the file's capacity_bytes), and become lower bounds of the fit
+// and limits of the model (xpm::InfeasibleBound); never dropped silently.
 #pragma once
 
 #include <optional>
@@ -32,6 +38,8 @@ struct MeasurementRequest {
   std::vector<std::string> variables; // formula variable order; empty: from the JSON file
   std::string bytes_column;           // the measured peak to fit
   std::string floor_column;           // optional: floor = max of this column over feasible rows
+  std::string verb = "fit";           // first word of dim errors
+  std::string count_variable;         // batch-size variable (dims > 0); "": the first variable
 };
 
 struct MeasurementSet {
@@ -42,6 +50,7 @@ struct MeasurementSet {
   std::vector<std::string> labels;            // where each came from: "line 3", "probes[2]"
   std::vector<nlohmann::json> records;        // each feasible one as a probe record (for saving)
   std::vector<std::vector<double>> infeasible;// dims of probes that ran out of memory
+  std::vector<double> infeasible_capacity_bytes;  // capacity each ran under; 0: not recorded
   std::vector<nlohmann::json> infeasible_records;
   std::vector<nlohmann::json> all_records;    // feasible and infeasible, in file order
   std::optional<double> floor_bytes;          // from floor_column

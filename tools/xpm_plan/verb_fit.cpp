@@ -84,7 +84,10 @@ po::options_description fit_options() {
       "residuals,\nnon-negative by default), prints the fit report and saves the memory model.\n"
       "MEASUREMENTS is a CSV file, a JSON list of objects, a memory model file (its probes) or\n"
       "`xpm-plan probe --json` output; the format is read from the content. Probes marked\n"
-      "infeasible (out of memory) are reported and not fitted.\nOptions");
+      "infeasible (out of memory) are not fitted as points: with the capacity they ran under\n"
+      "(their capacity_bytes, --probe-capacity-bytes, or the file's capacity_bytes) they are\n"
+      "lower bounds of the fit and limits of every plan. Dims must be >= 0 (the batch-size\n"
+      "variable > 0).\nOptions");
   desc.add_options()
       ("help,h", "show this help")
       ("measurements", po::value<std::string>(),
@@ -103,6 +106,9 @@ po::options_description fit_options() {
        "forward_backward_peak_bytes (required)")
       ("batch-size-variable", po::value<std::string>()->default_value("", "first variable"),
        "variable that counts records in a microbatch")
+      ("probe-capacity-bytes", po::value<double>(),
+       "capacity the infeasible probes ran out of, bytes, when they do not record it (default: "
+       "the file's capacity_bytes)")
       ("floor-bytes", po::value<double>(),
        "constant floor of every prediction (static memory), bytes (default 0)")
       ("floor-column", po::value<std::string>(),
@@ -157,6 +163,16 @@ int run_fit(const po::variables_map& vm) {
   }
   const FitRequest fit_request = fit_request_from(vm);
   const std::string formula_text = vm["formula"].as<std::string>();
+  double probe_capacity_bytes = 0;
+  if (vm.count("probe-capacity-bytes")) {
+    probe_capacity_bytes = vm["probe-capacity-bytes"].as<double>();
+    if (!(probe_capacity_bytes > 0) || !std::isfinite(probe_capacity_bytes)) {
+      throw InputError("--probe-capacity-bytes must be > 0, got " +
+                       number_text(probe_capacity_bytes));
+    }
+  }
+  request.verb = "fit";
+  request.count_variable = vm["batch-size-variable"].as<std::string>();
 
   MeasurementSet set = read_measurements(request);
   const std::vector<std::string>& variables = set.variables;
@@ -198,11 +214,23 @@ int run_fit(const po::variables_map& vm) {
                           std::to_string(set.infeasible.size()) + " ran out of memory)");
   }
 
-  const FitOutcome outcome = fit_measurements(formula, set, fit_request, bs_variable);
+  // Infeasible probes with a known capacity: lower bounds of the fit, limits of the plans.
+  if (probe_capacity_bytes == 0 && set.setup.contains("capacity_bytes") &&
+      set.setup["capacity_bytes"].is_number()) {
+    probe_capacity_bytes = std::max(0.0, set.setup["capacity_bytes"].get<double>());
+  }
+  std::vector<xpm::InfeasibleBound> bounds;
+  for (std::size_t i = 0; i < set.infeasible.size(); ++i) {
+    const double capacity = set.infeasible_capacity_bytes[i] > 0 ? set.infeasible_capacity_bytes[i]
+                                                                 : probe_capacity_bytes;
+    if (capacity > 0) bounds.push_back({set.infeasible[i], capacity});
+  }
+  const FitOutcome outcome = fit_measurements(formula, set, fit_request, bs_variable, bounds);
   const xpm::FitSummary& s = outcome.result.summary;
 
   xpm::MemoryModel model(formula, outcome.result.coefficients, floor_bytes, bs_variable,
                          aggregation);
+  model.set_infeasible_probes(bounds);
   nlohmann::json probes = nlohmann::json::array();
   for (const auto& r : set.all_records) probes.push_back(r);
   for (const auto& item : set.setup.items()) model.metadata()[item.key()] = item.value();
@@ -212,6 +240,7 @@ int run_fit(const po::variables_map& vm) {
   model.metadata()["fit"]["fitted_to"] = request.bytes_column;
   model.metadata()["fit"]["points"] = set.measurements.size();
   model.metadata()["fit"]["infeasible_probes"] = set.infeasible.size();
+  model.metadata()["fit"]["infeasible_bounds"] = bounds.size();
   model.metadata()["fit"]["below_floor_not_fitted"] = set.below_floor.size();
   if (!request.floor_column.empty()) model.metadata()["floor_from"] = request.floor_column;
   model.metadata()["probes"] = std::move(probes);

@@ -11,8 +11,9 @@ po::options_description max_batch_options() {
   po::options_description desc(
       "xpm-plan max-batch --model M --dims l=128 --capacity-bytes B [options]\n"
       "Largest microbatch size (the batch-size variable) whose predicted peak fits the usable\n"
-      "budget, capacity x memory fraction - extra overhead. Exit code 1 when even one record\n"
-      "does not fit.\nOptions");
+      "budget, capacity x memory fraction - extra overhead, and below every probe recorded in\n"
+      "the model as out of memory at dims these reach. Exit code 1 when even one record does\n"
+      "not fit.\nOptions");
   desc.add_options()
       ("help,h", "show this help")
       ("model", po::value<std::string>()->required(), "memory model JSON (required)")
@@ -46,9 +47,11 @@ int run_max_batch(const po::variables_map& vm) {
   } catch (const std::invalid_argument& e) {
     throw InputError(first_line(e.what()));
   }
+  check_dims(dims, model.formula().variable_names(), model.batch_size_index(), "max-batch: --dims");
   const bool json = vm["json"].as<bool>();
   const double at_one = model.predict_bytes(dims);
-  if (!(at_one <= static_cast<double>(usable))) {
+  const xpm::InfeasibleBound* oom = model.dominated_infeasible_probe(dims, static_cast<double>(usable));
+  if (!(at_one <= static_cast<double>(usable)) || oom != nullptr) {
     if (json) {
       std::cout << nlohmann::json{{"feasible", false},
                                   {"max_microbatch_size", 0},
@@ -58,6 +61,12 @@ int run_max_batch(const po::variables_map& vm) {
                                   {"dims", dims_json(model, dims)}}
                        .dump()
                 << "\n";
+    }
+    if (oom != nullptr && at_one <= static_cast<double>(usable)) {
+      throw InfeasibleError("even a microbatch of 1 record at " + dims_text(model, dims) +
+                            " reaches a probe that ran out of memory at " +
+                            dims_text(model, oom->dims) + " under " +
+                            bytes_text(oom->exceeds_bytes) + " bytes");
     }
     throw InfeasibleError("even a microbatch of 1 record at " + dims_text(model, dims) +
                           " is predicted at " + bytes_text(at_one) + " bytes (" + mib_text(at_one) +

@@ -34,11 +34,12 @@ std::vector<std::vector<double>> read_records(const std::string& path,
   if (!first.empty() && first.back() == '\r') first.pop_back();
   if (vars.size() == 2 && is_number(first)) {  // plain list: one length per line
     const std::size_t v = model.batch_size_index() == 0 ? 1 : 0;
-    const CsvTable table = parse_csv(vars[v] + "\n" + text, path);
+    CsvTable table = parse_csv(vars[v] + "\n" + text, path);
+    for (std::size_t& line : table.line_numbers) --line;  // the header above is not in the file
     std::vector<std::vector<double>> records;
     for (std::size_t r = 0; r < table.rows.size(); ++r) {
       std::vector<double> dims(2, 1.0);  // the batch-size entry: one record
-      dims[v] = table.number(r, 0);
+      dims[v] = table.dim(r, 0, "plan", false);
       records.push_back(std::move(dims));
     }
     return records;
@@ -49,7 +50,7 @@ std::vector<std::vector<double>> read_records(const std::string& path,
   for (std::size_t v = 0; v < vars.size(); ++v) {
     if (v == model.batch_size_index()) continue;  // counted, not read
     const std::size_t c = table.column(vars[v]);
-    for (std::size_t r = 0; r < table.rows.size(); ++r) records[r][v] = table.number(r, c);
+    for (std::size_t r = 0; r < table.rows.size(); ++r) records[r][v] = table.dim(r, c, "plan", false);
   }
   return records;
 }
@@ -61,7 +62,8 @@ po::options_description plan_options() {
       "xpm-plan plan --model M --csv RECORDS --capacity-bytes B [options]\n"
       "Splits an outer batch into microbatches predicted to fit the usable budget. RECORDS is a\n"
       "CSV with one column per variable but the batch-size one (e.g. l), or a plain list of\n"
-      "lengths, one per line, for a model with one such variable. Reports each microbatch's\n"
+      "lengths, one per line, for a model with one such variable; dims must be >= 0. No\n"
+      "microbatch reaches a probe the model records as out of memory. Reports each microbatch's\n"
       "size, dims, predicted bytes and utilization (predicted / usable). Exit code 1 when a\n"
       "record does not fit even alone (the plan is printed, no figure is written).\nOptions");
   desc.add_options()

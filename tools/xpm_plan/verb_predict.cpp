@@ -13,7 +13,8 @@ po::options_description predict_options() {
   po::options_description desc(
       "xpm-plan predict --model M (--csv FILE | --dims bs=8,l=128) [--json]\n"
       "Predicted peak bytes, max(floor, formula), per CSV row (variables read from the columns\n"
-      "of the same names; other columns ignored) or at one point given with --dims.\n"
+      "of the same names; other columns ignored) or at one point given with --dims. Dims must\n"
+      "be >= 0, the batch-size variable > 0 (exit code 2 naming the line and column).\n"
       "--json prints a JSON list with one predicted byte count (an integer) per row.\nOptions");
   desc.add_options()
       ("help,h", "show this help")
@@ -41,6 +42,7 @@ int run_predict(const po::variables_map& vm) {
     } catch (const std::invalid_argument& e) {
       throw InputError(first_line(e.what()));
     }
+    check_dims(rows.back(), vars, model.batch_size_index(), "predict: --dims");
     labels.push_back("--dims");
   } else {
     const CsvTable table = read_csv(vm["csv"].as<std::string>());
@@ -48,7 +50,9 @@ int run_predict(const po::variables_map& vm) {
     for (const auto& v : vars) columns.push_back(table.column(v));
     for (std::size_t r = 0; r < table.rows.size(); ++r) {
       std::vector<double> dims;
-      for (std::size_t c : columns) dims.push_back(table.number(r, c));
+      for (std::size_t v = 0; v < columns.size(); ++v) {
+        dims.push_back(table.dim(r, columns[v], "predict", v == model.batch_size_index()));
+      }
       rows.push_back(std::move(dims));
       labels.push_back("line " + std::to_string(table.line_numbers[r]));
     }
