@@ -175,7 +175,7 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
                              {"usable", fit.summary.usable},
                              {"fitted_to", "forward_backward_peak_bytes"},
                              {"fitted_points", measurements.size()},
-                             {"infeasible_bounds", infeasible.size()},
+                             {"infeasible_bound_count", infeasible.size()},
                              {"fitted_above_floor_only", fitted_above_floor}};
   model_ = std::move(model);
   return *model_;

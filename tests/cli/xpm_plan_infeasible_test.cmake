@@ -105,3 +105,12 @@ file(WRITE "${dir}/one.json" "${one}")
 xpm_plan_run(1 "one record out of memory" max-batch --model "${dir}/one.json" --dims l=300
              --capacity-bytes 4000000 --memory-fraction 1)
 expect_match("one record out of memory" "${ERR}" "reaches a probe that ran out of memory at bs=1 l=256")
+
+# show lists the plan limits.
+xpm_plan_run(0 "show plan limits" show "${dir}/limited.json")
+expect_match("show plan limits" "${OUT}" "plan limits .*\n  bs=8 l=128 under 4000000 bytes")
+xpm_plan_run(0 "show plan limits json" show "${dir}/limited.json" --json)
+string(JSON shown_l GET "${OUT}" infeasible_probes 0 dims l)
+if(NOT shown_l EQUAL 128)
+  message(FATAL_ERROR "show --json infeasible_probes: ${OUT}")
+endif()

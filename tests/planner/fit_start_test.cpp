@@ -27,7 +27,7 @@ bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
 
-// Peaks of a*bs*l^p + c on a bs x l grid: 3.5e6 to 1.6e9 bytes.
+// Peaks of a*bs*l^p + c on a bs x l grid (3.6e6 to 1.6e8 bytes for the values below).
 std::vector<Measurement> power_grid(double a, double p, double c) {
   std::vector<Measurement> m;
   for (double bs : {1.0, 2.0, 4.0, 8.0}) {

@@ -107,7 +107,7 @@ nlohmann::json fit_summary_json(const xpm::FitSummary& s, const FitOutcome& outc
           {"leave_one_out_note", s.leave_one_out_note},
           {"solver_report", s.solver_report},
           {"start", s.start},
-          {"infeasible_bounds", s.infeasible_bound_count},
+          {"infeasible_bound_count", s.infeasible_bound_count},
           {"brief_report", s.brief_report()}};
 }
 

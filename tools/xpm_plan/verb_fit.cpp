@@ -240,7 +240,7 @@ int run_fit(const po::variables_map& vm) {
   model.metadata()["fit"]["fitted_to"] = request.bytes_column;
   model.metadata()["fit"]["points"] = set.measurements.size();
   model.metadata()["fit"]["infeasible_probes"] = set.infeasible.size();
-  model.metadata()["fit"]["infeasible_bounds"] = bounds.size();
+  model.metadata()["fit"]["infeasible_bound_count"] = bounds.size();
   model.metadata()["fit"]["below_floor_not_fitted"] = set.below_floor.size();
   if (!request.floor_column.empty()) model.metadata()["floor_from"] = request.floor_column;
   model.metadata()["probes"] = std::move(probes);

@@ -98,6 +98,11 @@ int run_show(const po::variables_map& vm) {
     }
     j["coefficients"] = std::move(coefs);
     j["floor_bytes"] = model.floor_bytes();
+    nlohmann::json limits = nlohmann::json::array();
+    for (const xpm::InfeasibleBound& p : model.infeasible_probes()) {
+      limits.push_back({{"dims", dims_json(model, p.dims)}, {"exceeds_bytes", p.exceeds_bytes}});
+    }
+    j["infeasible_probes"] = std::move(limits);
     j["metadata"] = metadata;
     for (std::size_t i = 0; i < probes.size(); ++i) {
       probes[i]["dims"] = dims_json(model, dims[i]);
@@ -128,6 +133,14 @@ int run_show(const po::variables_map& vm) {
   }
   os << "floor         " << bytes_text(model.floor_bytes()) << " bytes ("
      << mib_text(model.floor_bytes()) << "); prediction = max(floor, formula)\n";
+  if (!model.infeasible_probes().empty()) {
+    os << "plan limits   no microbatch reaches these probes that ran out of memory (under a "
+          "budget at or below their capacity):\n";
+    for (const xpm::InfeasibleBound& p : model.infeasible_probes()) {
+      os << "  " << dims_text(model, p.dims) << " under " << bytes_text(p.exceeds_bytes)
+         << " bytes (" << mib_text(p.exceeds_bytes) << ")\n";
+    }
+  }
   auto label = [](const std::string& key) {  // "key" padded to the value column
     return key + std::string(key.size() < 14 ? 14 - key.size() : 1, ' ');
   };
