@@ -73,7 +73,10 @@ nlohmann::json memory_model_identity(const TaggingJobConfig& config,
           {"coefficient_names", formula.coefficient_names()},
           {"variable_names", formula.variable_names()},
           {"model_signature", model_signature},
-          {"model", {{"nhead", config.model.nhead}, {"dropout", config.model.dropout}}},
+          {"architecture", config.architecture},
+          {"model", config.architecture == "bilstm"
+                        ? nlohmann::json{{"dropout", config.bilstm.dropout}}
+                        : nlohmann::json{{"nhead", config.model.nhead}, {"dropout", config.model.dropout}}},
           {"optimizer", {{"name", "adamw"}, {"weight_decay", config.weight_decay}}},
           {"precision", "32-true"},
           {"device", "cpu"},
@@ -95,10 +98,10 @@ struct Accuracy {
 };
 
 // Token accuracy over every token (tags unseen in training count as errors, as in the baseline).
-Accuracy evaluate(TransformerTagger& model, const std::vector<EncodedSentence>& sentences,
+Accuracy evaluate(TaggingModelSetup& setup, const std::vector<EncodedSentence>& sentences,
                   const PredictiveBatcher& batcher, std::size_t l_index) {
   torch::NoGradGuard no_grad;
-  model->eval();
+  setup.module().eval();
   std::vector<std::vector<double>> dims(sentences.size(), std::vector<double>(2, 1.0));
   for (std::size_t i = 0; i < sentences.size(); ++i)
     dims[i][l_index] = static_cast<double>(sentences[i].token_ids.size());
@@ -107,7 +110,7 @@ Accuracy evaluate(TransformerTagger& model, const std::vector<EncodedSentence>& 
   for (const Microbatch& microbatch : plan.microbatches) {
     const TaggingBatch batch = collate(sentences, microbatch.record_indices);
     try {
-      const torch::Tensor predicted = model->forward(batch.token_ids, batch.padding_mask).argmax(-1);
+      const torch::Tensor predicted = setup.forward(batch.token_ids, batch.padding_mask).argmax(-1);
       const torch::Tensor real = batch.padding_mask.logical_not();
       accuracy.correct += (predicted.eq(batch.tag_ids).logical_and(real)).sum().item<std::int64_t>();
     } catch (const c10::OutOfMemoryError&) {
@@ -115,7 +118,7 @@ Accuracy evaluate(TransformerTagger& model, const std::vector<EncodedSentence>& 
     }
     accuracy.total += batch.real_tokens;
   }
-  model->train();
+  setup.module().train();
   return accuracy;
 }
 
@@ -168,8 +171,14 @@ void TaggingJobConfig::validate() const {
                   " must be a whole number in [1, 1000000]");
     }
   }
+  require(architecture == "transformer" || architecture == "bilstm",
+          "architecture must be 'transformer' or 'bilstm', got '" + architecture + "'");
   CostFormula(formula, coefficients, variables);  // FormulaError (invalid_argument) now, not later
-  model.validate();
+  if (architecture == "bilstm") {
+    bilstm.validate();
+  } else {
+    model.validate();
+  }
 }
 
 nlohmann::json TaggingJobConfig::to_json() const {
@@ -185,6 +194,12 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"validation_every_files", validation_every_files},
           {"vocab_size", vocab_size},
           {"min_word_count", min_word_count},
+          {"architecture", architecture},
+          {"bilstm",
+           {{"embedding_dim", bilstm.embedding_dim},
+            {"hidden_size", bilstm.hidden_size},
+            {"num_layers", bilstm.num_layers},
+            {"dropout", bilstm.dropout}}},
           {"model",
            {{"d_model", model.d_model},
             {"nhead", model.nhead},
@@ -232,7 +247,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
   }();
   for (const ProbePoint& point : config.probe_points) {
     const double l = point.values.at("l");
-    const std::int64_t max_length = model_options_for(config, data).max_length;
+    const std::int64_t max_length = max_sequence_length(config, data);
     if (l > static_cast<double>(max_length)) {
       throw std::invalid_argument("--probe-points: l = " + std::to_string(static_cast<long long>(l)) +
                                   " is longer than the model's max length " + std::to_string(max_length));
@@ -252,7 +267,6 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
   CpuMemoryMeter& meter = CpuMemoryMeter::install();
   meter.set_capacity_bytes(0);
   TaggingModelSetup setup(config, data);
-  TransformerTagger& model = setup.model();
   torch::optim::AdamW& optimizer = setup.optimizer();
   const std::int64_t static_bytes = meter.current_allocated_bytes();
 
@@ -372,7 +386,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
             ids.reserve(microbatch.size());
             for (std::size_t i : microbatch) ids.push_back(records[i]);
             const TaggingBatch batch = collate(train, ids);
-            return token_cross_entropy_sum(model->forward(batch.token_ids, batch.padding_mask),
+            return token_cross_entropy_sum(setup.forward(batch.token_ids, batch.padding_mask),
                                            batch.tag_ids);
           });
       ++step;
@@ -441,7 +455,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
         log(text);
       }
       if (config.validate_every > 0 && step % config.validate_every == 0 && step < total_steps) {
-        const Accuracy accuracy = evaluate(model, validation, batcher, l_index);
+        const Accuracy accuracy = evaluate(setup, validation, batcher, l_index);
         validations.push_back({{"step", step}, {"val_token_accuracy", accuracy.value()}});
         log("validation at step " + std::to_string(step) + ": token accuracy " +
             std::to_string(accuracy.value()));
@@ -450,7 +464,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
   }
 
   const auto validation_start = Clock::now();
-  const Accuracy accuracy = evaluate(model, validation, batcher, l_index);
+  const Accuracy accuracy = evaluate(setup, validation, batcher, l_index);
   const double validation_s = seconds_since(validation_start);
   validations.push_back({{"step", step}, {"val_token_accuracy", accuracy.value()}});
   char text[256];

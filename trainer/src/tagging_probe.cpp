@@ -20,10 +20,10 @@ TaggingProbeReport probe_tagging_task(const TaggingJobConfig& config,
   for (std::size_t i = 0; i < dims_list.size(); ++i) {
     const auto& dims = dims_list[i];
     if (dims.size() != 2 || dims[0] < 1 || dims[1] < 1 ||
-        dims[1] > static_cast<double>(setup.model_options().max_length)) {
+        dims[1] > static_cast<double>(setup.max_length())) {
       throw std::invalid_argument(
           "probe point " + std::to_string(i) + " must be {bs >= 1, 1 <= l <= " +
-          std::to_string(setup.model_options().max_length) + "}");
+          std::to_string(setup.max_length()) + "}");
     }
   }
   TaggingProbeReport report;

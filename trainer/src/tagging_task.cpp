@@ -1,6 +1,8 @@
 #include "xpm/trainer/tagging_task.hpp"
 
 #include <algorithm>
+#include <limits>
+#include <stdexcept>
 
 #include "xpm/trainer/tagging_batch.hpp"
 
@@ -36,13 +38,62 @@ TransformerTaggerOptions model_options_for(const TaggingJobConfig& config, const
   return options;
 }
 
+BiLstmTaggerOptions bilstm_options_for(const TaggingJobConfig& config, const TaggingData& data) {
+  BiLstmTaggerOptions options = config.bilstm;
+  options.vocab_size = static_cast<std::int64_t>(data.vocab.size());
+  options.num_tags = static_cast<std::int64_t>(data.tags.size());
+  return options;
+}
+
+std::int64_t max_sequence_length(const TaggingJobConfig& config, const TaggingData& data) {
+  if (config.architecture == "bilstm") return std::numeric_limits<std::int64_t>::max();
+  return model_options_for(config, data).max_length;
+}
+
+std::string default_cost_formula(const std::string& architecture) {
+  if (architecture == "transformer") return "a*bs*l^2 + b*bs*l + c";
+  if (architecture == "bilstm") return "a*bs*l + b*bs + c";
+  throw std::invalid_argument("architecture must be 'transformer' or 'bilstm', got '" +
+                              architecture + "'");
+}
+
+TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingData& data) {
+  TaggingModel model;
+  model.architecture = config.architecture;
+  if (config.architecture == "transformer") {
+    TransformerTagger transformer(model_options_for(config, data));
+    model.module = transformer.ptr();
+    model.forward = [transformer](const torch::Tensor& token_ids,
+                                  const torch::Tensor& padding_mask) mutable {
+      return transformer->forward(token_ids, padding_mask);
+    };
+    model.vocab_size = transformer->options().vocab_size;
+    model.num_tags = transformer->options().num_tags;
+    model.max_length = transformer->options().max_length;
+  } else if (config.architecture == "bilstm") {
+    BiLstmTagger bilstm(bilstm_options_for(config, data));
+    model.module = bilstm.ptr();
+    model.forward = [bilstm](const torch::Tensor& token_ids,
+                             const torch::Tensor& padding_mask) mutable {
+      return bilstm->forward(token_ids, padding_mask);
+    };
+    model.vocab_size = bilstm->options().vocab_size;
+    model.num_tags = bilstm->options().num_tags;
+    model.max_length = std::numeric_limits<std::int64_t>::max();
+  } else {
+    throw std::invalid_argument("TaggingJobConfig.architecture must be 'transformer' or 'bilstm', "
+                                "got '" + config.architecture + "'");
+  }
+  return model;
+}
+
 TaggingModelSetup::TaggingModelSetup(const TaggingJobConfig& config, const TaggingData& data)
-    : options_(model_options_for(config, data)), model_(options_) {
-  model_->train();
+    : model_(make_tagging_model(config, data)) {
+  model_.module->train();
   optimizer_ = std::make_unique<torch::optim::AdamW>(
-      model_->parameters(),
+      model_.module->parameters(),
       torch::optim::AdamWOptions(config.learning_rate).weight_decay(config.weight_decay));
-  for (auto& parameter : model_->parameters()) {
+  for (auto& parameter : model_.module->parameters()) {
     parameter.mutable_grad() = torch::zeros_like(parameter);  // gradients stay allocated
   }
   set_learning_rate(0.0);
@@ -69,9 +120,9 @@ TorchProbeSteps TaggingModelSetup::probe_steps() {
   steps.forward_backward = [this](const std::vector<double>& dims) {
     const TaggingBatch batch =
         synthetic_batch(static_cast<std::int64_t>(dims.at(0)), static_cast<std::int64_t>(dims.at(1)),
-                        options_.vocab_size, options_.num_tags);
+                        model_.vocab_size, model_.num_tags);
     torch::Tensor loss =
-        token_cross_entropy_sum(model_->forward(batch.token_ids, batch.padding_mask),
+        token_cross_entropy_sum(model_.forward(batch.token_ids, batch.padding_mask),
                                 batch.tag_ids) /
         static_cast<double>(batch.real_tokens);
     loss.backward();
@@ -83,7 +134,7 @@ TorchProbeSteps TaggingModelSetup::probe_steps() {
 
 nlohmann::json TaggingModelSetup::signature() const {
   nlohmann::json parameters = nlohmann::json::array();
-  for (const auto& item : model_->named_parameters()) {
+  for (const auto& item : model_.module->named_parameters()) {
     parameters.push_back({{"name", item.key()},
                           {"shape", item.value().sizes().vec()},
                           {"dtype", std::string(c10::toString(item.value().scalar_type()))}});

@@ -1,5 +1,5 @@
 // xpm/trainer/tagging_job.hpp — the bundled task end to end: part-of-speech tagging of the
-// Brown corpus with a Transformer tagger, memory planned by the predictive batcher.
+// Brown corpus with a Transformer or a BiLSTM tagger, memory planned by the predictive batcher.
 //
 //   TaggingJobConfig config;
 //   config.data_dir = "data/brown";
@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "xpm/planner/probe.hpp"
+#include "xpm/trainer/bilstm_tagger.hpp"
 #include "xpm/trainer/transformer_tagger.hpp"
 
 namespace xpm {
@@ -44,7 +45,9 @@ struct TaggingJobConfig {
   int validation_every_files = 10;            // every 10th corpus file goes to validation
   std::size_t vocab_size = 20000;             // vocabulary entries incl. pad and unknown
   std::size_t min_word_count = 2;             // words seen fewer times are unknown
-  TransformerTaggerOptions model;             // vocab_size/num_tags are set from the data
+  std::string architecture = "transformer";  // bundled model: transformer | bilstm
+  TransformerTaggerOptions model;             // transformer; vocab_size/num_tags from the data
+  BiLstmTaggerOptions bilstm;                 // bilstm; vocab_size/num_tags from the data
   double learning_rate = 3e-3;                // AdamW peak learning rate
   double weight_decay = 0.01;                 // AdamW weight decay
   std::int64_t warmup_steps = 50;             // linear warmup, then linear decay to 10 %

@@ -1,13 +1,16 @@
 // xpm/trainer/tagging_task.hpp — the bundled task's pieces shared by training (tagging_job),
-// probing without training (tagging_probe) and the benchmarks: corpus data, model, AdamW with
-// its state allocated, and the probe steps.
+// probing without training (tagging_probe) and the benchmarks: corpus data, the model of the
+// config's architecture (transformer or bilstm) behind one interface, AdamW with its state
+// allocated, and the probe steps.
 //
 //   TaggingData data = load_tagging_data(config);         // corpus, split, vocabulary, tags
 //   TaggingModelSetup setup(config, data);                 // model + AdamW, state allocated
+//   torch::Tensor logits = setup.forward(token_ids, padding_mask);  // [bs, l, num_tags]
 //   TorchProbeExecutor executor(setup.probe_steps(), CpuMemoryMeter::instance());
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +19,7 @@
 #include <torch/torch.h>
 
 #include "xpm/planner_torch/probe_runner.hpp"
+#include "xpm/trainer/bilstm_tagger.hpp"
 #include "xpm/trainer/brown_corpus.hpp"
 #include "xpm/trainer/tagging_job.hpp"
 #include "xpm/trainer/transformer_tagger.hpp"
@@ -37,34 +41,78 @@ struct TaggingData {
 /// Throws std::runtime_error naming the path for missing or malformed data.
 TaggingData load_tagging_data(const TaggingJobConfig& config);
 
-/// The model options the config asks for, completed from the data (vocabulary size, tags,
-/// max_length at least the longest sentence).
+/// The Transformer options the config asks for (config.model), completed from the data
+/// (vocabulary size, tags, max_length at least the longest sentence).
 TransformerTaggerOptions model_options_for(const TaggingJobConfig& config, const TaggingData& data);
 
+/// The BiLSTM options the config asks for (config.bilstm), completed from the data (vocabulary
+/// size, tags).
+BiLstmTaggerOptions bilstm_options_for(const TaggingJobConfig& config, const TaggingData& data);
+
+/// Longest padded length (tokens) the config's model accepts: the Transformer's max_length (at
+/// least the longest sentence), or std::numeric_limits<std::int64_t>::max() for the BiLSTM,
+/// which has no position limit.
+std::int64_t max_sequence_length(const TaggingJobConfig& config, const TaggingData& data);
+
+/// The bundled cost formula (bytes, variables bs and l, coefficients a, b, c) of an
+/// architecture: "a*bs*l^2 + b*bs*l + c" for the Transformer (attention scores are bs x heads x
+/// l x l), "a*bs*l + b*bs + c" for the BiLSTM (docs/benchmarks.md has the measurements). Throws
+/// std::invalid_argument for an unknown architecture.
+std::string default_cost_formula(const std::string& architecture);
+
+/// The model of the config's architecture behind the forward signature both taggers share.
+struct TaggingModel {
+  std::string architecture;                  // transformer | bilstm
+  std::shared_ptr<torch::nn::Module> module;  // parameters, train()/eval(), to()
+  /// token_ids [bs, l] int64, padding_mask [bs, l] bool (true at padding, right padding) ->
+  /// logits [bs, l, num_tags] float32.
+  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> forward;
+  std::int64_t vocab_size = 0;               // embedding rows
+  std::int64_t num_tags = 0;                 // classifier outputs
+  std::int64_t max_length = 0;               // longest padded length accepted (tokens)
+};
+
+/// Builds a freshly initialized model of config.architecture (from the torch RNG), options
+/// completed from the data. Throws std::invalid_argument for a bad architecture or options.
+TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingData& data);
+
 /// Model and AdamW with the gradients and optimizer state allocated, as in steady-state
-/// training. Construct after installing the CpuMemoryMeter so the static memory is counted.
+/// training, for either architecture. Construct after installing the CpuMemoryMeter so the
+/// static memory is counted. Single process (rank 0 for probes).
 class TaggingModelSetup {
  public:
+  /// Throws std::invalid_argument for a bad architecture or model options.
   TaggingModelSetup(const TaggingJobConfig& config, const TaggingData& data);
 
-  TransformerTagger& model() { return model_; }
+  /// The model as a module: parameters, train()/eval(), state dicts.
+  torch::nn::Module& module() { return *model_.module; }
+  /// token_ids [bs, l] int64, padding_mask [bs, l] bool (true at padding, at the end of a row)
+  /// -> logits [bs, l, num_tags] float32. Throws c10::Error for l above max_length() and
+  /// c10::OutOfMemoryError past the CPU cap.
+  torch::Tensor forward(const torch::Tensor& token_ids, const torch::Tensor& padding_mask) {
+    return model_.forward(token_ids, padding_mask);
+  }
+  /// The parameters AdamW updates, in registration order.
+  std::vector<torch::Tensor> parameters() const { return model_.module->parameters(); }
   torch::optim::AdamW& optimizer() { return *optimizer_; }
-  const TransformerTaggerOptions& model_options() const { return options_; }
+  const std::string& architecture() const { return model_.architecture; }
+  /// Longest padded length the model accepts (tokens); see max_sequence_length().
+  std::int64_t max_length() const { return model_.max_length; }
 
   /// Sets every param group's learning rate.
   void set_learning_rate(double lr);
   /// Back to a fresh AdamW (step 0, zero moments) without freeing the state, so memory stays
   /// at its steady state.
   void reset_optimizer_state();
-  /// Probe steps on synthetic batches of dims {bs, l}; the learning rate must be 0 while probing
-  /// if the model is trained afterwards.
+  /// Probe steps on synthetic batches of dims {bs, l} (no padding), for either architecture;
+  /// the learning rate must be 0 while probing if the model is trained afterwards.
   TorchProbeSteps probe_steps();
-  /// Parameter names, shapes and dtypes, in registration order: the model's signature.
+  /// Parameter names, shapes and dtypes, in registration order: the model's signature (differs
+  /// between architectures, since the parameter names do).
   nlohmann::json signature() const;
 
  private:
-  TransformerTaggerOptions options_;
-  TransformerTagger model_{nullptr};
+  TaggingModel model_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
 };
 
