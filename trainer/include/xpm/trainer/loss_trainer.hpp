@@ -53,12 +53,14 @@ class LossTrainer {
   LossTrainer(torch::optim::Optimizer& optimizer, const PredictiveBatcher& batcher,
               MemoryMeter* meter);
 
-  /// Runs forward/backward for each microbatch of `plan` with weight 1 / total units of the
+  /// Runs forward/backward for each microbatch of `plan` with weight 1 / total units, where
+  /// total units is `units_denominator` when > 0 (data-parallel: the units of the whole global
+  /// batch, so the ranks' gradients sum to the global batch's) and otherwise the units of the
   /// plan's executable records; gradients accumulate into .grad. Returns the summed weighted
-  /// loss and statistics. Does not step the optimizer. Throws std::invalid_argument when
-  /// record_units.size() does not match the plan's records.
+  /// loss and statistics. Does not step the optimizer. Throws std::invalid_argument when the
+  /// plan names a record beyond record_units.
   StepResult accumulate_gradients(const MicrobatchPlan& plan, const std::vector<double>& record_units,
-                                  const MicrobatchLossFn& loss_sum_fn);
+                                  const MicrobatchLossFn& loss_sum_fn, double units_denominator = 0);
 
   /// zero_grad, plan the outer batch, accumulate_gradients, optimizer step.
   /// record_dims[i]: record i's dims (formula variables); record_units[i]: its units.

@@ -21,6 +21,7 @@
 // per optimizer step), summary.json. Every file but metrics.jsonl is written atomically.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -29,6 +30,7 @@
 #include <nlohmann/json.hpp>
 
 #include "xpm/planner/probe.hpp"
+#include "xpm/trainer/distributed.hpp"
 #include "xpm/trainer/bilstm_tagger.hpp"
 #include "xpm/trainer/transformer_tagger.hpp"
 
@@ -41,7 +43,7 @@ struct TaggingJobConfig {
   std::int64_t epochs = 2;                    // passes over the training split
   std::int64_t outer_batch_size = 64;         // sentences per optimizer step
   std::uint64_t seed = 1;                     // torch and sampler seed
-  int threads = 2;                            // intra-op threads (torch::set_num_threads)
+  int threads = 0;                            // intra-op threads; 0: hardware threads / local workers
   int validation_every_files = 10;            // every 10th corpus file goes to validation
   std::size_t vocab_size = 20000;             // vocabulary entries incl. pad and unknown
   std::size_t min_word_count = 2;             // words seen fewer times are unknown
@@ -67,15 +69,31 @@ struct TaggingJobConfig {
   std::string memory_model_cache = ".cache/xpm/memory-models";  // "" disables the cache
   double underprediction_tolerance = 0.005;   // online correction when measured > (1+tol) x predicted
   bool quiet = false;                         // no progress lines
+  // Data-parallel runs (docs/distributed.md); ignored by a single process.
+  std::string backend = "auto";               // c10d backend: auto | gloo | nccl
+  std::int64_t bucket_cap_bytes = 25 << 20;   // gradient all-reduce bucket cap (PyTorch DDP: 25 MiB)
+  double collective_timeout_s = 300;          // a collective that takes longer fails, naming ranks
+  double rendezvous_timeout_s = 600;          // joining the job; waiting for rank 0's memory model
+
+  /// collective/rendezvous timeouts and backend as DistributedOptions.
+  DistributedOptions distributed_options() const;
+  std::chrono::milliseconds rendezvous_timeout() const;
 
   /// Throws std::invalid_argument naming the field and its value.
   void validate() const;
   nlohmann::json to_json() const;
 };
 
-/// Runs the job and returns the summary (also written to run_dir/summary.json). Throws
-/// std::runtime_error for missing data, std::invalid_argument for a bad config, and the
-/// planner's errors when probing or fitting fails. Single process.
+/// Runs the job as a single process and returns the summary (also written to
+/// run_dir/summary.json). Throws std::runtime_error for missing data, std::invalid_argument for
+/// a bad config, and the planner's errors when probing or fitting fails.
 nlohmann::json run_tagging_job(const TaggingJobConfig& config);
+
+/// Runs the job as one rank of `dist` (docs/distributed.md): every rank must call it with the
+/// same config. Rank 0 probes (or reads the cache) and publishes the memory model; if it fails,
+/// every rank throws the same error (std::invalid_argument or std::runtime_error with rank 0's
+/// message). Only rank 0 writes the run folder and logs; every rank returns the summary.
+/// Throws DistributedError when a collective fails or times out.
+nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContext& dist);
 
 }  // namespace xpm

@@ -1,0 +1,161 @@
+// Data-parallel training on c10d/gloo over loopback, run as users run it: `xpm-train --nproc N`
+// processes on the real corpus. Checks: world 2 reaches the same parameters as world 1 on the
+// same global batches while the ranks run different numbers of microbatches; a probe failure
+// on rank 0 stops every rank with the same message; a rank that dies stops the others within
+// the collective timeout, and the failure names the rank.
+#include "../torch_doctest.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+namespace {
+
+const std::string kTrain = std::string(XPM_BINARY_DIR) + "/bin/xpm-train";
+const std::string kData = std::string(XPM_SOURCE_DIR) + "/data/brown";
+const std::string kWork = std::string(XPM_BINARY_DIR) + "/tests/ddp";
+
+struct Run {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr
+  double wall_s = 0;
+};
+
+// Runs xpm-train with `arguments` (and `environment`, "NAME=value ..."), capturing output.
+Run run_train(const std::string& arguments, const std::string& environment = "") {
+  std::filesystem::create_directories(kWork);
+  const std::string log = kWork + "/last_run.log";
+  const std::string command = environment + " '" + kTrain + "' --data-dir '" + kData + "' " +
+                              arguments + " > '" + log + "' 2>&1";
+  const auto start = std::chrono::steady_clock::now();
+  const int status = std::system(command.c_str());
+  Run run;
+  run.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream in(log);
+  std::stringstream text;
+  text << in.rdbuf();
+  run.output = text.str();
+  return run;
+}
+
+std::map<std::string, torch::Tensor> load_parameters(const std::string& path) {
+  torch::serialize::InputArchive archive;
+  archive.load_from(path);
+  std::map<std::string, torch::Tensor> out;
+  for (const std::string& key : archive.keys()) {
+    torch::Tensor tensor;
+    archive.read(key, tensor);
+    out[key] = tensor;
+  }
+  return out;
+}
+
+std::vector<nlohmann::json> read_metrics(const std::string& run_dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// Small, fast, deterministic: no dropout, a tight cap (1.8 x static memory: several microbatches
+// per step), a shared memory-model cache (one automatic probe design per world size).
+const std::string kCommon =
+    "--dropout 0 --memory-cap-factor 1.8 --threads 1 --max-validation-sentences 200 "
+    "--warmup-steps 2 --memory-model-cache '" + kWork + "/cache' ";
+
+}  // namespace
+
+TEST_CASE("DDP: world 2 gives the same parameters as world 1 with different microbatch counts per rank") {
+  const std::string one = kWork + "/world1", two = kWork + "/world2";
+  const Run single = run_train(kCommon + "--max-steps 4 --nproc 1 --run-dir '" + one + "'");
+  REQUIRE_MESSAGE(single.exit_code == 0, single.output);
+  const Run pair = run_train(kCommon + "--max-steps 4 --nproc 2 --run-dir '" + two + "'");
+  REQUIRE_MESSAGE(pair.exit_code == 0, pair.output);
+
+  const auto p1 = load_parameters(one + "/final_parameters.pt");
+  const auto p2 = load_parameters(two + "/final_parameters.pt");
+  REQUIRE(p1.size() == p2.size());
+  REQUIRE(!p1.empty());
+  double diff2 = 0, norm2 = 0;
+  for (const auto& [name, tensor] : p1) {
+    REQUIRE(p2.count(name) == 1);
+    const double d = (tensor - p2.at(name)).pow(2).sum().item<double>();
+    const double n = tensor.pow(2).sum().item<double>();
+    if (d > 1e-12 * n) MESSAGE(name << ": relative difference " << std::sqrt(d / n));
+    diff2 += d;
+    norm2 += n;
+  }
+  const double rel = std::sqrt(diff2 / norm2);
+  MESSAGE("relative parameter difference world 2 vs world 1 after 4 steps: " << rel);
+  CHECK(rel <= 1e-5);
+  // The run actually split the work: both ranks got records, and their microbatch counts
+  // differed in at least one step (no desync although the ranks did different work).
+  bool counts_differ = false;
+  for (const nlohmann::json& line : read_metrics(two)) {
+    const auto per_rank = line.at("microbatches_per_rank").get<std::vector<std::int64_t>>();
+    const auto records = line.at("records_per_rank").get<std::vector<std::int64_t>>();
+    REQUIRE(per_rank.size() == 2);
+    CHECK(records[0] + records[1] == line.at("records").get<std::int64_t>());
+    CHECK(records[0] > 0);
+    CHECK(records[1] > 0);
+    counts_differ = counts_differ || per_rank[0] != per_rank[1];
+    CHECK(line.at("rank_imbalance").get<double>() >= 1.0);
+  }
+  CHECK(counts_differ);
+  std::ifstream summary_file(two + "/summary.json");
+  const nlohmann::json summary = nlohmann::json::parse(summary_file);
+  CHECK(summary.at("world_size") == 2);
+  CHECK(summary.at("ooms") == 0);
+  CHECK(summary.at("train_steps") == 4);
+}
+
+TEST_CASE("DDP: a probe failure on rank 0 stops every rank with the same message") {
+  // Every probe has l = 16: the formula's a and b cannot be separated (IdentifiabilityError).
+  const Run run = run_train("--max-steps 2 --threads 1 --memory-cap-factor 2.0 --memory-model-cache '' "
+                            "--probe-points 1x16,2x16,4x16 --nproc 2 --run-dir '" + kWork + "/probe_fail'");
+  INFO(run.output);
+  CHECK(run.exit_code == 2);
+  CHECK(run.wall_s < 120);
+  CHECK(run.output.find("rank 0: error: ") != std::string::npos);
+  CHECK(run.output.find("rank 1: error: ") != std::string::npos);
+  // The same message on both ranks.
+  const auto message_of = [&](const std::string& prefix) {
+    const std::size_t at = run.output.find(prefix);
+    const std::size_t end = run.output.find('\n', at);
+    return run.output.substr(at + prefix.size(), end - at - prefix.size());
+  };
+  CHECK(message_of("rank 0: error: ") == message_of("rank 1: error: "));
+  CHECK(message_of("rank 0: error: ").find("cannot be separated") != std::string::npos);
+}
+
+TEST_CASE("DDP: a rank that dies makes the others fail within the collective timeout, naming it") {
+  const Run run = run_train(kCommon + "--max-steps 6 --nproc 2 --collective-timeout-s 30 --run-dir '" +
+                                kWork + "/rank_dies'",
+                            "XPM_FAULT_EXIT_AT=1:3");
+  INFO(run.output);
+  CHECK(run.exit_code != 0);
+  CHECK(run.wall_s < 90);
+  CHECK(run.output.find("xpm-train: rank 1 exited with code 17") != std::string::npos);
+  CHECK(run.output.find("xpm-train: rank 0: error: all-reduce (sum) failed: ") != std::string::npos);
+  CHECK(run.output.find("rank 1 (the only other rank) reported no error") != std::string::npos);
+}
+
+TEST_CASE("DDP: bad distributed settings are rejected with exit code 2") {
+  CHECK(run_train("--nproc 0").exit_code == 2);
+  CHECK(run_train("--backend mpi").exit_code == 2);
+  const Run nccl = run_train("--backend nccl --max-steps 1 --nproc 1 --run-dir '" + kWork + "/nccl'");
+  CHECK(nccl.exit_code == 2);
+  CHECK(nccl.output.find("NCCL") != std::string::npos);
+  const Run bad_env = run_train("--max-steps 1", "RANK=3 WORLD_SIZE=2");
+  CHECK(bad_env.exit_code == 2);
+  CHECK(bad_env.output.find("RANK='3'") != std::string::npos);
+}

@@ -1,0 +1,84 @@
+// xpm/trainer/data_parallel_trainer.hpp — one optimizer step of a data-parallel job: the same
+// global batch on every rank, records split among ranks by predicted cost, each rank packs and
+// runs its share with exact gradient accumulation, one bucketed all-reduce of gradients, one
+// optimizer step. With world_size 1 it is the single-process step (collectives are no-ops).
+//
+//   DataParallelTrainer trainer(optimizer, batcher, &meter, dist, &buckets);
+//   GlobalStepResult r = trainer.train_step(global_dims, global_units, loss_sum_of_records);
+//
+// Collective sequence of one step, identical on every rank whatever its share (DESIGN.md: no
+// desync by construction):
+//   1. all-reduce (sum) of the step status: loss, OOM flag per rank, microbatches per rank;
+//   2. all-reduce (sum) of every rank's microbatch peaks (dims, predicted, measured), sized by
+//      the largest per-rank microbatch count from step 1, so every rank sees every peak;
+//   3. unless some rank ran out of memory (known to all from step 1): one all-reduce per
+//      gradient bucket, then the optimizer step;
+//   4. all-reduce (max) of the step peak and the optimizer-step peak.
+// Nothing one rank decides alone changes this sequence: an OOM on any rank skips the optimizer
+// step on every rank; the online corrections the caller derives from microbatch_peaks see the
+// same data on every rank. Records predicted over budget even alone are skipped on every rank
+// (the decision uses the model, which every rank shares).
+//
+// Assignment: record i's cost is its predicted bytes alone above the formula's value at batch
+// size 0 (the marginal bytes one record adds, a proxy for its compute), balanced by
+// longest-processing-time (rank_assignment.hpp). Loss weight: every microbatch's summed loss is
+// divided by the units of the whole global batch, so the summed gradient equals the gradient
+// of the global batch's mean loss.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "xpm/planner/predictive_batcher.hpp"
+#include "xpm/planner_torch/memory_meter.hpp"
+#include "xpm/trainer/distributed.hpp"
+#include "xpm/trainer/gradient_buckets.hpp"
+#include "xpm/trainer/loss_trainer.hpp"
+
+namespace xpm {
+
+struct GlobalStepResult {
+  double loss = 0;                // mean loss per unit over the global batch (all ranks)
+  double units = 0;               // units in the global batch's executed records
+  std::int64_t microbatches = 0;  // microbatches over all ranks
+  std::vector<std::int64_t> microbatches_per_rank;
+  std::vector<std::int64_t> records_per_rank;
+  std::vector<double> predicted_cost_per_rank;  // LPT loads (bytes above the batch-size-0 value)
+  double imbalance = 1;           // max / mean of predicted_cost_per_rank
+  std::int64_t skipped_records = 0;  // predicted over budget even alone (global)
+  bool oom = false;               // some rank ran out of memory: the step was skipped everywhere
+  std::vector<int> oom_ranks;     // which ranks
+  std::vector<MicrobatchPeak> microbatch_peaks;  // every rank's, rank order; same on every rank
+  std::vector<int> microbatch_peak_ranks;        // rank of each entry of microbatch_peaks
+  double optimizer_step_peak_bytes = 0;          // max over ranks
+  std::int64_t peak_allocated_bytes = 0;         // max over ranks of the step's peak
+  double max_predicted_bytes = 0;                // largest predicted microbatch over all ranks
+  double duration_s = 0;                         // wall time of the step on this rank
+};
+
+class DataParallelTrainer {
+ public:
+  /// `meter` may be null (no peaks). `buckets` may be null only when context.world_size() is 1.
+  /// References must outlive the trainer. Throws std::invalid_argument for a null bucket set
+  /// in a distributed context.
+  DataParallelTrainer(torch::optim::Optimizer& optimizer, const PredictiveBatcher& batcher,
+                      MemoryMeter* meter, DistributedContext& context, GradientBuckets* buckets);
+
+  /// One optimizer step over the global batch. record_dims[i] / record_units[i]: record i of the
+  /// GLOBAL batch (same on every rank); loss_sum_fn receives indices into the global batch.
+  /// Collective: every rank calls it with the same global batch. Throws std::invalid_argument
+  /// when the sizes differ; DistributedError when a collective fails.
+  GlobalStepResult train_step(const std::vector<std::vector<double>>& record_dims,
+                              const std::vector<double>& record_units,
+                              const MicrobatchLossFn& loss_sum_fn);
+
+ private:
+  torch::optim::Optimizer& optimizer_;
+  const PredictiveBatcher& batcher_;
+  MemoryMeter* meter_;
+  DistributedContext& context_;
+  GradientBuckets* buckets_;
+  LossTrainer local_;
+};
+
+}  // namespace xpm
