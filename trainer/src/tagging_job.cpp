@@ -1,9 +1,11 @@
 #include "xpm/trainer/tagging_job.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -56,10 +58,12 @@ int default_worker_threads(int local_world_size) {
   return std::max(1, hardware / std::max(1, local_world_size));
 }
 
-// Test hook: XPM_FAULT_EXIT_AT=R:S makes rank R exit (code 17) at the start of step S.
+// Test hook: XPM_FAULT_EXIT_AT=R:S makes rank R exit (code 17) at the start of step S;
+// XPM_FAULT_EXIT_AT=R:S:kill makes it kill itself with SIGKILL there instead.
 struct FaultInjection {
   int rank = -1;
   std::int64_t step = -1;
+  bool kill = false;
 };
 
 FaultInjection fault_injection_from_environment() {
@@ -67,13 +71,16 @@ FaultInjection fault_injection_from_environment() {
   const char* text = std::getenv("XPM_FAULT_EXIT_AT");
   if (text == nullptr) return fault;
   long long rank = -1, step = -1;
-  char tail = 0;
-  if (std::sscanf(text, "%lld:%lld%c", &rank, &step, &tail) != 2 || rank < 0 || step < 1) {
+  char mode[8] = {0}, tail = 0;
+  const int fields = std::sscanf(text, "%lld:%lld:%7[a-z]%c", &rank, &step, mode, &tail);
+  if (fields < 2 || fields > 3 || rank < 0 || step < 1 ||
+      (fields == 3 && std::string(mode) != "kill")) {
     throw std::invalid_argument("environment variable XPM_FAULT_EXIT_AT='" + std::string(text) +
-                                "' must be RANK:STEP with RANK >= 0 and STEP >= 1");
+                                "' must be RANK:STEP or RANK:STEP:kill with RANK >= 0 and STEP >= 1");
   }
   fault.rank = static_cast<int>(rank);
   fault.step = step;
+  fault.kill = fields == 3;
   return fault;
 }
 
@@ -507,8 +514,10 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
         step_tokens += static_cast<double>(sentence.token_ids.size());
       }
       if (fault.rank == dist.rank() && fault.step == step + 1) {
-        std::cerr << "xpm-train: rank " << dist.rank() << ": XPM_FAULT_EXIT_AT: exiting at step "
-                  << step + 1 << " (test hook)" << std::endl;
+        std::cerr << "xpm-train: rank " << dist.rank() << ": XPM_FAULT_EXIT_AT: "
+                  << (fault.kill ? "killing myself" : "exiting") << " at step " << step + 1
+                  << " (test hook)" << std::endl;
+        if (fault.kill) ::kill(::getpid(), SIGKILL);
         std::_Exit(17);
       }
       const double lr = scheduled_learning_rate(config, step, total_steps);
