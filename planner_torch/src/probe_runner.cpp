@@ -19,6 +19,8 @@ TorchProbeExecutor::TorchProbeExecutor(TorchProbeSteps steps, MemoryMeter& meter
 ProbeResult TorchProbeExecutor::run_probe(const std::vector<double>& dims) {
   ProbeResult result;
   result.dims = dims;
+  // The limit the probe runs under: an out-of-memory probe bounds the fit at this many bytes.
+  result.capacity_bytes = static_cast<double>(meter_.capacity_bytes());
   const auto start = std::chrono::steady_clock::now();
   steps_.zero_grad();
   try {

@@ -45,10 +45,12 @@ TEST_CASE("a probe that runs out of memory is reported infeasible, not thrown") 
   ProbeFixture fixture;
   xpm::TorchProbeExecutor executor(fixture.steps(), meter);
   executor.run_probe({1, 1});  // allocates gradients and optimizer state
-  xpm::ScopedMemoryCap cap(meter.current_allocated_bytes() + 64 * 1024);
+  const std::int64_t cap_bytes = meter.current_allocated_bytes() + 64 * 1024;
+  xpm::ScopedMemoryCap cap(cap_bytes);
   const xpm::ProbeResult probe = executor.run_probe({64, 64});  // 1 MiB input alone
   CHECK_FALSE(probe.feasible);
   CHECK(probe.error.find("CPU memory cap exceeded") != std::string::npos);
+  CHECK(probe.capacity_bytes == static_cast<double>(cap_bytes));  // the bound the fit will use
 }
 
 TEST_CASE("probing with a learning rate of 0 leaves the parameters bitwise unchanged") {

@@ -37,6 +37,7 @@ class TorchProbeExecutor : public ProbeExecutor {
   TorchProbeExecutor(TorchProbeSteps steps, MemoryMeter& meter);
   /// Runs zero_grad, forward_backward(dims), optimizer_step, measuring each phase's peak
   /// allocated bytes. c10::OutOfMemoryError in any phase gives feasible = false with the message.
+  /// capacity_bytes is the meter's capacity (its cap; 0 when unlimited) at the time of the probe.
   ProbeResult run_probe(const std::vector<double>& dims) override;
   /// current_allocated_bytes() after zero_grad (nothing in flight).
   double static_bytes() override;
