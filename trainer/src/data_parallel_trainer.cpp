@@ -64,7 +64,7 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
   double global_units = 0;
   for (std::size_t i = 0; i < record_dims.size(); ++i) {
     costs[i] = marginal_cost_bytes(model, record_dims[i]);
-    if (model.predict_bytes(record_dims[i]) <= usable_bytes) global_units += record_units[i];
+    if (model.fits(record_dims[i], usable_bytes)) global_units += record_units[i];  // as the packer decides
   }
   const RankAssignment assignment = assign_records_to_ranks(costs, world);
   const std::vector<std::size_t>& mine = assignment.records_per_rank[static_cast<std::size_t>(rank)];

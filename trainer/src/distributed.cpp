@@ -244,13 +244,31 @@ std::string DistributedContext::share_from(int root_rank, const std::string& tex
       for (int other = 0; other < world_size(); ++other) {
         if (other != root_rank) acknowledgements.push_back(key + "/read/" + std::to_string(other));
       }
-      connection_->store->wait(acknowledgements, wait);
-      return text;
+      // Wait in short slices so a rank that failed meanwhile (report_failure) stops us early.
+      const auto deadline = std::chrono::steady_clock::now() + wait;
+      for (;;) {
+        try {
+          connection_->store->wait(acknowledgements, std::chrono::milliseconds(1000));
+          return text;
+        } catch (const c10::Error&) {
+          for (int other = 0; other < world_size(); ++other) {
+            const std::string failure = "failure/" + std::to_string(other);
+            if (other != rank() && connection_->store->check({failure})) {
+              throw DistributedError("rank " + std::to_string(rank()) + ": rank " + std::to_string(other) +
+                                     " failed before reading '" + key + "': " +
+                                     store_get(*connection_->store, failure));
+            }
+          }
+          if (std::chrono::steady_clock::now() > deadline) throw;
+        }
+      }
     }
     connection_->store->wait({key}, wait);
     std::string value = store_get(*connection_->store, key);
     store_set(*connection_->store, key + "/read/" + std::to_string(rank()), "1");
     return value;
+  } catch (const DistributedError&) {
+    throw;
   } catch (const std::exception& error) {
     rethrow_collective_failure("waiting for rank " + std::to_string(root_rank) + "'s '" + key + "'",
                                error);
