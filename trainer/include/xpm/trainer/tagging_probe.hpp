@@ -1,6 +1,7 @@
 // xpm/trainer/tagging_probe.hpp — probes of the bundled tagging task without training: builds
-// the task's model and AdamW as xpm-train does (same config), allocates gradients and optimizer
-// state, applies the CPU memory cap, and measures full training steps at the given dims.
+// the task's model (config.architecture: transformer or bilstm) and AdamW as xpm-train does
+// (same config), allocates gradients and optimizer state, applies the CPU memory cap, and
+// measures full training steps at the given dims.
 //
 //   TaggingJobConfig config;                     // data_dir, model, memory cap, ...
 //   TaggingProbeReport r = probe_tagging_task(config, {{8, 64}, {16, 128}});

@@ -56,7 +56,7 @@ std::int64_t max_sequence_length(const TaggingJobConfig& config, const TaggingDa
 
 /// The bundled cost formula (bytes, variables bs and l, coefficients a, b, c) of an
 /// architecture: "a*bs*l^2 + b*bs*l + c" for the Transformer (attention scores are bs x heads x
-/// l x l), "a*bs*l + b*bs + c" for the BiLSTM (docs/benchmarks.md has the measurements). Throws
+/// l x l), "a*bs*(l-1) + b*bs + c" for the BiLSTM (bilstm_tagger.hpp says why). Throws
 /// std::invalid_argument for an unknown architecture.
 std::string default_cost_formula(const std::string& architecture);
 
