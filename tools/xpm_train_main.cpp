@@ -1,5 +1,6 @@
 // xpm-train — trains the bundled task (part-of-speech tagging of the Brown corpus with a small
-// Transformer or BiLSTM) with memory planned by xpm's predictive batcher. See `xpm-train --help`.
+// Transformer or BiLSTM) with memory planned by xpm's predictive batcher, or, for comparison,
+// with the fixed or power-adaptive batcher (--batcher). See `xpm-train --help`.
 // Data-parallel: `--nproc N` starts N workers of this program; a worker started by torchrun (or
 // by hand) reads RANK, WORLD_SIZE, ... (docs/distributed.md).
 // Exit codes: 0 success, 2 bad input (option, config, data), 1 other failure. Under --nproc: the
@@ -148,6 +149,13 @@ int main(int argc, char** argv) {
        "variable names: batch size, padded length")
       ("probe-points", po::value(&probe_points)->default_value(""),
        "probe shapes BSxL,... (empty: automatic design up to the budget)")
+      ("batcher", po::value(&config.batcher)->default_value(config.batcher),
+       "predictive (probe, fit, plan; default) | fixed (--microbatch-size records per microbatch, "
+       "an out-of-memory error skips the step) | power (shrink to outer batch size // n after an "
+       "out-of-memory error and redo the step; single process only); docs/user-guide.md")
+      ("microbatch-size", po::value<std::int64_t>(),
+       "fixed: records per microbatch; power: the first size tried (default: the outer batch "
+       "size); not with the predictive batcher")
       ("packer", po::value(&config.packer)->default_value(config.packer), "adaptive | uniform")
       ("sort-by", po::value(&config.sort_by)->default_value(config.sort_by),
        "adaptive packer: sort records by this dim, heaviest first (empty: keep order)")
@@ -182,6 +190,13 @@ int main(int argc, char** argv) {
       return 0;
     }
     po::notify(vm);
+    if (vm.count("microbatch-size") != 0U) {
+      config.microbatch_size = vm["microbatch-size"].as<std::int64_t>();
+      if (config.microbatch_size < 1) {
+        throw std::invalid_argument("--microbatch-size must be >= 1, got " +
+                                    std::to_string(config.microbatch_size));
+      }
+    }
     if (config.architecture != "transformer" && config.architecture != "bilstm") {
       throw std::invalid_argument("--architecture must be 'transformer' or 'bilstm', got '" +
                                   config.architecture + "'");

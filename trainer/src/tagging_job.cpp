@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <numeric>
@@ -27,6 +28,7 @@
 #include "xpm/trainer/brown_corpus.hpp"
 #include "xpm/trainer/data_parallel_trainer.hpp"
 #include "xpm/trainer/distributed.hpp"
+#include "xpm/trainer/fixed_batchers.hpp"
 #include "xpm/trainer/gradient_buckets.hpp"
 #include "xpm/trainer/loss_trainer.hpp"
 #include "xpm/planner/atomic_file.hpp"
@@ -145,10 +147,14 @@ struct Accuracy {
   double value() const { return total == 0 ? 0.0 : static_cast<double>(correct) / total; }
 };
 
+// Microbatches of a list of records given their dims {bs, l}: the predictive batcher's plan,
+// or fixed slices of the fixed/power batcher's current microbatch size.
+using PlanFn = std::function<MicrobatchPlan(const std::vector<std::vector<double>>&)>;
+
 // Token accuracy over every token (tags unseen in training count as errors, as in the baseline).
 // Under DDP each rank evaluates every world_size-th sentence and the counts are summed.
 Accuracy evaluate(TaggingModelSetup& setup, const std::vector<EncodedSentence>& sentences,
-                  const PredictiveBatcher& batcher, std::size_t l_index, DistributedContext& dist) {
+                  const PlanFn& plan_of, std::size_t l_index, DistributedContext& dist) {
   torch::NoGradGuard no_grad;
   setup.module().eval();
   std::vector<std::size_t> mine;
@@ -160,7 +166,7 @@ Accuracy evaluate(TaggingModelSetup& setup, const std::vector<EncodedSentence>& 
   for (std::size_t i = 0; i < mine.size(); ++i)
     dims[i][l_index] = static_cast<double>(sentences[mine[i]].token_ids.size());
   Accuracy accuracy;
-  const MicrobatchPlan plan = batcher.plan(dims);
+  const MicrobatchPlan plan = plan_of(dims);
   for (const Microbatch& microbatch : plan.microbatches) {
     std::vector<std::size_t> ids;
     for (std::size_t j : microbatch.record_indices) ids.push_back(mine[j]);
@@ -219,6 +225,16 @@ void TaggingJobConfig::validate() const {
   require(memory_cap_bytes == 0 || memory_cap_factor == 0,
           "memory_cap_bytes and TaggingJobConfig.memory_cap_factor are exclusive: give one (got " +
               std::to_string(memory_cap_bytes) + " and " + std::to_string(memory_cap_factor) + ")");
+  require(batcher == "predictive" || batcher == "fixed" || batcher == "power",
+          "batcher must be 'predictive', 'fixed' or 'power', got '" + batcher + "'");
+  require(microbatch_size >= 0, "microbatch_size must be >= 1 (0: the outer batch size), got " +
+                                    std::to_string(microbatch_size));
+  require(microbatch_size <= outer_batch_size,
+          "microbatch_size must be at most TaggingJobConfig.outer_batch_size (" +
+              std::to_string(outer_batch_size) + "), got " + std::to_string(microbatch_size));
+  require(microbatch_size == 0 || batcher != "predictive",
+          "microbatch_size is for the fixed and power batchers (TaggingJobConfig.batcher fixed or "
+          "power); the predictive batcher chooses its microbatches from the memory model");
   require(packer == "adaptive" || packer == "uniform",
           "packer must be 'adaptive' or 'uniform', got '" + packer + "'");
   require(log_every >= 1, "log_every must be >= 1, got " + std::to_string(log_every));
@@ -287,6 +303,8 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"coefficients", coefficients},
           {"variables", variables},
           {"probe_points", probes},
+          {"batcher", batcher},
+          {"microbatch_size", microbatch_size},
           {"packer", packer},
           {"sort_by", sort_by},
           {"log_every", log_every},
@@ -319,6 +337,15 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
 
 nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContext& dist) {
   config.validate();
+  // The batchers without a memory model run in a single process: every rank refuses, now.
+  if (config.batcher == "power") PowerAdaptativeBatcher::check_single_process(dist.world_size());
+  if (config.batcher == "fixed" && dist.world_size() > 1) {
+    throw std::invalid_argument(
+        "TaggingJobConfig.batcher 'fixed' runs in a single process only, got world_size " +
+        std::to_string(dist.world_size()) + ": the data-parallel step exists for the predictive "
+        "batcher (TaggingJobConfig.batcher predictive, the default)");
+  }
+  const bool predictive = config.batcher == "predictive";
   const auto job_start = Clock::now();
   const bool main_rank = dist.is_main();
   const auto log = [&](const std::string& line) {
@@ -397,61 +424,70 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   PredictiveBatcher batcher(batcher_options, packer);
   const std::size_t l_index = 1;
 
-  const nlohmann::json identity = memory_model_identity(config, batcher_options, setup.signature(),
-                                                       capacity_bytes, dist.world_size());
-  // Rank 0 alone looks the model up or probes and fits it, before any gradient synchronization;
-  // it then publishes the model, or its error, to every rank through the store.
+  // Predictive batcher: rank 0 alone looks the model up or probes and fits it, before any
+  // gradient synchronization; it then publishes the model, or its error, to every rank through
+  // the store. The fixed and power batchers (single process) have no memory model.
   std::optional<MemoryModel> cached;
   double probe_s = 0;
   std::int64_t infeasible_probes = 0, probes_run = 0;
-  nlohmann::json shared_model;
-  if (main_rank) {
-    try {
-      std::optional<MemoryModelCache> cache;
-      if (!config.memory_model_cache.empty()) cache.emplace(config.memory_model_cache);
-      std::string cache_warning;
-      cached = cache ? cache->lookup(identity, &cache_warning) : std::nullopt;
-      if (!cache_warning.empty()) log("xpm-train: warning: " + cache_warning);
-      if (cached) {
-        batcher.set_model(*cached);
-        log("xpm-train: memory model from the cache (" + cache->path_for(identity) + "), no probing");
-      } else {
-        TorchProbeExecutor executor(setup.probe_steps(), meter);
-        const auto probe_start = Clock::now();
-        batcher.probe_and_fit(executor);
-        probe_s = seconds_since(probe_start);
-        setup.reset_optimizer_state();    // probes fed synthetic gradients into the AdamW moments
-        probes_run = static_cast<std::int64_t>(batcher.probes().size());
-        for (const ProbeResult& probe : batcher.probes()) infeasible_probes += probe.feasible ? 0 : 1;
-        log("xpm-train: " + std::to_string(probes_run) + " probes (" +
-            std::to_string(infeasible_probes) + " out of memory) in " + std::to_string(probe_s) +
-            " s; " + batcher.fit_summary().brief_report());
-        MemoryModel fitted = batcher.model();
-        fitted.metadata()["device"] = "cpu";
-        fitted.metadata()["capacity_bytes"] = capacity_bytes;
-        fitted.metadata()["precision"] = "32-true";
-        fitted.metadata()["optimizer"] = "adamw";
-        fitted.metadata()["torch_version"] = TORCH_VERSION;
-        fitted.metadata()["model_signature"] = setup.signature();
-        batcher.set_model(fitted);
-        if (cache) cache->store(identity, fitted);
+  if (predictive) {
+    const nlohmann::json identity = memory_model_identity(config, batcher_options, setup.signature(),
+                                                         capacity_bytes, dist.world_size());
+    nlohmann::json shared_model;
+    if (main_rank) {
+      try {
+        std::optional<MemoryModelCache> cache;
+        if (!config.memory_model_cache.empty()) cache.emplace(config.memory_model_cache);
+        std::string cache_warning;
+        cached = cache ? cache->lookup(identity, &cache_warning) : std::nullopt;
+        if (!cache_warning.empty()) log("xpm-train: warning: " + cache_warning);
+        if (cached) {
+          batcher.set_model(*cached);
+          log("xpm-train: memory model from the cache (" + cache->path_for(identity) + "), no probing");
+        } else {
+          TorchProbeExecutor executor(setup.probe_steps(), meter);
+          const auto probe_start = Clock::now();
+          batcher.probe_and_fit(executor);
+          probe_s = seconds_since(probe_start);
+          setup.reset_optimizer_state();    // probes fed synthetic gradients into the AdamW moments
+          probes_run = static_cast<std::int64_t>(batcher.probes().size());
+          for (const ProbeResult& probe : batcher.probes()) infeasible_probes += probe.feasible ? 0 : 1;
+          log("xpm-train: " + std::to_string(probes_run) + " probes (" +
+              std::to_string(infeasible_probes) + " out of memory) in " + std::to_string(probe_s) +
+              " s; " + batcher.fit_summary().brief_report());
+          MemoryModel fitted = batcher.model();
+          fitted.metadata()["device"] = "cpu";
+          fitted.metadata()["capacity_bytes"] = capacity_bytes;
+          fitted.metadata()["precision"] = "32-true";
+          fitted.metadata()["optimizer"] = "adamw";
+          fitted.metadata()["torch_version"] = TORCH_VERSION;
+          fitted.metadata()["model_signature"] = setup.signature();
+          batcher.set_model(fitted);
+          if (cache) cache->store(identity, fitted);
+        }
+        shared_model = {{"model", batcher.model().to_json()}, {"from_cache", cached.has_value()}};
+      } catch (const std::invalid_argument& error) {
+        shared_model = {{"error", error.what()}, {"kind", "invalid_argument"}};
+      } catch (const std::exception& error) {
+        shared_model = {{"error", error.what()}, {"kind", "runtime_error"}};
       }
-      shared_model = {{"model", batcher.model().to_json()}, {"from_cache", cached.has_value()}};
-    } catch (const std::invalid_argument& error) {
-      shared_model = {{"error", error.what()}, {"kind", "invalid_argument"}};
-    } catch (const std::exception& error) {
-      shared_model = {{"error", error.what()}, {"kind", "runtime_error"}};
     }
+    shared_model =
+        nlohmann::json::parse(dist.share_from(0, shared_model.dump(), config.rendezvous_timeout()));
+    if (shared_model.contains("error")) {
+      const std::string message = shared_model.at("error").get<std::string>();
+      if (shared_model.at("kind") == "invalid_argument") throw std::invalid_argument(message);
+      throw std::runtime_error(message);
+    }
+    // Every rank, rank 0 included, takes the model from the same JSON, so all start identical.
+    batcher.set_model(MemoryModel::from_json(shared_model.at("model")));
+    if (shared_model.at("from_cache").get<bool>()) cached = batcher.model();
+  } else {
+    log("xpm-train: batcher " + config.batcher + ", microbatch size " +
+        std::to_string(config.microbatch_size > 0 ? config.microbatch_size : config.outer_batch_size) +
+        (config.batcher == "power" ? " at first, shrunk on out-of-memory errors" : "") +
+        "; no probing, no memory model");
   }
-  shared_model = nlohmann::json::parse(dist.share_from(0, shared_model.dump(), config.rendezvous_timeout()));
-  if (shared_model.contains("error")) {
-    const std::string message = shared_model.at("error").get<std::string>();
-    if (shared_model.at("kind") == "invalid_argument") throw std::invalid_argument(message);
-    throw std::runtime_error(message);
-  }
-  // Every rank, rank 0 included, takes the model from the same JSON, so all start identical.
-  batcher.set_model(MemoryModel::from_json(shared_model.at("model")));
-  if (shared_model.at("from_cache").get<bool>()) cached = batcher.model();
   // Same parameters everywhere (rank 0's), gradients in all-reduce buckets, then per-rank
   // dropout streams; world size 1 keeps the single-process seed.
   std::vector<torch::Tensor> parameters = setup.module().parameters();
@@ -463,11 +499,15 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   if (dist.distributed()) buckets.emplace(parameters, config.bucket_cap_bytes);
   torch::manual_seed(config.seed + static_cast<std::uint64_t>(dist.rank()));  // same whether probed or cached
   const double initial_fit_max_rel_error =
-      batcher.model().metadata().value("fit", nlohmann::json::object()).value("max_rel_error", 0.0);
-  log("xpm-train: memory model " + batcher.model().formula().canonical() + ", floor " +
-      std::to_string(static_cast<std::int64_t>(batcher.model().floor_bytes())) + " bytes");
+      predictive
+          ? batcher.model().metadata().value("fit", nlohmann::json::object()).value("max_rel_error", 0.0)
+          : 0.0;
+  if (predictive) {
+    log("xpm-train: memory model " + batcher.model().formula().canonical() + ", floor " +
+        std::to_string(static_cast<std::int64_t>(batcher.model().floor_bytes())) + " bytes");
+  }
   if (main_rank) {
-    batcher.model().save(config.run_dir + "/memory_model.json");
+    if (predictive) batcher.model().save(config.run_dir + "/memory_model.json");
     write_file_atomically(config.run_dir + "/config.json", config.to_json().dump(2) + "\n");
   }
 
@@ -479,6 +519,23 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   if (config.max_steps > 0) total_steps = std::min(total_steps, config.max_steps);
   set_learning_rate(optimizer, 0.0);
   DataParallelTrainer trainer(optimizer, batcher, &meter, dist, buckets ? &*buckets : nullptr);
+  // Or a batcher without a memory model (world size 1, checked above).
+  std::unique_ptr<FixedBatcher> fixed_batcher;
+  const PowerAdaptativeBatcher* power_batcher = nullptr;
+  if (config.batcher == "fixed") {
+    fixed_batcher = std::make_unique<FixedBatcher>(
+        optimizer, &meter, config.microbatch_size > 0 ? config.microbatch_size : config.outer_batch_size);
+  } else if (config.batcher == "power") {
+    auto power = std::make_unique<PowerAdaptativeBatcher>(
+        optimizer, &meter, PowerAdaptativeBatcherOptions{config.outer_batch_size, config.microbatch_size},
+        dist.world_size());
+    power_batcher = power.get();
+    fixed_batcher = std::move(power);
+  }
+  const PlanFn plan_validation = [&](const std::vector<std::vector<double>>& dims) {
+    return fixed_batcher ? fixed_size_plan(dims.size(), fixed_batcher->microbatch_size())
+                         : batcher.plan(dims);
+  };
   std::ofstream metrics;
   if (main_rank) {
     metrics.open(config.run_dir + "/metrics.jsonl", std::ios::trunc);
@@ -489,7 +546,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
 
   std::mt19937_64 sampler(config.seed);
   std::vector<std::size_t> order(train.size());
-  std::int64_t step = 0, ooms = 0, total_microbatches = 0, skipped_records = 0;
+  std::int64_t step = 0, ooms = 0, oom_skipped_steps = 0, total_microbatches = 0, skipped_records = 0;
   std::int64_t underpredictions = 0;
   std::int64_t peak_allocated_bytes = 0;
   double train_time_s = 0, real_tokens = 0, max_prediction_error = 0, last_loss = 0;
@@ -522,23 +579,32 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
       }
       const double lr = scheduled_learning_rate(config, step, total_steps);
       set_learning_rate(optimizer, lr);
-      const GlobalStepResult result = trainer.train_step(
-          record_dims, record_units, [&](const std::vector<std::size_t>& microbatch) {
-            std::vector<std::size_t> ids;
-            ids.reserve(microbatch.size());
-            for (std::size_t i : microbatch) ids.push_back(records[i]);  // global batch -> corpus
-            const TaggingBatch batch = collate(train, ids);
-            return token_cross_entropy_sum(setup.forward(batch.token_ids, batch.padding_mask),
-                                           batch.tag_ids);
-          });
+      const MicrobatchLossFn loss_sum_fn = [&](const std::vector<std::size_t>& microbatch) {
+        std::vector<std::size_t> ids;
+        ids.reserve(microbatch.size());
+        for (std::size_t i : microbatch) ids.push_back(records[i]);  // global batch -> corpus
+        const TaggingBatch batch = collate(train, ids);
+        return token_cross_entropy_sum(setup.forward(batch.token_ids, batch.padding_mask),
+                                       batch.tag_ids);
+      };
+      BatcherStepResult fixed_step;
+      if (fixed_batcher) fixed_step = fixed_batcher->train_step(record_units, loss_sum_fn);
+      const GlobalStepResult result =
+          fixed_batcher ? fixed_step.step : trainer.train_step(record_dims, record_units, loss_sum_fn);
       ++step;
-      ooms += result.oom ? 1 : 0;
+      ooms += fixed_batcher ? fixed_step.ooms : (result.oom ? 1 : 0);
+      oom_skipped_steps += result.oom ? 1 : 0;
+      if (fixed_batcher && fixed_step.ooms > 0 && !result.oom) {
+        log("xpm-train: step " + std::to_string(step) + ": " + std::to_string(fixed_step.ooms) +
+            " out-of-memory error(s), redone with microbatch size " +
+            std::to_string(fixed_step.microbatch_size));
+      }
       // Online correction: a microbatch (or the optimizer step) that needed more than predicted
       // joins the fit data (or raises the floor), so later plans take it into account.
       std::int64_t step_underpredictions = 0;
       for (const MicrobatchPeak& peak : result.microbatch_peaks) {
-        if (peak.forward_backward_peak_bytes >
-            (1 + config.underprediction_tolerance) * peak.predicted_bytes) {
+        if (predictive && peak.forward_backward_peak_bytes >
+                              (1 + config.underprediction_tolerance) * peak.predicted_bytes) {
           ++step_underpredictions;
           batcher.add_measurement({peak.dims, peak.forward_backward_peak_bytes});
           log("xpm-train: underprediction at step " + std::to_string(step) + ": measured " +
@@ -548,8 +614,8 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
               "; refitted");
         }
       }
-      if (result.optimizer_step_peak_bytes >
-          (1 + config.underprediction_tolerance) * batcher.model().floor_bytes()) {
+      if (predictive && result.optimizer_step_peak_bytes >
+                            (1 + config.underprediction_tolerance) * batcher.model().floor_bytes()) {
         ++step_underpredictions;
         batcher.raise_floor_bytes(result.optimizer_step_peak_bytes);
         log("xpm-train: optimizer step at step " + std::to_string(step) + " peaked above the floor; "
@@ -568,7 +634,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
       if (!result.oom) real_tokens += step_tokens;
       last_loss = result.oom ? last_loss : result.loss;
       const double prediction_error =
-          result.oom ? 0.0
+          result.oom || !predictive ? 0.0
                      : (static_cast<double>(result.peak_allocated_bytes) - result.max_predicted_bytes) /
                            static_cast<double>(result.peak_allocated_bytes);
       max_prediction_error = std::max(max_prediction_error, std::abs(prediction_error));
@@ -592,6 +658,11 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
                              {"microbatches_per_rank", result.microbatches_per_rank},
                              {"rank_imbalance", result.imbalance},
                              {"oom_ranks", result.oom_ranks}};
+      if (fixed_batcher) {
+        line["microbatch_size"] = fixed_step.microbatch_size;
+        line["ooms"] = fixed_step.ooms;
+        line["attempts"] = fixed_step.attempts;
+      }
       if (main_rank) metrics << line.dump() << '\n' << std::flush;
       if (step % config.log_every == 0 || step == total_steps || result.oom) {
         char text[256];
@@ -606,7 +677,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
         log(text);
       }
       if (config.validate_every > 0 && step % config.validate_every == 0 && step < total_steps) {
-        const Accuracy accuracy = evaluate(setup, validation, batcher, l_index, dist);
+        const Accuracy accuracy = evaluate(setup, validation, plan_validation, l_index, dist);
         validations.push_back({{"step", step}, {"val_token_accuracy", accuracy.value()}});
         log("validation at step " + std::to_string(step) + ": token accuracy " +
             std::to_string(accuracy.value()));
@@ -615,7 +686,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   }
 
   const auto validation_start = Clock::now();
-  const Accuracy accuracy = evaluate(setup, validation, batcher, l_index, dist);
+  const Accuracy accuracy = evaluate(setup, validation, plan_validation, l_index, dist);
   const double validation_s = seconds_since(validation_start);
   validations.push_back({{"step", step}, {"val_token_accuracy", accuracy.value()}});
   char text[256];
@@ -633,7 +704,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
       {"peak_allocated_bytes", peak_allocated_bytes},
       {"capacity_bytes", capacity_bytes},
       {"capacity_is_cap", capped},
-      {"usable_bytes", batcher_options.budget.usable_bytes()},
+      {"usable_bytes", predictive ? batcher_options.budget.usable_bytes() : 0},
       {"static_bytes", static_bytes},
       {"tokens_per_s", real_tokens / std::max(1e-9, train_time_s)},
       {"real_tokens", real_tokens},
@@ -653,7 +724,11 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
       {"validation_s", validation_s},
       {"total_s", seconds_since(job_start)},
       {"validations", validations},
-      {"canonical_formula", batcher.model().formula().canonical()},
+      {"canonical_formula", predictive ? batcher.model().formula().canonical() : std::string()},
+      {"batcher", config.batcher},
+      {"microbatch_size", fixed_batcher ? fixed_batcher->microbatch_size() : 0},
+      {"retried_steps", power_batcher != nullptr ? power_batcher->retried_steps() : 0},
+      {"oom_skipped_steps", oom_skipped_steps},
       {"world_size", dist.world_size()},
       {"backend", dist.backend()},
       {"threads_per_rank", threads},

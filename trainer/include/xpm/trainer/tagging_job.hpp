@@ -17,8 +17,16 @@
 // correcting the model online when a microbatch's measured peak exceeds its prediction;
 // validate; write summary.json.
 //
-// Run folder: config.json (resolved config), memory_model.json, metrics.jsonl (one JSON object
-// per optimizer step), summary.json. Every file but metrics.jsonl is written atomically.
+// With config.batcher "fixed" or "power" (fixed_batchers.hpp; single process only) there is no
+// probing and no memory model: the outer batch is cut into slices of config.microbatch_size
+// records (power: shrunk after an out-of-memory error and the step redone); the CPU cap still
+// applies and peaks are still measured per step. memory_model.json is not written; summary.json
+// has the same fields, with the predicted ones 0 (usable_bytes, probes, fit_max_rel_error,
+// max_step_prediction_rel_error, ...) and canonical_formula "".
+//
+// Run folder: config.json (resolved config), memory_model.json (predictive batcher only),
+// metrics.jsonl (one JSON object per optimizer step), summary.json. Every file but
+// metrics.jsonl is written atomically.
 #pragma once
 
 #include <chrono>
@@ -61,6 +69,8 @@ struct TaggingJobConfig {
   std::vector<std::string> coefficients = {"a", "b", "c"};
   std::vector<std::string> variables = {"bs", "l"};
   std::vector<ProbePoint> probe_points;       // empty: automatic design up to the budget
+  std::string batcher = "predictive";         // predictive | fixed | power (fixed_batchers.hpp)
+  std::int64_t microbatch_size = 0;           // fixed, power (first size): records; 0: outer batch
   std::string packer = "adaptive";            // adaptive | uniform
   std::string sort_by = "l";                  // adaptive packer: heaviest first by this dim
   std::int64_t log_every = 10;                // progress line every N steps
@@ -90,7 +100,9 @@ struct TaggingJobConfig {
 nlohmann::json run_tagging_job(const TaggingJobConfig& config);
 
 /// Runs the job as one rank of `dist` (docs/distributed.md): every rank must call it with the
-/// same config. Rank 0 probes (or reads the cache) and publishes the memory model; if it fails,
+/// same config. The fixed and power batchers refuse world_size > 1 with std::invalid_argument
+/// on every rank, before loading any data (PowerAdaptativeBatcher::check_single_process says
+/// why). With the predictive batcher, rank 0 probes (or reads the cache) and publishes the memory model; if it fails,
 /// every rank throws the same error (std::invalid_argument or std::runtime_error with rank 0's
 /// message). Only rank 0 writes the run folder and logs; every rank returns the summary.
 /// Throws DistributedError when a collective fails or times out.
