@@ -1,7 +1,9 @@
 #include "xpm/trainer/tagging_probe.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/tagging_task.hpp"
@@ -11,7 +13,10 @@ namespace xpm {
 TaggingProbeReport probe_tagging_task(const TaggingJobConfig& config,
                                       const std::vector<std::vector<double>>& dims_list) {
   config.validate();
-  torch::set_num_threads(config.threads);
+  // config.threads 0 (automatic, as xpm-train): every hardware thread, one process.
+  torch::set_num_threads(config.threads > 0
+                             ? config.threads
+                             : static_cast<int>(std::max(1U, std::thread::hardware_concurrency())));
   torch::manual_seed(config.seed);
   const TaggingData data = load_tagging_data(config);
   CpuMemoryMeter& meter = CpuMemoryMeter::install();
