@@ -38,7 +38,9 @@ struct Run {
 // Runs xpm-train with `arguments` (and `environment`, "NAME=value ..."), capturing output.
 Run run_train(const std::string& arguments, const std::string& environment = "") {
   std::filesystem::create_directories(kWork);
-  const std::string log = kWork + "/last_run.log";
+  // One log per run: CTest runs these cases as separate processes, possibly at the same time.
+  static int runs = 0;
+  const std::string log = kWork + "/run_" + std::to_string(::getpid()) + "_" + std::to_string(++runs) + ".log";
   const std::string command = environment + " '" + kTrain + "' --data-dir '" + kData + "' " +
                               arguments + " > '" + log + "' 2>&1";
   const auto start = std::chrono::steady_clock::now();
