@@ -15,6 +15,8 @@
 // differences, s_k = |initial value of k| (1 when 0), same bounds and loss.
 #include "xpm/planner/fit.hpp"
 
+#include "number_format.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -169,24 +171,9 @@ std::string and_list(const std::vector<std::string>& names) {
   return out;
 }
 
-std::string format_double(double v) {
-  std::ostringstream os;
-  os.precision(17);
-  os << v;
-  return os.str();
-}
-
-std::string short_double(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.6g", v);
-  return buf;
-}
-
-std::string percent(double rel) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.3g %%", rel * 100.0);
-  return buf;
-}
+using detail::format_double;
+using detail::percent;
+using detail::short_double;
 
 // "bs = 4, l = 64"
 std::string describe_dims(const CostFormula& formula, const std::vector<double>& dims) {

@@ -9,27 +9,14 @@
 
 #include "xpm/planner/fit.hpp"
 
+#include "number_format.hpp"
+
 namespace xpm {
 namespace {
 
-std::string format_double(double v) {
-  std::ostringstream os;
-  os.precision(17);
-  os << v;
-  return os.str();
-}
-
-std::string short_double(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.6g", v);
-  return buf;
-}
-
-std::string percent(double rel) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.3g %%", rel * 100.0);
-  return buf;
-}
+using detail::format_double;
+using detail::percent;
+using detail::short_double;
 
 }  // namespace
 

@@ -1,0 +1,32 @@
+// Number formatting shared by the fit's messages and reports (internal to xpm::planner).
+#pragma once
+
+#include <cstdio>
+#include <sstream>
+#include <string>
+
+namespace xpm::detail {
+
+/// Round-trip precision (17 significant digits).
+inline std::string format_double(double v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  return os.str();
+}
+
+/// Six significant digits, for reports.
+inline std::string short_double(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+/// A relative value as a percentage with three significant digits: 0.0123 -> "1.23 %".
+inline std::string percent(double rel) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.3g %%", rel * 100.0);
+  return buf;
+}
+
+}  // namespace xpm::detail
