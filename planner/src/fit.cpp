@@ -161,15 +161,7 @@ std::string join(const std::vector<std::string>& names) {
   return out;
 }
 
-// "a", "a and b", "a, b and c".
-std::string and_list(const std::vector<std::string>& names) {
-  std::string out;
-  for (std::size_t i = 0; i < names.size(); ++i) {
-    if (i > 0) out += i + 1 == names.size() ? " and " : ", ";
-    out += names[i];
-  }
-  return out;
-}
+using detail::and_list;
 
 using detail::format_double;
 using detail::percent;

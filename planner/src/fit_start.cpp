@@ -1,6 +1,8 @@
 // fit_start.cpp — the automatic start of non-linear fits (see fit_start.hpp).
 #include "fit_start.hpp"
 
+#include "number_format.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -295,21 +297,9 @@ class StartSearch {
   bool resolves_max_ = false;
 };
 
-std::string short_double(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.6g", v);
-  return buf;
-}
+using detail::short_double;
 
-// "a", "a and b", "a, b and c".
-std::string and_list(const std::vector<std::string>& names) {
-  std::string out;
-  for (std::size_t i = 0; i < names.size(); ++i) {
-    if (i > 0) out += i + 1 == names.size() ? " and " : ", ";
-    out += names[i];
-  }
-  return out;
-}
+using detail::and_list;
 
 }  // namespace
 

@@ -1,9 +1,10 @@
-// Number formatting shared by the fit's messages and reports (internal to xpm::planner).
+// Number and list formatting shared by the fit's messages and reports (internal to xpm::planner).
 #pragma once
 
 #include <cstdio>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace xpm::detail {
 
@@ -27,6 +28,16 @@ inline std::string percent(double rel) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.3g %%", rel * 100.0);
   return buf;
+}
+
+/// "a", "a and b", "a, b and c".
+inline std::string and_list(const std::vector<std::string>& names) {
+  std::string out;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) out += i + 1 == names.size() ? " and " : ", ";
+    out += names[i];
+  }
+  return out;
 }
 
 }  // namespace xpm::detail
