@@ -1,15 +1,19 @@
 // packer.cpp — UniformPacker and AdaptivePacker (see packer.hpp).
 #include "xpm/planner/packer.hpp"
 
+#include "packer_internal.hpp"
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace xpm {
-namespace {
+namespace packer_internal {
 
 void validate_pack_inputs(const std::vector<std::vector<double>>& record_dims,
                           const MemoryModel& model, std::int64_t usable_bytes) {
@@ -34,6 +38,117 @@ void validate_pack_inputs(const std::vector<std::vector<double>>& record_dims,
   }
 }
 
+std::vector<std::size_t> descending_order(const std::vector<double>& keys) {
+  const std::size_t n = keys.size();
+  std::vector<std::size_t> order(n);
+  if (n == 0) return order;
+  // Counting sort when every key is a small non-negative integer (lengths, token counts): O(n +
+  // range), and stable by construction.
+  bool integral = true;
+  double lo = keys[0], hi = keys[0];
+  for (double k : keys) {
+    integral = integral && k >= 0 && k <= kCountingSortMaxKey && k == std::floor(k);
+    if (!integral) break;
+    lo = std::min(lo, k);
+    hi = std::max(hi, k);
+  }
+  if (integral && hi - lo <= static_cast<double>(2 * n + 65536)) {
+    const auto base = static_cast<std::size_t>(hi);  // bucket b holds key hi - b
+    std::vector<std::size_t> start(base - static_cast<std::size_t>(lo) + 2, 0);
+    for (double k : keys) ++start[base - static_cast<std::size_t>(k) + 1];
+    for (std::size_t b = 1; b < start.size(); ++b) start[b] += start[b - 1];
+    for (std::size_t i = 0; i < n; ++i) order[start[base - static_cast<std::size_t>(keys[i])]++] = i;
+    return order;
+  }
+  // Otherwise: NaN counts as +infinity (first, the heaviest). Small inputs: sort (key, index)
+  // pairs. Large ones: least-significant-digit radix sort, 16 bits per pass, of the keys mapped
+  // to unsigned integers whose ascending order is the keys' descending order; each pass is
+  // stable, so ties keep index order. O(n) per pass, passes whose digit is the same for every
+  // key skipped.
+  auto sortable = [](double key) {
+    if (std::isnan(key)) key = std::numeric_limits<double>::infinity();
+    if (key == 0) key = 0.0;  // -0 and +0 are equal keys
+    std::uint64_t bits = 0;
+    std::memcpy(&bits, &key, sizeof bits);
+    bits = (bits >> 63) != 0 ? ~bits : bits | (std::uint64_t{1} << 63);  // ascending with the key
+    return ~bits;                                                         // descending
+  };
+  if (n < 4096) {
+    std::vector<std::pair<std::uint64_t, std::size_t>> pairs(n);
+    for (std::size_t i = 0; i < n; ++i) pairs[i] = {sortable(keys[i]), i};
+    std::sort(pairs.begin(), pairs.end());
+    for (std::size_t i = 0; i < n; ++i) order[i] = pairs[i].second;
+    return order;
+  }
+  std::vector<std::uint64_t> sort_keys(n), scratch_keys(n);
+  std::vector<std::size_t> scratch(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    sort_keys[i] = sortable(keys[i]);
+    order[i] = i;
+  }
+  std::vector<std::size_t> count(1 << 16);
+  for (int shift = 0; shift < 64; shift += 16) {
+    std::fill(count.begin(), count.end(), 0);
+    for (std::uint64_t k : sort_keys) ++count[(k >> shift) & 0xffff];
+    if (count[(sort_keys[0] >> shift) & 0xffff] == n) continue;  // one digit value: nothing moves
+    std::size_t sum = 0;
+    for (std::size_t& c : count) sum += std::exchange(c, sum);
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::size_t slot = count[(sort_keys[k] >> shift) & 0xffff]++;
+      scratch_keys[slot] = sort_keys[k];
+      scratch[slot] = order[k];
+    }
+    sort_keys.swap(scratch_keys);
+    order.swap(scratch);
+  }
+  return order;
+}
+
+FitTest::FitTest(const MemoryModel& model, double usable_bytes)
+    : model_(model),
+      usable_bytes_(usable_bytes),
+      direct_(model.formula().is_linear() && model.infeasible_probes().empty()) {
+  if (!direct_) return;
+  for (const Monomial& m : model.formula().monomials()) {
+    terms_.push_back({m.coefficient >= 0 ? model.coefficients()[static_cast<std::size_t>(m.coefficient)] : 1.0,
+                      m.factor, m.powers});
+  }
+}
+
+bool FitTest::operator()(const std::vector<double>& dims) const {
+  if (!direct_) return model_.fits(dims, usable_bytes_);
+  double formula = 0.0;
+  for (const Term& t : terms_) {  // CostFormula::predict: out += scale * term_value(m, dims)
+    double value = t.factor;
+    for (std::size_t v = 0; v < dims.size(); ++v) {
+      double power = 1.0;
+      for (int k = 0; k < t.powers[v]; ++k) power *= dims[v];
+      value *= power;
+    }
+    formula += t.coefficient * value;
+  }
+  return std::max(model_.floor_bytes(), formula) <= usable_bytes_;  // MemoryModel::predict_bytes
+}
+
+std::vector<double> gather_in_order(const std::vector<std::vector<double>>& record_dims,
+                                    const std::vector<std::size_t>& order, std::size_t variable_count) {
+  const std::size_t n = order.size();
+  std::vector<std::size_t> position(n);
+  for (std::size_t k = 0; k < n; ++k) position[order[k]] = k;
+  std::vector<double> out(n * variable_count);
+  for (std::size_t i = 0; i < n; ++i) {
+    std::copy(record_dims[i].begin(), record_dims[i].end(),
+              out.begin() + static_cast<std::ptrdiff_t>(position[i] * variable_count));
+  }
+  return out;
+}
+
+}  // namespace packer_internal
+
+namespace {
+
+using packer_internal::validate_pack_inputs;
+
 // Running aggregation of a growing set of records: O(1) per added record.
 class RunningDims {
  public:
@@ -43,9 +158,9 @@ class RunningDims {
   std::size_t count() const { return count_; }
   const std::vector<double>& dims() const { return dims_; }
 
-  // The dims this set would have with `record` added (does not modify the set).
-  void with(const std::vector<double>& record, std::vector<double>& out) const {
-    out = dims_;
+  // The dims this set would have with `record` (one value per variable) added; does not modify
+  // the set. `out` must have one entry per variable.
+  void with(const double* record, std::vector<double>& out) const {
     const auto& agg = model_.aggregation();
     for (std::size_t v = 0; v < dims_.size(); ++v) {
       switch (agg[v]) {
@@ -56,7 +171,7 @@ class RunningDims {
     }
   }
   void add(const std::vector<double>& new_dims) {
-    dims_ = new_dims;
+    for (std::size_t v = 0; v < dims_.size(); ++v) dims_[v] = new_dims[v];
     ++count_;
   }
   void clear() {
@@ -222,16 +337,16 @@ MicrobatchPlan AdaptivePacker::pack(const std::vector<std::vector<double>>& reco
       throw std::invalid_argument("AdaptivePacker: sort_by '" + options_.sort_by +
                                   "' is the batch-size variable; sort by a record dimension");
     }
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-      return record_dims[a][key] > record_dims[b][key];
-    });
+    std::vector<double> keys(n);
+    for (std::size_t i = 0; i < n; ++i) keys[i] = record_dims[i][key];
+    order = packer_internal::descending_order(keys);
   }
 
-  const double budget = static_cast<double>(usable_bytes);
+  const packer_internal::FitTest fits(model, static_cast<double>(usable_bytes));
   MicrobatchPlan plan;
   RunningDims current(model);
   std::vector<std::size_t> current_indices;
-  std::vector<double> trial;
+  std::vector<double> trial(model.formula().variable_names().size());
   auto close_current = [&] {
     if (current_indices.empty()) return;
     Microbatch mb;
@@ -243,17 +358,25 @@ MicrobatchPlan AdaptivePacker::pack(const std::vector<std::vector<double>>& reco
     current.clear();
   };
 
-  for (std::size_t i : order) {
-    current.with(record_dims[i], trial);
-    if (model.fits(trial, budget)) {
+  // Sorted: the records' dims copied contiguously in that order first (reading them in record
+  // order), so the pass below reads memory sequentially instead of chasing one heap block per
+  // record in sorted order (cache misses dominated the time of large outer batches).
+  const std::size_t nv = model.formula().variable_names().size();
+  const std::vector<double> ordered_dims =
+      options_.sort_by.empty() ? std::vector<double>() : packer_internal::gather_in_order(record_dims, order, nv);
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::size_t i = order[k];
+    const double* record = ordered_dims.empty() ? record_dims[i].data() : &ordered_dims[k * nv];
+    current.with(record, trial);
+    if (fits(trial)) {
       current.add(trial);
       current_indices.push_back(i);
       continue;
     }
     if (!current_indices.empty()) {
       close_current();
-      current.with(record_dims[i], trial);
-      if (model.fits(trial, budget)) {
+      current.with(record, trial);
+      if (fits(trial)) {
         current.add(trial);
         current_indices.push_back(i);
         continue;

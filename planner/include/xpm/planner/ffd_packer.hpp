@@ -1,0 +1,45 @@
+// xpm/planner/ffd_packer.hpp — first-fit-decreasing microbatch packer.
+//
+//   FirstFitDecreasingPacker packer;
+//   MicrobatchPlan plan = packer.pack(record_dims, model, budget.usable_bytes());
+//
+// Records are taken heaviest first (by the formula's prediction for the record alone), and each
+// goes into the FIRST microbatch opened so far that still fits with it (MemoryModel::fits on the
+// aggregated dims), else into a new one. This is bin packing's first-fit decreasing, with the
+// memory model deciding what fits instead of a sum of item sizes.
+//
+// When it beats AdaptivePacker(sort_by): with dims that add up (DimAggregation::kSum, e.g. real
+// tokens of packed sequences), a later, lighter record can fill the space left in an earlier
+// microbatch. With count and max dims only (bs, padded length), adding a lighter record to a
+// microbatch costs the same whichever record it is, so first fit and the sorted adaptive
+// packer's next fit give the same microbatches (docs/benchmarks.md measures both).
+//
+// Cost: O(n log n) for the order (O(n) counting sort when the keys are small integers), plus
+// one fits() per open microbatch tried. A microbatch is closed, and never tried again, as soon as
+// it cannot take a virtual record whose dims are the componentwise minimum of every record still
+// to place: for a model that grows with every dim, no later record could fit it. Same
+// guarantees as every packer (packer.hpp): each record once, each microbatch fits, a record that
+// does not fit alone gets an over-budget microbatch of its own.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "xpm/planner/packer.hpp"
+
+namespace xpm {
+
+/// First-fit decreasing by predicted bytes of each record alone (see the file comment).
+/// Microbatches are listed in the order they were opened (heaviest first). Deterministic: ties
+/// in the prediction keep record order.
+class FirstFitDecreasingPacker : public MicrobatchPacker {
+ public:
+  /// Throws std::invalid_argument when a record has the wrong number of dims or a non-finite
+  /// dim, or usable_bytes <= 0.
+  MicrobatchPlan pack(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
+                      std::int64_t usable_bytes) const override;
+  std::string name() const override { return "ffd"; }
+};
+
+}  // namespace xpm
