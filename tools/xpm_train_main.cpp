@@ -23,6 +23,7 @@
 #include "xpm/trainer/local_launcher.hpp"
 #include "xpm/trainer/tagging_job.hpp"
 #include "xpm/trainer/tagging_task.hpp"
+#include "xpm_train_report.hpp"
 
 namespace po = boost::program_options;
 
@@ -97,6 +98,10 @@ std::string with_option_names(std::string message) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // `xpm-train report RUN_DIR`: figures of a finished run (xpm_train_report.hpp).
+  if (argc > 1 && std::string(argv[1]) == "report") {
+    return xpm::run_train_report(argc - 1, argv + 1);
+  }
   xpm::TaggingJobConfig config;
   std::string coefficients = "a,b,c", variables = "bs,l", probe_points;
   int nproc = 1;
