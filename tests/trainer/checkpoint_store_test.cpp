@@ -412,10 +412,14 @@ class WriterProcess {
   std::int64_t last_saved_ = 0;
 };
 
-bool has_temp_folder(const std::string& dir) {
+/// A temporary folder: a checkpoint being written (".tmp-step-N-pid") or, with `old`, an old
+/// checkpoint being removed by retention (".tmp-step-N-pid-old").
+bool has_temp_folder(const std::string& dir, bool old = false) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    if (entry.path().filename().string().rfind(".tmp-step-", 0) == 0) return true;
+    const std::string name = entry.path().filename().string();
+    const bool is_old = name.size() > 4 && name.compare(name.size() - 4, 4, "-old") == 0;
+    if (name.rfind(".tmp-step-", 0) == 0 && is_old == old) return true;
   }
   return false;
 }
@@ -439,7 +443,7 @@ TEST_CASE("after kill -9 during checkpoint writes the newest valid checkpoint is
       {false, 0.55, 0}, {false, 0.7, 0},  {false, 0.85, 0}, {false, 0.95, 0},
       {false, 1.3, 0},  {true, 0.0, 0},   {true, 0.0, 2},   {true, 0.0, 10}};
   double period_s = 0;
-  int mid_write = 0;
+  int mid_write = 0, mid_removal = 0;
   for (std::size_t i = 0; i < moments.size(); ++i) {
     const KillMoment moment = moments[i];
     CAPTURE(i);
@@ -465,7 +469,9 @@ TEST_CASE("after kill -9 during checkpoint writes the newest valid checkpoint is
     }
     writer.kill_and_wait();
     const bool killed_mid_write = has_temp_folder(dir);
+    const bool killed_mid_removal = has_temp_folder(dir, /*old=*/true);
     mid_write += killed_mid_write ? 1 : 0;
+    mid_removal += killed_mid_removal ? 1 : 0;
     const std::int64_t printed = writer.last_saved();
 
     xpm::CheckpointSettings settings;
@@ -495,12 +501,16 @@ TEST_CASE("after kill -9 during checkpoint writes the newest valid checkpoint is
     // The next save (another process now) removes the dead writer's temporary folder.
     store.save(latest->step + 1, {}, one_file("after the crash"), false);
     CHECK_FALSE(has_temp_folder(dir));
+    CHECK_FALSE(has_temp_folder(dir, /*old=*/true));
     MESSAGE("kill " << i << ": writer printed step " << printed << ", latest valid step "
                     << latest->step
-                    << std::string(killed_mid_write ? ", killed mid-write" : ", between writes"));
+                    << std::string(killed_mid_write ? ", killed mid-write" : "")
+                    << std::string(killed_mid_removal ? ", killed while removing an old one" : "")
+                    << std::string(!killed_mid_write && !killed_mid_removal ? ", between writes"
+                                                                            : ""));
   }
-  MESSAGE("kills that landed mid-write (a .tmp-step-* folder left behind): " << mid_write
-                                                                             << " of "
-                                                                             << moments.size());
+  MESSAGE("kills that landed mid-write (a .tmp-step-* folder left behind): "
+          << mid_write << " of " << moments.size() << "; while removing an old checkpoint: "
+          << mid_removal);
   CHECK(mid_write >= 3);
 }

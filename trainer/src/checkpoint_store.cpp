@@ -305,11 +305,20 @@ std::string CheckpointStore::save(std::int64_t step, const nlohmann::json& manif
   const std::vector<std::string> all = list();
   const std::string best_name = settings_.keep_best ? read_best_marker(dir_) : "";
   const std::size_t keep = static_cast<std::size_t>(settings_.keep_last);
+  // Each one is first renamed to a temporary name, so that a crash while removing it leaves a
+  // folder that is ignored and cleaned up by the next save, never a partial step-* folder.
   for (std::size_t i = 0; i + keep < all.size(); ++i) {
-    if (fs::path(all[i]).filename().string() == best_name) continue;
-    fs::remove_all(all[i], ec);
+    const std::string old_name = fs::path(all[i]).filename().string();
+    if (old_name == best_name) continue;
+    const std::string doomed = dir_ + "/" + kTempPrefix + old_name.substr(5) + "-" +
+                               std::to_string(::getpid()) + "-old";
+    fs::remove_all(doomed, ec);
+    if (::rename(all[i].c_str(), doomed.c_str()) != 0) {
+      throw_io(all[i], "remove the old checkpoint", errno);
+    }
+    fs::remove_all(doomed, ec);
     if (ec) {
-      throw std::runtime_error("checkpoint: cannot remove the old checkpoint '" + all[i] +
+      throw std::runtime_error("checkpoint: cannot remove the old checkpoint '" + doomed +
                                "': " + ec.message());
     }
   }
