@@ -22,6 +22,53 @@ void add_record_dims(const std::vector<DimAggregation>& aggregation, const std::
   }
 }
 
+// Per microbatch (in opening order) a threshold: records whose key (predicted cost alone) is at
+// or above it are not tried there (a record that heavy did not fit); -infinity: closed. A
+// max-tree over the microbatches finds the first one a record may fit in O(log m).
+class MicrobatchThresholds {
+ public:
+  static constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+
+  void push(double threshold) {
+    if (size_ == leaves_) grow();
+    set(size_++, threshold);
+  }
+  void set(std::size_t m, double threshold) {
+    std::size_t node = leaves_ + m;
+    tree_[node] = threshold;
+    for (node /= 2; node >= 1; node /= 2) tree_[node] = std::max(tree_[2 * node], tree_[2 * node + 1]);
+  }
+  // The first microbatch m >= from whose threshold is above key; kNone when none. Climbs from
+  // leaf `from` to the first subtree on its right holding such a threshold, then descends.
+  std::size_t first_above(double key, std::size_t from) const {
+    if (from >= size_) return kNone;
+    std::size_t node = leaves_ + from;
+    if (tree_[node] > key) return from;
+    while (true) {
+      if (node == 1) return kNone;
+      if ((node & 1) == 0 && tree_[node + 1] > key) break;  // a left child: its right sibling
+      node /= 2;
+    }
+    ++node;
+    while (node < leaves_) node = tree_[2 * node] > key ? 2 * node : 2 * node + 1;
+    return node - leaves_;  // < size_: leaves past it hold -infinity
+  }
+
+ private:
+  void grow() {
+    const std::size_t leaves = leaves_ == 0 ? 64 : 2 * leaves_;
+    std::vector<double> tree(2 * leaves, -std::numeric_limits<double>::infinity());
+    for (std::size_t m = 0; m < size_; ++m) tree[leaves + m] = tree_[leaves_ + m];
+    for (std::size_t node = leaves - 1; node >= 1; --node) tree[node] = std::max(tree[2 * node], tree[2 * node + 1]);
+    tree_.swap(tree);
+    leaves_ = leaves;
+  }
+
+  std::vector<double> tree_;  // 1-based heap layout; leaves at [leaves_, 2 leaves_)
+  std::size_t leaves_ = 0;
+  std::size_t size_ = 0;
+};
+
 }  // namespace
 
 MicrobatchPlan FirstFitDecreasingPacker::pack(const std::vector<std::vector<double>>& record_dims,
@@ -44,6 +91,12 @@ MicrobatchPlan FirstFitDecreasingPacker::pack(const std::vector<std::vector<doub
   }
   const std::vector<std::size_t> order = packer_internal::descending_order(keys);
   const std::vector<double> ordered_dims = packer_internal::gather_in_order(record_dims, order, nv);
+  std::vector<double> ordered_keys(n);  // keys[order[k]], scattered: sequential reads
+  {
+    std::vector<std::size_t> position(n);
+    for (std::size_t k = 0; k < n; ++k) position[order[k]] = k;
+    for (std::size_t i = 0; i < n; ++i) ordered_keys[position[i]] = keys[i];
+  }
 
   // rest_min[k * nv + v]: the minimum of dim v over the records order[k..n-1] (the batch-size
   // entry is unused): a record no heavier in any dim than every one still to place.
@@ -54,17 +107,18 @@ MicrobatchPlan FirstFitDecreasingPacker::pack(const std::vector<std::vector<doub
     }
   }
 
-  constexpr std::size_t kClosed = std::numeric_limits<std::size_t>::max();
+  // Which microbatches to try, found in O(log m) instead of by trying every open one.
+  MicrobatchThresholds thresholds;
   MicrobatchPlan plan;
-  std::vector<std::size_t> open;  // microbatches that may still take a record, in opening order
   std::vector<double> trial(nv);
   for (std::size_t k = 0; k < n; ++k) {
     const std::size_t i = order[k];
+    const double key = ordered_keys[k];
     const double* record = &ordered_dims[k * nv];
     bool placed = false;
-    bool closed_any = false;
-    for (std::size_t& candidate : open) {
-      Microbatch& mb = plan.microbatches[candidate];
+    for (std::size_t m = thresholds.first_above(key, 0); m != MicrobatchThresholds::kNone;
+         m = thresholds.first_above(key, m + 1)) {
+      Microbatch& mb = plan.microbatches[m];
       const std::size_t count = mb.record_indices.size();
       add_record_dims(aggregation, mb.dims, count, record, trial);
       if (fits(trial)) {
@@ -73,24 +127,22 @@ MicrobatchPlan FirstFitDecreasingPacker::pack(const std::vector<std::vector<doub
         placed = true;
         break;
       }
-      // Not even the lightest record still to place fits: close it for good.
+      // Not even the lightest record still to place fits: closed for good. Otherwise not tried
+      // again for records as heavy as this one.
       add_record_dims(aggregation, mb.dims, count, &rest_min[k * nv], trial);
-      if (!fits(trial)) {
-        candidate = kClosed;
-        closed_any = true;
-      }
+      thresholds.set(m, fits(trial) ? key : -std::numeric_limits<double>::infinity());
     }
-    if (closed_any) open.erase(std::remove(open.begin(), open.end(), kClosed), open.end());
     if (placed) continue;
     Microbatch mb;
     mb.record_indices.push_back(i);
     mb.dims.assign(nv, 0.0);
     add_record_dims(aggregation, mb.dims, 0, record, mb.dims);
     if (fits(mb.dims)) {
-      open.push_back(plan.microbatches.size());
+      thresholds.push(std::numeric_limits<double>::infinity());
     } else {  // does not fit even alone: its own microbatch, reported
       mb.over_budget = true;
       plan.over_budget_records.push_back(i);
+      thresholds.push(-std::numeric_limits<double>::infinity());
     }
     plan.microbatches.push_back(std::move(mb));
   }

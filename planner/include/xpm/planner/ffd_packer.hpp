@@ -14,12 +14,17 @@
 // microbatch costs the same whichever record it is, so first fit and the sorted adaptive
 // packer's next fit give the same microbatches (docs/benchmarks.md measures both).
 //
-// Cost: O(n log n) for the order (O(n) counting sort when the keys are small integers), plus
-// one fits() per open microbatch tried. A microbatch is closed, and never tried again, as soon as
-// it cannot take a virtual record whose dims are the componentwise minimum of every record still
-// to place: for a model that grows with every dim, no later record could fit it. Same
-// guarantees as every packer (packer.hpp): each record once, each microbatch fits, a record that
-// does not fit alone gets an over-budget microbatch of its own.
+// Cost: O(n) for the order (counting or radix sort), then per record O(log m) to find the first
+// microbatch worth trying (m microbatches so far) plus one fits() per microbatch tried. A
+// microbatch that could not take a record is not tried again for records whose predicted cost
+// alone is as high or higher, and is closed for good once it cannot take a virtual record
+// whose dims are the componentwise minimum of every record still to place. For records that
+// differ in one dim (a length, padded or summed) and a model that grows with it, neither rule
+// skips a microbatch the record would fit: the plan is first fit decreasing exactly. With
+// several dims the first rule may skip one (a heavier record can be shorter in one dim); the
+// plan then may have a microbatch more, never one over budget. Same guarantees as every packer
+// (packer.hpp): each record once, each microbatch fits, a record that does not fit alone gets an
+// over-budget microbatch of its own.
 #pragma once
 
 #include <cstdint>
