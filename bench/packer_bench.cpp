@@ -1,65 +1,225 @@
-// packer_bench.cpp — microbatch packers on synthetic log-normal record lengths.
-//   BM_<Packer>_<Variant>/<records>: one pack() of an outer batch of that many records.
+// packer_bench.cpp — microbatch packers side by side: time per plan and plan quality, on Brown
+// corpus sentence lengths and synthetic length distributions.
+//
+//   BM_Packer_<Packer>/<distribution>/<formula>/<records>: one pack() of an outer batch.
+//
+// Packers: Uniform, Adaptive (record order), AdaptiveSorted (sort_by the length), FFD (first fit
+// decreasing), and the baselines of packer_baselines.hpp: MaxTokens (fairseq's max_tokens
+// batcher) and Reference / ReferenceSorted (the reference's AdaptivePacker algorithm, dims
+// recomputed per candidate; run up to 65,536 records only: past that one plan takes seconds).
+// Distributions and formulas: packer_inputs.hpp. Formula "quadratic-cpu" is the Transformer
+// under xpm-train's demo budget (88 MB usable: about 60 sentences per microbatch) instead of
+// c + 1 GiB.
+//
+// Counters (computed once per benchmark from the last plan, outside the timed loop, by
+// plan_quality.hpp, independently of the packer): microbatches, lower_bound and vs_lower_bound
+// (microbatches / volume bound), vs_ffd (microbatches / FFD's on the same input), util_mean and
+// util_min (predicted bytes / usable), padding_waste (padded / real tokens - 1), over_budget
+// (microbatches predicted above the budget), records_per_microbatch; items_per_second is
+// records/s.
+//
+// Extra flag (before Google Benchmark's): --data-dir=PATH, the Brown corpus (default data/brown).
 #include <benchmark/benchmark.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <random>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
 #include <vector>
 
+#include "packer_baselines.hpp"
+#include "packer_inputs.hpp"
+#include "plan_quality.hpp"
+#include "xpm/planner/ffd_packer.hpp"
 #include "xpm/planner/packer.hpp"
 
 namespace {
 
-// a*bs*l^2 + b*bs*l + c, lengths aggregated by max (a Transformer-like activation cost).
-xpm::MemoryModel bench_model() {
-  return xpm::MemoryModel(
-      xpm::CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"}),
-      {64.0, 8192.0, 1e9}, 0, "bs", {{"l", xpm::DimAggregation::kMax}});
+using xpm_bench::BenchFormula;
+using xpm_bench::BenchModel;
+using xpm_bench::LengthDistribution;
+using xpm_bench::Records;
+
+std::string g_data_dir = "data/brown";
+
+const std::vector<double>& brown_lengths() {
+  static const std::vector<double> lengths = xpm_bench::brown_sentence_lengths(g_data_dir);
+  return lengths;
 }
 
-std::vector<std::vector<double>> synthetic_records(std::int64_t n) {
-  std::mt19937 rng(42);
-  std::lognormal_distribution<double> length(5.0, 0.7);  // median ~148 tokens
-  std::vector<std::vector<double>> records(static_cast<std::size_t>(n));
-  for (auto& r : records) r = {0.0, std::min(4096.0, std::max(1.0, std::round(length(rng))))};
-  return records;
+const Records& records_for(LengthDistribution d, std::size_t n) {
+  static std::map<std::pair<int, std::size_t>, Records> cache;
+  const auto key = std::make_pair(static_cast<int>(d), n);
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, xpm_bench::outer_batch(d, n, brown_lengths())).first;
+  return it->second;
 }
 
-constexpr std::int64_t kUsableBytes = std::int64_t{8} << 30;  // 8 GiB
+// "quadratic-cpu" is the quadratic formula under the demo's CPU budget.
+const BenchModel& model_for(const std::string& formula) {
+  static const BenchModel quadratic = xpm_bench::bench_model(BenchFormula::kQuadratic);
+  static const BenchModel linear = xpm_bench::bench_model(BenchFormula::kLinear);
+  static const BenchModel packed = xpm_bench::bench_model(BenchFormula::kPacked);
+  static const BenchModel demo = xpm_bench::demo_cpu_model();
+  if (formula == "quadratic") return quadratic;
+  if (formula == "linear") return linear;
+  if (formula == "packed") return packed;
+  return demo;
+}
 
-void run_packer(benchmark::State& state, const xpm::MicrobatchPacker& packer) {
-  const auto model = bench_model();
-  const auto records = synthetic_records(state.range(0));
+using PackerFactory =
+    std::function<std::unique_ptr<xpm::MicrobatchPacker>(const BenchModel&, LengthDistribution)>;
+
+struct PackerKind {
+  std::string name;
+  PackerFactory make;
+  std::size_t max_records;  // larger outer batches are not run
+};
+
+std::vector<PackerKind> packer_kinds() {
+  const std::size_t all = std::size_t{1} << 40;
+  return {
+      {"Uniform", [](const BenchModel&, LengthDistribution) {
+         return std::make_unique<xpm::UniformPacker>(); }, all},
+      {"Adaptive", [](const BenchModel&, LengthDistribution) {
+         return std::make_unique<xpm::AdaptivePacker>(); }, all},
+      {"AdaptiveSorted", [](const BenchModel& m, LengthDistribution) {
+         return std::make_unique<xpm::AdaptivePacker>(
+             xpm::AdaptivePackerOptions{m.memory.formula().variable_names()[1]}); }, all},
+      {"FFD", [](const BenchModel&, LengthDistribution) {
+         return std::make_unique<xpm::FirstFitDecreasingPacker>(); }, all},
+      {"MaxTokens", [](const BenchModel& m, LengthDistribution d) {
+         return std::make_unique<xpm_bench::MaxTokensBatcher>(
+             1, xpm_bench::safe_max_tokens(m, xpm_bench::max_length(d, brown_lengths()))); }, all},
+      {"Reference", [](const BenchModel&, LengthDistribution) {
+         return std::make_unique<xpm_bench::ReferenceAdaptivePacker>(-1); }, 65536},
+      {"ReferenceSorted", [](const BenchModel&, LengthDistribution) {
+         return std::make_unique<xpm_bench::ReferenceAdaptivePacker>(1); }, 65536},
+  };
+}
+
+struct Case {
+  std::string packer;
+  LengthDistribution distribution;
+  std::string formula;
+  std::size_t records;
+};
+
+std::size_t ffd_microbatches(const Case& c) {
+  static std::map<std::tuple<int, std::string, std::size_t>, std::size_t> cache;
+  const auto key = std::make_tuple(static_cast<int>(c.distribution), c.formula, c.records);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    const BenchModel& model = model_for(c.formula);
+    const std::size_t count = xpm::FirstFitDecreasingPacker()
+                                  .pack(records_for(c.distribution, c.records), model.memory,
+                                        model.usable_bytes)
+                                  .microbatches.size();
+    it = cache.emplace(key, count).first;
+  }
+  return it->second;
+}
+
+void run_case(benchmark::State& state, const Case& c, const PackerFactory& make) {
+  const Records& records = records_for(c.distribution, c.records);
+  const BenchModel& model = model_for(c.formula);
+  const std::unique_ptr<xpm::MicrobatchPacker> packer = make(model, c.distribution);
   std::size_t microbatches = 0;
   for (auto _ : state) {
-    const xpm::MicrobatchPlan plan = packer.pack(records, model, kUsableBytes);
+    const xpm::MicrobatchPlan plan = packer->pack(records, model.memory, model.usable_bytes);
     microbatches = plan.microbatches.size();
     benchmark::DoNotOptimize(microbatches);
   }
-  state.SetItemsProcessed(state.iterations() * state.range(0));
-  state.counters["microbatches"] = static_cast<double>(microbatches);
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(c.records));
+  // Quality of the plan (deterministic: the same for every call of this case).
+  static std::map<std::string, xpm_bench::PlanQuality> quality_cache;
+  const std::string key = c.packer + "/" + xpm_bench::to_string(c.distribution) + "/" + c.formula + "/" +
+                          std::to_string(c.records);
+  auto it = quality_cache.find(key);
+  if (it == quality_cache.end()) {
+    const xpm::MicrobatchPlan plan = packer->pack(records, model.memory, model.usable_bytes);
+    it = quality_cache.emplace(key, xpm_bench::plan_quality(plan, records, model.memory,
+                                                            model.usable_bytes)).first;
+  }
+  const xpm_bench::PlanQuality& q = it->second;
+  const auto ffd = static_cast<double>(ffd_microbatches(c));
+  state.counters["microbatches"] = static_cast<double>(q.microbatches);
+  state.counters["lower_bound"] = static_cast<double>(q.lower_bound);
+  state.counters["vs_lower_bound"] = static_cast<double>(q.microbatches) / static_cast<double>(q.lower_bound);
+  state.counters["vs_ffd"] = static_cast<double>(q.microbatches) / ffd;
+  state.counters["util_mean"] = q.utilization_mean;
+  state.counters["util_min"] = q.utilization_min;
+  state.counters["padding_waste"] = q.padding_waste;
+  state.counters["over_budget"] = static_cast<double>(q.over_budget);
+  state.counters["records_per_microbatch"] = q.mean_records;
 }
 
-void BM_AdaptivePacker_Sorted(benchmark::State& state) {
-  xpm::AdaptivePackerOptions options;
-  options.sort_by = "l";
-  run_packer(state, xpm::AdaptivePacker(options));
-}
-
-void BM_AdaptivePacker_Unsorted(benchmark::State& state) {
-  run_packer(state, xpm::AdaptivePacker());
-}
-
-void BM_UniformPacker_RecordOrder(benchmark::State& state) {
-  run_packer(state, xpm::UniformPacker());
+void register_benchmarks() {
+  const std::vector<LengthDistribution> distributions = {
+      LengthDistribution::kBrown, LengthDistribution::kUniform, LengthDistribution::kLogNormal,
+      LengthDistribution::kBimodal};
+  const std::vector<std::size_t> sizes = {64, 1024, 65536, 1048576};
+  const std::vector<std::size_t> brown_sizes = {64, 1024, 16384, 65536, 262144, 1048576};
+  for (const PackerKind& kind : packer_kinds()) {
+    for (const std::string formula : {"quadratic", "linear", "packed"}) {
+      for (LengthDistribution d : distributions) {
+        for (std::size_t n : d == LengthDistribution::kBrown ? brown_sizes : sizes) {
+          if (n > kind.max_records) continue;
+          // Extra sizes (scaling curve) for the quadratic formula only.
+          if (d == LengthDistribution::kBrown && formula != std::string("quadratic") &&
+              (n == 16384 || n == 262144)) {
+            continue;
+          }
+          const Case c{kind.name, d, formula, n};
+          const std::string name = "BM_Packer_" + kind.name + "/" + xpm_bench::to_string(d) + "/" +
+                                   formula + "/" + std::to_string(n);
+          benchmark::RegisterBenchmark(name.c_str(), [c, make = kind.make](benchmark::State& s) {
+            run_case(s, c, make);
+          })->Unit(benchmark::kMillisecond);
+        }
+      }
+    }
+  }
+  // The demo's CPU budget: small microbatches, where the reference's quadratic cost matters less.
+  for (const PackerKind& kind : packer_kinds()) {
+    if (kind.name == "MaxTokens") continue;
+    for (std::size_t n : {std::size_t{64}, std::size_t{1024}, std::size_t{65536}}) {
+      const Case c{kind.name, LengthDistribution::kBrown, "quadratic-cpu", n};
+      const std::string name = "BM_Packer_" + kind.name + "/brown/quadratic-cpu/" + std::to_string(n);
+      benchmark::RegisterBenchmark(name.c_str(), [c, make = kind.make](benchmark::State& s) {
+        run_case(s, c, make);
+      })->Unit(benchmark::kMillisecond);
+    }
+  }
 }
 
 }  // namespace
 
-BENCHMARK(BM_AdaptivePacker_Sorted)->Arg(1 << 10)->Arg(1 << 16);
-BENCHMARK(BM_AdaptivePacker_Unsorted)->Arg(1 << 10)->Arg(1 << 16);
-BENCHMARK(BM_UniformPacker_RecordOrder)->Arg(1 << 10)->Arg(1 << 16);
-
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  // Our flag first; Google Benchmark rejects flags it does not know.
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--data-dir=", 11) == 0) {
+      g_data_dir = argv[i] + 11;
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+  try {
+    brown_lengths();
+  } catch (const std::exception& error) {
+    std::cerr << "packer_bench: error: --data-dir: " << error.what() << "\n";
+    return 2;
+  }
+  register_benchmarks();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,129 @@
+// fit_bench.cpp — the memory model's own costs: canonicalizing a formula, fitting it to probes
+// (time vs number of probes), predicting and sizing a microbatch.
+//
+//   BM_Formula_Canonicalize/<formula>     parse + expand + canonical string + identity hash
+//   BM_Fit_Linear/<probes>                fit_coefficients, default options (leave-one-out on:
+//                                         one refit per probe, as xpm-train fits)
+//   BM_Fit_LinearNoLeaveOneOut/<probes>   the same without leave-one-out
+//   BM_Fit_Nonlinear/<probes>             max(c, a*bs*l^p) with the automatic start
+//   BM_MemoryModel_PredictBytes           one prediction
+//   BM_MemoryModel_MaxMicrobatchSize      the largest bs that fits at one length
+//
+// Probes are synthetic: the Transformer tagger's fitted coefficients (a 96, b 25,811.8,
+// c 49,091,683.6 bytes) at bs = 1, 2, 4, ... and l spread over 16..180, measured with a
+// deterministic relative noise of 1e-5 (the held-out error of the real model is about that).
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "xpm/planner/fit.hpp"
+#include "xpm/planner/formula.hpp"
+#include "xpm/planner/memory_model.hpp"
+
+namespace {
+
+const char* const kTransformer = "a*bs*l^2 + b*bs*l + c";
+const std::vector<double> kTransformerCoefficients = {96.0, 25811.8, 49091683.6};
+
+// n probes: l cycles over 8 lengths in 16..180, bs doubles 1..64 every 8 probes.
+std::vector<xpm::Measurement> synthetic_probes(const xpm::CostFormula& formula,
+                                               const std::vector<double>& coefficients, int n) {
+  std::mt19937 rng(7);
+  std::normal_distribution<double> noise(0.0, 1e-5);
+  std::vector<xpm::Measurement> probes;
+  for (int i = 0; i < n; ++i) {
+    const double l = 16 + (i % 8) * 23.0;
+    const double bs = std::pow(2.0, (i / 8) % 7);
+    const double bytes = formula.predict(coefficients, {bs, l}) * (1 + noise(rng));
+    probes.push_back({{bs, l}, bytes});
+  }
+  return probes;
+}
+
+void BM_Formula_Canonicalize(benchmark::State& state, const std::string& text,
+                             const std::vector<std::string>& coefficients, bool nonlinear) {
+  xpm::CostFormulaOptions options;
+  options.allow_nonlinear = nonlinear;
+  for (auto _ : state) {
+    const xpm::CostFormula formula(text, coefficients, {"bs", "l"}, options);
+    benchmark::DoNotOptimize(formula.identity_hash());
+  }
+}
+BENCHMARK_CAPTURE(BM_Formula_Canonicalize, transformer, std::string(kTransformer),
+                  std::vector<std::string>{"a", "b", "c"}, false)->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_Formula_Canonicalize, bilstm, std::string("a*bs*(l-1) + b*bs + c"),
+                  std::vector<std::string>{"a", "b", "c"}, false)->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_Formula_Canonicalize, nonlinear, std::string("max(c, a*bs*l^p)"),
+                  std::vector<std::string>{"a", "c", "p"}, true)->Unit(benchmark::kMicrosecond);
+
+void run_linear_fit(benchmark::State& state, bool leave_one_out) {
+  const xpm::CostFormula formula(kTransformer, {"a", "b", "c"}, {"bs", "l"});
+  const auto probes = synthetic_probes(formula, kTransformerCoefficients, static_cast<int>(state.range(0)));
+  xpm::FitOptions options;
+  options.leave_one_out = leave_one_out;
+  options.batch_size_variable = "bs";
+  double max_error = 0;
+  for (auto _ : state) {
+    const xpm::FitResult fit = xpm::fit_coefficients(formula, probes, options);
+    max_error = fit.summary.max_rel_error;
+    benchmark::DoNotOptimize(fit.coefficients.data());
+  }
+  state.counters["probes"] = static_cast<double>(probes.size());
+  state.counters["max_rel_error"] = max_error;
+}
+
+void BM_Fit_Linear(benchmark::State& state) { run_linear_fit(state, true); }
+void BM_Fit_LinearNoLeaveOneOut(benchmark::State& state) { run_linear_fit(state, false); }
+BENCHMARK(BM_Fit_Linear)->Arg(4)->Arg(8)->Arg(16)->Arg(32)->Arg(64)->Arg(128)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Fit_LinearNoLeaveOneOut)->Arg(4)->Arg(8)->Arg(16)->Arg(32)->Arg(64)->Arg(128)
+    ->Unit(benchmark::kMillisecond);
+
+void BM_Fit_Nonlinear(benchmark::State& state) {
+  xpm::CostFormulaOptions nonlinear;
+  nonlinear.allow_nonlinear = true;
+  const xpm::CostFormula formula("max(c, a*bs*l^p)", {"a", "c", "p"}, {"bs", "l"}, nonlinear);
+  const auto probes = synthetic_probes(formula, {3000.0, 5e6, 1.6}, static_cast<int>(state.range(0)));
+  xpm::FitOptions options;
+  options.leave_one_out = false;
+  double max_error = 0;
+  for (auto _ : state) {
+    const xpm::FitResult fit = xpm::fit_coefficients(formula, probes, options);
+    max_error = fit.summary.max_rel_error;
+    benchmark::DoNotOptimize(fit.coefficients.data());
+  }
+  state.counters["probes"] = static_cast<double>(probes.size());
+  state.counters["max_rel_error"] = max_error;
+}
+BENCHMARK(BM_Fit_Nonlinear)->Arg(16)->Arg(32)->Arg(64)->Unit(benchmark::kMillisecond);
+
+xpm::MemoryModel transformer_model() {
+  return xpm::MemoryModel(xpm::CostFormula(kTransformer, {"a", "b", "c"}, {"bs", "l"}),
+                          kTransformerCoefficients, 69570620.0, "bs", {{"l", xpm::DimAggregation::kMax}});
+}
+
+void BM_MemoryModel_PredictBytes(benchmark::State& state) {
+  const xpm::MemoryModel model = transformer_model();
+  std::vector<double> dims = {8, 1};
+  for (auto _ : state) {
+    dims[1] = dims[1] < 180 ? dims[1] + 1 : 1;
+    benchmark::DoNotOptimize(model.predict_bytes(dims));
+  }
+}
+BENCHMARK(BM_MemoryModel_PredictBytes);
+
+void BM_MemoryModel_MaxMicrobatchSize(benchmark::State& state) {
+  const xpm::MemoryModel model = transformer_model();
+  double l = 1;
+  for (auto _ : state) {
+    l = l < 180 ? l + 1 : 1;
+    benchmark::DoNotOptimize(model.max_microbatch_size({1, l}, 88363094, 1 << 20));
+  }
+}
+BENCHMARK(BM_MemoryModel_MaxMicrobatchSize);
+
+}  // namespace
+
+BENCHMARK_MAIN();
