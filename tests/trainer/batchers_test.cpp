@@ -1,8 +1,9 @@
 // FixedBatcher and PowerAdaptativeBatcher (fixed_batchers.hpp): fixed slices in sampler order,
-// exact gradients against one big batch, the reference's `batch_size // n` shrink sequence, the
-// size kept across steps, a step skipped when nothing fits, the refusal of world_size > 1, and
-// on a real model under the CPU memory cap: an out-of-memory error, a shrink and a completed
-// step whose gradient is the one without a cap.
+// exact gradients against one big batch, the reference's `batch_size // n` shrink sequence
+// (16, 8, 5, 4, 3, 2, 1, then the size-1 error rethrown), the size kept across steps, one size
+// per attempt (no split of a split), the refusal of world_size > 1, and on a real model under
+// the CPU memory cap: an out-of-memory error in backward, a retry that starts from the
+// pre-step allocated bytes (gradients allocated or not), and the gradient without a cap.
 #include "../torch_doctest.hpp"
 
 #include <algorithm>
@@ -74,8 +75,8 @@ std::vector<double> token_units(const std::vector<xpm::EncodedSentence>& sentenc
   return units;
 }
 
-[[noreturn]] void throw_out_of_memory() {
-  TORCH_CHECK_WITH(OutOfMemoryError, false, "test: out of memory");
+[[noreturn]] void throw_out_of_memory(std::size_t records = 0) {
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "test: out of memory at ", records, " records");
   throw std::logic_error("unreachable");
 }
 
@@ -89,7 +90,7 @@ struct FakeTask {
   xpm::MicrobatchLossFn loss() {
     return [this](const std::vector<std::size_t>& ids) {
       sizes.push_back(ids.size());
-      if (static_cast<std::int64_t>(ids.size()) > limit) throw_out_of_memory();
+      if (static_cast<std::int64_t>(ids.size()) > limit) throw_out_of_memory(ids.size());
       return layer(torch::ones({static_cast<std::int64_t>(ids.size()), 1})).sum();
     };
   }
@@ -157,6 +158,13 @@ TEST_CASE("the fixed batcher skips a step that runs out of memory and counts it,
   CHECK(result.ooms == 1);
   CHECK(batcher.ooms() == 1);
   CHECK(batcher.microbatch_size() == 3);  // no fallback
+  // The first microbatch created the gradient; the failed attempt's cleanup freed it again.
+  CHECK_FALSE(layer->weight.grad().defined());
+  CHECK(torch::equal(layer->weight.detach(), weight_before));
+  // With a gradient allocated before the step, it is kept and zeroed.
+  layer->weight.mutable_grad() = torch::ones_like(layer->weight);
+  calls = 0;
+  CHECK(batcher.train_step({1, 1, 1, 1, 1}, loss).step.oom);
   REQUIRE(layer->weight.grad().defined());
   CHECK(layer->weight.grad().abs().sum().item<double>() == 0.0);
   CHECK(torch::equal(layer->weight.detach(), weight_before));
@@ -209,22 +217,43 @@ TEST_CASE("the power batcher starts from the given microbatch size and shrinks b
   CHECK(batcher.divisor() == 8);
 }
 
-TEST_CASE("the power batcher skips the step when one record per microbatch still runs out of memory") {
+TEST_CASE("the power batcher tries 16, 8, 5, 4, 3, 2 and 1 records, then rethrows the size-1 out-of-memory error with the state clean") {
   FakeTask task(0);
   torch::optim::SGD optimizer(task.layer->parameters(), torch::optim::SGDOptions(0.1));
   const torch::Tensor weight_before = task.layer->weight.detach().clone();
   xpm::PowerAdaptativeBatcherOptions options;
-  options.outer_batch_size = 3;
+  options.outer_batch_size = 16;
   xpm::PowerAdaptativeBatcher batcher(optimizer, nullptr, options, 1);
-  const xpm::BatcherStepResult result = batcher.train_step({1, 1, 1}, task.loss());
-  CHECK(task.sizes == std::vector<std::size_t>{3, 1});  // 3 // 1, 3 // 2; 3 // 4 would be 0
-  CHECK(result.step.oom);
-  CHECK(result.ooms == 2);
-  CHECK(batcher.skipped_steps() == 1);
-  CHECK(batcher.retried_steps() == 1);
+  int optimizer_steps_announced = 0;
+  std::string message;
+  try {
+    batcher.train_step(std::vector<double>(16, 1.0), task.loss(), [&] { ++optimizer_steps_announced; });
+    FAIL("no error after 1-record microbatches ran out of memory");
+  } catch (const c10::OutOfMemoryError& error) {
+    message = error.what_without_backtrace();
+  }
+  CHECK(message.find("out of memory at 1 records") != std::string::npos);  // the size-1 error
+  CHECK(task.sizes == std::vector<std::size_t>{16, 8, 5, 4, 3, 2, 1});
+  CHECK(batcher.ooms() == 7);
+  CHECK(batcher.failed_steps() == 1);
   CHECK(batcher.microbatch_size() == 1);
   CHECK(batcher.next_microbatch_size() == 0);
+  CHECK(optimizer_steps_announced == 0);
   CHECK(torch::equal(task.layer->weight.detach(), weight_before));
+  CHECK_FALSE(task.layer->weight.grad().defined());  // created by no attempt
+
+  // Whatever the sizes, each attempt cuts the whole outer batch at one size from record 0.
+  FakeTask fits_five(5);
+  xpm::PowerAdaptativeBatcher again(optimizer, nullptr, options, 1);
+  std::vector<std::vector<std::size_t>> calls;
+  const xpm::MicrobatchLossFn inner = fits_five.loss();
+  again.train_step(std::vector<double>(16, 1.0), [&](const std::vector<std::size_t>& ids) {
+    calls.push_back(ids);
+    return inner(ids);
+  });
+  REQUIRE(calls.size() == 2 + 4);  // 16 and 8 fail at their first microbatch; 5 + 5 + 5 + 1
+  CHECK(calls[2] == std::vector<std::size_t>{0, 1, 2, 3, 4});
+  CHECK(calls[5] == std::vector<std::size_t>{15});
 }
 
 TEST_CASE("the power batcher refuses world_size > 1 and says why, naming pytorch issue 50820") {
@@ -250,16 +279,27 @@ TEST_CASE("the power batcher refuses world_size > 1 and says why, naming pytorch
   CHECK_THROWS_AS(xpm::PowerAdaptativeBatcher(optimizer, nullptr, options, 1), std::invalid_argument);
 }
 
-TEST_CASE("the power batcher on a real model under a CPU cap shrinks after an OOM and gets the no-cap gradient") {
+TEST_CASE("the power batcher on a real model under a CPU cap runs out of memory in backward, retries from the pre-step allocated bytes and gets the no-cap gradient") {
   xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
   const auto sentences = random_sentences(32, 20, 40);
   xpm::TransformerTagger model = small_tagger();
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.0));  // lr 0: same
   const std::vector<double> units = token_units(sentences);                          // params
+  // Every call records its size, the allocated bytes when it starts and whether its forward
+  // completed (then an out-of-memory error of that attempt came from its backward).
+  struct Call {
+    std::size_t records;
+    std::int64_t start_bytes;
+    bool forward_done;
+  };
+  std::vector<Call> calls;
   const auto loss_sum = [&](const std::vector<std::size_t>& ids) {
+    calls.push_back({ids.size(), meter.current_allocated_bytes(), false});
     const xpm::TaggingBatch batch = xpm::collate(sentences, ids);
-    return xpm::token_cross_entropy_sum(model->forward(batch.token_ids, batch.padding_mask),
-                                        batch.tag_ids);
+    torch::Tensor loss = xpm::token_cross_entropy_sum(model->forward(batch.token_ids, batch.padding_mask),
+                                                      batch.tag_ids);
+    calls.back().forward_done = true;
+    return loss;
   };
   // Without a cap: warm up (gradients allocated), then the whole batch and halves.
   xpm::FixedBatcher whole(optimizer, &meter, 32), halves(optimizer, &meter, 16);
@@ -272,20 +312,28 @@ TEST_CASE("the power batcher on a real model under a CPU cap shrinks after an OO
   CHECK(max_relative_difference(gradients(*model), expected) < 1e-9);
   const std::int64_t peak_whole = reference.step.peak_allocated_bytes;
   const std::int64_t peak_half = half.step.peak_allocated_bytes;
-  INFO("peak whole batch ", peak_whole, " bytes, halves ", peak_half, " bytes");
-  REQUIRE(peak_half < peak_whole - (peak_whole - meter.current_allocated_bytes()) / 4);
+  meter.reset_peak();
+  { const torch::Tensor forward_only = loss_sum(std::vector<std::size_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31}); }
+  const std::int64_t forward_peak_whole = meter.peak_allocated_bytes();
+  INFO("peak whole batch ", peak_whole, " bytes (forward ", forward_peak_whole, "), halves ", peak_half, " bytes");
+  const std::int64_t floor = std::max(peak_half, forward_peak_whole);
+  REQUIRE(floor < peak_whole);
 
-  // A cap between the two: the whole batch runs out of memory, halves fit.
-  const std::int64_t cap = (peak_whole + peak_half) / 2;
+  // A cap above the whole batch's forward and the halves' step: the whole batch runs out of
+  // memory in its backward, halves fit.
+  const std::int64_t cap = floor + (peak_whole - floor) / 4;
   xpm::ScopedMemoryCap scoped_cap(cap);
   const std::int64_t refused_before = meter.oom_count();
   const xpm::BatcherStepResult skipped = whole.train_step(units, loss_sum);  // fixed: no fallback
   CHECK(skipped.step.oom);
   CHECK(skipped.ooms == 1);
+  CHECK(skipped.max_bytes_above_baseline_after_oom == 0);
 
   xpm::PowerAdaptativeBatcherOptions options;
   options.outer_batch_size = 32;
   xpm::PowerAdaptativeBatcher power(optimizer, &meter, options, 1);
+  const std::int64_t baseline_bytes = meter.current_allocated_bytes();  // gradients allocated
+  calls.clear();
   const xpm::BatcherStepResult result = power.train_step(units, loss_sum);
   CHECK_FALSE(result.step.oom);
   CHECK(result.ooms == 1);
@@ -296,5 +344,28 @@ TEST_CASE("the power batcher on a real model under a CPU cap shrinks after an OO
   CHECK(meter.oom_count() - refused_before == 2);  // the fixed step's and the power batcher's
   CHECK(result.step.peak_allocated_bytes <= cap);
   CHECK(result.step.peak_allocated_bytes > 0);
+  CHECK(max_relative_difference(gradients(*model), expected) < 1e-9);
+  REQUIRE(calls.size() == 3);  // 32 (fails), 16, 16
+  CHECK(calls[0].records == 32);
+  CHECK(calls[0].forward_done);  // so the error came from the backward
+  CHECK(calls[0].start_bytes == baseline_bytes);
+  CHECK(calls[1].records == 16);
+  CHECK(calls[1].start_bytes == baseline_bytes);  // the retry starts where the step started
+  CHECK(result.max_bytes_above_baseline_after_oom == 0);
+
+  // First step of a run: no gradient allocated yet. The failed attempt's gradients are freed.
+  for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+  xpm::PowerAdaptativeBatcher fresh(optimizer, &meter, options, 1);
+  const std::int64_t no_gradient_bytes = meter.current_allocated_bytes();
+  calls.clear();
+  const xpm::BatcherStepResult first = fresh.train_step(units, loss_sum);
+  CHECK_FALSE(first.step.oom);
+  REQUIRE(calls.size() >= 2);
+  CHECK(calls[0].forward_done);
+  std::size_t retry = 1;
+  while (retry < calls.size() && calls[retry].records == 32) ++retry;
+  REQUIRE(retry < calls.size());
+  CHECK(calls[retry].start_bytes == no_gradient_bytes);
+  CHECK(first.max_bytes_above_baseline_after_oom == 0);
   CHECK(max_relative_difference(gradients(*model), expected) < 1e-9);
 }

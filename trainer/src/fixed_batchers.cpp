@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -20,6 +21,19 @@ void zero_gradients(torch::optim::Optimizer& optimizer) {
       if (parameter.grad().defined()) parameter.mutable_grad().zero_();
     }
   }
+}
+
+// Parameters whose .grad is undefined (never allocated, or frozen): after a failed attempt
+// they get an undefined gradient back, so memory returns to the pre-step baseline even on the
+// first step, before any gradient existed.
+std::vector<torch::Tensor> parameters_without_gradient(torch::optim::Optimizer& optimizer) {
+  std::vector<torch::Tensor> out;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& parameter : group.params()) {
+      if (!parameter.grad().defined()) out.push_back(parameter);
+    }
+  }
+  return out;
 }
 
 // A PredictiveBatcher that is never asked to plan: one coefficient, one probe point, 1 byte.
@@ -71,19 +85,27 @@ FixedBatcher::FixedBatcher(torch::optim::Optimizer& optimizer, MemoryMeter* mete
 }
 
 GlobalStepResult FixedBatcher::try_step(const std::vector<double>& record_units,
-                                        const MicrobatchLossFn& loss_sum_fn) {
+                                        const MicrobatchLossFn& loss_sum_fn,
+                                        const BeforeOptimizerStepFn& before_optimizer_step) {
   GlobalStepResult result;
   result.records_per_rank = {static_cast<std::int64_t>(record_units.size())};
   result.predicted_cost_per_rank = {0.0};
   if (meter_ != nullptr) meter_->reset_peak();
   zero_gradients(optimizer_);
+  const std::int64_t baseline_bytes = meter_ != nullptr ? meter_->current_allocated_bytes() : 0;
+  const std::vector<torch::Tensor> without_gradient = parameters_without_gradient(optimizer_);
   StepResult local;
   bool oom = false;
+  last_oom_ = nullptr;
+  last_oom_bytes_above_baseline_ = 0;
   try {
+    // accumulate_gradients drops the failed microbatch's graph and releases what the autograd
+    // engine kept of it before rethrowing.
     local = local_.accumulate_gradients(fixed_size_plan(record_units.size(), microbatch_size_),
                                         record_units, loss_sum_fn);
   } catch (const c10::OutOfMemoryError&) {
     oom = true;
+    last_oom_ = std::current_exception();
     local = StepResult{};
   }
   // The meter's peak covers the last microbatch (accumulate_gradients resets it per
@@ -94,7 +116,12 @@ GlobalStepResult FixedBatcher::try_step(const std::vector<double>& record_units,
   }
   double optimizer_step_peak_bytes = 0;
   if (oom) {
+    // Clean state for a retry: gradients zeroed, those created by this attempt freed.
     zero_gradients(optimizer_);
+    for (torch::Tensor parameter : without_gradient) parameter.mutable_grad() = torch::Tensor();
+    if (meter_ != nullptr) {
+      last_oom_bytes_above_baseline_ = meter_->current_allocated_bytes() - baseline_bytes;
+    }
     result.oom = true;
     result.oom_ranks = {0};
     result.microbatches_per_rank = {0};
@@ -106,7 +133,10 @@ GlobalStepResult FixedBatcher::try_step(const std::vector<double>& record_units,
     result.microbatch_peaks = local.microbatch_peaks;
     result.microbatch_peak_ranks.assign(local.microbatch_peaks.size(), 0);
     if (meter_ != nullptr) meter_->reset_peak();
-    if (local.microbatches > 0) optimizer_.step();
+    if (local.microbatches > 0) {
+      if (before_optimizer_step) before_optimizer_step();
+      optimizer_.step();
+    }
     if (meter_ != nullptr) optimizer_step_peak_bytes = static_cast<double>(meter_->peak_allocated_bytes());
   }
   result.optimizer_step_peak_bytes = optimizer_step_peak_bytes;
@@ -116,15 +146,17 @@ GlobalStepResult FixedBatcher::try_step(const std::vector<double>& record_units,
 }
 
 BatcherStepResult FixedBatcher::train_step(const std::vector<double>& record_units,
-                                           const MicrobatchLossFn& loss_sum_fn) {
+                                           const MicrobatchLossFn& loss_sum_fn,
+                                           const BeforeOptimizerStepFn& before_optimizer_step) {
   const auto start = std::chrono::steady_clock::now();
   BatcherStepResult out;
   out.microbatch_size = microbatch_size_;
   out.attempts = 1;
-  out.step = try_step(record_units, loss_sum_fn);
+  out.step = try_step(record_units, loss_sum_fn, before_optimizer_step);
   if (out.step.oom) {
     out.ooms = 1;
     ++ooms_;
+    out.max_bytes_above_baseline_after_oom = last_oom_bytes_above_baseline_;
   }
   out.step.duration_s = seconds_since(start);
   return out;
@@ -181,23 +213,42 @@ std::int64_t PowerAdaptativeBatcher::next_microbatch_size() const {
   return options_.outer_batch_size / next_divisor();
 }
 
+void PowerAdaptativeBatcher::restore_size(std::int64_t microbatch_size, std::int64_t divisor) {
+  const bool initial = divisor == 1 && microbatch_size == microbatch_size_;
+  if (divisor < 1 || microbatch_size < 1 ||
+      (!initial && microbatch_size != options_.outer_batch_size / divisor)) {
+    throw std::invalid_argument("PowerAdaptativeBatcher::restore_size: microbatch size " +
+                                std::to_string(microbatch_size) + " is not outer_batch_size " +
+                                std::to_string(options_.outer_batch_size) + " // " +
+                                std::to_string(divisor));
+  }
+  microbatch_size_ = microbatch_size;
+  divisor_ = divisor;
+}
+
 BatcherStepResult PowerAdaptativeBatcher::train_step(const std::vector<double>& record_units,
-                                                     const MicrobatchLossFn& loss_sum_fn) {
+                                                     const MicrobatchLossFn& loss_sum_fn,
+                                                     const BeforeOptimizerStepFn& before_optimizer_step) {
   const auto start = std::chrono::steady_clock::now();
   BatcherStepResult out;
   std::int64_t peak_allocated_bytes = 0;
   for (;;) {
+    // One size for the whole outer batch per attempt: a retry re-cuts the same records from
+    // the start at the smaller size, never splits a failed microbatch further.
     out.microbatch_size = microbatch_size_;
     ++out.attempts;
-    out.step = try_step(record_units, loss_sum_fn);
+    out.step = try_step(record_units, loss_sum_fn, before_optimizer_step);
     peak_allocated_bytes = std::max(peak_allocated_bytes, out.step.peak_allocated_bytes);
     if (!out.step.oom) break;
     ++out.ooms;
     ++ooms_;
+    out.max_bytes_above_baseline_after_oom =
+        std::max(out.max_bytes_above_baseline_after_oom, last_oom_bytes_above_baseline_);
     const std::int64_t next = next_microbatch_size();
-    if (next < 1) {  // 1 record per microbatch still ran out of memory
-      ++skipped_steps_;
-      break;
+    if (next < 1) {  // 1 record per microbatch still ran out of memory: the reference re-raises
+      ++failed_steps_;
+      if (out.attempts > 1) ++retried_steps_;
+      std::rethrow_exception(last_oom_);  // the size-1 attempt's own error object
     }
     divisor_ = next_divisor();
     microbatch_size_ = next;

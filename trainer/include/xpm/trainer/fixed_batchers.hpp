@@ -4,8 +4,10 @@
 //   FixedBatcher (the reference's `Batcher`): one microbatch size chosen by hand, no fallback;
 //     an out-of-memory error skips the step.
 //   PowerAdaptativeBatcher: starts with the whole outer batch (or a given size); on an
-//     out-of-memory error it zeroes the gradients, shrinks the microbatch to
-//     outer_batch_size // n for n = 2, 3, 4, ... and redoes the same step. Single process only.
+//     out-of-memory error it cleans up (gradients zeroed, memory back to the pre-step
+//     baseline), shrinks the microbatch to outer_batch_size // n for n = 2, 3, 4, ... and redoes
+//     the same outer batch; when 1 record per microbatch still runs out of memory it rethrows
+//     that c10::OutOfMemoryError. Single process only.
 //
 //   FixedBatcher fixed(optimizer, &CpuMemoryMeter::instance(), /*microbatch_size=*/8);
 //   BatcherStepResult r = fixed.train_step(record_units, loss_sum_of_records);
@@ -21,6 +23,12 @@
 // LossTrainer::accumulate_gradients: each microbatch's summed loss is divided by the outer
 // batch's units, so the gradient equals the one big batch's, whatever the microbatch size, and
 // after a retry too (the failed attempt's gradients are zeroed first).
+//
+// Clean state after an out-of-memory error in forward/backward, before any retry: the failed
+// microbatch's graph is dropped, the buffers LibTorch 1.13's autograd engine keeps from a
+// backward that failed are released (release_autograd_buffers_after_oom), gradients are zeroed
+// and those the failed attempt created are freed; so the allocated bytes are back to those
+// before the step (BatcherStepResult::max_bytes_above_baseline_after_oom, 0 in the tests).
 //
 // Why the adaptive one refuses world_size > 1 (the reference docs say the same): when one rank
 // catches an out-of-memory error and shrinks its microbatch while the others don't, the ranks
@@ -38,6 +46,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <vector>
 
 #include <torch/torch.h>
@@ -66,6 +75,9 @@ struct BatcherStepResult {
   std::int64_t ooms = 0;             // out-of-memory errors caught during this step
   std::int64_t attempts = 0;         // forward/backward passes over the outer batch (1 + retries)
   std::int64_t microbatch_size = 0;  // records per microbatch of the last attempt
+  /// With a meter: allocated bytes above those at the start of the failed attempt, measured
+  /// after its cleanup, the largest over the step's out-of-memory errors (0: back to baseline).
+  std::int64_t max_bytes_above_baseline_after_oom = 0;
 };
 
 /// The reference's `Batcher`: a fixed microbatch size, no fallback. Single process.
@@ -82,10 +94,13 @@ class FixedBatcher {
   /// tokens); loss_sum_fn(indices into the outer batch) returns the SUM of per-unit losses of
   /// those records. Zeroes the gradients, accumulates over fixed_size_plan(record_units.size(),
   /// microbatch_size()), steps the optimizer. An out-of-memory error in forward/backward skips
-  /// the step (gradients zeroed, result.step.oom, result.ooms 1). Throws what loss_sum_fn throws
-  /// otherwise, and c10::OutOfMemoryError from the optimizer step.
+  /// the step (clean state as in the file comment: gradients zeroed, those the attempt created
+  /// freed; result.step.oom, result.ooms 1). Throws what loss_sum_fn throws
+  /// otherwise, and c10::OutOfMemoryError from the optimizer step. `before_optimizer_step`
+  /// (when given) runs right before the optimizer step, once, when the step is not skipped.
   virtual BatcherStepResult train_step(const std::vector<double>& record_units,
-                                       const MicrobatchLossFn& loss_sum_fn);
+                                       const MicrobatchLossFn& loss_sum_fn,
+                                       const BeforeOptimizerStepFn& before_optimizer_step = {});
 
   /// Records per microbatch (the last microbatch of an outer batch may be shorter).
   std::int64_t microbatch_size() const { return microbatch_size_; }
@@ -96,12 +111,17 @@ class FixedBatcher {
   /// One attempt with microbatch_size(): zero gradients, forward/backward over the slices, then
   /// the optimizer step unless an out-of-memory error was caught (then gradients are zeroed
   /// again and the result has oom set; parameters and optimizer state are unchanged).
-  GlobalStepResult try_step(const std::vector<double>& record_units, const MicrobatchLossFn& loss_sum_fn);
+  /// After an out-of-memory error, last_oom_ holds it and last_oom_bytes_above_baseline_ the
+  /// allocated bytes above the attempt's start after the cleanup.
+  GlobalStepResult try_step(const std::vector<double>& record_units, const MicrobatchLossFn& loss_sum_fn,
+                            const BeforeOptimizerStepFn& before_optimizer_step);
 
   torch::optim::Optimizer& optimizer_;
   MemoryMeter* meter_;
   std::int64_t microbatch_size_;
   std::int64_t ooms_ = 0;
+  std::exception_ptr last_oom_;
+  std::int64_t last_oom_bytes_above_baseline_ = 0;
 
  private:
   // LossTrainer takes a PredictiveBatcher for its own train_step; accumulate_gradients, the
@@ -131,14 +151,24 @@ class PowerAdaptativeBatcher : public FixedBatcher {
   /// (the PredictiveBatcher). Every rank of a job calls it and gets the same error.
   static void check_single_process(int world_size);
 
-  /// As FixedBatcher::train_step, but on an out-of-memory error in forward/backward: zero the
-  /// gradients, shrink (next_microbatch_size()) and redo the same outer batch, until a try
-  /// completes or the microbatch is 1 record and still runs out of memory (then the step is
-  /// skipped as the fixed batcher skips it; the reference re-raises there instead). The size
-  /// reached is kept for later steps. Dropout masks of a redone step differ from the failed
-  /// try's (the RNG moved on).
+  /// As FixedBatcher::train_step, but on an out-of-memory error in forward/backward: clean up
+  /// (file comment), shrink (next_microbatch_size()) and redo the same outer batch from its
+  /// first record, cut into microbatches of the new size (one size per attempt: a split is
+  /// never split again), until an attempt completes. With outer_batch_size 16 the sizes tried
+  /// are 16, 8, 5, 4, 3, 2, 1. When 1 record per microbatch still runs out of memory, rethrows
+  /// that attempt's c10::OutOfMemoryError object itself (as the reference re-raises), with the
+  /// state clean, parameters and optimizer state unchanged, and no optimizer step. The size
+  /// reached is kept for later steps (and for the rest of the run: it never grows back, so a
+  /// rare long outer batch costs the run its throughput; restore_size() sets it on resume).
+  /// Dropout masks of a redone step differ from the failed attempt's (the RNG moved on).
   BatcherStepResult train_step(const std::vector<double>& record_units,
-                               const MicrobatchLossFn& loss_sum_fn) override;
+                               const MicrobatchLossFn& loss_sum_fn,
+                               const BeforeOptimizerStepFn& before_optimizer_step = {}) override;
+
+  /// Continues at a size reached earlier (a resumed run): microbatch_size() becomes
+  /// `microbatch_size` and divisor() `divisor`. Throws std::invalid_argument unless
+  /// microbatch_size == outer_batch_size // divisor (or, divisor 1, the initial size).
+  void restore_size(std::int64_t microbatch_size, std::int64_t divisor);
 
   /// The size after the next shrink: outer_batch_size // n for the smallest n > divisor() with
   /// outer_batch_size // n < microbatch_size() (the reference's rule, `batch_size // n` for
@@ -148,8 +178,8 @@ class PowerAdaptativeBatcher : public FixedBatcher {
   std::int64_t divisor() const { return divisor_; }
   /// Steps redone at least once after an out-of-memory error, since construction.
   std::int64_t retried_steps() const { return retried_steps_; }
-  /// Steps skipped because even 1-record microbatches ran out of memory, since construction.
-  std::int64_t skipped_steps() const { return skipped_steps_; }
+  /// Steps that failed (rethrown) because even 1-record microbatches ran out of memory.
+  std::int64_t failed_steps() const { return failed_steps_; }
   const PowerAdaptativeBatcherOptions& options() const { return options_; }
 
  private:
@@ -158,7 +188,7 @@ class PowerAdaptativeBatcher : public FixedBatcher {
   PowerAdaptativeBatcherOptions options_;
   std::int64_t divisor_ = 1;
   std::int64_t retried_steps_ = 0;
-  std::int64_t skipped_steps_ = 0;
+  std::int64_t failed_steps_ = 0;
 };
 
 }  // namespace xpm
