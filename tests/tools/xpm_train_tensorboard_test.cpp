@@ -71,7 +71,7 @@ xpm::TrainMetrics small_run() {
 
 }  // namespace
 
-TEST_CASE("CRC-32C matches its check value, a bitwise implementation and TFRecord's mask") {
+TEST_CASE("CRC-32C matches its check value and a bitwise implementation and so does TFRecord's mask") {
   const std::string check = "123456789";
   CHECK(xpm::crc32c(check.data(), check.size()) == 0xE3069283u);
   CHECK(bitwise_crc32c(check) == 0xE3069283u);
@@ -156,7 +156,7 @@ TEST_CASE("an event file holds framed records whose CRCs check and whose scalars
   }
 }
 
-TEST_CASE("a flipped byte in a record's data or length fails its CRC, naming the offset") {
+TEST_CASE("a flipped byte in a record's data or length fails its CRC naming the offset") {
   const fs::path dir = fs::path(XPM_BINARY_DIR) / "tests" / "xpm_train_tensorboard_corrupt";
   fs::remove_all(dir);
   fs::create_directories(dir);

@@ -255,7 +255,7 @@ TEST_CASE("a truncated file is detected by its size and the previous checkpoint 
   CHECK(xpm::CheckpointStore::verify(second) == "file 'model.bin' is missing");
 }
 
-TEST_CASE("a missing or unparsable manifest is detected; with none valid, nothing is returned") {
+TEST_CASE("a missing or unparsable manifest is detected and with none valid nothing is returned") {
   const std::string dir = fresh_dir("manifest_missing");
   xpm::CheckpointSettings settings;
   settings.keep_last = 3;
@@ -308,7 +308,7 @@ TEST_CASE("a failing writer leaves earlier checkpoints untouched and no temporar
   CHECK(store.best()->step == 1);
 }
 
-TEST_CASE("leftover temporary folders are ignored, and the next save removes only dead ones") {
+TEST_CASE("leftover temporary folders are ignored and the next save removes only dead ones") {
   const std::string dir = fresh_dir("leftovers");
   xpm::CheckpointStore store(dir, xpm::CheckpointSettings{});
   store.save(1, {}, one_file("one"), false);
