@@ -74,9 +74,9 @@ class MicrobatchThresholds {
 MicrobatchPlan FirstFitDecreasingPacker::pack(const std::vector<std::vector<double>>& record_dims,
                                               const MemoryModel& model,
                                               std::int64_t usable_bytes) const {
-  packer_internal::validate_pack_inputs(record_dims, model, usable_bytes);
-  const std::size_t n = record_dims.size();
   const std::size_t nv = model.formula().variable_names().size();
+  const std::vector<double> dims = packer_internal::flat_dims(record_dims, model, usable_bytes);
+  const std::size_t n = record_dims.size();
   const std::size_t bs = model.batch_size_index();
   const auto& aggregation = model.aggregation();
   const packer_internal::FitTest fits(model, static_cast<double>(usable_bytes));
@@ -85,18 +85,14 @@ MicrobatchPlan FirstFitDecreasingPacker::pack(const std::vector<std::vector<doub
   std::vector<double> keys(n);
   std::vector<double> alone(nv);
   for (std::size_t i = 0; i < n; ++i) {
-    alone = record_dims[i];
+    std::copy(dims.begin() + static_cast<std::ptrdiff_t>(i * nv),
+              dims.begin() + static_cast<std::ptrdiff_t>((i + 1) * nv), alone.begin());
     alone[bs] = 1;
     keys[i] = model.formula().predict(model.coefficients(), alone);
   }
   const std::vector<std::size_t> order = packer_internal::descending_order(keys);
-  const std::vector<double> ordered_dims = packer_internal::gather_in_order(record_dims, order, nv);
-  std::vector<double> ordered_keys(n);  // keys[order[k]], scattered: sequential reads
-  {
-    std::vector<std::size_t> position(n);
-    for (std::size_t k = 0; k < n; ++k) position[order[k]] = k;
-    for (std::size_t i = 0; i < n; ++i) ordered_keys[position[i]] = keys[i];
-  }
+  const std::vector<double> ordered_dims = packer_internal::permute_rows(dims, order, nv);
+  const std::vector<double> ordered_keys = packer_internal::permute_rows(keys, order, 1);
 
   // rest_min[k * nv + v]: the minimum of dim v over the records order[k..n-1] (the batch-size
   // entry is unused): a record no heavier in any dim than every one still to place.

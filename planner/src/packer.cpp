@@ -110,19 +110,26 @@ FitTest::FitTest(const MemoryModel& model, double usable_bytes)
       direct_(model.formula().is_linear() && model.infeasible_probes().empty()) {
   if (!direct_) return;
   for (const Monomial& m : model.formula().monomials()) {
-    terms_.push_back({m.coefficient >= 0 ? model.coefficients()[static_cast<std::size_t>(m.coefficient)] : 1.0,
-                      m.factor, m.powers});
+    Term term{m.coefficient >= 0 ? model.coefficients()[static_cast<std::size_t>(m.coefficient)] : 1.0,
+              m.factor, {}};
+    for (std::size_t v = 0; v < m.powers.size(); ++v) {
+      if (m.powers[v] > 0) term.powers.emplace_back(v, m.powers[v]);
+    }
+    terms_.push_back(std::move(term));
   }
 }
 
 bool FitTest::operator()(const std::vector<double>& dims) const {
   if (!direct_) return model_.fits(dims, usable_bytes_);
+  // CostFormula::predict computes out += scale * term_value(m, dims), term_value = factor x
+  // prod_v integer_power(dims[v], powers[v]) with integer_power = 1.0 x d x d ...; leaving out
+  // the factors 1.0 (exponent 0, and the first of each power) changes no bit of the result.
   double formula = 0.0;
-  for (const Term& t : terms_) {  // CostFormula::predict: out += scale * term_value(m, dims)
+  for (const Term& t : terms_) {
     double value = t.factor;
-    for (std::size_t v = 0; v < dims.size(); ++v) {
-      double power = 1.0;
-      for (int k = 0; k < t.powers[v]; ++k) power *= dims[v];
+    for (const auto& [v, exponent] : t.powers) {
+      double power = dims[v];
+      for (int k = 1; k < exponent; ++k) power *= dims[v];
       value *= power;
     }
     formula += t.coefficient * value;
@@ -130,15 +137,25 @@ bool FitTest::operator()(const std::vector<double>& dims) const {
   return std::max(model_.floor_bytes(), formula) <= usable_bytes_;  // MemoryModel::predict_bytes
 }
 
-std::vector<double> gather_in_order(const std::vector<std::vector<double>>& record_dims,
-                                    const std::vector<std::size_t>& order, std::size_t variable_count) {
+std::vector<double> flat_dims(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
+                              std::int64_t usable_bytes) {
+  validate_pack_inputs(record_dims, model, usable_bytes);
+  const std::size_t nv = model.formula().variable_names().size();
+  std::vector<double> out(record_dims.size() * nv);
+  for (std::size_t i = 0; i < record_dims.size(); ++i) {
+    std::copy(record_dims[i].begin(), record_dims[i].end(), out.begin() + static_cast<std::ptrdiff_t>(i * nv));
+  }
+  return out;
+}
+
+std::vector<double> permute_rows(const std::vector<double>& values, const std::vector<std::size_t>& order,
+                                 std::size_t width) {
   const std::size_t n = order.size();
   std::vector<std::size_t> position(n);
   for (std::size_t k = 0; k < n; ++k) position[order[k]] = k;
-  std::vector<double> out(n * variable_count);
+  std::vector<double> out(n * width);
   for (std::size_t i = 0; i < n; ++i) {
-    std::copy(record_dims[i].begin(), record_dims[i].end(),
-              out.begin() + static_cast<std::ptrdiff_t>(position[i] * variable_count));
+    for (std::size_t j = 0; j < width; ++j) out[position[i] * width + j] = values[i * width + j];
   }
   return out;
 }
@@ -321,7 +338,8 @@ std::string AdaptivePacker::name() const {
 
 MicrobatchPlan AdaptivePacker::pack(const std::vector<std::vector<double>>& record_dims,
                                     const MemoryModel& model, std::int64_t usable_bytes) const {
-  validate_pack_inputs(record_dims, model, usable_bytes);
+  const std::size_t nv = model.formula().variable_names().size();
+  std::vector<double> dims = packer_internal::flat_dims(record_dims, model, usable_bytes);  // record order
   const std::size_t n = record_dims.size();
   std::vector<std::size_t> order(n);
   std::iota(order.begin(), order.end(), std::size_t{0});
@@ -338,8 +356,9 @@ MicrobatchPlan AdaptivePacker::pack(const std::vector<std::vector<double>>& reco
                                   "' is the batch-size variable; sort by a record dimension");
     }
     std::vector<double> keys(n);
-    for (std::size_t i = 0; i < n; ++i) keys[i] = record_dims[i][key];
+    for (std::size_t i = 0; i < n; ++i) keys[i] = dims[i * nv + key];
     order = packer_internal::descending_order(keys);
+    dims = packer_internal::permute_rows(dims, order, nv);  // now in sorted order
   }
 
   const packer_internal::FitTest fits(model, static_cast<double>(usable_bytes));
@@ -349,8 +368,11 @@ MicrobatchPlan AdaptivePacker::pack(const std::vector<std::vector<double>>& reco
   std::vector<double> trial(model.formula().variable_names().size());
   auto close_current = [&] {
     if (current_indices.empty()) return;
+    const std::size_t size = current_indices.size();
     Microbatch mb;
     mb.record_indices = std::move(current_indices);
+    current_indices = std::vector<std::size_t>();
+    current_indices.reserve(size);  // the next one is likely as large (fewer reallocations)
     mb.dims = current.dims();
     mb.predicted_bytes = model.predict_bytes(mb.dims);
     plan.microbatches.push_back(std::move(mb));
@@ -358,15 +380,11 @@ MicrobatchPlan AdaptivePacker::pack(const std::vector<std::vector<double>>& reco
     current.clear();
   };
 
-  // Sorted: the records' dims copied contiguously in that order first (reading them in record
-  // order), so the pass below reads memory sequentially instead of chasing one heap block per
-  // record in sorted order (cache misses dominated the time of large outer batches).
-  const std::size_t nv = model.formula().variable_names().size();
-  const std::vector<double> ordered_dims =
-      options_.sort_by.empty() ? std::vector<double>() : packer_internal::gather_in_order(record_dims, order, nv);
+  // `dims` holds the records' dims contiguously in the order they are visited: reading one heap
+  // block per record in sorted order (cache misses) dominated the time of large outer batches.
   for (std::size_t k = 0; k < n; ++k) {
     const std::size_t i = order[k];
-    const double* record = ordered_dims.empty() ? record_dims[i].data() : &ordered_dims[k * nv];
+    const double* record = &dims[k * nv];
     current.with(record, trial);
     if (fits(trial)) {
       current.add(trial);

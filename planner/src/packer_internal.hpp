@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "xpm/planner/memory_model.hpp"
@@ -23,7 +24,7 @@ class FitTest {
   struct Term {
     double coefficient;  // 1 for a term without a coefficient
     double factor;       // the monomial's numeric factor
-    std::vector<int> powers;
+    std::vector<std::pair<std::size_t, int>> powers;  // (variable, exponent > 0), in order
   };
   const MemoryModel& model_;
   double usable_bytes_;
@@ -45,11 +46,16 @@ void validate_pack_inputs(const std::vector<std::vector<double>>& record_dims,
 /// radix sort of the keys (O(n), 4 passes at most), NaN keys first (as +infinity).
 std::vector<std::size_t> descending_order(const std::vector<double>& keys);
 
-/// The records' dims contiguously in `order`: out[k * variable_count + v] =
-/// record_dims[order[k]][v]. Reads record_dims in record order (sequential memory) and scatters,
-/// which costs far fewer cache misses than reading them in `order`. `order` is a permutation of
-/// 0..record_dims.size()-1 and every record has variable_count dims (checked by the caller).
-std::vector<double> gather_in_order(const std::vector<std::vector<double>>& record_dims,
-                                    const std::vector<std::size_t>& order, std::size_t variable_count);
+/// validate_pack_inputs, then the records' dims copied contiguously in record order:
+/// out[i * variable_count + v] = record_dims[i][v]. One pass over the records (one heap block
+/// each); the packers then read only contiguous memory.
+std::vector<double> flat_dims(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
+                              std::int64_t usable_bytes);
+
+/// Rows of `values` (width values each) in `order`: out[k * width + j] = values[order[k] * width
+/// + j]. Reads `values` sequentially and scatters (cheaper in cache misses than reading in
+/// `order`). `order` is a permutation of the rows.
+std::vector<double> permute_rows(const std::vector<double>& values, const std::vector<std::size_t>& order,
+                                 std::size_t width);
 
 }  // namespace xpm::packer_internal
