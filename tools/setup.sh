@@ -17,7 +17,7 @@ corpus_integrity="sha512-b8FhzhKe5l5W6tiIdhPBJ6ZX+TbKkVxGfQf9uk0N4NlvTSRB25VdoU5
 packages=(
   build-essential cmake pkg-config libopenblas-openmp-dev
   libtorch-dev libceres-dev libmuparserx-dev libboost-program-options-dev
-  libbenchmark-dev doctest-dev nlohmann-json3-dev libgloo-dev
+  libbenchmark-dev doctest-dev nlohmann-json3-dev libgloo-dev libprotobuf-dev
 )
 
 log() { echo "setup: $*"; }
