@@ -48,7 +48,8 @@ DataParallelTrainer::DataParallelTrainer(torch::optim::Optimizer& optimizer,
 
 GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<double>>& record_dims,
                                                  const std::vector<double>& record_units,
-                                                 const MicrobatchLossFn& loss_sum_fn) {
+                                                 const MicrobatchLossFn& loss_sum_fn,
+                                                 const BeforeOptimizerStepFn& before_optimizer_step) {
   if (record_dims.size() != record_units.size()) {
     throw std::invalid_argument("DataParallelTrainer: " + std::to_string(record_dims.size()) +
                                 " record dims but " + std::to_string(record_units.size()) + " record units");
@@ -160,7 +161,10 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
   } else {
     if (meter_ != nullptr) meter_->reset_peak();
     if (buckets_ != nullptr) buckets_->all_reduce_sum(context_);
-    if (result.microbatches > 0) optimizer_.step();
+    if (result.microbatches > 0) {
+      if (before_optimizer_step) before_optimizer_step();
+      optimizer_.step();
+    }
     if (meter_ != nullptr) optimizer_step_peak_bytes = static_cast<double>(meter_->peak_allocated_bytes());
     result.units = global_units;
   }

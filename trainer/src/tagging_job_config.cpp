@@ -64,6 +64,23 @@ void TaggingJobConfig::validate() const {
   require(underprediction_tolerance >= 0, "underprediction_tolerance must be >= 0, got " +
                                              std::to_string(underprediction_tolerance));
   require(validate_every >= 0, "validate_every must be >= 0, got " + std::to_string(validate_every));
+  require(validate_every_epochs >= 0,
+          "validate_every_epochs must be >= 0, got " + std::to_string(validate_every_epochs));
+  require(validation_metric == "token_accuracy" || validation_metric == "loss",
+          "validation_metric must be 'token_accuracy' or 'loss', got '" + validation_metric + "'");
+  require(validation_mode == "auto" || validation_mode == "min" || validation_mode == "max",
+          "validation_mode must be 'min', 'max' or 'auto', got '" + validation_mode + "'");
+  require(validation_warmup >= 0,
+          "validation_warmup must be >= 0 (validations), got " + std::to_string(validation_warmup));
+  require(early_stopping_patience >= 0, "early_stopping_patience must be >= 0 (0: off), got " +
+                                            std::to_string(early_stopping_patience));
+  require(checkpoint_every_steps >= 0,
+          "checkpoint_every_steps must be >= 0, got " + std::to_string(checkpoint_every_steps));
+  require(checkpoint_every_epochs >= 0,
+          "checkpoint_every_epochs must be >= 0, got " + std::to_string(checkpoint_every_epochs));
+  require(keep_checkpoints >= 1, "keep_checkpoints must be >= 1, got " + std::to_string(keep_checkpoints));
+  require(stop_after_steps >= 0,
+          "stop_after_steps must be >= 0 (0: off), got " + std::to_string(stop_after_steps));
   require(variables.size() == 2 && variables[0] == "bs" && variables[1] == "l",
           "variables must be bs,l for the tagging task (batch size, padded length)");
   require(sort_by.empty() || sort_by == "l", "sort_by must be 'l' or empty, got '" + sort_by + "'");
@@ -132,13 +149,43 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"sort_by", sort_by},
           {"log_every", log_every},
           {"validate_every", validate_every},
+          {"validate_every_epochs", validate_every_epochs},
           {"max_validation_sentences", max_validation_sentences},
+          {"validation_metric", validation_metric},
+          {"validation_mode", validation_mode},
+          {"validation_warmup", validation_warmup},
+          {"early_stopping_patience", early_stopping_patience},
+          {"checkpoint_every_steps", checkpoint_every_steps},
+          {"checkpoint_every_epochs", checkpoint_every_epochs},
+          {"keep_checkpoints", keep_checkpoints},
+          {"resume", resume},
+          {"stop_after_steps", stop_after_steps},
           {"memory_model_cache", memory_model_cache},
           {"underprediction_tolerance", underprediction_tolerance},
           {"backend", backend},
           {"bucket_cap_bytes", bucket_cap_bytes},
           {"collective_timeout_s", collective_timeout_s},
           {"rendezvous_timeout_s", rendezvous_timeout_s}};
+}
+
+ValidationSettings TaggingJobConfig::validation_settings() const {
+  ValidationSettings settings;
+  settings.every_steps = validate_every;
+  settings.every_epochs = validate_every_epochs;
+  settings.metric = validation_metric;
+  settings.mode = parse_metric_mode(validation_mode, validation_metric);
+  settings.warmup_validations = validation_warmup;
+  settings.patience = early_stopping_patience;
+  return settings;
+}
+
+CheckpointSettings TaggingJobConfig::checkpoint_settings() const {
+  CheckpointSettings settings;
+  settings.every_steps = checkpoint_every_steps;
+  settings.every_epochs = checkpoint_every_epochs;
+  settings.keep_last = keep_checkpoints;
+  settings.keep_best = true;
+  return settings;
 }
 
 std::chrono::milliseconds TaggingJobConfig::rendezvous_timeout() const {

@@ -109,13 +109,16 @@ TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingDat
   return model;
 }
 
-TaggingModelSetup::TaggingModelSetup(const TaggingJobConfig& config, const TaggingData& data)
+TaggingModelSetup::TaggingModelSetup(const TaggingJobConfig& config, const TaggingData& data,
+                                     const std::function<void(torch::nn::Module&)>& before_optimizer)
     : model_(make_tagging_model(config, data)) {
   model_.module->train();
+  if (before_optimizer) before_optimizer(*model_.module);
   optimizer_ = std::make_unique<torch::optim::AdamW>(
       model_.module->parameters(),
       torch::optim::AdamWOptions(config.learning_rate).weight_decay(config.weight_decay));
   for (auto& parameter : model_.module->parameters()) {
+    if (!parameter.requires_grad()) continue;  // frozen: no gradient, no AdamW state
     parameter.mutable_grad() = torch::zeros_like(parameter);  // gradients stay allocated
   }
   set_learning_rate(0.0);

@@ -66,11 +66,15 @@ class DataParallelTrainer {
 
   /// One optimizer step over the global batch. record_dims[i] / record_units[i]: record i of the
   /// GLOBAL batch (same on every rank); loss_sum_fn receives indices into the global batch.
+  /// `before_optimizer_step` (when given) runs on every rank after the gradient all-reduce,
+  /// right before optimizer.step(), exactly when the optimizer steps (no rank ran out of
+  /// memory and some microbatch ran), so it may issue collectives of its own.
   /// Collective: every rank calls it with the same global batch. Throws std::invalid_argument
   /// when the sizes differ; DistributedError when a collective fails.
   GlobalStepResult train_step(const std::vector<std::vector<double>>& record_dims,
                               const std::vector<double>& record_units,
-                              const MicrobatchLossFn& loss_sum_fn);
+                              const MicrobatchLossFn& loss_sum_fn,
+                              const BeforeOptimizerStepFn& before_optimizer_step = {});
 
  private:
   torch::optim::Optimizer& optimizer_;

@@ -7,15 +7,20 @@
 //   config.memory_cap_factor = 2.0;   // CPU cap = 2 x static memory (weights, grads, AdamW state)
 //   nlohmann::json summary = run_tagging_job(config);  // also written to run_dir/summary.json
 //
-// Order of work (single process): read and split the corpus; build vocabulary, tag set, model
-// and AdamW; allocate gradients and optimizer state (the static memory); set the CPU memory cap;
-// look the memory model up in the cache (keyed by formula, model signature, optimizer,
-// precision, device, capacity, budget and probe design); on a miss, probe full training steps
-// with a learning rate of 0 (parameters unchanged, optimizer state reset afterwards, RNG
-// re-seeded), fit the cost formula and store it; save memory_model.json; train with the
-// predictive batcher, exact gradient accumulation and a linear-warmup, linear-decay LR,
+// Order of work (single process): read and split the corpus; find the checkpoint to resume
+// from (config.resume); build vocabulary, tag set and model (initialization hooks around it,
+// the checkpoint's parameters loaded between them), then AdamW; allocate gradients and
+// optimizer state (the static memory); set the CPU memory cap; take the memory model from the
+// checkpoint when resuming (no probing), else look it up in the cache (keyed by formula, model
+// signature, optimizer, precision, device, capacity, budget and probe design) or, on a miss,
+// probe full training steps with a learning rate of 0 (parameters unchanged, optimizer state
+// reset afterwards, RNG re-seeded), fit the cost formula and store it; save
+// memory_model.json; then the Learner loop (tagging_learner.hpp): epochs x outer batches with
+// the predictive batcher, exact gradient accumulation and a linear-warmup, linear-decay LR,
 // correcting the model online when a microbatch's measured peak exceeds its prediction;
-// validate; write summary.json.
+// validation every N steps / epochs and at the end (TrainerValidationLoss, its own plan), best
+// model, early stopping (EarlyStopping and the extensions' listeners, combine_votes),
+// checkpoints (tagging_checkpoint.hpp); write summary.json.
 //
 // With config.batcher "fixed" or "power" (fixed_batchers.hpp; single process only) there is no
 // probing and no memory model: the outer batch is cut into slices of config.microbatch_size
@@ -24,23 +29,37 @@
 // has the same fields, with the predicted ones 0 (usable_bytes, probes, fit_max_rel_error,
 // max_step_prediction_rel_error, ...) and canonical_formula "".
 //
+// Exact resume: a run stopped after step k (config.stop_after_steps, a crash, a kill) and
+// resumed (config.resume) ends with the same parameters, bit for bit, as the uninterrupted run
+// on the CPU with a fixed thread count: the checkpoint holds everything the next step depends
+// on (tagging_checkpoint.hpp). Settings that change the schedule, the model or the data may
+// not change on resume (std::invalid_argument naming them).
+//
 // Run folder: config.json (resolved config), memory_model.json (predictive batcher only),
-// metrics.jsonl (one JSON object per optimizer step), summary.json. Every file but
-// metrics.jsonl is written atomically.
+// metrics.jsonl (one JSON object per optimizer step, and one per validation with a
+// "validation" field), summary.json, final_parameters.pt, best_parameters.pt (parameters at
+// the best validation), checkpoints/ (step-NNNNNNNN folders and `best`). Every file but
+// metrics.jsonl is written atomically; on resume metrics.jsonl keeps the lines up to the
+// checkpoint's step and continues.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "xpm/planner/probe.hpp"
-#include "xpm/trainer/distributed.hpp"
 #include "xpm/trainer/bilstm_tagger.hpp"
+#include "xpm/trainer/checkpoint_store.hpp"
+#include "xpm/trainer/distributed.hpp"
+#include "xpm/trainer/hooks.hpp"
+#include "xpm/trainer/learner_listener.hpp"
 #include "xpm/trainer/transformer_tagger.hpp"
+#include "xpm/trainer/validation.hpp"
 
 namespace xpm {
 
@@ -74,8 +93,18 @@ struct TaggingJobConfig {
   std::string packer = "adaptive";            // adaptive | uniform
   std::string sort_by = "l";                  // adaptive packer: heaviest first by this dim
   std::int64_t log_every = 10;                // progress line every N steps
-  std::int64_t validate_every = 0;            // validation every N steps (0: at the end only)
+  std::int64_t validate_every = 0;            // validation every N steps (0: not by steps)
+  std::int64_t validate_every_epochs = 0;     // validation every N epochs (0: not by epochs)
   std::int64_t max_validation_sentences = 0;  // 0: the whole validation split
+  std::string validation_metric = "token_accuracy";  // decides best model / early stopping: token_accuracy | loss
+  std::string validation_mode = "auto";       // min | max | auto (max for accuracy, min for loss)
+  std::int64_t validation_warmup = 0;         // the first W validations decide nothing
+  std::int64_t early_stopping_patience = 0;   // stop after P validations without improvement (0: off)
+  std::int64_t checkpoint_every_steps = 0;    // checkpoint every N steps (0: not by steps)
+  std::int64_t checkpoint_every_epochs = 0;   // checkpoint every N epochs (0: not by epochs)
+  std::int64_t keep_checkpoints = 2;          // newest K checkpoints kept (plus the best)
+  bool resume = false;                        // continue from the newest valid checkpoint of run_dir
+  std::int64_t stop_after_steps = 0;          // stop (with a checkpoint) after step N, schedule unchanged (0: off)
   std::string memory_model_cache = ".cache/xpm/memory-models";  // "" disables the cache
   double underprediction_tolerance = 0.005;   // online correction when measured > (1+tol) x predicted
   bool quiet = false;                         // no progress lines
@@ -87,11 +116,32 @@ struct TaggingJobConfig {
 
   /// collective/rendezvous timeouts and backend as DistributedOptions.
   DistributedOptions distributed_options() const;
+  /// validate_every, validate_every_epochs, validation_* and early_stopping_patience as
+  /// ValidationSettings (mode "auto" resolved). Throws std::invalid_argument for a bad mode.
+  ValidationSettings validation_settings() const;
+  /// checkpoint_every_*, keep_checkpoints as CheckpointSettings (the best is always kept).
+  CheckpointSettings checkpoint_settings() const;
+  /// True when checkpoints are written (checkpoint_every_steps or _epochs > 0).
+  bool checkpointing() const { return checkpoint_every_steps > 0 || checkpoint_every_epochs > 0; }
   std::chrono::milliseconds rendezvous_timeout() const;
 
   /// Throws std::invalid_argument naming the field and its value.
   void validate() const;
   nlohmann::json to_json() const;
+};
+
+/// What embedders plug into the job's Learner loop. Hooks are called on every rank at the
+/// points hooks.hpp documents: before_initialization / after_initialization once (model built
+/// / parameters final, loaded from the checkpoint when resuming, before the optimizer is built
+/// and before parameters are broadcast or bucketed); before_step every step; then
+/// before_optimizer_step exactly when the optimizer steps (gradients of the whole outer batch
+/// accumulated and all-reduced); after_step unless the step was skipped by an out-of-memory
+/// error; before_validation / after_validation around each validation (after_validation sees
+/// "validation/token_accuracy" and "validation/loss" in context.metrics()). Listeners vote
+/// after each validation, after the job's own EarlyStopping; combine_votes decides.
+struct TaggingJobExtensions {
+  HookList hooks;
+  std::vector<std::shared_ptr<LearnerListener>> listeners;
 };
 
 /// Runs the job as a single process and returns the summary (also written to
@@ -107,5 +157,10 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config);
 /// message). Only rank 0 writes the run folder and logs; every rank returns the summary.
 /// Throws DistributedError when a collective fails or times out.
 nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContext& dist);
+
+/// As above, with hooks and listeners (TaggingJobExtensions). Every rank passes hooks and
+/// listeners that behave the same on every rank.
+nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContext& dist,
+                               TaggingJobExtensions& extensions);
 
 }  // namespace xpm

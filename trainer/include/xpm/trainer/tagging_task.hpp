@@ -82,7 +82,12 @@ TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingDat
 class TaggingModelSetup {
  public:
   /// Throws std::invalid_argument for a bad architecture or model options.
-  TaggingModelSetup(const TaggingJobConfig& config, const TaggingData& data);
+  /// `before_optimizer`, when given, runs on the freshly built model before the optimizer is
+  /// built and before gradients and optimizer state are allocated (initialization hooks,
+  /// loading parameters, freezing); parameters it leaves with requires_grad false get no
+  /// gradient and no AdamW state (AdamW skips a parameter without a gradient).
+  TaggingModelSetup(const TaggingJobConfig& config, const TaggingData& data,
+                    const std::function<void(torch::nn::Module&)>& before_optimizer = {});
 
   /// The model as a module: parameters, train()/eval(), state dicts.
   torch::nn::Module& module() { return *model_.module; }

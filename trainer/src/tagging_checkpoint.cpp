@@ -1,0 +1,196 @@
+// Checkpoints of the tagging job: the files of one checkpoint and the resume state.
+#include "xpm/trainer/tagging_checkpoint.hpp"
+
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "xpm/planner/atomic_file.hpp"
+
+namespace xpm {
+namespace {
+
+template <typename T>
+T required(const nlohmann::json& json, const char* name) {
+  if (!json.contains(name)) {
+    throw std::invalid_argument(std::string("checkpoint state.json: field '") + name + "' is missing");
+  }
+  try {
+    return json.at(name).get<T>();
+  } catch (const nlohmann::json::exception& error) {
+    throw std::invalid_argument(std::string("checkpoint state.json: field '") + name +
+                                "' is malformed: " + error.what());
+  }
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read '" + path + "'");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+nlohmann::json TaggingResumeState::to_json() const {
+  return {{"epoch", epoch},
+          {"step", step},
+          {"epoch_position", epoch_position},
+          {"total_steps", total_steps},
+          {"world_size", world_size},
+          {"sampler_state", sampler_state},
+          {"epoch_order", epoch_order},
+          {"memory_model", memory_model},
+          {"microbatch_size", microbatch_size},
+          {"power_divisor", power_divisor},
+          {"counters", counters},
+          {"early_stopping", early_stopping},
+          {"early_stopped", early_stopped}};
+}
+
+TaggingResumeState TaggingResumeState::from_json(const nlohmann::json& json) {
+  TaggingResumeState state;
+  state.epoch = required<std::int64_t>(json, "epoch");
+  state.step = required<std::int64_t>(json, "step");
+  state.epoch_position = required<std::int64_t>(json, "epoch_position");
+  state.total_steps = required<std::int64_t>(json, "total_steps");
+  state.world_size = required<int>(json, "world_size");
+  state.sampler_state = required<std::string>(json, "sampler_state");
+  state.epoch_order = required<std::vector<std::int64_t>>(json, "epoch_order");
+  state.memory_model = required<nlohmann::json>(json, "memory_model");
+  state.microbatch_size = required<std::int64_t>(json, "microbatch_size");
+  state.power_divisor = required<std::int64_t>(json, "power_divisor");
+  state.counters = required<nlohmann::json>(json, "counters");
+  state.early_stopping = required<nlohmann::json>(json, "early_stopping");
+  state.early_stopped = required<bool>(json, "early_stopped");
+  return state;
+}
+
+void save_module_state(const torch::nn::Module& module, const std::string& path) {
+  torch::serialize::OutputArchive archive;
+  for (const auto& item : module.named_parameters()) archive.write(item.key(), item.value());
+  for (const auto& item : module.named_buffers()) archive.write(item.key(), item.value(), /*is_buffer=*/true);
+  archive.save_to(path);
+}
+
+void save_parameters_atomically(const torch::nn::Module& module, const std::string& path) {
+  torch::serialize::OutputArchive archive;
+  for (const auto& item : module.named_parameters()) archive.write(item.key(), item.value());
+  std::ostringstream bytes;
+  archive.save_to(bytes);
+  write_file_atomically(path, bytes.str());
+}
+
+void load_module_state(const std::string& path, torch::nn::Module& module) {
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path);
+  } catch (const c10::Error& error) {
+    throw std::runtime_error("cannot read '" + path + "': " + error.what_without_backtrace());
+  }
+  torch::NoGradGuard no_grad;
+  const auto copy_into = [&](const std::string& name, torch::Tensor& target, bool is_buffer) {
+    torch::Tensor stored;
+    if (!archive.try_read(name, stored, is_buffer)) {
+      throw std::runtime_error("'" + path + "' has no entry '" + name + "'");
+    }
+    if (!stored.sizes().equals(target.sizes()) || stored.scalar_type() != target.scalar_type()) {
+      throw std::runtime_error("'" + path + "': entry '" + name + "' has shape " +
+                               c10::str(stored.sizes()) + ", the model's is " + c10::str(target.sizes()));
+    }
+    target.copy_(stored);
+  };
+  for (auto& item : module.named_parameters()) copy_into(item.key(), item.value(), false);
+  for (auto& item : module.named_buffers()) copy_into(item.key(), item.value(), true);
+}
+
+void load_optimizer_state(const std::string& path, torch::optim::Optimizer& optimizer) {
+  try {
+    torch::load(optimizer, path);
+  } catch (const c10::Error& error) {
+    throw std::runtime_error("cannot restore the optimizer from '" + path +
+                             "': " + error.what_without_backtrace());
+  }
+}
+
+torch::Tensor load_generator_state(const std::string& path, int rank) {
+  torch::serialize::InputArchive archive;
+  torch::Tensor state;
+  try {
+    archive.load_from(path);
+  } catch (const c10::Error& error) {
+    throw std::runtime_error("cannot read '" + path + "': " + error.what_without_backtrace());
+  }
+  if (!archive.try_read("rank" + std::to_string(rank), state)) {
+    throw std::runtime_error("'" + path + "' has no generator state for rank " + std::to_string(rank));
+  }
+  return state;
+}
+
+std::string save_tagging_checkpoint(CheckpointStore& store, const torch::nn::Module& module,
+                                    torch::optim::Optimizer& optimizer,
+                                    const std::vector<torch::Tensor>& generator_states,
+                                    const TaggingResumeState& state, const nlohmann::json& config,
+                                    bool is_best) {
+  std::map<std::string, CheckpointFileWriter> files;
+  files["model.pt"] = [&](const std::string& path) { save_module_state(module, path); };
+  files["optimizer.pt"] = [&](const std::string& path) { torch::save(optimizer, path); };
+  files["rng.pt"] = [&](const std::string& path) {
+    torch::serialize::OutputArchive archive;
+    for (std::size_t r = 0; r < generator_states.size(); ++r) {
+      archive.write("rank" + std::to_string(r), generator_states[r]);
+    }
+    archive.save_to(path);
+  };
+  files["state.json"] = [&](const std::string& path) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << state.to_json().dump(1) << '\n';
+    if (!out.flush()) throw std::runtime_error("cannot write '" + path + "'");
+  };
+  const nlohmann::json extra = {{"config", config},
+                                {"kind", "xpm-tagging-job"},
+                                {"torch_version", TORCH_VERSION},
+                                {"epoch", state.epoch}};
+  return store.save(state.step, extra, files, is_best);
+}
+
+TaggingCheckpoint read_tagging_checkpoint(const std::string& path) {
+  const std::string reason = CheckpointStore::verify(path);
+  if (!reason.empty()) throw std::runtime_error(reason);
+  TaggingCheckpoint checkpoint;
+  checkpoint.info.path = path;
+  try {
+    checkpoint.info.manifest = nlohmann::json::parse(read_text(path + "/manifest.json"));
+    checkpoint.info.step = checkpoint.info.manifest.at("step").get<std::int64_t>();
+    checkpoint.state = TaggingResumeState::from_json(nlohmann::json::parse(read_text(path + "/state.json")));
+  } catch (const nlohmann::json::exception& error) {
+    throw std::runtime_error(std::string("malformed JSON: ") + error.what());
+  } catch (const std::invalid_argument& error) {
+    throw std::runtime_error(error.what());
+  }
+  if (checkpoint.state.step != checkpoint.info.step) {
+    throw std::runtime_error("state.json is at step " + std::to_string(checkpoint.state.step) +
+                             ", the manifest at step " + std::to_string(checkpoint.info.step));
+  }
+  return checkpoint;
+}
+
+std::optional<TaggingCheckpoint> load_latest_tagging_checkpoint(const CheckpointStore& store,
+                                                                std::vector<std::string>* warnings) {
+  // verify() checks sizes and checksums; a state.json that then does not parse (written by
+  // another version) is skipped too, falling back to the next older checkpoint.
+  const std::vector<std::string> paths = store.list();
+  for (auto it = paths.rbegin(); it != paths.rend(); ++it) {
+    try {
+      return read_tagging_checkpoint(*it);
+    } catch (const std::exception& error) {
+      if (warnings != nullptr) {
+        warnings->push_back("checkpoint '" + *it + "' skipped (falling back to an older one): " + error.what());
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace xpm

@@ -1,0 +1,133 @@
+// The tagging job's memory model: batcher options, cache identity, rank-0 probe or lookup.
+#include "xpm/trainer/tagging_memory_plan.hpp"
+
+#include <chrono>
+#include <optional>
+#include <stdexcept>
+
+#include <torch/torch.h>
+
+#include "xpm/planner/memory_model_cache.hpp"
+#include "xpm/planner_torch/probe_runner.hpp"
+
+namespace xpm {
+
+PredictiveBatcherOptions tagging_batcher_options(const TaggingJobConfig& config,
+                                                 std::size_t max_length, std::int64_t capacity_bytes) {
+  PredictiveBatcherOptions options;
+  options.formula = config.formula;
+  options.coefficient_names = config.coefficients;
+  options.variable_names = config.variables;
+  options.batch_size_variable = "bs";
+  options.aggregation = {{"l", DimAggregation::kMax}};
+  options.probe_points = config.probe_points;
+  options.variable_max = {{"bs", static_cast<double>(config.outer_batch_size)},
+                          {"l", static_cast<double>(max_length)}};
+  options.budget = {capacity_bytes, config.memory_fraction, config.extra_overhead_bytes};
+  return options;
+}
+
+std::shared_ptr<const MicrobatchPacker> tagging_packer(const TaggingJobConfig& config) {
+  if (config.packer == "uniform") return std::make_shared<UniformPacker>();
+  return std::make_shared<AdaptivePacker>(AdaptivePackerOptions{config.sort_by});
+}
+
+nlohmann::json memory_model_identity(const TaggingJobConfig& config,
+                                     const PredictiveBatcherOptions& batcher_options,
+                                     const nlohmann::json& model_signature,
+                                     std::int64_t capacity_bytes, int world_size) {
+  nlohmann::json probe_points = nlohmann::json::array();
+  for (const ProbePoint& point : batcher_options.probe_points) probe_points.push_back(point.values);
+  const CostFormula formula(batcher_options.formula, batcher_options.coefficient_names,
+                            batcher_options.variable_names);
+  return {{"xpm_memory_model_format", 1},
+          {"formula", formula.canonical()},
+          {"coefficient_names", formula.coefficient_names()},
+          {"variable_names", formula.variable_names()},
+          {"model_signature", model_signature},
+          {"architecture", config.architecture},
+          {"model", config.architecture == "bilstm"
+                        ? nlohmann::json{{"dropout", config.bilstm.dropout}}
+                        : nlohmann::json{{"nhead", config.model.nhead}, {"dropout", config.model.dropout}}},
+          {"optimizer", {{"name", "adamw"}, {"weight_decay", config.weight_decay}}},
+          {"precision", "32-true"},
+          {"device", "cpu"},
+          {"world_size", world_size},
+          {"torch_version", TORCH_VERSION},
+          {"capacity_bytes", capacity_bytes},
+          {"memory_fraction", batcher_options.budget.memory_fraction},
+          {"extra_overhead_bytes", batcher_options.budget.extra_overhead_bytes},
+          {"probe_points", probe_points},
+          {"variable_max", batcher_options.variable_max},
+          {"design_fractions", batcher_options.design_fractions}};
+}
+
+MemoryModelOrigin obtain_memory_model(const TaggingJobConfig& config, TaggingModelSetup& setup,
+                                      MemoryMeter& meter, std::int64_t capacity_bytes,
+                                      PredictiveBatcher& batcher, DistributedContext& dist,
+                                      const std::function<void(const std::string&)>& log) {
+  MemoryModelOrigin origin;
+  const nlohmann::json identity = memory_model_identity(config, batcher.options(), setup.signature(),
+                                                       capacity_bytes, dist.world_size());
+  nlohmann::json shared_model;
+  if (dist.is_main()) {
+    try {
+      std::optional<MemoryModelCache> cache;
+      if (!config.memory_model_cache.empty()) cache.emplace(config.memory_model_cache);
+      std::string cache_warning;
+      const std::optional<MemoryModel> cached =
+          cache ? cache->lookup(identity, &cache_warning) : std::nullopt;
+      if (!cache_warning.empty()) log("xpm-train: warning: " + cache_warning);
+      if (cached) {
+        batcher.set_model(*cached);
+        log("xpm-train: memory model from the cache (" + cache->path_for(identity) + "), no probing");
+      } else {
+        TorchProbeExecutor executor(setup.probe_steps(), meter);
+        const auto probe_start = std::chrono::steady_clock::now();
+        batcher.probe_and_fit(executor);
+        origin.probe_s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - probe_start).count();
+        setup.reset_optimizer_state();  // probes fed synthetic gradients into the AdamW moments
+        origin.probes_run = static_cast<std::int64_t>(batcher.probes().size());
+        for (const ProbeResult& probe : batcher.probes()) origin.infeasible_probes += probe.feasible ? 0 : 1;
+        log("xpm-train: " + std::to_string(origin.probes_run) + " probes (" +
+            std::to_string(origin.infeasible_probes) + " out of memory) in " +
+            std::to_string(origin.probe_s) + " s; " + batcher.fit_summary().brief_report());
+        MemoryModel fitted = batcher.model();
+        fitted.metadata()["device"] = "cpu";
+        fitted.metadata()["capacity_bytes"] = capacity_bytes;
+        fitted.metadata()["precision"] = "32-true";
+        fitted.metadata()["optimizer"] = "adamw";
+        fitted.metadata()["torch_version"] = TORCH_VERSION;
+        fitted.metadata()["model_signature"] = setup.signature();
+        batcher.set_model(fitted);
+        if (cache) cache->store(identity, fitted);
+      }
+      shared_model = {{"model", batcher.model().to_json()},
+                      {"from_cache", cached.has_value()},
+                      {"probe_s", origin.probe_s},
+                      {"probes_run", origin.probes_run},
+                      {"infeasible_probes", origin.infeasible_probes}};
+    } catch (const std::invalid_argument& error) {
+      shared_model = {{"error", error.what()}, {"kind", "invalid_argument"}};
+    } catch (const std::exception& error) {
+      shared_model = {{"error", error.what()}, {"kind", "runtime_error"}};
+    }
+  }
+  shared_model =
+      nlohmann::json::parse(dist.share_from(0, shared_model.dump(), config.rendezvous_timeout()));
+  if (shared_model.contains("error")) {
+    const std::string message = shared_model.at("error").get<std::string>();
+    if (shared_model.at("kind") == "invalid_argument") throw std::invalid_argument(message);
+    throw std::runtime_error(message);
+  }
+  batcher.set_model(MemoryModel::from_json(shared_model.at("model")));
+  origin.from_cache = shared_model.at("from_cache").get<bool>();
+  // Every rank reports rank 0's probing (the summary is the same on every rank).
+  origin.probe_s = shared_model.at("probe_s").get<double>();
+  origin.probes_run = shared_model.at("probes_run").get<std::int64_t>();
+  origin.infeasible_probes = shared_model.at("infeasible_probes").get<std::int64_t>();
+  return origin;
+}
+
+}  // namespace xpm
