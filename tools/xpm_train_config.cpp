@@ -176,6 +176,14 @@ TrainSettings parse_train_settings(int argc, char** argv) {
        "warning; none: start at step 0); same settings required")
       ("stop-after-steps", po::value(&config.stop_after_steps)->default_value(config.stop_after_steps),
        "stop after step N with a checkpoint, schedule unchanged (for --resume; 0: off)")
+      ("freeze", po::value(&config.freeze)->default_value(config.freeze),
+       "freeze the parameters whose names match this regex (ECMAScript, searched; e.g. "
+       "'^token_embedding\\.'): no gradient, no AdamW state; LayerFreezer, docs/hooks.md")
+      ("freeze-until-step", po::value(&config.freeze_until_step)->default_value(config.freeze_until_step),
+       "unfreeze them after N steps (0: frozen for the whole run; single process only)")
+      ("clip-grad-norm", po::value(&config.clip_grad_norm)->default_value(config.clip_grad_norm),
+       "clip the global L2 norm of the gradients to this value before each optimizer step "
+       "(0: off); the norm before clipping goes to metrics.jsonl as grad_norm")
       ("memory-model-cache", po::value(&config.memory_model_cache)->default_value(config.memory_model_cache),
        "folder of fitted memory models keyed by setup identity; a rerun reuses it (empty: off)")
       ("underprediction-tolerance",

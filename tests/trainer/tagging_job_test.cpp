@@ -14,6 +14,7 @@
 #include "xpm/trainer/hooks.hpp"
 #include "xpm/trainer/learner_listener.hpp"
 #include "xpm/trainer/tagging_job.hpp"
+#include "xpm/trainer/tagging_task.hpp"
 
 namespace {
 
@@ -149,6 +150,42 @@ TEST_CASE("every hook is called at its documented point on each step and validat
   CHECK(hook->losses.back() == doctest::Approx(summary.at("val_loss").get<double>()));
   CHECK(hook->losses.back() > 0);
   CHECK(summary.at("validations").size() == 2);
+}
+
+TEST_CASE("the config's freezer and clipper run in the job: frozen embedding unchanged and grad_norm logged") {
+  xpm::TaggingJobConfig config = short_job("freeze-clip", 3);
+  config.freeze = "^token_embedding\\.";
+  config.clip_grad_norm = 0.5;
+  const nlohmann::json summary = xpm::run_tagging_job(config);
+  REQUIRE(summary.at("train_steps") == 3);
+  // The initial parameters: the job seeds torch with config.seed before building the model.
+  torch::manual_seed(config.seed);
+  const xpm::TaggingData data = xpm::load_tagging_data(config);
+  xpm::TaggingModel initial = xpm::make_tagging_model(config, data);
+  const auto final_parameters = load_parameters(config.run_dir + "/final_parameters.pt");
+  int frozen = 0, changed = 0;
+  for (const auto& item : initial.module->named_parameters()) {
+    const bool same = torch::equal(item.value(), final_parameters.at(item.key()));
+    if (item.key().rfind("token_embedding.", 0) == 0) {
+      CHECK(same);
+      ++frozen;
+    } else {
+      changed += same ? 0 : 1;
+    }
+  }
+  CHECK(frozen == 1);
+  CHECK(changed > 0);
+  std::ifstream metrics(config.run_dir + "/metrics.jsonl");
+  std::string line;
+  int steps_with_norm = 0;
+  while (std::getline(metrics, line)) {
+    const nlohmann::json entry = nlohmann::json::parse(line);
+    if (entry.contains("validation")) continue;
+    REQUIRE(entry.contains("grad_norm"));
+    CHECK(entry.at("grad_norm").get<double>() > 0);
+    ++steps_with_norm;
+  }
+  CHECK(steps_with_norm == 3);
 }
 
 TEST_CASE("a listener voting stop ends the job after that validation and early stopping is reported") {

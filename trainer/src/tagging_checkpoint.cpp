@@ -39,6 +39,7 @@ nlohmann::json TaggingResumeState::to_json() const {
           {"epoch_position", epoch_position},
           {"total_steps", total_steps},
           {"world_size", world_size},
+          {"capacity_bytes", capacity_bytes},
           {"sampler_state", sampler_state},
           {"epoch_order", epoch_order},
           {"memory_model", memory_model},
@@ -56,6 +57,7 @@ TaggingResumeState TaggingResumeState::from_json(const nlohmann::json& json) {
   state.epoch_position = required<std::int64_t>(json, "epoch_position");
   state.total_steps = required<std::int64_t>(json, "total_steps");
   state.world_size = required<int>(json, "world_size");
+  state.capacity_bytes = required<std::int64_t>(json, "capacity_bytes");
   state.sampler_state = required<std::string>(json, "sampler_state");
   state.epoch_order = required<std::vector<std::int64_t>>(json, "epoch_order");
   state.memory_model = required<nlohmann::json>(json, "memory_model");

@@ -23,6 +23,7 @@
 #include "xpm/trainer/brown_corpus.hpp"
 #include "xpm/trainer/fixed_batchers.hpp"
 #include "xpm/trainer/gradient_buckets.hpp"
+#include "xpm/trainer/hook_library.hpp"
 #include "xpm/trainer/tagging_checkpoint.hpp"
 #include "xpm/trainer/tagging_learner.hpp"
 #include "xpm/trainer/tagging_memory_plan.hpp"
@@ -113,6 +114,22 @@ std::optional<TaggingCheckpoint> find_resume_checkpoint(const TaggingJobConfig& 
   return checkpoint;
 }
 
+// The config's hooks around the embedder's: freezer first, the extensions' hooks, the clipper
+// last (it must see the gradients every other hook left).
+HookList job_hooks(const TaggingJobConfig& config, const HookList& extension_hooks) {
+  HookList hooks;
+  if (!config.freeze.empty()) {
+    LayerFreezerOptions options{config.freeze, std::nullopt};
+    if (config.freeze_until_step > 0) options.until_step = config.freeze_until_step;
+    hooks.add(std::make_shared<LayerFreezer>(options));
+  }
+  for (const auto& hook : extension_hooks.hooks()) hooks.add(hook);
+  if (config.clip_grad_norm > 0) {
+    hooks.add(std::make_shared<GradientClipper>(GradientClipperOptions{config.clip_grad_norm, 2.0}));
+  }
+  return hooks;
+}
+
 }  // namespace
 
 nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
@@ -137,6 +154,13 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
         std::to_string(dist.world_size()) + ": the data-parallel step exists for the predictive "
         "batcher (TaggingJobConfig.batcher predictive, the default)");
   }
+  if (config.freeze_until_step > 0 && dist.world_size() > 1) {
+    throw std::invalid_argument(
+        "TaggingJobConfig.freeze_until_step runs in a single process only, got world_size " +
+        std::to_string(dist.world_size()) + ": the gradient buckets are laid out once, without the "
+        "frozen parameters, so their gradients would never be all-reduced after unfreezing");
+  }
+  TaggingJobExtensions job_extensions{job_hooks(config, extensions.hooks), extensions.listeners};
   const bool predictive = config.batcher == "predictive";
   const auto job_start = Clock::now();
   const bool main_rank = dist.is_main();
@@ -196,11 +220,16 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   meter.set_capacity_bytes(0);
   TrainState state;
   TrainerContext context(state);
+  if (resume_from) {  // initialization hooks see where the run stands (a freezer past until_step)
+    state.epoch = resume_from->state.epoch;
+    state.step = resume_from->state.step;
+    state.epoch_position = resume_from->state.epoch_position;
+  }
   TaggingModelSetup setup(config, data, [&](torch::nn::Module& module) {
     state.model = &module;
-    extensions.hooks.before_initialization(context);
+    job_extensions.hooks.before_initialization(context);
     if (resume_from) load_module_state(resume_from->info.path + "/model.pt", module);
-    extensions.hooks.after_initialization(context);
+    job_extensions.hooks.after_initialization(context);
   });
   torch::optim::AdamW& optimizer = setup.optimizer();
   state.optimizer = &optimizer;
@@ -212,6 +241,9 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   }
   const bool capped = capacity_bytes > 0;
   if (!capped) capacity_bytes = physical_memory_bytes();
+  // A resumed run budgets with the stopped run's capacity (its static bytes may differ, e.g.
+  // parameters frozen then and unfrozen now), so it plans the same microbatches.
+  if (resume_from) capacity_bytes = resume_from->state.capacity_bytes;
   meter.set_capacity_bytes(capped ? capacity_bytes : 0);
   log("xpm-train: static memory " + std::to_string(static_bytes) + " bytes, capacity " +
       std::to_string(capacity_bytes) + " bytes" + (capped ? " (CPU cap)" : " (physical memory)") +
@@ -282,7 +314,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   TaggingLearnerParts parts;
   parts.config = &config;
   parts.dist = &dist;
-  parts.extensions = &extensions;
+  parts.extensions = &job_extensions;
   parts.train = &data.train;
   parts.validation = &data.validation;
   parts.setup = &setup;

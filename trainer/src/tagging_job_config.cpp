@@ -5,6 +5,7 @@
 #include <string>
 
 #include "xpm/planner/formula.hpp"
+#include "xpm/trainer/hook_library.hpp"
 #include "xpm/trainer/tagging_job.hpp"
 
 namespace xpm {
@@ -79,6 +80,17 @@ void TaggingJobConfig::validate() const {
   require(checkpoint_every_epochs >= 0,
           "checkpoint_every_epochs must be >= 0, got " + std::to_string(checkpoint_every_epochs));
   require(keep_checkpoints >= 1, "keep_checkpoints must be >= 1, got " + std::to_string(keep_checkpoints));
+  require(freeze_until_step >= 0,
+          "freeze_until_step must be >= 0 (0: the whole run), got " + std::to_string(freeze_until_step));
+  require(freeze_until_step == 0 || !freeze.empty(),
+          "freeze_until_step needs TaggingJobConfig.freeze (a regex of parameter names)");
+  if (!freeze.empty()) {
+    LayerFreezerOptions freezer{freeze, std::nullopt};
+    if (freeze_until_step > 0) freezer.until_step = freeze_until_step;
+    freezer.validate();  // a bad regex: std::invalid_argument naming it
+  }
+  require(clip_grad_norm >= 0 && std::isfinite(clip_grad_norm),
+          "clip_grad_norm must be >= 0 (0: no clipping), got " + std::to_string(clip_grad_norm));
   require(stop_after_steps >= 0,
           "stop_after_steps must be >= 0 (0: off), got " + std::to_string(stop_after_steps));
   require(variables.size() == 2 && variables[0] == "bs" && variables[1] == "l",
@@ -160,6 +172,9 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"keep_checkpoints", keep_checkpoints},
           {"resume", resume},
           {"stop_after_steps", stop_after_steps},
+          {"freeze", freeze},
+          {"freeze_until_step", freeze_until_step},
+          {"clip_grad_norm", clip_grad_norm},
           {"memory_model_cache", memory_model_cache},
           {"underprediction_tolerance", underprediction_tolerance},
           {"backend", backend},

@@ -145,6 +145,7 @@ TaggingResumeState TaggingLearner::resume_state() const {
   saved.epoch_position = state_.epoch_position;
   saved.total_steps = state_.total_steps;
   saved.world_size = dist_.world_size();
+  saved.capacity_bytes = parts_.capacity_bytes;
   std::ostringstream sampler;
   sampler << sampler_;
   saved.sampler_state = sampler.str();

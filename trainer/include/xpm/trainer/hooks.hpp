@@ -79,6 +79,8 @@ class HookList {
     owned_.push_back(std::move(hook));
   }
   std::size_t size() const { return owned_.size(); }
+  /// The registered hooks, in registration order (to build a list around another one).
+  const std::vector<std::shared_ptr<TrainingHook>>& hooks() const { return owned_; }
 
   void before_initialization(TrainerContext& c) { for (auto* h : init_) h->before_initialization(c); }
   void after_initialization(TrainerContext& c) { for (auto* h : init_) h->after_initialization(c); }

@@ -14,7 +14,8 @@
 //   model.pt       parameters and buffers by name (torch::serialize archive)
 //   optimizer.pt   torch::save of the AdamW (moments, step counts, param-group options)
 //   rng.pt         each rank's torch CPU generator state ("rank0", "rank1", ...: dropout masks)
-//   state.json     TaggingResumeState: TrainState (epoch, step, epoch_position), the sampler's
+//   state.json     TaggingResumeState: TrainState (epoch, step, epoch_position), the capacity
+//                  the run budgets with (a cap factor times static bytes measured at its start), the sampler's
 //                  std::mt19937_64 state and the epoch's order, the memory model the batcher
 //                  plans with (online corrections change plans, plans change summation order),
 //                  the fixed/power batcher's microbatch size, the summary's running counters,
@@ -40,6 +41,7 @@ struct TaggingResumeState {
   std::int64_t epoch_position = 0;  // outer batches taken from `epoch_order`
   std::int64_t total_steps = 0;     // of the run (checked on resume: the schedule must not change)
   int world_size = 1;               // ranks of the run that wrote it
+  std::int64_t capacity_bytes = 0;  // the run's memory capacity (a resumed run budgets with it)
   std::string sampler_state;        // std::mt19937_64 after the epoch's shuffle (operator<<)
   std::vector<std::int64_t> epoch_order;  // the current epoch's order of train records
   nlohmann::json memory_model;      // MemoryModel::to_json of the predictive batcher; null otherwise

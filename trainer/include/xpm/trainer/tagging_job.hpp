@@ -105,6 +105,9 @@ struct TaggingJobConfig {
   std::int64_t keep_checkpoints = 2;          // newest K checkpoints kept (plus the best)
   bool resume = false;                        // continue from the newest valid checkpoint of run_dir
   std::int64_t stop_after_steps = 0;          // stop (with a checkpoint) after step N, schedule unchanged (0: off)
+  std::string freeze;                         // LayerFreezer regex over parameter names ("" : none)
+  std::int64_t freeze_until_step = 0;         // unfreeze after N steps (0: frozen for the whole run)
+  double clip_grad_norm = 0;                  // GradientClipper max global L2 norm (0: no clipping)
   std::string memory_model_cache = ".cache/xpm/memory-models";  // "" disables the cache
   double underprediction_tolerance = 0.005;   // online correction when measured > (1+tol) x predicted
   bool quiet = false;                         // no progress lines
@@ -159,7 +162,11 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config);
 nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContext& dist);
 
 /// As above, with hooks and listeners (TaggingJobExtensions). Every rank passes hooks and
-/// listeners that behave the same on every rank.
+/// listeners that behave the same on every rank. The config's own hooks go around the
+/// extensions' (hook_library.hpp): a LayerFreezer (config.freeze) before them, a
+/// GradientClipper (config.clip_grad_norm) after them, so clipping sees the final gradients.
+/// config.freeze_until_step with world_size > 1 is refused (std::invalid_argument, every rank):
+/// the gradient buckets are laid out once, without the frozen parameters.
 nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContext& dist,
                                TaggingJobExtensions& extensions);
 
