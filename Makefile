@@ -31,3 +31,33 @@ build: setup configure
 
 clean:
 	rm -rf $(BUILD_DIR)
+
+# `make bench` regenerates every table and figure of docs/benchmarks.md (the sections between
+# bench-report markers, docs/figures/bench-*.svg): packers and fit (Google Benchmark), held-out
+# prediction of both bundled models, the end-to-end batcher comparison (bench/*.cpp say what
+# each measures). Raw outputs go to $(BENCH_DIR). About 15 minutes on the 2-core machine.
+BENCH_DIR ?= runs/bench
+BENCH_STEPS ?= 150
+BENCH_MIN_TIME ?= 0.2
+BENCH_THREADS ?= 2
+
+.PHONY: bench
+bench: setup configure
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target packer_bench fit_bench heldout-prediction \
+	  batcher-comparison bench-report
+	mkdir -p $(BENCH_DIR)
+	$(BUILD_DIR)/bin/packer_bench --benchmark_min_time=$(BENCH_MIN_TIME) \
+	  --benchmark_out=$(BENCH_DIR)/packers.json --benchmark_out_format=json
+	$(BUILD_DIR)/bin/fit_bench --benchmark_min_time=$(BENCH_MIN_TIME) \
+	  --benchmark_out=$(BENCH_DIR)/fit.json --benchmark_out_format=json
+	$(BUILD_DIR)/bin/heldout-prediction --architecture transformer --threads $(BENCH_THREADS) \
+	  --json $(BENCH_DIR)/heldout-transformer.json
+	$(BUILD_DIR)/bin/heldout-prediction --architecture bilstm --threads $(BENCH_THREADS) \
+	  --json $(BENCH_DIR)/heldout-bilstm.json
+	$(BUILD_DIR)/bin/batcher-comparison --steps $(BENCH_STEPS) --threads $(BENCH_THREADS) \
+	  --work-dir $(BENCH_DIR)/batchers --json $(BENCH_DIR)/batchers.json
+	$(BUILD_DIR)/bin/bench-report --packers $(BENCH_DIR)/packers.json --fit $(BENCH_DIR)/fit.json \
+	  --heldout $(BENCH_DIR)/heldout-transformer.json --heldout $(BENCH_DIR)/heldout-bilstm.json \
+	  --batchers $(BENCH_DIR)/batchers.json --docs docs/benchmarks.md --figures docs/figures \
+	  --machine "$$(nproc) cores, $$(awk '/MemTotal/ {printf "%.0f GiB", $$2/1048576}' /proc/meminfo), load average at the end $$(cut -d' ' -f1-3 /proc/loadavg)" \
+	  --command "make bench"

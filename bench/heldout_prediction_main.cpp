@@ -14,6 +14,7 @@
 // Prints a Markdown table (shapes, measured, predicted, error) and a summary; --json FILE writes
 // the same data. Exit code 0 when it ran, 2 for bad options.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -160,6 +161,36 @@ int main(int argc, char** argv) {
     }
   }
 
+  // The planner's own costs on this model: canonicalize the formula, refit it to the probes it
+  // was fitted to (with the infeasible ones as bounds, the same options), predict, size a
+  // microbatch. Mean wall time per call.
+  const auto seconds_per_call = [](int calls, const auto& fn) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) fn(i);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / calls;
+  };
+  std::vector<xpm::Measurement> fit_measurements;
+  for (const auto& m : model.metadata().at("fit_measurements")) {
+    fit_measurements.push_back({m.at("dims").get<std::vector<double>>(), m.at("bytes").get<double>()});
+  }
+  double sink = 0;
+  const double canonicalize_s = seconds_per_call(200, [&](int) {
+    sink += static_cast<double>(xpm::CostFormula(config.formula, config.coefficients, config.variables)
+                                    .canonical().size());
+  });
+  const double fit_s = seconds_per_call(5, [&](int) {
+    sink += xpm::fit_coefficients(model.formula(), fit_measurements, model.infeasible_probes(),
+                                  batcher_options.fit).coefficients[0];
+  });
+  const double predict_s = seconds_per_call(200000, [&](int i) {
+    sink += model.predict_bytes({static_cast<double>(1 + i % 64), static_cast<double>(1 + i % 180)});
+  });
+  const double max_microbatch_size_s = seconds_per_call(20000, [&](int i) {
+    sink += static_cast<double>(model.max_microbatch_size({1, static_cast<double>(1 + i % 180)}, usable,
+                                                          config.outer_batch_size));
+  });
+  if (!std::isfinite(sink)) std::printf("(timing sink not finite)\n");
+
   std::printf("| bs | l | measured step peak (bytes) | predicted (bytes) | error |\n");
   std::printf("|---:|---:|---:|---:|---:|\n");
   nlohmann::json rows_json = nlohmann::json::array();
@@ -195,7 +226,12 @@ int main(int argc, char** argv) {
                                 {"static_bytes", static_bytes},
                                 {"capacity_bytes", capacity_bytes},
                                 {"usable_bytes", usable},
-                                {"formula", model.formula().canonical()}};
+                                {"formula", model.formula().canonical()},
+                                {"timing", {{"canonicalize_s", canonicalize_s},
+                                            {"fit_s", fit_s},
+                                            {"fit_measurements", fit_measurements.size()},
+                                            {"predict_s", predict_s},
+                                            {"max_microbatch_size_s", max_microbatch_size_s}}}};
     xpm::write_file_atomically(json_path, out.dump(2) + "\n");
   }
   return 0;
