@@ -18,6 +18,7 @@ packages=(
   build-essential cmake pkg-config libopenblas-openmp-dev
   libtorch-dev libceres-dev libmuparserx-dev libboost-program-options-dev
   libbenchmark-dev doctest-dev nlohmann-json3-dev libgloo-dev libprotobuf-dev
+  jq  # make bench: bench/precision_modes.sh reads summary.json
 )
 
 log() { echo "setup: $*"; }

@@ -58,7 +58,8 @@ std::string with_option_names(std::string message) {
   static const std::vector<std::pair<std::string, std::string>> renamed = {
       {"learning_rate", "lr"}, {"model.nhead", "heads"}, {"model.d_model", "d-model"},
       {"model.dim_feedforward", "ff-dim"}, {"model.num_layers", "layers"},
-      {"model.dropout", "dropout"}, {"coefficients", "coefficients"}};
+      {"model.dropout", "dropout"}, {"model.activation_checkpointing", "activation-checkpointing"},
+      {"coefficients", "coefficients"}};
   const std::string prefix = "TaggingJobConfig.";
   for (std::size_t at = message.find(prefix); at != std::string::npos; at = message.find(prefix)) {
     std::size_t end = at + prefix.size();
@@ -116,10 +117,18 @@ TrainSettings parse_train_settings(int argc, char** argv) {
       ("layers", po::value(&config.model.num_layers)->default_value(config.model.num_layers),
        "encoder layers")
       ("dropout", po::value(&config.model.dropout)->default_value(config.model.dropout), "dropout")
+      ("activation-checkpointing", po::bool_switch(&config.model.activation_checkpointing),
+       "transformer: keep only each encoder layer's input in training and recompute the layer in "
+       "backward (lower peak, one more forward per layer; part of the memory model's identity)")
+      ("precision", po::value(&config.precision)->default_value(config.precision),
+       "32-true | bf16-mixed (bfloat16 autocast around the forward; fp32 weights, gradients and "
+       "AdamW) | 16-mixed (CUDA only); part of the memory model's identity; docs/precision-and-sharding.md")
       ("lr", po::value(&config.learning_rate)->default_value(config.learning_rate), "AdamW peak learning rate")
       ("weight-decay", po::value(&config.weight_decay)->default_value(config.weight_decay), "AdamW weight decay")
       ("warmup-steps", po::value(&config.warmup_steps)->default_value(config.warmup_steps),
-       "linear warmup steps, then linear decay to 10 %")
+       "linear warmup steps, then --lr-schedule")
+      ("lr-schedule", po::value(&config.lr_schedule)->default_value(config.lr_schedule),
+       "after warmup: constant | linear (decay to 10 % of --lr at the last step) | cosine (to 10 %)")
       ("memory-cap-bytes", po::value(&config.memory_cap_bytes)->default_value(config.memory_cap_bytes),
        "CPU cap on allocated tensor bytes; exceeding it is an OOM (0: see --memory-cap-factor)")
       ("memory-cap-factor", po::value(&config.memory_cap_factor)->default_value(config.memory_cap_factor),
@@ -142,7 +151,8 @@ TrainSettings parse_train_settings(int argc, char** argv) {
       ("microbatch-size", po::value<std::int64_t>(),
        "fixed: records per microbatch; power: the first size tried (default: the outer batch "
        "size); not with the predictive batcher")
-      ("packer", po::value(&config.packer)->default_value(config.packer), "adaptive | uniform")
+      ("packer", po::value(&config.packer)->default_value(config.packer),
+       "adaptive | uniform | ffd (first fit decreasing: fewest microbatches for summed dims)")
       ("sort-by", po::value(&config.sort_by)->default_value(config.sort_by),
        "adaptive packer: sort records by this dim, heaviest first (empty: keep order)")
       ("log-every", po::value(&config.log_every)->default_value(config.log_every), "progress line every N steps")

@@ -8,6 +8,7 @@
 #include <iostream>
 #include <memory>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -285,4 +286,52 @@ TEST_CASE("resume refuses a checkpoint written with another schedule and names t
   other.learning_rate = 1e-3;
   CHECK_THROWS_WITH_AS(xpm::run_tagging_job(other), doctest::Contains("learning_rate"),
                        std::invalid_argument);
+}
+
+TEST_CASE("bf16-mixed precision with activation checkpointing and the ffd packer train in the job under their own memory model") {
+  // The plain run fills the shared cache; the mixed-precision, checkpointed run must not reuse
+  // its fit (precision and activation checkpointing are part of the memory model's identity).
+  const nlohmann::json plain = xpm::run_tagging_job(short_job("identity-plain", 2));
+  REQUIRE(plain.at("train_steps") == 2);
+  xpm::TaggingJobConfig config = short_job("bf16-checkpointed-ffd", 2);
+  config.precision = "bf16-mixed";
+  config.model.activation_checkpointing = true;
+  config.packer = "ffd";
+  config.lr_schedule = "cosine";
+  const nlohmann::json summary = xpm::run_tagging_job(config);
+  CHECK(summary.at("train_steps") == 2);
+  CHECK(summary.at("memory_model_from_cache") == false);
+  CHECK(summary.at("probes").get<std::int64_t>() > 0);
+  CHECK(summary.at("ooms") == 0);
+  std::ifstream config_file(config.run_dir + "/config.json");
+  const nlohmann::json written = nlohmann::json::parse(config_file);
+  CHECK(written.at("precision") == "bf16-mixed");
+  CHECK(written.at("lr_schedule") == "cosine");
+  CHECK(written.at("model").at("activation_checkpointing") == true);
+  // The same settings again: now the cache has their fit.
+  const nlohmann::json again = xpm::run_tagging_job(config);
+  CHECK(again.at("memory_model_from_cache") == true);
+}
+
+TEST_CASE("precision, lr_schedule and activation checkpointing errors name the setting") {
+  const auto message_of = [](const xpm::TaggingJobConfig& config) {
+    try {
+      config.validate();
+    } catch (const std::invalid_argument& error) {
+      return std::string(error.what());
+    }
+    return std::string("(no error)");
+  };
+  xpm::TaggingJobConfig config = short_job("bad-options", 1);
+  config.precision = "16-mixed";
+  CHECK(message_of(config).find("16-mixed") != std::string::npos);
+  config.precision = "fp8";
+  CHECK(message_of(config).find("TaggingJobConfig.precision") != std::string::npos);
+  config.precision = "32-true";
+  config.lr_schedule = "step";
+  CHECK(message_of(config).find("TaggingJobConfig.lr_schedule") != std::string::npos);
+  config.lr_schedule = "linear";
+  config.architecture = "bilstm";
+  config.model.activation_checkpointing = true;
+  CHECK(message_of(config).find("activation_checkpointing") != std::string::npos);
 }

@@ -6,6 +6,8 @@
 
 #include "xpm/planner/formula.hpp"
 #include "xpm/trainer/hook_library.hpp"
+#include "xpm/trainer/lr_schedule.hpp"
+#include "xpm/trainer/precision.hpp"
 #include "xpm/trainer/tagging_job.hpp"
 
 namespace xpm {
@@ -59,8 +61,14 @@ void TaggingJobConfig::validate() const {
   require(microbatch_size == 0 || batcher != "predictive",
           "microbatch_size is for the fixed and power batchers (TaggingJobConfig.batcher fixed or "
           "power); the predictive batcher chooses its microbatches from the memory model");
-  require(packer == "adaptive" || packer == "uniform",
-          "packer must be 'adaptive' or 'uniform', got '" + packer + "'");
+  require(packer == "adaptive" || packer == "uniform" || packer == "ffd",
+          "packer must be 'adaptive', 'uniform' or 'ffd', got '" + packer + "'");
+  parse_lr_schedule_kind(lr_schedule, "TaggingJobConfig.lr_schedule");  // names the bad text
+  // This build trains on the CPU: 16-mixed (float16 autocast, loss scaling) needs CUDA.
+  check_precision_supported(parse_precision(precision, "TaggingJobConfig.precision"), torch::Device(torch::kCPU));
+  require(!model.activation_checkpointing || architecture == "transformer",
+          "model.activation_checkpointing recomputes the Transformer's encoder layers; the '" +
+              architecture + "' architecture has none (use architecture transformer)");
   require(log_every >= 1, "log_every must be >= 1, got " + std::to_string(log_every));
   require(underprediction_tolerance >= 0, "underprediction_tolerance must be >= 0, got " +
                                              std::to_string(underprediction_tolerance));
@@ -143,7 +151,8 @@ nlohmann::json TaggingJobConfig::to_json() const {
             {"dim_feedforward", model.dim_feedforward},
             {"num_layers", model.num_layers},
             {"dropout", model.dropout},
-            {"max_length", model.max_length}}},
+            {"max_length", model.max_length},
+            {"activation_checkpointing", model.activation_checkpointing}}},
           {"learning_rate", learning_rate},
           {"weight_decay", weight_decay},
           {"warmup_steps", warmup_steps},
@@ -158,6 +167,8 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"batcher", batcher},
           {"microbatch_size", microbatch_size},
           {"packer", packer},
+          {"lr_schedule", lr_schedule},
+          {"precision", precision},
           {"sort_by", sort_by},
           {"log_every", log_every},
           {"validate_every", validate_every},

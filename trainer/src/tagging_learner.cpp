@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "xpm/planner/atomic_file.hpp"
+#include "xpm/trainer/lr_schedule.hpp"
 #include "xpm/trainer/tagging_batch.hpp"
 #include "xpm/trainer/tagging_memory_plan.hpp"
 
@@ -28,14 +29,17 @@ void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
-// Linear warmup to the peak, then linear decay to 10 % of it at the last step.
+// Linear warmup to the peak, then config.lr_schedule (constant, or linear / cosine decay to 10 %
+// of the peak at the last step); lr_schedule.hpp has the formulas.
 double scheduled_learning_rate(const TaggingJobConfig& config, std::int64_t step,
                                std::int64_t total_steps) {
-  const double peak = config.learning_rate;
-  if (step < config.warmup_steps) return peak * static_cast<double>(step + 1) / config.warmup_steps;
-  const double span = std::max<std::int64_t>(1, total_steps - config.warmup_steps);
-  const double progress = std::min(1.0, static_cast<double>(step - config.warmup_steps) / span);
-  return peak * (1.0 - 0.9 * progress);
+  LrScheduleOptions schedule;
+  schedule.kind = parse_lr_schedule_kind(config.lr_schedule, "TaggingJobConfig.lr_schedule");
+  schedule.peak_learning_rate = config.learning_rate;
+  schedule.warmup_steps = config.warmup_steps;
+  schedule.total_steps = std::max<std::int64_t>(1, total_steps);
+  schedule.final_fraction = 0.1;
+  return learning_rate_at(schedule, step);
 }
 
 // "1h02m", "12m34s", "45s": the ETA of the progress line.

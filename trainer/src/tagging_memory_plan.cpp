@@ -7,6 +7,7 @@
 
 #include <torch/torch.h>
 
+#include "xpm/planner/ffd_packer.hpp"
 #include "xpm/planner/memory_model_cache.hpp"
 #include "xpm/planner_torch/probe_runner.hpp"
 
@@ -29,6 +30,7 @@ PredictiveBatcherOptions tagging_batcher_options(const TaggingJobConfig& config,
 
 std::shared_ptr<const MicrobatchPacker> tagging_packer(const TaggingJobConfig& config) {
   if (config.packer == "uniform") return std::make_shared<UniformPacker>();
+  if (config.packer == "ffd") return std::make_shared<FirstFitDecreasingPacker>();
   return std::make_shared<AdaptivePacker>(AdaptivePackerOptions{config.sort_by});
 }
 
@@ -48,9 +50,11 @@ nlohmann::json memory_model_identity(const TaggingJobConfig& config,
           {"architecture", config.architecture},
           {"model", config.architecture == "bilstm"
                         ? nlohmann::json{{"dropout", config.bilstm.dropout}}
-                        : nlohmann::json{{"nhead", config.model.nhead}, {"dropout", config.model.dropout}}},
+                        : nlohmann::json{{"nhead", config.model.nhead},
+                                         {"dropout", config.model.dropout},
+                                         {"activation_checkpointing", config.model.activation_checkpointing}}},
           {"optimizer", {{"name", "adamw"}, {"weight_decay", config.weight_decay}}},
-          {"precision", "32-true"},
+          {"precision", config.precision},
           {"device", "cpu"},
           {"world_size", world_size},
           {"torch_version", TORCH_VERSION},

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
+#include "xpm/trainer/precision.hpp"
 #include "xpm/trainer/tagging_batch.hpp"
 
 namespace xpm {
@@ -105,6 +106,21 @@ TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingDat
   } else {
     throw std::invalid_argument("TaggingJobConfig.architecture must be 'transformer' or 'bilstm', "
                                 "got '" + config.architecture + "'");
+  }
+  // Mixed precision: autocast around the forward only; the logits come back as float32, so the
+  // loss, backward's start, the master weights and AdamW stay float32 (precision.hpp). Every
+  // forward of the job goes through here: probes, training steps and validation.
+  const Precision precision = parse_precision(config.precision, "TaggingJobConfig.precision");
+  if (precision != Precision::k32True) {
+    model.forward = [inner = std::move(model.forward), precision](const torch::Tensor& token_ids,
+                                                                 const torch::Tensor& padding_mask) {
+      torch::Tensor logits;
+      {
+        AutocastGuard autocast(precision, token_ids.device().type());
+        logits = inner(token_ids, padding_mask);
+      }
+      return logits.to(torch::kFloat32);
+    };
   }
   return model;
 }

@@ -79,7 +79,9 @@ struct TaggingJobConfig {
   BiLstmTaggerOptions bilstm;                 // bilstm; vocab_size/num_tags from the data
   double learning_rate = 3e-3;                // AdamW peak learning rate
   double weight_decay = 0.01;                 // AdamW weight decay
-  std::int64_t warmup_steps = 50;             // linear warmup, then linear decay to 10 %
+  std::int64_t warmup_steps = 50;             // linear warmup, then the schedule's decay
+  std::string lr_schedule = "linear";         // after warmup: constant | linear | cosine (to 10 %; lr_schedule.hpp)
+  std::string precision = "32-true";          // 32-true | bf16-mixed (CPU autocast) | 16-mixed (CUDA); precision.hpp
   std::int64_t memory_cap_bytes = 0;          // CPU cap on allocated bytes (0: see factor)
   double memory_cap_factor = 0;               // cap = factor x static bytes, when bytes is 0
   double memory_fraction = 0.9;               // share of the cap the plan may use
@@ -90,7 +92,7 @@ struct TaggingJobConfig {
   std::vector<ProbePoint> probe_points;       // empty: automatic design up to the budget
   std::string batcher = "predictive";         // predictive | fixed | power (fixed_batchers.hpp)
   std::int64_t microbatch_size = 0;           // fixed, power (first size): records; 0: outer batch
-  std::string packer = "adaptive";            // adaptive | uniform
+  std::string packer = "adaptive";            // adaptive | uniform | ffd (first fit decreasing)
   std::string sort_by = "l";                  // adaptive packer: heaviest first by this dim
   std::int64_t log_every = 10;                // progress line every N steps
   std::int64_t validate_every = 0;            // validation every N steps (0: not by steps)
