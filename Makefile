@@ -40,6 +40,7 @@ BENCH_DIR ?= runs/bench
 BENCH_STEPS ?= 150
 BENCH_MIN_TIME ?= 0.2
 BENCH_THREADS ?= 2
+BENCH_PRECISION_STEPS ?= 20
 
 .PHONY: bench
 bench: setup configure
@@ -61,3 +62,7 @@ bench: setup configure
 	  --batchers $(BENCH_DIR)/batchers.json --docs docs/benchmarks.md --figures docs/figures \
 	  --machine "$$(nproc) cores, $$(awk '/MemTotal/ {printf "%.0f GiB", $$2/1048576}' /proc/meminfo), load average at the end $$(cut -d' ' -f1-3 /proc/loadavg)" \
 	  --command "make bench"
+	bench/precision_modes.sh $(BUILD_DIR) $(BENCH_DIR)/precision $(BENCH_PRECISION_STEPS) $(BENCH_THREADS) \
+	  > $(BENCH_DIR)/precision-modes.md
+	bench/splice_section.sh precision-modes $(BENCH_DIR)/precision-modes.md docs/benchmarks.md \
+	  "make bench (bench/precision_modes.sh, $(BENCH_PRECISION_STEPS) steps per mode)"
