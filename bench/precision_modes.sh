@@ -6,11 +6,14 @@
 #
 #   bench/precision_modes.sh BUILD_DIR WORK_DIR STEPS THREADS > table.md
 #
-# Columns: probes and probing time; static bytes (weights, gradients, AdamW state: the same in
+# Columns: probes and probing time; the fitted activation coefficients a and b of the bundled
+# formula a*bs*l^2 + b*bs*l + c (what each mode changes); static bytes (weights, gradients, AdamW state: the same in
 # every mode, as the master weights stay float32); the largest measured step peak of allocated
 # bytes and the cap; the planner's largest relative error of a step's predicted peak
 # (|predicted - measured| / measured, summary max_step_prediction_rel_error) and how many steps
-# it under-predicted; microbatches; real tokens/s; held-out token accuracy at the end.
+# it under-predicted; sentences per microbatch (64 x steps / microbatches: the planner fills the
+# same budget, so a mode that needs less memory per sentence fits more); real tokens/s;
+# held-out token accuracy at the end.
 # Exit code 2 for bad arguments; a failed run stops the script with xpm-train's exit code.
 set -euo pipefail
 if [ $# -ne 4 ]; then
@@ -24,8 +27,8 @@ train="$build_dir/bin/xpm-train"
 mkdir -p "$work_dir"
 
 modes=("32-true" "32-true|--activation-checkpointing" "bf16-mixed" "bf16-mixed|--activation-checkpointing")
-echo "| precision | activation checkpointing | probes (s) | static bytes | max step peak bytes | cap bytes | peak / cap | max step prediction error | under-predicted steps | microbatches | real tokens/s | held-out accuracy |"
-echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| precision | activation checkpointing | probes (s) | fitted a (bytes per bs·l²) | fitted b (bytes per bs·l) | static bytes | max step peak bytes | peak / cap | max step prediction error | under-predicted steps | records per microbatch | real tokens/s | held-out accuracy |"
+echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 for mode in "${modes[@]}"; do
   precision=${mode%%|*}
   extra=""
@@ -33,8 +36,9 @@ for mode in "${modes[@]}"; do
   name="$precision${extra:+-checkpointed}"
   # shellcheck disable=SC2086  # $extra is one option or nothing
   "$train" --run-dir "$work_dir/$name" --max-steps "$steps" --threads "$threads" --memory-cap-factor 2.0 \
-    --memory-model-cache '' --max-validation-sentences 500 --precision "$precision" $extra -q >&2
-  jq -r --arg p "$precision" --arg c "$([ -n "$extra" ] && echo yes || echo no)" \
-    '"| \($p) | \($c) | \(.probes) (\(.probe_s * 10 | round / 10)) | \(.static_bytes) | \(.peak_allocated_bytes) | \(.capacity_bytes) | \(.peak_allocated_bytes / .capacity_bytes * 1000 | round / 1000) | \(.max_step_prediction_rel_error * 1000 | round / 10) % | \(.underpredictions) | \(.microbatches) | \(.tokens_per_s | round) | \(.val_token_accuracy * 1000 | round / 1000) |"' \
-    "$work_dir/$name/summary.json"
+    --outer-batch-size 64 --memory-model-cache '' --max-validation-sentences 500 --precision "$precision" $extra -q > "$work_dir/$name.log"
+  jq -r -s --arg p "$precision" --arg c "$([ -n "$extra" ] && echo yes || echo no)" \
+    '.[0] as $s | .[1].coefficients as $k |
+     "| \($p) | \($c) | \($s.probes) (\($s.probe_s * 10 | round / 10) s) | \($k.a * 10 | round / 10) | \($k.b | round) | \($s.static_bytes) | \($s.peak_allocated_bytes) | \($s.peak_allocated_bytes / $s.capacity_bytes * 1000 | round / 1000) | \($s.max_step_prediction_rel_error * 100000 | round / 1000) % | \($s.underpredictions) | \($s.train_steps * 64 / $s.microbatches * 10 | round / 10) | \($s.tokens_per_s | round) | \($s.val_token_accuracy * 1000 | round / 1000) |"' \
+    "$work_dir/$name/summary.json" "$work_dir/$name/memory_model.json"
 done
