@@ -125,6 +125,9 @@ TrainSettings parse_train_settings(int argc, char** argv) {
        "AdamW) | 16-mixed (CUDA only); part of the memory model's identity; docs/precision-and-sharding.md")
       ("lr", po::value(&config.learning_rate)->default_value(config.learning_rate), "AdamW peak learning rate")
       ("weight-decay", po::value(&config.weight_decay)->default_value(config.weight_decay), "AdamW weight decay")
+      ("weight-decay-groups", po::bool_switch(&config.weight_decay_groups),
+       "no weight decay for biases and normalization parameters (HF Trainer's rule; "
+       "docs/precision-and-sharding.md); off: every parameter decays")
       ("warmup-steps", po::value(&config.warmup_steps)->default_value(config.warmup_steps),
        "linear warmup steps, then --lr-schedule")
       ("lr-schedule", po::value(&config.lr_schedule)->default_value(config.lr_schedule),

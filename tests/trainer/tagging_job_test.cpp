@@ -16,6 +16,7 @@
 #include "xpm/trainer/learner_listener.hpp"
 #include "xpm/trainer/tagging_job.hpp"
 #include "xpm/trainer/tagging_task.hpp"
+#include "xpm/trainer/weight_decay_groups.hpp"
 
 namespace {
 
@@ -308,6 +309,10 @@ TEST_CASE("bf16-mixed precision with activation checkpointing and the ffd packer
   CHECK(written.at("precision") == "bf16-mixed");
   CHECK(written.at("lr_schedule") == "cosine");
   CHECK(written.at("model").at("activation_checkpointing") == true);
+  std::ifstream model_file(config.run_dir + "/memory_model.json");
+  const nlohmann::json memory_model = nlohmann::json::parse(model_file);
+  CHECK(memory_model.at("metadata").at("precision") == "bf16-mixed");
+  CHECK(memory_model.at("metadata").at("activation_checkpointing") == true);
   // The same settings again: now the cache has their fit.
   const nlohmann::json again = xpm::run_tagging_job(config);
   CHECK(again.at("memory_model_from_cache") == true);
@@ -334,4 +339,27 @@ TEST_CASE("precision, lr_schedule and activation checkpointing errors name the s
   config.architecture = "bilstm";
   config.model.activation_checkpointing = true;
   CHECK(message_of(config).find("activation_checkpointing") != std::string::npos);
+}
+
+TEST_CASE("weight_decay_groups gives the job's AdamW a second group without decay for biases and norms") {
+  xpm::TaggingJobConfig config = short_job("decay-groups", 1);
+  const xpm::TaggingData data = xpm::load_tagging_data(config);
+  config.weight_decay_groups = true;
+  xpm::TaggingModelSetup grouped(config, data, nullptr);
+  auto& groups = grouped.optimizer().param_groups();
+  REQUIRE(groups.size() == 2);
+  const auto decay_of = [](torch::optim::OptimizerParamGroup& group) {
+    return static_cast<torch::optim::AdamWOptions&>(group.options()).weight_decay();
+  };
+  CHECK(decay_of(groups[0]) == doctest::Approx(config.weight_decay));
+  CHECK(decay_of(groups[1]) == 0.0);
+  // Every trainable parameter is in exactly one group; the second holds the biases and norms.
+  CHECK(groups[0].params().size() + groups[1].params().size() ==
+        grouped.module().parameters().size());
+  const xpm::WeightDecaySplit split = xpm::split_for_weight_decay(grouped.module());
+  CHECK(groups[1].params().size() == split.no_decay_names.size());
+  for (const std::string& name : split.no_decay_names) CHECK(xpm::excluded_from_weight_decay(name));
+  config.weight_decay_groups = false;
+  xpm::TaggingModelSetup plain(config, data, nullptr);
+  CHECK(plain.optimizer().param_groups().size() == 1);
 }

@@ -155,6 +155,7 @@ nlohmann::json TaggingJobConfig::to_json() const {
             {"activation_checkpointing", model.activation_checkpointing}}},
           {"learning_rate", learning_rate},
           {"weight_decay", weight_decay},
+          {"weight_decay_groups", weight_decay_groups},
           {"warmup_steps", warmup_steps},
           {"memory_cap_bytes", memory_cap_bytes},
           {"memory_cap_factor", memory_cap_factor},

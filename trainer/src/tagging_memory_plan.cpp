@@ -53,7 +53,9 @@ nlohmann::json memory_model_identity(const TaggingJobConfig& config,
                         : nlohmann::json{{"nhead", config.model.nhead},
                                          {"dropout", config.model.dropout},
                                          {"activation_checkpointing", config.model.activation_checkpointing}}},
-          {"optimizer", {{"name", "adamw"}, {"weight_decay", config.weight_decay}}},
+          {"optimizer", {{"name", "adamw"},
+                         {"weight_decay", config.weight_decay},
+                         {"groups", config.weight_decay_groups ? "no_decay_bias_norm" : "all"}}},
           {"precision", config.precision},
           {"device", "cpu"},
           {"world_size", world_size},
@@ -100,7 +102,8 @@ MemoryModelOrigin obtain_memory_model(const TaggingJobConfig& config, TaggingMod
         MemoryModel fitted = batcher.model();
         fitted.metadata()["device"] = "cpu";
         fitted.metadata()["capacity_bytes"] = capacity_bytes;
-        fitted.metadata()["precision"] = "32-true";
+        fitted.metadata()["precision"] = config.precision;
+        fitted.metadata()["activation_checkpointing"] = config.model.activation_checkpointing;
         fitted.metadata()["optimizer"] = "adamw";
         fitted.metadata()["torch_version"] = TORCH_VERSION;
         fitted.metadata()["model_signature"] = setup.signature();

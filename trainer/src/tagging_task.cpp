@@ -7,6 +7,7 @@
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/precision.hpp"
 #include "xpm/trainer/tagging_batch.hpp"
+#include "xpm/trainer/weight_decay_groups.hpp"
 
 namespace xpm {
 namespace {
@@ -130,9 +131,11 @@ TaggingModelSetup::TaggingModelSetup(const TaggingJobConfig& config, const Taggi
     : model_(make_tagging_model(config, data)) {
   model_.module->train();
   if (before_optimizer) before_optimizer(*model_.module);
-  optimizer_ = std::make_unique<torch::optim::AdamW>(
-      model_.module->parameters(),
-      torch::optim::AdamWOptions(config.learning_rate).weight_decay(config.weight_decay));
+  torch::optim::AdamWOptions adamw(config.learning_rate);
+  adamw.weight_decay(config.weight_decay);
+  optimizer_ = config.weight_decay_groups
+                   ? std::make_unique<torch::optim::AdamW>(adamw_param_groups(*model_.module, adamw), adamw)
+                   : std::make_unique<torch::optim::AdamW>(model_.module->parameters(), adamw);
   for (auto& parameter : model_.module->parameters()) {
     if (!parameter.requires_grad()) continue;  // frozen: no gradient, no AdamW state
     parameter.mutable_grad() = torch::zeros_like(parameter);  // gradients stay allocated

@@ -79,6 +79,7 @@ struct TaggingJobConfig {
   BiLstmTaggerOptions bilstm;                 // bilstm; vocab_size/num_tags from the data
   double learning_rate = 3e-3;                // AdamW peak learning rate
   double weight_decay = 0.01;                 // AdamW weight decay
+  bool weight_decay_groups = false;           // no decay for biases and norm parameters (weight_decay_groups.hpp)
   std::int64_t warmup_steps = 50;             // linear warmup, then the schedule's decay
   std::string lr_schedule = "linear";         // after warmup: constant | linear | cosine (to 10 %; lr_schedule.hpp)
   std::string precision = "32-true";          // 32-true | bf16-mixed (CPU autocast) | 16-mixed (CUDA); precision.hpp
