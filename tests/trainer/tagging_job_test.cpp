@@ -292,9 +292,16 @@ TEST_CASE("resume refuses a checkpoint written with another schedule and names t
 TEST_CASE("bf16-mixed precision with activation checkpointing and the ffd packer train in the job under their own memory model") {
   // The plain run fills the shared cache; the mixed-precision, checkpointed run must not reuse
   // its fit (precision and activation checkpointing are part of the memory model's identity).
-  const nlohmann::json plain = xpm::run_tagging_job(short_job("identity-plain", 2));
+  // A cache of its own, emptied first: the shared one keeps fits across test runs.
+  const std::string cache = kScratch + "/memory-models-identity";
+  std::filesystem::remove_all(cache);
+  xpm::TaggingJobConfig plain_config = short_job("identity-plain", 2);
+  plain_config.memory_model_cache = cache;
+  const nlohmann::json plain = xpm::run_tagging_job(plain_config);
   REQUIRE(plain.at("train_steps") == 2);
+  CHECK(plain.at("memory_model_from_cache") == false);
   xpm::TaggingJobConfig config = short_job("bf16-checkpointed-ffd", 2);
+  config.memory_model_cache = cache;
   config.precision = "bf16-mixed";
   config.model.activation_checkpointing = true;
   config.packer = "ffd";
