@@ -73,7 +73,10 @@ struct TaggingModel {
 };
 
 /// Builds a freshly initialized model of config.architecture (from the torch RNG), options
-/// completed from the data. Throws std::invalid_argument for a bad architecture or options.
+/// completed from the data. With config.precision other than "32-true", `forward` runs the
+/// model under AutocastGuard (precision.hpp) and returns float32 logits [bs, l, num_tags], so
+/// probes, training steps and validation all see the same precision. Throws
+/// std::invalid_argument for a bad architecture, options or precision.
 TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingData& data);
 
 /// Model and AdamW with the gradients and optimizer state allocated, as in steady-state
