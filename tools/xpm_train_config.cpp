@@ -123,6 +123,15 @@ TrainSettings parse_train_settings(int argc, char** argv) {
       ("precision", po::value(&config.precision)->default_value(config.precision),
        "32-true | bf16-mixed (bfloat16 autocast around the forward; fp32 weights, gradients and "
        "AdamW) | 16-mixed (CUDA only); part of the memory model's identity; docs/precision-and-sharding.md")
+      ("sharding", po::value(&config.sharding)->default_value(config.sharding),
+       "no_shard (every rank holds the whole AdamW state, as DDP) | shard_grad_op (each rank "
+       "keeps and steps the AdamW state of its 1/world_size slice, then the parameters are "
+       "gathered; FSDP SHARD_GRAD_OP / ZeRO); part of the memory model's identity; "
+       "docs/precision-and-sharding.md")
+      ("optimizer-checkpoint", po::value(&config.optimizer_checkpoint)->default_value(config.optimizer_checkpoint),
+       "checkpoints under --sharding shard_grad_op: sharded (each rank writes optimizer-rank<r>.pt; "
+       "resume at the same world size) | full (one consolidated optimizer.pt that any world size, "
+       "one process included, resumes from)")
       ("lr", po::value(&config.learning_rate)->default_value(config.learning_rate), "AdamW peak learning rate")
       ("weight-decay", po::value(&config.weight_decay)->default_value(config.weight_decay), "AdamW weight decay")
       ("weight-decay-groups", po::bool_switch(&config.weight_decay_groups),

@@ -4,6 +4,7 @@
 // on rank 0 stops every rank with the same message; a rank that dies stops the others within
 // the collective timeout, and the failure names the rank.
 #include "../torch_doctest.hpp"
+#include "xpm_train_runs.hpp"
 
 #include <chrono>
 #include <cstdio>
@@ -23,69 +24,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-namespace {
-
-const std::string kTrain = std::string(XPM_BINARY_DIR) + "/bin/xpm-train";
-const std::string kData = std::string(XPM_SOURCE_DIR) + "/data/brown";
-const std::string kWork = std::string(XPM_BINARY_DIR) + "/tests/ddp";
-
-struct Run {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr
-  double wall_s = 0;
-};
-
-// Runs xpm-train with `arguments` (and `environment`, "NAME=value ..."), capturing output.
-Run run_train(const std::string& arguments, const std::string& environment = "") {
-  std::filesystem::create_directories(kWork);
-  // One log per run: CTest runs these cases as separate processes, possibly at the same time.
-  static int runs = 0;
-  const std::string log = kWork + "/run_" + std::to_string(::getpid()) + "_" + std::to_string(++runs) + ".log";
-  const std::string command = environment + " '" + kTrain + "' --data-dir '" + kData + "' " +
-                              arguments + " > '" + log + "' 2>&1";
-  const auto start = std::chrono::steady_clock::now();
-  const int status = std::system(command.c_str());
-  Run run;
-  run.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream in(log);
-  std::stringstream text;
-  text << in.rdbuf();
-  run.output = text.str();
-  return run;
-}
-
-std::map<std::string, torch::Tensor> load_parameters(const std::string& path) {
-  torch::serialize::InputArchive archive;
-  archive.load_from(path);
-  std::map<std::string, torch::Tensor> out;
-  for (const std::string& key : archive.keys()) {
-    torch::Tensor tensor;
-    archive.read(key, tensor);
-    out[key] = tensor;
-  }
-  return out;
-}
-
-// The step lines of metrics.jsonl (validation lines, which carry a "validation" field and no
-// per-rank counts, are left out).
-std::vector<nlohmann::json> read_step_metrics(const std::string& run_dir) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(run_dir + "/metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    nlohmann::json entry = nlohmann::json::parse(line);
-    if (!entry.contains("validation")) out.push_back(std::move(entry));
-  }
-  return out;
-}
-
-// Small, fast, deterministic: no dropout, a tight cap (1.8 x static memory: several microbatches
-// per step), a shared memory-model cache (one automatic probe design per world size).
-const std::string kCommon =
-    "--dropout 0 --memory-cap-factor 1.8 --threads 1 --max-validation-sentences 200 "
-    "--warmup-steps 2 --memory-model-cache '" + kWork + "/cache' ";
-
-}  // namespace
+using namespace xpm_train_runs;
 
 TEST_CASE("DDP: world 2 gives the same parameters as world 1 with different microbatch counts per rank") {
   const std::string one = kWork + "/world1", two = kWork + "/world2";

@@ -37,12 +37,21 @@ void zero_gradients(torch::optim::Optimizer& optimizer) {
 
 DataParallelTrainer::DataParallelTrainer(torch::optim::Optimizer& optimizer,
                                          const PredictiveBatcher& batcher, MemoryMeter* meter,
-                                         DistributedContext& context, GradientBuckets* buckets)
+                                         DistributedContext& context, GradientBuckets* buckets,
+                                         ShardedAdamW* sharded)
     : optimizer_(optimizer), batcher_(batcher), meter_(meter), context_(context), buckets_(buckets),
-      local_(optimizer, batcher, meter) {
-  if (context_.distributed() && buckets_ == nullptr) {
+      sharded_(sharded), local_(optimizer, batcher, meter) {
+  if (context_.distributed() && buckets_ == nullptr && sharded_ == nullptr) {
     throw std::invalid_argument("DataParallelTrainer: gradient buckets are required when world_size is " +
                                 std::to_string(context_.world_size()));
+  }
+}
+
+void DataParallelTrainer::zero_grad() {
+  if (sharded_ != nullptr) {
+    sharded_->zero_grad();
+  } else {
+    zero_gradients(optimizer_);
   }
 }
 
@@ -83,7 +92,7 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
     my_units.push_back(record_units[i]);
   }
   if (meter_ != nullptr) meter_->reset_peak();
-  zero_gradients(optimizer_);
+  zero_grad();
   StepResult local;
   bool local_oom = false;
   try {
@@ -156,8 +165,20 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
   // 3. Gradients and the optimizer step, or a step skipped on every rank.
   double optimizer_step_peak_bytes = 0;
   if (result.oom) {
-    zero_gradients(optimizer_);
+    zero_grad();
     result.loss = 0;
+  } else if (sharded_ != nullptr) {
+    if (meter_ != nullptr) meter_->reset_peak();
+    if (result.microbatches > 0) {  // global count: every rank takes the same branch
+      sharded_->reduce_gradients();
+      if (before_optimizer_step) before_optimizer_step();
+      const double max_norm = sharded_->options().max_grad_norm;
+      if (max_norm > 0) result.gradient_norm = sharded_->clip_gradients(max_norm).gradient_norm;
+      sharded_->step_owned();
+      sharded_->gather_parameters();
+    }
+    if (meter_ != nullptr) optimizer_step_peak_bytes = static_cast<double>(meter_->peak_allocated_bytes());
+    result.units = global_units;
   } else {
     if (meter_ != nullptr) meter_->reset_peak();
     if (buckets_ != nullptr) buckets_->all_reduce_sum(context_);

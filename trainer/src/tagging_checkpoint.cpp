@@ -1,6 +1,7 @@
 // Checkpoints of the tagging job: the files of one checkpoint and the resume state.
 #include "xpm/trainer/tagging_checkpoint.hpp"
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -135,9 +136,18 @@ std::string save_tagging_checkpoint(CheckpointStore& store, const torch::nn::Mod
                                     const std::vector<torch::Tensor>& generator_states,
                                     const TaggingResumeState& state, const nlohmann::json& config,
                                     bool is_best) {
-  std::map<std::string, CheckpointFileWriter> files;
+  const std::map<std::string, CheckpointFileWriter> optimizer_files = {
+      {"optimizer.pt", [&](const std::string& path) { torch::save(optimizer, path); }}};
+  return save_tagging_checkpoint(store, module, optimizer_files, generator_states, state, config, is_best);
+}
+
+std::string save_tagging_checkpoint(CheckpointStore& store, const torch::nn::Module& module,
+                                    const std::map<std::string, CheckpointFileWriter>& optimizer_files,
+                                    const std::vector<torch::Tensor>& generator_states,
+                                    const TaggingResumeState& state, const nlohmann::json& config,
+                                    bool is_best) {
+  std::map<std::string, CheckpointFileWriter> files = optimizer_files;
   files["model.pt"] = [&](const std::string& path) { save_module_state(module, path); };
-  files["optimizer.pt"] = [&](const std::string& path) { torch::save(optimizer, path); };
   files["rng.pt"] = [&](const std::string& path) {
     torch::serialize::OutputArchive archive;
     for (std::size_t r = 0; r < generator_states.size(); ++r) {
@@ -155,6 +165,19 @@ std::string save_tagging_checkpoint(CheckpointStore& store, const torch::nn::Mod
                                 {"torch_version", TORCH_VERSION},
                                 {"epoch", state.epoch}};
   return store.save(state.step, extra, files, is_best);
+}
+
+void check_optimizer_loadable(const TaggingCheckpoint& checkpoint, int world_size, const std::string& sharding) {
+  const std::string& path = checkpoint.info.path;
+  if (std::filesystem::exists(path + "/optimizer.pt")) return;  // full state: any world, any sharding
+  const int saved_world = checkpoint.state.world_size;
+  if (saved_world == world_size && sharding == "shard_grad_op") return;
+  throw std::invalid_argument(
+      "--resume: checkpoint '" + path + "' holds sharded optimizer state (optimizer-rank<r>.pt of " +
+      std::to_string(saved_world) + " rank(s), --sharding shard_grad_op); this run has world size " +
+      std::to_string(world_size) + " and --sharding " + sharding +
+      ": resume with --sharding shard_grad_op at world size " + std::to_string(saved_world) +
+      ", or write full checkpoints (--optimizer-checkpoint full) to change either");
 }
 
 TaggingCheckpoint read_tagging_checkpoint(const std::string& path) {

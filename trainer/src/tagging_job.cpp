@@ -51,7 +51,8 @@ int default_worker_threads(int local_world_size) {
 }
 
 // Settings a resumed run may change: where things go, what is printed, how often checkpoints
-// are written, stopping, timeouts. Every other one (model, data, schedule, batcher, memory
+// are written, stopping, timeouts, and the sharding (the update is AdamW's either way; the
+// checkpoint's optimizer files decide what can be loaded, TaggingLearner::restore). Every other one (model, data, schedule, batcher, memory
 // budget, validation) must equal the checkpoint's, or the resumed run would not continue the
 // stopped one.
 const std::set<std::string>& settings_free_on_resume() {
@@ -60,7 +61,7 @@ const std::set<std::string>& settings_free_on_resume() {
       "log_every",        "quiet",              "memory_model_cache",
       "resume",           "stop_after_steps",   "checkpoint_every_steps",
       "checkpoint_every_epochs", "keep_checkpoints", "collective_timeout_s",
-      "rendezvous_timeout_s", "backend"};
+      "rendezvous_timeout_s", "backend", "sharding", "optimizer_checkpoint"};
   return keys;
 }
 
@@ -110,6 +111,7 @@ std::optional<TaggingCheckpoint> find_resume_checkpoint(const TaggingJobConfig& 
     throw std::runtime_error("--resume: checkpoint '" + path + "': " + error.what());
   }
   check_resume_config(config, *checkpoint);
+  check_optimizer_loadable(*checkpoint, dist.world_size(), config.sharding);  // before anything is written
   log("xpm-train: resuming from " + path + " (step " + std::to_string(checkpoint->state.step) + ")");
   return checkpoint;
 }
@@ -124,7 +126,9 @@ HookList job_hooks(const TaggingJobConfig& config, const HookList& extension_hoo
     hooks.add(std::make_shared<LayerFreezer>(options));
   }
   for (const auto& hook : extension_hooks.hooks()) hooks.add(hook);
-  if (config.clip_grad_norm > 0) {
+  // Under shard_grad_op the ShardedAdamW clips by the global norm over the owned slices
+  // (TaggingModelSetup passes clip_grad_norm on); the hook would see this rank's slices only.
+  if (config.clip_grad_norm > 0 && config.sharding == "no_shard") {
     hooks.add(std::make_shared<GradientClipper>(GradientClipperOptions{config.clip_grad_norm, 2.0}));
   }
   return hooks;
@@ -230,10 +234,24 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
     job_extensions.hooks.before_initialization(context);
     if (resume_from) load_module_state(resume_from->info.path + "/model.pt", module);
     job_extensions.hooks.after_initialization(context);
-  });
+  }, &dist);
   torch::optim::AdamW& optimizer = setup.optimizer();
   state.optimizer = &optimizer;
   const std::int64_t static_bytes = meter.current_allocated_bytes();
+  const std::int64_t optimizer_state_bytes = setup.optimizer_state_bytes();
+  // Every rank's static and AdamW-state bytes (one all-reduce of a slot per rank), for the summary.
+  std::vector<std::int64_t> static_bytes_per_rank, optimizer_state_bytes_per_rank;
+  {
+    const auto world = static_cast<std::size_t>(dist.world_size());
+    std::vector<double> slots(2 * world, 0.0);
+    slots[static_cast<std::size_t>(dist.rank())] = static_cast<double>(static_bytes);
+    slots[world + static_cast<std::size_t>(dist.rank())] = static_cast<double>(optimizer_state_bytes);
+    slots = dist.all_reduce(slots, ReduceOp::kSum);
+    for (std::size_t r = 0; r < world; ++r) {
+      static_bytes_per_rank.push_back(static_cast<std::int64_t>(slots[r]));
+      optimizer_state_bytes_per_rank.push_back(static_cast<std::int64_t>(slots[world + r]));
+    }
+  }
 
   std::int64_t capacity_bytes = config.memory_cap_bytes;
   if (capacity_bytes == 0 && config.memory_cap_factor > 0) {
@@ -243,13 +261,20 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   if (!capped) capacity_bytes = physical_memory_bytes();
   // A resumed run budgets with the stopped run's capacity (its static bytes may differ, e.g.
   // parameters frozen then and unfrozen now), so it plans the same microbatches.
-  if (resume_from) capacity_bytes = resume_from->state.capacity_bytes;
+  // Another world size or sharding changes what a rank holds: that resume budgets, and plans
+  // with a memory model, of its own.
+  const bool same_layout_as_checkpoint =
+      resume_from && resume_from->state.world_size == dist.world_size() &&
+      resume_from->info.manifest.value("config", nlohmann::json::object()).value("sharding", "no_shard") ==
+          config.sharding;
+  if (same_layout_as_checkpoint) capacity_bytes = resume_from->state.capacity_bytes;
   meter.set_capacity_bytes(capped ? capacity_bytes : 0);
   log("xpm-train: static memory " + std::to_string(static_bytes) + " bytes, capacity " +
       std::to_string(capacity_bytes) + " bytes" + (capped ? " (CPU cap)" : " (physical memory)") +
       (dist.distributed() ? " per rank; world size " + std::to_string(dist.world_size()) + ", backend " +
                                 dist.backend() + ", " + std::to_string(threads) + " threads per rank"
-                          : ""));
+                          : "") +
+      "; sharding " + config.sharding + ", AdamW state " + std::to_string(optimizer_state_bytes) + " bytes");
 
   // Memory model: the checkpoint's when resuming (no probing: the model training used at that
   // step, online corrections included), else rank 0's from the cache or probes.
@@ -257,7 +282,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
       tagging_batcher_options(config, data.max_length, capacity_bytes);
   PredictiveBatcher batcher(batcher_options, tagging_packer(config));
   MemoryModelOrigin origin;
-  if (predictive && resume_from) {
+  if (predictive && same_layout_as_checkpoint) {
     batcher.set_model(MemoryModel::from_json(resume_from->state.memory_model));
     log("xpm-train: memory model from the checkpoint, no probing");
   } else if (predictive) {
@@ -276,8 +301,8 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
     torch::NoGradGuard no_grad;
     dist.broadcast_(parameters, 0);
   }
-  std::optional<GradientBuckets> buckets;
-  if (dist.distributed()) buckets.emplace(parameters, config.bucket_cap_bytes);
+  std::optional<GradientBuckets> buckets;  // ShardedAdamW reduces its own flat gradient
+  if (dist.distributed() && setup.sharded_optimizer() == nullptr) buckets.emplace(parameters, config.bucket_cap_bytes);
   torch::manual_seed(config.seed + static_cast<std::uint64_t>(dist.rank()));  // same whether probed or cached
   const double initial_fit_max_rel_error =
       predictive
@@ -354,6 +379,9 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
       {"capacity_is_cap", capped},
       {"usable_bytes", predictive ? batcher_options.budget.usable_bytes() : 0},
       {"static_bytes", static_bytes},
+      {"static_bytes_per_rank", static_bytes_per_rank},
+      {"sharding", config.sharding},
+      {"optimizer_state_bytes_per_rank", optimizer_state_bytes_per_rank},
       {"tokens_per_s", counters.real_tokens / std::max(1e-9, counters.train_s)},
       {"real_tokens", counters.real_tokens},
       {"train_steps", step},
@@ -363,7 +391,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
       {"final_loss", counters.last_loss},
       {"probes", origin.probes_run},
       {"memory_model_from_cache", origin.from_cache},
-      {"memory_model_from_checkpoint", predictive && resume_from.has_value()},
+      {"memory_model_from_checkpoint", predictive && same_layout_as_checkpoint},
       {"underpredictions", counters.underpredictions},
       {"online_corrections", counters.earlier_online_corrections},
       {"infeasible_probes", origin.infeasible_probes},

@@ -8,6 +8,7 @@
 #include "xpm/trainer/hook_library.hpp"
 #include "xpm/trainer/lr_schedule.hpp"
 #include "xpm/trainer/precision.hpp"
+#include "xpm/trainer/sharded_optimizer.hpp"
 #include "xpm/trainer/tagging_job.hpp"
 
 namespace xpm {
@@ -66,6 +67,16 @@ void TaggingJobConfig::validate() const {
   parse_lr_schedule_kind(lr_schedule, "TaggingJobConfig.lr_schedule");  // names the bad text
   // This build trains on the CPU: 16-mixed (float16 autocast, loss scaling) needs CUDA.
   check_precision_supported(parse_precision(precision, "TaggingJobConfig.precision"), torch::Device(torch::kCPU));
+  parse_sharding_strategy(sharding, "TaggingJobConfig.sharding");  // names the bad text; says why not full_shard
+  require(optimizer_checkpoint == "sharded" || optimizer_checkpoint == "full",
+          "optimizer_checkpoint must be 'sharded' (each rank writes optimizer-rank<r>.pt) or 'full' "
+          "(one consolidated optimizer.pt any world size can load), got '" + optimizer_checkpoint + "'");
+  require(sharding == "no_shard" || batcher == "predictive",
+          "sharding '" + sharding + "' runs in the predictive batcher's data-parallel step; the '" +
+              batcher + "' batcher steps a plain AdamW (use sharding no_shard or batcher predictive)");
+  require(sharding == "no_shard" || freeze_until_step == 0,
+          "freeze_until_step cannot be used with sharding '" + sharding + "': the sharded optimizer "
+          "flattens the trainable parameters once, so parameters unfrozen later would never be stepped");
   require(!model.activation_checkpointing || architecture == "transformer",
           "model.activation_checkpointing recomputes the Transformer's encoder layers; the '" +
               architecture + "' architecture has none (use architecture transformer)");
@@ -170,6 +181,8 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"packer", packer},
           {"lr_schedule", lr_schedule},
           {"precision", precision},
+          {"sharding", sharding},
+          {"optimizer_checkpoint", optimizer_checkpoint},
           {"sort_by", sort_by},
           {"log_every", log_every},
           {"validate_every", validate_every},

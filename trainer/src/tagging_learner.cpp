@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "xpm/planner/atomic_file.hpp"
+#include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/lr_schedule.hpp"
 #include "xpm/trainer/tagging_batch.hpp"
 #include "xpm/trainer/tagging_memory_plan.hpp"
@@ -109,7 +110,8 @@ TaggingLearner::TaggingLearner(TaggingLearnerParts parts, TrainState& state, Tra
     store_.emplace(config_.run_dir + "/checkpoints", config_.checkpoint_settings());
   }
   if (parts_.fixed_batcher == nullptr) {
-    trainer_.emplace(*state_.optimizer, *parts_.batcher, parts_.meter, dist_, parts_.buckets);
+    trainer_.emplace(*state_.optimizer, *parts_.batcher, parts_.meter, dist_, parts_.buckets,
+                     parts_.setup->sharded_optimizer());
   }
   outcome_.counters = TaggingRunCounters(dist_.world_size());
   const auto outer = static_cast<std::size_t>(config_.outer_batch_size);
@@ -167,9 +169,41 @@ TaggingResumeState TaggingLearner::resume_state() const {
 
 void TaggingLearner::checkpoint(bool is_best) {
   const std::vector<torch::Tensor> generators = gather_generator_states();  // collective
+  // The optimizer's files. Under shard_grad_op every rank first writes its part into a staging
+  // folder next to the checkpoints (its own shard, or its share of the consolidated state); once
+  // all are there (barrier), rank 0's store moves them into the checkpoint it writes, so the
+  // manifest checksums every rank's file and a checkpoint is complete or absent.
+  std::map<std::string, CheckpointFileWriter> optimizer_files;
+  ShardedAdamW* sharded = parts_.setup->sharded_optimizer();
+  std::string staging;
+  if (sharded == nullptr) {
+    optimizer_files["optimizer.pt"] = [this](const std::string& path) { torch::save(*state_.optimizer, path); };
+  } else {
+    staging = config_.run_dir + "/checkpoints/.staging-step-" + std::to_string(state_.step);
+    std::filesystem::create_directories(staging);
+    std::vector<std::string> names;
+    if (config_.optimizer_checkpoint == "full") {
+      // The gather holds the whole state for a moment (2-3 x the parameters' bytes), between
+      // steps: outside the plan's budget, so outside the CPU cap too.
+      ScopedMemoryCap uncapped(0);
+      sharded->save_full_state(staging + "/optimizer.pt");  // collective; rank 0 writes
+      names.push_back("optimizer.pt");
+    } else {
+      const std::string name = "optimizer-rank" + std::to_string(dist_.rank()) + ".pt";
+      sharded->save_shard(staging + "/" + name);
+      for (int r = 0; r < dist_.world_size(); ++r) names.push_back("optimizer-rank" + std::to_string(r) + ".pt");
+    }
+    dist_.barrier();
+    for (const std::string& name : names) {
+      optimizer_files[name] = [source = staging + "/" + name](const std::string& path) {
+        std::filesystem::rename(source, path);
+      };
+    }
+  }
   if (dist_.is_main()) {
-    const std::string folder = save_tagging_checkpoint(*store_, parts_.setup->module(), *state_.optimizer,
+    const std::string folder = save_tagging_checkpoint(*store_, parts_.setup->module(), optimizer_files,
                                                        generators, resume_state(), config_.to_json(), is_best);
+    if (!staging.empty()) std::filesystem::remove_all(staging);
     parts_.log("xpm-train: checkpoint " + folder + (is_best ? " (best)" : ""));
   }
   ++outcome_.checkpoints_written;
@@ -178,11 +212,12 @@ void TaggingLearner::checkpoint(bool is_best) {
 
 void TaggingLearner::restore(const TaggingCheckpoint& checkpoint) {
   const TaggingResumeState& saved = checkpoint.state;
-  if (saved.world_size != dist_.world_size()) {
-    throw std::invalid_argument("--resume: checkpoint '" + checkpoint.info.path + "' was written by " +
-                                std::to_string(saved.world_size) + " rank(s), this run has world size " +
-                                std::to_string(dist_.world_size()));
-  }
+  // A consolidated optimizer.pt loads at any world size and sharding; per-rank shards only where
+  // they were written.
+  check_optimizer_loadable(checkpoint, dist_.world_size(), config_.sharding);
+  const std::string full_optimizer = checkpoint.info.path + "/optimizer.pt";
+  const bool has_full_optimizer = std::filesystem::exists(full_optimizer);
+  ShardedAdamW* sharded = parts_.setup->sharded_optimizer();
   if (saved.total_steps != state_.total_steps ||
       saved.epoch_order.size() != order_.size()) {
     throw std::invalid_argument("--resume: checkpoint '" + checkpoint.info.path + "' belongs to a run of " +
@@ -200,8 +235,15 @@ void TaggingLearner::restore(const TaggingCheckpoint& checkpoint) {
     throw std::runtime_error("checkpoint '" + checkpoint.info.path + "': unreadable sampler state");
   }
   std::copy(saved.epoch_order.begin(), saved.epoch_order.end(), order_.begin());
-  load_optimizer_state(checkpoint.info.path + "/optimizer.pt", *state_.optimizer);
-  {
+  if (!has_full_optimizer) {
+    sharded->load_shard(checkpoint.info.path + "/optimizer-rank" + std::to_string(dist_.rank()) + ".pt");
+  } else if (sharded != nullptr) {
+    sharded->load_full_state(full_optimizer);
+  } else {
+    load_optimizer_state(full_optimizer, *state_.optimizer);
+  }
+  // A rank the checkpoint did not have (a larger world) keeps its fresh seed (seed + rank).
+  if (dist_.rank() < saved.world_size) {
     const torch::Tensor generator_state = load_generator_state(checkpoint.info.path + "/rng.pt", dist_.rank());
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
@@ -211,6 +253,7 @@ void TaggingLearner::restore(const TaggingCheckpoint& checkpoint) {
     parts_.power_batcher->restore_size(saved.microbatch_size, saved.power_divisor);
   }
   outcome_.counters = TaggingRunCounters::from_json(saved.counters);
+  outcome_.counters.microbatches_per_rank.resize(static_cast<std::size_t>(dist_.world_size()), 0);
   early_stopping_.restore(saved.early_stopping);
   outcome_.early_stopped = saved.early_stopped;
   outcome_.resumed_from_step = saved.step;
@@ -337,6 +380,7 @@ void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
                          {"microbatches_per_rank", result.microbatches_per_rank},
                          {"rank_imbalance", result.imbalance},
                          {"oom_ranks", result.oom_ranks}};
+  if (result.gradient_norm >= 0) line["grad_norm"] = result.gradient_norm;  // ShardedAdamW's clipping
   for (const auto& [name, value] : context_.metrics()) line[name] = value;  // hooks' (grad_norm, ...)
   if (parts_.fixed_batcher != nullptr) {
     line["microbatch_size"] = fixed_step.microbatch_size;

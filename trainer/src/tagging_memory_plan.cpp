@@ -57,6 +57,7 @@ nlohmann::json memory_model_identity(const TaggingJobConfig& config,
                          {"weight_decay", config.weight_decay},
                          {"groups", config.weight_decay_groups ? "no_decay_bias_norm" : "all"}}},
           {"precision", config.precision},
+          {"sharding", config.sharding},
           {"device", "cpu"},
           {"world_size", world_size},
           {"torch_version", TORCH_VERSION},
@@ -104,6 +105,8 @@ MemoryModelOrigin obtain_memory_model(const TaggingJobConfig& config, TaggingMod
         fitted.metadata()["capacity_bytes"] = capacity_bytes;
         fitted.metadata()["precision"] = config.precision;
         fitted.metadata()["activation_checkpointing"] = config.model.activation_checkpointing;
+        fitted.metadata()["sharding"] = config.sharding;
+        fitted.metadata()["world_size"] = dist.world_size();
         fitted.metadata()["optimizer"] = "adamw";
         fitted.metadata()["torch_version"] = TORCH_VERSION;
         fitted.metadata()["model_signature"] = setup.signature();

@@ -127,12 +127,29 @@ TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingDat
 }
 
 TaggingModelSetup::TaggingModelSetup(const TaggingJobConfig& config, const TaggingData& data,
-                                     const std::function<void(torch::nn::Module&)>& before_optimizer)
+                                     const std::function<void(torch::nn::Module&)>& before_optimizer,
+                                     DistributedContext* dist)
     : model_(make_tagging_model(config, data)) {
   model_.module->train();
   if (before_optimizer) before_optimizer(*model_.module);
   torch::optim::AdamWOptions adamw(config.learning_rate);
   adamw.weight_decay(config.weight_decay);
+  if (parse_sharding_strategy(config.sharding, "TaggingJobConfig.sharding") == ShardingStrategy::kShardGradOp) {
+    ShardedAdamWOptions options;
+    options.strategy = ShardingStrategy::kShardGradOp;
+    options.rank = dist != nullptr ? dist->rank() : 0;
+    options.world_size = dist != nullptr ? dist->world_size() : 1;
+    options.max_grad_norm = config.clip_grad_norm;  // the global norm, over the owned slices
+    const std::vector<torch::optim::OptimizerParamGroup> groups =
+        config.weight_decay_groups
+            ? adamw_param_groups(*model_.module, adamw)
+            : std::vector<torch::optim::OptimizerParamGroup>{
+                  torch::optim::OptimizerParamGroup(model_.module->parameters())};
+    sharded_ = std::make_unique<ShardedAdamW>(groups, adamw, options, dist);
+    sharded_->allocate_state();  // this rank's slice of the moments: the steady state
+    set_learning_rate(0.0);
+    return;
+  }
   optimizer_ = config.weight_decay_groups
                    ? std::make_unique<torch::optim::AdamW>(adamw_param_groups(*model_.module, adamw), adamw)
                    : std::make_unique<torch::optim::AdamW>(model_.module->parameters(), adamw);
@@ -146,10 +163,26 @@ TaggingModelSetup::TaggingModelSetup(const TaggingJobConfig& config, const Taggi
 }
 
 void TaggingModelSetup::set_learning_rate(double lr) {
-  for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
+  for (auto& group : optimizer().param_groups()) group.options().set_lr(lr);
+}
+
+std::int64_t TaggingModelSetup::optimizer_state_bytes() const {
+  if (sharded_) return sharded_->state_bytes();
+  std::int64_t bytes = 0;
+  for (const auto& entry : optimizer_->state()) {
+    const auto& state = static_cast<const torch::optim::AdamWParamState&>(*entry.second);
+    for (const torch::Tensor& t : {state.exp_avg(), state.exp_avg_sq(), state.max_exp_avg_sq()}) {
+      if (t.defined()) bytes += static_cast<std::int64_t>(t.nbytes());
+    }
+  }
+  return bytes;
 }
 
 void TaggingModelSetup::reset_optimizer_state() {
+  if (sharded_) {
+    sharded_->reset_state();
+    return;
+  }
   for (auto& entry : optimizer_->state()) {
     auto& state = static_cast<torch::optim::AdamWParamState&>(*entry.second);
     state.step(0);
@@ -176,8 +209,22 @@ TorchProbeSteps TaggingModelSetup::probe_steps() {
       throw;
     }
   };
-  steps.optimizer_step = [this] { optimizer_->step(); };
-  steps.zero_grad = [this] { optimizer_->zero_grad(); };
+  // Under shard_grad_op: the same allocations as a training step, no collective (rank 0
+  // probes alone while the other ranks wait).
+  steps.optimizer_step = [this] {
+    if (sharded_) {
+      sharded_->step_local();
+    } else {
+      optimizer_->step();
+    }
+  };
+  steps.zero_grad = [this] {
+    if (sharded_) {
+      sharded_->zero_grad();
+    } else {
+      optimizer_->zero_grad();
+    }
+  };
   return steps;
 }
 

@@ -34,6 +34,7 @@
 #include "xpm/trainer/distributed.hpp"
 #include "xpm/trainer/gradient_buckets.hpp"
 #include "xpm/trainer/loss_trainer.hpp"
+#include "xpm/trainer/sharded_optimizer.hpp"
 
 namespace xpm {
 
@@ -54,15 +55,21 @@ struct GlobalStepResult {
   std::int64_t peak_allocated_bytes = 0;         // max over ranks of the step's peak
   double max_predicted_bytes = 0;                // largest predicted microbatch over all ranks
   double duration_s = 0;                         // wall time of the step on this rank
+  double gradient_norm = -1;  // global L2 norm before clipping, when ShardedAdamW clipped (else -1)
 };
 
 class DataParallelTrainer {
  public:
-  /// `meter` may be null (no peaks). `buckets` may be null only when context.world_size() is 1.
-  /// References must outlive the trainer. Throws std::invalid_argument for a null bucket set
-  /// in a distributed context.
+  /// `meter` may be null (no peaks). `buckets` may be null only when context.world_size() is 1
+  /// or `sharded` is given. `sharded` (shard_grad_op, built over `context`): gradients are
+  /// zeroed, reduced and stepped through it instead of `buckets` and `optimizer` (step 3 below
+  /// becomes ShardedAdamW's reduce_gradients, before_optimizer_step, clipping by its
+  /// max_grad_norm, step of the owned slice, gather of the parameters). References must
+  /// outlive the trainer. Throws std::invalid_argument for a null bucket set in a distributed
+  /// context without `sharded`.
   DataParallelTrainer(torch::optim::Optimizer& optimizer, const PredictiveBatcher& batcher,
-                      MemoryMeter* meter, DistributedContext& context, GradientBuckets* buckets);
+                      MemoryMeter* meter, DistributedContext& context, GradientBuckets* buckets,
+                      ShardedAdamW* sharded = nullptr);
 
   /// One optimizer step over the global batch. record_dims[i] / record_units[i]: record i of the
   /// GLOBAL batch (same on every rank); loss_sum_fn receives indices into the global batch.
@@ -77,11 +84,14 @@ class DataParallelTrainer {
                               const BeforeOptimizerStepFn& before_optimizer_step = {});
 
  private:
+  void zero_grad();  // every .grad to zero in place (through ShardedAdamW when sharded)
+
   torch::optim::Optimizer& optimizer_;
   const PredictiveBatcher& batcher_;
   MemoryMeter* meter_;
   DistributedContext& context_;
   GradientBuckets* buckets_;
+  ShardedAdamW* sharded_;
   LossTrainer local_;
 };
 

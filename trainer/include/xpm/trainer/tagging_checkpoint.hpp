@@ -12,7 +12,10 @@
 // Files of one checkpoint folder (CheckpointStore writes them atomically with a manifest of
 // sizes and CRC-32s; the manifest also holds the job's config):
 //   model.pt       parameters and buffers by name (torch::serialize archive)
-//   optimizer.pt   torch::save of the AdamW (moments, step counts, param-group options)
+//   optimizer.pt   torch::save of the AdamW (moments, step counts, param-group options); under
+//                  --sharding shard_grad_op the consolidated state (--optimizer-checkpoint full)
+//                  or instead one optimizer-rank<r>.pt per rank (ShardedAdamW::save_shard, the
+//                  default), which only the same world size and sharding can load
 //   rng.pt         each rank's torch CPU generator state ("rank0", "rank1", ...: dropout masks)
 //   state.json     TaggingResumeState: TrainState (epoch, step, epoch_position), the capacity
 //                  the run budgets with (a cap factor times static bytes measured at its start), the sampler's
@@ -23,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -73,9 +77,24 @@ std::string save_tagging_checkpoint(CheckpointStore& store, const torch::nn::Mod
                                     const TaggingResumeState& state, const nlohmann::json& config,
                                     bool is_best);
 
+/// The same with the optimizer's files given by the caller (name -> writer), e.g. one
+/// optimizer-rank<r>.pt per rank under sharding (TaggingLearner::checkpoint), instead of
+/// optimizer.pt.
+std::string save_tagging_checkpoint(CheckpointStore& store, const torch::nn::Module& module,
+                                    const std::map<std::string, CheckpointFileWriter>& optimizer_files,
+                                    const std::vector<torch::Tensor>& generator_states,
+                                    const TaggingResumeState& state, const nlohmann::json& config,
+                                    bool is_best);
+
 /// Verifies checkpoint folder `path` (CheckpointStore::verify) and reads its manifest and
 /// state.json. Throws std::runtime_error with the reason when it is invalid.
 TaggingCheckpoint read_tagging_checkpoint(const std::string& path);
+
+/// Whether a run of `world_size` ranks under `sharding` can load the checkpoint's optimizer: a
+/// consolidated optimizer.pt loads anywhere; per-rank optimizer-rank<r>.pt files only at the
+/// world size that wrote them, under shard_grad_op. Throws std::invalid_argument naming the
+/// folder, both layouts and what to do otherwise.
+void check_optimizer_loadable(const TaggingCheckpoint& checkpoint, int world_size, const std::string& sharding);
 
 /// The newest checkpoint of `store` that verifies (sizes and checksums) and whose state.json
 /// parses; every newer one is skipped with its folder and reason appended to `warnings`.

@@ -83,6 +83,8 @@ struct TaggingJobConfig {
   std::int64_t warmup_steps = 50;             // linear warmup, then the schedule's decay
   std::string lr_schedule = "linear";         // after warmup: constant | linear | cosine (to 10 %; lr_schedule.hpp)
   std::string precision = "32-true";          // 32-true | bf16-mixed (CPU autocast) | 16-mixed (CUDA); precision.hpp
+  std::string sharding = "no_shard";          // no_shard | shard_grad_op (AdamW state 1/world_size per rank); sharded_optimizer.hpp
+  std::string optimizer_checkpoint = "sharded";  // shard_grad_op checkpoints: sharded (optimizer-rank<r>.pt) | full (optimizer.pt, any world size)
   std::int64_t memory_cap_bytes = 0;          // CPU cap on allocated bytes (0: see factor)
   double memory_cap_factor = 0;               // cap = factor x static bytes, when bytes is 0
   double memory_fraction = 0.9;               // share of the cap the plan may use

@@ -21,6 +21,8 @@
 #include "xpm/planner_torch/probe_runner.hpp"
 #include "xpm/trainer/bilstm_tagger.hpp"
 #include "xpm/trainer/brown_corpus.hpp"
+#include "xpm/trainer/distributed.hpp"
+#include "xpm/trainer/sharded_optimizer.hpp"
 #include "xpm/trainer/tagging_job.hpp"
 #include "xpm/trainer/transformer_tagger.hpp"
 
@@ -81,16 +83,26 @@ TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingDat
 
 /// Model and AdamW with the gradients and optimizer state allocated, as in steady-state
 /// training, for either architecture. Construct after installing the CpuMemoryMeter so the
-/// static memory is counted. Single process (rank 0 for probes).
+/// static memory is counted.
+///
+/// With config.sharding "shard_grad_op" the optimizer is a ShardedAdamW (sharded_optimizer.hpp)
+/// over `dist`'s ranks: the parameters and their gradients become views of flat buffers and this
+/// rank allocates the AdamW state of its 1/world_size slice only, so the static bytes measured
+/// after construction are what this rank holds. optimizer() is then the AdamW over the owned
+/// slice (learning rates, state); steps go through sharded_optimizer(). Probe steps never issue
+/// collectives (ShardedAdamW::step_local), so rank 0 probes alone while the others wait.
 class TaggingModelSetup {
  public:
-  /// Throws std::invalid_argument for a bad architecture or model options.
+  /// Throws std::invalid_argument for a bad architecture, model options or sharding.
   /// `before_optimizer`, when given, runs on the freshly built model before the optimizer is
   /// built and before gradients and optimizer state are allocated (initialization hooks,
   /// loading parameters, freezing); parameters it leaves with requires_grad false get no
   /// gradient and no AdamW state (AdamW skips a parameter without a gradient).
+  /// `dist`: the job's context (its rank and world size place the shard), or null for a single
+  /// process (world size 1). Construction is not collective.
   TaggingModelSetup(const TaggingJobConfig& config, const TaggingData& data,
-                    const std::function<void(torch::nn::Module&)>& before_optimizer = {});
+                    const std::function<void(torch::nn::Module&)>& before_optimizer = {},
+                    DistributedContext* dist = nullptr);
 
   /// The model as a module: parameters, train()/eval(), state dicts.
   torch::nn::Module& module() { return *model_.module; }
@@ -102,15 +114,22 @@ class TaggingModelSetup {
   }
   /// The parameters AdamW updates, in registration order.
   std::vector<torch::Tensor> parameters() const { return model_.module->parameters(); }
-  torch::optim::AdamW& optimizer() { return *optimizer_; }
+  /// The AdamW that steps this rank's parameters: over every trainable parameter, or over the
+  /// owned flat slices under shard_grad_op (its param groups then hold views of the flat buffer).
+  torch::optim::AdamW& optimizer() { return sharded_ ? sharded_->adamw() : *optimizer_; }
+  /// The sharded optimizer under shard_grad_op; null otherwise.
+  ShardedAdamW* sharded_optimizer() { return sharded_.get(); }
   const std::string& architecture() const { return model_.architecture; }
   /// Longest padded length the model accepts (tokens); see max_sequence_length().
   std::int64_t max_length() const { return model_.max_length; }
 
+  /// Bytes of AdamW state this rank holds (moments of every trainable parameter, or of the
+  /// owned slice under shard_grad_op), from the state tensors' sizes.
+  std::int64_t optimizer_state_bytes() const;
   /// Sets every param group's learning rate.
   void set_learning_rate(double lr);
   /// Back to a fresh AdamW (step 0, zero moments) without freeing the state, so memory stays
-  /// at its steady state.
+  /// at its steady state (ShardedAdamW::reset_state under shard_grad_op).
   void reset_optimizer_state();
   /// Probe steps on synthetic batches of dims {bs, l} (no padding), for either architecture;
   /// the learning rate must be 0 while probing if the model is trained afterwards.
@@ -121,7 +140,8 @@ class TaggingModelSetup {
 
  private:
   TaggingModel model_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;  // no_shard
+  std::unique_ptr<ShardedAdamW> sharded_;           // shard_grad_op
 };
 
 }  // namespace xpm
