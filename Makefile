@@ -41,6 +41,8 @@ BENCH_STEPS ?= 150
 BENCH_MIN_TIME ?= 0.2
 BENCH_THREADS ?= 2
 BENCH_PRECISION_STEPS ?= 20
+# Per-rank CPU cap of the sharding table: 2 x the default model's unsharded static bytes.
+BENCH_SHARDING_CAP_BYTES ?= 98181216
 
 .PHONY: bench
 bench: setup configure
@@ -66,3 +68,7 @@ bench: setup configure
 	  > $(BENCH_DIR)/precision-modes.md
 	bench/splice_section.sh precision-modes $(BENCH_DIR)/precision-modes.md docs/benchmarks.md \
 	  "make bench (bench/precision_modes.sh, $(BENCH_PRECISION_STEPS) steps per mode)"
+	bench/sharding_modes.sh $(BUILD_DIR) $(BENCH_DIR)/sharding $(BENCH_PRECISION_STEPS) 1 \
+	  $(BENCH_SHARDING_CAP_BYTES) > $(BENCH_DIR)/sharding-modes.md
+	bench/splice_section.sh sharding-modes $(BENCH_DIR)/sharding-modes.md docs/benchmarks.md \
+	  "make bench (bench/sharding_modes.sh, $(BENCH_PRECISION_STEPS) steps per mode, 1 thread per rank)"

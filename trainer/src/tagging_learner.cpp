@@ -179,7 +179,9 @@ void TaggingLearner::checkpoint(bool is_best) {
   if (sharded == nullptr) {
     optimizer_files["optimizer.pt"] = [this](const std::string& path) { torch::save(*state_.optimizer, path); };
   } else {
-    staging = config_.run_dir + "/checkpoints/.staging-step-" + std::to_string(state_.step);
+    char name[48];
+    std::snprintf(name, sizeof name, ".staging-step-%08lld", static_cast<long long>(state_.step));
+    staging = config_.run_dir + "/checkpoints/" + name;
     std::filesystem::create_directories(staging);
     std::vector<std::string> names;
     if (config_.optimizer_checkpoint == "full") {

@@ -172,6 +172,12 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
 /// GradientClipper (config.clip_grad_norm) after them, so clipping sees the final gradients.
 /// config.freeze_until_step with world_size > 1 is refused (std::invalid_argument, every rank):
 /// the gradient buckets are laid out once, without the frozen parameters.
+/// With config.sharding "shard_grad_op" each rank holds 1/world_size of the AdamW state
+/// (ShardedAdamW); clip_grad_norm is then applied by the sharded step (global norm over the
+/// owned slices) instead of a GradientClipper hook, checkpoints hold optimizer-rank<r>.pt per
+/// rank or one consolidated optimizer.pt (config.optimizer_checkpoint "full"), and a --resume
+/// whose optimizer files this world size and sharding cannot load throws std::invalid_argument
+/// before anything is written (check_optimizer_loadable).
 nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContext& dist,
                                TaggingJobExtensions& extensions);
 
