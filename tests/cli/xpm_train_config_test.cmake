@@ -1,5 +1,5 @@
-# xpm-train --config FILE: an unknown key and a bad value are errors naming the key and the
-# file (exit code 2); the command line overrides the file; examples/default.ini runs (2 steps).
+# xpm-train --config FILE: an unknown key and a bad value (also one only the job's checks
+# refuse) are errors naming the key and the file (exit code 2); the command line overrides the file; examples/default.ini runs (2 steps).
 # Run as: cmake -DXPM_TRAIN=<xpm-train> -DDATA_DIR=<data/brown> -DEXAMPLE=<examples/default.ini>
 #               -DWORK_DIR=<dir> -P ...
 cmake_minimum_required(VERSION 3.22)
@@ -30,13 +30,19 @@ expect_error("max-steps = 2\nmax-stpes = 3\n" "max-stpes")              # unknow
 expect_error("outer-batch-size = sixteen\n" "outer-batch-size;sixteen")  # not a number
 expect_error("[train]\nepochs = 1\n" "train.epochs")                     # sections are not options
 
-# A value the option parser accepts but the config refuses: named as the option.
-file(WRITE "${dir}/bad.ini" "validation-mode = lower\n")
-execute_process(COMMAND "${XPM_TRAIN}" --config "${dir}/bad.ini" --data-dir "${DATA_DIR}" --quiet
-                RESULT_VARIABLE rc ERROR_VARIABLE err)
-string(FIND "${err}" "--validation-mode must be" at)
-if(NOT rc EQUAL 2 OR at EQUAL -1)
-  message(FATAL_ERROR "validation-mode = lower: exit ${rc}: ${err}")
+# Values the option parser accepts but the config refuses: named as the option, and as the
+# file's key when the file set them.
+expect_error("validation-mode = lower\n" "--validation-mode must be;key 'validation-mode'")
+expect_error("precision = bf17\n" "--precision;bf17;key 'precision'")
+expect_error("sharding = full_shard\n" "--sharding;full_shard;key 'sharding'")
+# The same bad value on the command line is the command line's: the file is not blamed.
+file(WRITE "${dir}/good.ini" "max-steps = 2\n")
+execute_process(COMMAND "${XPM_TRAIN}" --config "${dir}/good.ini" --data-dir "${DATA_DIR}" --sharding nope
+                        --quiet RESULT_VARIABLE rc ERROR_VARIABLE err)
+string(FIND "${err}" "--sharding" at)
+string(FIND "${err}" "good.ini" blamed)
+if(NOT rc EQUAL 2 OR at EQUAL -1 OR NOT blamed EQUAL -1)
+  message(FATAL_ERROR "--sharding nope with a good file: exit ${rc}: ${err}")
 endif()
 
 # A missing file.
