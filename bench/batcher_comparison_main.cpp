@@ -32,6 +32,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -40,6 +41,7 @@
 #include <boost/program_options.hpp>
 #include <nlohmann/json.hpp>
 
+#include "bench_options.hpp"
 #include "xpm/planner/atomic_file.hpp"
 
 namespace po = boost::program_options;
@@ -212,13 +214,9 @@ int main(int argc, char** argv) {
       "no-overhead", "skip the xpm-train vs raw loop overhead runs")(
       "json", po::value(&json_path)->default_value(""), "results (default <work-dir>/batchers.json)");
   try {
-    po::variables_map vm;
-    po::store(po::parse_command_line(argc, argv, options), vm);
-    if (vm.count("help") != 0U) {
-      std::cout << options << "\n";
-      return 0;
-    }
-    po::notify(vm);
+    const std::optional<po::variables_map> parsed = xpm_bench::parse_bench_options(argc, argv, options);
+    if (!parsed) return 0;  // --help printed
+    const po::variables_map& vm = *parsed;
     s.overhead = vm.count("no-overhead") == 0U;
     if (s.steps < 1 || s.outer_batch_size < 2 || s.cap_factor <= 1 || s.threads < 1 || s.limit_steps < 0 ||
         s.max_validation_sentences < 0) {

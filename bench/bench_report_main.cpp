@@ -13,12 +13,14 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <boost/program_options.hpp>
 
+#include "bench_options.hpp"
 #include "report_common.hpp"
 #include "report_sections.hpp"
 #include "xpm/planner/atomic_file.hpp"
@@ -40,13 +42,8 @@ int main(int argc, char** argv) {
       "machine", po::value(&machine)->default_value(""), "machine description for the section headers")(
       "command", po::value(&command)->default_value(command), "the command that produced the inputs");
   try {
-    po::variables_map vm;
-    po::store(po::parse_command_line(argc, argv, options), vm);
-    if (vm.count("help") != 0U) {
-      std::cout << options << "\n";
-      return 0;
-    }
-    po::notify(vm);
+    const std::optional<po::variables_map> parsed = xpm_bench::parse_bench_options(argc, argv, options);
+    if (!parsed) return 0;  // --help printed
     if (!std::filesystem::exists(docs_path)) throw std::invalid_argument("--docs '" + docs_path + "' does not exist");
   } catch (const std::exception& error) {
     std::cerr << "bench-report: error: " << error.what() << "\n";

@@ -14,12 +14,15 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <boost/program_options.hpp>
 #include <nlohmann/json.hpp>
+
+#include "bench_options.hpp"
 
 namespace po = boost::program_options;
 
@@ -53,13 +56,8 @@ int main(int argc, char** argv) {
       "CPU cap = factor x static memory, per rank")(
       "json", po::value(&json_path)->default_value(""), "also write the results as JSON here");
   try {
-    po::variables_map vm;
-    po::store(po::parse_command_line(argc, argv, options), vm);
-    if (vm.count("help") != 0U) {
-      std::cout << options << "\n";
-      return 0;
-    }
-    po::notify(vm);
+    const std::optional<po::variables_map> parsed = xpm_bench::parse_bench_options(argc, argv, options);
+    if (!parsed) return 0;  // --help printed
     if (steps < 1 || nproc < 2 || threads_single < 1 || cap_factor <= 1) {
       throw std::invalid_argument("--steps >= 1, --nproc >= 2, --threads-single >= 1 and "
                                   "--memory-cap-factor > 1 are required");

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -27,6 +28,7 @@
 #include <boost/program_options.hpp>
 #include <nlohmann/json.hpp>
 
+#include "bench_options.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/planner_torch/probe_runner.hpp"
@@ -76,13 +78,9 @@ int main(int argc, char** argv) {
       "json", po::value(&json_path)->default_value(""), "also write the results as JSON here");
   std::vector<double> lengths;
   try {
-    po::variables_map vm;
-    po::store(po::parse_command_line(argc, argv, options), vm);
-    if (vm.count("help") != 0U) {
-      std::cout << options << "\n";
-      return 0;
-    }
-    po::notify(vm);
+    const std::optional<po::variables_map> parsed = xpm_bench::parse_bench_options(argc, argv, options);
+    if (!parsed) return 0;  // --help printed
+    const po::variables_map& vm = *parsed;
     if (vm["formula"].defaulted()) config.formula = xpm::default_cost_formula(config.architecture);
     config.validate();
     lengths = parse_lengths(lengths_text);

@@ -44,6 +44,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "bench_options.hpp"
 #include "xpm/planner/atomic_file.hpp"
 #include "xpm/planner/ffd_packer.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
@@ -398,13 +399,9 @@ int main(int argc, char** argv) {
       "threads", po::value(&config.threads)->default_value(1), "intra-op threads (measurement modes)")(
       "json", po::value(&json_path)->default_value(""), "write the result here (also printed)");
   try {
-    po::variables_map vm;
-    po::store(po::parse_command_line(argc, argv, options), vm);
-    if (vm.count("help") != 0U) {
-      std::cout << options << "\n";
-      return 0;
-    }
-    po::notify(vm);
+    const std::optional<po::variables_map> parsed = xpm_bench::parse_bench_options(argc, argv, options);
+    if (!parsed) return 0;  // --help printed
+    const po::variables_map& vm = *parsed;
     const int modes = static_cast<int>(!replay_dir.empty()) + static_cast<int>(!plans_dir.empty()) +
                       static_cast<int>(vm.count("largest-microbatch")) + static_cast<int>(!shapes.empty());
     if (modes != 1) {

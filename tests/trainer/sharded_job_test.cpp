@@ -19,6 +19,23 @@ const std::string kSharded = kWork + "/sharded";
 // Checkpoints every 2 steps of a 4-step run (the world-2 stop/resume cases stop after step 2).
 const std::string kFourSteps = kCommon + "--max-steps 4 --checkpoint-every-steps 2 ";
 
+// The 4-step run `args` describes, whole in kSharded/NAME_whole and stopped after step 2 in
+// kSharded/NAME_cut (fresh folders); `checkpoint` is the stopped run's step-2 checkpoint.
+struct StoppedRuns {
+  std::string whole, cut, checkpoint;
+};
+StoppedRuns run_whole_and_stopped(const std::string& name, const std::string& args) {
+  StoppedRuns runs{kSharded + "/" + name + "_whole", kSharded + "/" + name + "_cut", ""};
+  runs.checkpoint = runs.cut + "/checkpoints/step-00000002";
+  std::filesystem::remove_all(runs.whole);
+  std::filesystem::remove_all(runs.cut);
+  const Run uninterrupted = run_train(args + "--run-dir '" + runs.whole + "'");
+  REQUIRE_MESSAGE(uninterrupted.exit_code == 0, uninterrupted.output);
+  const Run first = run_train(args + "--stop-after-steps 2 --run-dir '" + runs.cut + "'");
+  REQUIRE_MESSAGE(first.exit_code == 0, first.output);
+  return runs;
+}
+
 }  // namespace
 
 TEST_CASE("sharding: shard_grad_op at world 2 trains like no_shard with half the AdamW state per rank") {
@@ -68,15 +85,9 @@ TEST_CASE("sharding: shard_grad_op at world 2 trains like no_shard with half the
 }
 
 TEST_CASE("sharding: per-rank checkpoints of shard_grad_op resume bit for bit at world 2") {
-  const std::string whole = kSharded + "/ckpt_whole", cut = kSharded + "/ckpt_cut";
-  std::filesystem::remove_all(whole);
-  std::filesystem::remove_all(cut);
   const std::string args = kFourSteps + "--nproc 2 --sharding shard_grad_op ";
-  const Run uninterrupted = run_train(args + "--run-dir '" + whole + "'");
-  REQUIRE_MESSAGE(uninterrupted.exit_code == 0, uninterrupted.output);
-  const Run first = run_train(args + "--stop-after-steps 2 --run-dir '" + cut + "'");
-  REQUIRE_MESSAGE(first.exit_code == 0, first.output);
-  const std::string folder = cut + "/checkpoints/step-00000002";
+  const StoppedRuns runs = run_whole_and_stopped("ckpt", args);
+  const std::string &whole = runs.whole, &cut = runs.cut, &folder = runs.checkpoint;
   CHECK(std::filesystem::exists(folder + "/optimizer-rank0.pt"));
   CHECK(std::filesystem::exists(folder + "/optimizer-rank1.pt"));
   CHECK_FALSE(std::filesystem::exists(folder + "/optimizer.pt"));
@@ -105,15 +116,9 @@ TEST_CASE("sharding: per-rank checkpoints of shard_grad_op resume bit for bit at
 }
 
 TEST_CASE("sharding: a consolidated checkpoint of world 2 resumes at world 1 without sharding") {
-  const std::string whole = kSharded + "/full_whole", cut = kSharded + "/full_cut";
-  std::filesystem::remove_all(whole);
-  std::filesystem::remove_all(cut);
-  const std::string args = kFourSteps + "--nproc 2 --sharding shard_grad_op --optimizer-checkpoint full ";
-  const Run uninterrupted = run_train(args + "--run-dir '" + whole + "'");
-  REQUIRE_MESSAGE(uninterrupted.exit_code == 0, uninterrupted.output);
-  const Run first = run_train(args + "--stop-after-steps 2 --run-dir '" + cut + "'");
-  REQUIRE_MESSAGE(first.exit_code == 0, first.output);
-  const std::string folder = cut + "/checkpoints/step-00000002";
+  const StoppedRuns runs =
+      run_whole_and_stopped("full", kFourSteps + "--nproc 2 --sharding shard_grad_op --optimizer-checkpoint full ");
+  const std::string &whole = runs.whole, &cut = runs.cut, &folder = runs.checkpoint;
   CHECK(std::filesystem::exists(folder + "/optimizer.pt"));
   CHECK_FALSE(std::filesystem::exists(folder + "/optimizer-rank0.pt"));
 
