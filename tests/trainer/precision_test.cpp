@@ -30,6 +30,26 @@ constexpr double kBf16AccuracyFloor = 0.5;
 
 }  // namespace
 
+namespace {
+
+// The job's default Transformer (seed 5) for the corpus's vocabulary and tags.
+xpm::TransformerTagger default_transformer(const fx::Corpus& corpus) {
+  xpm::TransformerTaggerOptions options;  // the job's defaults
+  options.vocab_size = corpus.vocab_size;
+  options.num_tags = corpus.num_tags;
+  torch::manual_seed(5);
+  return xpm::TransformerTagger(options);
+}
+
+// The corpus's first `count` sentences as one padded batch.
+xpm::TaggingBatch first_sentences(const fx::Corpus& corpus, std::size_t count) {
+  std::vector<std::size_t> ids;
+  for (std::size_t i = 0; i < count; ++i) ids.push_back(i);
+  return xpm::collate(corpus.sentences, ids);
+}
+
+}  // namespace
+
 TEST_CASE("precision settings parse by name and 16-mixed is refused on CPU naming the value") {
   for (const std::string name : {"32-true", "bf16-mixed", "16-mixed"}) {
     CHECK(xpm::to_string(xpm::parse_precision(name, "--precision")) == name);
@@ -165,15 +185,9 @@ TEST_CASE("the tagger's own encoder layer forward computes what LibTorch's layer
 TEST_CASE("bf16-mixed logits of the real Transformer on real Brown batches are close to float32") {
   torch::set_num_threads(1);
   const fx::Corpus corpus = fx::load_corpus();
-  xpm::TransformerTaggerOptions options;  // the job's defaults
-  options.vocab_size = corpus.vocab_size;
-  options.num_tags = corpus.num_tags;
-  torch::manual_seed(5);
-  xpm::TransformerTagger model(options);
+  xpm::TransformerTagger model = default_transformer(corpus);
   model->eval();
-  std::vector<std::size_t> ids;
-  for (std::size_t i = 0; i < 32; ++i) ids.push_back(i);
-  const xpm::TaggingBatch batch = xpm::collate(corpus.sentences, ids);
+  const xpm::TaggingBatch batch = first_sentences(corpus, 32);
   const torch::Tensor fp32 = model->forward(batch.token_ids, batch.padding_mask);
   torch::Tensor bf16;
   {
@@ -195,14 +209,8 @@ TEST_CASE("bf16-mixed logits of the real Transformer on real Brown batches are c
 TEST_CASE("bf16-mixed changes the measured peak of a forward/backward on a real batch") {
   torch::set_num_threads(1);
   const fx::Corpus corpus = fx::load_corpus();
-  xpm::TransformerTaggerOptions options;  // the job's defaults
-  options.vocab_size = corpus.vocab_size;
-  options.num_tags = corpus.num_tags;
-  torch::manual_seed(5);
-  xpm::TransformerTagger model(options);
-  std::vector<std::size_t> ids;
-  for (std::size_t i = 0; i < 32; ++i) ids.push_back(i);
-  const xpm::TaggingBatch batch = xpm::collate(corpus.sentences, ids);
+  xpm::TransformerTagger model = default_transformer(corpus);
+  const xpm::TaggingBatch batch = first_sentences(corpus, 32);
   xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
   const auto peak_of = [&](xpm::Precision precision) {
     for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
