@@ -2,7 +2,11 @@
 
 #include <torch/torch.h>
 
+#include <limits>
+
 #include "xpm/planner/predictive_batcher.hpp"
+#include "xpm/trainer/data_parallel_trainer.hpp"
+#include "xpm/trainer/precision.hpp"
 #include "xpm/trainer/loss_trainer.hpp"
 #include "xpm/trainer/tagging_batch.hpp"
 #include "xpm/trainer/transformer_tagger.hpp"
@@ -112,4 +116,75 @@ TEST_CASE("a record over budget even alone is skipped and counted, not run") {
   CHECK(result.skipped_records == 1);
   CHECK(result.units == doctest::Approx(7.0));
   CHECK(calls == result.microbatches);
+}
+
+TEST_CASE("loss scaling in the data-parallel step: exact on clean steps and an overflow skips the step") {
+  // Two identical float32 models, one trained with a DynamicLossScaler (16-mixed's), one without.
+  // Scaling by a power of two and dividing back is exact, so clean steps give bit-identical
+  // parameters; an inf loss skips the step (parameters untouched) and halves the scale.
+  const auto make_model = [] {
+    torch::manual_seed(21);
+    return torch::nn::Linear(4, 3);
+  };
+  torch::nn::Linear plain = make_model(), scaled = make_model();
+  torch::optim::AdamW plain_adamw(plain->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW scaled_adamw(scaled->parameters(), torch::optim::AdamWOptions(1e-2));
+  xpm::PredictiveBatcherOptions batcher_options;
+  batcher_options.formula = "a*bs*l";
+  batcher_options.coefficient_names = {"a"};
+  batcher_options.probe_points = {{{{"bs", 1}, {"l", 1}}}};
+  batcher_options.budget = {12, 1.0, 0};  // 12 token slots: several microbatches per step
+  xpm::PredictiveBatcher batcher(batcher_options, std::make_shared<xpm::AdaptivePacker>());
+  batcher.set_model(xpm::MemoryModel(xpm::CostFormula("a*bs*l", {"a"}, {"bs", "l"}), {1.0}, 0, "bs"));
+  xpm::DistributedContext single_process;
+  xpm::DataParallelTrainer plain_trainer(plain_adamw, batcher, nullptr, single_process, nullptr);
+  xpm::DataParallelTrainer scaled_trainer(scaled_adamw, batcher, nullptr, single_process, nullptr);
+  xpm::DynamicLossScaler scaler;
+  scaled_trainer.set_loss_scaler(&scaler);
+
+  torch::manual_seed(5);
+  const torch::Tensor inputs = torch::randn({10, 4});
+  const torch::Tensor targets = torch::randn({10, 3});
+  const std::vector<std::vector<double>> dims = {{1, 3}, {1, 5}, {1, 2}, {1, 4}, {1, 6},
+                                                 {1, 1}, {1, 3}, {1, 2}, {1, 5}, {1, 4}};
+  const std::vector<double> units(dims.size(), 1.0);
+  bool poison = false;
+  const auto loss_of = [&](torch::nn::Linear& model) {
+    return [&](const std::vector<std::size_t>& records) {
+      std::vector<std::int64_t> rows(records.begin(), records.end());
+      const torch::Tensor index = torch::tensor(rows, torch::kLong);
+      torch::Tensor loss = (model(inputs.index_select(0, index)) - targets.index_select(0, index)).pow(2).sum();
+      return poison ? loss * std::numeric_limits<float>::infinity() : loss;
+    };
+  };
+  const auto parameters_equal = [&] {
+    for (std::size_t i = 0; i < plain->parameters().size(); ++i) {
+      if (!torch::equal(plain->parameters()[i], scaled->parameters()[i])) return false;
+    }
+    return true;
+  };
+  for (int step = 0; step < 3; ++step) {
+    const xpm::GlobalStepResult a = plain_trainer.train_step(dims, units, loss_of(plain));
+    const xpm::GlobalStepResult b = scaled_trainer.train_step(dims, units, loss_of(scaled));
+    REQUIRE(b.microbatches >= 2);
+    CHECK_FALSE(b.loss_scale_overflow);
+    CHECK(b.loss_scale == 65536.0);
+    CHECK(b.loss == a.loss);  // the reported loss is the unscaled one
+    CHECK(parameters_equal());
+  }
+  std::vector<torch::Tensor> before;
+  for (const auto& p : scaled->parameters()) before.push_back(p.detach().clone());
+  poison = true;
+  const xpm::GlobalStepResult overflow = scaled_trainer.train_step(dims, units, loss_of(scaled));
+  poison = false;
+  CHECK(overflow.loss_scale_overflow);
+  CHECK(overflow.units == 0);
+  for (std::size_t i = 0; i < before.size(); ++i) CHECK(torch::equal(before[i], scaled->parameters()[i]));
+  CHECK(scaler.current_scale() == 32768.0);
+  CHECK(scaler.skipped_steps() == 1);
+  // The next clean step steps again, at the lower scale.
+  const xpm::GlobalStepResult after = scaled_trainer.train_step(dims, units, loss_of(scaled));
+  CHECK_FALSE(after.loss_scale_overflow);
+  CHECK(after.loss_scale == 32768.0);
+  CHECK_FALSE(torch::equal(before[0], scaled->parameters()[0]));
 }

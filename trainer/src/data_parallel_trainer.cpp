@@ -33,6 +33,15 @@ void zero_gradients(torch::optim::Optimizer& optimizer) {
   }
 }
 
+// The gradients of the optimizer's parameters (undefined ones included; unscale_ skips them).
+std::vector<torch::Tensor> gradients_of(torch::optim::Optimizer& optimizer) {
+  std::vector<torch::Tensor> gradients;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& parameter : group.params()) gradients.push_back(parameter.grad());
+  }
+  return gradients;
+}
+
 }  // namespace
 
 DataParallelTrainer::DataParallelTrainer(torch::optim::Optimizer& optimizer,
@@ -45,6 +54,15 @@ DataParallelTrainer::DataParallelTrainer(torch::optim::Optimizer& optimizer,
     throw std::invalid_argument("DataParallelTrainer: gradient buckets are required when world_size is " +
                                 std::to_string(context_.world_size()));
   }
+}
+
+bool DataParallelTrainer::unscale_gradients(const std::vector<torch::Tensor>& gradients,
+                                            DistributedContext& owners, GlobalStepResult& result) {
+  if (loss_scaler_ == nullptr) return false;
+  result.loss_scale = loss_scaler_->current_scale();
+  result.loss_scale_overflow = loss_scaler_->unscale_(gradients, owners);  // collective over the owners
+  loss_scaler_->update();
+  return result.loss_scale_overflow;
 }
 
 void DataParallelTrainer::zero_grad() {
@@ -102,9 +120,11 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
         [&](const std::vector<std::size_t>& local_records) {
           std::vector<std::size_t> global_records;
           for (std::size_t j : local_records) global_records.push_back(mine[j]);
-          return loss_sum_fn(global_records);
+          const torch::Tensor loss_sum = loss_sum_fn(global_records);
+          return loss_scaler_ != nullptr ? loss_scaler_->scale(loss_sum) : loss_sum;
         },
         global_units);
+    if (loss_scaler_ != nullptr) local.loss /= loss_scaler_->current_scale();  // report the true loss
   } catch (const c10::OutOfMemoryError&) {
     local_oom = true;
     local = StepResult{};
@@ -171,23 +191,25 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
     if (meter_ != nullptr) meter_->reset_peak();
     if (result.microbatches > 0) {  // global count: every rank takes the same branch
       sharded_->reduce_gradients();
-      if (before_optimizer_step) before_optimizer_step();
-      const double max_norm = sharded_->options().max_grad_norm;
-      if (max_norm > 0) result.gradient_norm = sharded_->clip_gradients(max_norm).gradient_norm;
-      sharded_->step_owned();
-      sharded_->gather_parameters();
+      if (!unscale_gradients(sharded_->owned_gradients(), sharded_->ownership_context(), result)) {
+        if (before_optimizer_step) before_optimizer_step();
+        const double max_norm = sharded_->options().max_grad_norm;
+        if (max_norm > 0) result.gradient_norm = sharded_->clip_gradients(max_norm).gradient_norm;
+        sharded_->step_owned();
+        sharded_->gather_parameters();
+      }
     }
     if (meter_ != nullptr) optimizer_step_peak_bytes = static_cast<double>(meter_->peak_allocated_bytes());
-    result.units = global_units;
+    result.units = result.loss_scale_overflow ? 0 : global_units;
   } else {
     if (meter_ != nullptr) meter_->reset_peak();
     if (buckets_ != nullptr) buckets_->all_reduce_sum(context_);
-    if (result.microbatches > 0) {
+    if (result.microbatches > 0 && !unscale_gradients(gradients_of(optimizer_), context_, result)) {
       if (before_optimizer_step) before_optimizer_step();
       optimizer_.step();
     }
     if (meter_ != nullptr) optimizer_step_peak_bytes = static_cast<double>(meter_->peak_allocated_bytes());
-    result.units = global_units;
+    result.units = result.loss_scale_overflow ? 0 : global_units;
   }
 
   // 4. Peaks over ranks.

@@ -48,7 +48,8 @@ nlohmann::json TaggingResumeState::to_json() const {
           {"power_divisor", power_divisor},
           {"counters", counters},
           {"early_stopping", early_stopping},
-          {"early_stopped", early_stopped}};
+          {"early_stopped", early_stopped},
+          {"loss_scaler", loss_scaler}};
 }
 
 TaggingResumeState TaggingResumeState::from_json(const nlohmann::json& json) {
@@ -67,6 +68,7 @@ TaggingResumeState TaggingResumeState::from_json(const nlohmann::json& json) {
   state.counters = required<nlohmann::json>(json, "counters");
   state.early_stopping = required<nlohmann::json>(json, "early_stopping");
   state.early_stopped = required<bool>(json, "early_stopped");
+  if (json.contains("loss_scaler")) state.loss_scaler = required<std::vector<double>>(json, "loss_scaler");
   return state;
 }
 

@@ -416,6 +416,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
       {"microbatch_size", fixed_batcher ? fixed_batcher->microbatch_size() : 0},
       {"retried_steps", counters.retried_steps},
       {"oom_skipped_steps", counters.oom_skipped_steps},
+      {"loss_scale_skipped_steps", outcome.loss_scale_skipped_steps},
       {"world_size", dist.world_size()},
       {"backend", dist.backend()},
       {"threads_per_rank", threads},

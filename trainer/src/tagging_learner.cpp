@@ -112,6 +112,10 @@ TaggingLearner::TaggingLearner(TaggingLearnerParts parts, TrainState& state, Tra
   if (parts_.fixed_batcher == nullptr) {
     trainer_.emplace(*state_.optimizer, *parts_.batcher, parts_.meter, dist_, parts_.buckets,
                      parts_.setup->sharded_optimizer());
+    if (config_.precision == "16-mixed") {  // float16 gradients underflow without it (precision.hpp)
+      loss_scaler_.emplace();
+      trainer_->set_loss_scaler(&*loss_scaler_);
+    }
   }
   outcome_.counters = TaggingRunCounters(dist_.world_size());
   const auto outer = static_cast<std::size_t>(config_.outer_batch_size);
@@ -159,6 +163,7 @@ TaggingResumeState TaggingLearner::resume_state() const {
   saved.memory_model = parts_.fixed_batcher == nullptr ? parts_.batcher->model().to_json() : nlohmann::json();
   if (parts_.fixed_batcher != nullptr) saved.microbatch_size = parts_.fixed_batcher->microbatch_size();
   if (parts_.power_batcher != nullptr) saved.power_divisor = parts_.power_batcher->divisor();
+  if (loss_scaler_) saved.loss_scaler = loss_scaler_->state();
   TaggingRunCounters counters = outcome_.counters;
   counters.earlier_online_corrections += parts_.batcher->has_model() ? parts_.batcher->corrections() : 0;
   saved.counters = counters.to_json();
@@ -254,6 +259,7 @@ void TaggingLearner::restore(const TaggingCheckpoint& checkpoint) {
   if (parts_.power_batcher != nullptr) {
     parts_.power_batcher->restore_size(saved.microbatch_size, saved.power_divisor);
   }
+  if (loss_scaler_ && !saved.loss_scaler.empty()) loss_scaler_->load_state(saved.loss_scaler);
   outcome_.counters = TaggingRunCounters::from_json(saved.counters);
   outcome_.counters.microbatches_per_rank.resize(static_cast<std::size_t>(dist_.world_size()), 0);
   early_stopping_.restore(saved.early_stopping);
@@ -383,6 +389,10 @@ void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
                          {"rank_imbalance", result.imbalance},
                          {"oom_ranks", result.oom_ranks}};
   if (result.gradient_norm >= 0) line["grad_norm"] = result.gradient_norm;  // ShardedAdamW's clipping
+  if (loss_scaler_) {
+    line["loss_scale"] = result.loss_scale;
+    line["loss_scale_overflow"] = result.loss_scale_overflow;
+  }
   for (const auto& [name, value] : context_.metrics()) line[name] = value;  // hooks' (grad_norm, ...)
   if (parts_.fixed_batcher != nullptr) {
     line["microbatch_size"] = fixed_step.microbatch_size;
@@ -549,6 +559,7 @@ TaggingLearnerOutcome TaggingLearner::run() {
     }
   }
   outcome_.best = early_stopping_.state();
+  outcome_.loss_scale_skipped_steps = loss_scaler_ ? loss_scaler_->skipped_steps() : 0;
   outcome_.counters.earlier_online_corrections +=
       parts_.batcher->has_model() ? parts_.batcher->corrections() : 0;
   return outcome_;

@@ -12,7 +12,9 @@
 //   2. all-reduce (sum) of every rank's microbatch peaks (dims, predicted, measured), sized by
 //      the largest per-rank microbatch count from step 1, so every rank sees every peak;
 //   3. unless some rank ran out of memory (known to all from step 1): one all-reduce per
-//      gradient bucket, then the optimizer step;
+//      gradient bucket (or ShardedAdamW's flat all-reduce), with a loss scaler one all-reduce
+//      (max) of the inf/nan flag, then the optimizer step unless that flag is set (sharded: the
+//      clipping all-reduce and the parameter all-gather);
 //   4. all-reduce (max) of the step peak and the optimizer-step peak.
 // Nothing one rank decides alone changes this sequence: an OOM on any rank skips the optimizer
 // step on every rank; the online corrections the caller derives from microbatch_peaks see the
@@ -34,6 +36,7 @@
 #include "xpm/trainer/distributed.hpp"
 #include "xpm/trainer/gradient_buckets.hpp"
 #include "xpm/trainer/loss_trainer.hpp"
+#include "xpm/trainer/precision.hpp"
 #include "xpm/trainer/sharded_optimizer.hpp"
 
 namespace xpm {
@@ -56,6 +59,8 @@ struct GlobalStepResult {
   double max_predicted_bytes = 0;                // largest predicted microbatch over all ranks
   double duration_s = 0;                         // wall time of the step on this rank
   double gradient_norm = -1;  // global L2 norm before clipping, when ShardedAdamW clipped (else -1)
+  bool loss_scale_overflow = false;  // with a loss scaler: inf/nan gradients, the step was skipped everywhere
+  double loss_scale = 0;             // with a loss scaler: the scale this step's losses were multiplied by
 };
 
 class DataParallelTrainer {
@@ -78,6 +83,13 @@ class DataParallelTrainer {
   /// memory and some microbatch ran), so it may issue collectives of its own.
   /// Collective: every rank calls it with the same global batch. Throws std::invalid_argument
   /// when the sizes differ; DistributedError when a collective fails.
+  /// Dynamic loss scaling (16-mixed, precision.hpp) from the next step on; null turns it off.
+  /// Each microbatch's loss is multiplied by the scale before backward (the reported loss is
+  /// not); after the gradient reduction the gradients are unscaled (this rank's whole reduced
+  /// gradient, or the owned slice under sharding) and the step is skipped on every rank when
+  /// some rank found inf/nan; then the scaler's update(). The scaler must outlive its use.
+  void set_loss_scaler(DynamicLossScaler* scaler) { loss_scaler_ = scaler; }
+
   GlobalStepResult train_step(const std::vector<std::vector<double>>& record_dims,
                               const std::vector<double>& record_units,
                               const MicrobatchLossFn& loss_sum_fn,
@@ -85,6 +97,10 @@ class DataParallelTrainer {
 
  private:
   void zero_grad();  // every .grad to zero in place (through ShardedAdamW when sharded)
+  // With a loss scaler: unscale `gradients` (collective over `owners`), update the scaler, record
+  // scale and overflow in `result`; true when the step must be skipped. Without: false.
+  bool unscale_gradients(const std::vector<torch::Tensor>& gradients, DistributedContext& owners,
+                         GlobalStepResult& result);
 
   torch::optim::Optimizer& optimizer_;
   const PredictiveBatcher& batcher_;
@@ -92,6 +108,7 @@ class DataParallelTrainer {
   DistributedContext& context_;
   GradientBuckets* buckets_;
   ShardedAdamW* sharded_;
+  DynamicLossScaler* loss_scaler_ = nullptr;
   LossTrainer local_;
 };
 

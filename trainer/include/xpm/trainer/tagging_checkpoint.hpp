@@ -54,6 +54,7 @@ struct TaggingResumeState {
   nlohmann::json counters;          // TaggingRunCounters::to_json
   nlohmann::json early_stopping;    // EarlyStopping::to_json
   bool early_stopped = false;       // the listeners had voted stop (a resume finishes at once)
+  std::vector<double> loss_scaler;  // DynamicLossScaler::state() under 16-mixed; empty otherwise (optional)
 
   nlohmann::json to_json() const;
   /// Throws std::invalid_argument naming the missing or malformed field.

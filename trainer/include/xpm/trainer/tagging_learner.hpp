@@ -71,6 +71,7 @@ struct TaggingLearnerOutcome {
   std::int64_t resumed_from_step = -1;  // -1: not resumed
   std::int64_t checkpoints_written = 0;  // by this process
   EarlyStopping::State best;           // best validation (after warmup)
+  std::int64_t loss_scale_skipped_steps = 0;  // 16-mixed: steps skipped for inf/nan gradients
 };
 
 class TaggingLearner {
@@ -106,6 +107,7 @@ class TaggingLearner {
   TrainerValidationLoss validation_;
   std::optional<CheckpointStore> store_;
   std::optional<DataParallelTrainer> trainer_;
+  std::optional<DynamicLossScaler> loss_scaler_;  // precision 16-mixed (CUDA builds)
   TaggingLearnerOutcome outcome_;
   std::mt19937_64 sampler_;
   std::vector<std::size_t> order_;
