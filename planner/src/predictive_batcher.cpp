@@ -1,6 +1,7 @@
 #include "xpm/planner/predictive_batcher.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <stdexcept>
 #include <utility>
@@ -111,15 +112,33 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
   for (const ProbeResult& probe : probes_) {
     if (probe.feasible) floor_bytes = std::max(floor_bytes, probe.optimizer_step_peak_bytes);
   }
-  // Fit the formula where it matters: forward/backward peaks above the floor. Below it the
-  // forward/backward peak is set by shape-independent moments (e.g. a dense embedding gradient
-  // being accumulated) and the prediction is the floor anyway. Fall back to every feasible
-  // probe when too few lie above the floor.
+  // Below some size the forward/backward peak stops following the activations: a
+  // shape-independent moment of backward sets it (the dense gradient of the largest parameter,
+  // e.g. the tagger's 10.24 MB embedding gradient, alive while it is added into .grad). Several
+  // probes then peak within kPlateauFraction of the smallest peak, whatever their dims. That
+  // plateau is a floor too; it matters when it lies above the optimizer peaks (measured: a
+  // rank holding 1/3 of the AdamW state, plateau 43.28 MB vs optimizer step 41.04 MB).
+  constexpr double kPlateauFraction = 0.01;
+  double smallest_peak_bytes = std::numeric_limits<double>::infinity();
+  for (const ProbeResult& probe : probes_) {
+    if (probe.feasible) smallest_peak_bytes = std::min(smallest_peak_bytes, probe.forward_backward_peak_bytes);
+  }
+  const double plateau_top_bytes = smallest_peak_bytes * (1 + kPlateauFraction);
+  const auto on_plateau = std::count_if(probes_.begin(), probes_.end(), [&](const ProbeResult& probe) {
+    return probe.feasible && probe.forward_backward_peak_bytes <= plateau_top_bytes;
+  });
+  const bool plateau = on_plateau >= 2;
+  if (plateau) floor_bytes = std::max(floor_bytes, smallest_peak_bytes);
+  // Fit the formula where it matters: forward/backward peaks above the floor and off the
+  // plateau. Below it the prediction is the floor anyway. Fall back to every feasible probe
+  // when too few remain.
   std::vector<Measurement> measurements, all_feasible;
   for (const ProbeResult& probe : probes_) {
     if (!probe.feasible) continue;
     all_feasible.push_back({probe.dims, probe.forward_backward_peak_bytes});
-    if (probe.forward_backward_peak_bytes > floor_bytes) measurements.push_back(all_feasible.back());
+    const bool above_floor = probe.forward_backward_peak_bytes > floor_bytes &&
+                             !(plateau && probe.forward_backward_peak_bytes <= plateau_top_bytes);
+    if (above_floor) measurements.push_back(all_feasible.back());
   }
   // Probes that ran out of memory: lower bounds of the fit, limits of the plans.
   std::vector<InfeasibleBound> infeasible;

@@ -1,5 +1,6 @@
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "xpm/planner/predictive_batcher.hpp"
@@ -57,6 +58,38 @@ TEST_CASE("the automatic design grows toward the budget, keeps infeasible probes
   // Held-out shape, not probed: exact by construction of the fake.
   const double truth = FakeExecutor::kStatic + 10 * 3 * 100.0 * 100 + 1000 * 3 * 100;
   CHECK(model.predict_bytes({3, 100}) == doctest::Approx(truth).epsilon(1e-6));
+}
+
+TEST_CASE("a forward/backward plateau above the optimizer peak becomes the floor and stays out of the fit") {
+  // The shape of a sharded rank at world 3 (measured): small probes all peak at the same
+  // shape-independent moment of backward (static + 200000 here, a dense gradient temporary),
+  // above the optimizer step (static + 5000); larger ones follow the activations.
+  class PlateauExecutor : public FakeExecutor {
+   public:
+    PlateauExecutor() : FakeExecutor(1e9) {}
+    xpm::ProbeResult run_probe(const std::vector<double>& dims) override {
+      xpm::ProbeResult r = FakeExecutor::run_probe(dims);
+      r.forward_backward_peak_bytes = std::max(r.forward_backward_peak_bytes, kStatic + 200000 + dims[0] * dims[1]);
+      return r;
+    }
+  } executor;
+  xpm::PredictiveBatcher batcher(options_with_cap(5'000'000), std::make_shared<xpm::AdaptivePacker>());
+  const xpm::MemoryModel& model = batcher.probe_and_fit(executor);
+  std::size_t plateau_probes = 0;
+  for (const auto& probe : batcher.probes()) {
+    plateau_probes += probe.forward_backward_peak_bytes < FakeExecutor::kStatic + 202000 ? 1 : 0;
+  }
+  REQUIRE(plateau_probes >= 2);
+  // The activation curve is fitted exactly, the plateau is the floor, every probe is predicted
+  // within 1 % (the plateau's own spread).
+  CHECK(model.coefficients()[0] == doctest::Approx(10).epsilon(1e-6));
+  CHECK(model.coefficients()[1] == doctest::Approx(1000).epsilon(1e-6));
+  CHECK(model.floor_bytes() >= FakeExecutor::kStatic + 200000);
+  CHECK(model.floor_bytes() <= FakeExecutor::kStatic + 202000);
+  for (const auto& probe : batcher.probes()) {
+    const double predicted = model.predict_bytes(probe.dims);
+    CHECK(std::abs(predicted - probe.forward_backward_peak_bytes) / probe.forward_backward_peak_bytes < 0.01);
+  }
 }
 
 TEST_CASE("a budget below the static memory is an error before any probe") {
