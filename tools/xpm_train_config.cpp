@@ -126,19 +126,22 @@ void complete_and_validate(TrainSettings& settings, const po::variables_map& vm,
   if (nproc < 1) throw std::invalid_argument("--nproc must be >= 1, got " + std::to_string(nproc));
 }
 
-// `message` with " (from config file 'PATH', key 'NAME')" appended when the first option it
-// names ("--name") was set by the config file rather than the command line.
+// `message` with " (from config file 'PATH', key 'A', key 'B')" appended for the options it
+// names ("--a", "--b") that the config file set rather than the command line.
 std::string attributed_to_config_file(const std::string& message, const std::set<std::string>& from_config_file,
                                       const std::string& config_path) {
-  const std::size_t at = message.find("--");
-  if (at == std::string::npos || from_config_file.empty()) return message;
-  std::size_t end = at + 2;
-  while (end < message.size() && (std::isalnum(static_cast<unsigned char>(message[end])) || message[end] == '-')) {
-    ++end;
+  std::string keys;
+  std::set<std::string> named;
+  for (std::size_t at = message.find("--"); at != std::string::npos; at = message.find("--", at + 2)) {
+    std::size_t end = at + 2;
+    while (end < message.size() && (std::isalnum(static_cast<unsigned char>(message[end])) || message[end] == '-')) {
+      ++end;
+    }
+    const std::string name = message.substr(at + 2, end - at - 2);
+    if (from_config_file.count(name) != 0U && named.insert(name).second) keys += ", key '" + name + "'";
   }
-  const std::string name = message.substr(at + 2, end - at - 2);
-  if (from_config_file.count(name) == 0U) return message;
-  return message + " (from config file '" + config_path + "', key '" + name + "')";
+  if (keys.empty()) return message;
+  return message + " (from config file '" + config_path + "'" + keys + ")";
 }
 
 }  // namespace
@@ -188,7 +191,7 @@ TrainSettings parse_train_settings(int argc, char** argv) {
       ("optimizer-checkpoint", po::value(&config.optimizer_checkpoint)->default_value(config.optimizer_checkpoint),
        "checkpoints under --sharding shard_grad_op: sharded (each rank writes optimizer-rank<r>.pt; "
        "resume at the same world size) | full (one consolidated optimizer.pt that any world size, "
-       "one process included, resumes from)")
+       "one process included, resumes from); no_shard always writes one optimizer.pt")
       ("lr", po::value(&config.learning_rate)->default_value(config.learning_rate), "AdamW peak learning rate")
       ("weight-decay", po::value(&config.weight_decay)->default_value(config.weight_decay), "AdamW weight decay")
       ("weight-decay-groups", po::bool_switch(&config.weight_decay_groups),
@@ -201,7 +204,8 @@ TrainSettings parse_train_settings(int argc, char** argv) {
       ("memory-cap-bytes", po::value(&config.memory_cap_bytes)->default_value(config.memory_cap_bytes),
        "CPU cap on allocated tensor bytes; exceeding it is an OOM (0: see --memory-cap-factor)")
       ("memory-cap-factor", po::value(&config.memory_cap_factor)->default_value(config.memory_cap_factor),
-       "cap = factor x static memory (weights, gradients, AdamW state); 0: no cap")
+       "cap = factor x static memory (weights, gradients, the whole AdamW state: under --sharding "
+       "shard_grad_op the unsharded bytes, so both modes get the same capacity); 0: no cap")
       ("memory-fraction", po::value(&config.memory_fraction)->default_value(config.memory_fraction),
        "share of the capacity the plan may use")
       ("extra-overhead-bytes", po::value(&config.extra_overhead_bytes)->default_value(config.extra_overhead_bytes),

@@ -152,3 +152,23 @@ TEST_CASE("sharding: bad sharding settings exit 2 naming the option") {
   CHECK(fixed.exit_code == 2);
   CHECK_MESSAGE(fixed.output.find("--sharding") != std::string::npos, fixed.output);
 }
+
+TEST_CASE("sharding: shard_grad_op at world 3 fits above the backward plateau and plans exactly") {
+  // At world 3 a rank's optimizer step (1/3 of the AdamW state) peaks below the plateau small
+  // microbatches reach in backward (the embedding's dense gradient); the planner takes that
+  // plateau as the floor (predictive_batcher.cpp) instead of failing the fit.
+  const std::string run_dir = kSharded + "/world3";
+  std::filesystem::remove_all(run_dir);
+  const Run run = run_train(kCommon + "--max-steps 2 --nproc 3 --sharding shard_grad_op -q --run-dir '" +
+                            run_dir + "'");
+  REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  const nlohmann::json summary = read_summary(run_dir);
+  const auto state = summary.at("optimizer_state_bytes_per_rank").get<std::vector<std::int64_t>>();
+  REQUIRE(state.size() == 3);
+  MESSAGE("AdamW state per rank at world 3: " << state[0] << ", " << state[1] << ", " << state[2]);
+  CHECK(state[0] >= state[2]);
+  CHECK(state[0] - state[2] <= 2 * 8);
+  CHECK(summary.at("ooms") == 0);
+  CHECK(summary.at("underpredictions") == 0);
+  CHECK(summary.at("max_step_prediction_rel_error").get<double>() < 0.01);
+}

@@ -255,7 +255,15 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
 
   std::int64_t capacity_bytes = config.memory_cap_bytes;
   if (capacity_bytes == 0 && config.memory_cap_factor > 0) {
-    capacity_bytes = static_cast<std::int64_t>(config.memory_cap_factor * static_bytes);
+    // Of the unsharded static bytes (this rank's plus the AdamW state the other ranks hold for
+    // it), so sharding frees room inside the same capacity rather than shrinking the capacity.
+    std::int64_t unsharded_static_bytes = static_bytes;
+    if (setup.sharded_optimizer() != nullptr) {
+      for (std::size_t r = 0; r < optimizer_state_bytes_per_rank.size(); ++r) {
+        if (static_cast<int>(r) != dist.rank()) unsharded_static_bytes += optimizer_state_bytes_per_rank[r];
+      }
+    }
+    capacity_bytes = static_cast<std::int64_t>(config.memory_cap_factor * static_cast<double>(unsharded_static_bytes));
   }
   const bool capped = capacity_bytes > 0;
   if (!capped) capacity_bytes = physical_memory_bytes();
@@ -275,6 +283,10 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
                                 dist.backend() + ", " + std::to_string(threads) + " threads per rank"
                           : "") +
       "; sharding " + config.sharding + ", AdamW state " + std::to_string(optimizer_state_bytes) + " bytes");
+  if (setup.sharded_optimizer() != nullptr && !dist.distributed()) {
+    log("xpm-train: note: --sharding shard_grad_op at world size 1: this rank owns the whole AdamW "
+        "state, so nothing is saved (run N ranks with --nproc N)");
+  }
 
   // Memory model: the checkpoint's when resuming (no probing: the model training used at that
   // step, online corrections included), else rank 0's from the cache or probes.

@@ -72,10 +72,12 @@ void TaggingJobConfig::validate() const {
           "optimizer_checkpoint must be 'sharded' (each rank writes optimizer-rank<r>.pt) or 'full' "
           "(one consolidated optimizer.pt any world size can load), got '" + optimizer_checkpoint + "'");
   require(sharding == "no_shard" || batcher == "predictive",
-          "sharding '" + sharding + "' runs in the predictive batcher's data-parallel step; the '" +
-              batcher + "' batcher steps a plain AdamW (use sharding no_shard or batcher predictive)");
+          "sharding '" + sharding + "' runs in the predictive batcher's data-parallel step, but "
+              "TaggingJobConfig.batcher is '" + batcher + "', which steps a plain AdamW (use sharding "
+              "no_shard or batcher predictive)");
   require(sharding == "no_shard" || freeze_until_step == 0,
-          "freeze_until_step cannot be used with sharding '" + sharding + "': the sharded optimizer "
+          "freeze_until_step " + std::to_string(freeze_until_step) + " cannot be used with sharding '" +
+              sharding + "': the sharded optimizer "
           "flattens the trainable parameters once, so parameters unfrozen later would never be stepped");
   require(!model.activation_checkpointing || architecture == "transformer",
           "model.activation_checkpointing recomputes the Transformer's encoder layers; the '" +
@@ -109,7 +111,7 @@ void TaggingJobConfig::validate() const {
     freezer.validate();  // a bad regex: std::invalid_argument naming it
   }
   require(clip_grad_norm >= 0 && std::isfinite(clip_grad_norm),
-          "clip_grad_norm must be >= 0 (0: no clipping), got " + std::to_string(clip_grad_norm));
+          "clip_grad_norm must be finite and >= 0 (0: no clipping), got " + std::to_string(clip_grad_norm));
   require(stop_after_steps >= 0,
           "stop_after_steps must be >= 0 (0: off), got " + std::to_string(stop_after_steps));
   require(variables.size() == 2 && variables[0] == "bs" && variables[1] == "l",
