@@ -2,6 +2,7 @@
 // documented points and counts, listeners' votes stopping the job, exact resume from a
 // checkpoint (torch::equal on every parameter) and the fallback past a corrupt checkpoint.
 #include "../torch_doctest.hpp"
+#include "xpm_train_runs.hpp"
 
 #include <filesystem>
 #include <fstream>
@@ -94,17 +95,7 @@ class VoteAt : public xpm::LearnerListener {
   int seen_ = 0;
 };
 
-std::map<std::string, torch::Tensor> load_parameters(const std::string& path) {
-  torch::serialize::InputArchive archive;
-  archive.load_from(path);
-  std::map<std::string, torch::Tensor> tensors;
-  for (const std::string& key : archive.keys()) {
-    torch::Tensor t;
-    archive.read(key, t);
-    tensors[key] = t;
-  }
-  return tensors;
-}
+using xpm_train_runs::load_parameters;
 
 // Same names and bitwise-equal tensors.
 bool identical(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {

@@ -69,7 +69,8 @@ class DataParallelTrainer {
   /// or `sharded` is given. `sharded` (shard_grad_op, built over `context`): gradients are
   /// zeroed, reduced and stepped through it instead of `buckets` and `optimizer` (step 3 below
   /// becomes ShardedAdamW's reduce_gradients, before_optimizer_step, clipping by its
-  /// max_grad_norm, step of the owned slice, gather of the parameters). References must
+  /// max_grad_norm, step of the owned slice, gather of the parameters); every rank then passes
+  /// its own ShardedAdamW, built over `context` from the same param groups. References must
   /// outlive the trainer. Throws std::invalid_argument for a null bucket set in a distributed
   /// context without `sharded`.
   DataParallelTrainer(torch::optim::Optimizer& optimizer, const PredictiveBatcher& batcher,
@@ -88,6 +89,7 @@ class DataParallelTrainer {
   /// not); after the gradient reduction the gradients are unscaled (this rank's whole reduced
   /// gradient, or the owned slice under sharding) and the step is skipped on every rank when
   /// some rank found inf/nan; then the scaler's update(). The scaler must outlive its use.
+  /// Every rank must set a scaler with the same state, or none (unscaling is collective).
   void set_loss_scaler(DynamicLossScaler* scaler) { loss_scaler_ = scaler; }
 
   GlobalStepResult train_step(const std::vector<std::vector<double>>& record_dims,
