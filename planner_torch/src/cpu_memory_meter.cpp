@@ -1,7 +1,13 @@
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 
+#include <array>
+#include <cstddef>
+#include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
+#include <utility>
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
@@ -13,12 +19,55 @@ namespace {
 // so the meter and its uninstall both use this one.
 constexpr std::uint8_t kMeterPriority = 100;
 
-// Owns the wrapped allocation until the tensor storage is freed.
-struct TrackedAllocation {
+// A live storage of the meter: the wrapped allocator's DataPtr (freed through its own deleter)
+// and the bytes it was counted with.
+struct LiveAllocation {
   c10::DataPtr wrapped;
-  std::int64_t n_bytes;
-  const CpuMemoryMeter* meter;
+  std::int64_t n_bytes = 0;
 };
+
+// The meter's DataPtrs carry their data pointer as context (what Allocator::raw_allocate and
+// raw_deleter() require), so the storage's size and wrapped DataPtr are looked up by address.
+// Sharded by address so concurrent intra-op threads rarely wait on one lock.
+class LiveAllocations {
+ public:
+  void insert(void* data, LiveAllocation allocation) {
+    Shard& shard = shard_of(data);
+    std::lock_guard<std::mutex> lock(shard.mutex);
+    shard.entries.emplace(data, std::move(allocation));
+  }
+
+  /// Removes and returns the entry of `data`; false when the meter did not allocate it.
+  bool extract(void* data, LiveAllocation& out) {
+    Shard& shard = shard_of(data);
+    std::lock_guard<std::mutex> lock(shard.mutex);
+    const auto it = shard.entries.find(data);
+    if (it == shard.entries.end()) return false;
+    out = std::move(it->second);
+    shard.entries.erase(it);
+    return true;
+  }
+
+ private:
+  struct Shard {
+    std::mutex mutex;
+    std::unordered_map<void*, LiveAllocation> entries;
+  };
+  static constexpr std::size_t kShards = 64;
+
+  Shard& shard_of(void* data) {
+    // Storages are 64-byte aligned: the low bits carry no information.
+    return shards_[(std::hash<void*>{}(data) >> 6) % kShards];
+  }
+
+  std::array<Shard, kShards> shards_;
+};
+
+LiveAllocations& live_allocations() {
+  // Never destroyed: storages may be freed during static destruction.
+  static LiveAllocations* live = new LiveAllocations();
+  return *live;
+}
 
 }  // namespace
 
@@ -55,6 +104,10 @@ void CpuMemoryMeter::set_capacity_bytes(std::int64_t capacity_bytes) {
   capacity_bytes_.store(capacity_bytes);
 }
 
+c10::Allocator& CpuMemoryMeter::wrapped() const {
+  return wrapped_ != nullptr ? *wrapped_ : *c10::GetDefaultCPUAllocator();
+}
+
 c10::DataPtr CpuMemoryMeter::allocate(size_t n_bytes) const {
   const auto n = static_cast<std::int64_t>(n_bytes);
   const std::int64_t cap = capacity_bytes_.load();
@@ -67,28 +120,37 @@ c10::DataPtr CpuMemoryMeter::allocate(size_t n_bytes) const {
                      n, " bytes with ", after - n, " bytes allocated and a capacity of ", cap,
                      " bytes (xpm CpuMemoryMeter)");
   }
-  c10::Allocator* wrapped = wrapped_ != nullptr ? wrapped_ : c10::GetDefaultCPUAllocator();
   c10::DataPtr inner;
   try {
-    inner = wrapped->allocate(n_bytes);
+    inner = wrapped().allocate(n_bytes);
   } catch (...) {
     current_bytes_.fetch_sub(n);
     throw;
   }
+  void* data = inner.get();
+  if (data == nullptr) {  // a zero-byte storage: nothing to count or free
+    current_bytes_.fetch_sub(n);
+    return {nullptr, nullptr, &CpuMemoryMeter::free_raw, c10::Device(c10::DeviceType::CPU)};
+  }
   std::int64_t peak = peak_bytes_.load();
   while (after > peak && !peak_bytes_.compare_exchange_weak(peak, after)) {
   }
-  void* data = inner.get();
-  auto* context = new TrackedAllocation{std::move(inner), n, this};
-  return {data, context, &CpuMemoryMeter::delete_tracked, c10::Device(c10::DeviceType::CPU)};
+  live_allocations().insert(data, LiveAllocation{std::move(inner), n});
+  return {data, data, &CpuMemoryMeter::free_raw, c10::Device(c10::DeviceType::CPU)};
 }
 
-void CpuMemoryMeter::on_free(std::int64_t n_bytes) const { current_bytes_.fetch_sub(n_bytes); }
-
-void CpuMemoryMeter::delete_tracked(void* context) {
-  auto* allocation = static_cast<TrackedAllocation*>(context);
-  allocation->meter->on_free(allocation->n_bytes);
-  delete allocation;  // frees the wrapped storage through its own deleter
+void CpuMemoryMeter::free_raw(void* data) {
+  if (data == nullptr) return;
+  LiveAllocation allocation;
+  if (live_allocations().extract(data, allocation)) {
+    instance().current_bytes_.fetch_sub(allocation.n_bytes);
+    return;  // `allocation.wrapped` frees the storage through the wrapped allocator's deleter
+  }
+  // Not the meter's: raw memory of the allocator that was active before install(), handed back
+  // through raw_deallocate() after it (e.g. a oneDNN buffer taken before the meter).
+  c10::DeleterFnPtr deleter = instance().wrapped().raw_deleter();
+  if (deleter == nullptr) deleter = c10::GetDefaultCPUAllocator()->raw_deleter();
+  if (deleter != nullptr) deleter(data);
 }
 
 ScopedMemoryCap::ScopedMemoryCap(std::int64_t capacity_bytes)

@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <c10/core/CPUAllocator.h>
+
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 
 namespace {
@@ -57,4 +59,101 @@ TEST_CASE("the OOM message names the request and the capacity") {
 
 TEST_CASE("the meter rejects a negative capacity") {
   CHECK_THROWS_AS(xpm::CpuMemoryMeter::instance().set_capacity_bytes(-1), std::invalid_argument);
+}
+
+// LibTorch's raw interface: Allocator::raw_allocate asserts that the DataPtr's context is its
+// data pointer, raw_deallocate frees through raw_deleter(). oneDNN (ideep) allocates this way.
+TEST_CASE("raw_allocate and raw_deallocate on the meter are counted, capped and freed") {
+  xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
+  c10::Allocator& allocator = meter;
+  const bool has_raw_deleter = allocator.raw_deleter() != nullptr;
+  REQUIRE(has_raw_deleter);
+  const std::int64_t base = meter.current_allocated_bytes();
+  meter.reset_peak();
+  void* raw = nullptr;
+  CHECK_NOTHROW(raw = allocator.raw_allocate(3 * kMiB));
+  REQUIRE(raw != nullptr);
+  static_cast<char*>(raw)[3 * kMiB - 1] = 1;  // the whole buffer is usable
+  CHECK(meter.current_allocated_bytes() == base + 3 * kMiB);
+  CHECK(meter.peak_allocated_bytes() == base + 3 * kMiB);
+  allocator.raw_deallocate(raw);
+  CHECK(meter.current_allocated_bytes() == base);
+  CHECK(meter.peak_allocated_bytes() == base + 3 * kMiB);
+
+  xpm::ScopedMemoryCap cap(base + kMiB);
+  const std::int64_t ooms_before = meter.oom_count();
+  CHECK_THROWS_AS(allocator.raw_allocate(2 * kMiB), c10::OutOfMemoryError);
+  CHECK(meter.oom_count() == ooms_before + 1);
+  CHECK(meter.current_allocated_bytes() == base);
+}
+
+TEST_CASE("a DataPtr of the meter rebuilt from its data pointer and raw_deleter frees its bytes") {
+  xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
+  const std::int64_t base = meter.current_allocated_bytes();
+  c10::DataPtr original = meter.allocate(kMiB);
+  CHECK(original.get_context() == original.get());
+  const bool same_deleter = original.get_deleter() == meter.raw_deleter();
+  CHECK(same_deleter);
+  CHECK(original.cast_context<void>(meter.raw_deleter()) == original.get());
+  CHECK(meter.current_allocated_bytes() == base + kMiB);
+  // What another library does with a storage it takes over: keep the pointer, drop the DataPtr,
+  // and later free it through a DataPtr of its own.
+  void* data = original.release_context();
+  CHECK(meter.current_allocated_bytes() == base + kMiB);
+  {
+    c10::DataPtr copy(data, data, meter.raw_deleter(), c10::Device(c10::DeviceType::CPU));
+  }
+  CHECK(meter.current_allocated_bytes() == base);
+  c10::DataPtr empty = meter.allocate(0);
+  CHECK(meter.current_allocated_bytes() == base);
+}
+
+TEST_CASE("raw memory taken before install() and freed through the meter goes back uncounted") {
+  xpm::CpuMemoryMeter::uninstall();
+  c10::Allocator* before = c10::GetCPUAllocator();
+  void* raw = before->raw_allocate(kMiB);
+  xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
+  const std::int64_t base = meter.current_allocated_bytes();
+  c10::GetCPUAllocator()->raw_deallocate(raw);
+  CHECK(meter.current_allocated_bytes() == base);
+}
+
+TEST_CASE("storages of the meter freed after uninstall() are still uncounted") {
+  xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
+  const std::int64_t base = meter.current_allocated_bytes();
+  torch::Tensor t = torch::empty({kMiB}, torch::kFloat32);
+  void* raw = c10::GetCPUAllocator()->raw_allocate(kMiB);
+  CHECK(meter.current_allocated_bytes() == base + 5 * kMiB);
+  xpm::CpuMemoryMeter::uninstall();
+  t = torch::Tensor();
+  meter.raw_deallocate(raw);
+  CHECK(meter.current_allocated_bytes() == base);
+  xpm::CpuMemoryMeter::install();
+}
+
+// On x86 LibTorch runs these through oneDNN, which allocates through raw_allocate (on CPUs with
+// AVX512-BF16 the bf16 matrix products of training_options_tests do too).
+TEST_CASE("oneDNN tensors and a Conv1d forward/backward run under the meter and are counted") {
+  xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
+  const std::int64_t base = meter.current_allocated_bytes();
+  if (at::hasMKLDNN()) {
+    torch::Tensor mkldnn = torch::ones({256, 256}).to_mkldnn();  // 256 KiB in an ideep buffer
+    CHECK(meter.current_allocated_bytes() >= base + 256 * 1024);
+    CHECK(mkldnn.to_dense().sum().item<float>() == 65536.0f);
+  }
+  CHECK(meter.current_allocated_bytes() == base);
+  torch::nn::Conv1d conv(torch::nn::Conv1dOptions(16, 32, 3));
+  meter.reset_peak();
+  const std::int64_t with_weights = meter.current_allocated_bytes();
+  {
+    xpm::ScopedMemoryCap cap(with_weights + 64 * kMiB);
+    torch::Tensor x = torch::randn({8, 16, 200});
+    torch::Tensor loss = conv->forward(x).square().mean();
+    CHECK_NOTHROW(loss.backward());
+    CHECK(conv->weight.grad().defined());
+  }
+  // The activations at least: input 8*16*200 and output 8*32*198 floats.
+  CHECK(meter.peak_allocated_bytes() - with_weights >= (8 * 16 * 200 + 8 * 32 * 198) * 4);
+  conv->weight.mutable_grad() = torch::Tensor();
+  conv->bias.mutable_grad() = torch::Tensor();
 }

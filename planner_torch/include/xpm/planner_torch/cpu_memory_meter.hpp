@@ -10,14 +10,31 @@
 // This is how xpm plans memory on CPU and how OOM paths are tested without a GPU: the same
 // exception type as CUDA's caching allocator raises, at the same place (tensor allocation).
 //
-// What it sees: every tensor storage allocated through c10's CPU allocator while it is installed
-// (weights, gradients, optimizer state, activations, autograd-saved tensors, temporaries).
-// What it does not see: memory that does not go through c10::GetCPUAllocator() — malloc/new in
-// operator implementations (oneDNN/MKL/OpenBLAS scratch buffers, autograd graph nodes, std
-// containers), thread stacks, the allocator's own bookkeeping, tensors created with from_blob,
+// What it sees: every storage allocated through c10's CPU allocator while it is installed, by
+// every entry point LibTorch and the libraries under it use:
+//  - Allocator::allocate: tensor storages (weights, gradients, optimizer state, activations,
+//    autograd-saved tensors, temporaries);
+//  - Allocator::raw_allocate / raw_deallocate and raw_deleter(): raw buffers, e.g. oneDNN
+//    (ideep) tensors and scratch memory of its convolutions and bf16 matrix products, which
+//    LibTorch takes this way on CPUs where oneDNN runs them (x86 with AVX2 for convolutions at
+//    batch size >= 2, AVX512-BF16/AMX for bf16 matrix products);
+//  - DataPtrs copied or rebuilt by other code from (data, context, deleter): the meter's
+//    DataPtrs carry their data pointer as context and one static deleter (raw_deleter()), so a
+//    copy frees and uncounts like the original.
+// Raw allocations are counted and capped like any other (an over-cap raw_allocate throws
+// c10::OutOfMemoryError). A raw pointer freed through raw_deallocate() that the meter did not
+// allocate (taken before install()) is passed to the previous allocator's raw deleter.
+// What it does not see: memory that does not go through c10::GetCPUAllocator(): malloc/new in
+// operator implementations (oneDNN primitive caches, OpenBLAS buffers, autograd graph nodes,
+// std containers), the heap of other libraries, thread stacks, tensors made with from_blob,
 // and storages allocated before install() (they are freed without being counted). Allocated
 // bytes are the requested sizes, not what malloc rounds to. So it measures the same quantity as
-// CUDA's "allocated_bytes" (tensor storages), not the process RSS.
+// CUDA's "allocated_bytes" (tensor storages), not the process RSS. How large the unseen part is
+// for the bundled models (measured with mallinfo2 and the peak RSS around training steps):
+// docs/benchmarks.md, "What the CPU meter does not see".
+//
+// Thread-safety: counting is thread-safe (atomics; live storages in a sharded, locked table keyed
+// by address, one lock per allocation and per free).
 #pragma once
 
 #include <atomic>
@@ -53,13 +70,17 @@ class CpuMemoryMeter final : public c10::Allocator, public MemoryMeter {
   /// Number of allocations refused by the cap since the process started.
   std::int64_t oom_count() const { return oom_count_.load(); }
 
+  /// Counts `n_bytes` (throws c10::OutOfMemoryError over the cap, changing no counter) and
+  /// allocates them through the allocator that was active before install(). The DataPtr's
+  /// context is its data pointer and its deleter raw_deleter(), so raw_allocate() works.
   c10::DataPtr allocate(size_t n_bytes) const override;
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  /// Frees and uncounts a pointer of the meter (see the file comment for other pointers).
+  c10::DeleterFnPtr raw_deleter() const override { return &CpuMemoryMeter::free_raw; }
 
  private:
   CpuMemoryMeter() = default;
-  void on_free(std::int64_t n_bytes) const;
-  static void delete_tracked(void* context);
+  c10::Allocator& wrapped() const;
+  static void free_raw(void* data);
 
   c10::Allocator* wrapped_ = nullptr;
   mutable std::atomic<std::int64_t> current_bytes_{0};
