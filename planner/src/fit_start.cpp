@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <map>
 #include <set>
@@ -16,6 +17,7 @@
 #include <Eigen/Dense>
 
 #include "formula_ast.hpp"
+#include "max_affine_fit.hpp"
 #include "nnls.hpp"
 
 namespace xpm::detail {
@@ -98,10 +100,16 @@ double integer_power(double base, int exponent) {
 // coefficient is resolved: into the sum of its arguments (reference == nullptr) or into the
 // argument that wins at `reference` coefficients (same dims). With the exponents and fixed
 // coefficients held, the result is affine in the linear coefficients.
+// Choices of a max() argument per resolvable max() factor, by the factor's canonical text.
+using MaxChoices = std::map<std::string, std::size_t>;
+
 class Resolver {
  public:
   Resolver(const std::vector<Role>& roles, const std::vector<double>* reference)
       : roles_(roles), reference_(reference) {}
+  /// Resolves every max() by `choices` (an argument index per factor text).
+  Resolver(const std::vector<Role>& roles, const MaxChoices& choices)
+      : roles_(roles), reference_(nullptr), choices_(&choices) {}
 
   double value(const fa::Sum& sum, const std::vector<double>& coefficients,
                const std::vector<double>& dims) const {
@@ -144,6 +152,9 @@ class Resolver {
           }
           return out;
         }
+        if (choices_ != nullptr) {
+          return value(f.operands[choices_->at(f.text)], coefficients, dims);
+        }
         if (reference_ == nullptr) {
           double out = 0.0;
           for (const fa::Sum& operand : f.operands) out += value(operand, coefficients, dims);
@@ -171,6 +182,7 @@ class Resolver {
 
   const std::vector<Role>& roles_;
   const std::vector<double>* reference_;
+  const MaxChoices* choices_ = nullptr;
 };
 
 bool has_resolved_max(const fa::Sum& sum, const Resolver& resolver) {
@@ -185,10 +197,56 @@ bool has_resolved_max(const fa::Sum& sum, const Resolver& resolver) {
   return false;
 }
 
+// The resolvable max() factors of `sum` at any depth, by canonical text, with their argument
+// counts. False when one sits where the formula does not grow with it (a negative factor or a
+// power other than 1 on its term): then the formula is not the maximum of its resolved variants.
+bool collect_max_factors(const fa::Sum& sum, const Resolver& resolver,
+                         std::map<std::string, std::size_t>& out) {
+  for (const fa::Term& t : sum) {
+    for (const auto& [factor, power] : t.factors) {
+      if (!resolver.resolves(*factor)) continue;
+      if (!(t.factor > 0) || power != 1) return false;
+      out[factor->text] = factor->operands.size();
+      for (const fa::Sum& operand : factor->operands) {
+        if (!collect_max_factors(operand, resolver, out)) return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Every combination of one argument per max() factor (an odometer over `factors`).
+std::vector<MaxChoices> max_variants(const std::map<std::string, std::size_t>& factors) {
+  std::vector<MaxChoices> out(1);
+  for (const auto& [text, count] : factors) {
+    std::vector<MaxChoices> next;
+    for (const MaxChoices& partial : out) {
+      for (std::size_t a = 0; a < count; ++a) {
+        next.push_back(partial);
+        next.back()[text] = a;
+      }
+    }
+    out = std::move(next);
+  }
+  return out;
+}
+
 struct Candidate {
   std::vector<double> coefficients;
   double cost = HUGE_VAL;
 };
+
+// A candidate of the global max() fit, with how it was searched.
+struct GlobalCandidate {
+  Candidate candidate;
+  std::int64_t nodes = 0;   // restricted least-squares problems solved
+  bool exhaustive = false;  // branch and bound finished: the global optimum
+  std::size_t points = 0;
+};
+
+// More variants than this (combinations of max() arguments): max() is resolved by the local
+// method only.
+constexpr std::size_t kMaxVariants = 64;
 
 class StartSearch {
  public:
@@ -205,12 +263,69 @@ class StartSearch {
       if (roles_[k] == Role::exponent) exponents_.push_back(k);
     }
     resolves_max_ = has_resolved_max(terms_, Resolver(roles_, nullptr));
+    if (resolves_max_) {
+      std::map<std::string, std::size_t> factors;
+      if (collect_max_factors(terms_, Resolver(roles_, nullptr), factors)) {
+        variants_ = max_variants(factors);
+        if (variants_.size() > kMaxVariants) variants_.clear();
+      }
+    }
   }
+
+  /// max() resolved globally: the formula is the maximum of at most kMaxVariants variants, each
+  /// affine in the linear coefficients.
+  bool global_max() const { return !variants_.empty(); }
 
   const std::vector<std::size_t>& linear() const { return linear_; }
   const std::vector<std::size_t>& exponents() const { return exponents_; }
   const std::vector<Role>& roles() const { return roles_; }
   bool resolves_max() const { return resolves_max_; }
+
+  // The linear coefficients of `base` by the global least-squares fit over the winning variant
+  // at every point (max_affine_fit.hpp); requires global_max().
+  GlobalCandidate global_least_squares(const std::vector<double>& base) const {
+    const std::size_t k = linear_.size();
+    std::vector<double> zero = base;
+    for (std::size_t c : linear_) zero[c] = 0.0;
+    MaxAffineProblem problem;
+    problem.coefficients = k;
+    problem.non_negative = options_.non_negative;
+    std::vector<bool> has_effect(k, false);
+    for (const Measurement& m : measurements_) {
+      std::vector<Eigen::RowVectorXd> rows;
+      for (const MaxChoices& choices : variants_) {
+        const Resolver resolver(roles_, choices);
+        const double offset = resolver.value(terms_, zero, m.dims);
+        Eigen::RowVectorXd row(static_cast<Eigen::Index>(k + 1));
+        for (std::size_t j = 0; j < k; ++j) {
+          std::vector<double> unit = zero;
+          unit[linear_[j]] = 1.0;
+          row(static_cast<Eigen::Index>(j)) = (resolver.value(terms_, unit, m.dims) - offset) / m.bytes;
+          has_effect[j] = has_effect[j] || row(static_cast<Eigen::Index>(j)) != 0;
+        }
+        row(static_cast<Eigen::Index>(k)) = (offset - m.bytes) / m.bytes;
+        if (!row.allFinite()) return {};
+        if (std::none_of(rows.begin(), rows.end(), [&](const Eigen::RowVectorXd& r) { return r == row; })) {
+          rows.push_back(std::move(row));
+        }
+      }
+      MaxAffinePoint point;
+      point.residuals.resize(static_cast<Eigen::Index>(rows.size()), static_cast<Eigen::Index>(k + 1));
+      for (std::size_t v = 0; v < rows.size(); ++v) point.residuals.row(static_cast<Eigen::Index>(v)) = rows[v];
+      problem.points.push_back(std::move(point));
+    }
+    const MaxAffineSolution solution = solve_max_affine(problem);
+    GlobalCandidate out;
+    out.candidate.coefficients = base;
+    for (std::size_t j = 0; j < k; ++j) {
+      if (has_effect[j]) out.candidate.coefficients[linear_[j]] = solution.x(static_cast<Eigen::Index>(j));
+    }
+    out.candidate.cost = cost(out.candidate.coefficients);
+    out.nodes = solution.nodes;
+    out.exhaustive = solution.exhaustive;
+    out.points = measurements_.size();
+    return out;
+  }
 
   // Sum of squared relative residuals of the true formula; +inf when not finite.
   double cost(const std::vector<double>& coefficients) const {
@@ -295,6 +410,7 @@ class StartSearch {
   std::vector<std::size_t> linear_;
   std::vector<std::size_t> exponents_;
   bool resolves_max_ = false;
+  std::vector<MaxChoices> variants_;  // empty: max() not resolved globally
 };
 
 using detail::short_double;
@@ -347,6 +463,20 @@ AutomaticStart automatic_start(const CostFormula& formula,
     }
   }
 
+  // max(): the global optimum over the winning argument at every point, at the best exponents.
+  std::string max_note = " with max() resolved per point";
+  if (search.global_max()) {
+    const GlobalCandidate global = search.global_least_squares(best.coefficients);
+    if (global.candidate.cost <= best.cost) best = global.candidate;
+    max_note = global.exhaustive
+                   ? " with max() resolved globally (branch and bound over the winning argument "
+                     "at each of " + std::to_string(global.points) + " points, " +
+                         std::to_string(global.nodes) + " restricted problems)"
+                   : " with max() resolved by assignment iteration from several starts (" +
+                         std::to_string(global.points) + " points, " +
+                         std::to_string(global.nodes) + " restricted problems; not proven global)";
+  }
+
   AutomaticStart out;
   const double fallback_cost = search.cost(fallback);
   if (!(best.cost < fallback_cost)) {
@@ -371,7 +501,7 @@ AutomaticStart automatic_start(const CostFormula& formula,
   if (!linear_names.empty()) {
     parts.push_back(and_list(linear_names) + " by " +
                     (options.non_negative ? "non-negative " : "") + "least squares" +
-                    (search.resolves_max() ? " with max() resolved per point" : ""));
+                    (search.resolves_max() ? max_note : ""));
   }
   if (!fixed_names.empty()) parts.push_back(and_list(fixed_names) + " at 1");
   std::string text = "automatic (";

@@ -41,6 +41,7 @@ Eigen::VectorXd non_negative_least_squares(const Eigen::MatrixXd& a, const Eigen
     if (best < 0) break;  // Kuhn-Tucker conditions hold
     passive[static_cast<std::size_t>(best)] = true;
     for (int inner = 0; inner < 3 * static_cast<int>(k) + 10; ++inner) {
+      if (std::none_of(passive.begin(), passive.end(), [](bool p) { return p; })) break;
       const Eigen::VectorXd s = solve_passive();
       bool feasible = true;
       double alpha = 1.0;

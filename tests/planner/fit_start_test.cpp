@@ -99,7 +99,7 @@ TEST_CASE("max of two growing terms is recovered with no initial values") {
   CHECK(r.coefficients[1] == doctest::Approx(b).epsilon(1e-4));
   CHECK(r.coefficients[2] == doctest::Approx(c).epsilon(1e-4));
   CHECK(r.summary.usable);
-  CHECK(contains(r.summary.start, "max() resolved per point"));
+  CHECK(contains(r.summary.start, "max() resolved by assignment iteration"));  // 24 points
 }
 
 TEST_CASE("a floor inside max() and a fitted exponent are recovered together") {
