@@ -32,8 +32,10 @@
 #include <Eigen/Dense>
 #include <ceres/ceres.h>
 
+#include "fit_points.hpp"
 #include "fit_start.hpp"
 #include "nnls.hpp"
+#include "residual_structure.hpp"
 
 namespace xpm {
 namespace {
@@ -652,16 +654,16 @@ IdentifiabilityError::IdentifiabilityError(const std::string& message,
       coefficients_(std::move(coefficients)),
       dependent_(std::move(dependent)) {}
 
-FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measurement>& measurements,
-                           const FitOptions& options) {
-  return fit_coefficients(formula, measurements, {}, options);
-}
+namespace detail {
 
-FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measurement>& measurements,
-                           const std::vector<InfeasibleBound>& bounds,
-                           const FitOptions& options) {
+void validate_fit_inputs(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                         const std::vector<InfeasibleBound>& bounds, const FitOptions& options) {
   options.validate();
   validate_inputs(formula, measurements, bounds, options);
+}
+
+FitResult fit_points(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                     const std::vector<InfeasibleBound>& bounds, const FitOptions& options) {
   const auto& coefs = formula.coefficient_names();
   const std::size_t k = coefs.size();
   const std::size_t n = measurements.size();
@@ -729,6 +731,7 @@ FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measure
     sum_abs += std::abs(rel);
   }
   s.mean_rel_error = sum_abs / static_cast<double>(n);
+  s.residual_structure = detail::residual_structure(formula, measurements, s.rel_errors);
 
   // Leave-one-out: refit without point i (non-linear fits start from the full solution), then
   // predict point i.
@@ -834,4 +837,5 @@ FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measure
   return result;
 }
 
+}  // namespace detail
 }  // namespace xpm

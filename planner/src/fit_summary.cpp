@@ -62,9 +62,14 @@ void FitOptions::validate() const {
 
 std::string FitSummary::brief_report() const {
   std::ostringstream os;
+  const std::size_t fitted = rel_errors.size() - left_out.size();
   os << (converged ? "Fit converged" : "Fit did NOT converge") << " after " << iterations
-     << (iterations == 1 ? " iteration" : " iterations") << " on " << rel_errors.size()
-     << (rel_errors.size() == 1 ? " point" : " points") << " ("
+     << (iterations == 1 ? " iteration" : " iterations") << " on " << fitted
+     << (fitted == 1 ? " point" : " points");
+  if (!left_out.empty()) {
+    os << " (" << left_out.size() << " at " << batch_size_variable << " = 1 left out)";
+  }
+  os << " ("
      << (linear ? "linear" : "non-linear") << " least squares, " << coefficient_count
      << (coefficient_count == 1 ? " coefficient" : " coefficients") << ", robust loss "
      << robust_loss << "): max relative error " << percent(max_rel_error) << ", mean "
@@ -99,6 +104,10 @@ std::string FitSummary::full_report() const {
   os << brief_report() << "\n";
   for (std::size_t i = 0; i < rel_errors.size(); ++i) {
     os << "  point " << i << ": relative error " << percent(rel_errors[i]);
+    if (std::find(left_out.begin(), left_out.end(), i) != left_out.end()) {
+      os << " (left out of the fit)\n";
+      continue;
+    }
     if (i < leave_one_out_rel_errors.size()) {
       os << ", leave-one-out " << percent(leave_one_out_rel_errors[i]);
     }
@@ -112,6 +121,8 @@ std::string FitSummary::full_report() const {
        << "\n";
   }
   if (!start.empty()) os << "  start: " << start << "\n";
+  if (!residual_structure.empty()) os << "  " << residual_structure << "\n";
+  if (!left_out_note.empty()) os << "  " << left_out_note << "\n";
   return os.str();
 }
 

@@ -70,6 +70,65 @@ std::vector<std::string> get_string_array(const nlohmann::json& j, const std::st
   return out;
 }
 
+FloorFormula floor_formula_from_json(const nlohmann::json& jf,
+                                     const std::vector<std::string>& var_names) {
+  if (!jf.is_object()) bad_field("floor_formula", "expected an object");
+  const std::string text = get_string(jf, "text", "floor_formula.text");
+  const std::vector<std::string> names =
+      get_string_array(jf, "coefficient_names", "floor_formula.coefficient_names");
+  FloorFormula out{[&] {
+                     try {
+                       return CostFormula(text, names, var_names, CostFormulaOptions{true});
+                     } catch (const std::invalid_argument& e) {
+                       bad_field("floor_formula.text", e.what());
+                     }
+                   }(),
+                   {}};
+  const nlohmann::json& jc = required(jf, "coefficients", "floor_formula.coefficients");
+  if (!jc.is_object()) bad_field("floor_formula.coefficients", "expected an object name -> bytes");
+  for (const std::string& name : names) {
+    out.coefficients.push_back(get_number(
+        required(jc, name, "floor_formula.coefficients." + name), "floor_formula.coefficients." + name));
+  }
+  return out;
+}
+
+// probed_ranges {variable: [min, max]}; without it, the range of the feasible probes in
+// metadata.probes (files written before the field existed); empty when neither.
+std::vector<ProbedRange> probed_ranges_from_json(const nlohmann::json& j,
+                                                 const nlohmann::json& metadata,
+                                                 const std::vector<std::string>& var_names) {
+  std::vector<ProbedRange> ranges;
+  if (auto it = j.find("probed_ranges"); it != j.end()) {
+    if (!it->is_object()) bad_field("probed_ranges", "expected an object variable -> [min, max]");
+    for (const std::string& name : var_names) {
+      const std::string field = "probed_ranges." + name;
+      const nlohmann::json& range = required(*it, name, field);
+      if (!range.is_array() || range.size() != 2) bad_field(field, "expected [min, max], got " + brief(range));
+      ranges.push_back({get_number(range[0], field + "[0]"), get_number(range[1], field + "[1]")});
+    }
+    return ranges;
+  }
+  const auto probes = metadata.find("probes");
+  if (probes == metadata.end() || !probes->is_array()) return ranges;
+  std::vector<std::vector<double>> dims_list;
+  for (const nlohmann::json& probe : *probes) {
+    if (!probe.is_object() || !probe.contains("dims") || !probe["dims"].is_array() ||
+        probe["dims"].size() != var_names.size() ||
+        (probe.contains("feasible") && !(probe["feasible"].is_boolean() && probe["feasible"].get<bool>()))) {
+      continue;
+    }
+    std::vector<double> dims;
+    for (const nlohmann::json& d : probe["dims"]) {
+      if (!d.is_number()) break;
+      dims.push_back(d.get<double>());
+    }
+    if (dims.size() == var_names.size()) dims_list.push_back(std::move(dims));
+  }
+  if (!dims_list.empty()) ranges = MemoryModel::ranges_of(dims_list);
+  return ranges;
+}
+
 }  // namespace
 
 std::string to_string(DimAggregation a) {
@@ -140,7 +199,91 @@ MemoryModel::MemoryModel(CostFormula formula, std::vector<double> coefficients, 
 }
 
 double MemoryModel::predict_bytes(const std::vector<double>& dims) const {
-  return std::max(floor_bytes_, formula_.predict(coefficients_, dims));
+  return std::max(floor_bytes_at(dims), formula_.predict(coefficients_, dims));
+}
+
+double MemoryModel::floor_bytes_at(const std::vector<double>& dims) const {
+  if (!floor_formula_) return floor_bytes_;
+  return std::max(floor_bytes_, floor_formula_->formula.predict(floor_formula_->coefficients, dims));
+}
+
+void MemoryModel::set_floor_formula(FloorFormula floor_formula) {
+  const CostFormula& f = floor_formula.formula;
+  if (f.variable_names() != formula_.variable_names()) {
+    throw std::invalid_argument("MemoryModel: the floor formula '" + f.text() +
+                                "' must have the model's variables in the same order");
+  }
+  if (floor_formula.coefficients.size() != f.coefficient_names().size()) {
+    throw std::invalid_argument("MemoryModel: " + std::to_string(floor_formula.coefficients.size()) +
+                                " coefficients given for the floor formula '" + f.text() +
+                                "', which declares " + std::to_string(f.coefficient_names().size()));
+  }
+  for (std::size_t k = 0; k < floor_formula.coefficients.size(); ++k) {
+    if (!std::isfinite(floor_formula.coefficients[k])) {
+      throw std::invalid_argument("MemoryModel: floor formula coefficient '" +
+                                  f.coefficient_names()[k] + "' = " +
+                                  format_double(floor_formula.coefficients[k]) + " is not finite");
+    }
+  }
+  floor_formula_ = std::move(floor_formula);
+}
+
+void MemoryModel::set_probed_ranges(std::vector<ProbedRange> ranges) {
+  if (!ranges.empty() && ranges.size() != formula_.variable_names().size()) {
+    throw std::invalid_argument("MemoryModel: " + std::to_string(ranges.size()) +
+                                " probed ranges for " +
+                                std::to_string(formula_.variable_names().size()) + " variables");
+  }
+  for (std::size_t v = 0; v < ranges.size(); ++v) {
+    if (!(std::isfinite(ranges[v].min) && std::isfinite(ranges[v].max) &&
+          ranges[v].min <= ranges[v].max)) {
+      throw std::invalid_argument("MemoryModel: probed range of " + formula_.variable_names()[v] +
+                                  " [" + format_double(ranges[v].min) + ", " +
+                                  format_double(ranges[v].max) + "] is not finite with min <= max");
+    }
+  }
+  probed_ranges_ = std::move(ranges);
+}
+
+std::vector<ProbedRange> MemoryModel::ranges_of(const std::vector<std::vector<double>>& dims_list) {
+  if (dims_list.empty()) throw std::invalid_argument("MemoryModel::ranges_of: no dims");
+  std::vector<ProbedRange> out(dims_list.front().size());
+  for (std::size_t v = 0; v < out.size(); ++v) out[v] = {dims_list.front()[v], dims_list.front()[v]};
+  for (const std::vector<double>& dims : dims_list) {
+    for (std::size_t v = 0; v < out.size() && v < dims.size(); ++v) {
+      out[v].min = std::min(out[v].min, dims[v]);
+      out[v].max = std::max(out[v].max, dims[v]);
+    }
+  }
+  return out;
+}
+
+std::vector<Extrapolation> MemoryModel::extrapolation(const std::vector<double>& dims) const {
+  std::vector<Extrapolation> out;
+  for (std::size_t v = 0; v < probed_ranges_.size() && v < dims.size(); ++v) {
+    const ProbedRange& range = probed_ranges_[v];
+    if (dims[v] > range.max || dims[v] < range.min) {
+      out.push_back({formula_.variable_names()[v], dims[v], range.min, range.max});
+    }
+  }
+  return out;
+}
+
+std::string Extrapolation::describe() const {
+  const auto number = [](double x) {
+    std::ostringstream os;
+    os.precision(6);
+    os << x;
+    return os.str();
+  };
+  if (value > probed_max) {
+    const std::string by = probed_max > 0 ? number(value / probed_max) + "x"
+                                          : number(value - probed_max) + " above";
+    return variable + " = " + number(value) + " is " + by + " the largest probed " + variable +
+           " (" + number(probed_max) + ")";
+  }
+  return variable + " = " + number(value) + " is below the smallest probed " + variable + " (" +
+         number(probed_min) + ")";
 }
 
 void MemoryModel::set_infeasible_probes(std::vector<InfeasibleBound> probes) {
@@ -273,6 +416,24 @@ nlohmann::json MemoryModel::to_json() const {
     infeasible.push_back({{"dims", p.dims}, {"exceeds_bytes", p.exceeds_bytes}});
   }
   j["infeasible_probes"] = std::move(infeasible);
+  if (floor_formula_) {
+    const CostFormula& f = floor_formula_->formula;
+    nlohmann::json floor_coefs = nlohmann::json::object();
+    for (std::size_t k = 0; k < f.coefficient_names().size(); ++k) {
+      floor_coefs[f.coefficient_names()[k]] = floor_formula_->coefficients[k];
+    }
+    j["floor_formula"] = {{"text", f.text()},
+                          {"canonical", f.canonical()},
+                          {"coefficient_names", f.coefficient_names()},
+                          {"coefficients", std::move(floor_coefs)}};
+  }
+  if (!probed_ranges_.empty()) {
+    nlohmann::json ranges = nlohmann::json::object();
+    for (std::size_t v = 0; v < vars.size(); ++v) {
+      ranges[vars[v]] = {probed_ranges_[v].min, probed_ranges_[v].max};
+    }
+    j["probed_ranges"] = std::move(ranges);
+  }
   j["metadata"] = metadata_;
   return j;
 }
@@ -371,6 +532,10 @@ MemoryModel MemoryModel::from_json(const nlohmann::json& j) {
   MemoryModel model(std::move(formula), std::move(coefficients), floor_bytes, bs,
                     std::move(aggregation));
   model.set_infeasible_probes(std::move(infeasible));
+  if (auto it = j.find("floor_formula"); it != j.end()) {
+    model.set_floor_formula(floor_formula_from_json(*it, var_names));
+  }
+  model.set_probed_ranges(probed_ranges_from_json(j, metadata, var_names));
   model.metadata_ = std::move(metadata);
   return model;
 }

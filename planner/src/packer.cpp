@@ -107,7 +107,8 @@ std::vector<std::size_t> descending_order(const std::vector<double>& keys) {
 FitTest::FitTest(const MemoryModel& model, double usable_bytes)
     : model_(model),
       usable_bytes_(usable_bytes),
-      direct_(model.formula().is_linear() && model.infeasible_probes().empty()) {
+      direct_(model.formula().is_linear() && model.infeasible_probes().empty() &&
+              model.floor_formula() == nullptr) {
   if (!direct_) return;
   for (const Monomial& m : model.formula().monomials()) {
     Term term{m.coefficient >= 0 ? model.coefficients()[static_cast<std::size_t>(m.coefficient)] : 1.0,

@@ -11,7 +11,7 @@
 namespace xpm::packer_internal {
 
 /// model.fits(dims, usable_bytes) for one model and budget, many times: for a linear formula and
-/// a model without infeasible probes it evaluates the expanded monomials directly, with the
+/// a model without infeasible probes or floor formula it evaluates the expanded monomials directly, with the
 /// same operations in the same order as CostFormula::predict (so the same result, bit for
 /// bit) but without its per-call argument checks; otherwise it calls model.fits. The model must
 /// outlive it; dims must have one entry per variable (the packers' inputs are validated).

@@ -1,16 +1,27 @@
 #include "xpm/planner/predictive_batcher.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <cmath>
 #include <stdexcept>
 #include <utility>
 
 namespace xpm {
+namespace {
+
+// A corrected model keeps the floor formula and the probed range of the one it replaces.
+void keep_floor_and_range(const MemoryModel& from, MemoryModel& to) {
+  if (const FloorFormula* moving = from.floor_formula()) to.set_floor_formula(*moving);
+  to.set_probed_ranges(from.probed_ranges());
+}
+
+}  // namespace
 
 void PredictiveBatcherOptions::validate() const {
   budget.validate();
   fit.validate();
+  floor.validate();
   const auto is_variable = [&](const std::string& name) {
     return std::find(variable_names.begin(), variable_names.end(), name) != variable_names.end();
   };
@@ -107,38 +118,21 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
     }
   }
 
-  // Floor: the static memory and every optimizer-step peak (AdamW's update temporaries).
-  double floor_bytes = static_bytes;
-  for (const ProbeResult& probe : probes_) {
-    if (probe.feasible) floor_bytes = std::max(floor_bytes, probe.optimizer_step_peak_bytes);
-  }
-  // Below some size the forward/backward peak stops following the activations: a
-  // shape-independent moment of backward sets it (the dense gradient of the largest parameter,
-  // e.g. the tagger's 10.24 MB embedding gradient, alive while it is added into .grad). Several
-  // probes then peak within kPlateauFraction of the smallest peak, whatever their dims. That
-  // plateau is a floor too; it matters when it lies above the optimizer peaks (measured: a
-  // rank holding 1/3 of the AdamW state, plateau 43.28 MB vs optimizer step 41.04 MB).
-  constexpr double kPlateauFraction = 0.01;
-  double smallest_peak_bytes = std::numeric_limits<double>::infinity();
-  for (const ProbeResult& probe : probes_) {
-    if (probe.feasible) smallest_peak_bytes = std::min(smallest_peak_bytes, probe.forward_backward_peak_bytes);
-  }
-  const double plateau_top_bytes = smallest_peak_bytes * (1 + kPlateauFraction);
-  const auto on_plateau = std::count_if(probes_.begin(), probes_.end(), [&](const ProbeResult& probe) {
-    return probe.feasible && probe.forward_backward_peak_bytes <= plateau_top_bytes;
-  });
-  const bool plateau = on_plateau >= 2;
-  if (plateau) floor_bytes = std::max(floor_bytes, smallest_peak_bytes);
-  // Fit the formula where it matters: forward/backward peaks above the floor and off the
-  // plateau. Below it the prediction is the floor anyway. Fall back to every feasible probe
-  // when too few remain.
-  std::vector<Measurement> measurements, all_feasible;
+  // Floor: the static memory and the optimizer-step peaks, a constant or a formula of its own
+  // when they grow with the dims (floor_model.hpp).
+  std::vector<Measurement> optimizer_peaks;
+  std::vector<std::vector<double>> feasible_dims;
   for (const ProbeResult& probe : probes_) {
     if (!probe.feasible) continue;
-    all_feasible.push_back({probe.dims, probe.forward_backward_peak_bytes});
-    const bool above_floor = probe.forward_backward_peak_bytes > floor_bytes &&
-                             !(plateau && probe.forward_backward_peak_bytes <= plateau_top_bytes);
-    if (above_floor) measurements.push_back(all_feasible.back());
+    optimizer_peaks.push_back({probe.dims, probe.optimizer_step_peak_bytes});
+    feasible_dims.push_back(probe.dims);
+  }
+  if (optimizer_peaks.empty()) {
+    floor_fit_ = FloorFit{};  // every probe ran out of memory: refused below
+    floor_fit_.constant_bytes = static_bytes;
+    feasible_dims.push_back(std::vector<double>(formula.variable_names().size(), 0.0));
+  } else {
+    floor_fit_ = fit_floor(formula, optimizer_peaks, static_bytes, options_.floor);
   }
   // Probes that ran out of memory: lower bounds of the fit, limits of the plans.
   std::vector<InfeasibleBound> infeasible;
@@ -149,55 +143,142 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
                                 : static_cast<double>(options_.budget.capacity_bytes);
     infeasible.push_back({probe.dims, capacity});
   }
-  const bool fitted_above_floor = measurements.size() >= formula.coefficient_names().size();
-  if (!fitted_above_floor) measurements = all_feasible;
-  if (floor_bytes >= usable_bytes) {
-    throw std::invalid_argument(
-        "PredictiveBatcher: the optimizer step alone peaks at " +
-        std::to_string(static_cast<long long>(floor_bytes)) + " bytes, at or above the usable budget of " +
-        std::to_string(static_cast<long long>(usable_bytes)) + " bytes: no microbatch can fit; raise the capacity");
-  }
-  if (measurements.size() < formula.coefficient_names().size()) {
-    throw std::invalid_argument("PredictiveBatcher: only " + std::to_string(measurements.size()) +
-                             " feasible probes for " +
-                             std::to_string(formula.coefficient_names().size()) +
-                             " coefficients; raise the capacity or give probe points that fit it");
-  }
-  FitResult fit = fit_coefficients(formula, measurements, infeasible, options_.fit);
-  fit_summary_ = fit.summary;
-  if (!fit.summary.usable) {
-    std::string reasons;
-    for (const std::string& reason : fit.summary.reasons) reasons += (reasons.empty() ? "" : "; ") + reason;
-    throw std::runtime_error("PredictiveBatcher: the fitted memory model is not usable: " + reasons);
-  }
-  MemoryModel model(formula, fit.coefficients, floor_bytes, options_.batch_size_variable,
-                    options_.aggregation);
-  model.set_infeasible_probes(infeasible);
+  FitCandidate chosen = choose_fit(formula, infeasible, usable_bytes);
+  fit_summary_ = chosen.fit.summary;
+  MemoryModel model = std::move(*chosen.model);
+  model.set_probed_ranges(MemoryModel::ranges_of(feasible_dims));
+  model.metadata()["floor"] = {{"report", floor_fit_.report},
+                               {"spread", floor_fit_.spread},
+                               {"moving", floor_fit_.formula.has_value()},
+                               {"plateau", chosen.plateau}};
   nlohmann::json probes_json = nlohmann::json::array();
   for (const ProbeResult& probe : probes_) probes_json.push_back(to_json(probe));
   model.metadata()["probes"] = probes_json;
   nlohmann::json measurements_json = nlohmann::json::array();
-  for (const Measurement& m : measurements) {
+  for (const Measurement& m : chosen.measurements) {
     measurements_json.push_back({{"dims", m.dims}, {"bytes", m.bytes}});
   }
   model.metadata()["fit_measurements"] = measurements_json;
-  fit_measurements_ = measurements;
+  fit_measurements_ = chosen.measurements;
   corrections_ = 0;
   model.metadata()["static_bytes"] = static_bytes;
-  model.metadata()["fit"] = {{"converged", fit.summary.converged},
-                             {"max_rel_error", fit.summary.max_rel_error},
-                             {"mean_rel_error", fit.summary.mean_rel_error},
+  const FitSummary& fit = chosen.fit.summary;
+  model.metadata()["fit"] = {{"converged", fit.converged},
+                             {"max_rel_error", fit.max_rel_error},
+                             {"mean_rel_error", fit.mean_rel_error},
                              {"leave_one_out_max_rel_error",
-                              std::isnan(fit.summary.leave_one_out_max_rel_error)
+                              std::isnan(fit.leave_one_out_max_rel_error)
                                   ? nlohmann::json(nullptr)
-                                  : nlohmann::json(fit.summary.leave_one_out_max_rel_error)},
-                             {"usable", fit.summary.usable},
+                                  : nlohmann::json(fit.leave_one_out_max_rel_error)},
+                             {"usable", fit.usable},
                              {"fitted_to", "forward_backward_peak_bytes"},
-                             {"fitted_points", measurements.size()},
+                             {"fitted_points", chosen.measurements.size()},
                              {"infeasible_bound_count", infeasible.size()},
-                             {"fitted_above_floor_only", fitted_above_floor}};
+                             {"fitted_above_floor_only", chosen.fitted_above_floor}};
   model_ = std::move(model);
   return *model_;
+}
+
+PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
+    const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible, double floor_bytes,
+    const std::function<bool(const ProbeResult&)>& off_plateau) const {
+  FitCandidate c;
+  c.floor_bytes = floor_bytes;
+  const auto floor_at = [&](const std::vector<double>& dims) {
+    const double moving = floor_fit_.formula
+                              ? floor_fit_.formula->formula.predict(floor_fit_.formula->coefficients, dims)
+                              : 0.0;
+    return std::max(floor_bytes, moving);
+  };
+  std::vector<Measurement> all_feasible;
+  for (const ProbeResult& probe : probes_) {
+    if (!probe.feasible) continue;
+    all_feasible.push_back({probe.dims, probe.forward_backward_peak_bytes});
+    if (probe.forward_backward_peak_bytes > floor_at(probe.dims) && off_plateau(probe)) {
+      c.measurements.push_back(all_feasible.back());
+    }
+  }
+  c.fitted_above_floor = c.measurements.size() >= formula.coefficient_names().size();
+  if (!c.fitted_above_floor) c.measurements = all_feasible;
+  if (c.measurements.size() < formula.coefficient_names().size()) {
+    throw std::invalid_argument("PredictiveBatcher: only " + std::to_string(c.measurements.size()) +
+                                " feasible probes for " +
+                                std::to_string(formula.coefficient_names().size()) +
+                                " coefficients; raise the capacity or give probe points that fit it");
+  }
+  c.fit = fit_coefficients(formula, c.measurements, infeasible, options_.fit);
+  if (!c.fit.summary.usable) return c;
+  MemoryModel model(formula, c.fit.coefficients, floor_bytes, options_.batch_size_variable,
+                    options_.aggregation);
+  model.set_infeasible_probes(infeasible);
+  if (floor_fit_.formula) model.set_floor_formula(*floor_fit_.formula);
+  // Score: the largest relative error of the model over every feasible probe's step peak.
+  for (const ProbeResult& probe : probes_) {
+    if (!probe.feasible) continue;
+    const double peak = probe.step_peak_bytes();
+    c.probe_error = std::max(c.probe_error, std::abs(model.predict_bytes(probe.dims) - peak) / peak);
+  }
+  c.model = std::move(model);
+  return c;
+}
+
+PredictiveBatcher::FitCandidate PredictiveBatcher::choose_fit(
+    const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible,
+    double usable_bytes) const {
+  // Below some size the forward/backward peak stops following the activations: a
+  // shape-independent moment of backward sets it (the dense gradient of the largest parameter,
+  // e.g. the tagger's 10.24 MB embedding gradient, alive while it is added into .grad). Several
+  // probes then peak within kPlateauFraction of the smallest peak, whatever their dims. That
+  // plateau may be a floor too, when it lies above the optimizer peaks (measured: a rank
+  // holding 1/3 of the AdamW state, plateau 43.28 MB vs optimizer step 41.04 MB), or a piece of
+  // the formula (max() of pieces). Both are fitted; the one whose model misses the probes'
+  // step peaks least is kept.
+  constexpr double kPlateauFraction = 0.01;
+  double smallest_peak_bytes = std::numeric_limits<double>::infinity();
+  for (const ProbeResult& probe : probes_) {
+    if (probe.feasible) smallest_peak_bytes = std::min(smallest_peak_bytes, probe.forward_backward_peak_bytes);
+  }
+  const double plateau_top_bytes = smallest_peak_bytes * (1 + kPlateauFraction);
+  const auto on_plateau = std::count_if(probes_.begin(), probes_.end(), [&](const ProbeResult& probe) {
+    return probe.feasible && probe.forward_backward_peak_bytes <= plateau_top_bytes;
+  });
+  const double floor_bytes = floor_fit_.constant_bytes;
+  const double plateau_floor_bytes = std::max(floor_bytes, smallest_peak_bytes);
+  const bool plateau = on_plateau >= 2 && plateau_floor_bytes > floor_bytes;
+  const double highest_floor_bytes = plateau ? plateau_floor_bytes : floor_bytes;
+  if (highest_floor_bytes >= usable_bytes) {
+    throw std::invalid_argument(
+        "PredictiveBatcher: the optimizer step alone peaks at " +
+        std::to_string(static_cast<long long>(highest_floor_bytes)) + " bytes, at or above the usable budget of " +
+        std::to_string(static_cast<long long>(usable_bytes)) + " bytes: no microbatch can fit; raise the capacity");
+  }
+  std::vector<FitCandidate> candidates;
+  std::string first_error;
+  const auto try_fit = [&](double floor, bool with_plateau) {
+    try {
+      FitCandidate c = fit_candidate(formula, infeasible, floor, [&](const ProbeResult& probe) {
+        return !with_plateau || probe.forward_backward_peak_bytes > plateau_top_bytes;
+      });
+      c.plateau = with_plateau;
+      candidates.push_back(std::move(c));
+    } catch (const IdentifiabilityError& e) {
+      if (first_error.empty()) first_error = e.what();
+    }
+  };
+  if (plateau) try_fit(plateau_floor_bytes, true);
+  try_fit(floor_bytes, false);
+  if (candidates.empty()) throw IdentifiabilityError(first_error, {}, "");
+  FitCandidate* best = nullptr;
+  for (FitCandidate& c : candidates) {
+    if (c.model && (best == nullptr || c.probe_error < best->probe_error)) best = &c;
+  }
+  if (best == nullptr) {
+    const FitSummary& s = candidates.front().fit.summary;
+    std::string reasons;
+    for (const std::string& reason : s.reasons) reasons += (reasons.empty() ? "" : "; ") + reason;
+    throw std::runtime_error("PredictiveBatcher: the fitted memory model is not usable: " + reasons);
+  }
+  return std::move(*best);
 }
 
 void PredictiveBatcher::set_model(MemoryModel model) {
@@ -234,6 +315,7 @@ const MemoryModel& PredictiveBatcher::add_measurement(const Measurement& measure
   MemoryModel refitted(formula, fit.coefficients, model_->floor_bytes(),
                        model_->batch_size_variable(), options_.aggregation);
   refitted.set_infeasible_probes(model_->infeasible_probes());
+  keep_floor_and_range(*model_, refitted);
   refitted.metadata() = model_->metadata();
   refitted.metadata()["fit_measurements"].push_back(
       {{"dims", measurement.dims}, {"bytes", measurement.bytes}, {"online", true}});
@@ -250,6 +332,7 @@ const MemoryModel& PredictiveBatcher::raise_floor_bytes(double floor_bytes) {
   MemoryModel raised(model_->formula(), model_->coefficients(), floor_bytes,
                      model_->batch_size_variable(), options_.aggregation);
   raised.set_infeasible_probes(model_->infeasible_probes());
+  keep_floor_and_range(*model_, raised);
   raised.metadata() = model_->metadata();
   ++corrections_;
   model_ = std::move(raised);

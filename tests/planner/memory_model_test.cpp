@@ -290,3 +290,32 @@ TEST_CASE("model from JSON names a bad infeasible probe") {
   j["infeasible_probes"] = "none";
   CHECK(error_of(j).find("infeasible_probes") != std::string::npos);
 }
+
+TEST_CASE("a model says which dims lie beyond its probed range, and by how much") {
+  xpm::MemoryModel model(xpm::CostFormula("a*bs*l + c", {"a", "c"}, {"bs", "l"}), {10, 1e6}, 0, "bs");
+  CHECK(model.extrapolation({20, 64}).empty());  // no range recorded: nothing to say
+  model.set_probed_ranges(xpm::MemoryModel::ranges_of({{1, 16}, {8, 128}, {4, 64}}));
+  REQUIRE(model.probed_ranges().size() == 2);
+  CHECK(model.probed_ranges()[0].max == 8);
+  CHECK(model.probed_ranges()[1].min == 16);
+  CHECK(model.extrapolation({8, 128}).empty());
+  const auto beyond = model.extrapolation({20, 8});
+  REQUIRE(beyond.size() == 2);
+  CHECK(beyond[0].describe() == "bs = 20 is 2.5x the largest probed bs (8)");
+  CHECK(beyond[1].describe() == "l = 8 is below the smallest probed l (16)");
+  const xpm::MemoryModel read = xpm::MemoryModel::from_json(model.to_json());
+  CHECK(read.extrapolation({20, 8}).size() == 2);
+  CHECK_THROWS_AS(model.set_probed_ranges({{1, 0}}), std::invalid_argument);
+}
+
+TEST_CASE("a model file without probed_ranges takes them from its feasible probes") {
+  xpm::MemoryModel model(xpm::CostFormula("a*bs*l + c", {"a", "c"}, {"bs", "l"}), {10, 1e6}, 0, "bs");
+  nlohmann::json j = model.to_json();
+  j["metadata"]["probes"] = {{{"dims", {1, 16}}, {"feasible", true}},
+                             {{"dims", {8, 128}}, {"feasible", true}},
+                             {{"dims", {64, 512}}, {"feasible", false}}};
+  const xpm::MemoryModel read = xpm::MemoryModel::from_json(j);
+  REQUIRE(read.probed_ranges().size() == 2);
+  CHECK(read.probed_ranges()[0].max == 8);
+  CHECK(read.probed_ranges()[1].max == 128);
+}

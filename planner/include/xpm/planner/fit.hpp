@@ -101,6 +101,14 @@ struct FitOptions {
   bool leave_one_out = true;           // refit without each point (one refit per point)
   double identifiability_tolerance = 1e-9;  // relative distance of a unit column to the others'
                                             // span below which it counts as dependent
+  /// With batch_size_variable set: when every probe at batch size 1 lies below the fit of the
+  /// others or on it (under-predicted by at most 0.1 %), one of them by 0.2 % or more, and
+  /// leaving them out lowers the max relative
+  /// error, they are left out of the fit (FitSummary::left_out says so). In PyTorch a
+  /// microbatch of one record often peaks below the trend of larger ones (other kernels, copies
+  /// of a transposed size-1 batch dimension skipped); fitted with them, a formula misses the
+  /// others. Predictions at batch size 1 then err on the safe side. false: fit every point.
+  bool single_record_regime = true;
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;
 };
@@ -124,6 +132,14 @@ struct FitSummary {
   std::vector<std::string> reasons;    // why not usable (one sentence each); empty when usable
   std::string solver_report;           // Ceres BriefReport()
   std::string start;                   // non-linear fits: where Ceres started ("" when linear)
+  /// "" or a note that the residuals' signs are grouped along a variable (runs test), with a
+  /// suggested max() of pieces; informative, it does not change `usable`.
+  std::string residual_structure;
+  /// Measurements left out of the fit (FitOptions::single_record_regime), indices; their
+  /// rel_errors are the fit's errors there. max/mean_rel_error are over the fitted points.
+  std::vector<std::size_t> left_out;
+  std::string left_out_note;           // why they were left out ("" when none)
+  std::string batch_size_variable;     // FitOptions::batch_size_variable of the fit
   std::size_t infeasible_bound_count = 0;  // InfeasibleBounds given to the fit
   std::vector<double> infeasible_bound_predicted_bytes;  // prediction at each bound's dims
   std::vector<bool> infeasible_bound_satisfied;  // predicted >= exceeds_bytes, one per bound
@@ -132,8 +148,9 @@ struct FitSummary {
   /// error, leave-one-out error (or why not computed), infeasible bounds (when any), usable or
   /// the reasons.
   std::string brief_report() const;
-  /// brief_report() and then one line per point (relative error and leave-one-out error) and
-  /// one per infeasible bound (predicted bytes, satisfied or not).
+  /// brief_report() and then one line per point (relative error and leave-one-out error), one
+  /// per infeasible bound (predicted bytes, satisfied or not), the start and the residual
+  /// structure note.
   std::string full_report() const;
 };
 

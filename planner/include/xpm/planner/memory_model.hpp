@@ -8,7 +8,20 @@
 //
 // Prediction is max(floor_bytes, formula(dims)): at small shapes the static memory (weights,
 // gradients, optimizer state) dominates and a polynomial fitted where activations dominate
-// would under-predict it (DESIGN.md section 3, "Peaks are a maximum over phases").
+// would under-predict it (docs/design.md, "Peaks are a maximum over phases").
+//
+// A floor that moves. When the optimizer step runs while tensors of the step are still alive
+// (logits, loss, saved inputs), its peak grows with the dims; the model then carries a floor
+// formula of its own, fitted to the optimizer-step peaks, and predicts
+// max(floor_bytes, floor_formula(dims), formula(dims)):
+//
+//   model.set_floor_formula(FloorFormula{CostFormula("d*bs*l + f", {"d", "f"}, {"bs", "l"}),
+//                                        {1200.0, 6.1e7}});
+//
+// Probed range. The model records the smallest and largest value of every variable over the
+// probes it was fitted to (set_probed_ranges); extrapolation(dims) lists the variables of an
+// answer that lie outside it (bs = 20 when the largest probe had bs = 8), so a caller can say
+// that the prediction there is an extrapolation.
 //
 // Infeasible probes. The model keeps the probes that ran out of memory (dims and the capacity
 // they ran under, InfeasibleBound) and never lets a microbatch dominate one: dims d dominate a
@@ -24,6 +37,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +53,29 @@ enum class DimAggregation {
   kCount,  // number of records (the batch-size variable)
   kMax,    // maximum over records (padded length)
   kSum,    // sum over records (total tokens)
+};
+
+/// A second formula over the model's variables whose value is a lower bound of the prediction
+/// (the optimizer-step peak when it grows with the dims).
+struct FloorFormula {
+  CostFormula formula;               // same variable names, in the same order, as the model's
+  std::vector<double> coefficients;  // formula.coefficient_names() order, bytes per term unit
+};
+
+/// Smallest and largest probed value of one variable.
+struct ProbedRange {
+  double min = 0;
+  double max = 0;
+};
+
+/// A variable of an answer outside the probed range.
+struct Extrapolation {
+  std::string variable;  // e.g. "bs"
+  double value = 0;      // the answer's value
+  double probed_min = 0;
+  double probed_max = 0;
+  /// "bs = 20 is 2.5x the largest probed bs (8)" or "l = 4 is below the smallest probed l (16)".
+  std::string describe() const;
 };
 
 class MemoryModel {
@@ -57,8 +94,29 @@ class MemoryModel {
   std::size_t batch_size_index() const { return batch_size_index_; }
   const std::vector<DimAggregation>& aggregation() const { return aggregation_; }  // per variable
 
-  /// max(floor_bytes, formula(dims)); dims in variable_names() order.
+  /// max(floor_bytes, floor formula(dims) when set, formula(dims)); dims in variable_names()
+  /// order.
   double predict_bytes(const std::vector<double>& dims) const;
+
+  /// The floor formula, or nullptr when the floor is the constant floor_bytes() alone.
+  const FloorFormula* floor_formula() const { return floor_formula_ ? &*floor_formula_ : nullptr; }
+  /// Sets it. Throws std::invalid_argument when its variable names differ from the model's or a
+  /// coefficient count or value is wrong (not finite).
+  void set_floor_formula(FloorFormula floor_formula);
+  /// The floor at `dims`: max(floor_bytes, floor formula(dims)).
+  double floor_bytes_at(const std::vector<double>& dims) const;
+
+  /// Probed range per variable (variable_names() order); empty when not recorded.
+  const std::vector<ProbedRange>& probed_ranges() const { return probed_ranges_; }
+  /// Sets it. Throws std::invalid_argument when the size differs from the variable count or a
+  /// range is not finite with min <= max.
+  void set_probed_ranges(std::vector<ProbedRange> ranges);
+  /// Smallest and largest value of every variable over `dims_list` (each variable_names()
+  /// order); throws std::invalid_argument when the list is empty.
+  static std::vector<ProbedRange> ranges_of(const std::vector<std::vector<double>>& dims_list);
+  /// The variables of `dims` outside the probed range, in variable order; empty when inside or
+  /// when no range is recorded.
+  std::vector<Extrapolation> extrapolation(const std::vector<double>& dims) const;
 
   /// Probes that ran out of memory (dims in variable_names() order, capacity in bytes).
   const std::vector<InfeasibleBound>& infeasible_probes() const { return infeasible_probes_; }
@@ -88,7 +146,9 @@ class MemoryModel {
   /// variable_names}, coefficients {name: bytes}, floor_bytes, batch_size_variable,
   /// aggregation {variable: "count"|"max"|"sum"}, infeasible_probes [{dims: [...] in
   /// variable_names order, exceeds_bytes}] (optional when reading: missing = none),
-  /// metadata {...}.
+  /// floor_formula {text, canonical, coefficient_names, coefficients {name: bytes}} (optional),
+  /// probed_ranges {variable: [min, max]} (optional; when missing, taken from the feasible
+  /// metadata.probes[].dims if there are any), metadata {...}.
   nlohmann::json to_json() const;
   /// Throws std::invalid_argument naming the missing or bad field (e.g. "coefficients.b").
   /// formula.text is re-parsed with the stored names; formula.canonical is informative only.
@@ -107,6 +167,8 @@ class MemoryModel {
   std::size_t batch_size_index_;
   std::vector<DimAggregation> aggregation_;
   std::vector<InfeasibleBound> infeasible_probes_;
+  std::optional<FloorFormula> floor_formula_;
+  std::vector<ProbedRange> probed_ranges_;
   nlohmann::json metadata_ = nlohmann::json::object();
 };
 

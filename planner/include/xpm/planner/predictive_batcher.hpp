@@ -10,14 +10,17 @@
 //   MicrobatchPlan plan = batcher.plan(record_dims); // every step, on every rank
 //
 // Model: the formula is fitted to the forward/backward peaks of the probes (the phase that
-// grows with the dims); the floor is the largest optimizer-step peak and the static bytes;
-// prediction is max(floor, formula) (DESIGN.md section 3). Probes that ran out of memory are
+// grows with the dims); the floor is the largest optimizer-step peak and the static bytes, or,
+// when the optimizer-step peaks grow with the dims, a floor formula fitted to them
+// (floor_model.hpp); prediction is max(floor, formula) (docs/design.md, section 3). The model
+// records the probed range of every variable (MemoryModel::extrapolation). Probes that ran out of memory are
 // upper bounds, never dropped: each is an InfeasibleBound of the fit (the prediction at its dims
 // must reach the capacity it ran under) and an infeasible probe of the model (no plan dominates
 // its dims; MemoryModel::fits).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -26,6 +29,7 @@
 
 #include "xpm/planner/budget.hpp"
 #include "xpm/planner/fit.hpp"
+#include "xpm/planner/floor_model.hpp"
 #include "xpm/planner/memory_model.hpp"
 #include "xpm/planner/packer.hpp"
 #include "xpm/planner/probe.hpp"
@@ -43,6 +47,7 @@ struct PredictiveBatcherOptions {
   std::vector<double> design_fractions = {1.0, 0.75, 0.5};     // of each non-bs variable's max
   MemoryBudget budget;                                         // the plan's budget
   FitOptions fit;                                              // Ceres options
+  FloorOptions floor;                                          // constant or fitted floor
   /// Throws std::invalid_argument naming the bad field (formula errors are FormulaError).
   void validate() const;
 };
@@ -61,7 +66,10 @@ class PredictiveBatcher {
   /// exceeds_bytes = ProbeResult::capacity_bytes, or the budget's capacity_bytes when 0) and is
   /// stored in the model (MemoryModel::infeasible_probes), which keeps every plan below it.
   /// The formula is fitted to the forward/backward peaks that lie above the floor (where the
-  /// budget binds), or to every feasible probe when too few do.
+  /// budget binds), or to every feasible probe when too few do. When several probes peak within
+  /// 1 % of the smallest forward/backward peak (a plateau above the optimizer-step floor), the
+  /// fit is made twice, with the plateau as the floor and without, and the model that misses the
+  /// probes' step peaks least is kept.
   /// Throws std::invalid_argument when the budget cannot work (below the static bytes or the
   /// floor, or fewer feasible probes than coefficients; IdentifiabilityError when the probes
   /// cannot separate the coefficients) and std::runtime_error when the fit is not usable
@@ -89,6 +97,8 @@ class PredictiveBatcher {
   /// Throws std::logic_error before probe_and_fit() or set_model().
   const MemoryModel& model() const;
   const FitSummary& fit_summary() const { return fit_summary_; }
+  /// How probe_and_fit() chose the floor (FloorFit::report says which and why).
+  const FloorFit& floor_fit() const { return floor_fit_; }
   const std::vector<ProbeResult>& probes() const { return probes_; }
   const PredictiveBatcherOptions& options() const { return options_; }
   const MicrobatchPacker& packer() const { return *packer_; }
@@ -98,12 +108,29 @@ class PredictiveBatcher {
   MicrobatchPlan plan(const std::vector<std::vector<double>>& record_dims) const;
 
  private:
+  // One way of fitting the probes: the floor, the fitted measurements, the fit and, when it is
+  // usable, the model and its largest relative error over every feasible probe's step peak.
+  struct FitCandidate {
+    double floor_bytes = 0;
+    bool plateau = false;             // the forward/backward plateau is the floor
+    bool fitted_above_floor = false;  // else every feasible probe was fitted
+    std::vector<Measurement> measurements;
+    FitResult fit;
+    std::optional<MemoryModel> model;  // empty when the fit is not usable
+    double probe_error = 0;
+  };
   std::vector<std::vector<double>> design_probe_dims(const CostFormula& formula) const;
+  FitCandidate fit_candidate(const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible,
+                             double floor_bytes,
+                             const std::function<bool(const ProbeResult&)>& off_plateau) const;
+  FitCandidate choose_fit(const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible,
+                          double usable_bytes) const;
 
   PredictiveBatcherOptions options_;
   std::shared_ptr<const MicrobatchPacker> packer_;
   std::optional<MemoryModel> model_;
   FitSummary fit_summary_;
+  FloorFit floor_fit_;
   std::vector<ProbeResult> probes_;
   std::vector<Measurement> fit_measurements_;  // what the current coefficients were fitted to
   std::int64_t corrections_ = 0;

@@ -1,0 +1,81 @@
+// xpm/planner/floor_model.hpp — the floor of a phase-aware memory model: a constant, or a
+// formula of its own when the optimizer-step peaks grow with the dims.
+//
+//   std::vector<Measurement> optimizer_peaks = ...;  // one per feasible probe: dims, bytes
+//   FloorFit floor = fit_floor(formula, optimizer_peaks, static_bytes, FloorOptions{});
+//   MemoryModel model(formula, coefficients, floor.constant_bytes, "bs");
+//   if (floor.formula) model.set_floor_formula(*floor.formula);
+//   std::cout << floor.report;  // which floor, and why
+//
+// Why. The step's peak is max(forward/backward peak, optimizer-step peak). In the bundled tasks
+// the optimizer step runs after every tensor of the step is freed, so its peak is the same at
+// every shape (weights, gradients, optimizer state, update temporaries): a constant. In user
+// code the optimizer step often runs while tensors of the step are still alive (logits, loss,
+// saved inputs), so its peak grows with the shape; a constant floor (the largest probe's) then
+// over-predicts small shapes and under-predicts shapes beyond the probes.
+//
+// Rule (FloorMode::kAutomatic). spread = (max - min) / max of the optimizer-step peaks. When it
+// is at most FloorOptions::constant_spread (0.1 %), the floor is the constant max(static bytes,
+// largest peak). Otherwise the peaks are fitted (non-negative linear least squares, relative
+// residuals) with the floor formula, and the formula is the floor when its fit is usable and
+// its max relative error is below the constant's; the constant otherwise. The floor formula is
+// FloorOptions::formula, or by default the model's own formula with every coefficient renamed
+// floor_<name> when that formula is linear (a*bs*l^2 + b*bs*l + c: floor_a*bs*l^2 +
+// floor_b*bs*l + floor_c), else floor_d * (the product of every variable) + floor_f.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "xpm/planner/fit.hpp"
+#include "xpm/planner/formula.hpp"
+#include "xpm/planner/memory_model.hpp"
+
+namespace xpm {
+
+enum class FloorMode {
+  kAutomatic,  // constant unless the peaks grow (see the file comment)
+  kConstant,   // always the largest optimizer-step peak
+  kFormula,    // always the floor formula
+};
+
+struct FloorOptions {
+  FloorMode mode = FloorMode::kAutomatic;
+  /// Floor formula over the model's variables; "" derives it from the model's formula (above).
+  std::string formula;
+  /// Its coefficient names; empty: every name of the formula that is not a variable, in order.
+  std::vector<std::string> coefficient_names;
+  double constant_spread = 0.001;  // kAutomatic: at most this spread keeps the constant
+  /// Throws std::invalid_argument naming the bad field.
+  void validate() const;
+};
+
+struct FloorFit {
+  double constant_bytes = 0;           // max(static bytes, largest optimizer-step peak), or the
+                                       // static bytes alone when the formula is the floor
+  std::optional<FloorFormula> formula;  // the fitted floor formula when it is the floor
+  double spread = 0;                   // (max - min) / max of the optimizer-step peaks
+  double constant_max_rel_error = 0;   // of the constant floor on the peaks
+  double formula_max_rel_error = -1;   // of the floor formula on the peaks; -1: not fitted
+  /// One sentence: which floor, and why, e.g. "floor: formula floor_d*bs*l + floor_f fitted to
+  /// the optimizer-step peaks, which grow 12.4 % across the probes (max error 0.02 %; a
+  /// constant would miss by 11 %)".
+  std::string report;
+};
+
+/// The floor formula FloorOptions gives or derives for `formula` (see the file comment).
+/// Throws FormulaError for a bad FloorOptions::formula.
+CostFormula floor_formula_for(const CostFormula& formula, const FloorOptions& options);
+
+/// Chooses and fits the floor from `optimizer_step_peaks` (dims in formula variable order,
+/// bytes > 0; at least one). Throws std::invalid_argument for bad options or measurements, and
+/// when FloorMode::kFormula is asked and the floor formula cannot be fitted (too few points,
+/// coefficients the probes cannot separate). Pure function.
+FloorFit fit_floor(const CostFormula& formula, const std::vector<Measurement>& optimizer_step_peaks,
+                   double static_bytes, const FloorOptions& options = {});
+
+std::string to_string(FloorMode mode);                  // "auto" | "constant" | "formula"
+FloorMode floor_mode_from_string(const std::string& s);  // throws std::invalid_argument
+
+}  // namespace xpm

@@ -1,0 +1,119 @@
+// fit_regimes.cpp — fit_coefficients: the fit of every point, or of every point but the
+// single-record probes when they lie below the trend of the others (see fit.hpp,
+// FitOptions::single_record_regime).
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "xpm/planner/fit.hpp"
+
+#include "fit_points.hpp"
+#include "number_format.hpp"
+
+namespace xpm {
+namespace {
+
+// A single-record probe over-predicted by less than this is on the trend: nothing to leave out.
+constexpr double kBelowTrend = 0.002;
+// ... and one under-predicted by at most this still counts as on the trend (not above it).
+constexpr double kOnTrend = 0.001;
+
+struct Split {
+  std::vector<std::size_t> single;  // measurements at batch size 1
+  std::vector<std::size_t> rest;
+};
+
+Split split_single_records(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                           const FitOptions& options) {
+  Split out;
+  const std::size_t b = formula.variable_index(options.batch_size_variable);
+  for (std::size_t i = 0; i < measurements.size(); ++i) {
+    (measurements[i].dims[b] == 1 ? out.single : out.rest).push_back(i);
+  }
+  return out;
+}
+
+std::vector<Measurement> select(const std::vector<Measurement>& measurements,
+                                const std::vector<std::size_t>& indices) {
+  std::vector<Measurement> out;
+  for (std::size_t i : indices) out.push_back(measurements[i]);
+  return out;
+}
+
+double rel_error(const CostFormula& formula, const FitResult& fit, const Measurement& m) {
+  return (formula.predict(fit.coefficients, m.dims) - m.bytes) / m.bytes;
+}
+
+// The fit of the other points, with the single-record points put back into the per-point
+// errors (the leave-one-out error of a left-out point is its error: it was left out).
+FitResult without_single_records(const CostFormula& formula,
+                                 const std::vector<Measurement>& measurements, const Split& split,
+                                 FitResult rest) {
+  FitSummary& s = rest.summary;
+  std::vector<double> errors(measurements.size()), loo;
+  const bool has_loo = !s.leave_one_out_rel_errors.empty();
+  if (has_loo) loo.resize(measurements.size());
+  for (std::size_t r = 0; r < split.rest.size(); ++r) {
+    errors[split.rest[r]] = s.rel_errors[r];
+    if (has_loo) loo[split.rest[r]] = s.leave_one_out_rel_errors[r];
+  }
+  double lowest = HUGE_VAL, highest = 0;
+  for (std::size_t i : split.single) {
+    errors[i] = rel_error(formula, rest, measurements[i]);
+    if (has_loo) loo[i] = errors[i];
+    lowest = std::min(lowest, errors[i]);
+    highest = std::max(highest, errors[i]);
+  }
+  s.rel_errors = std::move(errors);
+  if (has_loo) s.leave_one_out_rel_errors = std::move(loo);
+  s.left_out = split.single;
+  s.left_out_note =
+      std::to_string(split.single.size()) + " probe" + (split.single.size() == 1 ? "" : "s") +
+      " at " + s.batch_size_variable + " = 1 lie below the trend of the larger microbatches (the "
+      "fit of the others over-predicts them by " + detail::percent(lowest) + " to " +
+      detail::percent(highest) + "): a microbatch of one record often takes other kernels or "
+      "skips copies (a transpose of a size-1 batch dimension is already contiguous). They are "
+      "left out of the fit; predictions at " + s.batch_size_variable + " = 1 err on the safe side "
+      "by up to " + detail::percent(highest) +
+      (lowest < 0 ? " (and under by at most " + detail::percent(-lowest) + ")" : "");
+  return rest;
+}
+
+}  // namespace
+
+FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                           const FitOptions& options) {
+  return fit_coefficients(formula, measurements, {}, options);
+}
+
+FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                           const std::vector<InfeasibleBound>& bounds, const FitOptions& options) {
+  detail::validate_fit_inputs(formula, measurements, bounds, options);
+  FitResult all = detail::fit_points(formula, measurements, bounds, options);
+  all.summary.batch_size_variable = options.batch_size_variable;
+  if (!options.single_record_regime || options.batch_size_variable.empty()) return all;
+  const Split split = split_single_records(formula, measurements, options);
+  // Enough other points to fit and to leave one out.
+  if (split.single.empty() || split.rest.size() < formula.coefficient_names().size() + 2) return all;
+  FitResult rest;
+  try {
+    rest = detail::fit_points(formula, select(measurements, split.rest), bounds, options);
+  } catch (const std::invalid_argument&) {
+    return all;  // the others cannot identify the coefficients alone
+  }
+  rest.summary.batch_size_variable = options.batch_size_variable;
+  bool below = true, notably = false;
+  for (std::size_t i : split.single) {
+    const double e = rel_error(formula, rest, measurements[i]);
+    below = below && e >= -kOnTrend;
+    notably = notably || e >= kBelowTrend;
+  }
+  if (!below || !notably || !rest.summary.usable || !(rest.summary.max_rel_error < all.summary.max_rel_error)) {
+    return all;
+  }
+  return without_single_records(formula, measurements, split, std::move(rest));
+}
+
+}  // namespace xpm

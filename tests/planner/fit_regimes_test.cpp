@@ -1,0 +1,93 @@
+// fit_regimes_test.cpp — what fit_coefficients does beyond one least-squares fit of every
+// point: single-record probes below the trend are left out (FitOptions::single_record_regime),
+// and residuals grouped along a variable are reported (FitSummary::residual_structure).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "xpm/planner/fit.hpp"
+#include "xpm/planner/formula.hpp"
+
+using xpm::CostFormula;
+using xpm::FitOptions;
+using xpm::FitResult;
+using xpm::Measurement;
+
+namespace {
+
+const CostFormula kFormula("a*bs*l + c", {"a", "c"}, {"bs", "l"});
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+// 5000 bytes per token and 2e6 bytes; at bs = 1 a copy of 1000 bytes per token is skipped.
+std::vector<Measurement> with_single_records() {
+  std::vector<Measurement> m;
+  for (double bs : {1.0, 2.0, 4.0, 8.0}) {
+    for (double l : {16.0, 64.0, 256.0}) {
+      const double per_token = bs == 1 ? 4000 : 5000;
+      m.push_back({{bs, l}, per_token * bs * l + 2e6});
+    }
+  }
+  return m;
+}
+
+FitOptions with_batch_size() {
+  FitOptions options;
+  options.batch_size_variable = "bs";
+  return options;
+}
+
+}  // namespace
+
+TEST_CASE("single-record probes below the trend are left out and over-predicted") {
+  const FitResult r = xpm::fit_coefficients(kFormula, with_single_records(), with_batch_size());
+  INFO(r.summary.full_report());
+  CHECK(r.coefficients[0] == doctest::Approx(5000).epsilon(1e-9));
+  CHECK(r.coefficients[1] == doctest::Approx(2e6).epsilon(1e-9));
+  CHECK(r.summary.left_out == std::vector<std::size_t>{0, 1, 2});
+  CHECK(r.summary.max_rel_error < 1e-9);
+  REQUIRE(r.summary.rel_errors.size() == 12);
+  CHECK(r.summary.rel_errors[2] == doctest::Approx(256.0 * 1000 / (4000 * 256.0 + 2e6)));
+  CHECK(contains(r.summary.left_out_note, "3 probes at bs = 1 lie below the trend"));
+  CHECK(contains(r.summary.brief_report(), "on 9 points (3 at bs = 1 left out)"));
+  CHECK(r.summary.usable);
+}
+
+TEST_CASE("single-record probes are fitted when asked, or when they lie above the trend") {
+  FitOptions options = with_batch_size();
+  options.single_record_regime = false;
+  const FitResult all = xpm::fit_coefficients(kFormula, with_single_records(), options);
+  CHECK(all.summary.left_out.empty());
+  CHECK(all.summary.max_rel_error > 0.01);
+  // Above the trend: leaving them out would under-predict a microbatch of one record.
+  std::vector<Measurement> above = with_single_records();
+  for (Measurement& m : above) {
+    if (m.dims[0] == 1) m.bytes = 6000 * m.dims[1] + 2e6;
+  }
+  const FitResult kept = xpm::fit_coefficients(kFormula, above, with_batch_size());
+  CHECK(kept.summary.left_out.empty());
+  CHECK(kept.summary.left_out_note.empty());
+}
+
+TEST_CASE("residuals grouped by a variable are reported with a max() of pieces to try") {
+  // The peak moves from one operation to another: a linear formula fitted to a max of two.
+  std::vector<Measurement> m;
+  for (double bs : {1.0, 2.0, 4.0}) {
+    for (double l : {16.0, 32.0, 64.0, 128.0, 256.0, 512.0}) {
+      m.push_back({{bs, l}, std::max(30000 * bs * l, 400 * bs * l * l) + 2e7});
+    }
+  }
+  const FitResult r = xpm::fit_coefficients(kFormula, m, with_batch_size());
+  INFO(r.summary.full_report());
+  CHECK(contains(r.summary.residual_structure, "residuals are grouped by l"));
+  CHECK(contains(r.summary.residual_structure, "max(a1*bs*l + c1, a2*bs*l + c2)"));
+  const CostFormula pieces("max(a1*bs*l, a2*bs*l^2) + c", {"a1", "a2", "c"}, {"bs", "l"});
+  const FitResult better = xpm::fit_coefficients(pieces, m, with_batch_size());
+  CHECK(better.summary.max_rel_error < 1e-6);
+  CHECK(better.summary.residual_structure.empty());
+}
