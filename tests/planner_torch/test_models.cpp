@@ -1,0 +1,285 @@
+// test_models.cpp — the planner's test models (see test_models.hpp).
+#include "test_models.hpp"
+
+#include <cmath>
+#include <stdexcept>
+#include <utility>
+
+#include <torch/torch.h>
+
+namespace xpm::test {
+namespace {
+
+constexpr std::int64_t kVocab = 3000;
+constexpr std::int64_t kTags = 48;
+constexpr std::int64_t kClasses = 10;
+constexpr std::int64_t kMaxLength = 512;
+constexpr std::uint64_t kSeed = 20261201;
+
+// The shared step: summed loss of a synthetic batch, backward, optimizer step at lr 0. A model
+// that keeps tensors alive through the optimizer step (as user code often does) puts them in
+// alive_, cleared after the step.
+class StepModel : public TestModel {
+ public:
+  TorchProbeSteps probe_steps() override {
+    TorchProbeSteps steps;
+    steps.forward_backward = [this](const std::vector<double>& dims) {
+      torch::Tensor loss = summed_loss(static_cast<std::int64_t>(dims.at(0)),
+                                       static_cast<std::int64_t>(dims.at(1)));
+      loss.backward();
+      if (keep_alive_) alive_.push_back(loss);
+    };
+    steps.optimizer_step = [this] {
+      optimizer_->step();
+      alive_.clear();
+    };
+    steps.zero_grad = [this] {
+      alive_.clear();
+      optimizer_->zero_grad();
+    };
+    return steps;
+  }
+
+ protected:
+  /// Summed loss of a synthetic batch at {bs, second dim}.
+  virtual torch::Tensor summed_loss(std::int64_t bs, std::int64_t second) = 0;
+
+  /// Sets the optimizer to learning rate 0 and runs one step so gradients and optimizer state
+  /// are allocated (the steady state).
+  void start(std::unique_ptr<torch::optim::Optimizer> optimizer) {
+    optimizer_ = std::move(optimizer);
+    for (auto& group : optimizer_->param_groups()) group.options().set_lr(0.0);
+    TorchProbeSteps steps = probe_steps();
+    steps.zero_grad();
+    steps.forward_backward({2, 8});
+    steps.optimizer_step();
+    steps.zero_grad();
+  }
+
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::vector<torch::Tensor> alive_;
+  bool keep_alive_ = false;
+};
+
+struct Seeded {
+  Seeded() { torch::manual_seed(kSeed); }
+};
+
+torch::Tensor tokens(std::int64_t bs, std::int64_t l, std::int64_t vocab) {
+  return torch::randint(vocab, {bs, l}, torch::kLong);
+}
+
+class TransformerTagger final : public StepModel {
+ public:
+  TransformerTagger() {
+    net_->register_module("embedding", embedding_);
+    net_->register_module("position", position_);
+    net_->register_module("encoder", encoder_);
+    net_->register_module("out", out_);
+    start(std::make_unique<torch::optim::Adam>(net_->parameters(), torch::optim::AdamOptions(1e-3)));
+  }
+  std::string name() const override { return "transformer tagger (torch::nn::TransformerEncoder, Adam)"; }
+  std::vector<std::string> variable_names() const override { return {"bs", "l"}; }
+
+ private:
+  torch::Tensor summed_loss(std::int64_t bs, std::int64_t l) override {
+    const torch::Tensor x = tokens(bs, l, kVocab);
+    const torch::Tensor positions = torch::arange(l, torch::kLong);
+    torch::Tensor h = embedding_(x) + position_(positions).unsqueeze(0);  // [bs, l, 64]
+    h = encoder_(h.transpose(0, 1)).transpose(0, 1);                      // [bs, l, 64]
+    const torch::Tensor logits = out_(h).reshape({bs * l, kTags});
+    return torch::nn::functional::cross_entropy(
+        logits, torch::randint(kTags, {bs * l}, torch::kLong),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  }
+
+  Seeded seeded_;  // first: the layers below are initialized from the seeded generator
+  std::shared_ptr<torch::nn::Module> net_ = std::make_shared<torch::nn::Module>();
+  torch::nn::Embedding embedding_{kVocab, 64};
+  torch::nn::Embedding position_{kMaxLength, 64};
+  torch::nn::TransformerEncoder encoder_{torch::nn::TransformerEncoderOptions(
+      torch::nn::TransformerEncoderLayerOptions(64, 4).dim_feedforward(128).dropout(0.1), 2)};
+  torch::nn::Linear out_{64, kTags};
+};
+
+class GruTagger final : public StepModel {
+ public:
+  GruTagger() {
+    net_->register_module("embedding", embedding_);
+    net_->register_module("gru", gru_);
+    net_->register_module("out", out_);
+    start(std::make_unique<torch::optim::SGD>(net_->parameters(),
+                                              torch::optim::SGDOptions(1e-2).momentum(0.9)));
+  }
+  std::string name() const override { return "bidirectional GRU tagger (SGD with momentum)"; }
+  std::vector<std::string> variable_names() const override { return {"bs", "l"}; }
+
+ private:
+  torch::Tensor summed_loss(std::int64_t bs, std::int64_t l) override {
+    const torch::Tensor h = std::get<0>(gru_(embedding_(tokens(bs, l, kVocab))));  // [bs, l, 128]
+    const torch::Tensor logits = out_(h).reshape({bs * l, kTags});
+    return torch::nn::functional::cross_entropy(
+        logits, torch::randint(kTags, {bs * l}, torch::kLong),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  }
+
+  Seeded seeded_;  // first: the layers below are initialized from the seeded generator
+  std::shared_ptr<torch::nn::Module> net_ = std::make_shared<torch::nn::Module>();
+  torch::nn::Embedding embedding_{kVocab, 64};
+  torch::nn::GRU gru_{torch::nn::GRUOptions(64, 64).batch_first(true).bidirectional(true)};
+  torch::nn::Linear out_{128, kTags};
+};
+
+class ConvClassifier final : public StepModel {
+ public:
+  ConvClassifier() {
+    net_->register_module("embedding", embedding_);
+    net_->register_module("conv1", conv1_);
+    net_->register_module("conv2", conv2_);
+    net_->register_module("out", out_);
+    start(std::make_unique<torch::optim::RMSprop>(net_->parameters(),
+                                                  torch::optim::RMSpropOptions(1e-3)));
+  }
+  std::string name() const override { return "convolution text classifier (Conv1d x2, RMSprop)"; }
+  std::vector<std::string> variable_names() const override { return {"bs", "l"}; }
+
+ private:
+  torch::Tensor summed_loss(std::int64_t bs, std::int64_t l) override {
+    torch::Tensor h = embedding_(tokens(bs, l, kVocab)).transpose(1, 2);  // [bs, 48, l]
+    h = torch::relu(conv1_(h));                                          // [bs, 96, l]
+    h = torch::relu(conv2_(h));                                          // [bs, 96, l]
+    const torch::Tensor pooled = std::get<0>(h.max(2));                  // [bs, 96]
+    return torch::nn::functional::cross_entropy(
+        out_(pooled), torch::randint(kClasses, {bs}, torch::kLong),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  }
+
+  Seeded seeded_;  // first: the layers below are initialized from the seeded generator
+  std::shared_ptr<torch::nn::Module> net_ = std::make_shared<torch::nn::Module>();
+  torch::nn::Embedding embedding_{kVocab, 48};
+  torch::nn::Conv1d conv1_{torch::nn::Conv1dOptions(48, 96, 5).padding(2)};
+  torch::nn::Conv1d conv2_{torch::nn::Conv1dOptions(96, 96, 3).padding(1)};
+  torch::nn::Linear out_{96, kClasses};
+};
+
+// One pre-norm block: x + attention(norm(x)), then x + ffn(norm(x)).
+struct PreNormBlockImpl : torch::nn::Module {
+  PreNormBlockImpl()
+      : norm1(register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({64})))),
+        norm2(register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({64})))),
+        qkv(register_module("qkv", torch::nn::Linear(64, 3 * 64))),
+        proj(register_module("proj", torch::nn::Linear(64, 64))),
+        up(register_module("up", torch::nn::Linear(64, 256))),
+        down(register_module("down", torch::nn::Linear(256, 64))) {}
+
+  torch::Tensor forward(const torch::Tensor& x) {  // [bs, l, 64]
+    const std::int64_t bs = x.size(0), l = x.size(1), heads = 4, head_dim = 16;
+    const std::vector<torch::Tensor> parts =
+        qkv(norm1(x)).view({bs, l, 3, heads, head_dim}).permute({2, 0, 3, 1, 4}).unbind(0);
+    const torch::Tensor scores =
+        torch::matmul(parts[0], parts[1].transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
+    const torch::Tensor attention = torch::softmax(scores, -1);  // [bs, heads, l, l]
+    const torch::Tensor mixed =
+        torch::matmul(attention, parts[2]).transpose(1, 2).reshape({bs, l, 64});
+    const torch::Tensor h = x + proj(mixed);
+    return h + down(torch::gelu(up(norm2(h))));
+  }
+
+  torch::nn::LayerNorm norm1, norm2;
+  torch::nn::Linear qkv, proj, up, down;
+};
+TORCH_MODULE(PreNormBlock);
+
+class PreNormTransformer final : public StepModel {
+ public:
+  PreNormTransformer() {
+    keep_alive_ = true;
+    net_->register_module("embedding", embedding_);
+    net_->register_module("position", position_);
+    net_->register_module("block1", block1_);
+    net_->register_module("block2", block2_);
+    net_->register_module("norm", norm_);
+    net_->register_module("out", out_);
+    start(std::make_unique<torch::optim::AdamW>(net_->parameters(),
+                                                torch::optim::AdamWOptions(1e-3).weight_decay(0.01)));
+  }
+  std::string name() const override {
+    return "hand-written pre-norm Transformer (AdamW, logits alive during the optimizer step)";
+  }
+  std::vector<std::string> variable_names() const override { return {"bs", "l"}; }
+
+ private:
+  torch::Tensor summed_loss(std::int64_t bs, std::int64_t l) override {
+    const torch::Tensor x = tokens(bs, l, kVocab);
+    torch::Tensor h = embedding_(x) + position_(torch::arange(l, torch::kLong)).unsqueeze(0);
+    h = block2_(block1_(h));
+    const torch::Tensor logits = out_(norm_(h)).reshape({bs * l, kTags});  // [bs*l, 48]
+    alive_.push_back(logits);  // user code: logits still in scope at optimizer.step()
+    return torch::nn::functional::cross_entropy(
+        logits, torch::randint(kTags, {bs * l}, torch::kLong),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  }
+
+  Seeded seeded_;  // first: the layers below are initialized from the seeded generator
+  std::shared_ptr<torch::nn::Module> net_ = std::make_shared<torch::nn::Module>();
+  torch::nn::Embedding embedding_{kVocab, 64};
+  torch::nn::Embedding position_{kMaxLength, 64};
+  PreNormBlock block1_, block2_;
+  torch::nn::LayerNorm norm_{torch::nn::LayerNormOptions({64})};
+  torch::nn::Linear out_{64, kTags};
+};
+
+class ImageCnn final : public StepModel {
+ public:
+  ImageCnn() {
+    net_->register_module("conv1", conv1_);
+    net_->register_module("conv2", conv2_);
+    net_->register_module("conv3", conv3_);
+    net_->register_module("out", out_);
+    start(std::make_unique<torch::optim::Adagrad>(net_->parameters(),
+                                                  torch::optim::AdagradOptions(1e-2)));
+  }
+  std::string name() const override { return "image CNN (Conv2d x3 over hw x hw RGB, Adagrad)"; }
+  std::vector<std::string> variable_names() const override { return {"bs", "hw"}; }
+
+ private:
+  torch::Tensor summed_loss(std::int64_t bs, std::int64_t hw) override {
+    torch::Tensor h = torch::relu(conv1_(torch::randn({bs, 3, hw, hw})));  // [bs, 32, hw, hw]
+    h = torch::max_pool2d(h, 2);                                            // [bs, 32, hw/2, hw/2]
+    h = torch::relu(conv2_(h));                                             // [bs, 64, hw/2, hw/2]
+    h = torch::max_pool2d(h, 2);                                            // [bs, 64, hw/4, hw/4]
+    h = torch::relu(conv3_(h));                                             // [bs, 64, hw/4, hw/4]
+    const torch::Tensor pooled = h.mean({2, 3});                            // [bs, 64]
+    return torch::nn::functional::cross_entropy(
+        out_(pooled), torch::randint(kClasses, {bs}, torch::kLong),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  }
+
+  Seeded seeded_;  // first: the layers below are initialized from the seeded generator
+  std::shared_ptr<torch::nn::Module> net_ = std::make_shared<torch::nn::Module>();
+  torch::nn::Conv2d conv1_{torch::nn::Conv2dOptions(3, 32, 3).padding(1)};
+  torch::nn::Conv2d conv2_{torch::nn::Conv2dOptions(32, 64, 3).padding(1)};
+  torch::nn::Conv2d conv3_{torch::nn::Conv2dOptions(64, 64, 3).padding(1)};
+  torch::nn::Linear out_{64, kClasses};
+};
+
+}  // namespace
+
+std::unique_ptr<TestModel> make_test_model(TestModelKind kind) {
+  switch (kind) {
+    case TestModelKind::kTransformerTagger: return std::make_unique<TransformerTagger>();
+    case TestModelKind::kGruTagger: return std::make_unique<GruTagger>();
+    case TestModelKind::kConvClassifier: return std::make_unique<ConvClassifier>();
+    case TestModelKind::kPreNormTransformer: return std::make_unique<PreNormTransformer>();
+    case TestModelKind::kImageCnn: return std::make_unique<ImageCnn>();
+  }
+  throw std::invalid_argument("make_test_model: unknown kind");
+}
+
+std::vector<TestModelKind> all_test_model_kinds() {
+  return {TestModelKind::kTransformerTagger, TestModelKind::kGruTagger,
+          TestModelKind::kConvClassifier, TestModelKind::kPreNormTransformer,
+          TestModelKind::kImageCnn};
+}
+
+}  // namespace xpm::test
