@@ -43,7 +43,7 @@ if(NOT usable OR linear)
 endif()
 # bs=2, l=100: max(60000, 80000) + 1000000 = 1080000.
 xpm_plan_run(0 "predict max()" predict --model "${model}" --dims bs=2,l=100 --json)
-string(JSON predicted GET "${OUT}" 0)
+string(JSON predicted GET "${OUT}" predicted_bytes 0)
 expect_between("predict max()" "${predicted}" 1079000 1081000)
 xpm_plan_run(0 "show max()" show "${model}")
 expect_match("show max()" "${OUT}" "canonical +max\\(")

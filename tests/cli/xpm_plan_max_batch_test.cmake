@@ -20,11 +20,14 @@ if(NOT m EQUAL 10 OR NOT predicted EQUAL 1555520 OR NOT usable EQUAL 1580000 OR 
 endif()
 string(JSON utilization GET "${OUT}" utilization)
 expect_between("max-batch utilization" "${utilization}" 0.98450 0.98451)
+# The probes went up to bs = 8: bs = 10 is an extrapolation.
+string(JSON beyond GET "${OUT}" extrapolation 0 description)
+expect_match("max-batch extrapolation" "${beyond}" "bs = 10 is 1[.]25x the largest probed bs [(]8[)]")
 
 # memory fraction and extra overhead: 2000000 * 0.9 - 220000 = 1580000, same answer.
 xpm_plan_run(0 "max-batch with overhead" max-batch --model "${model}" --dims l=128
              --capacity-bytes 2000000 --memory-fraction 0.9 --extra-overhead-bytes 220000)
-expect_match("max-batch text" "${OUT}" "max microbatch size 10 at bs=10 l=128: predicted 1555520 of 1580000 usable bytes")
+expect_match("max-batch text" "${OUT}" "max microbatch size 10 at bs=10 l=128: predicted 1555520 of 1580000 usable bytes.*; extrapolated: bs = 10 is 1[.]25x the largest probed bs [(]8[)]")
 
 # A budget below one record of bs 1 (1055552 bytes at l = 128; the floor is 1100000): exit 1.
 xpm_plan_run(1 "budget below one record" max-batch --model "${model}" --dims l=128

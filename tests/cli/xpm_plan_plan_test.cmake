@@ -44,11 +44,18 @@ if(NOT feasible OR NOT usable EQUAL 1580000)
 endif()
 expect_svg("plan --figure" "${figure}")
 expect_no_temporaries("plan --figure" "${dir}")
+# bs = 10 is beyond the largest probed bs (8): both microbatches say so.
+string(JSON extrapolated GET "${OUT}" extrapolated_microbatches)
+string(JSON variable GET "${OUT}" microbatches 0 extrapolation 0 variable)
+string(JSON probed_max GET "${OUT}" microbatches 0 extrapolation 0 probed_max)
+if(NOT extrapolated EQUAL 2 OR NOT variable STREQUAL "bs" OR NOT probed_max EQUAL 8)
+  message(FATAL_ERROR "plan extrapolation: ${extrapolated} microbatches, ${variable} over ${probed_max}: ${OUT}")
+endif()
 
 # Text output names the utilization.
 xpm_plan_run(0 "plan text" plan --model "${model}" "${records}" --capacity-bytes 1580000
              --memory-fraction 1)
-expect_match("plan text" "${OUT}" "#1: size 10, bs=10 l=128, predicted 1555520 bytes, utilization 98[.]5 %")
+expect_match("plan text" "${OUT}" "#1: size 10, bs=10 l=128, predicted 1555520 bytes, utilization 98[.]5 %; extrapolated: bs = 10 is 1[.]25x the largest probed bs [(]8[)]")
 expect_match("plan text" "${OUT}" "utilization: mean 98[.]5 %, min 98[.]5 %")
 
 # 500 records of length 1 and 8 of length 256 under 4000000 bytes. At l = 256 a microbatch

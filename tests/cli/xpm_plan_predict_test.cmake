@@ -1,5 +1,6 @@
-# xpm-plan predict: --json prints a JSON list with one predicted byte count per CSV row, equal to
-# max(floor, formula) computed by hand; --dims predicts one point; bad input exits with code 2.
+# xpm-plan predict: --json prints {predicted_bytes: [one per CSV row], rows, extrapolated_rows},
+# equal to max(floor, formula) computed by hand; a row beyond the probed range (the model's
+# feasible probes: bs 1..8, l 16..128) says so; --dims predicts one point; bad input exits 2.
 include("${CMAKE_CURRENT_LIST_DIR}/xpm_plan_test_helpers.cmake")
 set(dir "${WORK_DIR}/xpm_plan_predict_test")
 file(REMOVE_RECURSE "${dir}")
@@ -19,35 +20,47 @@ foreach(point "1;16" "8;128" "64;256" "3;100")
 endforeach()
 
 xpm_plan_run(0 "predict --csv --json" predict --model "${model}" --csv "${csv}" --json)
-string(JSON type TYPE "${OUT}")
-string(JSON n LENGTH "${OUT}")
+string(JSON type TYPE "${OUT}" predicted_bytes)
+string(JSON n LENGTH "${OUT}" predicted_bytes)
 if(NOT type STREQUAL "ARRAY" OR NOT n EQUAL 4)
   message(FATAL_ERROR "predict --json: expected a list of 4 numbers, got ${type} of ${n}: ${OUT}")
 endif()
 foreach(i RANGE 3)
-  string(JSON value GET "${OUT}" ${i})
-  string(JSON value_type TYPE "${OUT}" ${i})
+  string(JSON value GET "${OUT}" predicted_bytes ${i})
+  string(JSON value_type TYPE "${OUT}" predicted_bytes ${i})
   list(GET expected ${i} want)
   if(NOT value_type STREQUAL "NUMBER" OR NOT value EQUAL want)
     message(FATAL_ERROR "predict --json row ${i}: ${value} (${value_type}), expected ${want}: ${OUT}")
   endif()
 endforeach()
+# Only bs=64 l=256 lies beyond the probes: bs 8x the largest, l 2x.
+string(JSON extrapolated GET "${OUT}" extrapolated_rows)
+string(JSON beyond LENGTH "${OUT}" rows 2 extrapolation)
+string(JSON inside LENGTH "${OUT}" rows 3 extrapolation)
+string(JSON first GET "${OUT}" rows 2 extrapolation 0 description)
+if(NOT extrapolated EQUAL 1 OR NOT beyond EQUAL 2 OR NOT inside EQUAL 0)
+  message(FATAL_ERROR "predict --json extrapolation: ${extrapolated} rows, ${beyond} and ${inside} variables: ${OUT}")
+endif()
+expect_match("predict extrapolation" "${first}" "bs = 64 is 8x the largest probed bs [(]8[)]")
 
 # The CSV given as the positional argument, text output.
 xpm_plan_run(0 "predict text" predict --model "${model}" "${csv}")
 list(GET expected 1 row1)
 expect_match("predict text" "${OUT}" "bs=8 l=128: ${row1} bytes")
+expect_match("predict text" "${OUT}" "bs=64 l=256: [0-9]+ bytes [^\n]*extrapolated: bs = 64 is 8x the largest probed bs [(]8[)], l = 256 is 2x the largest probed l [(]128[)]")
 
 # One point with --dims: a list of one.
 model_bytes(one 8 128)
 xpm_plan_run(0 "predict --dims" predict --model "${model}" --dims bs=8,l=128 --json)
-if(NOT OUT STREQUAL "[${one}]\n")
-  message(FATAL_ERROR "predict --dims --json gave [${OUT}], expected [${one}]")
+string(JSON got GET "${OUT}" predicted_bytes 0)
+if(NOT got EQUAL one)
+  message(FATAL_ERROR "predict --dims --json gave ${OUT}, expected ${one}")
 endif()
 # The floor: a small point is predicted at 1100000, not the formula's 1001568.
 xpm_plan_run(0 "predict floor" predict --model "${model}" --dims l=16 --dims bs=1 --json)
-if(NOT OUT STREQUAL "[1100000]\n")
-  message(FATAL_ERROR "predict at the floor gave [${OUT}], expected [1100000]")
+string(JSON got GET "${OUT}" predicted_bytes 0)
+if(NOT got EQUAL 1100000)
+  message(FATAL_ERROR "predict at the floor gave ${OUT}, expected 1100000")
 endif()
 
 # Bad input.

@@ -240,4 +240,24 @@ std::string coefficient_text(double value, const std::string& term, bool linear)
   return unit.empty() ? std::string(buf) : std::string(buf) + " " + unit;
 }
 
+nlohmann::json extrapolation_json(const xpm::MemoryModel& model, const std::vector<double>& dims) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const xpm::Extrapolation& e : model.extrapolation(dims)) {
+    out.push_back({{"variable", e.variable},
+                   {"value", e.value},
+                   {"probed_min", e.probed_min},
+                   {"probed_max", e.probed_max},
+                   {"description", e.describe()}});
+  }
+  return out;
+}
+
+std::string extrapolation_text(const xpm::MemoryModel& model, const std::vector<double>& dims) {
+  std::string out;
+  for (const xpm::Extrapolation& e : model.extrapolation(dims)) {
+    out += (out.empty() ? "; extrapolated: " : ", ") + e.describe();
+  }
+  return out;
+}
+
 }  // namespace xpm_plan

@@ -72,6 +72,12 @@ std::string dims_text(const xpm::MemoryModel& model, const std::vector<double>& 
 /// {"bs": 8, "l": 128}.
 nlohmann::json dims_json(const xpm::MemoryModel& model, const std::vector<double>& dims);
 
+/// The variables of `dims` outside the model's probed range, as JSON: [{variable, value,
+/// probed_min, probed_max, description}]; [] when inside or when the model records no range.
+nlohmann::json extrapolation_json(const xpm::MemoryModel& model, const std::vector<double>& dims);
+/// "; extrapolated: bs = 20 is 2.5x the largest probed bs (8)", or "" when inside the range.
+std::string extrapolation_text(const xpm::MemoryModel& model, const std::vector<double>& dims);
+
 /// Loads a memory model; errors name the path (--model).
 xpm::MemoryModel load_model(const std::string& path);
 

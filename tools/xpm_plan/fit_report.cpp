@@ -107,6 +107,8 @@ nlohmann::json fit_summary_json(const xpm::FitSummary& s, const FitOutcome& outc
           {"leave_one_out_note", s.leave_one_out_note},
           {"solver_report", s.solver_report},
           {"start", s.start},
+          {"residual_structure", s.residual_structure},
+          {"left_out_note", s.left_out_note},
           {"infeasible_bound_count", s.infeasible_bound_count},
           {"brief_report", s.brief_report()}};
 }
@@ -142,6 +144,9 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
     j["variables"] = formula.variable_names();
     j["batch_size_variable"] = model.batch_size_variable();
     j["floor_bytes"] = model.floor_bytes();
+    const nlohmann::json model_json = model.to_json();
+    j["floor_formula"] = model_json.contains("floor_formula") ? model_json["floor_formula"] : nlohmann::json(nullptr);
+    j["floor_report"] = model.metadata().contains("floor") ? model.metadata()["floor"]["report"] : nlohmann::json(nullptr);
     j["points"] = set.measurements.size();
     const nlohmann::json summary_json = fit_summary_json(s, outcome);
     for (const auto& item : summary_json.items()) j[item.key()] = item.value();
@@ -154,7 +159,9 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
                               {"measured_bytes", m.bytes},
                               {"predicted_bytes", predicted},
                               {"rel_error", (predicted - m.bytes) / m.bytes},
-                              {"leave_one_out_rel_error", nullptr}};
+                              {"leave_one_out_rel_error", nullptr},
+                              {"left_out", std::find(s.left_out.begin(), s.left_out.end(), i) !=
+                                               s.left_out.end()}};
       if (i < s.leave_one_out_rel_errors.size() && std::isfinite(s.leave_one_out_rel_errors[i])) {
         point["leave_one_out_rel_error"] = s.leave_one_out_rel_errors[i];
       }
@@ -197,8 +204,19 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
        << "\n";
   }
   os << "floor:        " << bytes_text(model.floor_bytes()) << " bytes ("
-     << mib_text(model.floor_bytes()) << "); predictions are max(floor, formula)\n"
-     << s.brief_report() << "\n";
+     << mib_text(model.floor_bytes()) << "); predictions are max(floor, formula)\n";
+  if (const xpm::FloorFormula* moving = model.floor_formula()) {
+    os << "floor formula: " << moving->formula.canonical() << " (";
+    for (std::size_t k = 0; k < moving->coefficients.size(); ++k) {
+      os << (k ? ", " : "") << moving->formula.coefficient_names()[k] << " = "
+         << bytes_text(moving->coefficients[k]);
+    }
+    os << "); predictions are max(floor, floor formula, formula)\n";
+  }
+  if (model.metadata().contains("floor")) {
+    os << "  " << model.metadata()["floor"]["report"].get<std::string>() << "\n";
+  }
+  os << s.brief_report() << "\n";
   os << "residuals ((predicted - measured) / measured; left out: predicted by a fit without "
         "that point):\n";
   for (std::size_t i = 0; i < set.measurements.size(); ++i) {
@@ -206,7 +224,9 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
     const double predicted = formula.predict(coefficients, m.dims);
     os << "  " << dims_text(model, m.dims) << ": measured " << bytes_text(m.bytes)
        << ", predicted " << bytes_text(predicted) << ", " << percent((predicted - m.bytes) / m.bytes);
-    if (i < s.leave_one_out_rel_errors.size() && std::isfinite(s.leave_one_out_rel_errors[i])) {
+    if (std::find(s.left_out.begin(), s.left_out.end(), i) != s.left_out.end()) {
+      os << ", not fitted (below the trend)";
+    } else if (i < s.leave_one_out_rel_errors.size() && std::isfinite(s.leave_one_out_rel_errors[i])) {
       os << ", left out " << percent(s.leave_one_out_rel_errors[i]);
     }
     os << "  (" << set.labels[i] << ")\n";
@@ -242,6 +262,8 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
     }
   }
   if (!s.start.empty()) os << "start: " << s.start << "\n";
+  if (!s.residual_structure.empty()) os << "note: " << s.residual_structure << "\n";
+  if (!s.left_out_note.empty()) os << "note: " << s.left_out_note << "\n";
   if (!s.converged) os << "solver: " << s.solver_report << "\n";
   if (!output.empty()) os << "saved memory model to " << output << "\n";
   if (!figure.empty()) os << "wrote figure " << figure << "\n";

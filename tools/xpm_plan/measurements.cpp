@@ -92,6 +92,7 @@ MeasurementSet read_csv_measurements(const MeasurementRequest& req, const std::s
       }
       record[req.floor_column] = floor;
       set.floor_bytes = std::max(set.floor_bytes.value_or(0.0), floor);
+      set.floor_peaks.push_back({dims, floor});
     }
     for (const auto& [name, c] : extra) {
       const std::string& cell = table.rows[r][c];
@@ -263,6 +264,7 @@ MeasurementSet read_json_measurements(const MeasurementRequest& req, const std::
       const double floor = json_number(e[req.floor_column], where + "." + req.floor_column);
       if (floor < 0) throw InputError(where + "." + req.floor_column + ": must be >= 0");
       set.floor_bytes = std::max(set.floor_bytes.value_or(0.0), floor);
+      set.floor_peaks.push_back({dims, floor});
     }
     for (const auto& item : e.items()) {
       if (is_field(item.key(), req.bytes_column, req.floor_column) && item.value().is_number()) {
@@ -279,12 +281,12 @@ MeasurementSet read_json_measurements(const MeasurementRequest& req, const std::
 
 }  // namespace
 
-void MeasurementSet::keep_above_floor(double floor) {
+void MeasurementSet::keep_above_floor(const xpm::MemoryModel& floor) {
   std::vector<xpm::Measurement> kept;
   std::vector<std::string> kept_labels;
   std::vector<nlohmann::json> kept_records;
   for (std::size_t i = 0; i < measurements.size(); ++i) {
-    if (measurements[i].bytes > floor) {
+    if (measurements[i].bytes > floor.floor_bytes_at(measurements[i].dims)) {
       kept.push_back(measurements[i]);
       kept_labels.push_back(labels[i]);
       kept_records.push_back(records[i]);

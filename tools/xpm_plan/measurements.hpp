@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "xpm/planner/fit.hpp"
+#include "xpm/planner/memory_model.hpp"
 
 namespace xpm_plan {
 
@@ -53,15 +54,17 @@ struct MeasurementSet {
   std::vector<double> infeasible_capacity_bytes;  // capacity each ran under; 0: not recorded
   std::vector<nlohmann::json> infeasible_records;
   std::vector<nlohmann::json> all_records;    // feasible and infeasible, in file order
-  std::optional<double> floor_bytes;          // from floor_column
+  std::optional<double> floor_bytes;          // from floor_column: its largest value
+  std::vector<xpm::Measurement> floor_peaks;  // from floor_column: one per feasible measurement
   nlohmann::json setup = nlohmann::json::object();  // JSON files: device, capacity_bytes,
                                               // static_bytes, task, ... of the probes
   std::vector<xpm::Measurement> below_floor;  // feasible but not fitted (keep_above_floor)
   std::vector<std::string> below_floor_labels;
 
-  /// Moves the measurements with bytes <= floor_bytes to below_floor: where the floor is the
-  /// prediction, they say nothing about the formula (DESIGN.md section 3).
-  void keep_above_floor(double floor_bytes);
+  /// Moves the measurements with bytes <= the floor at their dims (floor.floor_bytes_at) to
+  /// below_floor: where the floor is the prediction, they say nothing about the formula
+  /// (docs/design.md, section 3).
+  void keep_above_floor(const xpm::MemoryModel& floor);
 };
 
 /// Reads the measurements; InputError naming the file, the entry and the field on bad input.

@@ -12,6 +12,7 @@
 #include "measurements.hpp"
 #include "verbs.hpp"
 #include "xpm/planner/fit.hpp"
+#include "xpm/planner/floor_model.hpp"
 #include "xpm/planner/formula.hpp"
 #include "xpm/planner/memory_model.hpp"
 
@@ -75,6 +76,42 @@ std::map<std::string, xpm::DimAggregation> parse_aggregation(const std::vector<s
   return out;
 }
 
+std::vector<std::vector<double>> dims_of(const std::vector<xpm::Measurement>& measurements) {
+  std::vector<std::vector<double>> out;
+  for (const xpm::Measurement& m : measurements) out.push_back(m.dims);
+  return out;
+}
+
+// --floor-column: the floor fitted to that column (constant or formula, --floor-model); none
+// without the column. --floor-model and --floor-formula need the column.
+std::optional<xpm::FloorFit> fit_floor_column(const po::variables_map& vm,
+                                              const xpm::CostFormula& formula,
+                                              const MeasurementSet& set) {
+  xpm::FloorOptions options;
+  try {
+    options.mode = xpm::floor_mode_from_string(vm["floor-model"].as<std::string>());
+  } catch (const std::invalid_argument& e) {
+    throw InputError("--floor-model: " + first_line(e.what()));
+  }
+  if (vm.count("floor-formula")) options.formula = vm["floor-formula"].as<std::string>();
+  if (!set.floor_bytes) {
+    if (!vm["floor-model"].defaulted() || vm.count("floor-formula")) {
+      throw InputError(std::string(vm.count("floor-formula") ? "--floor-formula" : "--floor-model") +
+                       " needs --floor-column (the measured floor it is fitted to)");
+    }
+    return std::nullopt;
+  }
+  if (set.floor_peaks.empty()) return std::nullopt;  // no feasible measurement: refused later
+  try {
+    return xpm::fit_floor(formula, set.floor_peaks, 0.0, options);
+  } catch (const xpm::FormulaError& e) {
+    throw InputError("--floor-formula '" + options.formula + "': " + first_line(e.what()));
+  } catch (const std::invalid_argument& e) {
+    throw InputError("--floor-column " + vm["floor-column"].as<std::string>() + ": " +
+                     first_line(e.what()));
+  }
+}
+
 }  // namespace
 
 po::options_description fit_options() {
@@ -114,6 +151,12 @@ po::options_description fit_options() {
       ("floor-column", po::value<std::string>(),
        "floor = the largest value of this column over the feasible measurements, e.g. "
        "optimizer_step_peak_bytes")
+      ("floor-model", po::value<std::string>()->default_value("auto"),
+       "with --floor-column: auto (a floor formula when the column grows with the dims, a "
+       "constant otherwise), constant or formula")
+      ("floor-formula", po::value<std::string>(),
+       "with --floor-column: the floor formula fitted to that column, e.g. 'f + d*bs*l' "
+       "(default: the formula with its coefficients renamed floor_<name>)")
       ("above-floor-only", po::bool_switch()->default_value(false),
        "fit only the measurements above the floor (where the prediction is the formula, not the "
        "floor); the others are reported")
@@ -186,20 +229,25 @@ int run_fit(const po::variables_map& vm) {
   const auto aggregation = vm.count("aggregation")
                                ? parse_aggregation(vm["aggregation"].as<std::vector<std::string>>())
                                : std::map<std::string, xpm::DimAggregation>{};
+  const std::vector<xpm::ProbedRange> probed_ranges =
+      set.measurements.empty() ? std::vector<xpm::ProbedRange>{} : xpm::MemoryModel::ranges_of(dims_of(set.measurements));
   double floor_bytes = vm.count("floor-bytes") ? vm["floor-bytes"].as<double>() : 0.0;
-  if (set.floor_bytes) floor_bytes = *set.floor_bytes;
+  const std::optional<xpm::FloorFit> floor_fit = fit_floor_column(vm, formula, set);
+  if (floor_fit) floor_bytes = floor_fit->constant_bytes;
+  std::optional<xpm::MemoryModel> floor_model;
   try {  // validates the batch-size variable, aggregation and floor before fitting
-    (void)xpm::MemoryModel(formula, std::vector<double>(coefficients.size(), 0.0), floor_bytes,
-                           bs_variable, aggregation);
+    floor_model.emplace(formula, std::vector<double>(coefficients.size(), 0.0), floor_bytes,
+                        bs_variable, aggregation);
+    if (floor_fit && floor_fit->formula) floor_model->set_floor_formula(*floor_fit->formula);
   } catch (const std::invalid_argument& e) {
     throw InputError(first_line(e.what()));
   }
   if (vm["above-floor-only"].as<bool>()) {
-    if (!(floor_bytes > 0)) {
+    if (!(floor_bytes > 0) && !(floor_fit && floor_fit->formula)) {
       throw InputError("--above-floor-only needs a floor: --floor-bytes or --floor-column");
     }
     const std::size_t feasible = set.measurements.size();
-    set.keep_above_floor(floor_bytes);
+    set.keep_above_floor(*floor_model);
     if (set.measurements.size() < coefficients.size()) {
       throw InputError(set.path + ": --above-floor-only keeps " +
                        std::to_string(set.measurements.size()) + " of " +
@@ -231,6 +279,8 @@ int run_fit(const po::variables_map& vm) {
   xpm::MemoryModel model(formula, outcome.result.coefficients, floor_bytes, bs_variable,
                          aggregation);
   model.set_infeasible_probes(bounds);
+  if (floor_fit && floor_fit->formula) model.set_floor_formula(*floor_fit->formula);
+  model.set_probed_ranges(probed_ranges);
   nlohmann::json probes = nlohmann::json::array();
   for (const auto& r : set.all_records) probes.push_back(r);
   for (const auto& item : set.setup.items()) model.metadata()[item.key()] = item.value();
@@ -243,6 +293,11 @@ int run_fit(const po::variables_map& vm) {
   model.metadata()["fit"]["infeasible_bound_count"] = bounds.size();
   model.metadata()["fit"]["below_floor_not_fitted"] = set.below_floor.size();
   if (!request.floor_column.empty()) model.metadata()["floor_from"] = request.floor_column;
+  if (floor_fit) {
+    model.metadata()["floor"] = {{"report", floor_fit->report},
+                                 {"spread", floor_fit->spread},
+                                 {"moving", floor_fit->formula.has_value()}};
+  }
   model.metadata()["probes"] = std::move(probes);
 
   // Render everything, then write: a failure leaves no file behind.

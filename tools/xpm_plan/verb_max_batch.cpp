@@ -58,7 +58,8 @@ int run_max_batch(const po::variables_map& vm) {
                                   {"predicted_bytes", at_one},
                                   {"usable_bytes", usable},
                                   {"budget", budget_json(vm)},
-                                  {"dims", dims_json(model, dims)}}
+                                  {"dims", dims_json(model, dims)},
+                                  {"extrapolation", extrapolation_json(model, dims)}}
                        .dump()
                 << "\n";
     }
@@ -90,6 +91,7 @@ int run_max_batch(const po::variables_map& vm) {
     j["next_size_predicted_bytes"] = m < max_size ? nlohmann::json(next) : nlohmann::json(nullptr);
     j["budget"] = budget_json(vm);
     j["dims"] = dims_json(model, at_m);
+    j["extrapolation"] = extrapolation_json(model, at_m);
     std::cout << j.dump() << "\n";
   } else {
     std::cout << "max microbatch size " << m << " at " << dims_text(model, at_m) << ": predicted "
@@ -97,7 +99,7 @@ int run_max_batch(const po::variables_map& vm) {
               << number_text(std::round(predicted / static_cast<double>(usable) * 1000) / 10)
               << " %)";
     if (m < max_size) std::cout << "; " << bs << "=" << m + 1 << " would need " << bytes_text(next);
-    std::cout << "\n";
+    std::cout << extrapolation_text(model, at_m) << "\n";
   }
   return 0;
 }

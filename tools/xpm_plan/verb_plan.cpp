@@ -132,14 +132,18 @@ int run_plan(const po::variables_map& vm) {
     j["budget"] = budget_json(vm);
     j["records"] = records.size();
     nlohmann::json mbs = nlohmann::json::array();
+    std::size_t extrapolated = 0;
     for (const auto& mb : plan.microbatches) {
       mbs.push_back({{"size", mb.record_indices.size()},
                      {"record_indices", mb.record_indices},
                      {"dims", dims_json(model, mb.dims)},
                      {"predicted_bytes", mb.predicted_bytes},
                      {"utilization", mb.predicted_bytes / budget},
-                     {"over_budget", mb.over_budget}});
+                     {"over_budget", mb.over_budget},
+                     {"extrapolation", extrapolation_json(model, mb.dims)}});
+      extrapolated += model.extrapolation(mb.dims).empty() ? 0 : 1;
     }
+    j["extrapolated_microbatches"] = extrapolated;
     j["microbatches"] = std::move(mbs);
     j["microbatch_count"] = plan.microbatches.size();
     j["mean_utilization"] = mean_u;
@@ -158,7 +162,8 @@ int run_plan(const po::variables_map& vm) {
                 << dims_text(model, mb.dims) << ", predicted " << bytes_text(mb.predicted_bytes)
                 << " bytes, utilization "
                 << number_text(std::round(mb.predicted_bytes / budget * 1000) / 10) << " %"
-                << (mb.over_budget ? "  OVER BUDGET" : "") << "\n";
+                << (mb.over_budget ? "  OVER BUDGET" : "") << extrapolation_text(model, mb.dims)
+                << "\n";
     }
     out << "utilization: mean " << number_text(std::round(mean_u * 1000) / 10)
               << " %, min " << number_text(std::round(min_u * 1000) / 10) << " %, max "

@@ -68,12 +68,27 @@ int run_predict(const po::variables_map& vm) {
     predicted.push_back(std::llround(bytes));
   }
   if (vm["json"].as<bool>()) {
-    std::cout << nlohmann::json(predicted).dump() << "\n";
+    nlohmann::json details = nlohmann::json::array();
+    std::size_t extrapolated = 0;
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      nlohmann::json beyond = extrapolation_json(model, rows[i]);
+      extrapolated += beyond.empty() ? 0 : 1;
+      details.push_back({{"source", labels[i]},
+                         {"dims", dims_json(model, rows[i])},
+                         {"predicted_bytes", predicted[i]},
+                         {"extrapolation", std::move(beyond)}});
+    }
+    std::cout << nlohmann::json{{"predicted_bytes", predicted},
+                                {"rows", std::move(details)},
+                                {"extrapolated_rows", extrapolated}}
+                     .dump()
+              << "\n";
   } else {
     for (std::size_t i = 0; i < rows.size(); ++i) {
       std::cout << dims_text(model, rows[i]) << ": " << predicted[i] << " bytes ("
                 << mib_text(static_cast<double>(predicted[i])) << ")"
-                << (has_csv ? "  [" + labels[i] + "]" : "") << "\n";
+                << (has_csv ? "  [" + labels[i] + "]" : "") << extrapolation_text(model, rows[i])
+                << "\n";
     }
   }
   return 0;

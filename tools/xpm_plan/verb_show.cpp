@@ -98,6 +98,9 @@ int run_show(const po::variables_map& vm) {
     }
     j["coefficients"] = std::move(coefs);
     j["floor_bytes"] = model.floor_bytes();
+    const nlohmann::json file = model.to_json();
+    j["floor_formula"] = file.contains("floor_formula") ? file["floor_formula"] : nlohmann::json(nullptr);
+    j["probed_ranges"] = file.contains("probed_ranges") ? file["probed_ranges"] : nlohmann::json(nullptr);
     nlohmann::json limits = nlohmann::json::array();
     for (const xpm::InfeasibleBound& p : model.infeasible_probes()) {
       limits.push_back({{"dims", dims_json(model, p.dims)}, {"exceeds_bytes", p.exceeds_bytes}});
@@ -133,6 +136,22 @@ int run_show(const po::variables_map& vm) {
   }
   os << "floor         " << bytes_text(model.floor_bytes()) << " bytes ("
      << mib_text(model.floor_bytes()) << "); prediction = max(floor, formula)\n";
+  if (const xpm::FloorFormula* moving = model.floor_formula()) {
+    os << "floor formula " << moving->formula.canonical() << " (";
+    for (std::size_t k = 0; k < moving->coefficients.size(); ++k) {
+      os << (k ? ", " : "") << moving->formula.coefficient_names()[k] << " = "
+         << bytes_text(moving->coefficients[k]);
+    }
+    os << "); prediction = max(floor, floor formula, formula)\n";
+  }
+  if (!model.probed_ranges().empty()) {
+    os << "probed range  ";
+    for (std::size_t v = 0; v < vars.size(); ++v) {
+      os << (v ? ", " : "") << vars[v] << " " << number_text(model.probed_ranges()[v].min) << ".."
+         << number_text(model.probed_ranges()[v].max);
+    }
+    os << " (answers beyond it are extrapolations)\n";
+  }
   if (!model.infeasible_probes().empty()) {
     os << "plan limits   no microbatch reaches these probes that ran out of memory (under a "
           "budget at or below their capacity):\n";
