@@ -283,6 +283,21 @@ void TaggingLearner::write_metrics_line(const nlohmann::json& line) {
   if (!metrics.flush()) throw std::runtime_error("cannot write '" + config_.run_dir + "/metrics.jsonl'");
 }
 
+void TaggingLearner::note_extrapolation(const std::vector<MicrobatchPeak>& peaks) {
+  if (extrapolation_noted_) return;
+  for (const MicrobatchPeak& peak : peaks) {
+    const std::vector<Extrapolation> beyond = parts_.batcher->model().extrapolation(peak.dims);
+    if (beyond.empty()) continue;
+    std::string what;
+    for (const Extrapolation& e : beyond) what += (what.empty() ? "" : ", ") + e.describe();
+    parts_.log("xpm-train: note: step " + std::to_string(state_.step) + " planned a microbatch " +
+               "beyond the probed range (" + what + "); its prediction is an extrapolation of the " +
+               "fit (noted once per run)");
+    extrapolation_noted_ = true;
+    return;
+  }
+}
+
 void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
   const std::vector<EncodedSentence>& train = *parts_.train;
   std::vector<std::vector<double>> record_dims;
@@ -337,6 +352,7 @@ void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
   // sees the same peaks (all-reduced), so plans stay identical.
   const bool predictive = parts_.fixed_batcher == nullptr;
   PredictiveBatcher& batcher = *parts_.batcher;
+  if (predictive) note_extrapolation(result.microbatch_peaks);
   std::int64_t step_underpredictions = 0;
   for (const MicrobatchPeak& peak : result.microbatch_peaks) {
     if (predictive &&
@@ -350,8 +366,13 @@ void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
                  "; refitted");
     }
   }
+  // The floor the step was planned with: constant, or a formula of the microbatches' dims.
+  double planned_floor_bytes = batcher.model().floor_bytes();
+  for (const MicrobatchPeak& peak : result.microbatch_peaks) {
+    planned_floor_bytes = std::max(planned_floor_bytes, batcher.model().floor_bytes_at(peak.dims));
+  }
   if (predictive && result.optimizer_step_peak_bytes >
-                        (1 + config_.underprediction_tolerance) * batcher.model().floor_bytes()) {
+                        (1 + config_.underprediction_tolerance) * planned_floor_bytes) {
     ++step_underpredictions;
     batcher.raise_floor_bytes(result.optimizer_step_peak_bytes);
     parts_.log("xpm-train: optimizer step at step " + std::to_string(step) +

@@ -95,6 +95,7 @@ class TaggingLearner {
   std::vector<torch::Tensor> gather_generator_states();
   TaggingResumeState resume_state() const;
   void write_metrics_line(const nlohmann::json& line);
+  void note_extrapolation(const std::vector<MicrobatchPeak>& peaks);
 
   TaggingLearnerParts parts_;
   const TaggingJobConfig& config_;
@@ -114,6 +115,7 @@ class TaggingLearner {
   std::int64_t steps_per_epoch_ = 0;
   std::int64_t last_validation_step_ = -1;
   std::int64_t last_checkpoint_step_ = -1;
+  bool extrapolation_noted_ = false;  // logged once per run
   struct FaultInjection {
     int rank = -1;
     std::int64_t step = -1;
