@@ -6,6 +6,11 @@
 //                                         one refit per probe, as xpm-train fits)
 //   BM_Fit_LinearNoLeaveOneOut/<probes>   the same without leave-one-out
 //   BM_Fit_Nonlinear/<probes>             max(c, a*bs*l^p) with the automatic start
+//   BM_Fit_MaxFloor/<probes>/<noise>      max(f, a*bs*l^2 + b*bs*l + c), about a quarter of the
+//                                         probes at the floor: the global fit over max()
+//                                         assignments (branch and bound up to 16 probes,
+//                                         multi-start beyond); noise 0 or 50 (0.5 % relative)
+//   BM_Fit_MaxThreePieces/<probes>/<noise> max(p1, p2, f) with two quadratic pieces of one shape
 //   BM_MemoryModel_PredictBytes           one prediction
 //   BM_MemoryModel_MaxMicrobatchSize      the largest bs that fits at one length
 //
@@ -14,6 +19,7 @@
 // deterministic relative noise of 1e-5 (the held-out error of the real model is about that).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -98,6 +104,68 @@ void BM_Fit_Nonlinear(benchmark::State& state) {
   state.counters["max_rel_error"] = max_error;
 }
 BENCHMARK(BM_Fit_Nonlinear)->Arg(16)->Arg(32)->Arg(64)->Unit(benchmark::kMillisecond);
+
+// n probes on a bs x l lattice: bs = 1, 2, 4, ... (n / 8 values when n >= 16, else 2), l spread
+// over 8..192; a quarter lie below 6e7 bytes for the floor formula below.
+std::vector<xpm::Measurement> lattice_probes(const xpm::CostFormula& formula,
+                                             const std::vector<double>& coefficients, int n,
+                                             double noise) {
+  std::mt19937 rng(11);
+  std::normal_distribution<double> relative(0.0, noise);
+  const int batch_sizes = n >= 16 ? n / 8 : 2;
+  const int lengths = n / batch_sizes;
+  std::vector<xpm::Measurement> probes;
+  for (int b = 0; b < batch_sizes; ++b) {
+    for (int j = 0; j < lengths; ++j) {
+      const double bs = std::pow(2.0, b + 1);
+      const double l = 8 + j * (184.0 / std::max(1, lengths - 1));
+      probes.push_back({{bs, l}, formula.predict(coefficients, {bs, l}) * (1 + relative(rng))});
+    }
+  }
+  return probes;
+}
+
+// "... (branch and bound over the winning argument at each of 16 points, 62 restricted
+// problems)" -> 62; 0 when absent.
+double restricted_problems(const std::string& start) {
+  const auto end = start.find(" restricted problems");
+  if (end == std::string::npos) return 0;
+  const auto begin = start.rfind(' ', end - 1);
+  return std::stod(start.substr(begin + 1, end - begin - 1));
+}
+
+void run_max_fit(benchmark::State& state, const std::string& text,
+                 const std::vector<std::string>& names, const std::vector<double>& truth) {
+  const xpm::CostFormula formula(text, names, {"bs", "l"});
+  // state.range(1): relative noise of the measurements, in units of 1e-4.
+  const auto probes = lattice_probes(formula, truth, static_cast<int>(state.range(0)),
+                                     static_cast<double>(state.range(1)) * 1e-4);
+  xpm::FitOptions options;
+  options.leave_one_out = false;
+  options.batch_size_variable = "bs";
+  xpm::FitResult fit;
+  for (auto _ : state) {
+    fit = xpm::fit_coefficients(formula, probes, options);
+    benchmark::DoNotOptimize(fit.coefficients.data());
+  }
+  state.counters["probes"] = static_cast<double>(probes.size());
+  state.counters["max_rel_error"] = fit.summary.max_rel_error;
+  state.counters["exhaustive"] = fit.summary.start.find("globally") != std::string::npos ? 1 : 0;
+  state.counters["restricted_problems"] = restricted_problems(fit.summary.start);
+}
+
+void BM_Fit_MaxFloor(benchmark::State& state) {
+  run_max_fit(state, "max(f, a*bs*l^2 + b*bs*l + c)", {"a", "b", "c", "f"},
+              {100.0, 20000.0, 4e7, 6e7});
+}
+BENCHMARK(BM_Fit_MaxFloor)->ArgsProduct({{8, 16, 64}, {0, 50}})->Unit(benchmark::kMillisecond);
+
+void BM_Fit_MaxThreePieces(benchmark::State& state) {
+  run_max_fit(state, "max(a1*bs*l^2 + b1*bs*l + c1, a2*bs*l^2 + b2*bs*l + c2, f)",
+              {"a1", "b1", "c1", "a2", "b2", "c2", "f"},
+              {300.0, 10000.0, 3e7, 20.0, 90000.0, 2.5e7, 3.3e7});
+}
+BENCHMARK(BM_Fit_MaxThreePieces)->ArgsProduct({{8, 16, 64}, {0, 50}})->Unit(benchmark::kMillisecond);
 
 xpm::MemoryModel transformer_model() {
   return xpm::MemoryModel(xpm::CostFormula(kTransformer, {"a", "b", "c"}, {"bs", "l"}),

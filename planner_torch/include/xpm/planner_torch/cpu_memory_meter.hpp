@@ -29,9 +29,14 @@
 // std containers), the heap of other libraries, thread stacks, tensors made with from_blob,
 // and storages allocated before install() (they are freed without being counted). Allocated
 // bytes are the requested sizes, not what malloc rounds to. So it measures the same quantity as
-// CUDA's "allocated_bytes" (tensor storages), not the process RSS. How large the unseen part is
-// for the bundled models (measured with mallinfo2 and the peak RSS around training steps):
-// docs/benchmarks.md, "What the CPU meter does not see".
+// CUDA's "allocated_bytes" (tensor storages), not the process RSS. How large the unseen part is,
+// measured for the bundled models (glibc's heap in use sampled at every tensor allocation of a
+// training step, bench/meter_unseen_main.cpp; docs/benchmarks.md, "What the CPU meter does not
+// see"): for the Transformer tagger at most 0.09 MB at any shape (under 0.04 % of the step's
+// peak); for the BiLSTM tagger, LibTorch's LSTM working memory, which grows with the shape:
+// 11.9 MB at bs 32, l 180, 6.1 % of that step's 194 MB peak. A cap enforced by the meter is
+// exceeded in the process by that much. What a step leaves behind unseen (oneDNN's primitive
+// caches) is at most 0.06 MB.
 //
 // Thread-safety: counting is thread-safe (atomics; live storages in a sharded, locked table keyed
 // by address, one lock per allocation and per free).
