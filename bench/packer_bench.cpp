@@ -18,11 +18,13 @@
 // (microbatches predicted above the budget), records_per_microbatch; items_per_second is
 // records/s.
 //
-// Extra flag (before Google Benchmark's): --data-dir=PATH, the Brown corpus (default data/brown).
+// Extra option: --data-dir PATH (or --data-dir=PATH), the Brown corpus (default data/brown). Any
+// other token must be one of Google Benchmark's flags, else the program exits with code 2.
 #include <benchmark/benchmark.h>
 
+#include <boost/program_options.hpp>
+
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -199,26 +201,38 @@ void register_benchmarks() {
 
 }  // namespace
 
+// Our option first (Boost.Program_options, unknown tokens kept for Google Benchmark), then
+// Google Benchmark's; a token neither takes is refused with exit code 2.
 int main(int argc, char** argv) {
-  // Our flag first; Google Benchmark rejects flags it does not know.
-  int kept = 1;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--data-dir=", 11) == 0) {
-      g_data_dir = argv[i] + 11;
-    } else {
-      argv[kept++] = argv[i];
-    }
+  namespace po = boost::program_options;
+  po::options_description options("packer_bench (then Google Benchmark's --benchmark_* flags)");
+  options.add_options()("data-dir", po::value(&g_data_dir)->default_value(g_data_dir),
+                        "the Brown corpus folder");
+  std::vector<std::string> rest;  // Google Benchmark's flags, and anything else (refused below)
+  try {
+    const po::parsed_options parsed =
+        po::command_line_parser(argc, argv).options(options).allow_unregistered().run();
+    po::variables_map vm;
+    po::store(parsed, vm);
+    po::notify(vm);
+    rest = po::collect_unrecognized(parsed.options, po::include_positional);
+  } catch (const po::error& error) {
+    std::cerr << "packer_bench: error: " << error.what() << "\n";
+    return 2;
   }
-  argc = kept;
   try {
     brown_lengths();
   } catch (const std::exception& error) {
     std::cerr << "packer_bench: error: --data-dir: " << error.what() << "\n";
     return 2;
   }
+  std::vector<char*> args = {argv[0]};
+  for (std::string& token : rest) args.push_back(token.data());
+  int count = static_cast<int>(args.size());
+  args.push_back(nullptr);
   register_benchmarks();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
+  benchmark::Initialize(&count, args.data());
+  if (benchmark::ReportUnrecognizedArguments(count, args.data())) return 2;
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -25,7 +25,8 @@
 //     Measured step peaks (bytes, no cap) at those bs x l.
 //
 // Common options: --data-dir, --architecture, --threads. Exit codes: 0 success, 1 failure
-// (e.g. the replay does not match the run), 2 bad options.
+// (e.g. the replay does not match the run), 2 bad options, 3 internal error; errors are one
+// line.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -50,6 +51,7 @@
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/planner_torch/probe_runner.hpp"
+#include "xpm/trainer/error_context.hpp"
 #include "xpm/trainer/fixed_batchers.hpp"
 #include "xpm/trainer/tagging_batch.hpp"
 #include "xpm/trainer/tagging_task.hpp"
@@ -433,11 +435,9 @@ int main(int argc, char** argv) {
     if (!json_path.empty()) xpm::write_file_atomically(json_path, out.dump(2) + "\n");
     if (plans_dir.empty()) std::cout << out.dump(2) << "\n";
     return code;
-  } catch (const std::invalid_argument& error) {
-    std::cerr << "raw-training-loop: error: " << error.what() << "\n";
-    return 2;
-  } catch (const std::exception& error) {
-    std::cerr << "raw-training-loop: error: " << error.what() << "\n";
-    return 1;
+  } catch (...) {  // one line, without LibTorch's backtrace
+    const xpm::ErrorDescription error = xpm::describe_current_exception();
+    std::cerr << "raw-training-loop: error: " << error.line << "\n";
+    return xpm::exit_code_of(error.kind);
   }
 }

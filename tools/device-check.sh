@@ -12,6 +12,10 @@
 #      batching: OOM count, peak vs cap, real tokens/s (from each run's summary.json)
 # Budget: about 8 minutes of device time; XPM_DEVICE_STEPS (default 150) sets the steps per run.
 set -uo pipefail
+if [ $# -gt 0 ]; then
+  echo "device-check.sh: error: unexpected argument '$1' (it takes no arguments; see the top of tools/device-check.sh)" >&2
+  exit 2
+fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 OUT=${OUT:-/tmp/xpm-device-out}

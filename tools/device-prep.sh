@@ -10,6 +10,10 @@
 #
 # Usage: tools/device-prep.sh        then: device run, carry [".device"], tools/device-check.sh
 set -euo pipefail
+if [ $# -gt 0 ]; then
+  echo "device-prep.sh: error: unexpected argument '$1' (it takes no arguments; see the top of tools/device-prep.sh)" >&2
+  exit 2
+fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 

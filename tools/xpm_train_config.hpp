@@ -31,8 +31,10 @@ struct TrainSettings {
 /// Reads the command line and the --config file into a validated config. Throws
 /// std::invalid_argument with a message naming the option (and for the config file the file
 /// and the key: "config file 'run.ini': unrecognised option 'max-stpes'"), for unknown options
-/// or keys, bad values, a missing file, a config that TaggingJobConfig::validate refuses
-/// (renamed to option names), and a missing corpus.
+/// or keys, a positional argument ("unexpected argument 'garbage' (...)"; one after the switch
+/// --resume is taken for a run folder: "--resume takes no value ('runs/x' given); the run
+/// folder to resume is --run-dir runs/x"), bad values, a missing file, a config that
+/// TaggingJobConfig::validate refuses (renamed to option names), and a missing corpus.
 TrainSettings parse_train_settings(int argc, char** argv);
 
 /// "TaggingJobConfig.max_steps must ..." -> "--max-steps must ...": errors name the option the

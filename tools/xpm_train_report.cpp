@@ -9,7 +9,9 @@
 #include <fstream>
 #include <iostream>
 #include <utility>
+#include <vector>
 
+#include "cli_arguments.hpp"
 #include "xpm/planner/atomic_file.hpp"
 #include "xpm_plan/svg_plot.hpp"
 #include "xpm_train_tensorboard.hpp"
@@ -309,10 +311,15 @@ int run_train_report(int argc, char** argv) {
   positional.add("run-dir", 1);
   po::variables_map vm;
   try {
-    po::store(po::command_line_parser(argc, argv).options(desc).positional(positional).run(), vm);
+    po::store(xpm_cli::parse_command_line(std::vector<std::string>(argv + 1, argv + argc), desc, positional,
+                                          "xpm-train report takes one RUN_DIR; see xpm-train report --help"),
+              vm);
     po::notify(vm);
   } catch (const po::error& e) {
     std::cerr << "xpm-train report: error: " << e.what() << " (see xpm-train report --help)\n";
+    return 2;
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "xpm-train report: error: " << e.what() << "\n";
     return 2;
   }
   if (vm.count("help")) {

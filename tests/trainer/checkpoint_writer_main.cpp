@@ -3,7 +3,9 @@
 // (tensor-0.pt .. tensor-2.pt, FLOATS_PER_TENSOR float32 values each, all equal to the step,
 // times 1, 2, 3 for the three files) written with torch::save, and prints "saved <step>" after
 // each completed save. Runs until killed; the kill test (checkpoint_store_test.cpp) SIGKILLs it
-// at varied moments and checks what CheckpointStore::latest_valid() finds.
+// at varied moments and checks what CheckpointStore::latest_valid() finds. Exit code 2 for bad
+// arguments (one line naming the argument), 1 when a save fails.
+#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -15,14 +17,35 @@
 
 #include "xpm/trainer/checkpoint_store.hpp"
 
+namespace {
+
+// FLOATS_PER_TENSOR: a whole number >= 1; 0 for anything else.
+std::int64_t parse_count(const std::string& text) {
+  std::int64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  return error == std::errc() && end == text.data() + text.size() && value >= 1 ? value : 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  if (argc != 3) {
+  if (argc > 3) {
+    std::fprintf(stderr, "xpm-checkpoint-writer: error: unexpected argument '%s' (usage: "
+                         "xpm-checkpoint-writer DIR FLOATS_PER_TENSOR)\n", argv[3]);
+    return 2;
+  }
+  if (argc < 3) {
     std::fprintf(stderr, "usage: xpm-checkpoint-writer DIR FLOATS_PER_TENSOR\n");
+    return 2;
+  }
+  const std::int64_t floats_per_tensor = parse_count(argv[2]);
+  if (floats_per_tensor == 0) {
+    std::fprintf(stderr, "xpm-checkpoint-writer: error: FLOATS_PER_TENSOR '%s' is not a whole number >= 1\n",
+                 argv[2]);
     return 2;
   }
   try {
     const std::string dir = argv[1];
-    const std::int64_t floats_per_tensor = std::stoll(argv[2]);
     xpm::CheckpointSettings settings;
     settings.every_steps = 1;
     settings.keep_last = 2;

@@ -12,7 +12,8 @@
 //   state_bytes OUT                the job's default Transformer (d_model 128, vocabulary 20000):
 //                                  AdamW state bytes this rank allocates, measured with the
 //                                  CpuMemoryMeter, in OUT/state_bytes_rank<r>.json
-// Exit code 0 on success, 1 with the error on stderr.
+// Exit code 0 on success, 2 for bad arguments or environment, 1 for another error, with the
+// error on stderr.
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -123,6 +124,17 @@ int state_bytes(xpm::DistributedContext& dist, const std::string& out) {
 int main(int argc, char** argv) {
   try {
     if (argc < 3) throw std::invalid_argument("usage: xpm-sharding-worker SCENARIO OUT_DIR [ARGS...]");
+    const std::string scenario = argv[1];
+    const int arguments = scenario == "clip" ? 5 : scenario == "train" ? 6 : scenario == "state_bytes" ? 3 : -1;
+    if (arguments > 0 && argc > arguments) {
+      throw std::invalid_argument("unexpected argument '" + std::string(argv[arguments]) + "' (scenario '" +
+                                  scenario + "' takes " + std::to_string(arguments - 3) + " after OUT_DIR)");
+    }
+    if (arguments != argc) {
+      throw std::invalid_argument("scenario '" + scenario + "' with " + std::to_string(argc - 3) +
+                                  " argument(s) after OUT_DIR is not one of those at the top of "
+                                  "tests/trainer/sharding_worker_main.cpp");
+    }
     torch::set_num_threads(1);  // bit-identical gradients in every process
     const auto env = xpm::WorkerEnvironment::from_environment();
     if (!env) throw std::invalid_argument("RANK and WORLD_SIZE must be set");
@@ -130,16 +142,15 @@ int main(int argc, char** argv) {
     dist_options.collective_timeout = std::chrono::seconds(120);
     dist_options.rendezvous_timeout = std::chrono::seconds(120);
     xpm::DistributedContext dist(*env, dist_options);
-    const std::string scenario = argv[1];
     const std::string out = argv[2];
-    if (scenario == "clip" && argc == 5) return clip(dist, out, std::stod(argv[3]), std::stod(argv[4]));
-    if (scenario == "train" && argc == 6) {
-      return train(dist, out, argv[3], std::stoll(argv[4]), std::stod(argv[5]));
-    }
-    if (scenario == "state_bytes" && argc == 3) return state_bytes(dist, out);
-    throw std::invalid_argument("unknown scenario or wrong arguments: " + scenario);
+    if (scenario == "clip") return clip(dist, out, std::stod(argv[3]), std::stod(argv[4]));
+    if (scenario == "train") return train(dist, out, argv[3], std::stoll(argv[4]), std::stod(argv[5]));
+    return state_bytes(dist, out);
+  } catch (const std::invalid_argument& error) {
+    std::fprintf(stderr, "xpm-sharding-worker: error: %s\n", error.what());
+    return 2;
   } catch (const std::exception& error) {
-    std::fprintf(stderr, "xpm-sharding-worker: %s\n", error.what());
+    std::fprintf(stderr, "xpm-sharding-worker: error: %s\n", error.what());
     return 1;
   }
 }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <iostream>
 
+#include "cli_arguments.hpp"
 #include "common.hpp"
 
 namespace xpm_plan {
@@ -33,12 +34,26 @@ void print_usage(std::ostream& os, const std::vector<Verb>& verbs) {
      << "3 internal error; errors are one line on stderr starting 'xpm-plan: error:'.\n";
 }
 
+// What a verb takes besides options, for the error naming a token it does not take.
+std::string positional_hint(const Verb& verb) {
+  const std::string name = verb.name;
+  const std::string takes = verb.positional != nullptr
+                                ? "takes one positional argument, its --" + std::string(verb.positional)
+                                : "takes no positional arguments";
+  return name + " " + takes + "; see xpm-plan " + name + " --help";
+}
+
 int run(int argc, char** argv, const std::vector<Verb>& verbs) {
   if (argc < 2) {
     throw InputError("missing command (" + verb_names(verbs) + "); see xpm-plan --help");
   }
   const std::string name = argv[1];
   if (name == "--help" || name == "-h" || name == "help") {
+    if (argc > 2) {
+      throw InputError(xpm_cli::unexpected_arguments_message(
+          std::vector<std::string>(argv + 2, argv + argc),
+          "xpm-plan " + name + " takes none; xpm-plan COMMAND --help describes a command"));
+    }
     print_usage(std::cout, verbs);
     return 0;
   }
@@ -51,10 +66,8 @@ int run(int argc, char** argv, const std::vector<Verb>& verbs) {
   po::positional_options_description positional;
   if (it->positional != nullptr) positional.add(it->positional, 1);
   po::variables_map vm;
-  po::store(po::command_line_parser(std::vector<std::string>(argv + 2, argv + argc))
-                .options(desc)
-                .positional(positional)
-                .run(),
+  po::store(xpm_cli::parse_command_line(std::vector<std::string>(argv + 2, argv + argc), desc, positional,
+                                        positional_hint(*it)),
             vm);
   if (vm.count("help")) {
     std::cout << desc;

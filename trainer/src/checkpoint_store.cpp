@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "xpm/planner/atomic_file.hpp"
+#include "xpm/trainer/error_context.hpp"
 
 namespace xpm {
 namespace {
@@ -274,11 +275,7 @@ std::string CheckpointStore::save(std::int64_t step, const nlohmann::json& manif
     nlohmann::json listed = nlohmann::json::object();
     for (const auto& [file_name, writer] : files) {
       const std::string path = temp_dir + "/" + file_name;
-      try {
-        writer(path);
-      } catch (const std::exception& e) {
-        throw std::runtime_error("checkpoint: cannot write '" + path + "': " + e.what());
-      }
+      with_error_context("writing '" + path + "'", [&] { writer(path); });
       fsync_path(path, /*is_dir=*/false);
       const std::optional<FileDigest> digest = digest_file(path);
       if (!digest) {

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -113,7 +114,7 @@ int launch_local_workers(const std::vector<std::string>& arguments, const LocalL
       const int rank = it->second;
       rank_of.erase(it);
       if (exit_code_of(status) != 0) {
-        std::cerr << "xpm-train: rank " << rank << " " << describe(status) << "\n";
+        std::cerr << "xpm-train: rank " + std::to_string(rank) + " " + describe(status) + "\n";  // one write
         if (first_failure == 0) {
           first_failure = exit_code_of(status);
           failed_at = std::chrono::steady_clock::now();
@@ -126,8 +127,10 @@ int launch_local_workers(const std::vector<std::string>& arguments, const LocalL
         std::chrono::duration<double>(std::chrono::steady_clock::now() - failed_at).count();
     if (!terminated && waited_s > options.grace_s) {
       for (const auto& [other, rank] : rank_of) {
-        std::cerr << "xpm-train: rank " << rank << " still running " << options.grace_s
-                  << " s after a failure; terminating it\n";
+        std::ostringstream line;  // one write: the workers share stderr
+        line << "xpm-train: rank " << rank << " still running " << options.grace_s
+             << " s after a failure; terminating it\n";
+        std::cerr << line.str();
         ::kill(other, SIGTERM);
       }
       terminated = true;

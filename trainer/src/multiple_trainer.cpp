@@ -10,6 +10,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "xpm/trainer/error_context.hpp"
+
 namespace xpm {
 namespace {
 
@@ -54,13 +56,8 @@ std::map<std::string, const MemoryModel*> MultipleTrainer::probe_and_fit() {
                                     "' has neither a probe executor nor a model");
       }
     } else {
-      try {
-        sub.batcher->probe_and_fit(*sub.probe_executor);
-      } catch (const std::invalid_argument& error) {
-        throw std::invalid_argument("sub-trainer '" + sub.name + "': " + error.what());
-      } catch (const std::runtime_error& error) {
-        throw std::runtime_error("sub-trainer '" + sub.name + "': " + error.what());
-      }
+      with_error_context("sub-trainer '" + sub.name + "'",
+                         [&] { sub.batcher->probe_and_fit(*sub.probe_executor); });
     }
     models[sub.name] = &sub.batcher->model();
   }

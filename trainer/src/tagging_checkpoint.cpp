@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "xpm/planner/atomic_file.hpp"
+#include "xpm/trainer/error_context.hpp"
 
 namespace xpm {
 namespace {
@@ -89,11 +90,7 @@ void save_parameters_atomically(const torch::nn::Module& module, const std::stri
 
 void load_module_state(const std::string& path, torch::nn::Module& module) {
   torch::serialize::InputArchive archive;
-  try {
-    archive.load_from(path);
-  } catch (const c10::Error& error) {
-    throw std::runtime_error("cannot read '" + path + "': " + error.what_without_backtrace());
-  }
+  with_error_context("reading '" + path + "'", [&] { archive.load_from(path); });
   torch::NoGradGuard no_grad;
   const auto copy_into = [&](const std::string& name, torch::Tensor& target, bool is_buffer) {
     torch::Tensor stored;
@@ -111,22 +108,14 @@ void load_module_state(const std::string& path, torch::nn::Module& module) {
 }
 
 void load_optimizer_state(const std::string& path, torch::optim::Optimizer& optimizer) {
-  try {
-    torch::load(optimizer, path);
-  } catch (const c10::Error& error) {
-    throw std::runtime_error("cannot restore the optimizer from '" + path +
-                             "': " + error.what_without_backtrace());
-  }
+  with_error_context("restoring the optimizer from '" + path + "'",
+                     [&] { torch::load(optimizer, path); });
 }
 
 torch::Tensor load_generator_state(const std::string& path, int rank) {
   torch::serialize::InputArchive archive;
   torch::Tensor state;
-  try {
-    archive.load_from(path);
-  } catch (const c10::Error& error) {
-    throw std::runtime_error("cannot read '" + path + "': " + error.what_without_backtrace());
-  }
+  with_error_context("reading '" + path + "'", [&] { archive.load_from(path); });
   if (!archive.try_read("rank" + std::to_string(rank), state)) {
     throw std::runtime_error("'" + path + "' has no generator state for rank " + std::to_string(rank));
   }

@@ -21,6 +21,7 @@
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/brown_corpus.hpp"
+#include "xpm/trainer/error_context.hpp"
 #include "xpm/trainer/fixed_batchers.hpp"
 #include "xpm/trainer/gradient_buckets.hpp"
 #include "xpm/trainer/hook_library.hpp"
@@ -232,7 +233,9 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   TaggingModelSetup setup(config, data, [&](torch::nn::Module& module) {
     state.model = &module;
     job_extensions.hooks.before_initialization(context);
-    if (resume_from) load_module_state(resume_from->info.path + "/model.pt", module);
+    if (resume_from) {
+      with_error_context("resume", [&] { load_module_state(resume_from->info.path + "/model.pt", module); });
+    }
     job_extensions.hooks.after_initialization(context);
   }, &dist);
   torch::optim::AdamW& optimizer = setup.optimizer();

@@ -19,6 +19,7 @@
 
 #include "xpm/planner/atomic_file.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
+#include "xpm/trainer/error_context.hpp"
 #include "xpm/trainer/lr_schedule.hpp"
 #include "xpm/trainer/tagging_batch.hpp"
 #include "xpm/trainer/tagging_memory_plan.hpp"
@@ -173,6 +174,11 @@ TaggingResumeState TaggingLearner::resume_state() const {
 }
 
 void TaggingLearner::checkpoint(bool is_best) {
+  with_error_context("checkpoint write of step " + std::to_string(state_.step),
+                     [&] { write_checkpoint(is_best); });
+}
+
+void TaggingLearner::write_checkpoint(bool is_best) {
   const std::vector<torch::Tensor> generators = gather_generator_states();  // collective
   // The optimizer's files. Under shard_grad_op every rank first writes its part into a staging
   // folder next to the checkpoints (its own shard, or its share of the consolidated state); once
@@ -217,14 +223,30 @@ void TaggingLearner::checkpoint(bool is_best) {
   last_checkpoint_step_ = state_.step;
 }
 
+void TaggingLearner::restore_optimizer_and_generator(const TaggingCheckpoint& checkpoint) {
+  const std::string full_optimizer = checkpoint.info.path + "/optimizer.pt";
+  ShardedAdamW* sharded = parts_.setup->sharded_optimizer();
+  if (!std::filesystem::exists(full_optimizer)) {
+    sharded->load_shard(checkpoint.info.path + "/optimizer-rank" + std::to_string(dist_.rank()) + ".pt");
+  } else if (sharded != nullptr) {
+    sharded->load_full_state(full_optimizer);
+  } else {
+    load_optimizer_state(full_optimizer, *state_.optimizer);
+  }
+  // A rank the checkpoint did not have (a larger world) keeps its fresh seed (seed + rank).
+  if (dist_.rank() < checkpoint.state.world_size) {
+    const torch::Tensor generator_state = load_generator_state(checkpoint.info.path + "/rng.pt", dist_.rank());
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(generator_state);
+  }
+}
+
 void TaggingLearner::restore(const TaggingCheckpoint& checkpoint) {
   const TaggingResumeState& saved = checkpoint.state;
   // A consolidated optimizer.pt loads at any world size and sharding; per-rank shards only where
   // they were written.
   check_optimizer_loadable(checkpoint, dist_.world_size(), config_.sharding);
-  const std::string full_optimizer = checkpoint.info.path + "/optimizer.pt";
-  const bool has_full_optimizer = std::filesystem::exists(full_optimizer);
-  ShardedAdamW* sharded = parts_.setup->sharded_optimizer();
   if (saved.total_steps != state_.total_steps ||
       saved.epoch_order.size() != order_.size()) {
     throw std::invalid_argument("--resume: checkpoint '" + checkpoint.info.path + "' belongs to a run of " +
@@ -242,20 +264,7 @@ void TaggingLearner::restore(const TaggingCheckpoint& checkpoint) {
     throw std::runtime_error("checkpoint '" + checkpoint.info.path + "': unreadable sampler state");
   }
   std::copy(saved.epoch_order.begin(), saved.epoch_order.end(), order_.begin());
-  if (!has_full_optimizer) {
-    sharded->load_shard(checkpoint.info.path + "/optimizer-rank" + std::to_string(dist_.rank()) + ".pt");
-  } else if (sharded != nullptr) {
-    sharded->load_full_state(full_optimizer);
-  } else {
-    load_optimizer_state(full_optimizer, *state_.optimizer);
-  }
-  // A rank the checkpoint did not have (a larger world) keeps its fresh seed (seed + rank).
-  if (dist_.rank() < saved.world_size) {
-    const torch::Tensor generator_state = load_generator_state(checkpoint.info.path + "/rng.pt", dist_.rank());
-    auto generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(generator_state);
-  }
+  with_error_context("resume", [&] { restore_optimizer_and_generator(checkpoint); });
   if (parts_.power_batcher != nullptr) {
     parts_.power_batcher->restore_size(saved.microbatch_size, saved.power_divisor);
   }
@@ -450,6 +459,11 @@ void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
 }
 
 bool TaggingLearner::validate(std::int64_t epoch) {
+  return with_error_context("validation after step " + std::to_string(state_.step),
+                            [&] { return run_validation(epoch); });
+}
+
+bool TaggingLearner::run_validation(std::int64_t epoch) {
   HookList& hooks = parts_.extensions->hooks;
   context_.clear_metrics();
   hooks.before_validation(context_);
@@ -541,7 +555,7 @@ TaggingLearnerOutcome TaggingLearner::run() {
       const std::size_t end = std::min(order_.size(), begin + outer);
       const std::vector<std::size_t> records(order_.begin() + static_cast<std::ptrdiff_t>(begin),
                                              order_.begin() + static_cast<std::ptrdiff_t>(end));
-      train_one_step(records);
+      with_error_context("step " + std::to_string(state_.step + 1), [&] { train_one_step(records); });
       const std::int64_t epoch_completed =
           state_.epoch_position == steps_per_epoch_ ? state_.epoch + 1 : 0;
       bool is_best = false;

@@ -2,6 +2,7 @@
 #include "xpm/trainer/tagging_memory_plan.hpp"
 
 #include <chrono>
+#include <exception>
 #include <optional>
 #include <stdexcept>
 
@@ -9,7 +10,8 @@
 
 #include "xpm/planner/ffd_packer.hpp"
 #include "xpm/planner/memory_model_cache.hpp"
-#include "xpm/planner_torch/probe_runner.hpp"
+#include "xpm/trainer/error_context.hpp"
+#include "xpm/trainer/tagging_probe.hpp"
 
 namespace xpm {
 
@@ -69,69 +71,82 @@ nlohmann::json memory_model_identity(const TaggingJobConfig& config,
           {"design_fractions", batcher_options.design_fractions}};
 }
 
+namespace {
+
+// Rank 0's part: the cached model, or probes and a fit (the model then stored in the cache).
+// Returns what every rank takes: the model and where it came from.
+nlohmann::json look_up_or_probe(const TaggingJobConfig& config, TaggingModelSetup& setup,
+                                MemoryMeter& meter, std::int64_t capacity_bytes,
+                                PredictiveBatcher& batcher, int world_size,
+                                const std::function<void(const std::string&)>& log) {
+  MemoryModelOrigin origin;
+  const nlohmann::json identity = memory_model_identity(config, batcher.options(), setup.signature(),
+                                                       capacity_bytes, world_size);
+  std::optional<MemoryModelCache> cache;
+  if (!config.memory_model_cache.empty()) cache.emplace(config.memory_model_cache);
+  std::string cache_warning;
+  const std::optional<MemoryModel> cached = cache ? cache->lookup(identity, &cache_warning) : std::nullopt;
+  if (!cache_warning.empty()) log("xpm-train: warning: " + cache_warning);
+  if (cached) {
+    batcher.set_model(*cached);
+    log("xpm-train: memory model from the cache (" + cache->path_for(identity) + "), no probing");
+  } else {
+    TaggingProbeExecutor executor(setup, meter, config.variables);
+    const auto probe_start = std::chrono::steady_clock::now();
+    batcher.probe_and_fit(executor);
+    origin.probe_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - probe_start).count();
+    setup.reset_optimizer_state();  // probes fed synthetic gradients into the AdamW moments
+    origin.probes_run = static_cast<std::int64_t>(batcher.probes().size());
+    for (const ProbeResult& probe : batcher.probes()) origin.infeasible_probes += probe.feasible ? 0 : 1;
+    log("xpm-train: " + std::to_string(origin.probes_run) + " probes (" +
+        std::to_string(origin.infeasible_probes) + " out of memory) in " + std::to_string(origin.probe_s) +
+        " s; " + batcher.fit_summary().brief_report());
+    MemoryModel fitted = batcher.model();
+    fitted.metadata()["device"] = "cpu";
+    fitted.metadata()["capacity_bytes"] = capacity_bytes;
+    fitted.metadata()["precision"] = config.precision;
+    fitted.metadata()["activation_checkpointing"] = config.model.activation_checkpointing;
+    fitted.metadata()["sharding"] = config.sharding;
+    fitted.metadata()["world_size"] = world_size;
+    fitted.metadata()["optimizer"] = "adamw";
+    fitted.metadata()["torch_version"] = TORCH_VERSION;
+    fitted.metadata()["model_signature"] = setup.signature();
+    batcher.set_model(fitted);
+    if (cache) cache->store(identity, fitted);
+  }
+  return {{"model", batcher.model().to_json()},
+          {"from_cache", cached.has_value()},
+          {"probe_s", origin.probe_s},
+          {"probes_run", origin.probes_run},
+          {"infeasible_probes", origin.infeasible_probes}};
+}
+
+}  // namespace
+
 MemoryModelOrigin obtain_memory_model(const TaggingJobConfig& config, TaggingModelSetup& setup,
                                       MemoryMeter& meter, std::int64_t capacity_bytes,
                                       PredictiveBatcher& batcher, DistributedContext& dist,
                                       const std::function<void(const std::string&)>& log) {
-  MemoryModelOrigin origin;
-  const nlohmann::json identity = memory_model_identity(config, batcher.options(), setup.signature(),
-                                                       capacity_bytes, dist.world_size());
   nlohmann::json shared_model;
+  std::exception_ptr failure;  // rank 0 rethrows its own error as it is (its class, its backtrace)
   if (dist.is_main()) {
     try {
-      std::optional<MemoryModelCache> cache;
-      if (!config.memory_model_cache.empty()) cache.emplace(config.memory_model_cache);
-      std::string cache_warning;
-      const std::optional<MemoryModel> cached =
-          cache ? cache->lookup(identity, &cache_warning) : std::nullopt;
-      if (!cache_warning.empty()) log("xpm-train: warning: " + cache_warning);
-      if (cached) {
-        batcher.set_model(*cached);
-        log("xpm-train: memory model from the cache (" + cache->path_for(identity) + "), no probing");
-      } else {
-        TorchProbeExecutor executor(setup.probe_steps(), meter);
-        const auto probe_start = std::chrono::steady_clock::now();
-        batcher.probe_and_fit(executor);
-        origin.probe_s =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - probe_start).count();
-        setup.reset_optimizer_state();  // probes fed synthetic gradients into the AdamW moments
-        origin.probes_run = static_cast<std::int64_t>(batcher.probes().size());
-        for (const ProbeResult& probe : batcher.probes()) origin.infeasible_probes += probe.feasible ? 0 : 1;
-        log("xpm-train: " + std::to_string(origin.probes_run) + " probes (" +
-            std::to_string(origin.infeasible_probes) + " out of memory) in " +
-            std::to_string(origin.probe_s) + " s; " + batcher.fit_summary().brief_report());
-        MemoryModel fitted = batcher.model();
-        fitted.metadata()["device"] = "cpu";
-        fitted.metadata()["capacity_bytes"] = capacity_bytes;
-        fitted.metadata()["precision"] = config.precision;
-        fitted.metadata()["activation_checkpointing"] = config.model.activation_checkpointing;
-        fitted.metadata()["sharding"] = config.sharding;
-        fitted.metadata()["world_size"] = dist.world_size();
-        fitted.metadata()["optimizer"] = "adamw";
-        fitted.metadata()["torch_version"] = TORCH_VERSION;
-        fitted.metadata()["model_signature"] = setup.signature();
-        batcher.set_model(fitted);
-        if (cache) cache->store(identity, fitted);
-      }
-      shared_model = {{"model", batcher.model().to_json()},
-                      {"from_cache", cached.has_value()},
-                      {"probe_s", origin.probe_s},
-                      {"probes_run", origin.probes_run},
-                      {"infeasible_probes", origin.infeasible_probes}};
-    } catch (const std::invalid_argument& error) {
-      shared_model = {{"error", error.what()}, {"kind", "invalid_argument"}};
-    } catch (const std::exception& error) {
-      shared_model = {{"error", error.what()}, {"kind", "runtime_error"}};
+      shared_model = look_up_or_probe(config, setup, meter, capacity_bytes, batcher, dist.world_size(), log);
+    } catch (...) {
+      failure = std::current_exception();
+      const ErrorDescription error = describe_current_exception();
+      shared_model = {{"error", error.line}, {"kind", to_string(error.kind)}};
     }
   }
   shared_model =
       nlohmann::json::parse(dist.share_from(0, shared_model.dump(), config.rendezvous_timeout()));
-  if (shared_model.contains("error")) {
-    const std::string message = shared_model.at("error").get<std::string>();
-    if (shared_model.at("kind") == "invalid_argument") throw std::invalid_argument(message);
-    throw std::runtime_error(message);
+  if (failure) std::rethrow_exception(failure);
+  if (shared_model.contains("error")) {  // the other ranks: the same line, the same kind
+    throw_error_of_kind(error_kind_from_string(shared_model.at("kind").get<std::string>()),
+                        shared_model.at("error").get<std::string>());
   }
   batcher.set_model(MemoryModel::from_json(shared_model.at("model")));
+  MemoryModelOrigin origin;
   origin.from_cache = shared_model.at("from_cache").get<bool>();
   // Every rank reports rank 0's probing (the summary is the same on every rank).
   origin.probe_s = shared_model.at("probe_s").get<double>();

@@ -4,11 +4,40 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
-#include "xpm/trainer/tagging_task.hpp"
+#include "xpm/trainer/error_context.hpp"
 
 namespace xpm {
+namespace {
+
+// "bs=8 l=64" (whole numbers without decimals).
+std::string dims_text(const std::vector<std::string>& names, const std::vector<double>& dims) {
+  std::string text;
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    const std::string name = i < names.size() ? names[i] : "dim" + std::to_string(i);
+    const double value = dims[i];
+    const std::string number = value == static_cast<double>(static_cast<long long>(value))
+                                   ? std::to_string(static_cast<long long>(value))
+                                   : std::to_string(value);
+    text += (text.empty() ? "" : " ") + name + "=" + number;
+  }
+  return text;
+}
+
+}  // namespace
+
+TaggingProbeExecutor::TaggingProbeExecutor(TaggingModelSetup& setup, MemoryMeter& meter,
+                                           std::vector<std::string> variable_names)
+    : executor_(setup.probe_steps(), meter), variable_names_(std::move(variable_names)) {}
+
+ProbeResult TaggingProbeExecutor::run_probe(const std::vector<double>& dims) {
+  return with_error_context("probing at " + dims_text(variable_names_, dims),
+                            [&] { return executor_.run_probe(dims); });
+}
+
+double TaggingProbeExecutor::static_bytes() { return executor_.static_bytes(); }
 
 TaggingProbeReport probe_tagging_task(const TaggingJobConfig& config,
                                       const std::vector<std::vector<double>>& dims_list) {
@@ -40,7 +69,7 @@ TaggingProbeReport probe_tagging_task(const TaggingJobConfig& config,
         static_cast<std::int64_t>(config.memory_cap_factor * static_cast<double>(report.static_bytes));
   }
   ScopedMemoryCap cap(report.capacity_bytes);
-  TorchProbeExecutor executor(setup.probe_steps(), meter);
+  TaggingProbeExecutor executor(setup, meter, {"bs", "l"});
   for (const auto& dims : dims_list) report.probes.push_back(executor.run_probe(dims));
   return report;
 }

@@ -59,8 +59,9 @@ class CheckpointStore {
   /// {"format_version", "step", "files": {name: {"bytes", "crc32"}}} plus `manifest_extra`'s
   /// keys, fsync, rename into place; marks it best when `is_best`; then deletes checkpoints
   /// beyond keep_last (never the best). Returns the folder. An existing checkpoint of the same
-  /// step is replaced. Throws std::runtime_error naming the path on any I/O failure, leaving
-  /// earlier checkpoints untouched.
+  /// step is replaced. Throws std::runtime_error naming the path on any I/O failure, and a
+  /// writer's exception as it is after "writing '<temporary path>': " (error_context.hpp),
+  /// leaving earlier checkpoints untouched.
   std::string save(std::int64_t step, const nlohmann::json& manifest_extra,
                    const std::map<std::string, CheckpointFileWriter>& files, bool is_best);
 

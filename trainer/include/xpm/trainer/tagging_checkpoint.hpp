@@ -104,7 +104,8 @@ std::optional<TaggingCheckpoint> load_latest_tagging_checkpoint(const Checkpoint
                                                                 std::vector<std::string>* warnings);
 
 /// Parameters and buffers of model.pt copied into `module` by name. Throws std::runtime_error
-/// naming the path and the entry when one is missing or its shape differs.
+/// naming the path and the entry when one is missing or its shape differs; LibTorch's error
+/// (a file it cannot read) as it is, after "reading '<path>': " (error_context.hpp).
 void load_module_state(const std::string& path, torch::nn::Module& module);
 /// Parameters and buffers of `module` by name into `path` (a torch::serialize archive).
 void save_module_state(const torch::nn::Module& module, const std::string& path);
@@ -112,9 +113,11 @@ void save_module_state(const torch::nn::Module& module, const std::string& path)
 /// torch::load into a module of the same architecture reads), written atomically (temporary
 /// file, fsync, rename). Throws std::runtime_error naming the path.
 void save_parameters_atomically(const torch::nn::Module& module, const std::string& path);
-/// The optimizer's state from optimizer.pt (torch::load). Throws std::runtime_error naming the path.
+/// The optimizer's state from optimizer.pt (torch::load). LibTorch's errors as they are, after
+/// "restoring the optimizer from '<path>': ".
 void load_optimizer_state(const std::string& path, torch::optim::Optimizer& optimizer);
-/// Rank `rank`'s generator state from rng.pt. Throws std::runtime_error naming the path and rank.
+/// Rank `rank`'s generator state from rng.pt. Throws std::runtime_error naming the path and
+/// rank when it is missing; LibTorch's errors as they are, after "reading '<path>': ".
 torch::Tensor load_generator_state(const std::string& path, int rank);
 
 }  // namespace xpm

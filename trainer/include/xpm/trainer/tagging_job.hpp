@@ -154,15 +154,17 @@ struct TaggingJobExtensions {
 
 /// Runs the job as a single process and returns the summary (also written to
 /// run_dir/summary.json). Throws std::runtime_error for missing data, std::invalid_argument for
-/// a bad config, and the planner's errors when probing or fitting fails.
+/// a bad config, and the planner's errors when probing or fitting fails. An error of a step, a
+/// probe, a validation, a checkpoint write or the resume says where, in the class it had
+/// ("step 12: ...", "probing at bs=8 l=64: ...", "resume: ..."; error_context.hpp).
 nlohmann::json run_tagging_job(const TaggingJobConfig& config);
 
 /// Runs the job as one rank of `dist` (docs/distributed.md): every rank must call it with the
 /// same config. The fixed and power batchers refuse world_size > 1 with std::invalid_argument
 /// on every rank, before loading any data (PowerAdaptativeBatcher::check_single_process says
 /// why). With the predictive batcher, rank 0 probes (or reads the cache) and publishes the memory model; if it fails,
-/// every rank throws the same error (std::invalid_argument or std::runtime_error with rank 0's
-/// message). Only rank 0 writes the run folder and logs; every rank returns the summary.
+/// rank 0 rethrows its error and every other rank throws one of the same ErrorKind with its
+/// first line. Only rank 0 writes the run folder and logs; every rank returns the summary.
 /// Throws DistributedError when a collective fails or times out.
 nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContext& dist);
 

@@ -84,14 +84,19 @@ class TaggingLearner {
 
   /// Trains to state.total_steps (or an early stop, or stop_after_steps). Collective: every
   /// rank calls it. Throws what the steps throw (DistributedError, c10 errors), and
-  /// std::runtime_error when a checkpoint cannot be written or read.
+  /// std::runtime_error when a checkpoint cannot be written or read. Each error says where,
+  /// in the class it had (error_context.hpp): "step 12: ...", "validation after step 40: ...",
+  /// "checkpoint write of step 40: ...", "resume: ...".
   TaggingLearnerOutcome run();
 
  private:
   void restore(const TaggingCheckpoint& checkpoint);
+  void restore_optimizer_and_generator(const TaggingCheckpoint& checkpoint);
   void train_one_step(const std::vector<std::size_t>& records);
   bool validate(std::int64_t epoch);  // true when the combined vote is kStop
+  bool run_validation(std::int64_t epoch);
   void checkpoint(bool is_best);
+  void write_checkpoint(bool is_best);
   std::vector<torch::Tensor> gather_generator_states();
   TaggingResumeState resume_state() const;
   void write_metrics_line(const nlohmann::json& line);

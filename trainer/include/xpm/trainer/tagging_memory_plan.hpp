@@ -55,8 +55,10 @@ struct MemoryModelOrigin {
 /// Rank 0 looks the model up in the cache or probes full training steps (learning rate 0,
 /// optimizer state reset afterwards) and fits it, then publishes it (or its error) through the
 /// store; every rank, rank 0 included, sets the published JSON on `batcher`, so all start
-/// identical. Collective: every rank calls it. Throws on every rank the error rank 0 met
-/// (std::invalid_argument for a bad budget or probe design, std::runtime_error otherwise).
+/// identical. Collective: every rank calls it. Throws on every rank the error rank 0 met: rank
+/// 0 its own exception, the others one of the same ErrorKind with its first line
+/// (std::invalid_argument for a bad budget or probe design; error_context.hpp). A probe's
+/// error other than out of memory names the probe ("probing at bs=8 l=64: ...").
 /// `log` prints on rank 0.
 MemoryModelOrigin obtain_memory_model(const TaggingJobConfig& config, TaggingModelSetup& setup,
                                       MemoryMeter& meter, std::int64_t capacity_bytes,

@@ -9,15 +9,36 @@
 //
 // Used by `xpm-plan probe` and the held-out prediction benchmark. Single process; the caller's
 // process-wide CPU allocator is replaced by the CpuMemoryMeter (see cpu_memory_meter.hpp).
+//
+// TaggingProbeExecutor runs the task's probe steps (the job's probing on rank 0 too); an error
+// other than out of memory says where: "probing at bs=8 l=64: ..." (error_context.hpp).
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "xpm/planner/probe.hpp"
+#include "xpm/planner_torch/probe_runner.hpp"
 #include "xpm/trainer/tagging_job.hpp"
+#include "xpm/trainer/tagging_task.hpp"
 
 namespace xpm {
+
+/// A TorchProbeExecutor over setup.probe_steps() whose errors name the probe's dims.
+class TaggingProbeExecutor : public ProbeExecutor {
+ public:
+  /// `variable_names`: the formula's variables, in the order of the probes' dims.
+  TaggingProbeExecutor(TaggingModelSetup& setup, MemoryMeter& meter,
+                       std::vector<std::string> variable_names);
+  /// TorchProbeExecutor::run_probe; errors read "probing at bs=8 l=64: <what>".
+  ProbeResult run_probe(const std::vector<double>& dims) override;
+  double static_bytes() override;
+
+ private:
+  TorchProbeExecutor executor_;
+  std::vector<std::string> variable_names_;
+};
 
 struct TaggingProbeReport {
   std::int64_t static_bytes = 0;     // weights + gradients + AdamW state, allocated bytes
