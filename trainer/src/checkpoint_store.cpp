@@ -248,7 +248,7 @@ std::string CheckpointStore::save(std::int64_t step, const nlohmann::json& manif
     throw std::invalid_argument("checkpoint: manifest_extra must be a JSON object, got " +
                                 std::string(manifest_extra.type_name()));
   }
-  for (const char* reserved : {"format_version", "step", "files"}) {
+  for (const char* reserved : {"format_version", "step", "files", "best"}) {
     if (manifest_extra.is_object() && manifest_extra.contains(reserved)) {
       throw std::invalid_argument(std::string("checkpoint: manifest_extra may not set the key '") +
                                   reserved + "' (the store writes it)");
@@ -272,6 +272,7 @@ std::string CheckpointStore::save(std::int64_t step, const nlohmann::json& manif
     nlohmann::json manifest = manifest_extra.is_object() ? manifest_extra : nlohmann::json::object();
     manifest["format_version"] = kFormatVersion;
     manifest["step"] = step;
+    manifest["best"] = is_best;  // moved into place with the checkpoint: a crash cannot split them
     nlohmann::json listed = nlohmann::json::object();
     for (const auto& [file_name, writer] : files) {
       const std::string path = temp_dir + "/" + file_name;
@@ -300,7 +301,7 @@ std::string CheckpointStore::save(std::int64_t step, const nlohmann::json& manif
 
   // Retention: the newest keep_last folders by step, plus the best one when keep_best.
   const std::vector<std::string> all = list();
-  const std::string best_name = settings_.keep_best ? read_best_marker(dir_) : "";
+  const std::string best_name = settings_.keep_best ? best_folder_name() : "";
   const std::size_t keep = static_cast<std::size_t>(settings_.keep_last);
   // Each one is first renamed to a temporary name, so that a crash while removing it leaves a
   // folder that is ignored and cleaned up by the next save, never a partial step-* folder.
@@ -409,8 +410,20 @@ std::optional<CheckpointInfo> CheckpointStore::latest_valid(
   return std::nullopt;
 }
 
+std::string CheckpointStore::best_folder_name() const {
+  const std::vector<std::string> all = list();
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    std::ifstream in(*it + "/" + kManifestName);
+    const nlohmann::json manifest = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (manifest.is_object() && manifest.value("best", false) == true) {
+      return fs::path(*it).filename().string();
+    }
+  }
+  return read_best_marker(dir_);  // checkpoints written before manifests said it
+}
+
 std::optional<CheckpointInfo> CheckpointStore::best() const {
-  const std::string name = read_best_marker(dir_);
+  const std::string name = best_folder_name();
   if (name.empty()) return std::nullopt;
   const std::string path = dir_ + "/" + name;
   if (!fs::is_directory(path) || !verify(path).empty()) return std::nullopt;

@@ -73,13 +73,16 @@ class CheckpointStore {
   /// The newest valid checkpoint; each invalid newer one is skipped and its reason appended to
   /// `warnings` (may be null). nullopt when none is valid.
   std::optional<CheckpointInfo> latest_valid(std::vector<std::string>* warnings) const;
-  /// The checkpoint marked best, if it exists and is valid.
+  /// The checkpoint marked best, if it exists and is valid: the newest checkpoint whose
+  /// manifest says "best" (written and moved into place with it, so a crash between a best
+  /// checkpoint and its marker loses neither), else the one the `best` marker file names.
   std::optional<CheckpointInfo> best() const;
 
   const std::string& dir() const { return dir_; }
   const CheckpointSettings& settings() const { return settings_; }
 
  private:
+  std::string best_folder_name() const;  // best()'s folder, without verifying it
   std::string dir_;
   CheckpointSettings settings_;
 };
