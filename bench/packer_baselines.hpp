@@ -5,7 +5,7 @@
 //     exceed max_tokens. It knows no memory model; max_tokens must be chosen so that the
 //     longest records still fit (safe_max_tokens in packer_inputs.hpp).
 //   ReferenceAdaptivePacker: the reference's (xpm-torch, Python) AdaptivePacker as its
-//     documentation and DESIGN.md section 5 describe it: grow a microbatch record by record,
+//     documentation and docs/design.md section 5 describe it: grow a microbatch record by record,
 //     and for each candidate build the candidate list (current + [record]) and recompute its
 //     dims from every record in it; optional stable sort by a dim, heaviest first; at most
 //     `upper` records per microbatch (the outer batch size). O(sum of microbatch sizes^2).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Measured peak and the planner's prediction error per precision / activation-checkpointing mode
-# (issue 7's benchmark table). Runs xpm-train once per mode on the bundled task: the same seed,
+# (the benchmark table of docs/benchmarks.md). Runs xpm-train once per mode on the bundled task: the same seed,
 # outer batches, steps and CPU cap factor, a fresh probe and fit per mode (no memory-model cache),
 # then prints a Markdown table built from each run's summary.json (jq).
 #

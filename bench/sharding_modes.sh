@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Measured peak and the planner's prediction error per sharding mode (issue 7's benchmark table):
+# Measured peak and the planner's prediction error per sharding mode (the benchmark table of docs/benchmarks.md):
 # xpm-train on the bundled task at world 1 (no_shard) and world 2 (no_shard, shard_grad_op; gloo
 # over loopback, THREADS intra-op threads per rank). The same seed, outer batches (64), steps and
 # CPU cap in bytes per rank in every mode, a fresh probe and fit per mode (no memory-model cache);

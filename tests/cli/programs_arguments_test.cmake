@@ -2,7 +2,7 @@
 # line naming it, and a correct command line (--help, or listing the benchmarks) exits with 0.
 # Each program is passed as -D<NAME>=<path>; the ones not built are not passed and not checked:
 # XPM_PLAN_PROBE, XPM_RANK_EXAMPLE, XPM_CHECKPOINT_WRITER, XPM_SHARDING_WORKER, HELDOUT_PREDICTION,
-# RAW_TRAINING_LOOP (LibTorch); PACKER_BENCH, FIT_BENCH, BENCH_REPORT, BATCHER_COMPARISON,
+# RAW_TRAINING_LOOP, CPU_METER_UNSEEN (LibTorch); PACKER_BENCH, FIT_BENCH, BENCH_REPORT, BATCHER_COMPARISON,
 # DDP_THROUGHPUT (benchmarks). Run as: cmake -D...=<path> -DDATA_DIR=<data/brown> -DWORK_DIR=<dir> -P ...
 include("${CMAKE_CURRENT_LIST_DIR}/cli_test_helpers.cmake")
 set(dir "${WORK_DIR}/programs_arguments_test")
@@ -25,6 +25,7 @@ expect_refuses_stray_word(raw-training-loop RAW_TRAINING_LOOP)
 expect_refuses_stray_word(bench-report BENCH_REPORT)
 expect_refuses_stray_word(batcher-comparison BATCHER_COMPARISON)
 expect_refuses_stray_word(ddp-throughput DDP_THROUGHPUT)
+expect_refuses_stray_word(cpu-meter-unseen CPU_METER_UNSEEN)
 
 if(DEFINED XPM_PLAN_PROBE)  # the helper of `xpm-plan probe`, run by hand
   cli_expect_error("xpm-plan-probe probe garbage" 2
