@@ -96,18 +96,18 @@ double integer_power(double base, int exponent) {
   return out;
 }
 
+// Choices of a max() argument per resolvable max() factor, by the factor's canonical text.
+using MaxChoices = std::map<std::string, std::size_t>;
+
 // Evaluates a sum like formula_ast::value, except that each max(...) holding a linear
 // coefficient is resolved: into the sum of its arguments (reference == nullptr) or into the
 // argument that wins at `reference` coefficients (same dims). With the exponents and fixed
 // coefficients held, the result is affine in the linear coefficients.
-// Choices of a max() argument per resolvable max() factor, by the factor's canonical text.
-using MaxChoices = std::map<std::string, std::size_t>;
-
 class Resolver {
  public:
   Resolver(const std::vector<Role>& roles, const std::vector<double>* reference)
       : roles_(roles), reference_(reference) {}
-  /// Resolves every max() by `choices` (an argument index per factor text).
+  /// Resolves every max() by `choices` (an argument index per factor text) instead.
   Resolver(const std::vector<Role>& roles, const MaxChoices& choices)
       : roles_(roles), reference_(nullptr), choices_(&choices) {}
 

@@ -12,7 +12,9 @@
 //    squares on the relative residuals. A max(...) that holds linear coefficients is replaced
 //    first by the sum of its arguments, then, at each point, by the argument that wins there
 //    under the current coefficients, refitting until the cost stops falling (the least-squares
-//    partition algorithm for max-affine fits);
+//    partition algorithm for max-affine fits); at the best exponents, when the formula is the
+//    maximum of at most 64 variants affine in these coefficients, their global least-squares
+//    optimum over which argument wins at each point (max_affine_fit.hpp);
 //  - fixed: any other use (a*b*bs, a^2, bs/(a + b), the base of a power with a fitted exponent):
 //    kept at the fallback start.
 // Every candidate is scored by the true cost, the sum of squared relative residuals of

@@ -156,7 +156,7 @@ TEST_CASE("brief report says whether the fit converged and gives the errors") {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Non-linear fit, identifiability, robust loss, leave-one-out, usable (issue 3).
+// Non-linear fit, identifiability, robust loss, leave-one-out, usable.
 
 namespace {
 

@@ -442,7 +442,7 @@ TEST_CASE("random well-formed formulas are idempotent and evaluate alike both wa
 }
 
 // ---------------------------------------------------------------------------------------------
-// max(...), non-linear terms, identity hash, caret lines (issue 3).
+// max(...), non-linear terms, identity hash, caret lines.
 
 namespace {
 

@@ -256,7 +256,7 @@ TEST_CASE("the power batcher tries 16, 8, 5, 4, 3, 2 and 1 records, then rethrow
   CHECK(calls[5] == std::vector<std::size_t>{15});
 }
 
-TEST_CASE("the power batcher refuses world_size > 1 and says why, naming pytorch issue 50820") {
+TEST_CASE("the power batcher refuses world_size > 1 and says why, naming the PyTorch bug 50820") {
   torch::nn::Linear layer(1, 1);
   torch::optim::SGD optimizer(layer->parameters(), torch::optim::SGDOptions(0.1));
   xpm::PowerAdaptativeBatcherOptions options;

@@ -100,7 +100,7 @@ inline std::int64_t global_tokens(const Corpus& corpus, std::int64_t step) {
 }
 
 // Backward of rank's share of the step's mean token loss (its summed loss / global tokens):
-// gradients accumulate into .grad, as in a data-parallel step (DESIGN.md section 4).
+// gradients accumulate into .grad, as in a data-parallel step (docs/design.md section 4).
 inline void backward_rank_share(xpm::TransformerTagger& model, const Corpus& corpus, std::int64_t step, int rank) {
   const xpm::TaggingBatch batch = xpm::collate(corpus.sentences, rank_records(corpus, step, rank));
   const torch::Tensor loss =

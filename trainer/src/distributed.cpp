@@ -115,7 +115,7 @@ DistributedContext::DistributedContext(const WorkerEnvironment& environment,
     : environment_(environment), options_(options) {
   options_.validate();
   std::string backend = options_.backend;
-  if (backend == "auto") backend = "gloo";  // CPU tensors; CUDA runs choose nccl (issue 8)
+  if (backend == "auto") backend = "gloo";  // CPU tensors; CUDA runs choose nccl (docs/cuda.md)
   backend_ = backend;
   if (environment_.world_size == 1) return;  // nothing to connect to
   connection_ = std::make_unique<Connection>();

@@ -53,7 +53,7 @@ ShardingStrategy parse_sharding_strategy(const std::string& text, const std::str
         source + ": 'full_shard' (parameters sharded too) is not supported: it needs an all-gather "
         "of each layer's parameters in every microbatch's forward and backward, so the number of "
         "collectives would depend on how many microbatches each rank runs, which differs between "
-        "ranks (xpm's collectives are fixed per step, DESIGN.md section 4); use shard_grad_op");
+        "ranks (xpm's collectives are fixed per step, docs/design.md section 4); use shard_grad_op");
   }
   throw std::invalid_argument(source + ": sharding must be no_shard or shard_grad_op, got '" + text + "'");
 }

@@ -6,7 +6,7 @@
 //
 // capacity_bytes is the device's total memory (CUDA) or a configured cap (CPU), never the
 // currently free memory: free memory double-counts resident weights and shrinks as the caching
-// allocator reserves (DESIGN.md section 3).
+// allocator reserves (docs/design.md section 3).
 #pragma once
 
 #include <cstdint>

@@ -3,7 +3,7 @@
 //
 // A probe runs one full training step (forward, backward, optimizer step with its state
 // allocated) at given dims on rank 0, before any DDP wrapping, and records the peak allocated
-// bytes of each phase. The step's peak is the maximum over phases (DESIGN.md section 3):
+// bytes of each phase. The step's peak is the maximum over phases (docs/design.md section 3):
 // the forward/backward peak grows with the dims, the optimizer-step peak is the static floor
 // (weights + gradients + optimizer state + temporaries of the update) and does not.
 #pragma once

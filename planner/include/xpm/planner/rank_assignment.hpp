@@ -10,7 +10,7 @@
 // first) each go to the rank with the least assigned cost so far (ties: lower rank). The
 // largest rank load is at most 4/3 - 1/(3w) of the optimum. The result depends only on the
 // costs and world_size, so every rank computes the same assignment from the same global batch
-// without communicating (DESIGN.md: no desync by construction). Every record is assigned to
+// without communicating (docs/design.md: no desync by construction). Every record is assigned to
 // exactly one rank; a rank may get none when there are fewer records than ranks.
 #pragma once
 

@@ -6,7 +6,7 @@
 //   DataParallelTrainer trainer(optimizer, batcher, &meter, dist, &buckets);
 //   GlobalStepResult r = trainer.train_step(global_dims, global_units, loss_sum_of_records);
 //
-// Collective sequence of one step, identical on every rank whatever its share (DESIGN.md: no
+// Collective sequence of one step, identical on every rank whatever its share (docs/design.md: no
 // desync by construction):
 //   1. all-reduce (sum) of the step status: loss, OOM flag per rank, microbatches per rank;
 //   2. all-reduce (sum) of every rank's microbatch peaks (dims, predicted, measured), sized by

@@ -13,7 +13,7 @@
 // bucket of its own). The layout depends only on the parameters, so it is the same on every
 // rank. Gradients are summed, not averaged: the loss of each microbatch is already divided by
 // the global number of units (tokens) of the whole global batch, so the sum over ranks is the
-// gradient of the global batch's mean loss (DESIGN.md section 4).
+// gradient of the global batch's mean loss (docs/design.md section 4).
 #pragma once
 
 #include <cstdint>

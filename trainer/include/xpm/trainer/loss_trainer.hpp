@@ -21,7 +21,7 @@
 //
 // Exact gradients: microbatch j's summed loss is divided by the outer batch's total units
 // (real tokens for a token loss, records for a record loss), so the accumulated gradient is the
-// gradient of the outer batch's mean loss, whatever the number of microbatches (DESIGN.md 4).
+// gradient of the outer batch's mean loss, whatever the number of microbatches (docs/design.md section 4).
 // With named losses each loss k has its own units U_k (tokens, pairs, ...) and the objective is
 // sum_k w_k * (sum of loss k over the outer batch) / U_k: each microbatch contributes
 // sum_k w_k * S_k(microbatch) / U_k, so again the gradient does not depend on the split, and

@@ -34,7 +34,7 @@
 // temporary; the in-place all-reduce allocates nothing through c10 (it moves 2x the bytes of a
 // reduce-scatter / all-gather over the wire). Memory consequence: every rank holds the full
 // parameters (as DDP) and the full local gradient (gradient accumulation over a rank's
-// microbatches sums into it before the single reduction of the step, DESIGN.md section 4), so
+// microbatches sums into it before the single reduction of the step, docs/design.md section 4), so
 // the per-rank saving is the optimizer state: 8 bytes per float32 element become
 // 8 / world_size. docs/precision-and-sharding.md maps this to FSDP's strategies.
 //

@@ -38,7 +38,7 @@ std::shared_ptr<const MicrobatchPacker> tagging_packer(const TaggingJobConfig& c
 
 /// What the memory model depends on (the cache key): formula, model signature, architecture
 /// options that change memory, optimizer, precision, device, world size, torch version,
-/// capacity, budget and probe design. A change of any field probes again (DESIGN.md section 3).
+/// capacity, budget and probe design. A change of any field probes again (docs/design.md section 3).
 nlohmann::json memory_model_identity(const TaggingJobConfig& config,
                                      const PredictiveBatcherOptions& batcher_options,
                                      const nlohmann::json& model_signature,

@@ -1,6 +1,6 @@
 // xpm/trainer/validation.hpp — when to validate, which metric decides, and early stopping, as
 // the reference's ValidationListener (xpm_torch.validation) without its "a higher loss is
-// better" defect (DESIGN.md section 5): the direction is explicit (min or max).
+// better" defect (docs/design.md section 5): the direction is explicit (min or max).
 //
 //   ValidationSettings settings;
 //   settings.every_steps = 100;           // validate every 100 optimizer steps
