@@ -2,7 +2,6 @@
 #include "xpm/planner/floor_model.hpp"
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -20,30 +19,6 @@ using detail::percent;
 std::vector<std::string> prefixed(const std::vector<std::string>& names) {
   std::vector<std::string> out;
   for (const std::string& name : names) out.push_back("floor_" + name);
-  return out;
-}
-
-// Every identifier of `text` that is not a variable and not max, in order of first use.
-std::vector<std::string> names_in(const std::string& text, const std::vector<std::string>& variables) {
-  std::vector<std::string> out;
-  for (std::size_t i = 0; i < text.size();) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (!(std::isalpha(c) || c == '_')) {
-      ++i;
-      continue;
-    }
-    std::size_t end = i;
-    while (end < text.size() &&
-           (std::isalnum(static_cast<unsigned char>(text[end])) || text[end] == '_')) {
-      ++end;
-    }
-    const std::string word = text.substr(i, end - i);
-    const bool skip = word == "max" ||
-                      std::find(variables.begin(), variables.end(), word) != variables.end() ||
-                      std::find(out.begin(), out.end(), word) != out.end();
-    if (!skip) out.push_back(word);
-    i = end;
-  }
   return out;
 }
 
@@ -73,7 +48,7 @@ CostFormula floor_formula_for(const CostFormula& formula, const FloorOptions& op
   const std::vector<std::string>& variables = formula.variable_names();
   if (!options.formula.empty()) {
     std::vector<std::string> names = options.coefficient_names.empty()
-                                         ? names_in(options.formula, variables)
+                                         ? coefficient_names_in(options.formula, variables)
                                          : options.coefficient_names;
     return CostFormula(options.formula, std::move(names), variables);
   }

@@ -1,5 +1,6 @@
 // formula.cpp — xpm::CostFormula and xpm::FormulaError. Parsing and canonical printing live in
 // formula_ast.cpp; evaluate() hands the canonical string to muparserx.
+#include <algorithm>
 #include "xpm/planner/formula.hpp"
 
 #include <muparserx/mpParser.h>
@@ -334,6 +335,28 @@ std::vector<double> CostFormula::dims_from_map(const std::map<std::string, doubl
     }
   }
   return out;
+}
+
+std::vector<std::string> coefficient_names_in(const std::string& text,
+                                              const std::vector<std::string>& variable_names) {
+  std::vector<formula_ast::Token> tokens;
+  try {
+    tokens = formula_ast::tokenize(text);
+  } catch (const FormulaError& e) {
+    throw FormulaError(e.message(), e.position(), e.symbol(), text);  // with the caret line
+  }
+  std::vector<std::string> names;
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    const formula_ast::Token& token = tokens[i];
+    if (token.kind != formula_ast::Token::Kind::name) continue;
+    const bool function = i + 1 < tokens.size() && tokens[i + 1].kind == formula_ast::Token::Kind::lparen;
+    const bool variable =
+        std::find(variable_names.begin(), variable_names.end(), token.text) != variable_names.end();
+    if (!function && !variable && std::find(names.begin(), names.end(), token.text) == names.end()) {
+      names.push_back(token.text);
+    }
+  }
+  return names;
 }
 
 }  // namespace xpm

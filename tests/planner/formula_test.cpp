@@ -813,3 +813,11 @@ TEST_CASE("random well-formed non-linear formulas with max are idempotent and ev
   }
   CHECK(parsed > 1400);
 }
+
+TEST_CASE("coefficient_names_in lists the names that are neither variables nor functions") {
+  CHECK(xpm::coefficient_names_in("a*bs*l^2 + b*bs*l + c", {"bs", "l"}) ==
+        std::vector<std::string>{"a", "b", "c"});
+  CHECK(xpm::coefficient_names_in("max(f + 1e5*d*bs, a*bs*l) + f", {"bs", "l"}) ==
+        std::vector<std::string>{"f", "d", "a"});
+  CHECK_THROWS_AS(xpm::coefficient_names_in("a*bs $ c", {"bs"}), xpm::FormulaError);
+}

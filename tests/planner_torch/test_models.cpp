@@ -69,6 +69,14 @@ torch::Tensor tokens(std::int64_t bs, std::int64_t l, std::int64_t vocab) {
   return torch::randint(vocab, {bs, l}, torch::kLong);
 }
 
+// Summed cross-entropy of `logits` [n, classes] against random labels.
+torch::Tensor summed_cross_entropy(const torch::Tensor& logits) {
+  const std::int64_t n = logits.size(0), classes = logits.size(1);
+  return torch::nn::functional::cross_entropy(
+      logits, torch::randint(classes, {n}, torch::kLong),
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+}
+
 class TransformerTagger final : public StepModel {
  public:
   TransformerTagger() {
@@ -88,9 +96,7 @@ class TransformerTagger final : public StepModel {
     torch::Tensor h = embedding_(x) + position_(positions).unsqueeze(0);  // [bs, l, 64]
     h = encoder_(h.transpose(0, 1)).transpose(0, 1);                      // [bs, l, 64]
     const torch::Tensor logits = out_(h).reshape({bs * l, kTags});
-    return torch::nn::functional::cross_entropy(
-        logits, torch::randint(kTags, {bs * l}, torch::kLong),
-        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    return summed_cross_entropy(logits);
   }
 
   Seeded seeded_;  // first: the layers below are initialized from the seeded generator
@@ -118,9 +124,7 @@ class GruTagger final : public StepModel {
   torch::Tensor summed_loss(std::int64_t bs, std::int64_t l) override {
     const torch::Tensor h = std::get<0>(gru_(embedding_(tokens(bs, l, kVocab))));  // [bs, l, 128]
     const torch::Tensor logits = out_(h).reshape({bs * l, kTags});
-    return torch::nn::functional::cross_entropy(
-        logits, torch::randint(kTags, {bs * l}, torch::kLong),
-        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    return summed_cross_entropy(logits);
   }
 
   Seeded seeded_;  // first: the layers below are initialized from the seeded generator
@@ -149,9 +153,7 @@ class ConvClassifier final : public StepModel {
     h = torch::relu(conv1_(h));                                          // [bs, 96, l]
     h = torch::relu(conv2_(h));                                          // [bs, 96, l]
     const torch::Tensor pooled = std::get<0>(h.max(2));                  // [bs, 96]
-    return torch::nn::functional::cross_entropy(
-        out_(pooled), torch::randint(kClasses, {bs}, torch::kLong),
-        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    return summed_cross_entropy(out_(pooled));
   }
 
   Seeded seeded_;  // first: the layers below are initialized from the seeded generator
@@ -215,9 +217,7 @@ class PreNormTransformer final : public StepModel {
     h = block2_(block1_(h));
     const torch::Tensor logits = out_(norm_(h)).reshape({bs * l, kTags});  // [bs*l, 48]
     alive_.push_back(logits);  // user code: logits still in scope at optimizer.step()
-    return torch::nn::functional::cross_entropy(
-        logits, torch::randint(kTags, {bs * l}, torch::kLong),
-        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    return summed_cross_entropy(logits);
   }
 
   Seeded seeded_;  // first: the layers below are initialized from the seeded generator
@@ -250,9 +250,7 @@ class ImageCnn final : public StepModel {
     h = torch::max_pool2d(h, 2);                                            // [bs, 64, hw/4, hw/4]
     h = torch::relu(conv3_(h));                                             // [bs, 64, hw/4, hw/4]
     const torch::Tensor pooled = h.mean({2, 3});                            // [bs, 64]
-    return torch::nn::functional::cross_entropy(
-        out_(pooled), torch::randint(kClasses, {bs}, torch::kLong),
-        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    return summed_cross_entropy(out_(pooled));
   }
 
   Seeded seeded_;  // first: the layers below are initialized from the seeded generator

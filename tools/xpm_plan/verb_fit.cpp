@@ -1,7 +1,6 @@
 // xpm-plan fit: fit a cost formula to measured peaks (CSV or JSON), print the fit report, save
 // the memory model and optionally a figure of measured vs predicted bytes with residuals.
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <iostream>
 #include <optional>
@@ -19,38 +18,14 @@
 namespace xpm_plan {
 namespace {
 
-// Names in the formula text that are neither variables nor functions, in order of first
-// appearance: the default coefficient list ("a*bs*l^2 + b*bs*l + c" -> a, b, c).
+// The formula's names that are not variables: the default coefficient list.
 std::vector<std::string> infer_coefficients(const std::string& text,
                                             const std::vector<std::string>& variables) {
   std::vector<std::string> names;
-  std::size_t i = 0;
-  while (i < text.size()) {
-    const unsigned char c = static_cast<unsigned char>(text[i]);
-    if (std::isdigit(c) || c == '.') {  // a number, with its exponent
-      while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
-      if (i < text.size() && (text[i] == 'e' || text[i] == 'E')) {
-        std::size_t j = i + 1;
-        if (j < text.size() && (text[j] == '+' || text[j] == '-')) ++j;
-        if (j < text.size() && std::isdigit(static_cast<unsigned char>(text[j]))) {
-          i = j;
-          while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
-        }
-      }
-    } else if (std::isalpha(c) || c == '_') {
-      const std::size_t start = i;
-      while (i < text.size() && (std::isalnum(static_cast<unsigned char>(text[i])) || text[i] == '_')) ++i;
-      const std::string name = text.substr(start, i - start);
-      std::size_t next = i;
-      while (next < text.size() && std::isspace(static_cast<unsigned char>(text[next]))) ++next;
-      const bool function = next < text.size() && text[next] == '(';
-      if (!function && std::find(variables.begin(), variables.end(), name) == variables.end() &&
-          std::find(names.begin(), names.end(), name) == names.end()) {
-        names.push_back(name);
-      }
-    } else {
-      ++i;
-    }
+  try {
+    names = xpm::coefficient_names_in(text, variables);
+  } catch (const xpm::FormulaError& e) {
+    throw InputError("--formula '" + text + "': " + e.brief());
   }
   if (names.empty()) {
     throw InputError("--formula '" + text + "': no coefficient to fit (every name is a variable)");

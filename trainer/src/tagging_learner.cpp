@@ -292,6 +292,16 @@ void TaggingLearner::write_metrics_line(const nlohmann::json& line) {
   if (!metrics.flush()) throw std::runtime_error("cannot write '" + config_.run_dir + "/metrics.jsonl'");
 }
 
+double TaggingLearner::planned_floor_bytes(const GlobalStepResult& result) const {
+  // Constant, or a formula of the microbatches' dims (a moving floor).
+  const MemoryModel& model = parts_.batcher->model();
+  double floor_bytes = model.floor_bytes();
+  for (const MicrobatchPeak& peak : result.microbatch_peaks) {
+    floor_bytes = std::max(floor_bytes, model.floor_bytes_at(peak.dims));
+  }
+  return floor_bytes;
+}
+
 void TaggingLearner::note_extrapolation(const std::vector<MicrobatchPeak>& peaks) {
   if (extrapolation_noted_) return;
   for (const MicrobatchPeak& peak : peaks) {
@@ -375,13 +385,8 @@ void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
                  "; refitted");
     }
   }
-  // The floor the step was planned with: constant, or a formula of the microbatches' dims.
-  double planned_floor_bytes = batcher.model().floor_bytes();
-  for (const MicrobatchPeak& peak : result.microbatch_peaks) {
-    planned_floor_bytes = std::max(planned_floor_bytes, batcher.model().floor_bytes_at(peak.dims));
-  }
   if (predictive && result.optimizer_step_peak_bytes >
-                        (1 + config_.underprediction_tolerance) * planned_floor_bytes) {
+                        (1 + config_.underprediction_tolerance) * planned_floor_bytes(result)) {
     ++step_underpredictions;
     batcher.raise_floor_bytes(result.optimizer_step_peak_bytes);
     parts_.log("xpm-train: optimizer step at step " + std::to_string(step) +

@@ -153,4 +153,11 @@ class CostFormula {
   std::shared_ptr<const formula_ast::Expression> expression_;  // every formula
 };
 
+/// The names in `text` that are neither variables nor functions (a name followed by '('), in
+/// order of first use: the default coefficient list of a formula ("a*bs*l^2 + b*bs*l + c" with
+/// variables {bs, l} -> {a, b, c}; "1e5" is a number, not a name). Throws FormulaError for a
+/// character or number the formula language does not take.
+std::vector<std::string> coefficient_names_in(const std::string& text,
+                                              const std::vector<std::string>& variable_names);
+
 }  // namespace xpm

@@ -101,6 +101,8 @@ class TaggingLearner {
   TaggingResumeState resume_state() const;
   void write_metrics_line(const nlohmann::json& line);
   void note_extrapolation(const std::vector<MicrobatchPeak>& peaks);
+  /// The floor of the memory model at the step's microbatches (predictive batcher only).
+  double planned_floor_bytes(const GlobalStepResult& result) const;
 
   TaggingLearnerParts parts_;
   const TaggingJobConfig& config_;
