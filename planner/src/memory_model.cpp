@@ -270,20 +270,21 @@ std::vector<Extrapolation> MemoryModel::extrapolation(const std::vector<double>&
 }
 
 std::string Extrapolation::describe() const {
-  const auto number = [](double x) {
+  const auto number = [](double x, int digits) {
     std::ostringstream os;
-    os.precision(6);
+    os.precision(digits);
     os << x;
     return os.str();
   };
+  const auto dim = [&](double x) { return number(x, 6); };
   if (value > probed_max) {
-    const std::string by = probed_max > 0 ? number(value / probed_max) + "x"
-                                          : number(value - probed_max) + " above";
-    return variable + " = " + number(value) + " is " + by + " the largest probed " + variable +
-           " (" + number(probed_max) + ")";
+    const std::string by = probed_max > 0 ? number(value / probed_max, 3) + "x"
+                                          : dim(value - probed_max) + " above";
+    return variable + " = " + dim(value) + " is " + by + " the largest probed " + variable +
+           " (" + dim(probed_max) + ")";
   }
-  return variable + " = " + number(value) + " is below the smallest probed " + variable + " (" +
-         number(probed_min) + ")";
+  return variable + " = " + dim(value) + " is below the smallest probed " + variable + " (" +
+         dim(probed_min) + ")";
 }
 
 void MemoryModel::set_infeasible_probes(std::vector<InfeasibleBound> probes) {

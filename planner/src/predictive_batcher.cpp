@@ -201,10 +201,13 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
   c.fitted_above_floor = c.measurements.size() >= formula.coefficient_names().size();
   if (!c.fitted_above_floor) c.measurements = all_feasible;
   if (c.measurements.size() < formula.coefficient_names().size()) {
-    throw std::invalid_argument("PredictiveBatcher: only " + std::to_string(c.measurements.size()) +
-                                " feasible probes for " +
-                                std::to_string(formula.coefficient_names().size()) +
-                                " coefficients; raise the capacity or give probe points that fit it");
+    throw std::invalid_argument(
+        "PredictiveBatcher: only " + std::to_string(c.measurements.size()) + " of " +
+        std::to_string(probes_.size()) + " probes fit under the capacity of " +
+        std::to_string(options_.budget.capacity_bytes) + " bytes (the others ran out of memory), for " +
+        std::to_string(formula.coefficient_names().size()) + " coefficients; the floor (static memory, optimizer step) is " +
+        std::to_string(static_cast<long long>(floor_fit_.constant_bytes)) +
+        " bytes: raise the capacity or give probe points that fit it");
   }
   c.fit = fit_coefficients(formula, c.measurements, infeasible, options_.fit);
   if (!c.fit.summary.usable) return c;
@@ -323,6 +326,34 @@ const MemoryModel& PredictiveBatcher::add_measurement(const Measurement& measure
   refitted.metadata()["fit"]["mean_rel_error"] = fit.summary.mean_rel_error;
   ++corrections_;
   model_ = std::move(refitted);
+  return *model_;
+}
+
+const MemoryModel& PredictiveBatcher::add_infeasible_bound(const InfeasibleBound& bound) {
+  if (!model_) throw std::logic_error("PredictiveBatcher: add_infeasible_bound before a model was set");
+  const CostFormula& formula = model_->formula();
+  std::vector<InfeasibleBound> bounds = model_->infeasible_probes();
+  bounds.push_back(bound);
+  std::vector<double> coefficients = model_->coefficients();
+  if (fit_measurements_.size() >= formula.coefficient_names().size()) {
+    try {
+      const FitResult fit = fit_coefficients(formula, fit_measurements_, bounds, options_.fit);
+      if (fit.summary.usable) {
+        coefficients = fit.coefficients;
+        fit_summary_ = fit.summary;
+      }
+    } catch (const std::invalid_argument&) {
+      // The fit data cannot separate the coefficients: the bound still limits every plan.
+    }
+  }
+  MemoryModel corrected(formula, coefficients, model_->floor_bytes(), model_->batch_size_variable(),
+                        options_.aggregation);
+  corrected.set_infeasible_probes(std::move(bounds));
+  keep_floor_and_range(*model_, corrected);
+  corrected.metadata() = model_->metadata();
+  corrected.metadata()["fit"]["infeasible_bound_count"] = corrected.infeasible_probes().size();
+  ++corrections_;
+  model_ = std::move(corrected);
   return *model_;
 }
 

@@ -128,6 +128,34 @@ TEST_CASE("online correction without fit data raises the floor to the measuremen
   CHECK(batcher.model().predict_bytes({4, 100}) >= 9e6);
 }
 
+TEST_CASE("an out-of-memory microbatch in training becomes a bound: refit above it, no plan dominates it") {
+  xpm::PredictiveBatcherOptions o = options_with_cap(100'000'000);
+  xpm::PredictiveBatcher batcher(o, std::make_shared<xpm::AdaptivePacker>());
+  // The model under-predicts the true cost 10*bs*l^2 + 1000*bs*l + 1e6 by half in the l^2 term.
+  xpm::MemoryModel model(xpm::CostFormula(o.formula, o.coefficient_names, o.variable_names),
+                         {5, 1000, 1e6}, 0, "bs");
+  const auto truth = [](double bs, double l) { return 10 * bs * l * l + 1000 * bs * l + 1e6; };
+  model.metadata()["fit_measurements"] = {{{"dims", {1, 50}}, {"bytes", truth(1, 50)}},
+                                          {{"dims", {4, 100}}, {"bytes", truth(4, 100)}},
+                                          {{"dims", {8, 30}}, {"bytes", truth(8, 30)}}};
+  batcher.set_model(model);
+  const double capacity_bytes = 5e6;
+  REQUIRE(batcher.model().predict_bytes({16, 120}) < capacity_bytes);  // planned, then ran out
+  REQUIRE(truth(16, 120) > capacity_bytes);
+  batcher.add_infeasible_bound({{16, 120}, capacity_bytes});
+  CHECK(batcher.corrections() == 1);
+  CHECK(batcher.model().infeasible_probes().size() == 1);
+  CHECK(batcher.model().predict_bytes({16, 120}) >= capacity_bytes);
+  CHECK(batcher.model().dominated_infeasible_probe({16, 120}, capacity_bytes) != nullptr);
+  CHECK(batcher.model().dominated_infeasible_probe({17, 128}, capacity_bytes) != nullptr);
+  CHECK(batcher.model().dominated_infeasible_probe({8, 120}, capacity_bytes) == nullptr);
+  // No microbatch of the next plan holds the shape that ran out of memory, or a larger one.
+  std::vector<std::vector<double>> records(64, std::vector<double>{1, 120});
+  const xpm::MicrobatchPlan plan = batcher.packer().pack(records, batcher.model(), capacity_bytes);
+  for (const auto& mb : plan.microbatches) CHECK(mb.dims[0] < 16);
+  CHECK_THROWS_AS(batcher.add_infeasible_bound({{16}, capacity_bytes}), std::invalid_argument);
+}
+
 TEST_CASE("infeasible probes bound the fit and limit every plan") {
   FakeExecutor executor(4e6);  // a hard limit below the usable budget of 0.9 * 5e6
   xpm::PredictiveBatcher batcher(options_with_cap(5'000'000),

@@ -88,10 +88,18 @@ class PredictiveBatcher {
   /// the floor to the measured bytes instead. Returns the new model. Throws std::logic_error
   /// without a model.
   const MemoryModel& add_measurement(const Measurement& measurement);
+  /// Online correction after a microbatch ran out of memory at `bound.dims` under
+  /// `bound.exceeds_bytes` (the capacity): the bound joins the model's infeasible probes (no
+  /// later plan dominates those dims under that capacity) and the coefficients are refitted with
+  /// every bound as a lower bound of the prediction (kept as they were when that refit is not
+  /// usable). Same rule as add_measurement for ranks. Throws std::logic_error without a model,
+  /// std::invalid_argument for a bound of the wrong size.
+  const MemoryModel& add_infeasible_bound(const InfeasibleBound& bound);
   /// Online correction of the floor: sets it to max(floor, floor_bytes) (a measured
   /// optimizer-step peak above it). Same rule as add_measurement for ranks.
   const MemoryModel& raise_floor_bytes(double floor_bytes);
-  /// Number of add_measurement() / raise_floor_bytes() calls since the model was set.
+  /// Number of add_measurement() / add_infeasible_bound() / raise_floor_bytes() calls that
+  /// changed the model since it was set.
   std::int64_t corrections() const { return corrections_; }
   bool has_model() const { return model_.has_value(); }
   /// Throws std::logic_error before probe_and_fit() or set_model().
