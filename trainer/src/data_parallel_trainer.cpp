@@ -113,6 +113,7 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
   zero_grad();
   StepResult local;
   bool local_oom = false;
+  std::vector<double> local_oom_dims;
   try {
     const MicrobatchPlan plan = batcher_.plan(my_dims);
     local = local_.accumulate_gradients(
@@ -127,6 +128,7 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
     if (loss_scaler_ != nullptr) local.loss /= loss_scaler_->current_scale();  // report the true loss
   } catch (const c10::OutOfMemoryError&) {
     local_oom = true;
+    local_oom_dims = local_.last_oom_microbatch_dims();
     local = StepResult{};
   }
   double step_peak_bytes = meter_ != nullptr ? static_cast<double>(meter_->peak_allocated_bytes()) : 0;
@@ -134,18 +136,31 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
     step_peak_bytes = std::max(step_peak_bytes, peak.forward_backward_peak_bytes);
   }
 
-  // 1. Status: [loss, skipped records, oom per rank (w), microbatches per rank (w)].
-  std::vector<double> status(2 + 2 * static_cast<std::size_t>(world), 0.0);
+  // 1. Status: [loss, skipped records, oom per rank (w), microbatches per rank (w), dims of the
+  // microbatch that ran out of memory per rank (w x dims; 0 where none)].
+  const std::size_t dim_count = model.formula().variable_names().size();
+  const std::size_t w = static_cast<std::size_t>(world);
+  std::vector<double> status(2 + 2 * w + w * dim_count, 0.0);
   status[0] = local.loss;
   status[1] = static_cast<double>(local.skipped_records);
   status[2 + static_cast<std::size_t>(rank)] = local_oom ? 1 : 0;
   status[2 + static_cast<std::size_t>(world + rank)] = static_cast<double>(local.microbatches);
+  if (local_oom_dims.size() == dim_count) {
+    std::copy(local_oom_dims.begin(), local_oom_dims.end(),
+              status.begin() + static_cast<std::ptrdiff_t>(2 + 2 * w + static_cast<std::size_t>(rank) * dim_count));
+  }
   status = context_.all_reduce(status, ReduceOp::kSum);
   result.loss = status[0];
   result.skipped_records = static_cast<std::int64_t>(status[1]);
   std::int64_t max_microbatches = 0;
   for (int r = 0; r < world; ++r) {
-    if (status[2 + static_cast<std::size_t>(r)] > 0) result.oom_ranks.push_back(r);
+    if (status[2 + static_cast<std::size_t>(r)] > 0) {
+      result.oom_ranks.push_back(r);
+      const auto first = status.begin() + static_cast<std::ptrdiff_t>(2 + 2 * w + static_cast<std::size_t>(r) * dim_count);
+      std::vector<double> dims(first, first + static_cast<std::ptrdiff_t>(dim_count));
+      if (std::all_of(dims.begin(), dims.end(), [](double d) { return d == 0; })) dims.clear();
+      result.oom_microbatch_dims.push_back(std::move(dims));
+    }
     const auto count = static_cast<std::int64_t>(status[2 + static_cast<std::size_t>(world + r)]);
     result.microbatches_per_rank.push_back(count);
     result.microbatches += count;
@@ -154,7 +169,6 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
   result.oom = !result.oom_ranks.empty();
 
   // 2. Every rank's microbatch peaks: [rank][slot][dims..., predicted, measured].
-  const std::size_t dim_count = model.formula().variable_names().size();
   const std::size_t fields = dim_count + 2;
   if (meter_ != nullptr && max_microbatches > 0) {
     const std::size_t slots = static_cast<std::size_t>(max_microbatches);

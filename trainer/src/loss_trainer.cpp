@@ -75,6 +75,7 @@ double executable_units(const MicrobatchPlan& plan, const std::vector<double>& r
 void LossTrainer::run_microbatches(const MicrobatchPlan& plan,
                                    const std::function<torch::Tensor(const Microbatch&)>& microbatch_loss,
                                    StepResult& result) {
+  oom_microbatch_dims_.clear();
   for (const Microbatch& microbatch : plan.microbatches) {
     if (microbatch.over_budget) continue;
     // The meter's peak is reset per microbatch; step_peak_bytes_ keeps the step's maximum.
@@ -89,6 +90,7 @@ void LossTrainer::run_microbatches(const MicrobatchPlan& plan,
     } catch (const c10::OutOfMemoryError&) {
       // The loss and its graph are gone (unwound); what the engine still holds goes now.
       release_autograd_buffers_after_oom();
+      oom_microbatch_dims_ = microbatch.dims;
       throw;
     }
     ++result.microbatches;

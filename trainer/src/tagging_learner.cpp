@@ -27,6 +27,21 @@
 namespace xpm {
 namespace {
 
+// Steps in a row skipped by out-of-memory errors after which the job stops: it trains nothing.
+constexpr std::int64_t kMaxConsecutiveOomSteps = 10;
+
+// "bs=19 l=62" in the model's variable order.
+std::string describe_dims(const MemoryModel& model, const std::vector<double>& dims) {
+  std::string out;
+  const auto& names = model.formula().variable_names();
+  for (std::size_t v = 0; v < dims.size() && v < names.size(); ++v) {
+    char value[32];
+    std::snprintf(value, sizeof value, "%g", dims[v]);
+    out += (v ? " " : "") + names[v] + "=" + value;
+  }
+  return out;
+}
+
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
@@ -302,10 +317,30 @@ double TaggingLearner::planned_floor_bytes(const GlobalStepResult& result) const
   return floor_bytes;
 }
 
-void TaggingLearner::note_extrapolation(const std::vector<MicrobatchPeak>& peaks) {
+std::int64_t TaggingLearner::bound_out_of_memory_microbatches(const GlobalStepResult& result,
+                                                             std::int64_t step) {
+  std::int64_t bounded = 0;
+  PredictiveBatcher& batcher = *parts_.batcher;
+  for (const std::vector<double>& dims : result.oom_microbatch_dims) {
+    if (dims.empty()) continue;
+    const double predicted = batcher.model().predict_bytes(dims);
+    batcher.add_infeasible_bound({dims, static_cast<double>(parts_.capacity_bytes)});
+    ++bounded;
+    parts_.log("xpm-train: step " + std::to_string(step) + " ran out of memory in a microbatch at " +
+               describe_dims(batcher.model(), dims) + " predicted at " +
+               std::to_string(static_cast<std::int64_t>(predicted)) + " bytes (capacity " +
+               std::to_string(parts_.capacity_bytes) + "): it bounds the memory model from now on; refitted");
+  }
+  return bounded;
+}
+
+void TaggingLearner::note_extrapolation(const GlobalStepResult& result) {
   if (extrapolation_noted_) return;
-  for (const MicrobatchPeak& peak : peaks) {
-    const std::vector<Extrapolation> beyond = parts_.batcher->model().extrapolation(peak.dims);
+  std::vector<std::vector<double>> planned = result.oom_microbatch_dims;
+  for (const MicrobatchPeak& peak : result.microbatch_peaks) planned.push_back(peak.dims);
+  for (const std::vector<double>& dims : planned) {
+    if (dims.empty()) continue;
+    const std::vector<Extrapolation> beyond = parts_.batcher->model().extrapolation(dims);
     if (beyond.empty()) continue;
     std::string what;
     for (const Extrapolation& e : beyond) what += (what.empty() ? "" : ", ") + e.describe();
@@ -371,8 +406,12 @@ void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
   // sees the same peaks (all-reduced), so plans stay identical.
   const bool predictive = parts_.fixed_batcher == nullptr;
   PredictiveBatcher& batcher = *parts_.batcher;
-  if (predictive) note_extrapolation(result.microbatch_peaks);
   std::int64_t step_underpredictions = 0;
+  if (predictive) {
+    note_extrapolation(result);
+    step_underpredictions += bound_out_of_memory_microbatches(result, step);
+  }
+  consecutive_oom_steps_ = result.oom ? consecutive_oom_steps_ + 1 : 0;
   for (const MicrobatchPeak& peak : result.microbatch_peaks) {
     if (predictive &&
         peak.forward_backward_peak_bytes > (1 + config_.underprediction_tolerance) * peak.predicted_bytes) {
@@ -381,8 +420,7 @@ void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
       parts_.log("xpm-train: underprediction at step " + std::to_string(step) + ": measured " +
                  std::to_string(static_cast<std::int64_t>(peak.forward_backward_peak_bytes)) +
                  " bytes, predicted " + std::to_string(static_cast<std::int64_t>(peak.predicted_bytes)) +
-                 " at bs=" + std::to_string(peak.dims[0]) + " l=" + std::to_string(peak.dims[1]) +
-                 "; refitted");
+                 " at " + describe_dims(batcher.model(), peak.dims) + "; refitted");
     }
   }
   if (predictive && result.optimizer_step_peak_bytes >
@@ -403,9 +441,10 @@ void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
                     parts_.fixed_batcher != nullptr ? fixed_step.ooms : (result.oom ? 1 : 0),
                     parts_.fixed_batcher != nullptr ? fixed_step.attempts : 1, step_underpredictions,
                     prediction_error);
+  // A step skipped by an out-of-memory error trained nothing: no loss, no tokens.
   nlohmann::json line = {{"step", step},
                          {"epoch", state_.epoch},
-                         {"loss", result.loss},
+                         {"loss", result.oom ? nlohmann::json(nullptr) : nlohmann::json(result.loss)},
                          {"lr", lr},
                          {"records", records.size()},
                          {"real_tokens", step_tokens},
@@ -418,7 +457,7 @@ void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
                          {"underpredictions", step_underpredictions},
                          {"capacity_bytes", parts_.capacity_bytes},
                          {"duration_s", result.duration_s},
-                         {"tokens_per_s", step_tokens / std::max(1e-9, result.duration_s)},
+                         {"tokens_per_s", result.oom ? 0.0 : step_tokens / std::max(1e-9, result.duration_s)},
                          {"records_per_rank", result.records_per_rank},
                          {"microbatches_per_rank", result.microbatches_per_rank},
                          {"rank_imbalance", result.imbalance},
@@ -435,6 +474,14 @@ void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
     line["attempts"] = fixed_step.attempts;
   }
   write_metrics_line(line);
+  if (consecutive_oom_steps_ >= kMaxConsecutiveOomSteps) {
+    throw std::runtime_error(
+        std::to_string(consecutive_oom_steps_) + " consecutive steps ran out of memory under the " +
+        "capacity of " + std::to_string(parts_.capacity_bytes) + " bytes: " +
+        (predictive ? "the memory model keeps under-predicting this job (probe larger shapes with "
+                      "--probe-points, or lower --memory-fraction)"
+                    : "the microbatch does not fit (a smaller --microbatch-size, or the predictive batcher)"));
+  }
   if (step % config_.log_every == 0 || step == state_.total_steps || result.oom) {
     // ETA: steps left x mean step time so far (validation and checkpoints not included).
     const double eta_s = static_cast<double>(state_.total_steps - step) * counters.mean_step_s(step);

@@ -8,7 +8,8 @@
 //
 // Collective sequence of one step, identical on every rank whatever its share (docs/design.md: no
 // desync by construction):
-//   1. all-reduce (sum) of the step status: loss, OOM flag per rank, microbatches per rank;
+//   1. all-reduce (sum) of the step status: loss, OOM flag per rank, microbatches per rank, the
+//      dims of the microbatch that ran out of memory per rank;
 //   2. all-reduce (sum) of every rank's microbatch peaks (dims, predicted, measured), sized by
 //      the largest per-rank microbatch count from step 1, so every rank sees every peak;
 //   3. unless some rank ran out of memory (known to all from step 1): one all-reduce per
@@ -52,6 +53,9 @@ struct GlobalStepResult {
   std::int64_t skipped_records = 0;  // predicted over budget even alone (global)
   bool oom = false;               // some rank ran out of memory: the step was skipped everywhere
   std::vector<int> oom_ranks;     // which ranks
+  /// Per entry of oom_ranks, the dims of the microbatch that ran out of memory there (empty
+  /// dims when the error came outside a microbatch's forward/backward); same on every rank.
+  std::vector<std::vector<double>> oom_microbatch_dims;
   std::vector<MicrobatchPeak> microbatch_peaks;  // every rank's, rank order; same on every rank
   std::vector<int> microbatch_peak_ranks;        // rank of each entry of microbatch_peaks
   double optimizer_step_peak_bytes = 0;          // max over ranks

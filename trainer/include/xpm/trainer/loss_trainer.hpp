@@ -169,6 +169,11 @@ class LossTrainer {
                         const NamedLossSumsFn& loss_sums_fn,
                         const BeforeOptimizerStepFn& before_optimizer_step = {});
 
+  /// The dims of the microbatch whose forward/backward last ran out of memory (what the plan
+  /// said, before the error); empty before any. Read it where the c10::OutOfMemoryError of
+  /// accumulate_gradients / accumulate_weighted_losses is caught.
+  const std::vector<double>& last_oom_microbatch_dims() const { return oom_microbatch_dims_; }
+
  private:
   // Runs each executable microbatch of `plan`: backward of microbatch_loss(microbatch) (already
   // weighted), result.loss += its value, microbatch peaks. Releases the autograd buffers and
@@ -185,6 +190,7 @@ class LossTrainer {
   const PredictiveBatcher& batcher_;
   MemoryMeter* meter_;
   std::int64_t step_peak_bytes_ = 0;  // running maximum of the meter's peak within a step
+  std::vector<double> oom_microbatch_dims_;  // see last_oom_microbatch_dims()
 };
 
 /// Records a step's losses in the context (under its current scope): "loss" = result.loss, and

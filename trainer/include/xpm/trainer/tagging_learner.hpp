@@ -100,7 +100,10 @@ class TaggingLearner {
   std::vector<torch::Tensor> gather_generator_states();
   TaggingResumeState resume_state() const;
   void write_metrics_line(const nlohmann::json& line);
-  void note_extrapolation(const std::vector<MicrobatchPeak>& peaks);
+  void note_extrapolation(const GlobalStepResult& result);
+  /// Each microbatch that ran out of memory becomes an infeasible bound of the memory model
+  /// (the same on every rank: the dims are all-reduced). Returns how many.
+  std::int64_t bound_out_of_memory_microbatches(const GlobalStepResult& result, std::int64_t step);
   /// The floor of the memory model at the step's microbatches (predictive batcher only).
   double planned_floor_bytes(const GlobalStepResult& result) const;
 
@@ -123,6 +126,7 @@ class TaggingLearner {
   std::int64_t last_validation_step_ = -1;
   std::int64_t last_checkpoint_step_ = -1;
   bool extrapolation_noted_ = false;  // logged once per run
+  std::int64_t consecutive_oom_steps_ = 0;
   struct FaultInjection {
     int rank = -1;
     std::int64_t step = -1;
