@@ -129,10 +129,13 @@ void complete_and_validate(TrainSettings& settings, const po::variables_map& vm,
                                 config.architecture + "'");
   }
   if (vm["formula"].defaulted()) config.formula = xpm::default_cost_formula(config.architecture);
-  config.coefficients = split_list(coefficients);
   config.variables = split_list(variables);
   config.probe_points = parse_probe_points(probe_points);
   try {
+    // Without --coefficients, the formula's names that are not variables (a*bs*l: just a).
+    config.coefficients = vm["coefficients"].defaulted()
+                              ? xpm::coefficient_names_in(config.formula, config.variables)
+                              : split_list(coefficients);
     config.validate();
   } catch (const xpm::FormulaError& error) {
     throw std::invalid_argument("--formula: " + error.brief());
@@ -212,7 +215,15 @@ TrainSettings parse_train_settings(int argc, char** argv) {
       ("epochs", po::value(&config.epochs)->default_value(config.epochs), "passes over the train split")
       ("outer-batch-size", po::value(&config.outer_batch_size)->default_value(config.outer_batch_size),
        "sentences per optimizer step (split into microbatches by the planner)")
-      ("seed", po::value(&config.seed)->default_value(config.seed), "random seed")
+      ("seed", po::value<std::int64_t>()
+                   ->default_value(static_cast<std::int64_t>(config.seed))
+                   ->notifier([&config](std::int64_t seed) {
+                     if (seed < 0) {
+                       throw std::invalid_argument("--seed must be >= 0, got " + std::to_string(seed));
+                     }
+                     config.seed = static_cast<std::uint64_t>(seed);
+                   }),
+       "random seed (>= 0)")
       ("threads", po::value(&config.threads)->default_value(config.threads),
        "intra-op threads per worker (0: hardware threads / workers on this host)")
       ("vocab-size", po::value(&config.vocab_size)->default_value(config.vocab_size),
@@ -262,7 +273,8 @@ TrainSettings parse_train_settings(int argc, char** argv) {
        "bytes of the capacity kept back for what probes don't see")
       ("formula", po::value(&config.formula)->default_value(config.formula),
        "cost formula (bytes); default: the architecture's, a*bs*(l-1) + b*bs + c for bilstm")
-      ("coefficients", po::value(&coefficients)->default_value(coefficients), "coefficient names, comma-separated")
+      ("coefficients", po::value(&coefficients)->default_value(coefficients),
+       "coefficient names, comma-separated (default: the formula's names that are not variables)")
       ("variables", po::value(&variables)->default_value(variables),
        "variable names: batch size, padded length")
       ("probe-points", po::value(&probe_points)->default_value(""),
@@ -355,7 +367,10 @@ TrainSettings parse_train_settings(int argc, char** argv) {
   }
   if (vm.count("help") != 0U) {
     std::ostringstream help;
-    help << all << "\n";
+    help << all << "\n"
+         << "xpm-train report RUN_DIR [--out DIR] [--tensorboard]: figures (loss, validation "
+            "accuracy, tokens/s, peak vs predicted memory) of a run folder; see xpm-train report "
+            "--help\n";
     settings.help = true;
     settings.help_text = help.str();
     return settings;

@@ -29,3 +29,6 @@ expect_input_error("sharding with the fixed batcher" "sharding 'shard_grad_op' r
 expect_input_error("bad optimizer checkpoint" "--optimizer-checkpoint must be 'sharded'" --data-dir "${DATA_DIR}" --optimizer-checkpoint zip)
 # Refused after the job started (the static memory alone exceeds the cap): still no run folder.
 expect_input_error("static memory above the cap" "the static memory .* takes [0-9]+ bytes" --data-dir "${DATA_DIR}" --memory-cap-bytes 1000 --max-steps 1)
+expect_input_error("negative seed" "--seed must be >= 0, got -1" --data-dir "${DATA_DIR}" --seed -1)
+expect_input_error("coefficient not in the formula" "coefficients: 'z' does not appear in the formula" --data-dir "${DATA_DIR}" --formula "a*bs*l + c" --coefficients a,c,z)
+expect_input_error("stop after the last step" "--stop-after-steps 9 is beyond the run's 3 steps" --data-dir "${DATA_DIR}" --max-steps 3 --stop-after-steps 9)

@@ -186,6 +186,16 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
       throw std::invalid_argument(std::string("--data-dir: ") + error.what());
     }
   }();
+  const auto outer = static_cast<std::size_t>(config.outer_batch_size);
+  const auto steps_per_epoch = static_cast<std::int64_t>((data.train.size() + outer - 1) / outer);
+  const std::int64_t total_steps = config.max_steps > 0
+                                       ? std::min(steps_per_epoch * config.epochs, config.max_steps)
+                                       : steps_per_epoch * config.epochs;
+  if (config.stop_after_steps > total_steps) {
+    throw std::invalid_argument("--stop-after-steps " + std::to_string(config.stop_after_steps) +
+                                " is beyond the run's " + std::to_string(total_steps) +
+                                " steps (--epochs, --max-steps): it would never stop the run");
+  }
   for (const ProbePoint& point : config.probe_points) {
     const double l = point.values.at("l");
     const std::int64_t max_length = max_sequence_length(config, data);
@@ -346,10 +356,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
     fixed_batcher = std::move(power);
   }
 
-  const auto outer = static_cast<std::size_t>(config.outer_batch_size);
-  const auto steps_per_epoch = static_cast<std::int64_t>((data.train.size() + outer - 1) / outer);
-  state.total_steps = steps_per_epoch * config.epochs;
-  if (config.max_steps > 0) state.total_steps = std::min(state.total_steps, config.max_steps);
+  state.total_steps = total_steps;
 
   TaggingLearnerParts parts;
   parts.config = &config;

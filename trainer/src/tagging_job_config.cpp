@@ -1,5 +1,6 @@
 // TaggingJobConfig: validation (errors name the field and its value) and the resolved config as
 // JSON (config.json of the run folder).
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -132,6 +133,12 @@ void TaggingJobConfig::validate() const {
   require(architecture == "transformer" || architecture == "bilstm",
           "architecture must be 'transformer' or 'bilstm', got '" + architecture + "'");
   CostFormula(formula, coefficients, variables);  // FormulaError (invalid_argument) now, not later
+  const std::vector<std::string> used = coefficient_names_in(formula, variables);
+  for (const std::string& name : coefficients) {
+    require(std::find(used.begin(), used.end(), name) != used.end(),
+            "coefficients: '" + name + "' does not appear in the formula '" + formula +
+                "' (it could not be fitted)");
+  }
   if (architecture == "bilstm") {
     bilstm.validate();
   } else {
