@@ -192,14 +192,38 @@ TaggingCheckpoint read_tagging_checkpoint(const std::string& path) {
   return checkpoint;
 }
 
+namespace {
+
+// Every torch archive of the checkpoint opens (a file rewritten with its manifest updated passes
+// the checksums but not this). Throws std::runtime_error naming the file with LibTorch's first
+// line.
+void check_archives_open(const std::string& folder) {
+  for (const char* name : {"model.pt", "optimizer.pt", "rng.pt"}) {
+    const std::string path = folder + "/" + name;
+    if (!std::filesystem::exists(path)) continue;
+    try {
+      torch::serialize::InputArchive archive;
+      archive.load_from(path);
+    } catch (const c10::Error& error) {
+      const std::string text = error.what_without_backtrace();
+      throw std::runtime_error("'" + path + "' cannot be read by LibTorch: " + text.substr(0, text.find('\n')));
+    }
+  }
+}
+
+}  // namespace
+
 std::optional<TaggingCheckpoint> load_latest_tagging_checkpoint(const CheckpointStore& store,
                                                                 std::vector<std::string>* warnings) {
   // verify() checks sizes and checksums; a state.json that then does not parse (written by
-  // another version) is skipped too, falling back to the next older checkpoint.
+  // another version) or a torch archive that does not open is skipped too, falling back to the
+  // next older checkpoint.
   const std::vector<std::string> paths = store.list();
   for (auto it = paths.rbegin(); it != paths.rend(); ++it) {
     try {
-      return read_tagging_checkpoint(*it);
+      TaggingCheckpoint checkpoint = read_tagging_checkpoint(*it);
+      check_archives_open(*it);
+      return checkpoint;
     } catch (const std::exception& error) {
       if (warnings != nullptr) {
         warnings->push_back("checkpoint '" + *it + "' skipped (falling back to an older one): " + error.what());
