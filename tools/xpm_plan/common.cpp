@@ -60,6 +60,10 @@ std::string dim_problem(double value, const std::string& text, const std::string
     return shown + " is not a valid " + name +
            ": the batch-size variable counts records and must be > 0";
   }
+  if (count && std::floor(value) != value) {
+    return shown + " is not a valid " + name +
+           ": the batch-size variable counts records and must be a whole number";
+  }
   return "";
 }
 
@@ -91,19 +95,27 @@ std::map<std::string, double> parse_assignments(const std::vector<std::string>& 
 
 void add_budget_options(po::options_description& desc) {
   desc.add_options()
-      ("capacity-bytes", po::value<std::int64_t>()->required(),
-       "device total memory or CPU cap, bytes (required)")
+      ("capacity-bytes", po::value<std::string>()->required(),
+       "device total memory or CPU cap, bytes, e.g. 196362432 or 2e8 (required)")
       ("memory-fraction", po::value<double>()->default_value(0.9, "0.9"),
        "share of capacity the plan may use, in (0, 1]")
-      ("extra-overhead-bytes", po::value<std::int64_t>()->default_value(0),
+      ("extra-overhead-bytes", po::value<std::string>()->default_value("0"),
        "bytes kept back for what probes don't see");
+}
+
+std::int64_t byte_count(const std::string& text, const std::string& option) {
+  const double value = parse_number(text, option);
+  if (std::floor(value) != value || std::fabs(value) > 9.0e18) {
+    throw InputError(option + ": '" + text + "' is not a whole number of bytes");
+  }
+  return static_cast<std::int64_t>(value);
 }
 
 std::int64_t usable_bytes_from(const po::variables_map& vm) {
   xpm::MemoryBudget budget;
-  budget.capacity_bytes = vm["capacity-bytes"].as<std::int64_t>();
+  budget.capacity_bytes = byte_count(vm["capacity-bytes"].as<std::string>(), "--capacity-bytes");
   budget.memory_fraction = vm["memory-fraction"].as<double>();
-  budget.extra_overhead_bytes = vm["extra-overhead-bytes"].as<std::int64_t>();
+  budget.extra_overhead_bytes = byte_count(vm["extra-overhead-bytes"].as<std::string>(), "--extra-overhead-bytes");
   try {
     return budget.usable_bytes();
   } catch (const std::invalid_argument& e) {
@@ -123,9 +135,9 @@ std::int64_t usable_bytes_from(const po::variables_map& vm) {
 }
 
 nlohmann::json budget_json(const po::variables_map& vm) {
-  return {{"capacity_bytes", vm["capacity-bytes"].as<std::int64_t>()},
+  return {{"capacity_bytes", byte_count(vm["capacity-bytes"].as<std::string>(), "--capacity-bytes")},
           {"memory_fraction", vm["memory-fraction"].as<double>()},
-          {"extra_overhead_bytes", vm["extra-overhead-bytes"].as<std::int64_t>()},
+          {"extra_overhead_bytes", byte_count(vm["extra-overhead-bytes"].as<std::string>(), "--extra-overhead-bytes")},
           {"usable_bytes", usable_bytes_from(vm)}};
 }
 
@@ -258,6 +270,21 @@ std::string extrapolation_text(const xpm::MemoryModel& model, const std::vector<
     out += (out.empty() ? "; extrapolated: " : ", ") + e.describe();
   }
   return out;
+}
+
+std::string option_names(std::string text) {
+  static const std::vector<std::pair<std::string, std::string>> renamed = {
+      {"FitOptions::usable_max_rel_error", "--usable-max-rel-error"},
+      {"MemoryModel: floor_bytes", "--floor-bytes"},
+      {"MemoryModel: batch-size variable", "--batch-size-variable"},
+      {"MemoryModel: aggregation given for", "--aggregation given for"},
+      {"MemoryModel: the batch-size variable", "--batch-size-variable"}};
+  for (const auto& [from, to] : renamed) {
+    for (auto at = text.find(from); at != std::string::npos; at = text.find(from, at + to.size())) {
+      text.replace(at, from.size(), to);
+    }
+  }
+  return text;
 }
 
 }  // namespace xpm_plan

@@ -28,6 +28,14 @@ struct InfeasibleError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// `text` with the planner's field names replaced by the options that set them
+/// ("FitOptions::usable_max_rel_error" -> "--usable-max-rel-error", "MemoryModel: floor_bytes"
+/// -> "--floor-bytes", ...): for messages of the planner shown at the command line.
+std::string option_names(std::string text);
+
+/// A whole byte count from `text` ("196362432", "2e8"); InputError naming `option` otherwise.
+std::int64_t byte_count(const std::string& text, const std::string& option);
+
 /// The first line of an exception message (FormulaError adds a caret line below the first).
 std::string first_line(const std::string& text);
 

@@ -82,7 +82,7 @@ FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSe
   const xpm::FitSummary& s = outcome.result.summary;
   outcome.usable = s.usable;
   for (const std::string& reason : s.reasons) {
-    outcome.unusable_reason += (outcome.unusable_reason.empty() ? "" : "; ") + reason;
+    outcome.unusable_reason += (outcome.unusable_reason.empty() ? "" : "; ") + option_names(reason);
   }
   return outcome;
 }
@@ -110,7 +110,7 @@ nlohmann::json fit_summary_json(const xpm::FitSummary& s, const FitOutcome& outc
           {"residual_structure", s.residual_structure},
           {"left_out_note", s.left_out_note},
           {"infeasible_bound_count", s.infeasible_bound_count},
-          {"brief_report", s.brief_report()}};
+          {"brief_report", option_names(s.brief_report())}};
 }
 
 namespace {
@@ -216,7 +216,7 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
   if (model.metadata().contains("floor")) {
     os << "  " << model.metadata()["floor"]["report"].get<std::string>() << "\n";
   }
-  os << s.brief_report() << "\n";
+  os << option_names(s.brief_report()) << "\n";
   os << "residuals ((predicted - measured) / measured; left out: predicted by a fit without "
         "that point):\n";
   for (std::size_t i = 0; i < set.measurements.size(); ++i) {

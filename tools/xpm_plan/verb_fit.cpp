@@ -197,6 +197,15 @@ int run_fit(const po::variables_map& vm) {
   const std::vector<std::string> coefficients =
       vm.count("coefficients") ? split_list(vm["coefficients"].as<std::string>(), "coefficients")
                                : infer_coefficients(formula_text, variables);
+  if (vm.count("coefficients")) {  // a declared coefficient the formula never uses cannot be fitted
+    const std::vector<std::string> used = infer_coefficients(formula_text, variables);
+    for (const std::string& name : coefficients) {
+      if (std::find(used.begin(), used.end(), name) == used.end()) {
+        throw InputError("--coefficients: '" + name + "' does not appear in --formula '" +
+                         formula_text + "'");
+      }
+    }
+  }
   const xpm::CostFormula formula = make_formula(formula_text, coefficients, variables,
                                                 fit_request);
   std::string bs_variable = vm["batch-size-variable"].as<std::string>();
@@ -215,7 +224,7 @@ int run_fit(const po::variables_map& vm) {
                         bs_variable, aggregation);
     if (floor_fit && floor_fit->formula) floor_model->set_floor_formula(*floor_fit->formula);
   } catch (const std::invalid_argument& e) {
-    throw InputError(first_line(e.what()));
+    throw InputError(option_names(first_line(e.what())));
   }
   if (vm["above-floor-only"].as<bool>()) {
     if (!(floor_bytes > 0) && !(floor_fit && floor_fit->formula)) {

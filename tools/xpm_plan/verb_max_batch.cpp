@@ -92,13 +92,18 @@ int run_max_batch(const po::variables_map& vm) {
     j["budget"] = budget_json(vm);
     j["dims"] = dims_json(model, at_m);
     j["extrapolation"] = extrapolation_json(model, at_m);
+    j["capped_by_max_size"] = m == max_size;
     std::cout << j.dump() << "\n";
   } else {
     std::cout << "max microbatch size " << m << " at " << dims_text(model, at_m) << ": predicted "
               << bytes_text(predicted) << " of " << usable << " usable bytes ("
               << number_text(std::round(predicted / static_cast<double>(usable) * 1000) / 10)
               << " %)";
-    if (m < max_size) std::cout << "; " << bs << "=" << m + 1 << " would need " << bytes_text(next);
+    if (m < max_size) {
+      std::cout << "; " << bs << "=" << m + 1 << " would need " << bytes_text(next);
+    } else {
+      std::cout << "; capped by --max-size " << max_size << " (larger ones fit too)";
+    }
     std::cout << extrapolation_text(model, at_m) << "\n";
   }
   return 0;

@@ -10,6 +10,7 @@
 #include "csv_table.hpp"
 #include "figures.hpp"
 #include "verbs.hpp"
+#include "xpm/planner/ffd_packer.hpp"
 #include "xpm/planner/packer.hpp"
 
 namespace xpm_plan {
@@ -72,7 +73,8 @@ po::options_description plan_options() {
       ("csv", po::value<std::string>()->required(), "records file (required; also positional)");
   add_budget_options(desc);
   desc.add_options()
-      ("packer", po::value<std::string>()->default_value("adaptive"), "adaptive or uniform")
+      ("packer", po::value<std::string>()->default_value("adaptive"),
+       "adaptive, uniform or ffd (first fit decreasing)")
       ("sort-by", po::value<std::string>()->default_value("", "none"),
        "adaptive packer: variable to sort records by, heaviest first")
       ("figure", po::value<std::string>(),
@@ -98,11 +100,15 @@ int run_plan(const po::variables_map& vm) {
     xpm::AdaptivePackerOptions options;
     options.sort_by = sort_by;
     packer = std::make_unique<xpm::AdaptivePacker>(options);
-  } else if (packer_name == "uniform") {
+  } else if (packer_name == "uniform" || packer_name == "ffd") {
     if (!sort_by.empty()) throw InputError("--sort-by applies to the adaptive packer only");
-    packer = std::make_unique<xpm::UniformPacker>();
+    if (packer_name == "uniform") {
+      packer = std::make_unique<xpm::UniformPacker>();
+    } else {
+      packer = std::make_unique<xpm::FirstFitDecreasingPacker>();
+    }
   } else {
-    throw InputError("--packer: unknown packer '" + packer_name + "' (adaptive or uniform)");
+    throw InputError("--packer: unknown packer '" + packer_name + "' (adaptive, uniform or ffd)");
   }
 
   const std::string source = vm["csv"].as<std::string>();

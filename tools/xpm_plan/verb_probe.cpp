@@ -244,9 +244,14 @@ int run_probe(const po::variables_map& vm) {
         << "     bs      l  forward_backward  optimizer_step     step_peak  feasible\n";
     for (const auto& p : report.probes) {
       char line[160];
-      std::snprintf(line, sizeof line, "%7.0f %6.0f %17.0f %15.0f %13.0f  %s\n", p.dims.at(0),
-                    p.dims.at(1), p.forward_backward_peak_bytes, p.optimizer_step_peak_bytes,
-                    p.step_peak_bytes(), p.feasible ? "yes" : "NO (out of memory)");
+      if (p.feasible) {
+        std::snprintf(line, sizeof line, "%7.0f %6.0f %17.0f %15.0f %13.0f  yes\n", p.dims.at(0),
+                      p.dims.at(1), p.forward_backward_peak_bytes, p.optimizer_step_peak_bytes,
+                      p.step_peak_bytes());
+      } else {  // no peak was measured
+        std::snprintf(line, sizeof line, "%7.0f %6.0f %17s %15s %13s  NO (out of memory)\n",
+                      p.dims.at(0), p.dims.at(1), "-", "-", "-");
+      }
       out << line;
     }
   }

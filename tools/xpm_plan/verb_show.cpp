@@ -217,6 +217,10 @@ int run_show(const po::variables_map& vm) {
       }
     }
   }
+  std::string floor_from;  // the floor column of a per-phase fit (`fit --floor-column`)
+  if (metadata.contains("floor_from") && metadata["floor_from"].is_string()) {
+    floor_from = metadata["floor_from"].get<std::string>();
+  }
   double capacity = 0;  // the probes' memory cap, when recorded
   if (metadata.contains("capacity_bytes") && metadata["capacity_bytes"].is_number()) {
     capacity = metadata["capacity_bytes"].get<double>();
@@ -225,6 +229,13 @@ int run_show(const po::variables_map& vm) {
   if (metadata.contains("fit") && metadata["fit"].is_object() &&
       metadata["fit"].contains("fitted_to") && metadata["fit"]["fitted_to"].is_string()) {
     fitted_to = metadata["fit"]["fitted_to"].get<std::string>();
+  }
+  // The fitted and floor columns whatever their names (a CSV's "fb", "opt").
+  for (const std::string& c : {fitted_to, floor_from}) {
+    if (!c.empty() && std::find(columns.begin(), columns.end(), c) == columns.end() &&
+        std::any_of(probes.begin(), probes.end(), [&](const nlohmann::json& p) { return p.contains(c); })) {
+      columns.push_back(c);
+    }
   }
   auto short_name = [](std::string c) {
     const std::string suffix = "_peak_bytes";
@@ -255,15 +266,19 @@ int run_show(const po::variables_map& vm) {
       }
     }
     os << std::setw(14) << bytes_text(predicted);
-    // Error against the step peak (what the budget must hold), else the fitted column.
-    const std::string reference = p.contains("step_peak_bytes") ? "step_peak_bytes" : fitted_to;
+    // Error against the step peak (what the budget must hold): the step column, else the
+    // larger of the fitted and floor columns, else the fitted column.
+    const auto number_of = [&](const std::string& c) {
+      return !c.empty() && p.contains(c) && p[c].is_number() ? p[c].get<double>() : 0.0;
+    };
+    const double reference = p.contains("step_peak_bytes")
+                                 ? number_of("step_peak_bytes")
+                                 : std::max(number_of(fitted_to), number_of(floor_from));
     if (!feasible && capacity > 0) {  // an out-of-memory probe is an upper bound
       os << std::setw(10) << (predicted > capacity ? "> cap" : "UNDER cap");
-    } else if (feasible && !reference.empty() && p.contains(reference) && p[reference].is_number() &&
-        p[reference].get<double>() > 0) {
+    } else if (feasible && reference > 0) {
       char buf[32];
-      std::snprintf(buf, sizeof buf, "%+.4f%%",
-                    (predicted - p[reference].get<double>()) / p[reference].get<double>() * 100);
+      std::snprintf(buf, sizeof buf, "%+.4f%%", (predicted - reference) / reference * 100);
       os << std::setw(10) << buf;
     } else {
       os << std::setw(10) << "-";
