@@ -1,0 +1,277 @@
+// probe_and_fit over a user's module and optimizer: steady state, restored state, cache,
+// rank-0 probing shared with every rank.
+#include "xpm/planner_torch/step_probing.hpp"
+
+#include <chrono>
+#include <exception>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <typeinfo>
+#include <utility>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Type.h>
+
+#include "xpm/planner/memory_model_cache.hpp"
+#include "xpm/planner_torch/cpu_memory_meter.hpp"
+
+namespace xpm {
+namespace {
+
+void zero_gradients_in_place(torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (torch::Tensor& parameter : module.parameters()) {
+    if (!parameter.requires_grad()) continue;  // frozen: no gradient, no optimizer state
+    if (parameter.grad().defined()) {
+      parameter.mutable_grad().zero_();
+    } else {
+      parameter.mutable_grad() = torch::zeros_like(parameter);
+    }
+  }
+}
+
+// LibTorch keeps the gradients of a backward() that ran out of memory (those computed but not
+// yet consumed) until the next backward() on the same thread; a tiny backward, with the CPU
+// cap lifted for its few bytes, releases them, so the next probe measures only itself.
+void drain_autograd_buffers(MemoryMeter& meter) {
+  auto* cpu_meter = dynamic_cast<CpuMemoryMeter*>(&meter);
+  const std::int64_t capacity_bytes = cpu_meter != nullptr ? cpu_meter->capacity_bytes() : 0;
+  if (cpu_meter != nullptr) cpu_meter->set_capacity_bytes(0);
+  try {
+    torch::zeros({1}, torch::requires_grad()).sum().backward();
+  } catch (...) {
+    if (cpu_meter != nullptr) cpu_meter->set_capacity_bytes(capacity_bytes);
+    throw;
+  }
+  if (cpu_meter != nullptr) cpu_meter->set_capacity_bytes(capacity_bytes);
+}
+
+std::string dims_text(const std::vector<std::string>& names, const std::vector<double>& dims) {
+  std::ostringstream text;
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    text << (i == 0 ? "" : " ") << (i < names.size() ? names[i] : "dim" + std::to_string(i)) << "="
+         << dims[i];
+  }
+  return text.str();
+}
+
+// TorchProbeExecutor whose errors (other than out of memory) name the probe's dims.
+class NamedProbeExecutor : public ProbeExecutor {
+ public:
+  NamedProbeExecutor(TorchProbeSteps steps, MemoryMeter& meter, std::vector<std::string> names)
+      : executor_(std::move(steps), meter), names_(std::move(names)) {}
+  ProbeResult run_probe(const std::vector<double>& dims) override {
+    try {
+      return executor_.run_probe(dims);
+    } catch (const std::invalid_argument& error) {
+      throw std::invalid_argument("probing at " + dims_text(names_, dims) + ": " + error.what());
+    } catch (const c10::Error& error) {
+      throw std::runtime_error("probing at " + dims_text(names_, dims) + ": " +
+                               error.what_without_backtrace());
+    } catch (const std::exception& error) {
+      throw std::runtime_error("probing at " + dims_text(names_, dims) + ": " + error.what());
+    }
+  }
+  double static_bytes() override { return executor_.static_bytes(); }
+
+ private:
+  TorchProbeExecutor executor_;
+  std::vector<std::string> names_;
+};
+
+nlohmann::json cache_identity(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+                              const StepProbeOptions& options) {
+  const PredictiveBatcherOptions& b = options.batcher;
+  const CostFormula formula(b.formula, b.coefficient_names, b.variable_names);
+  nlohmann::json probe_points = nlohmann::json::array();
+  for (const ProbePoint& point : b.probe_points) probe_points.push_back(point.values);
+  return {{"xpm_memory_model_format", 1},
+          {"formula", formula.canonical()},
+          {"variable_names", formula.variable_names()},
+          {"model_signature", parameter_signature(module)},
+          {"optimizer", c10::demangle(typeid(optimizer).name())},
+          {"torch_version", TORCH_VERSION},
+          {"capacity_bytes", b.budget.capacity_bytes},
+          {"memory_fraction", b.budget.memory_fraction},
+          {"extra_overhead_bytes", b.budget.extra_overhead_bytes},
+          {"probe_points", probe_points},
+          {"variable_max", b.variable_max},
+          {"design_fractions", b.design_fractions},
+          {"user", options.identity}};
+}
+
+void say(const StepProbeOptions& options, const std::string& line) {
+  if (options.log) options.log(line);
+}
+
+// Rank 0: the cached model, or probes and a fit (then stored in the cache).
+StepProbeResult look_up_or_probe(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+                                 const ProbeLossFn& loss_fn, const StepProbeOptions& options) {
+  MemoryMeter& meter = options.meter != nullptr ? *options.meter : CpuMemoryMeter::instance();
+  const nlohmann::json identity = cache_identity(module, optimizer, options);
+  std::optional<MemoryModelCache> cache;
+  if (!options.memory_model_cache.empty()) cache.emplace(options.memory_model_cache);
+  std::string warning;
+  if (cache) {
+    std::optional<MemoryModel> cached = cache->lookup(identity, &warning);
+    if (!warning.empty()) say(options, "xpm: warning: " + warning);
+    if (cached) {
+      say(options, "xpm: memory model from the cache (" + cache->path_for(identity) + "), no probing");
+      return {std::move(*cached), {}, true, 0};
+    }
+  }
+  PredictiveBatcher batcher(options.batcher, std::make_shared<AdaptivePacker>());
+  const auto start = std::chrono::steady_clock::now();
+  {
+    std::optional<ProbeStateGuard> guard;
+    try {
+      guard.emplace(module, optimizer);
+    } catch (const c10::OutOfMemoryError&) {
+      throw std::invalid_argument(
+          "the steady state (gradients and optimizer state) does not fit under the meter's capacity of " +
+          std::to_string(meter.capacity_bytes()) + " bytes: raise the capacity");
+    }
+    NamedProbeExecutor executor(probe_steps_for(module, optimizer, loss_fn, meter), meter,
+                                options.batcher.variable_names);
+    batcher.probe_and_fit(executor);
+  }
+  StepProbeResult result{batcher.model(), batcher.probes(), false,
+                         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+  result.model.metadata()["model_signature"] = identity.at("model_signature");
+  result.model.metadata()["optimizer"] = identity.at("optimizer");
+  result.model.metadata()["torch_version"] = TORCH_VERSION;
+  std::size_t infeasible = 0;
+  for (const ProbeResult& probe : result.probes) infeasible += probe.feasible ? 0 : 1;
+  say(options, "xpm: " + std::to_string(result.probes.size()) + " probes (" + std::to_string(infeasible) +
+                   " out of memory) in " + std::to_string(result.probe_s) + " s; " +
+                   batcher.fit_summary().brief_report());
+  if (cache) cache->store(identity, result.model);
+  return result;
+}
+
+}  // namespace
+
+nlohmann::json parameter_signature(torch::nn::Module& module) {
+  nlohmann::json parameters = nlohmann::json::array();
+  for (const auto& item : module.named_parameters()) {
+    parameters.push_back({{"name", item.key()},
+                          {"shape", item.value().sizes().vec()},
+                          {"dtype", std::string(c10::toString(item.value().scalar_type()))},
+                          {"requires_grad", item.value().requires_grad()}});
+  }
+  return parameters;
+}
+
+ProbeStateGuard::ProbeStateGuard(torch::nn::Module& module, torch::optim::Optimizer& optimizer)
+    : module_(module), optimizer_(optimizer), generator_(at::detail::getDefaultCPUGenerator()) {
+  {
+    std::lock_guard<std::mutex> lock(generator_.mutex());
+    generator_state_ = generator_.get_state();
+  }
+  had_state_ = !optimizer_.state().empty();
+  if (had_state_) {
+    torch::serialize::OutputArchive archive;
+    optimizer_.save(archive);
+    std::ostringstream stream;
+    archive.save_to(stream);
+    state_archive_ = stream.str();
+  }
+  for (auto& group : optimizer_.param_groups()) learning_rates_.push_back(group.options().get_lr());
+  try {
+    for (auto& group : optimizer_.param_groups()) group.options().set_lr(0.0);
+    zero_gradients_in_place(module_);
+    optimizer_.step();  // allocates the optimizer state; learning rate 0 keeps the parameters
+    zero_gradients_in_place(module_);
+  } catch (...) {
+    restore();  // the caller's optimizer as it was, then the error
+    throw;
+  }
+}
+
+ProbeStateGuard::~ProbeStateGuard() {
+  try {
+    restore();
+  } catch (...) {
+    // A destructor must not throw; the restore reads back what this process wrote moments ago.
+  }
+}
+
+void ProbeStateGuard::restore() {
+  if (had_state_) {
+    torch::serialize::InputArchive archive;
+    std::istringstream stream(state_archive_);
+    archive.load_from(stream);
+    optimizer_.load(archive);
+  } else {
+    optimizer_.state().clear();
+  }
+  std::size_t i = 0;
+  for (auto& group : optimizer_.param_groups()) group.options().set_lr(learning_rates_.at(i++));
+  zero_gradients_in_place(module_);
+  std::lock_guard<std::mutex> lock(generator_.mutex());
+  generator_.set_state(generator_state_);
+}
+
+TorchProbeSteps probe_steps_for(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+                                ProbeLossFn loss_fn, MemoryMeter& meter) {
+  if (!loss_fn) throw std::invalid_argument("probe_steps_for: loss_fn is empty");
+  TorchProbeSteps steps;
+  steps.forward_backward = [loss_fn = std::move(loss_fn), &meter](const std::vector<double>& dims) {
+    try {
+      torch::Tensor loss = loss_fn(dims);
+      if (!loss.defined() || loss.numel() != 1) {
+        throw std::invalid_argument("the loss function must return a scalar tensor");
+      }
+      loss.backward();
+    } catch (const c10::OutOfMemoryError&) {
+      drain_autograd_buffers(meter);
+      throw;
+    }
+  };
+  steps.optimizer_step = [&optimizer] { optimizer.step(); };
+  steps.zero_grad = [&module] { zero_gradients_in_place(module); };
+  return steps;
+}
+
+StepProbeResult probe_and_fit(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+                              const ProbeLossFn& loss_fn, const StepProbeOptions& options) {
+  options.batcher.validate();
+  if (!loss_fn) throw std::invalid_argument("probe_and_fit: loss_fn is empty");
+  if (!options.share_from_rank0) {
+    if (options.rank != 0) {
+      throw std::invalid_argument("probe_and_fit: rank " + std::to_string(options.rank) +
+                                  " without share_from_rank0 (only rank 0 probes)");
+    }
+    return look_up_or_probe(module, optimizer, loss_fn, options);
+  }
+  std::optional<StepProbeResult> result;
+  nlohmann::json shared;
+  std::exception_ptr failure;  // rank 0 rethrows its own exception as it is
+  if (options.rank == 0) {
+    try {
+      result = look_up_or_probe(module, optimizer, loss_fn, options);
+      shared = {{"model", result->model.to_json()}, {"from_cache", result->from_cache},
+                {"probe_s", result->probe_s}};
+    } catch (const std::invalid_argument& error) {
+      failure = std::current_exception();
+      shared = {{"error", error.what()}, {"invalid_argument", true}};
+    } catch (const std::exception& error) {
+      failure = std::current_exception();
+      shared = {{"error", error.what()}, {"invalid_argument", false}};
+    }
+  }
+  shared = nlohmann::json::parse(options.share_from_rank0(options.rank == 0 ? shared.dump() : ""));
+  if (failure) std::rethrow_exception(failure);
+  if (shared.contains("error")) {
+    const std::string line = "rank 0: " + shared.at("error").get<std::string>();
+    if (shared.at("invalid_argument").get<bool>()) throw std::invalid_argument(line);
+    throw std::runtime_error(line);
+  }
+  if (result) return std::move(*result);
+  return {MemoryModel::from_json(shared.at("model")), {}, shared.at("from_cache").get<bool>(),
+          shared.at("probe_s").get<double>()};
+}
+
+}  // namespace xpm
