@@ -1,0 +1,33 @@
+# Installs xpm into a temporary prefix, configures and builds an example with find_package(xpm)
+# from that prefix alone, runs it for a few steps and checks what it prints: 0 OOM and the
+# prediction error of every microbatch where the formula binds.
+cmake_minimum_required(VERSION 3.22)
+file(REMOVE_RECURSE "${WORK_DIR}")
+set(prefix "${WORK_DIR}/prefix")
+function(run label)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${label}: exit code ${rc}\nstdout: ${out}\nstderr: ${err}")
+  endif()
+  set(OUT "${out}" PARENT_SCOPE)
+endfunction()
+run("install" "${CMAKE_COMMAND}" --install "${XPM_BUILD_DIR}" --prefix "${prefix}")
+if(NOT EXISTS "${prefix}/include/xpm/planner_torch/step_probing.hpp")
+  message(FATAL_ERROR "install: no step_probing.hpp under ${prefix}/include")
+endif()
+run("configure" "${CMAKE_COMMAND}" -S "${EXAMPLE_DIR}" -B "${WORK_DIR}/build"
+    -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release)
+run("build" "${CMAKE_COMMAND}" --build "${WORK_DIR}/build")
+file(GLOB program "${WORK_DIR}/build/*-*")
+list(FILTER program EXCLUDE REGEX "[.]cmake$")
+run("run" "${program}" --data-dir "${DATA_DIR}" --steps 6 --threads 1)  # ctest runs two at once
+message(STATUS "${OUT}")
+if(NOT OUT MATCHES "OOM 0,")
+  message(FATAL_ERROR "run: not 0 OOM: ${OUT}")
+endif()
+if(NOT OUT MATCHES "worst under (-?[0-9]+[.][0-9]+) %")
+  message(FATAL_ERROR "run: no prediction error in: ${OUT}")
+endif()
+if(CMAKE_MATCH_1 LESS -1.0)  # if() compares numbers as doubles
+  message(FATAL_ERROR "run: a microbatch was under-predicted by more than 1 %: ${OUT}")
+endif()
