@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
 
+#include "xpm/planner/dims_text.hpp"
 #include "xpm/planner/memory_model_cache.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 
@@ -46,15 +47,6 @@ void drain_autograd_buffers(MemoryMeter& meter) {
     throw;
   }
   if (cpu_meter != nullptr) cpu_meter->set_capacity_bytes(capacity_bytes);
-}
-
-std::string dims_text(const std::vector<std::string>& names, const std::vector<double>& dims) {
-  std::ostringstream text;
-  for (std::size_t i = 0; i < dims.size(); ++i) {
-    text << (i == 0 ? "" : " ") << (i < names.size() ? names[i] : "dim" + std::to_string(i)) << "="
-         << dims[i];
-  }
-  return text.str();
 }
 
 // TorchProbeExecutor whose errors (other than out of memory) name the probe's dims.

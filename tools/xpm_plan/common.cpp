@@ -13,6 +13,7 @@
 
 #include "xpm/planner/atomic_file.hpp"
 #include "xpm/planner/budget.hpp"
+#include "xpm/planner/dims_text.hpp"
 
 namespace xpm_plan {
 
@@ -168,12 +169,7 @@ std::string number_text(double value) {
 }
 
 std::string dims_text(const xpm::MemoryModel& model, const std::vector<double>& dims) {
-  std::string out;
-  const auto& vars = model.formula().variable_names();
-  for (std::size_t v = 0; v < vars.size() && v < dims.size(); ++v) {
-    out += (v ? " " : "") + vars[v] + "=" + number_text(dims[v]);
-  }
-  return out;
+  return xpm::dims_text(model.formula().variable_names(), dims);
 }
 
 nlohmann::json dims_json(const xpm::MemoryModel& model, const std::vector<double>& dims) {

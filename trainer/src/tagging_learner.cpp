@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "xpm/planner/atomic_file.hpp"
+#include "xpm/planner/dims_text.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/error_context.hpp"
 #include "xpm/trainer/lr_schedule.hpp"
@@ -29,18 +30,6 @@ namespace {
 
 // Steps in a row skipped by out-of-memory errors after which the job stops: it trains nothing.
 constexpr std::int64_t kMaxConsecutiveOomSteps = 10;
-
-// "bs=19 l=62" in the model's variable order.
-std::string describe_dims(const MemoryModel& model, const std::vector<double>& dims) {
-  std::string out;
-  const auto& names = model.formula().variable_names();
-  for (std::size_t v = 0; v < dims.size() && v < names.size(); ++v) {
-    char value[32];
-    std::snprintf(value, sizeof value, "%g", dims[v]);
-    out += (v ? " " : "") + names[v] + "=" + value;
-  }
-  return out;
-}
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
@@ -327,7 +316,7 @@ std::int64_t TaggingLearner::bound_out_of_memory_microbatches(const GlobalStepRe
     batcher.add_infeasible_bound({dims, static_cast<double>(parts_.capacity_bytes)});
     ++bounded;
     parts_.log("xpm-train: step " + std::to_string(step) + " ran out of memory in a microbatch at " +
-               describe_dims(batcher.model(), dims) + " predicted at " +
+               dims_text(batcher.model().formula().variable_names(), dims) + " predicted at " +
                std::to_string(static_cast<std::int64_t>(predicted)) + " bytes (capacity " +
                std::to_string(parts_.capacity_bytes) + "): it bounds the memory model from now on; refitted");
   }
@@ -420,7 +409,7 @@ void TaggingLearner::train_one_step(const std::vector<std::size_t>& records) {
       parts_.log("xpm-train: underprediction at step " + std::to_string(step) + ": measured " +
                  std::to_string(static_cast<std::int64_t>(peak.forward_backward_peak_bytes)) +
                  " bytes, predicted " + std::to_string(static_cast<std::int64_t>(peak.predicted_bytes)) +
-                 " at " + describe_dims(batcher.model(), peak.dims) + "; refitted");
+                 " at " + dims_text(batcher.model().formula().variable_names(), peak.dims) + "; refitted");
     }
   }
   if (predictive && result.optimizer_step_peak_bytes >

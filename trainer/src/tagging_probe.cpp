@@ -6,27 +6,11 @@
 #include <thread>
 #include <utility>
 
+#include "xpm/planner/dims_text.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/error_context.hpp"
 
 namespace xpm {
-namespace {
-
-// "bs=8 l=64" (whole numbers without decimals).
-std::string dims_text(const std::vector<std::string>& names, const std::vector<double>& dims) {
-  std::string text;
-  for (std::size_t i = 0; i < dims.size(); ++i) {
-    const std::string name = i < names.size() ? names[i] : "dim" + std::to_string(i);
-    const double value = dims[i];
-    const std::string number = value == static_cast<double>(static_cast<long long>(value))
-                                   ? std::to_string(static_cast<long long>(value))
-                                   : std::to_string(value);
-    text += (text.empty() ? "" : " ") + name + "=" + number;
-  }
-  return text;
-}
-
-}  // namespace
 
 TaggingProbeExecutor::TaggingProbeExecutor(TaggingModelSetup& setup, MemoryMeter& meter,
                                            std::vector<std::string> variable_names)
