@@ -25,7 +25,7 @@ namespace {
 namespace fx = sharding_fixture;
 
 // The convergence run's length and the accuracy it must reach (see its MESSAGE for the numbers).
-constexpr std::int64_t kBf16TrainingSteps = 60;
+constexpr std::int64_t kBf16TrainingSteps = 40;
 constexpr double kBf16AccuracyFloor = 0.5;
 
 }  // namespace
