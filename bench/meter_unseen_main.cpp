@@ -39,8 +39,8 @@
 #include "xpm/planner/atomic_file.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/planner_torch/probe_runner.hpp"
-#include "xpm/trainer/error_context.hpp"
-#include "xpm/trainer/tagging_task.hpp"
+#include "xpm/trainer/loop/error_context.hpp"
+#include "xpm/tasks/tagging_task.hpp"
 
 namespace po = boost::program_options;
 

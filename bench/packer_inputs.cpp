@@ -7,7 +7,7 @@
 #include <random>
 #include <stdexcept>
 
-#include "xpm/trainer/brown_corpus.hpp"
+#include "xpm/tasks/brown_corpus.hpp"
 
 namespace xpm_bench {
 

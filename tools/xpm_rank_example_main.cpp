@@ -1,5 +1,5 @@
 // xpm-rank-example — trains a pairwise ranking loss on real data: rank a Brown sentence's genre
-// above a wrong genre (trainer/include/xpm/trainer/genre_ranking.hpp), and prints held-out
+// above a wrong genre (tasks/genre_ranking/include/xpm/tasks/genre_ranking.hpp), and prints held-out
 // pairwise accuracy before and after training next to the chance level (0.5) and the genre
 // prior's. See docs/losses.md.
 //
@@ -23,10 +23,10 @@
 #include <torch/torch.h>
 
 #include "cli_arguments.hpp"
-#include "xpm/trainer/brown_corpus.hpp"
-#include "xpm/trainer/error_context.hpp"
-#include "xpm/trainer/genre_ranking.hpp"
-#include "xpm/trainer/losses.hpp"
+#include "xpm/tasks/brown_corpus.hpp"
+#include "xpm/trainer/loop/error_context.hpp"
+#include "xpm/tasks/genre_ranking.hpp"
+#include "xpm/trainer/steps/losses.hpp"
 
 namespace po = boost::program_options;
 

@@ -15,7 +15,7 @@
 
 #include "cli_arguments.hpp"
 #include "xpm/planner/formula.hpp"
-#include "xpm/trainer/tagging_task.hpp"
+#include "xpm/tasks/tagging_task.hpp"
 
 namespace po = boost::program_options;
 

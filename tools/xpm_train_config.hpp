@@ -15,8 +15,8 @@
 #include <optional>
 #include <string>
 
-#include "xpm/trainer/local_launcher.hpp"
-#include "xpm/trainer/tagging_job.hpp"
+#include "xpm/trainer/distributed/local_launcher.hpp"
+#include "xpm/tasks/tagging_job.hpp"
 
 namespace xpm_train {
 

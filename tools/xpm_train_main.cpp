@@ -12,17 +12,24 @@
 // the full text (LibTorch's backtrace included) goes to RUN_DIR/error.log (error-rank<R>.log
 // from rank R > 0).
 // Options and the --config file: xpm_train_config.hpp.
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "xpm/planner/atomic_file.hpp"
-#include "xpm/trainer/distributed.hpp"
-#include "xpm/trainer/error_context.hpp"
-#include "xpm/trainer/local_launcher.hpp"
-#include "xpm/trainer/tagging_job.hpp"
+#include "xpm/trainer/distributed/distributed.hpp"
+#include "xpm/trainer/loop/error_context.hpp"
+#include "xpm/trainer/loop/hooks.hpp"
+#include "xpm/trainer/distributed/local_launcher.hpp"
+#include "xpm/tasks/tagging_job.hpp"
 #include "xpm_train_config.hpp"
 #include "xpm_train_report.hpp"
 
@@ -93,6 +100,42 @@ int fail(TrainProcess& process) {
   return xpm::exit_code_of(error.kind);
 }
 
+// Fault injection for the tests of failing ranks: XPM_FAULT_EXIT_AT=R:S makes rank R exit
+// (code 17) at the start of step S; XPM_FAULT_EXIT_AT=R:S:kill makes it kill itself with
+// SIGKILL there instead.
+class FaultInjectionHook : public xpm::StepTrainingHook {
+ public:
+  FaultInjectionHook(int rank, long long step, bool kill) : rank_(rank), step_(step), kill_(kill) {}
+  std::string name() const override { return "fault-injection"; }
+  void before_step(xpm::TrainerContext& context) override {
+    if (context.state().step + 1 != step_) return;
+    std::cerr << "xpm-train: rank " << rank_ << ": XPM_FAULT_EXIT_AT: " << (kill_ ? "killing myself" : "exiting")
+              << " at step " << step_ << " (test hook)" << std::endl;
+    if (kill_) ::kill(::getpid(), SIGKILL);
+    std::_Exit(17);
+  }
+
+ private:
+  int rank_;
+  long long step_;
+  bool kill_;
+};
+
+// The hook XPM_FAULT_EXIT_AT asks for on this rank; null when it names another rank or is unset.
+std::shared_ptr<FaultInjectionHook> fault_injection_hook(int this_rank) {
+  const char* text = std::getenv("XPM_FAULT_EXIT_AT");
+  if (text == nullptr) return nullptr;
+  long long rank = -1, step = -1;
+  char mode[8] = {0}, tail = 0;
+  const int fields = std::sscanf(text, "%lld:%lld:%7[a-z]%c", &rank, &step, mode, &tail);
+  if (fields < 2 || fields > 3 || rank < 0 || step < 1 || (fields == 3 && std::string(mode) != "kill")) {
+    throw std::invalid_argument("environment variable XPM_FAULT_EXIT_AT='" + std::string(text) +
+                                "' must be RANK:STEP or RANK:STEP:kill with RANK >= 0 and STEP >= 1");
+  }
+  if (rank != this_rank) return nullptr;
+  return std::make_shared<FaultInjectionHook>(this_rank, step, fields == 3);
+}
+
 // Launcher: the workers run the same command line; they see RANK etc. and run as workers.
 int launch_workers(int argc, char** argv, const xpm_train::TrainSettings& settings,
                    TrainProcess& process) {
@@ -126,7 +169,9 @@ int train(int argc, char** argv, TrainProcess& process) {
     process.rank = worker->rank;
   }
   if (worker) process.dist = xpm::DistributedContext(*worker, config.distributed_options());
-  const nlohmann::json summary = xpm::run_tagging_job(config, process.dist);
+  xpm::TaggingJobExtensions extensions;
+  if (auto hook = fault_injection_hook(process.dist.rank())) extensions.hooks.add(hook);
+  const nlohmann::json summary = xpm::run_tagging_job(config, process.dist, extensions);
   if (process.dist.is_main()) {
     remove_error_logs(config.run_dir);
     std::cout << "summary: " << config.run_dir << "/summary.json\n" << summary.dump(2) << "\n";

@@ -2,6 +2,7 @@
 // formula_ast.cpp; evaluate() hands the canonical string to muparserx.
 #include <algorithm>
 #include "xpm/planner/formula.hpp"
+#include "xpm/planner/stable_hash.hpp"
 
 #include <muparserx/mpParser.h>
 
@@ -101,16 +102,6 @@ double integer_power(double base, int exponent) {
   return out;
 }
 
-// 64-bit FNV-1a (offset basis 14695981039346656037, prime 1099511628211).
-std::uint64_t fnv1a_64(const std::string& bytes) {
-  std::uint64_t hash = 14695981039346656037ull;
-  for (const char c : bytes) {
-    hash ^= static_cast<unsigned char>(c);
-    hash *= 1099511628211ull;
-  }
-  return hash;
-}
-
 std::vector<std::string> sorted(std::vector<std::string> names) {
   std::sort(names.begin(), names.end());
   return names;
@@ -173,9 +164,7 @@ std::string CostFormula::identity_hash() const {
   key += "\nvariables=";
   for (const std::string& name : sorted(variable_names_)) key += name + ",";
   key += linear_ ? "\nmode=linear" : "\nmode=nonlinear";
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a_64(key)));
-  return hex;
+  return stable_hash_hex(key);
 }
 
 namespace {

@@ -8,17 +8,6 @@
 
 namespace xpm {
 
-std::string stable_hash_hex(const std::string& text) {
-  std::uint64_t hash = 14695981039346656037ULL;  // FNV-1a 64-bit offset basis
-  for (unsigned char c : text) {
-    hash ^= c;
-    hash *= 1099511628211ULL;  // FNV-1a 64-bit prime
-  }
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(hash));
-  return hex;
-}
-
 std::string identity_key(const nlohmann::json& identity) { return stable_hash_hex(identity.dump()); }
 
 MemoryModelCache::MemoryModelCache(std::string folder) : folder_(std::move(folder)) {

@@ -10,8 +10,8 @@
 
 #include "sharding_fixture.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
-#include "xpm/trainer/activation_checkpoint.hpp"
-#include "xpm/trainer/precision.hpp"
+#include "xpm/trainer/options/activation_checkpoint.hpp"
+#include "xpm/trainer/options/precision.hpp"
 
 namespace {
 

@@ -16,9 +16,9 @@
 #include <torch/torch.h>
 
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
-#include "xpm/trainer/fixed_batchers.hpp"
-#include "xpm/trainer/tagging_batch.hpp"
-#include "xpm/trainer/transformer_tagger.hpp"
+#include "xpm/trainer/steps/fixed_batchers.hpp"
+#include "xpm/tasks/tagging_batch.hpp"
+#include "xpm/tasks/transformer_tagger.hpp"
 
 namespace {
 

@@ -10,9 +10,9 @@
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/planner_torch/probe_runner.hpp"
-#include "xpm/trainer/bilstm_tagger.hpp"
-#include "xpm/trainer/tagging_batch.hpp"
-#include "xpm/trainer/tagging_task.hpp"
+#include "xpm/tasks/bilstm_tagger.hpp"
+#include "xpm/tasks/tagging_batch.hpp"
+#include "xpm/tasks/tagging_task.hpp"
 
 namespace {
 

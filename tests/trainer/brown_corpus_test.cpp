@@ -3,7 +3,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "xpm/trainer/brown_corpus.hpp"
+#include "xpm/tasks/brown_corpus.hpp"
 
 namespace {
 

@@ -26,7 +26,7 @@
 
 #include <torch/torch.h>
 
-#include "xpm/trainer/checkpoint_store.hpp"
+#include "xpm/trainer/state/checkpoint_store.hpp"
 
 extern char** environ;
 

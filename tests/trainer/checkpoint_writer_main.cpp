@@ -15,7 +15,7 @@
 
 #include <torch/torch.h>
 
-#include "xpm/trainer/checkpoint_store.hpp"
+#include "xpm/trainer/state/checkpoint_store.hpp"
 
 namespace {
 

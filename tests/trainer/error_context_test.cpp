@@ -12,8 +12,8 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include "xpm/trainer/distributed.hpp"
-#include "xpm/trainer/error_context.hpp"
+#include "xpm/trainer/distributed/distributed.hpp"
+#include "xpm/trainer/loop/error_context.hpp"
 
 namespace {
 

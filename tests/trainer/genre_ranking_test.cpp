@@ -1,6 +1,8 @@
 // The genre-ranking task (genre_ranking.hpp) on the real Brown corpus: the pairwise losses
 // train a ranker that beats chance and the genre prior on held-out files, in process and
 // through the xpm-rank-example program (exit codes, bad options).
+#include <unistd.h>
+
 #include "../torch_doctest.hpp"
 
 #include <cmath>
@@ -15,9 +17,9 @@
 
 #include <torch/torch.h>
 
-#include "xpm/trainer/brown_corpus.hpp"
-#include "xpm/trainer/genre_ranking.hpp"
-#include "xpm/trainer/losses.hpp"
+#include "xpm/tasks/brown_corpus.hpp"
+#include "xpm/tasks/genre_ranking.hpp"
+#include "xpm/trainer/steps/losses.hpp"
 
 namespace {
 
@@ -39,7 +41,8 @@ struct Run {
 
 Run run_example(const std::string& arguments) {
   std::filesystem::create_directories(kWork);
-  const std::string log = kWork + "/last_run.log";
+  // One log per process: ctest runs the test cases of this file in parallel.
+  const std::string log = kWork + "/run-" + std::to_string(::getpid()) + ".log";
   const std::string command = "'" + kProgram + "' " + arguments + " > '" + log + "' 2>&1";
   const int status = std::system(command.c_str());
   Run run;

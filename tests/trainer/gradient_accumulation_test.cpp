@@ -5,11 +5,11 @@
 #include <limits>
 
 #include "xpm/planner/predictive_batcher.hpp"
-#include "xpm/trainer/data_parallel_trainer.hpp"
-#include "xpm/trainer/precision.hpp"
-#include "xpm/trainer/loss_trainer.hpp"
-#include "xpm/trainer/tagging_batch.hpp"
-#include "xpm/trainer/transformer_tagger.hpp"
+#include "xpm/trainer/steps/data_parallel_trainer.hpp"
+#include "xpm/trainer/options/precision.hpp"
+#include "xpm/trainer/steps/loss_trainer.hpp"
+#include "xpm/tasks/tagging_batch.hpp"
+#include "xpm/tasks/transformer_tagger.hpp"
 
 namespace {
 

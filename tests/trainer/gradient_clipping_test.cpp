@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "sharding_fixture.hpp"
-#include "xpm/trainer/gradient_clipping.hpp"
-#include "xpm/trainer/sharded_optimizer.hpp"
+#include "xpm/trainer/options/gradient_clipping.hpp"
+#include "xpm/trainer/distributed/sharded_optimizer.hpp"
 
 namespace {
 

@@ -15,9 +15,9 @@
 
 #include <torch/torch.h>
 
-#include "xpm/trainer/hook_library.hpp"
-#include "xpm/trainer/hooks.hpp"
-#include "xpm/trainer/train_context.hpp"
+#include "xpm/trainer/loop/hook_library.hpp"
+#include "xpm/trainer/loop/hooks.hpp"
+#include "xpm/trainer/loop/train_context.hpp"
 
 namespace {
 

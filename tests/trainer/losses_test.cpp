@@ -9,7 +9,7 @@
 
 #include <torch/torch.h>
 
-#include "xpm/trainer/losses.hpp"
+#include "xpm/trainer/steps/losses.hpp"
 
 namespace {
 

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "xpm/trainer/lr_schedule.hpp"
+#include "xpm/trainer/options/lr_schedule.hpp"
 
 namespace {
 

@@ -19,10 +19,10 @@
 #include "xpm/planner/packer.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/planner_torch/probe_runner.hpp"
-#include "xpm/trainer/brown_corpus.hpp"
-#include "xpm/trainer/multiple_trainer.hpp"
-#include "xpm/trainer/tagging_batch.hpp"
-#include "xpm/trainer/transformer_tagger.hpp"
+#include "xpm/tasks/brown_corpus.hpp"
+#include "xpm/trainer/steps/multiple_trainer.hpp"
+#include "xpm/tasks/tagging_batch.hpp"
+#include "xpm/tasks/transformer_tagger.hpp"
 
 namespace {
 

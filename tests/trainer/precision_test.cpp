@@ -16,9 +16,9 @@
 
 #include "sharding_fixture.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
-#include "xpm/trainer/precision.hpp"
-#include "xpm/trainer/tagging_task.hpp"
-#include "xpm/trainer/weight_decay_groups.hpp"
+#include "xpm/trainer/options/precision.hpp"
+#include "xpm/tasks/tagging_task.hpp"
+#include "xpm/trainer/options/weight_decay_groups.hpp"
 
 namespace {
 

@@ -12,9 +12,9 @@
 
 #include "sharding_fixture.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
-#include "xpm/trainer/lr_schedule.hpp"
-#include "xpm/trainer/sharded_optimizer.hpp"
-#include "xpm/trainer/weight_decay_groups.hpp"
+#include "xpm/trainer/options/lr_schedule.hpp"
+#include "xpm/trainer/distributed/sharded_optimizer.hpp"
+#include "xpm/trainer/options/weight_decay_groups.hpp"
 
 namespace {
 

@@ -20,9 +20,9 @@
 
 #include <torch/torch.h>
 
-#include "xpm/trainer/brown_corpus.hpp"
-#include "xpm/trainer/tagging_batch.hpp"
-#include "xpm/trainer/transformer_tagger.hpp"
+#include "xpm/tasks/brown_corpus.hpp"
+#include "xpm/tasks/tagging_batch.hpp"
+#include "xpm/tasks/transformer_tagger.hpp"
 
 extern char** environ;
 

@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "xpm/trainer/hooks.hpp"
-#include "xpm/trainer/learner_listener.hpp"
-#include "xpm/trainer/tagging_job.hpp"
-#include "xpm/trainer/tagging_task.hpp"
-#include "xpm/trainer/weight_decay_groups.hpp"
+#include "xpm/trainer/loop/hooks.hpp"
+#include "xpm/trainer/loop/learner_listener.hpp"
+#include "xpm/tasks/tagging_job.hpp"
+#include "xpm/tasks/tagging_task.hpp"
+#include "xpm/trainer/options/weight_decay_groups.hpp"
 
 namespace {
 

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "xpm/trainer/learner_listener.hpp"
-#include "xpm/trainer/train_context.hpp"
-#include "xpm/trainer/validation.hpp"
+#include "xpm/trainer/loop/learner_listener.hpp"
+#include "xpm/trainer/loop/train_context.hpp"
+#include "xpm/trainer/loop/validation.hpp"
 
 namespace xpm {
 // For doctest's messages (found by argument-dependent lookup).

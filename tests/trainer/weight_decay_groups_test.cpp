@@ -5,9 +5,9 @@
 #include <string>
 #include <vector>
 
-#include "xpm/trainer/bilstm_tagger.hpp"
-#include "xpm/trainer/transformer_tagger.hpp"
-#include "xpm/trainer/weight_decay_groups.hpp"
+#include "xpm/tasks/bilstm_tagger.hpp"
+#include "xpm/tasks/transformer_tagger.hpp"
+#include "xpm/trainer/options/weight_decay_groups.hpp"
 
 namespace {
 

@@ -13,8 +13,8 @@
 
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/memory_model.hpp"
-#include "xpm/trainer/tagging_probe.hpp"
-#include "xpm/trainer/tagging_task.hpp"
+#include "xpm/tasks/tagging_probe.hpp"
+#include "xpm/tasks/tagging_task.hpp"
 
 namespace {
 

@@ -21,9 +21,9 @@
 #include "verbs.hpp"
 
 #ifdef XPM_PLAN_WITH_TORCH
-#include "xpm/trainer/brown_corpus.hpp"
-#include "xpm/trainer/tagging_job.hpp"
-#include "xpm/trainer/tagging_probe.hpp"
+#include "xpm/tasks/brown_corpus.hpp"
+#include "xpm/tasks/tagging_job.hpp"
+#include "xpm/tasks/tagging_probe.hpp"
 #endif
 
 namespace xpm_plan {

@@ -20,12 +20,9 @@
 #include <nlohmann/json.hpp>
 
 #include "xpm/planner/memory_model.hpp"
+#include "xpm/planner/stable_hash.hpp"
 
 namespace xpm {
-
-/// Stable 64-bit FNV-1a digest of `text` as 16 lower-case hex digits (same on every platform and
-/// run; FNV: Fowler, Noll, Vo, http://www.isthe.com/chongo/tech/comp/fnv/).
-std::string stable_hash_hex(const std::string& text);
 
 /// The cache key of an identity: stable_hash_hex of its compact JSON dump (keys sorted, as
 /// nlohmann::json orders object keys).

@@ -110,6 +110,8 @@ class PredictiveBatcher {
   const std::vector<ProbeResult>& probes() const { return probes_; }
   const PredictiveBatcherOptions& options() const { return options_; }
   const MicrobatchPacker& packer() const { return *packer_; }
+  /// The same packer, shared (e.g. for another batcher over a snapshot of this one's model).
+  std::shared_ptr<const MicrobatchPacker> shared_packer() const { return packer_; }
 
   /// Splits one outer batch (record dims in variable_names() order) into microbatches under
   /// the budget. Deterministic: every rank gets the same plan for the same records.

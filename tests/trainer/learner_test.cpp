@@ -1,0 +1,177 @@
+// The generic Learner on a task of its own (a linear regression over variable-size records,
+// nothing of the tagging job): steps, validation, the task's extra state, exact resume, errors.
+#include "../torch_doctest.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "xpm/planner_torch/cpu_memory_meter.hpp"
+#include "xpm/trainer/loop/learner.hpp"
+
+namespace {
+
+const std::string kWork = "learner_test_work";
+
+// Records are rows of x [n, 4] with a target; each record also has a "length" (1..5) that only
+// the dims see, and the loss counts a record `length` times (its units).
+class RegressionTask : public xpm::TrainingTask {
+ public:
+  RegressionTask() {
+    torch::manual_seed(3);  // the same data and initial weights in every run
+    linear_ = torch::nn::Linear(4, 1);
+    x_ = torch::randn({40, 4});
+    y_ = x_.matmul(torch::tensor({1.0f, -2.0f, 0.5f, 3.0f})) + 0.01 * torch::randn({40});
+    for (int i = 0; i < 40; ++i) lengths_.push_back(1 + i % 5);
+  }
+  torch::nn::Module& module() override { return *linear_; }
+  std::size_t train_record_count() const override { return 32; }  // the last 8 are held out
+  xpm::TrainingRecord train_record(std::size_t i) const override {
+    const auto l = static_cast<double>(lengths_.at(i));
+    return {{1.0, l}, l, l};
+  }
+  torch::Tensor loss_sum(const std::vector<std::size_t>& records) override {
+    ++loss_calls_;
+    std::vector<std::int64_t> ids(records.begin(), records.end());
+    const torch::Tensor index = torch::tensor(ids);
+    torch::Tensor weights = torch::tensor(std::vector<float>(records.size()));
+    for (std::size_t k = 0; k < records.size(); ++k) weights[std::int64_t(k)] = float(lengths_[records[k]]);
+    const torch::Tensor error = linear_->forward(x_.index_select(0, index)).squeeze(1) - y_.index_select(0, index);
+    return (weights * error * error).sum();
+  }
+  xpm::NamedMetrics validate(const xpm::ValidationPlanFn& plan_of) override {
+    torch::NoGradGuard no_grad;
+    std::vector<std::vector<double>> dims(8, {1.0, 1.0});
+    double sum = 0;
+    for (const xpm::Microbatch& mb : plan_of(dims).microbatches) {
+      for (std::size_t j : mb.record_indices) {
+        const auto i = static_cast<std::int64_t>(32 + j);
+        sum += (linear_->forward(x_[i].unsqueeze(0)).squeeze() - y_[i]).pow(2).item<double>();
+      }
+    }
+    return {{"loss", sum / 8}, {"records", 8}};
+  }
+  torch::Tensor probe_loss_sum(const std::vector<double>& dims) override {
+    const auto bs = static_cast<std::int64_t>(dims.at(0));
+    return linear_->forward(torch::randn({bs, 4})).pow(2).sum();
+  }
+  nlohmann::json extra_state() const override { return {{"loss_calls", loss_calls_}}; }
+  void restore_extra_state(const nlohmann::json& state) override {
+    restored_loss_calls_ = state.at("loss_calls").get<std::int64_t>();
+  }
+
+  torch::nn::Linear linear_{nullptr};
+  torch::Tensor x_, y_;
+  std::vector<int> lengths_;
+  std::int64_t loss_calls_ = 0;
+  std::int64_t restored_loss_calls_ = -1;
+};
+
+xpm::LearnerOptions options_in(const std::string& run_dir) {
+  xpm::LearnerOptions options;
+  options.run_dir = kWork + "/" + run_dir;
+  options.epochs = 3;
+  options.outer_batch_size = 8;  // 4 steps per epoch, 12 in all
+  options.lr_schedule.peak_learning_rate = 0.05;
+  options.validation.every_steps = 4;
+  options.validation.metric = "loss";
+  options.validation.mode = xpm::MetricMode::kMin;
+  options.checkpoints.every_steps = 4;
+  options.log = [](const std::string&) {};
+  return options;
+}
+
+struct Trained {
+  xpm::LearnerOutcome outcome;
+  torch::Tensor weight;
+  std::int64_t restored_loss_calls = -1;
+};
+
+Trained train(xpm::LearnerOptions options) {
+  RegressionTask task;
+  torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
+  xpm::FixedBatcher batcher(optimizer, nullptr, /*microbatch_size=*/3);
+  xpm::LearnerComponents parts;
+  parts.fixed_batcher = &batcher;
+  xpm::Learner learner(task, optimizer, std::move(options), parts);
+  Trained trained{learner.run(), task.linear_->weight.detach().clone(), -1};
+  trained.restored_loss_calls = task.restored_loss_calls_;
+  return trained;
+}
+
+}  // namespace
+
+TEST_CASE("dims_by_name orders a record's fields as the formula's variables and names what is wrong") {
+  CHECK(xpm::dims_by_name({"bs", "l"}, {{"l", 12}, {"bs", 1}}) == std::vector<double>{1, 12});
+  CHECK_THROWS_WITH_AS(xpm::dims_by_name({"bs", "l"}, {{"bs", 1}}), "dims_by_name: variable 'l' is missing",
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(xpm::dims_by_name({"bs"}, {{"bs", 1}, {"w", 2}}),
+                       "dims_by_name: field 'w' is not a variable of the formula", std::invalid_argument);
+}
+
+TEST_CASE("the Learner trains a task of its own: steps, validations, metrics lines and a falling loss") {
+  std::filesystem::remove_all(kWork);
+  const Trained whole = train(options_in("whole"));
+  CHECK(whole.outcome.steps == 12);
+  CHECK(whole.outcome.finished);
+  CHECK(whole.outcome.counters.validations.size() == 3);  // steps 4, 8, 12
+  const auto& first = whole.outcome.counters.validations.front();
+  const auto& last = whole.outcome.counters.validations.back();
+  CHECK(last.at("val_records").get<std::int64_t>() == 8);
+  CHECK(last.at("val_loss").get<double>() < first.at("val_loss").get<double>());
+  CHECK(whole.outcome.last_validation.at("loss") == doctest::Approx(last.at("val_loss").get<double>()));
+  std::ifstream metrics(kWork + "/whole/metrics.jsonl");
+  int steps = 0, validations = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const nlohmann::json entry = nlohmann::json::parse(line);
+    if (entry.contains("validation")) {
+      ++validations;
+    } else {
+      ++steps;
+      CHECK(entry.at("microbatches").get<std::int64_t>() == 3);  // 8 records, 3 per microbatch
+      CHECK(entry.at("records").get<std::int64_t>() == 8);
+    }
+  }
+  CHECK(steps == 12);
+  CHECK(validations == 3);
+  CHECK(std::filesystem::exists(kWork + "/whole/best_parameters.pt"));
+}
+
+TEST_CASE("a Learner run stopped after step 6 and resumed ends with bitwise the weights of an uninterrupted one") {
+  std::filesystem::remove_all(kWork);
+  const Trained whole = train(options_in("whole"));
+  xpm::LearnerOptions stopped = options_in("resumed");
+  stopped.stop_after_steps = 6;
+  const Trained first = train(stopped);
+  CHECK_FALSE(first.outcome.finished);
+  CHECK(first.outcome.steps == 6);
+  xpm::LearnerOptions resumed = options_in("resumed");
+  resumed.resume = true;
+  const Trained second = train(resumed);
+  CHECK(second.outcome.resumed_from_step == 6);
+  CHECK(second.outcome.steps == 12);
+  CHECK(second.restored_loss_calls == 6 * 3);  // the task's extra state came back
+  CHECK(torch::equal(second.weight, whole.weight));
+  CHECK(second.outcome.counters.validations == whole.outcome.counters.validations);
+}
+
+TEST_CASE("the Learner refuses components that cannot work, naming them") {
+  RegressionTask task;
+  torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
+  CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("none"), {}),
+                       "LearnerComponents: give exactly one of batcher (predictive) and fixed_batcher",
+                       std::invalid_argument);
+  xpm::FixedBatcher batcher(optimizer, nullptr, 3);
+  xpm::LearnerComponents parts;
+  parts.fixed_batcher = &batcher;
+  xpm::LearnerOptions options = options_in("bad");
+  options.outer_batch_size = 0;
+  CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options, parts),
+                       "LearnerOptions.outer_batch_size must be >= 1, got 0", std::invalid_argument);
+  options = options_in("bad");
+  options.stop_after_steps = 13;
+  CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options, parts),
+                       "LearnerOptions.stop_after_steps 13 is beyond the run's 12 steps", std::invalid_argument);
+}

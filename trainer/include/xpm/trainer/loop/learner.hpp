@@ -1,0 +1,191 @@
+// xpm/trainer/loop/learner.hpp — the training loop of any model (the reference's Learner): epochs or
+// a step budget over a TrainingTask (training_task.hpp), one optimizer step per outer batch with
+// the microbatches the predictive batcher plans, LR schedule, hooks, validation with best model
+// and early stopping, listeners' votes, checkpoints with exact resume, single process or data
+// parallel.
+//
+//   xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();  // before the model is built
+//   MyTask task;                                     // a TrainingTask: records, loss_sum, validate
+//   torch::optim::Adam optimizer(task.module().parameters(), 1e-3);
+//   meter.set_capacity_bytes(200'000'000);
+//   xpm::PredictiveBatcherOptions plan;              // formula, variables, budget, design range
+//   plan.budget.capacity_bytes = 200'000'000;
+//   xpm::PredictiveBatcher batcher(plan, std::make_shared<xpm::AdaptivePacker>());
+//   xpm::LearnerOptions options;
+//   options.run_dir = "runs/mine";
+//   options.epochs = 2;
+//   options.validation.every_steps = 50;
+//   options.validation.metric = "loss";
+//   options.validation.mode = xpm::MetricMode::kMin;
+//   options.checkpoints.every_steps = 50;
+//   xpm::LearnerComponents parts;
+//   parts.batcher = &batcher;                        // no model yet: run() probes first
+//   parts.meter = &meter;
+//   xpm::Learner learner(task, optimizer, options, parts);
+//   xpm::LearnerOutcome outcome = learner.run();     // every rank
+//
+// Per step (every rank): the LR of the schedule; hooks.before_step; the batcher's step (gradients
+// accumulated over the microbatches, divided by the outer batch's units, all-reduced; then
+// hooks.before_optimizer_step and optimizer.step(), both only when the optimizer steps);
+// state.step += 1; online corrections of the memory model (a microbatch measured above
+// (1 + underprediction_tolerance) x its prediction joins the fit, an optimizer step above the
+// floor raises it, a microbatch that ran out of memory becomes an infeasible bound: every rank
+// sees the same all-reduced peaks, so plans stay identical); a line of metrics.jsonl;
+// hooks.after_step unless the step ran out of memory (then it is skipped on every rank; 10 in a
+// row stop the run with std::runtime_error). Then, when due: validation (hooks.before_validation,
+// TrainingTask::validate under a snapshot of the plan, hooks.after_validation, the votes:
+// EarlyStopping first, then the listeners; best_parameters.pt on a new best), a checkpoint (when
+// due, on a new best while checkpointing, and at stop_after_steps), then stop on a kStop vote or
+// at stop_after_steps. At the end (unless stopped by stop_after_steps) a final validation unless
+// one ran at this step, and a last checkpoint when checkpointing.
+//
+// Run folder (rank 0 writes): metrics.jsonl (one JSON object per step, one per validation with a
+// "validation" field; on resume the lines up to the checkpoint's step are kept),
+// best_parameters.pt, checkpoints/step-NNNNNNNN (learner_checkpoint.hpp). Exact resume: a run
+// stopped after step k and resumed ends with the same parameters, bit for bit, as the
+// uninterrupted one (CPU, same thread count): model, optimizer, LR schedule position, every
+// rank's CPU generator, the sampler and the epoch's order, the step, the memory model, the
+// counters, the listeners' state and TrainingTask::extra_state() are in every checkpoint.
+//
+// Data parallel (components.dist with world size > 1): every rank constructs the Learner with the
+// same options and its own task and optimizer over the same records; the constructor broadcasts
+// rank 0's parameters and lays out gradient buckets (unless components.buckets or .sharded are
+// given); each step every rank receives the same outer batch and trains its share of the
+// microbatches.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "xpm/planner/predictive_batcher.hpp"
+#include "xpm/planner_torch/memory_meter.hpp"
+#include "xpm/trainer/state/checkpoint_store.hpp"
+#include "xpm/trainer/steps/data_parallel_trainer.hpp"
+#include "xpm/trainer/distributed/distributed.hpp"
+#include "xpm/trainer/steps/fixed_batchers.hpp"
+#include "xpm/trainer/distributed/gradient_buckets.hpp"
+#include "xpm/trainer/loop/hooks.hpp"
+#include "xpm/trainer/state/learner_checkpoint.hpp"
+#include "xpm/trainer/loop/learner_listener.hpp"
+#include "xpm/trainer/options/lr_schedule.hpp"
+#include "xpm/planner_torch/step_probing.hpp"
+#include "xpm/trainer/options/precision.hpp"
+#include "xpm/trainer/loop/run_counters.hpp"
+#include "xpm/trainer/distributed/sharded_optimizer.hpp"
+#include "xpm/trainer/loop/train_context.hpp"
+#include "xpm/trainer/loop/training_task.hpp"
+#include "xpm/trainer/loop/validation.hpp"
+
+namespace xpm {
+
+/// Which optimizer files a checkpoint holds under ShardedAdamW.
+enum class OptimizerCheckpointLayout {
+  kPerRankShards,  // optimizer-rank<r>.pt, loadable at the same world size only
+  kConsolidated,   // one optimizer.pt, loadable at any world size and sharding
+};
+
+struct LearnerOptions {
+  std::string run_dir = "runs/latest";   // metrics.jsonl, best_parameters.pt, checkpoints/
+  std::int64_t epochs = 1;                // passes over the training records
+  std::int64_t max_steps = 0;             // optimizer steps (0: epochs x steps per epoch)
+  std::int64_t outer_batch_size = 64;     // records per optimizer step
+  std::uint64_t sampler_seed = 1;         // the epochs' shuffles
+  LrScheduleOptions lr_schedule;          // peak, warmup, shape; total_steps set by the Learner
+  ValidationSettings validation;          // when, which metric, early stopping
+  CheckpointSettings checkpoints;         // when (every_steps / every_epochs > 0), how many kept
+  std::int64_t stop_after_steps = 0;      // stop with a checkpoint after step N (0: off)
+  bool resume = false;                    // continue from the newest valid checkpoint in run_dir
+  std::int64_t log_every = 10;            // progress line every N steps
+  double underprediction_tolerance = 0.005;  // online correction above (1 + tol) x predicted
+  bool loss_scaling = false;              // dynamic loss scaling (float16 training, precision.hpp)
+  std::int64_t bucket_cap_bytes = 25 << 20;  // gradient all-reduce buckets (data parallel)
+  OptimizerCheckpointLayout optimizer_checkpoint = OptimizerCheckpointLayout::kPerRankShards;
+  std::string checkpoint_kind = "xpm-learner";  // the manifest's "kind"
+  nlohmann::json config;                  // the run's settings, in every checkpoint's manifest
+  StepProbeOptions probing;               // when the batcher has no model (batcher, rank, sharing: set by run())
+  std::string log_prefix = "xpm";         // of the log lines ("xpm: checkpoint ...")
+  /// Rank 0's progress lines; empty: std::cout on rank 0. Other ranks log nothing.
+  std::function<void(const std::string& line)> log;
+  /// Appended to the error that stops a run after consecutive out-of-memory steps.
+  std::string oom_advice = "probe larger shapes, or plan with a lower memory fraction";
+
+  /// Throws std::invalid_argument naming the field and its value.
+  void validate() const;
+  /// True when checkpoints are written by steps or epochs.
+  bool checkpointing() const { return checkpoints.every_steps > 0 || checkpoints.every_epochs > 0; }
+  /// Optimizer steps of a run over `records` training records.
+  std::int64_t total_steps(std::size_t records) const;
+};
+
+/// What the Learner works with besides the task and the optimizer (not owned; all outlive it).
+struct LearnerComponents {
+  DistributedContext* dist = nullptr;     // null: a single process
+  PredictiveBatcher* batcher = nullptr;   // predictive; without a model run() probes first
+  FixedBatcher* fixed_batcher = nullptr;  // instead of `batcher`: fixed or power (single process)
+  PowerAdaptativeBatcher* power_batcher = nullptr;  // the same object when power
+  MemoryMeter* meter = nullptr;           // peaks per step; null: none measured
+  GradientBuckets* buckets = nullptr;     // null: the Learner lays them out when data parallel
+  ShardedAdamW* sharded = nullptr;        // shard_grad_op: steps go through it
+  HookList* hooks = nullptr;              // null: none
+  std::vector<std::shared_ptr<LearnerListener>> listeners;  // vote after EarlyStopping
+  std::int64_t capacity_bytes = 0;        // for the metrics lines; 0: the batcher's budget
+  TrainState* state = nullptr;            // shared with the hooks' context; null: the Learner's own
+  TrainerContext* context = nullptr;      // over `state`; null: the Learner's own
+  /// A checkpoint whose parameters the model already holds (the caller loaded them, e.g.
+  /// between initialization hooks); run() restores the rest from it. Else options.resume.
+  std::optional<LearnerCheckpoint> resume_from;
+};
+
+/// What run() returns.
+struct LearnerOutcome {
+  RunCounters counters;
+  NamedMetrics last_validation;         // the final one (or the last before stopping)
+  double last_validation_s = 0;         // its wall time
+  bool finished = true;                 // false when stopped by stop_after_steps
+  bool early_stopped = false;           // the listeners voted stop
+  std::int64_t resumed_from_step = -1;  // -1: not resumed
+  std::int64_t checkpoints_written = 0;  // by this process
+  EarlyStopping::State best;            // best validation (after warmup)
+  std::int64_t loss_scale_skipped_steps = 0;  // loss scaling: steps skipped for inf/nan gradients
+  std::int64_t steps = 0;               // state.step at the end
+  std::int64_t probes = 0;              // probes run by run() (0: the batcher had a model)
+  bool memory_model_from_cache = false;  // run() found the model in the cache
+  bool memory_model_from_checkpoint = false;  // run() took it from the resumed checkpoint
+  double probe_s = 0;                   // rank 0's probing wall time (s)
+  std::int64_t total_steps = 0;         // of the run
+};
+
+class Learner {
+ public:
+  /// Throws std::invalid_argument for bad options or components (neither or both batchers, a
+  /// fixed batcher in a distributed job). Collective when components.dist is distributed: the
+  /// parameters are broadcast from rank 0.
+  Learner(TrainingTask& task, torch::optim::Optimizer& optimizer, LearnerOptions options,
+          LearnerComponents components = {});
+  ~Learner();
+  Learner(const Learner&) = delete;
+  Learner& operator=(const Learner&) = delete;
+
+  /// Trains to the end (or an early stop, or stop_after_steps). Collective: every rank calls
+  /// it. Each error says where, in the class it had (error_context.hpp): "probing at bs=..",
+  /// "step 12: ...", "validation after step 40: ...", "checkpoint write of step 40: ...",
+  /// "resume: ...".
+  LearnerOutcome run();
+
+  const TrainState& state() const { return *state_; }
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  TrainState* state_ = nullptr;
+};
+
+}  // namespace xpm

@@ -1,0 +1,286 @@
+#include "xpm/trainer/distributed/distributed.hpp"
+
+#include <cerrno>
+#include <cstdlib>
+#include <limits>
+#include <sstream>
+#include <utility>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace xpm {
+
+struct DistributedContext::Connection {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group;
+};
+
+namespace {
+
+std::optional<std::string> env(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) return std::nullopt;
+  return std::string(value);
+}
+
+int env_int(const char* name, const std::string& text, long min, long max) {
+  char* end = nullptr;
+  errno = 0;
+  const long value = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || end == nullptr || *end != '\0' || errno != 0 || value < min || value > max) {
+    throw std::invalid_argument("environment variable " + std::string(name) + "='" + text +
+                                "' must be a whole number in [" + std::to_string(min) + ", " +
+                                std::to_string(max) + "]");
+  }
+  return static_cast<int>(value);
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+std::string first_line(const std::string& text) {
+  const std::size_t newline = text.find('\n');
+  return newline == std::string::npos ? text : text.substr(0, newline);
+}
+
+std::string store_get(c10d::Store& store, const std::string& key) {
+  const std::vector<std::uint8_t> bytes = store.get(key);
+  return std::string(bytes.begin(), bytes.end());
+}
+
+void store_set(c10d::Store& store, const std::string& key, const std::string& value) {
+  store.set(key, std::vector<std::uint8_t>(value.begin(), value.end()));
+}
+
+}  // namespace
+
+std::optional<WorkerEnvironment> WorkerEnvironment::from_environment() {
+  const auto rank_text = env("RANK");
+  const auto world_text = env("WORLD_SIZE");
+  if (!rank_text && !world_text) return std::nullopt;
+  if (!rank_text || !world_text) {
+    throw std::invalid_argument(std::string("environment variable ") + (rank_text ? "RANK" : "WORLD_SIZE") +
+                                " is set but " + (rank_text ? "WORLD_SIZE" : "RANK") +
+                                " is not; a distributed worker needs both (torchrun sets them)");
+  }
+  WorkerEnvironment out;
+  out.world_size = env_int("WORLD_SIZE", *world_text, 1, 1 << 20);
+  out.rank = env_int("RANK", *rank_text, 0, out.world_size - 1);
+  out.local_rank = env("LOCAL_RANK") ? env_int("LOCAL_RANK", *env("LOCAL_RANK"), 0, out.world_size - 1)
+                                     : out.rank;
+  out.local_world_size = env("LOCAL_WORLD_SIZE")
+                             ? env_int("LOCAL_WORLD_SIZE", *env("LOCAL_WORLD_SIZE"), 1, out.world_size)
+                             : out.world_size;
+  if (out.local_rank >= out.local_world_size) {
+    throw std::invalid_argument("environment variable LOCAL_RANK=" + std::to_string(out.local_rank) +
+                                " must be < LOCAL_WORLD_SIZE=" + std::to_string(out.local_world_size));
+  }
+  if (auto addr = env("MASTER_ADDR")) {
+    if (addr->empty()) throw std::invalid_argument("environment variable MASTER_ADDR is empty");
+    out.master_addr = *addr;
+  }
+  if (auto port = env("MASTER_PORT")) out.master_port = env_int("MASTER_PORT", *port, 1, 65535);
+  return out;
+}
+
+void DistributedOptions::validate() const {
+  if (backend != "auto" && backend != "gloo" && backend != "nccl") {
+    throw std::invalid_argument("--backend must be auto, gloo or nccl, got '" +
+                                backend + "'");
+  }
+#ifndef USE_C10D_NCCL
+  if (backend == "nccl") {
+    throw std::invalid_argument("--backend nccl: this LibTorch was built without NCCL "
+                                "(Debian's CPU build); use gloo or a CUDA LibTorch");
+  }
+#endif
+  if (collective_timeout.count() <= 0 || rendezvous_timeout.count() <= 0) {
+    throw std::invalid_argument("DistributedOptions: timeouts must be > 0 ms");
+  }
+}
+
+DistributedContext::DistributedContext() = default;
+DistributedContext::~DistributedContext() = default;
+DistributedContext::DistributedContext(DistributedContext&&) noexcept = default;
+DistributedContext& DistributedContext::operator=(DistributedContext&&) noexcept = default;
+
+DistributedContext::DistributedContext(const WorkerEnvironment& environment,
+                                       const DistributedOptions& options)
+    : environment_(environment), options_(options) {
+  options_.validate();
+  std::string backend = options_.backend;
+  if (backend == "auto") backend = "gloo";  // CPU tensors; CUDA runs choose nccl (docs/cuda.md)
+  backend_ = backend;
+  if (environment_.world_size == 1) return;  // nothing to connect to
+  connection_ = std::make_unique<Connection>();
+  try {
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<std::uint16_t>(environment_.master_port);
+    store_options.isServer = environment_.rank == 0;
+    store_options.numWorkers = static_cast<std::size_t>(environment_.world_size);
+    store_options.waitWorkers = true;
+    store_options.timeout = options_.rendezvous_timeout;
+    auto tcp_store = c10::make_intrusive<c10d::TCPStore>(environment_.master_addr, store_options);
+    connection_->store = c10::make_intrusive<c10d::PrefixStore>("xpm", tcp_store);
+    if (backend_ == "gloo") {
+      auto gloo_options = c10d::ProcessGroupGloo::Options::create(options_.collective_timeout);
+      if (is_loopback(environment_.master_addr)) {
+        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      } else if (auto interface = env("GLOO_SOCKET_IFNAME")) {
+        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(*interface));
+      } else {
+        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+      }
+      gloo_options->threads = 2;
+      connection_->process_group = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          c10::make_intrusive<c10d::PrefixStore>("gloo", connection_->store), environment_.rank,
+          environment_.world_size, gloo_options);
+    }
+#ifdef USE_C10D_NCCL
+    else {
+      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+      nccl_options->timeout = options_.collective_timeout;
+      connection_->process_group = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+          c10::make_intrusive<c10d::PrefixStore>("nccl", connection_->store), environment_.rank,
+          environment_.world_size, nccl_options);
+    }
+#endif
+  } catch (const c10::Error& error) {
+    throw DistributedError("rank " + std::to_string(environment_.rank) + ": rendezvous at " +
+                           environment_.master_addr + ":" + std::to_string(environment_.master_port) +
+                           " failed: " + first_line(error.what_without_backtrace()));
+  }
+}
+
+void DistributedContext::rethrow_collective_failure(const std::string& what,
+                                                    const std::exception& error) {
+  std::string message = "rank " + std::to_string(rank()) + ": " + what + " failed: " +
+                        first_line(error.what());
+  // Did another rank say why? (Best effort: the store lives in rank 0's process.)
+  try {
+    for (int other = 0; other < world_size(); ++other) {
+      const std::string key = "failure/" + std::to_string(other);
+      if (other != rank() && connection_->store->check({key})) {
+        message += "; rank " + std::to_string(other) + " reported: " + store_get(*connection_->store, key);
+        throw DistributedError(message);
+      }
+    }
+    message += world_size() == 2
+                   ? "; rank " + std::to_string(1 - rank()) + " (the only other rank) reported no error, "
+                     "so it probably exited or was killed"
+                   : "; no rank reported an error, so a rank probably exited or was killed";
+  } catch (const DistributedError&) {
+    throw;
+  } catch (const std::exception&) {
+    message += "; the store on rank 0 is unreachable, so rank 0 probably exited or was killed";
+  }
+  throw DistributedError(message);
+}
+
+void DistributedContext::broadcast_(const std::vector<torch::Tensor>& tensors, int root_rank) {
+  if (!distributed()) return;
+  for (const torch::Tensor& tensor : tensors) {
+    std::vector<at::Tensor> list = {tensor};
+    c10d::BroadcastOptions broadcast_options;
+    broadcast_options.rootRank = root_rank;
+    broadcast_options.timeout = options_.collective_timeout;
+    try {
+      connection_->process_group->broadcast(list, broadcast_options)->wait();
+    } catch (const std::exception& error) {
+      rethrow_collective_failure("broadcast from rank " + std::to_string(root_rank), error);
+    }
+  }
+}
+
+torch::Tensor DistributedContext::all_reduce_(torch::Tensor tensor, ReduceOp op) {
+  if (!distributed()) return tensor;
+  std::vector<at::Tensor> list = {tensor};
+  c10d::AllreduceOptions reduce_options;
+  reduce_options.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
+  reduce_options.timeout = options_.collective_timeout;
+  try {
+    connection_->process_group->allreduce(list, reduce_options)->wait();
+  } catch (const std::exception& error) {
+    rethrow_collective_failure(op == ReduceOp::kSum ? "all-reduce (sum)" : "all-reduce (max)", error);
+  }
+  return tensor;
+}
+
+std::vector<double> DistributedContext::all_reduce(const std::vector<double>& values, ReduceOp op) {
+  if (!distributed() || values.empty()) return values;
+  torch::Tensor tensor = torch::tensor(values, torch::kFloat64);
+  all_reduce_(tensor, op);
+  const double* data = tensor.data_ptr<double>();
+  return std::vector<double>(data, data + values.size());
+}
+
+void DistributedContext::barrier() {
+  if (!distributed()) return;
+  try {
+    c10d::BarrierOptions barrier_options;
+    barrier_options.timeout = options_.collective_timeout;
+    connection_->process_group->barrier(barrier_options)->wait();
+  } catch (const std::exception& error) {
+    rethrow_collective_failure("barrier", error);
+  }
+}
+
+std::string DistributedContext::share_from(int root_rank, const std::string& text,
+                                           std::chrono::milliseconds wait) {
+  if (!distributed()) return text;
+  const std::string key = "share/" + std::to_string(share_sequence_++);
+  try {
+    if (rank() == root_rank) {
+      // Publish, then wait until every other rank has read it: the store lives in rank 0's
+      // process, and rank 0 may exit right after sharing (e.g. its error).
+      store_set(*connection_->store, key, text);
+      std::vector<std::string> acknowledgements;
+      for (int other = 0; other < world_size(); ++other) {
+        if (other != root_rank) acknowledgements.push_back(key + "/read/" + std::to_string(other));
+      }
+      // Wait in short slices so a rank that failed meanwhile (report_failure) stops us early.
+      const auto deadline = std::chrono::steady_clock::now() + wait;
+      for (;;) {
+        try {
+          connection_->store->wait(acknowledgements, std::chrono::milliseconds(1000));
+          return text;
+        } catch (const c10::Error&) {
+          for (int other = 0; other < world_size(); ++other) {
+            const std::string failure = "failure/" + std::to_string(other);
+            if (other != rank() && connection_->store->check({failure})) {
+              throw DistributedError("rank " + std::to_string(rank()) + ": rank " + std::to_string(other) +
+                                     " failed before reading '" + key + "': " +
+                                     store_get(*connection_->store, failure));
+            }
+          }
+          if (std::chrono::steady_clock::now() > deadline) throw;
+        }
+      }
+    }
+    connection_->store->wait({key}, wait);
+    std::string value = store_get(*connection_->store, key);
+    store_set(*connection_->store, key + "/read/" + std::to_string(rank()), "1");
+    return value;
+  } catch (const DistributedError&) {
+    throw;
+  } catch (const std::exception& error) {
+    rethrow_collective_failure("waiting for rank " + std::to_string(root_rank) + "'s '" + key + "'",
+                               error);
+  }
+}
+
+void DistributedContext::report_failure(const std::string& message) noexcept {
+  if (!connection_ || !connection_->store) return;
+  try {
+    store_set(*connection_->store, "failure/" + std::to_string(rank()), message);
+  } catch (...) {  // best effort: the store may be gone with rank 0
+  }
+}
+
+}  // namespace xpm

@@ -1,0 +1,143 @@
+#include "xpm/trainer/distributed/local_launcher.hpp"
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char** environ;
+
+namespace xpm {
+namespace {
+
+// A TCP port that is free on 127.0.0.1 now (the kernel picks it; rank 0 binds it moments later).
+int free_loopback_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error(std::string("--nproc: socket(): ") + std::strerror(errno));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  socklen_t length = sizeof address;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    const std::string error = std::strerror(errno);
+    ::close(fd);
+    throw std::runtime_error("--nproc: cannot find a free port on 127.0.0.1: " + error);
+  }
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+std::vector<std::string> worker_environment(int rank, int nproc, int port) {
+  static const char* const kReplaced[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
+                                          "MASTER_ADDR=", "MASTER_PORT="};
+  std::vector<std::string> out;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    bool replaced = false;
+    for (const char* prefix : kReplaced) replaced = replaced || std::strncmp(*entry, prefix, std::strlen(prefix)) == 0;
+    if (!replaced) out.emplace_back(*entry);
+  }
+  out.push_back("RANK=" + std::to_string(rank));
+  out.push_back("LOCAL_RANK=" + std::to_string(rank));
+  out.push_back("WORLD_SIZE=" + std::to_string(nproc));
+  out.push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
+  out.push_back("MASTER_ADDR=127.0.0.1");
+  out.push_back("MASTER_PORT=" + std::to_string(port));
+  return out;
+}
+
+std::vector<char*> pointers(std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  for (std::string& s : strings) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+std::string describe(int status) {
+  if (WIFSIGNALED(status)) {
+    return "was killed by signal " + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
+  }
+  return "exited with code " + std::to_string(exit_code_of(status));
+}
+
+}  // namespace
+
+int launch_local_workers(const std::vector<std::string>& arguments, const LocalLaunchOptions& options) {
+  if (options.nproc < 1) {
+    throw std::invalid_argument("--nproc must be >= 1, got " + std::to_string(options.nproc));
+  }
+  const int port = options.master_port > 0 ? options.master_port : free_loopback_port();
+  std::map<pid_t, int> rank_of;
+  for (int rank = 0; rank < options.nproc; ++rank) {
+    std::vector<std::string> argv_strings = {"/proc/self/exe"};
+    argv_strings.insert(argv_strings.end(), arguments.begin(), arguments.end());
+    std::vector<std::string> env_strings = worker_environment(rank, options.nproc, port);
+    std::vector<char*> argv = pointers(argv_strings), envp = pointers(env_strings);
+    pid_t pid = 0;
+    const int error = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data());
+    if (error != 0) {
+      for (const auto& [started, unused] : rank_of) ::kill(started, SIGTERM);
+      for (const auto& [started, unused] : rank_of) ::waitpid(started, nullptr, 0);
+      throw std::runtime_error("--nproc: cannot start rank " + std::to_string(rank) + ": " +
+                               std::strerror(error));
+    }
+    rank_of[pid] = rank;
+  }
+  int first_failure = 0;
+  std::chrono::steady_clock::time_point failed_at;
+  bool terminated = false;
+  while (!rank_of.empty()) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, first_failure == 0 ? 0 : WNOHANG);
+    if (pid > 0) {
+      const auto it = rank_of.find(pid);
+      if (it == rank_of.end()) continue;
+      const int rank = it->second;
+      rank_of.erase(it);
+      if (exit_code_of(status) != 0) {
+        std::cerr << "xpm-train: rank " + std::to_string(rank) + " " + describe(status) + "\n";  // one write
+        if (first_failure == 0) {
+          first_failure = exit_code_of(status);
+          failed_at = std::chrono::steady_clock::now();
+        }
+      }
+      continue;
+    }
+    if (pid < 0 && errno != EINTR) break;  // no children left
+    const double waited_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - failed_at).count();
+    if (!terminated && waited_s > options.grace_s) {
+      for (const auto& [other, rank] : rank_of) {
+        std::ostringstream line;  // one write: the workers share stderr
+        line << "xpm-train: rank " << rank << " still running " << options.grace_s
+             << " s after a failure; terminating it\n";
+        std::cerr << line.str();
+        ::kill(other, SIGTERM);
+      }
+      terminated = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return first_failure;
+}
+
+}  // namespace xpm

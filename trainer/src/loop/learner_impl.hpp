@@ -1,0 +1,83 @@
+// The Learner's state and steps, shared by learner.cpp (loop, steps, validation) and
+// learner_state.cpp (checkpoints, resume, probing). Private to xpm::trainer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "xpm/trainer/loop/learner.hpp"
+
+namespace xpm {
+
+struct Learner::Impl {
+  Impl(TrainingTask& task, torch::optim::Optimizer& optimizer, LearnerOptions options,
+       LearnerComponents components);
+
+  // learner.cpp
+  LearnerOutcome run();
+  void run_epochs();
+  void finish();
+  void train_one_step(const std::vector<std::size_t>& records);
+  void correct_memory_model(const GlobalStepResult& result, std::int64_t& underpredictions);
+  nlohmann::json step_line(const GlobalStepResult& result, const BatcherStepResult& fixed_step,
+                           double lr, std::size_t records, double step_size,
+                           std::int64_t underpredictions, double prediction_error) const;
+  void log_progress(const GlobalStepResult& result);
+  bool validate(std::int64_t epoch);  // true when the combined vote is kStop
+  bool run_validation(std::int64_t epoch);
+  void write_metrics_line(const nlohmann::json& line);
+  void log(const std::string& line) const;
+  void note_extrapolation(const GlobalStepResult& result);
+  std::int64_t bound_out_of_memory_microbatches(const GlobalStepResult& result, std::int64_t step);
+  double planned_floor_bytes(const GlobalStepResult& result) const;
+  bool predictive() const { return fixed_batcher == nullptr; }
+
+  // learner_state.cpp
+  void set_up_data_parallel();
+  void find_checkpoint_to_resume();
+  void obtain_memory_model();
+  void restore(const LearnerCheckpoint& checkpoint);
+  void restore_optimizer_and_generator(const LearnerCheckpoint& checkpoint);
+  void checkpoint(bool is_best);
+  void write_checkpoint(bool is_best);
+  std::vector<torch::Tensor> gather_generator_states();
+  LearnerResumeState resume_state() const;
+  std::int64_t capacity_bytes() const;
+
+  TrainingTask& task;
+  torch::optim::Optimizer& optimizer;
+  LearnerOptions options;
+  LearnerComponents parts;
+  DistributedContext single_process;  // when parts.dist is null
+  DistributedContext& dist;
+  TrainState own_state;
+  TrainState& state;
+  std::optional<TrainerContext> own_context;
+  TrainerContext& context;
+  HookList no_hooks;
+  HookList& hooks;
+  PredictiveBatcher* batcher;
+  FixedBatcher* fixed_batcher;
+  std::optional<GradientBuckets> own_buckets;
+  EarlyStopping early_stopping;
+  std::optional<CheckpointStore> store;
+  std::optional<DataParallelTrainer> trainer;
+  std::optional<DynamicLossScaler> loss_scaler;
+  LearnerOutcome outcome;
+  std::mt19937_64 sampler;
+  std::vector<std::size_t> order;
+  std::int64_t steps_per_epoch = 0;
+  std::int64_t last_validation_step = -1;
+  std::int64_t last_checkpoint_step = -1;
+  bool extrapolation_noted = false;  // logged once per run
+  bool memory_model_from_checkpoint = false;
+  std::int64_t consecutive_oom_steps = 0;
+};
+
+}  // namespace xpm
