@@ -1,7 +1,9 @@
 // xpm/planner/budget.hpp — the memory budget a microbatch's predicted peak must fit under.
 //
-//   MemoryBudget b{.capacity_bytes = 80LL << 30, .memory_fraction = 0.9,
-//                  .extra_overhead_bytes = 512LL << 20};
+//   MemoryBudget b;
+//   b.capacity_bytes = 80LL << 30;
+//   b.memory_fraction = 0.9;
+//   b.extra_overhead_bytes = 512LL << 20;
 //   b.usable_bytes();  // 80 GiB * 0.9 - 512 MiB
 //
 // capacity_bytes is the device's total memory (CUDA) or a configured cap (CPU), never the

@@ -4,7 +4,9 @@
 // (formula variable_names() order; the batch-size entry is ignored). A microbatch's dims are
 // the aggregation of its records' dims (MemoryModel::aggregation(): count, max or sum).
 //
-//   AdaptivePacker packer({.sort_by = "l"});
+//   AdaptivePackerOptions packer_options;
+//   packer_options.sort_by = "l";
+//   AdaptivePacker packer(packer_options);
 //   MicrobatchPlan plan = packer.pack(record_dims, model, budget.usable_bytes());
 //   for (const Microbatch& mb : plan.microbatches) run(mb.record_indices);
 //

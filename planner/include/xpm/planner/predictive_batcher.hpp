@@ -2,10 +2,12 @@
 // microbatches predicted to fit the memory budget.
 //
 //   PredictiveBatcherOptions options;              // formula a*bs*l^2 + b*bs*l + c by default
-//   options.budget = {.capacity_bytes = cap, .memory_fraction = 0.9};
+//   options.budget.capacity_bytes = cap;
+//   options.budget.memory_fraction = 0.9;
 //   options.variable_max = {{"bs", 64}, {"l", 180}};  // ranges for the automatic probe design
-//   PredictiveBatcher batcher(options, std::make_shared<AdaptivePacker>(
-//                                          AdaptivePackerOptions{.sort_by = "l"}));
+//   AdaptivePackerOptions packing;
+//   packing.sort_by = "l";                          // heaviest first by this dim
+//   PredictiveBatcher batcher(options, std::make_shared<AdaptivePacker>(packing));
 //   batcher.probe_and_fit(executor);                // rank 0 only, before DDP wrapping
 //   MicrobatchPlan plan = batcher.plan(record_dims); // every step, on every rank
 //
