@@ -81,6 +81,8 @@ int main(int argc, char** argv) {
        "file i is held out when i % N == N - 1 (as xpm-train's validation split)")
       ("seed", po::value(&train_options.seed)->default_value(train_options.seed),
        "seed of the initialization and of the pair sampling")
+      ("run-dir", po::value(&train_options.run_dir)->default_value(train_options.run_dir),
+       "folder of the Learner's files: metrics.jsonl, best_parameters.pt")
       ("threads", po::value(&threads)->default_value(threads),
        "LibTorch intra-op threads (0: LibTorch's default)");
 

@@ -110,6 +110,7 @@ TEST_CASE("pairwise cross-entropy trains the genre ranker well above chance and 
   const double prior = xpm::genre_prior_pairwise_accuracy(data);
   xpm::GenreRankingTrainOptions options;
   options.steps = 200;
+  options.run_dir = kWork + "/in_process";
   const xpm::GenreRankingTrainResult trained = xpm::train_genre_ranker(ranker, data, loss, options);
   const double after = xpm::heldout_pairwise_accuracy(ranker, data);
   MESSAGE("before " << before << ", after " << after << ", prior " << prior << ", loss "
@@ -133,7 +134,8 @@ TEST_CASE("training refuses a loss whose output type is not the ranker's") {
 }
 
 TEST_CASE("xpm-rank-example trains with the hinge loss: accuracy after > before") {
-  const Run run = run_example("--data-dir '" + kData + "' --loss hinge --steps 150 --threads 1");
+  const Run run = run_example("--data-dir '" + kData + "' --loss hinge --steps 150 --threads 1 --run-dir '" +
+                              kWork + "/hinge'");
   INFO(run.output);
   REQUIRE(run.exit_code == 0);
   REQUIRE(run.values.count("heldout_pairwise_accuracy_before") == 1);
@@ -147,7 +149,7 @@ TEST_CASE("xpm-rank-example trains with the hinge loss: accuracy after > before"
 TEST_CASE("xpm-rank-example trains pointwise cross-entropy on log-probabilities") {
   const Run run = run_example("--data-dir '" + kData +
                               "' --loss pointwise-cross-entropy --output-type log-probability "
-                              "--steps 150 --threads 1");
+                              "--steps 150 --threads 1 --run-dir '" + kWork + "/pointwise'");
   INFO(run.output);
   REQUIRE(run.exit_code == 0);
   CHECK(run.values.at("heldout_pairwise_accuracy_after") >

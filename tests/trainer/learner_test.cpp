@@ -2,6 +2,7 @@
 // nothing of the tagging job): steps, validation, the task's extra state, exact resume, errors.
 #include "../torch_doctest.hpp"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -157,6 +158,28 @@ TEST_CASE("a Learner run stopped after step 6 and resumed ends with bitwise the 
   CHECK(second.outcome.counters.validations == whole.outcome.counters.validations);
 }
 
+TEST_CASE("the Learner refuses records whose units are negative or not a number, and an outer batch of 0 units") {
+  std::filesystem::remove_all(kWork);
+  struct BadUnits : RegressionTask {
+    double units = -1;
+    xpm::TrainingRecord train_record(std::size_t i) const override {
+      xpm::TrainingRecord record = RegressionTask::train_record(i);
+      record.units = units;
+      return record;
+    }
+  };
+  for (const double units : {-1.0, std::nan(""), 0.0}) {
+    BadUnits task;
+    task.units = units;
+    torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
+    xpm::FixedBatcher batcher(optimizer, nullptr, 3);
+    xpm::LearnerComponents parts;
+    parts.fixed_batcher = &batcher;
+    xpm::Learner learner(task, optimizer, options_in("units"), parts);
+    CHECK_THROWS_AS(learner.run(), std::invalid_argument);
+  }
+}
+
 TEST_CASE("the Learner refuses components that cannot work, naming them") {
   RegressionTask task;
   torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
@@ -170,6 +193,12 @@ TEST_CASE("the Learner refuses components that cannot work, naming them") {
   options.outer_batch_size = 0;
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options, parts),
                        "LearnerOptions.outer_batch_size must be >= 1, got 0", std::invalid_argument);
+  options = options_in("bad");
+  options.validation.mode = xpm::MetricMode::kMax;  // a loss is better when lower
+  CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options, parts),
+                       "LearnerOptions.validation.mode is max but the metric 'loss' is better when lower: set "
+                       "validation.mode to MetricMode::kMin",
+                       std::invalid_argument);
   options = options_in("bad");
   options.stop_after_steps = 13;
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options, parts),

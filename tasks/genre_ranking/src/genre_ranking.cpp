@@ -5,7 +5,11 @@
 #include <chrono>
 #include <map>
 #include <random>
+#include <memory>
+#include <sstream>
 #include <stdexcept>
+
+#include "xpm/trainer/loop/learner.hpp"
 
 namespace xpm {
 
@@ -158,6 +162,87 @@ double genre_prior_pairwise_accuracy(const GenreRankingData& data) {
   return credit / pairs;
 }
 
+GenreRankingTask::GenreRankingTask(GenreRanker& ranker, const GenreRankingData& data,
+                                   const pairwise::PairwiseLoss& loss, std::uint64_t seed)
+    : ranker_(ranker), data_(data), loss_(loss), negatives_(seed) {}
+
+TrainingRecord GenreRankingTask::train_record(std::size_t index) const {
+  const auto words = static_cast<double>(data_.train_token_ids.at(index).size());
+  return {{1.0, words}, 1.0, words};
+}
+
+torch::Tensor GenreRankingTask::loss_sum(const std::vector<std::size_t>& records) {
+  const auto genre_count = static_cast<std::int64_t>(data_.genres.size());
+  std::uniform_int_distribution<std::int64_t> pick_other(0, genre_count - 2);
+  std::vector<std::int64_t> positive_ids, negative_ids;
+  for (std::size_t record : records) {
+    positive_ids.push_back(data_.train_genre_ids.at(record));
+    const std::int64_t other = pick_other(negatives_);  // uniform over the genre_count - 1 others
+    negative_ids.push_back(other >= positive_ids.back() ? other + 1 : other);
+  }
+  const SentenceBag bag = make_sentence_bag(data_.train_token_ids, records);
+  const torch::Tensor all_scores = ranker_->forward(bag.token_ids, bag.offsets);  // [B, genres]
+  const torch::Tensor pair_ids = torch::stack(
+      {torch::tensor(positive_ids, torch::kLong), torch::tensor(negative_ids, torch::kLong)}, 1);  // [B, 2]
+  const torch::Tensor scores = all_scores.gather(1, pair_ids);  // [B, 2]: positive, negative
+  const auto pairs = static_cast<double>(records.size());
+  correct_pairs_ += pairwise::pairwise_accuracy(scores.detach()) * pairs;
+  pairs_ += pairs;
+  return loss_.sum(scores);
+}
+
+NamedMetrics GenreRankingTask::validate(const ValidationPlanFn& /*plan_of*/) {
+  return {{"pairwise_accuracy", heldout_pairwise_accuracy(ranker_, data_)}};
+}
+
+torch::Tensor GenreRankingTask::probe_loss_sum(const std::vector<double>& dims) {
+  const auto bs = static_cast<std::int64_t>(dims.at(0));
+  const auto words = static_cast<std::int64_t>(dims.at(1));
+  const torch::Tensor token_ids =
+      torch::randint(0, static_cast<std::int64_t>(data_.vocab.size()), {bs * words}, torch::kLong);
+  const torch::Tensor offsets = torch::arange(0, bs * words, words, torch::kLong);
+  const torch::Tensor scores = ranker_->forward(token_ids, offsets).narrow(1, 0, 2);
+  return loss_.sum(scores);
+}
+
+nlohmann::json GenreRankingTask::extra_state() const {
+  std::ostringstream text;
+  text << negatives_;
+  return {{"negatives", text.str()}};
+}
+
+void GenreRankingTask::restore_extra_state(const nlohmann::json& state) {
+  std::istringstream text(state.at("negatives").get<std::string>());
+  text >> negatives_;
+  if (!text) throw std::runtime_error("GenreRankingTask: unreadable generator state in the checkpoint");
+}
+
+double GenreRankingTask::take_train_accuracy() {
+  const double accuracy = pairs_ > 0 ? correct_pairs_ / pairs_ : 0.0;
+  correct_pairs_ = pairs_ = 0;
+  return accuracy;
+}
+
+namespace {
+
+// Records each step's mean loss per pair and the pairwise accuracy of its pairs.
+class GenreRankingRecorder : public StepTrainingHook {
+ public:
+  explicit GenreRankingRecorder(GenreRankingTask& task) : task_(task) {}
+  std::string name() const override { return "genre-ranking-recorder"; }
+  void before_step(TrainerContext& /*context*/) override { task_.take_train_accuracy(); }
+  void after_step(TrainerContext& context) override {
+    losses.push_back(context.metrics().at("train/loss"));
+    accuracies.push_back(task_.take_train_accuracy());
+  }
+  std::vector<double> losses, accuracies;
+
+ private:
+  GenreRankingTask& task_;
+};
+
+}  // namespace
+
 GenreRankingTrainResult train_genre_ranker(GenreRanker& ranker, const GenreRankingData& data,
                                            const pairwise::PairwiseLoss& loss,
                                            const GenreRankingTrainOptions& options) {
@@ -177,47 +262,39 @@ GenreRankingTrainResult train_genre_ranker(GenreRanker& ranker, const GenreRanki
   }
   const auto start = std::chrono::steady_clock::now();
   ranker->train();
-  torch::optim::Adam optimizer(ranker->parameters(),
-                               torch::optim::AdamOptions(options.learning_rate));
-  std::mt19937_64 rng(options.seed);
-  std::uniform_int_distribution<std::size_t> pick_sentence(0, data.train_token_ids.size() - 1);
-  const auto genre_count = static_cast<std::int64_t>(data.genres.size());
-  std::uniform_int_distribution<std::int64_t> pick_other(0, genre_count - 2);
+  torch::optim::Adam optimizer(ranker->parameters(), torch::optim::AdamOptions(options.learning_rate));
+  GenreRankingTask task(ranker, data, loss, options.seed);
+  FixedBatcher batcher(optimizer, nullptr, options.pairs_per_step);  // one microbatch per step
+  HookList hooks;
+  auto recorder = std::make_shared<GenreRankingRecorder>(task);
+  hooks.add(recorder);
+  LearnerOptions learner;
+  learner.run_dir = options.run_dir;
+  learner.max_steps = options.steps;
+  const auto steps_per_epoch = static_cast<std::int64_t>(data.train_token_ids.size()) / options.pairs_per_step + 1;
+  learner.epochs = options.steps / steps_per_epoch + 1;  // the step budget ends the run
+  learner.outer_batch_size = options.pairs_per_step;
+  learner.sampler_seed = options.seed;
+  learner.lr_schedule.kind = LrScheduleKind::kConstant;
+  learner.lr_schedule.peak_learning_rate = options.learning_rate;
+  learner.validation.metric = "pairwise_accuracy";
+  learner.validation.mode = MetricMode::kMax;
+  learner.log = [](const std::string&) {};
+  LearnerComponents parts;
+  parts.fixed_batcher = &batcher;
+  parts.hooks = &hooks;
+  Learner(task, optimizer, learner, parts).run();
 
   GenreRankingTrainResult result;
-  const std::int64_t tail_steps = std::max<std::int64_t>(1, options.steps / 10);
+  result.first_loss = recorder->losses.front();
+  result.last_loss = recorder->losses.back();
+  const std::size_t tail = std::max<std::size_t>(1, recorder->accuracies.size() / 10);
   double tail_accuracy = 0;
-  const auto batch = static_cast<std::size_t>(options.pairs_per_step);
-  for (std::int64_t step = 0; step < options.steps; ++step) {
-    std::vector<std::size_t> indices(batch);
-    std::vector<std::int64_t> positive_ids(batch);
-    std::vector<std::int64_t> negative_ids(batch);
-    for (std::size_t i = 0; i < batch; ++i) {
-      indices[i] = pick_sentence(rng);
-      positive_ids[i] = data.train_genre_ids[indices[i]];
-      const std::int64_t other = pick_other(rng);  // uniform over the genre_count - 1 others
-      negative_ids[i] = other >= positive_ids[i] ? other + 1 : other;
-    }
-    const SentenceBag bag = make_sentence_bag(data.train_token_ids, indices);
-    const torch::Tensor all_scores = ranker->forward(bag.token_ids, bag.offsets);  // [B, genres]
-    const torch::Tensor pair_ids =
-        torch::stack({torch::tensor(positive_ids, torch::kLong),
-                      torch::tensor(negative_ids, torch::kLong)},
-                     1);                                      // [B, 2]
-    const torch::Tensor scores = all_scores.gather(1, pair_ids);  // [B, 2]: positive, negative
-    optimizer.zero_grad();
-    const torch::Tensor loss_mean = loss.sum(scores) / static_cast<double>(batch);
-    loss_mean.backward();
-    optimizer.step();
-
-    const double value = loss_mean.item<double>();
-    if (step == 0) result.first_loss = value;
-    result.last_loss = value;
-    if (step >= options.steps - tail_steps) tail_accuracy += pairwise::pairwise_accuracy(scores);
+  for (std::size_t i = recorder->accuracies.size() - tail; i < recorder->accuracies.size(); ++i) {
+    tail_accuracy += recorder->accuracies[i];
   }
-  result.mean_train_accuracy_last_10_percent = tail_accuracy / static_cast<double>(tail_steps);
-  result.duration_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.mean_train_accuracy_last_10_percent = tail_accuracy / static_cast<double>(tail);
+  result.duration_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
 }
 

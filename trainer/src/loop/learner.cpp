@@ -78,9 +78,38 @@ void LearnerOptions::validate() const {
   }
   validation.validate();
   checkpoints.validate();
+  try {
+    if (default_metric_mode(validation.metric) != validation.mode) {
+      fail("validation.mode is " + to_string(validation.mode) + " but the metric '" + validation.metric +
+           "' is better when " + (validation.mode == MetricMode::kMax ? "lower" : "higher") +
+           ": set validation.mode to MetricMode::" + (validation.mode == MetricMode::kMax ? "kMin" : "kMax"));
+    }
+  } catch (const std::invalid_argument& error) {
+    if (std::string(error.what()).rfind("LearnerOptions.", 0) == 0) throw;  // a name without a direction: any mode
+  }
   LrScheduleOptions schedule = lr_schedule;
   schedule.total_steps = 1;
   schedule.validate();
+}
+
+nlohmann::json LearnerOptions::resume_settings() const {
+  return {{"epochs", epochs},
+          {"max_steps", max_steps},
+          {"outer_batch_size", outer_batch_size},
+          {"sampler_seed", sampler_seed},
+          {"lr_schedule",
+           {{"kind", static_cast<int>(lr_schedule.kind)},
+            {"peak_learning_rate", lr_schedule.peak_learning_rate},
+            {"warmup_steps", lr_schedule.warmup_steps},
+            {"final_fraction", lr_schedule.final_fraction}}},
+          {"validation",
+           {{"every_steps", validation.every_steps},
+            {"every_epochs", validation.every_epochs},
+            {"metric", validation.metric},
+            {"mode", to_string(validation.mode)},
+            {"warmup_validations", validation.warmup_validations},
+            {"patience", validation.patience}}},
+          {"underprediction_tolerance", underprediction_tolerance}};
 }
 
 std::int64_t LearnerOptions::total_steps(std::size_t records) const {
@@ -257,11 +286,11 @@ void Learner::Impl::log_progress(const GlobalStepResult& result) {
   const double eta_s = static_cast<double>(state.total_steps - step) * counters.mean_step_s(step);
   char text[320];
   std::snprintf(text, sizeof text,
-                "step %5lld/%lld  epoch %lld  loss %.4f  %7.0f tokens/s  %2lld microbatches  "
+                "step %5lld/%lld  epoch %lld  loss %.4f  %7.0f %s/s  %2lld microbatches  "
                 "peak %.1f/%.1f MiB  ETA %s%s",
                 static_cast<long long>(step), static_cast<long long>(state.total_steps),
                 static_cast<long long>(state.epoch + 1), result.loss,
-                counters.real_tokens / std::max(1e-9, counters.train_s),
+                counters.real_tokens / std::max(1e-9, counters.train_s), options.size_name.c_str(),
                 static_cast<long long>(result.microbatches),
                 static_cast<double>(result.peak_allocated_bytes) / (1 << 20),
                 static_cast<double>(capacity_bytes()) / (1 << 20), format_duration(eta_s).c_str(),
@@ -273,11 +302,22 @@ void Learner::Impl::train_one_step(const std::vector<std::size_t>& records) {
   std::vector<std::vector<double>> record_dims;
   std::vector<double> record_units;
   double step_size = 0;
+  double units = 0;
   for (std::size_t index : records) {
     TrainingRecord record = task.train_record(index);
+    if (!(record.units >= 0) || !std::isfinite(record.units)) {
+      throw std::invalid_argument("TrainingTask::train_record(" + std::to_string(index) + ").units is " +
+                                  std::to_string(record.units) + ": units must be finite and >= 0");
+    }
+    units += record.units;
     record_dims.push_back(std::move(record.dims));
     record_units.push_back(record.units);
     step_size += record.size;
+  }
+  if (units <= 0) {
+    throw std::invalid_argument("the outer batch of step " + std::to_string(state.step + 1) + " has 0 units (" +
+                                std::to_string(records.size()) + " records): TrainingTask::train_record's units " +
+                                "are what the loss is summed over and must add up to more than 0");
   }
   LrScheduleOptions schedule = options.lr_schedule;
   schedule.total_steps = std::max<std::int64_t>(1, state.total_steps);

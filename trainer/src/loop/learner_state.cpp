@@ -119,7 +119,11 @@ void Learner::Impl::obtain_memory_model() {
     const auto wait = dist.options().rendezvous_timeout;
     probing.share_from_rank0 = [this, wait](const std::string& payload) { return dist.share_from(0, payload, wait); };
   }
-  if (!probing.log) probing.log = [this](const std::string& line) { log(options.log_prefix + ": " + line); };
+  if (!probing.log) {
+    probing.log = [this](const std::string& line) {  // the probe's lines start with "xpm: "
+      log(options.log_prefix + ": " + (line.rfind("xpm: ", 0) == 0 ? line.substr(5) : line));
+    };
+  }
   const StepProbeResult probed = probe_and_fit(
       task.module(), optimizer, [this](const std::vector<double>& dims) { return task.probe_loss_sum(dims); }, probing);
   batcher->set_model(probed.model);
@@ -179,6 +183,7 @@ LearnerResumeState Learner::Impl::resume_state() const {
   saved.early_stopping = early_stopping.to_json();
   saved.early_stopped = outcome.early_stopped;
   saved.task_state = task.extra_state();
+  saved.learner_settings = options.resume_settings();
   return saved;
 }
 
@@ -260,6 +265,11 @@ void Learner::Impl::restore(const LearnerCheckpoint& checkpoint) {
                                 std::to_string(saved.total_steps) + " steps over " +
                                 std::to_string(saved.epoch_order.size()) + " train records; this run has " +
                                 std::to_string(state.total_steps) + " steps over " + std::to_string(order.size()));
+  }
+  if (!saved.learner_settings.is_null() && saved.learner_settings != options.resume_settings()) {
+    throw std::invalid_argument("resume: checkpoint '" + checkpoint.info.path + "' was written with other Learner " +
+                                "options: " + saved.learner_settings.dump() + "; this run has " +
+                                options.resume_settings().dump());
   }
   state.epoch = saved.epoch;
   state.step = saved.step;

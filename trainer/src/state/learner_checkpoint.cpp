@@ -52,7 +52,8 @@ nlohmann::json LearnerResumeState::to_json() const {
           {"early_stopping", early_stopping},
           {"early_stopped", early_stopped},
           {"loss_scaler", loss_scaler},
-          {"task_state", task_state}};
+          {"task_state", task_state},
+          {"learner_settings", learner_settings}};
 }
 
 LearnerResumeState LearnerResumeState::from_json(const nlohmann::json& json) {
@@ -73,6 +74,7 @@ LearnerResumeState LearnerResumeState::from_json(const nlohmann::json& json) {
   state.early_stopped = required<bool>(json, "early_stopped");
   if (json.contains("loss_scaler")) state.loss_scaler = required<std::vector<double>>(json, "loss_scaler");
   if (json.contains("task_state")) state.task_state = json.at("task_state");
+  if (json.contains("learner_settings")) state.learner_settings = json.at("learner_settings");
   return state;
 }
 

@@ -22,12 +22,14 @@
 #pragma once
 
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
 #include <torch/torch.h>
 
 #include "xpm/tasks/brown_corpus.hpp"
+#include "xpm/trainer/loop/training_task.hpp"
 #include "xpm/trainer/steps/losses.hpp"
 
 namespace xpm {
@@ -97,6 +99,36 @@ struct GenreRankingTrainOptions {
   std::int64_t pairs_per_step = 64;   // train sentences (one pair each) per step
   double learning_rate = 0.01;        // Adam
   std::uint64_t seed = 1;             // sentence and negative sampling
+  std::string run_dir = "runs/genre-ranking";  // the Learner's metrics.jsonl, best_parameters.pt
+};
+
+/// The genre-ranking task as a TrainingTask (xpm/trainer/loop/training_task.hpp): records are
+/// the train sentences (dims {bs = 1, l = words}, one pair each: units 1, size the words); the
+/// summed loss of a microbatch draws each sentence's wrong genre uniformly among the others from
+/// the task's own generator (saved in checkpoints); validation is heldout_pairwise_accuracy
+/// ("pairwise_accuracy"). Single process. References must outlive the task.
+class GenreRankingTask : public TrainingTask {
+ public:
+  GenreRankingTask(GenreRanker& ranker, const GenreRankingData& data, const pairwise::PairwiseLoss& loss,
+                   std::uint64_t seed);
+  torch::nn::Module& module() override { return *ranker_; }
+  std::size_t train_record_count() const override { return data_.train_token_ids.size(); }
+  TrainingRecord train_record(std::size_t index) const override;
+  torch::Tensor loss_sum(const std::vector<std::size_t>& records) override;
+  NamedMetrics validate(const ValidationPlanFn& plan_of) override;
+  torch::Tensor probe_loss_sum(const std::vector<double>& dims) override;
+  nlohmann::json extra_state() const override;
+  void restore_extra_state(const nlohmann::json& state) override;
+  /// Pairwise accuracy of the pairs loss_sum scored since the last call (0 when none), then reset.
+  double take_train_accuracy();
+
+ private:
+  GenreRanker& ranker_;
+  const GenreRankingData& data_;
+  const pairwise::PairwiseLoss& loss_;
+  std::mt19937_64 negatives_;
+  double correct_pairs_ = 0;  // pairwise_accuracy x pairs, since take_train_accuracy()
+  double pairs_ = 0;
 };
 
 struct GenreRankingTrainResult {
@@ -106,10 +138,13 @@ struct GenreRankingTrainResult {
   double duration_s = 0;        // wall time of training
 };
 
-/// Trains `ranker` with `loss` (its output type must be the ranker's): each step samples
-/// pairs_per_step train sentences with replacement and one wrong genre each, and minimizes
-/// loss.sum(scores) / pairs_per_step with Adam. Throws std::invalid_argument for options < 1,
-/// learning_rate <= 0, or a loss whose output type differs from the ranker's.
+/// Trains `ranker` with `loss` (its output type must be the ranker's) on the Learner
+/// (xpm/trainer/loop/learner.hpp) over a GenreRankingTask: each step takes the next
+/// pairs_per_step sentences of an epoch's shuffle, one wrong genre each, and minimizes
+/// loss.sum(scores) / pairs_per_step with Adam at a constant learning rate, in one microbatch
+/// (FixedBatcher); a validation at the end. Writes the Learner's files in options.run_dir.
+/// Throws std::invalid_argument for options < 1, learning_rate <= 0, or a loss whose output
+/// type differs from the ranker's.
 GenreRankingTrainResult train_genre_ranker(GenreRanker& ranker, const GenreRankingData& data,
                                            const pairwise::PairwiseLoss& loss,
                                            const GenreRankingTrainOptions& options);

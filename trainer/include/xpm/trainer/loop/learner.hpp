@@ -109,16 +109,23 @@ struct LearnerOptions {
   std::int64_t bucket_cap_bytes = 25 << 20;  // gradient all-reduce buckets (data parallel)
   OptimizerCheckpointLayout optimizer_checkpoint = OptimizerCheckpointLayout::kPerRankShards;
   std::string checkpoint_kind = "xpm-learner";  // the manifest's "kind"
-  nlohmann::json config;                  // the run's settings, in every checkpoint's manifest
+  /// The run's own settings (model, data, ...), in every checkpoint's manifest; a resume refuses
+  /// a checkpoint whose config differs in a key (the Learner's own options are compared too).
+  nlohmann::json config;
   StepProbeOptions probing;               // when the batcher has no model (batcher, rank, sharing: set by run())
   std::string log_prefix = "xpm";         // of the log lines ("xpm: checkpoint ...")
+  std::string size_name = "tokens";       // what TrainingRecord::size counts, in the progress line
   /// Rank 0's progress lines; empty: std::cout on rank 0. Other ranks log nothing.
   std::function<void(const std::string& line)> log;
   /// Appended to the error that stops a run after consecutive out-of-memory steps.
   std::string oom_advice = "probe larger shapes, or plan with a lower memory fraction";
 
-  /// Throws std::invalid_argument naming the field and its value.
+  /// Throws std::invalid_argument naming the field and its value, and for a validation metric
+  /// whose name says its direction ("...loss": min, "...accuracy": max) under the other mode.
   void validate() const;
+  /// The options a resumed run must share with the checkpoint's (epochs, steps, outer batch,
+  /// sampler seed, LR schedule, validation), as JSON.
+  nlohmann::json resume_settings() const;
   /// True when checkpoints are written by steps or epochs.
   bool checkpointing() const { return checkpoints.every_steps > 0 || checkpoints.every_epochs > 0; }
   /// Optimizer steps of a run over `records` training records.
