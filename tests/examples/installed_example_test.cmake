@@ -1,23 +1,8 @@
 # Installs xpm into a temporary prefix, configures and builds an example with find_package(xpm)
 # from that prefix alone, runs it for a few steps and checks what it prints: 0 OOM and the
 # prediction error of every microbatch where the formula binds.
-cmake_minimum_required(VERSION 3.22)
-file(REMOVE_RECURSE "${WORK_DIR}")
-set(prefix "${WORK_DIR}/prefix")
-function(run label)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "${label}: exit code ${rc}\nstdout: ${out}\nstderr: ${err}")
-  endif()
-  set(OUT "${out}" PARENT_SCOPE)
-endfunction()
-run("install" "${CMAKE_COMMAND}" --install "${XPM_BUILD_DIR}" --prefix "${prefix}")
-if(NOT EXISTS "${prefix}/include/xpm/planner_torch/step_probing.hpp")
-  message(FATAL_ERROR "install: no step_probing.hpp under ${prefix}/include")
-endif()
-run("configure" "${CMAKE_COMMAND}" -S "${EXAMPLE_DIR}" -B "${WORK_DIR}/build"
-    -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release)
-run("build" "${CMAKE_COMMAND}" --build "${WORK_DIR}/build")
+set(REQUIRED_HEADERS xpm/planner_torch/step_probing.hpp)
+include(${CMAKE_CURRENT_LIST_DIR}/install_and_build_example.cmake)
 file(GLOB program "${WORK_DIR}/build/*-*")
 list(FILTER program EXCLUDE REGEX "[.]cmake$")
 run("run" "${program}" --data-dir "${DATA_DIR}" --steps 6 --threads 1)  # ctest runs two at once

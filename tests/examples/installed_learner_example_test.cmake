@@ -2,28 +2,13 @@
 # find_package(xpm COMPONENTS planner trainer) from that prefix alone, then runs it: a run
 # stopped after step 4 and resumed ends with the same best parameters, byte for byte, as an
 # uninterrupted one; a run of 2 ranks (--nproc 2) trains too; every run has 0 OOM.
-cmake_minimum_required(VERSION 3.22)
-file(REMOVE_RECURSE "${WORK_DIR}")
-set(prefix "${WORK_DIR}/prefix")
-function(run label)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "${label}: exit code ${rc}\nstdout: ${out}\nstderr: ${err}")
-  endif()
-  set(OUT "${out}" PARENT_SCOPE)
-endfunction()
+set(REQUIRED_HEADERS xpm/trainer/loop/learner.hpp xpm/trainer/loop/training_task.hpp)
+include(${CMAKE_CURRENT_LIST_DIR}/install_and_build_example.cmake)
 function(expect label pattern)
   if(NOT OUT MATCHES "${pattern}")
     message(FATAL_ERROR "${label}: no '${pattern}' in:\n${OUT}")
   endif()
 endfunction()
-run("install" "${CMAKE_COMMAND}" --install "${XPM_BUILD_DIR}" --prefix "${prefix}")
-if(NOT EXISTS "${prefix}/include/xpm/trainer/loop/learner.hpp")
-  message(FATAL_ERROR "install: no xpm/trainer/loop/learner.hpp under ${prefix}/include")
-endif()
-run("configure" "${CMAKE_COMMAND}" -S "${EXAMPLE_DIR}" -B "${WORK_DIR}/build"
-    -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release)
-run("build" "${CMAKE_COMMAND}" --build "${WORK_DIR}/build")
 set(program "${WORK_DIR}/build/conv-genre-classifier")
 set(common --data-dir "${DATA_DIR}" --steps 8 --threads 1)
 

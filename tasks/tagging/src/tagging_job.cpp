@@ -52,28 +52,13 @@ int default_worker_threads(int local_world_size) {
   return std::max(1, hardware / std::max(1, local_world_size));
 }
 
-// Settings a resumed run may change: where things go, what is printed, how often checkpoints
-// are written, stopping, timeouts, and the sharding (the update is AdamW's either way; the
-// checkpoint's optimizer files decide what can be loaded). Every other one (model, data,
-// schedule, batcher, memory budget, validation) must equal the checkpoint's, or the resumed run
-// would not continue the stopped one.
-const std::set<std::string>& settings_free_on_resume() {
-  static const std::set<std::string> keys = {
-      "run_dir",          "data_dir",           "threads",
-      "log_every",        "quiet",              "memory_model_cache",
-      "resume",           "stop_after_steps",   "checkpoint_every_steps",
-      "checkpoint_every_epochs", "keep_checkpoints", "collective_timeout_s",
-      "rendezvous_timeout_s", "backend", "sharding", "optimizer_checkpoint"};
-  return keys;
-}
-
 // The newest valid checkpoint of the run folder (every rank reads the one rank 0 chose), checked
 // against the config; nullopt when there is none (the run starts at step 0).
 std::optional<LearnerCheckpoint> find_job_checkpoint(const TaggingJobConfig& config, DistributedContext& dist,
                                                      const std::function<void(const std::string&)>& log) {
   std::optional<LearnerCheckpoint> checkpoint = find_resume_checkpoint(
       config.run_dir + "/checkpoints", config.checkpoint_settings(), dist, config.to_json(),
-      settings_free_on_resume(),
+      tagging_settings_free_on_resume(),
       [](const std::string& warning) { std::cerr << "xpm-train: warning: " << warning << std::endl; });
   if (!checkpoint) {
     log("xpm-train: --resume: no valid checkpoint in " + config.run_dir + "/checkpoints; starting at step 0");

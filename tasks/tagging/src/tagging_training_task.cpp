@@ -48,6 +48,16 @@ std::string TaggingTrainingTask::describe(const NamedMetrics& metrics) const {
   return text;
 }
 
+const std::set<std::string>& tagging_settings_free_on_resume() {
+  static const std::set<std::string> keys = {
+      "run_dir",          "data_dir",           "threads",
+      "log_every",        "quiet",              "memory_model_cache",
+      "resume",           "stop_after_steps",   "checkpoint_every_steps",
+      "checkpoint_every_epochs", "keep_checkpoints", "collective_timeout_s",
+      "rendezvous_timeout_s", "backend", "sharding", "optimizer_checkpoint"};
+  return keys;
+}
+
 LearnerOptions tagging_learner_options(const TaggingJobConfig& config,
                                        std::function<void(const std::string&)> log) {
   LearnerOptions options;
@@ -72,6 +82,7 @@ LearnerOptions tagging_learner_options(const TaggingJobConfig& config,
   options.bucket_cap_bytes = config.bucket_cap_bytes;
   options.checkpoint_kind = "xpm-tagging-job";
   options.config = config.to_json();
+  options.resume_free_keys = tagging_settings_free_on_resume();
   options.log_prefix = "xpm-train";
   options.log = std::move(log);
   options.oom_advice = "probe larger shapes with --probe-points, or lower --memory-fraction";

@@ -17,18 +17,6 @@
 namespace xpm {
 namespace {
 
-// Settings a resumed run may change (LearnerOptions::config keys): where things go, what is
-// printed, how often checkpoints are written, stopping, timeouts, sharding.
-const std::set<std::string>& settings_free_on_resume() {
-  static const std::set<std::string> keys = {
-      "run_dir",          "data_dir",           "threads",
-      "log_every",        "quiet",              "memory_model_cache",
-      "resume",           "stop_after_steps",   "checkpoint_every_steps",
-      "checkpoint_every_epochs", "keep_checkpoints", "collective_timeout_s",
-      "rendezvous_timeout_s", "backend", "sharding", "optimizer_checkpoint"};
-  return keys;
-}
-
 void check_components(const LearnerComponents& parts, const DistributedContext& dist) {
   if ((parts.batcher == nullptr) == (parts.fixed_batcher == nullptr)) {
     throw std::invalid_argument("LearnerComponents: give exactly one of batcher (predictive) and fixed_batcher");
@@ -99,7 +87,7 @@ std::int64_t Learner::Impl::capacity_bytes() const {
 
 void Learner::Impl::find_checkpoint_to_resume() {
   std::optional<LearnerCheckpoint> found = find_resume_checkpoint(
-      options.run_dir + "/checkpoints", options.checkpoints, dist, options.config, settings_free_on_resume(),
+      options.run_dir + "/checkpoints", options.checkpoints, dist, options.config, options.resume_free_keys,
       [&](const std::string& warning) { std::cerr << options.log_prefix << ": warning: " << warning << std::endl; });
   if (!found) {
     log(options.log_prefix + ": resume: no valid checkpoint in " + options.run_dir + "/checkpoints; starting at step 0");

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,12 @@ class TaggingTrainingTask : public TrainingTask {
   const std::vector<EncodedSentence>& train_;
   TrainerValidationLoss validation_;
 };
+
+/// TaggingJobConfig keys a resumed job may change: where things go, what is printed, how often
+/// checkpoints are written, stopping, timeouts, and the sharding (the update is AdamW's either
+/// way; the checkpoint's optimizer files decide what can be loaded). Every other one (model,
+/// data, schedule, batcher, memory budget, validation) must equal the checkpoint's.
+const std::set<std::string>& tagging_settings_free_on_resume();
 
 /// The Learner's options for the job: schedule, validation, checkpoints, stopping, batch
 /// size, log lines ("xpm-train: ..."), the config in every checkpoint's manifest.

@@ -59,6 +59,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -112,6 +113,8 @@ struct LearnerOptions {
   /// The run's own settings (model, data, ...), in every checkpoint's manifest; a resume refuses
   /// a checkpoint whose config differs in a key (the Learner's own options are compared too).
   nlohmann::json config;
+  /// Keys of `config` a resumed run may change (where things go, what is printed, timeouts).
+  std::set<std::string> resume_free_keys = {"run_dir", "resume", "stop_after_steps", "log_every", "threads"};
   StepProbeOptions probing;               // when the batcher has no model (batcher, rank, sharing: set by run())
   std::string log_prefix = "xpm";         // of the log lines ("xpm: checkpoint ...")
   std::string size_name = "tokens";       // what TrainingRecord::size counts, in the progress line

@@ -1,0 +1,22 @@
+# What both example tests do first: a fresh WORK_DIR, xpm installed into WORK_DIR/prefix, the
+# example configured with find_package(xpm) from that prefix alone and built. run(label cmd...)
+# fails the test with the command's output unless it exits 0, and leaves its stdout in OUT.
+cmake_minimum_required(VERSION 3.22)
+file(REMOVE_RECURSE "${WORK_DIR}")
+set(prefix "${WORK_DIR}/prefix")
+function(run label)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${label}: exit code ${rc}\nstdout: ${out}\nstderr: ${err}")
+  endif()
+  set(OUT "${out}" PARENT_SCOPE)
+endfunction()
+run("install" "${CMAKE_COMMAND}" --install "${XPM_BUILD_DIR}" --prefix "${prefix}")
+foreach(header IN LISTS REQUIRED_HEADERS)
+  if(NOT EXISTS "${prefix}/include/${header}")
+    message(FATAL_ERROR "install: no ${header} under ${prefix}/include")
+  endif()
+endforeach()
+run("configure" "${CMAKE_COMMAND}" -S "${EXAMPLE_DIR}" -B "${WORK_DIR}/build"
+    -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release)
+run("build" "${CMAKE_COMMAND}" --build "${WORK_DIR}/build")
