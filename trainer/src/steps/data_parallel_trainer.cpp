@@ -22,16 +22,6 @@ double marginal_cost_bytes(const MemoryModel& model, std::vector<double> dims) {
   return std::max(0.0, one - zero);
 }
 
-// Zeroes every .grad in place. Optimizer::zero_grad() in LibTorch 1.13 calls detach_(), which
-// views (the gradient buckets) refuse; zeroing in place keeps the gradients in their buckets.
-void zero_gradients(torch::optim::Optimizer& optimizer) {
-  torch::NoGradGuard no_grad;
-  for (auto& group : optimizer.param_groups()) {
-    for (auto& parameter : group.params()) {
-      if (parameter.grad().defined()) parameter.mutable_grad().zero_();
-    }
-  }
-}
 
 // The gradients of the optimizer's parameters (undefined ones included; unscale_ skips them).
 std::vector<torch::Tensor> gradients_of(torch::optim::Optimizer& optimizer) {
@@ -69,7 +59,7 @@ void DataParallelTrainer::zero_grad() {
   if (sharded_ != nullptr) {
     sharded_->zero_grad();
   } else {
-    zero_gradients(optimizer_);
+    zero_gradients_in_place(optimizer_);
   }
 }
 

@@ -12,17 +12,6 @@
 namespace xpm {
 namespace {
 
-// Zeroes every .grad in place (as data_parallel_trainer.cpp does): Optimizer::zero_grad() in
-// LibTorch 1.13 calls detach_() on each gradient, which gradient views would refuse.
-void zero_gradients(torch::optim::Optimizer& optimizer) {
-  torch::NoGradGuard no_grad;
-  for (auto& group : optimizer.param_groups()) {
-    for (auto& parameter : group.params()) {
-      if (parameter.grad().defined()) parameter.mutable_grad().zero_();
-    }
-  }
-}
-
 // Parameters whose .grad is undefined (never allocated, or frozen): after a failed attempt
 // they get an undefined gradient back, so memory returns to the pre-step baseline even on the
 // first step, before any gradient existed.
@@ -91,7 +80,7 @@ GlobalStepResult FixedBatcher::try_step(const std::vector<double>& record_units,
   result.records_per_rank = {static_cast<std::int64_t>(record_units.size())};
   result.predicted_cost_per_rank = {0.0};
   if (meter_ != nullptr) meter_->reset_peak();
-  zero_gradients(optimizer_);
+  zero_gradients_in_place(optimizer_);
   const std::int64_t baseline_bytes = meter_ != nullptr ? meter_->current_allocated_bytes() : 0;
   const std::vector<torch::Tensor> without_gradient = parameters_without_gradient(optimizer_);
   StepResult local;
@@ -117,7 +106,7 @@ GlobalStepResult FixedBatcher::try_step(const std::vector<double>& record_units,
   double optimizer_step_peak_bytes = 0;
   if (oom) {
     // Clean state for a retry: gradients zeroed, those created by this attempt freed.
-    zero_gradients(optimizer_);
+    zero_gradients_in_place(optimizer_);
     for (torch::Tensor parameter : without_gradient) parameter.mutable_grad() = torch::Tensor();
     if (meter_ != nullptr) {
       last_oom_bytes_above_baseline_ = meter_->current_allocated_bytes() - baseline_bytes;

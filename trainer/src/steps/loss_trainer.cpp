@@ -12,6 +12,15 @@
 
 namespace xpm {
 
+void zero_gradients_in_place(torch::optim::Optimizer& optimizer) {
+  torch::NoGradGuard no_grad;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& parameter : group.params()) {
+      if (parameter.grad().defined()) parameter.mutable_grad().zero_();
+    }
+  }
+}
+
 void release_autograd_buffers_after_oom() {
   CpuMemoryMeter& meter = CpuMemoryMeter::instance();
   const std::int64_t capacity_bytes = meter.capacity_bytes();

@@ -13,19 +13,6 @@
 #include "xpm/trainer/loop/error_context.hpp"
 
 namespace xpm {
-namespace {
-
-// In place, keeping the gradient tensors allocated (Optimizer::zero_grad detaches them first).
-void zero_gradients(torch::optim::Optimizer& optimizer) {
-  torch::NoGradGuard no_grad;
-  for (auto& group : optimizer.param_groups()) {
-    for (auto& parameter : group.params()) {
-      if (parameter.grad().defined()) parameter.mutable_grad().zero_();
-    }
-  }
-}
-
-}  // namespace
 
 MultipleTrainer::MultipleTrainer(torch::optim::Optimizer& optimizer, MemoryMeter* meter,
                                  std::vector<SubTrainer> sub_trainers)
@@ -100,7 +87,7 @@ MultipleStepResult MultipleTrainer::train_step(const std::vector<OuterBatch>& ba
   MultipleStepResult result;
   std::int64_t peak_bytes = 0;
   if (meter_ != nullptr) meter_->reset_peak();
-  zero_gradients(optimizer_);
+  zero_gradients_in_place(optimizer_);
   std::size_t current = 0;
   try {
     for (current = 0; current < batches.size(); ++current) {
@@ -135,7 +122,7 @@ MultipleStepResult MultipleTrainer::train_step(const std::vector<OuterBatch>& ba
     }
   } catch (const c10::OutOfMemoryError&) {
     // accumulate_gradients released the failed backward's buffers; drop the partial gradient.
-    zero_gradients(optimizer_);
+    zero_gradients_in_place(optimizer_);
     const std::string name = current < sub_trainers_.size() ? sub_trainers_[current].name : "";
     result = MultipleStepResult{};
     result.oom = true;

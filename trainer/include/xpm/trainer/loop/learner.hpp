@@ -188,6 +188,9 @@ class Learner {
   /// it. Each error says where, in the class it had (error_context.hpp): "probing at bs=..",
   /// "step 12: ...", "validation after step 40: ...", "checkpoint write of step 40: ...",
   /// "resume: ...".
+  /// std::invalid_argument (every rank alike) for a record whose units are negative or not a
+  /// number, an outer batch of 0 units, or a checkpoint to resume whose config or Learner
+  /// options differ; std::runtime_error after 10 steps in a row out of memory.
   LearnerOutcome run();
 
   const TrainState& state() const { return *state_; }

@@ -94,6 +94,12 @@ struct UnitWeightedMean {
 /// trainers here do. Local: no collective.
 void release_autograd_buffers_after_oom();
 
+/// Zeroes every defined .grad of the optimizer's parameters in place, keeping the tensors
+/// allocated: Optimizer::zero_grad() in LibTorch 1.13 calls detach_() on each gradient (which
+/// gradient views into buckets refuse) and frees them from 2.0 on (which would move the static
+/// memory the planner measured). Local: no collective.
+void zero_gradients_in_place(torch::optim::Optimizer& optimizer);
+
 /// Called once per optimizer step, right before optimizer.step(): the outer batch's gradients
 /// are accumulated (and all-reduced under data parallelism). StepTrainingHook's
 /// before_optimizer_step (gradient clipping) runs here. Not called when the step is skipped.
