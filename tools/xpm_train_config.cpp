@@ -74,6 +74,34 @@ std::vector<xpm::ProbePoint> parse_probe_points(const std::string& text) {
   return points;
 }
 
+// The enum settings as typed (command line or config file), parsed into the config once both
+// are read; errors name the option.
+struct ChoiceTexts {
+  std::string architecture, lr_schedule, precision, sharding, optimizer_checkpoint, batcher, packer,
+      validation_metric, validation_mode, backend;
+
+  explicit ChoiceTexts(const xpm::TaggingJobConfig& c)
+      : architecture(xpm::to_string(c.architecture)), lr_schedule(xpm::to_string(c.lr_schedule)),
+        precision(xpm::to_string(c.precision)), sharding(xpm::to_string(c.sharding)),
+        optimizer_checkpoint(xpm::optimizer_checkpoint_name(c.optimizer_checkpoint)),
+        batcher(xpm::to_string(c.batcher)), packer(xpm::to_string(c.packer)),
+        validation_metric(xpm::to_string(c.validation_metric)),
+        validation_mode(xpm::validation_mode_name(c.validation_mode)), backend(xpm::to_string(c.backend)) {}
+
+  void parse_into(xpm::TaggingJobConfig& c) const {
+    c.architecture = xpm::parse_tagging_architecture(architecture, "--architecture");
+    c.lr_schedule = xpm::parse_lr_schedule_kind(lr_schedule, "--lr-schedule");
+    c.precision = xpm::parse_precision(precision, "--precision");
+    c.sharding = xpm::parse_sharding_strategy(sharding, "--sharding");
+    c.optimizer_checkpoint = xpm::parse_optimizer_checkpoint_layout(optimizer_checkpoint, "--optimizer-checkpoint");
+    c.batcher = xpm::parse_batcher_kind(batcher, "--batcher");
+    c.packer = xpm::parse_packer_kind(packer, "--packer");
+    c.validation_metric = xpm::parse_tagging_metric(validation_metric, "--validation-metric");
+    c.validation_mode = xpm::parse_validation_mode(validation_mode, "--validation-mode");
+    c.backend = xpm::parse_collective_backend(backend, "--backend");
+  }
+};
+
 }  // namespace
 
 std::string with_option_names(std::string message) {
@@ -112,10 +140,11 @@ namespace {
 
 // The checks after parsing: the dependent defaults, then TaggingJobConfig::validate (renamed to
 // option names), the corpus, --nproc. Throws std::invalid_argument naming the option.
-void complete_and_validate(TrainSettings& settings, const po::variables_map& vm,
+void complete_and_validate(TrainSettings& settings, const po::variables_map& vm, const ChoiceTexts& choices,
                            const std::string& coefficients, const std::string& variables,
                            const std::string& probe_points) {
   xpm::TaggingJobConfig& config = settings.config;
+  choices.parse_into(config);
   const int nproc = settings.nproc;
   if (vm.count("microbatch-size") != 0U) {
     config.microbatch_size = vm["microbatch-size"].as<std::int64_t>();
@@ -123,10 +152,6 @@ void complete_and_validate(TrainSettings& settings, const po::variables_map& vm,
       throw std::invalid_argument("--microbatch-size must be >= 1, got " +
                                   std::to_string(config.microbatch_size));
     }
-  }
-  if (config.architecture != "transformer" && config.architecture != "bilstm") {
-    throw std::invalid_argument("--architecture must be 'transformer' or 'bilstm', got '" +
-                                config.architecture + "'");
   }
   if (vm["formula"].defaulted()) config.formula = xpm::default_cost_formula(config.architecture);
   config.variables = split_list(variables);
@@ -203,6 +228,7 @@ TrainSettings parse_train_settings(int argc, char** argv) {
   TrainSettings settings;
   xpm::TaggingJobConfig& config = settings.config;
   std::string coefficients = "a,b,c", variables = "bs,l", probe_points;
+  ChoiceTexts choices(config);
   int& nproc = settings.nproc;
   po::options_description options("Options (also valid in a --config file, without the dashes)");
   options.add_options()
@@ -228,7 +254,7 @@ TrainSettings parse_train_settings(int argc, char** argv) {
        "intra-op threads per worker (0: hardware threads / workers on this host)")
       ("vocab-size", po::value(&config.vocab_size)->default_value(config.vocab_size),
        "vocabulary entries including pad and unknown")
-      ("architecture", po::value(&config.architecture)->default_value(config.architecture),
+      ("architecture", po::value(&choices.architecture)->default_value(choices.architecture),
        "bundled model: transformer | bilstm (--d-model, --heads, --ff-dim, --layers, --dropout "
        "shape the transformer; the bilstm has embedding 128, 2 layers of 2 x 128, dropout 0.1)")
       ("d-model", po::value(&config.model.d_model)->default_value(config.model.d_model), "model width")
@@ -241,15 +267,15 @@ TrainSettings parse_train_settings(int argc, char** argv) {
       ("activation-checkpointing", po::bool_switch(&config.model.activation_checkpointing),
        "transformer: keep only each encoder layer's input in training and recompute the layer in "
        "backward (lower peak, one more forward per layer; part of the memory model's identity)")
-      ("precision", po::value(&config.precision)->default_value(config.precision),
+      ("precision", po::value(&choices.precision)->default_value(choices.precision),
        "32-true | bf16-mixed (bfloat16 autocast around the forward; fp32 weights, gradients and "
        "AdamW) | 16-mixed (CUDA only); part of the memory model's identity; docs/precision-and-sharding.md")
-      ("sharding", po::value(&config.sharding)->default_value(config.sharding),
+      ("sharding", po::value(&choices.sharding)->default_value(choices.sharding),
        "no_shard (every rank holds the whole AdamW state, as DDP) | shard_grad_op (each rank "
        "keeps and steps the AdamW state of its 1/world_size slice, then the parameters are "
        "gathered; FSDP SHARD_GRAD_OP / ZeRO); part of the memory model's identity; "
        "docs/precision-and-sharding.md")
-      ("optimizer-checkpoint", po::value(&config.optimizer_checkpoint)->default_value(config.optimizer_checkpoint),
+      ("optimizer-checkpoint", po::value(&choices.optimizer_checkpoint)->default_value(choices.optimizer_checkpoint),
        "checkpoints under --sharding shard_grad_op: sharded (each rank writes optimizer-rank<r>.pt; "
        "resume at the same world size) | full (one consolidated optimizer.pt that any world size, "
        "one process included, resumes from); no_shard always writes one optimizer.pt")
@@ -260,7 +286,7 @@ TrainSettings parse_train_settings(int argc, char** argv) {
        "docs/precision-and-sharding.md); off: every parameter decays")
       ("warmup-steps", po::value(&config.warmup_steps)->default_value(config.warmup_steps),
        "linear warmup steps, then --lr-schedule")
-      ("lr-schedule", po::value(&config.lr_schedule)->default_value(config.lr_schedule),
+      ("lr-schedule", po::value(&choices.lr_schedule)->default_value(choices.lr_schedule),
        "after warmup: constant | linear (decay to 10 % of --lr at the last step) | cosine (to 10 %)")
       ("memory-cap-bytes", po::value(&config.memory_cap_bytes)->default_value(config.memory_cap_bytes),
        "CPU cap on allocated tensor bytes; exceeding it is an OOM (0: see --memory-cap-factor)")
@@ -279,14 +305,14 @@ TrainSettings parse_train_settings(int argc, char** argv) {
        "variable names: batch size, padded length")
       ("probe-points", po::value(&probe_points)->default_value(""),
        "probe shapes BSxL,... (empty: automatic design up to the budget)")
-      ("batcher", po::value(&config.batcher)->default_value(config.batcher),
+      ("batcher", po::value(&choices.batcher)->default_value(choices.batcher),
        "predictive (probe, fit, plan; default) | fixed (--microbatch-size records per microbatch, "
        "an out-of-memory error skips the step) | power (shrink to outer batch size // n after an "
        "out-of-memory error and redo the step; single process only); docs/user-guide.md")
       ("microbatch-size", po::value<std::int64_t>(),
        "fixed: records per microbatch; power: the first size tried (default: the outer batch "
        "size); not with the predictive batcher")
-      ("packer", po::value(&config.packer)->default_value(config.packer),
+      ("packer", po::value(&choices.packer)->default_value(choices.packer),
        "adaptive | uniform | ffd (first fit decreasing: fewest microbatches for summed dims)")
       ("sort-by", po::value(&config.sort_by)->default_value(config.sort_by),
        "adaptive packer: sort records by this dim, heaviest first (empty: keep order)")
@@ -299,9 +325,9 @@ TrainSettings parse_train_settings(int argc, char** argv) {
       ("max-validation-sentences",
        po::value(&config.max_validation_sentences)->default_value(config.max_validation_sentences),
        "validate on the first N validation sentences (0: all)")
-      ("validation-metric", po::value(&config.validation_metric)->default_value(config.validation_metric),
+      ("validation-metric", po::value(&choices.validation_metric)->default_value(choices.validation_metric),
        "metric for the best model and early stopping: token_accuracy | loss (token cross-entropy)")
-      ("validation-mode", po::value(&config.validation_mode)->default_value(config.validation_mode),
+      ("validation-mode", po::value(&choices.validation_mode)->default_value(choices.validation_mode),
        "min | max | auto (max for token_accuracy, min for loss)")
       ("validation-warmup", po::value(&config.validation_warmup)->default_value(config.validation_warmup),
        "the first N validations are no best-model candidates and do not count for patience")
@@ -338,7 +364,7 @@ TrainSettings parse_train_settings(int argc, char** argv) {
       ("nproc", po::value(&nproc)->default_value(nproc),
        "data-parallel workers to start on this host (each also runs alone under torchrun, "
        "reading RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
-      ("backend", po::value(&config.backend)->default_value(config.backend),
+      ("backend", po::value(&choices.backend)->default_value(choices.backend),
        "c10d backend: auto | gloo | nccl (auto: gloo on CPU)")
       ("bucket-cap-bytes", po::value(&config.bucket_cap_bytes)->default_value(config.bucket_cap_bytes),
        "gradient all-reduce bucket cap in bytes")
@@ -392,7 +418,7 @@ TrainSettings parse_train_settings(int argc, char** argv) {
   }
   po::notify(vm);
   try {
-    complete_and_validate(settings, vm, coefficients, variables, probe_points);
+    complete_and_validate(settings, vm, choices, coefficients, variables, probe_points);
   } catch (const std::invalid_argument& error) {
     throw std::invalid_argument(attributed_to_config_file(error.what(), from_config_file, config_path));
   }

@@ -166,12 +166,10 @@ int main(int argc, char** argv) try {
   meter.set_capacity_bytes(cap_bytes);
 
   xpm::PredictiveBatcherOptions plan;  // the memory model: probed and fitted by the Learner
-  plan.formula = "a*bs*l + b*bs + c";
-  plan.coefficient_names = {"a", "b", "c"};
-  plan.variable_names = {"bs", "l"};
+  plan.formula = xpm::CostFormula::with_variables("a*bs*l + b*bs + c", {"bs", "l"});
   plan.variable_max = {{"bs", 64}, {"l", 256}};
   plan.design_fractions = {1.0, 0.5, 0.25};  // most sentences are short: probe short l too
-  plan.budget.capacity_bytes = cap_bytes;
+  plan.budget = xpm::meter_budget(meter);  // the capacity given once, to the meter
   plan.fit.usable_max_rel_error = 0.15;  // a lone sentence peaks 16 % above the trend (LibTorch's batch-1 Conv1d path)
   xpm::PredictiveBatcher batcher(plan, std::make_shared<xpm::AdaptivePacker>());
 

@@ -134,20 +134,17 @@ int main(int argc, char** argv) try {
   // 2. Probe the step on random characters and fit the memory model. Two regimes (measured):
   //    small microbatches peak in backward, larger ones with a steeper cost per character.
   xpm::StepProbeOptions probe;
-  probe.batcher.formula = "max(a*bs*l + b*bs + c, d*bs*l + e)";
-  probe.batcher.coefficient_names = {"a", "b", "c", "d", "e"};
-  probe.batcher.variable_names = {"bs", "l"};
+  probe.batcher.formula = xpm::CostFormula::with_variables("max(a*bs*l + b*bs + c, d*bs*l + e)", {"bs", "l"});
   probe.batcher.variable_max = {{"bs", double(kOuterBatch)}, {"l", double(max_length)}};
   probe.batcher.design_fractions = {1.0, 0.5, 0.25};  // most sentences are short: probe short l too
-  probe.batcher.budget.capacity_bytes = cap_bytes;
   probe.log = [](const std::string& line) { std::cout << line << "\n"; };
   const xpm::StepProbeResult probed = xpm::probe_and_fit(*model, optimizer, [&](const std::vector<double>& dims) {
     return model->loss_sum(torch::randint(1, kVocab, {std::int64_t(dims[0]), std::int64_t(dims[1])}));
   }, probe);
-  xpm::PredictiveBatcher batcher(probe.batcher, std::make_shared<xpm::AdaptivePacker>());
+  xpm::PredictiveBatcher batcher(probed.batcher_options, std::make_shared<xpm::AdaptivePacker>());
   batcher.set_model(probed.model);
   std::cout << "model: " << probed.model.formula().canonical() << ", floor " << probed.model.floor_bytes()
-            << " bytes, usable " << probe.batcher.budget.usable_bytes() << " of " << cap_bytes << " bytes\n";
+            << " bytes, usable " << probed.batcher_options.budget.usable_bytes() << " of " << cap_bytes << " bytes\n";
 
   // 3. Train: each outer batch of 64 sentences is split into microbatches; each microbatch's
   //    loss is divided by the outer batch's characters, so the gradient is the whole batch's.

@@ -127,6 +127,12 @@ FormulaError::FormulaError(const std::string& message, std::size_t position, std
       brief_(describe(message, position, symbol_)),
       formula_text_(std::move(formula_text)) {}
 
+CostFormula CostFormula::with_variables(const std::string& text, std::vector<std::string> variable_names,
+                                        CostFormulaOptions options) {
+  std::vector<std::string> coefficient_names = coefficient_names_in(text, variable_names);
+  return CostFormula(text, std::move(coefficient_names), std::move(variable_names), options);
+}
+
 CostFormula::CostFormula(const std::string& text, std::vector<std::string> coefficient_names,
                          std::vector<std::string> variable_names, CostFormulaOptions options)
     : text_(text),

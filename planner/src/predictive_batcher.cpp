@@ -22,12 +22,13 @@ void PredictiveBatcherOptions::validate() const {
   budget.validate();
   fit.validate();
   floor.validate();
+  const std::vector<std::string>& variable_names = formula.variable_names();
   const auto is_variable = [&](const std::string& name) {
     return std::find(variable_names.begin(), variable_names.end(), name) != variable_names.end();
   };
   if (!is_variable(batch_size_variable)) {
     throw std::invalid_argument("PredictiveBatcherOptions.batch_size_variable '" +
-                                batch_size_variable + "' is not one of variable_names");
+                                batch_size_variable + "' is not one of the formula's variables");
   }
   if (probe_points.empty()) {
     for (const std::string& name : variable_names) {
@@ -57,8 +58,6 @@ PredictiveBatcher::PredictiveBatcher(PredictiveBatcherOptions options,
     options_.fit.batch_size_variable = options_.batch_size_variable;
   }
   options_.validate();
-  // Parse once here so a bad formula fails at construction, not after probing.
-  CostFormula(options_.formula, options_.coefficient_names, options_.variable_names);
 }
 
 std::vector<std::vector<double>> PredictiveBatcher::design_probe_dims(
@@ -74,7 +73,7 @@ std::vector<std::vector<double>> PredictiveBatcher::design_probe_dims(
 }
 
 const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
-  const CostFormula formula(options_.formula, options_.coefficient_names, options_.variable_names);
+  const CostFormula& formula = options_.formula;
   const std::size_t bs_index = formula.variable_index(options_.batch_size_variable);
   const double usable_bytes = static_cast<double>(options_.budget.usable_bytes());
   const double static_bytes = executor.static_bytes();

@@ -76,7 +76,7 @@ class NamedProbeExecutor : public ProbeExecutor {
 nlohmann::json cache_identity(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
                               const StepProbeOptions& options) {
   const PredictiveBatcherOptions& b = options.batcher;
-  const CostFormula formula(b.formula, b.coefficient_names, b.variable_names);
+  const CostFormula& formula = b.formula;
   nlohmann::json probe_points = nlohmann::json::array();
   for (const ProbePoint& point : b.probe_points) probe_points.push_back(point.values);
   return {{"xpm_memory_model_format", 1},
@@ -111,7 +111,7 @@ StepProbeResult look_up_or_probe(torch::nn::Module& module, torch::optim::Optimi
     if (!warning.empty()) say(options, "xpm: warning: " + warning);
     if (cached) {
       say(options, "xpm: memory model from the cache (" + cache->path_for(identity) + "), no probing");
-      return {std::move(*cached), {}, true, 0};
+      return {std::move(*cached), {}, true, 0, {}};
     }
   }
   PredictiveBatcher batcher(options.batcher, std::make_shared<AdaptivePacker>());
@@ -126,11 +126,11 @@ StepProbeResult look_up_or_probe(torch::nn::Module& module, torch::optim::Optimi
           std::to_string(meter.capacity_bytes()) + " bytes: raise the capacity");
     }
     NamedProbeExecutor executor(probe_steps_for(module, optimizer, loss_fn, meter), meter,
-                                options.batcher.variable_names);
+                                options.batcher.formula.variable_names());
     batcher.probe_and_fit(executor);
   }
   StepProbeResult result{batcher.model(), batcher.probes(), false,
-                         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+                         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), {}};
   result.model.metadata()["model_signature"] = identity.at("model_signature");
   result.model.metadata()["optimizer"] = identity.at("optimizer");
   result.model.metadata()["torch_version"] = TORCH_VERSION;
@@ -141,6 +141,45 @@ StepProbeResult look_up_or_probe(torch::nn::Module& module, torch::optim::Optimi
                    batcher.fit_summary().brief_report());
   if (cache) cache->store(identity, result.model);
   return result;
+}
+
+// Rank 0 looks up or probes; with share_from_rank0 its result or error reaches every rank.
+StepProbeResult share_or_probe(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+                               const ProbeLossFn& loss_fn, const StepProbeOptions& options) {
+  if (!loss_fn) throw std::invalid_argument("probe_and_fit: loss_fn is empty");
+  if (!options.share_from_rank0) {
+    if (options.rank != 0) {
+      throw std::invalid_argument("probe_and_fit: rank " + std::to_string(options.rank) +
+                                  " without share_from_rank0 (only rank 0 probes)");
+    }
+    return look_up_or_probe(module, optimizer, loss_fn, options);
+  }
+  std::optional<StepProbeResult> result;
+  nlohmann::json shared;
+  std::exception_ptr failure;  // rank 0 rethrows its own exception as it is
+  if (options.rank == 0) {
+    try {
+      result = look_up_or_probe(module, optimizer, loss_fn, options);
+      shared = {{"model", result->model.to_json()}, {"from_cache", result->from_cache},
+                {"probe_s", result->probe_s}};
+    } catch (const std::invalid_argument& error) {
+      failure = std::current_exception();
+      shared = {{"error", error.what()}, {"invalid_argument", true}};
+    } catch (const std::exception& error) {
+      failure = std::current_exception();
+      shared = {{"error", error.what()}, {"invalid_argument", false}};
+    }
+  }
+  shared = nlohmann::json::parse(options.share_from_rank0(options.rank == 0 ? shared.dump() : ""));
+  if (failure) std::rethrow_exception(failure);
+  if (shared.contains("error")) {
+    const std::string line = "rank 0: " + shared.at("error").get<std::string>();
+    if (shared.at("invalid_argument").get<bool>()) throw std::invalid_argument(line);
+    throw std::runtime_error(line);
+  }
+  if (result) return std::move(*result);
+  return {MemoryModel::from_json(shared.at("model")), {}, shared.at("from_cache").get<bool>(),
+          shared.at("probe_s").get<double>(), {}};
 }
 
 }  // namespace
@@ -228,42 +267,17 @@ TorchProbeSteps probe_steps_for(torch::nn::Module& module, torch::optim::Optimiz
 }
 
 StepProbeResult probe_and_fit(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
-                              const ProbeLossFn& loss_fn, const StepProbeOptions& options) {
+                              const ProbeLossFn& loss_fn, const StepProbeOptions& given) {
+  StepProbeOptions options = given;
+  MemoryBudget& budget = options.batcher.budget;
+  if (budget.capacity_bytes == 0) {
+    MemoryMeter& meter = options.meter != nullptr ? *options.meter : CpuMemoryMeter::instance();
+    budget = meter_budget(meter, budget.memory_fraction, budget.extra_overhead_bytes);
+  }
   options.batcher.validate();
-  if (!loss_fn) throw std::invalid_argument("probe_and_fit: loss_fn is empty");
-  if (!options.share_from_rank0) {
-    if (options.rank != 0) {
-      throw std::invalid_argument("probe_and_fit: rank " + std::to_string(options.rank) +
-                                  " without share_from_rank0 (only rank 0 probes)");
-    }
-    return look_up_or_probe(module, optimizer, loss_fn, options);
-  }
-  std::optional<StepProbeResult> result;
-  nlohmann::json shared;
-  std::exception_ptr failure;  // rank 0 rethrows its own exception as it is
-  if (options.rank == 0) {
-    try {
-      result = look_up_or_probe(module, optimizer, loss_fn, options);
-      shared = {{"model", result->model.to_json()}, {"from_cache", result->from_cache},
-                {"probe_s", result->probe_s}};
-    } catch (const std::invalid_argument& error) {
-      failure = std::current_exception();
-      shared = {{"error", error.what()}, {"invalid_argument", true}};
-    } catch (const std::exception& error) {
-      failure = std::current_exception();
-      shared = {{"error", error.what()}, {"invalid_argument", false}};
-    }
-  }
-  shared = nlohmann::json::parse(options.share_from_rank0(options.rank == 0 ? shared.dump() : ""));
-  if (failure) std::rethrow_exception(failure);
-  if (shared.contains("error")) {
-    const std::string line = "rank 0: " + shared.at("error").get<std::string>();
-    if (shared.at("invalid_argument").get<bool>()) throw std::invalid_argument(line);
-    throw std::runtime_error(line);
-  }
-  if (result) return std::move(*result);
-  return {MemoryModel::from_json(shared.at("model")), {}, shared.at("from_cache").get<bool>(),
-          shared.at("probe_s").get<double>()};
+  StepProbeResult result = share_or_probe(module, optimizer, loss_fn, options);
+  result.batcher_options = options.batcher;
+  return result;
 }
 
 }  // namespace xpm

@@ -102,7 +102,7 @@ TEST_CASE("a budget below the static memory is an error before any probe") {
 TEST_CASE("online correction refits with a measurement above the prediction") {
   xpm::PredictiveBatcherOptions o = options_with_cap(100'000'000);
   xpm::PredictiveBatcher batcher(o, std::make_shared<xpm::AdaptivePacker>());
-  xpm::MemoryModel model(xpm::CostFormula(o.formula, o.coefficient_names, o.variable_names),
+  xpm::MemoryModel model(o.formula,
                          {10, 1000, 1e6}, 0, "bs");
   const auto truth = [](double bs, double l) { return 10 * bs * l * l + 1000 * bs * l + 1e6; };
   model.metadata()["fit_measurements"] = {{{"dims", {1, 50}}, {"bytes", truth(1, 50)}},
@@ -122,7 +122,7 @@ TEST_CASE("online correction refits with a measurement above the prediction") {
 TEST_CASE("online correction without fit data raises the floor to the measurement") {
   xpm::PredictiveBatcherOptions o = options_with_cap(100'000'000);
   xpm::PredictiveBatcher batcher(o, std::make_shared<xpm::AdaptivePacker>());
-  batcher.set_model(xpm::MemoryModel(xpm::CostFormula(o.formula, o.coefficient_names, o.variable_names),
+  batcher.set_model(xpm::MemoryModel(o.formula,
                                      {10, 1000, 1e6}, 0, "bs"));
   batcher.add_measurement({{4, 100}, 9e6});
   CHECK(batcher.model().predict_bytes({4, 100}) >= 9e6);
@@ -132,7 +132,7 @@ TEST_CASE("an out-of-memory microbatch in training becomes a bound: refit above 
   xpm::PredictiveBatcherOptions o = options_with_cap(100'000'000);
   xpm::PredictiveBatcher batcher(o, std::make_shared<xpm::AdaptivePacker>());
   // The model under-predicts the true cost 10*bs*l^2 + 1000*bs*l + 1e6 by half in the l^2 term.
-  xpm::MemoryModel model(xpm::CostFormula(o.formula, o.coefficient_names, o.variable_names),
+  xpm::MemoryModel model(o.formula,
                          {5, 1000, 1e6}, 0, "bs");
   const auto truth = [](double bs, double l) { return 10 * bs * l * l + 1000 * bs * l + 1e6; };
   model.metadata()["fit_measurements"] = {{{"dims", {1, 50}}, {"bytes", truth(1, 50)}},

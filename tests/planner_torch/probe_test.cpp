@@ -68,8 +68,7 @@ TEST_CASE("the predictive batcher fits measured probes of a real step and predic
   xpm::TorchProbeExecutor executor(fixture.steps(), meter);
   executor.run_probe({1, 1});
   xpm::PredictiveBatcherOptions options;
-  options.formula = "a*bs*l + c";
-  options.coefficient_names = {"a", "c"};
+  options.formula = xpm::CostFormula("a*bs*l + c", {"a", "c"}, {"bs", "l"});
   options.probe_points = {{{{"bs", 4}, {"l", 32}}}, {{{"bs", 8}, {"l", 32}}},
                           {{{"bs", 16}, {"l", 64}}}, {{{"bs", 32}, {"l", 64}}}};
   options.budget = {std::int64_t{1} << 30, 0.9, 0};

@@ -41,9 +41,7 @@ xpm::StepProbeOptions gru_options() {
   xpm::StepProbeOptions options;
   // Two regimes, measured: small microbatches peak in backward at about 1.6 kB per token above
   // the static memory, larger ones at about 2.2 kB per token from a lower intercept.
-  options.batcher.formula = "max(a*bs*l + b*bs + c, d*bs*l + e)";
-  options.batcher.coefficient_names = {"a", "b", "c", "d", "e"};
-  options.batcher.variable_names = {"bs", "l"};
+  options.batcher.formula = xpm::CostFormula::with_variables("max(a*bs*l + b*bs + c, d*bs*l + e)", {"bs", "l"});
   options.batcher.variable_max = {{"bs", 16}, {"l", 48}};
   options.batcher.budget.capacity_bytes = 400'000'000;
   return options;
@@ -144,6 +142,28 @@ TEST_CASE("probe_and_fit allocates freed gradients for the probes, leaves a fres
   CHECK(second.probes.empty());
   CHECK(second.model.to_json()["coefficients"] == first.model.to_json()["coefficients"]);
   std::filesystem::remove_all(cache);
+}
+
+TEST_CASE("the capacity is given once, to the meter: a budget of 0 bytes is the meter's capacity") {
+  Fixture f;
+  xpm::StepProbeOptions options = gru_options();
+  options.batcher.budget.capacity_bytes = 0;
+  f.meter.set_capacity_bytes(0);
+  CHECK_THROWS_WITH_AS(xpm::probe_and_fit(*f.model, f.optimizer, f.loss_fn(), options),
+                       doctest::Contains("the memory meter has no capacity (0 bytes)"), std::invalid_argument);
+  f.meter.set_capacity_bytes(300'000'000);
+  options.batcher.budget.memory_fraction = 0.8;
+  const xpm::StepProbeResult probed = xpm::probe_and_fit(*f.model, f.optimizer, f.loss_fn(), options);
+  f.meter.set_capacity_bytes(0);
+  CHECK(probed.batcher_options.budget.capacity_bytes == 300'000'000);
+  CHECK(probed.batcher_options.budget.memory_fraction == doctest::Approx(0.8));
+  CHECK(probed.batcher_options.formula.canonical() == options.batcher.formula.canonical());
+  CHECK(probed.batcher_options.budget.usable_bytes() == 240'000'000);
+  f.meter.set_capacity_bytes(100'000'000);
+  const xpm::MemoryBudget budget = xpm::meter_budget(f.meter, 0.5, 1'000'000);
+  f.meter.set_capacity_bytes(0);
+  CHECK(budget.usable_bytes() == 49'000'000);
+  CHECK_THROWS_AS(xpm::meter_budget(f.meter), std::invalid_argument);
 }
 
 TEST_CASE("probe_and_fit shares rank 0's model or its error with the other ranks") {

@@ -129,8 +129,8 @@ xpm::MemoryModel whole_step_model(const Grid& grid) {
 
 xpm::MemoryModel per_phase_model(const Grid& grid, double static_bytes) {
   xpm::PredictiveBatcherOptions options;
-  options.formula = "max(a1*bs*l^2 + b1*bs*l + c1, a2*bs*l^2 + b2*bs*l + c2)";
-  options.coefficient_names = {"a1", "b1", "c1", "a2", "b2", "c2"};
+  options.formula = xpm::CostFormula("max(a1*bs*l^2 + b1*bs*l + c1, a2*bs*l^2 + b2*bs*l + c2)",
+                                     {"a1", "b1", "c1", "a2", "b2", "c2"}, {"bs", "l"});
   options.budget.capacity_bytes = std::int64_t{1} << 40;  // no cap: the probes all fit
   for (const xpm::ProbeResult& p : grid.probes) {
     options.probe_points.push_back({{{"bs", p.dims[0]}, {"l", p.dims[1]}}});

@@ -131,32 +131,32 @@ TEST_CASE("BiLSTM options name the bad field") {
 TEST_CASE("the task builds a BiLSTM for architecture bilstm, with its own signature") {
   const xpm::TaggingData data = tiny_data();
   xpm::TaggingJobConfig config;
-  config.architecture = "bilstm";
+  config.architecture = xpm::TaggingArchitecture::kBilstm;
   config.bilstm.embedding_dim = 8;
   config.bilstm.hidden_size = 6;
   xpm::TaggingModelSetup setup(config, data);
-  CHECK(setup.architecture() == "bilstm");
+  CHECK(setup.architecture() == xpm::TaggingArchitecture::kBilstm);
   CHECK(dynamic_cast<xpm::BiLstmTaggerImpl*>(&setup.module()) != nullptr);
   const xpm::TaggingBatch batch = xpm::synthetic_batch(2, 4, static_cast<std::int64_t>(data.vocab.size()),
                                                        static_cast<std::int64_t>(data.tags.size()));
   CHECK(setup.forward(batch.token_ids, batch.padding_mask).sizes() ==
         torch::IntArrayRef({2, 4, static_cast<std::int64_t>(data.tags.size())}));
   CHECK(setup.signature().dump().find("lstm.weight_hh_l0_reverse") != std::string::npos);
-  config.architecture = "transformer";
+  config.architecture = xpm::TaggingArchitecture::kTransformer;
   config.model.d_model = 8;
   config.model.nhead = 2;
   config.model.dim_feedforward = 16;
   xpm::TaggingModelSetup transformer(config, data);
   CHECK(transformer.signature() != setup.signature());
-  config.architecture = "gru";
-  CHECK_THROWS_WITH_AS(config.validate(), doctest::Contains("architecture"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(xpm::parse_tagging_architecture("gru", "--architecture"),
+                       "--architecture must be 'transformer' or 'bilstm', got 'gru'", std::invalid_argument);
 }
 
 TEST_CASE("the automatic probe design and fit give a usable BiLSTM memory model") {
   torch::manual_seed(4);
   const xpm::TaggingData data = tiny_data();
   xpm::TaggingJobConfig config;
-  config.architecture = "bilstm";
+  config.architecture = xpm::TaggingArchitecture::kBilstm;
   config.bilstm.embedding_dim = 16;
   config.bilstm.hidden_size = 16;
   xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
@@ -165,7 +165,7 @@ TEST_CASE("the automatic probe design and fit give a usable BiLSTM memory model"
   const double static_bytes = executor.static_bytes();
 
   xpm::PredictiveBatcherOptions options;
-  options.formula = xpm::default_cost_formula("bilstm");  // a*bs*(l-1) + b*bs + c
+  options.formula = xpm::CostFormula::with_variables(xpm::default_cost_formula(xpm::TaggingArchitecture::kBilstm), {"bs", "l"});  // a*bs*(l-1) + b*bs + c
   options.variable_max = {{"bs", 64}, {"l", 48}};
   options.aggregation = {{"l", xpm::DimAggregation::kMax}};
   // Activations of the largest shape (64 x 48) are several times the tiny model's static bytes.
@@ -196,7 +196,7 @@ TEST_CASE("a probe that runs out of memory in backward leaves nothing behind for
   torch::manual_seed(5);
   const xpm::TaggingData data = tiny_data();
   xpm::TaggingJobConfig config;
-  config.architecture = "bilstm";
+  config.architecture = xpm::TaggingArchitecture::kBilstm;
   config.bilstm.embedding_dim = 32;
   config.bilstm.hidden_size = 32;
   xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();

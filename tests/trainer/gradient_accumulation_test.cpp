@@ -72,8 +72,7 @@ TEST_CASE("the gradient of k microbatches weighted by real tokens equals one bat
 
   // Microbatches planned under a budget of 60 token slots (bs * l <= 60).
   xpm::PredictiveBatcherOptions batcher_options;
-  batcher_options.formula = "a*bs*l";
-  batcher_options.coefficient_names = {"a"};
+  batcher_options.formula = xpm::CostFormula("a*bs*l", {"a"}, {"bs", "l"});
   batcher_options.probe_points = {{{{"bs", 1}, {"l", 1}}}};
   batcher_options.budget = {60, 1.0, 0};
   xpm::PredictiveBatcher batcher(batcher_options,
@@ -97,8 +96,7 @@ TEST_CASE("the gradient of k microbatches weighted by real tokens equals one bat
 
 TEST_CASE("a record over budget even alone is skipped and counted, not run") {
   xpm::PredictiveBatcherOptions batcher_options;
-  batcher_options.formula = "a*bs*l";
-  batcher_options.coefficient_names = {"a"};
+  batcher_options.formula = xpm::CostFormula("a*bs*l", {"a"}, {"bs", "l"});
   batcher_options.probe_points = {{{{"bs", 1}, {"l", 1}}}};
   batcher_options.budget = {10, 1.0, 0};
   xpm::PredictiveBatcher batcher(batcher_options, std::make_shared<xpm::AdaptivePacker>());
@@ -130,8 +128,7 @@ TEST_CASE("loss scaling in the data-parallel step: exact on clean steps and an o
   torch::optim::AdamW plain_adamw(plain->parameters(), torch::optim::AdamWOptions(1e-2));
   torch::optim::AdamW scaled_adamw(scaled->parameters(), torch::optim::AdamWOptions(1e-2));
   xpm::PredictiveBatcherOptions batcher_options;
-  batcher_options.formula = "a*bs*l";
-  batcher_options.coefficient_names = {"a"};
+  batcher_options.formula = xpm::CostFormula("a*bs*l", {"a"}, {"bs", "l"});
   batcher_options.probe_points = {{{{"bs", 1}, {"l", 1}}}};
   batcher_options.budget = {12, 1.0, 0};  // 12 token slots: several microbatches per step
   xpm::PredictiveBatcher batcher(batcher_options, std::make_shared<xpm::AdaptivePacker>());

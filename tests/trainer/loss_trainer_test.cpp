@@ -89,8 +89,7 @@ double max_relative_difference(const std::vector<torch::Tensor>& actual,
 // A batcher whose model is set by hand: a microbatch costs bs * l bytes, budget in token slots.
 xpm::PredictiveBatcher token_slot_batcher(std::int64_t slots) {
   xpm::PredictiveBatcherOptions options;
-  options.formula = "a*bs*l";
-  options.coefficient_names = {"a"};
+  options.formula = xpm::CostFormula("a*bs*l", {"a"}, {"bs", "l"});
   options.probe_points = {{{{"bs", 1}, {"l", 1}}}};
   options.budget = {slots, 1.0, 0};
   xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>(xpm::AdaptivePackerOptions{"l"}));

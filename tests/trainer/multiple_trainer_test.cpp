@@ -111,9 +111,7 @@ xpm::PredictiveBatcherOptions batcher_options(const std::string& formula,
                                               std::vector<std::vector<double>> probe_dims,
                                               std::int64_t capacity_bytes) {
   xpm::PredictiveBatcherOptions options;
-  options.formula = formula;
-  options.coefficient_names = std::move(coefficients);
-  options.variable_names = {"bs", "l"};
+  options.formula = xpm::CostFormula(formula, std::move(coefficients), {"bs", "l"});
   for (const auto& d : probe_dims) options.probe_points.push_back({{{"bs", d[0]}, {"l", d[1]}}});
   options.budget = {capacity_bytes, 1.0, 0};
   return options;
@@ -243,7 +241,7 @@ TEST_CASE("a multiple trainer skips the whole step when one sub-trainer runs out
   torch::optim::SGD optimizer(layer->parameters(), torch::optim::SGDOptions(0.1));
   const torch::Tensor before = layer->weight.detach().clone();
   xpm::PredictiveBatcherOptions options = batcher_options("a*bs", {"a"}, {{1, 1}}, 100);
-  options.variable_names = {"bs"};
+  options.formula = xpm::CostFormula("a*bs", {"a"}, {"bs"});
   options.probe_points = {{{{"bs", 1}}}};
   xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::UniformPacker>());
   batcher.set_model(xpm::MemoryModel(xpm::CostFormula("a*bs", {"a"}, {"bs"}), {1.0}, 0, "bs"));
@@ -274,7 +272,7 @@ TEST_CASE("a multiple trainer refuses bad sub-trainers, naming them") {
   torch::nn::Linear layer(1, 1);
   torch::optim::SGD optimizer(layer->parameters(), torch::optim::SGDOptions(0.1));
   xpm::PredictiveBatcherOptions options = batcher_options("a*bs", {"a"}, {{1, 1}}, 100);
-  options.variable_names = {"bs"};
+  options.formula = xpm::CostFormula("a*bs", {"a"}, {"bs"});
   options.probe_points = {{{{"bs", 1}}}};
   xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::UniformPacker>());
   const auto next = [] { return xpm::OuterBatch{}; };

@@ -293,10 +293,10 @@ TEST_CASE("bf16-mixed precision with activation checkpointing and the ffd packer
   CHECK(plain.at("memory_model_from_cache") == false);
   xpm::TaggingJobConfig config = short_job("bf16-checkpointed-ffd", 2);
   config.memory_model_cache = cache;
-  config.precision = "bf16-mixed";
+  config.precision = xpm::Precision::kBf16Mixed;
   config.model.activation_checkpointing = true;
-  config.packer = "ffd";
-  config.lr_schedule = "cosine";
+  config.packer = xpm::PackerKind::kFirstFitDecreasing;
+  config.lr_schedule = xpm::LrScheduleKind::kCosine;
   const nlohmann::json summary = xpm::run_tagging_job(config);
   CHECK(summary.at("train_steps") == 2);
   CHECK(summary.at("memory_model_from_cache") == false);
@@ -316,7 +316,7 @@ TEST_CASE("bf16-mixed precision with activation checkpointing and the ffd packer
   CHECK(again.at("memory_model_from_cache") == true);
 }
 
-TEST_CASE("precision, lr_schedule and activation checkpointing errors name the setting") {
+TEST_CASE("precision and activation checkpointing errors name the setting; enum names parse both ways") {
   const auto message_of = [](const xpm::TaggingJobConfig& config) {
     try {
       config.validate();
@@ -326,15 +326,24 @@ TEST_CASE("precision, lr_schedule and activation checkpointing errors name the s
     return std::string("(no error)");
   };
   xpm::TaggingJobConfig config = short_job("bad-options", 1);
-  config.precision = "16-mixed";
+  config.precision = xpm::Precision::k16Mixed;
   CHECK(message_of(config).find("16-mixed") != std::string::npos);
-  config.precision = "fp8";
-  CHECK(message_of(config).find("TaggingJobConfig.precision") != std::string::npos);
-  config.precision = "32-true";
-  config.lr_schedule = "step";
-  CHECK(message_of(config).find("TaggingJobConfig.lr_schedule") != std::string::npos);
-  config.lr_schedule = "linear";
-  config.architecture = "bilstm";
+  config.precision = xpm::Precision::k32True;
+  CHECK_THROWS_WITH_AS(xpm::parse_precision("fp8", "--precision"), doctest::Contains("--precision"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(xpm::parse_packer_kind("best", "--packer"),
+                       "--packer must be 'adaptive', 'uniform' or 'ffd', got 'best'", std::invalid_argument);
+  CHECK(xpm::parse_packer_kind(xpm::to_string(xpm::PackerKind::kFirstFitDecreasing), "packer") ==
+        xpm::PackerKind::kFirstFitDecreasing);
+  CHECK(xpm::parse_batcher_kind("power", "batcher") == xpm::BatcherKind::kPower);
+  CHECK(xpm::to_string(xpm::TaggingMetric::kTokenAccuracy) == "token_accuracy");
+  CHECK(xpm::optimizer_checkpoint_name(xpm::parse_optimizer_checkpoint_layout("full", "x")) == "full");
+  CHECK_FALSE(xpm::parse_validation_mode("auto", "x").has_value());
+  CHECK(xpm::validation_mode_name(xpm::parse_validation_mode("min", "x")) == "min");
+  CHECK(xpm::parse_collective_backend("gloo", "x") == xpm::CollectiveBackend::kGloo);
+  CHECK_THROWS_WITH_AS(xpm::parse_collective_backend("mpi", "--backend"),
+                       "--backend must be auto, gloo or nccl, got 'mpi'", std::invalid_argument);
+  config.architecture = xpm::TaggingArchitecture::kBilstm;
   config.model.activation_checkpointing = true;
   CHECK(message_of(config).find("activation_checkpointing") != std::string::npos);
 }

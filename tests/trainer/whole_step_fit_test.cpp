@@ -29,7 +29,7 @@ bool probed(double bs, double l) {
   return std::find(shapes.begin(), shapes.end(), std::make_pair(bs, l)) != shapes.end();
 }
 
-void check_whole_step_fit(const std::string& architecture) {
+void check_whole_step_fit(xpm::TaggingArchitecture architecture) {
   xpm::TaggingJobConfig config;
   config.data_dir = std::string(XPM_SOURCE_DIR) + "/data/brown";
   config.architecture = architecture;
@@ -63,7 +63,7 @@ void check_whole_step_fit(const std::string& architecture) {
     worst = std::max(worst, std::abs(e));
   }
   INFO(errors.str());
-  MESSAGE(architecture << ": held-out max |error| " << worst * 100 << " % over " << held_out.size()
+  MESSAGE(xpm::to_string(architecture) << ": held-out max |error| " << worst * 100 << " % over " << held_out.size()
                        << " shapes; fit: " << fit.summary.brief_report());
   CHECK(worst <= 0.01);
   // The floor is found, not left at 0: the smallest probes peak at it.
@@ -75,9 +75,9 @@ void check_whole_step_fit(const std::string& architecture) {
 }  // namespace
 
 TEST_CASE("whole-step peaks of the bundled Transformer fit max(f, a*bs*l^2 + b*bs*l + c) within 1 % held out") {
-  check_whole_step_fit("transformer");
+  check_whole_step_fit(xpm::TaggingArchitecture::kTransformer);
 }
 
 TEST_CASE("whole-step peaks of the bundled BiLSTM fit max(f, a*bs*(l-1) + b*bs + c) within 1 % held out") {
-  check_whole_step_fit("bilstm");
+  check_whole_step_fit(xpm::TaggingArchitecture::kBilstm);
 }

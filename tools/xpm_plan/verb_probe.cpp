@@ -147,7 +147,7 @@ int run_probe(const po::variables_map& vm) {
   config.threads = vm["threads"].as<int>();
   config.seed = vm["seed"].as<std::uint64_t>();
   config.vocab_size = vm["vocab-size"].as<std::size_t>();
-  config.architecture = vm["architecture"].as<std::string>();
+  config.architecture = xpm::parse_tagging_architecture(vm["architecture"].as<std::string>(), "--architecture");
   if (vm.count("d-model")) config.model.d_model = vm["d-model"].as<std::int64_t>();
   if (vm.count("heads")) config.model.nhead = vm["heads"].as<std::int64_t>();
   if (vm.count("ff-dim")) config.model.dim_feedforward = vm["ff-dim"].as<std::int64_t>();

@@ -73,8 +73,8 @@ std::optional<LearnerCheckpoint> find_job_checkpoint(const TaggingJobConfig& con
 // refuses, before loading any data.
 void check_job_config(const TaggingJobConfig& config, const DistributedContext& dist) {
   config.validate();
-  if (config.batcher == "power") PowerAdaptativeBatcher::check_single_process(dist.world_size());
-  if (config.batcher == "fixed" && dist.world_size() > 1) {
+  if (config.batcher == BatcherKind::kPower) PowerAdaptativeBatcher::check_single_process(dist.world_size());
+  if (config.batcher == BatcherKind::kFixed && dist.world_size() > 1) {
     throw std::invalid_argument(
         "TaggingJobConfig.batcher 'fixed' runs in a single process only, got world_size " +
         std::to_string(dist.world_size()) + ": the data-parallel step exists for the predictive "
@@ -184,7 +184,7 @@ JobCapacity job_capacity(const TaggingJobConfig& config, TaggingModelSetup& setu
   capacity.same_layout_as_checkpoint =
       resume_from && resume_from->state.world_size == dist.world_size() &&
       resume_from->info.manifest.value("config", nlohmann::json::object()).value("sharding", "no_shard") ==
-          config.sharding;
+          to_string(config.sharding);
   if (capacity.same_layout_as_checkpoint) capacity.capacity_bytes = resume_from->state.capacity_bytes;
   return capacity;
 }
@@ -201,7 +201,7 @@ HookList job_hooks(const TaggingJobConfig& config, const HookList& extension_hoo
   for (const auto& hook : extension_hooks.hooks()) hooks.add(hook);
   // Under shard_grad_op the ShardedAdamW clips by the global norm over the owned slices
   // (TaggingModelSetup passes clip_grad_norm on); the hook would see this rank's slices only.
-  if (config.clip_grad_norm > 0 && config.sharding == "no_shard") {
+  if (config.clip_grad_norm > 0 && config.sharding == ShardingStrategy::kNoShard) {
     hooks.add(std::make_shared<GradientClipper>(GradientClipperOptions{config.clip_grad_norm, 2.0}));
   }
   return hooks;
@@ -212,8 +212,8 @@ HookList job_hooks(const TaggingJobConfig& config, const HookList& extension_hoo
 std::unique_ptr<FixedBatcher> make_fixed_batcher(const TaggingJobConfig& config, torch::optim::Optimizer& optimizer,
                                                  MemoryMeter& meter, const DistributedContext& dist) {
   const std::int64_t size = config.microbatch_size > 0 ? config.microbatch_size : config.outer_batch_size;
-  if (config.batcher == "fixed") return std::make_unique<FixedBatcher>(optimizer, &meter, size);
-  if (config.batcher == "power") {
+  if (config.batcher == BatcherKind::kFixed) return std::make_unique<FixedBatcher>(optimizer, &meter, size);
+  if (config.batcher == BatcherKind::kPower) {
     return std::make_unique<PowerAdaptativeBatcher>(
         optimizer, &meter, PowerAdaptativeBatcherOptions{config.outer_batch_size, config.microbatch_size},
         dist.world_size());
@@ -250,7 +250,7 @@ nlohmann::json job_summary(const TaggingJobConfig& config, const DistributedCont
                            const LearnerOutcome& outcome, const JobFacts& facts) {
   const RunCounters& counters = outcome.counters;
   const ValidationSettings validation_settings = config.validation_settings();
-  const bool predictive = config.batcher == "predictive";
+  const bool predictive = config.batcher == BatcherKind::kPredictive;
   const std::int64_t step = outcome.steps;
   return {
       {"val_token_accuracy", validation_metric(outcome, "token_accuracy")},
@@ -265,7 +265,7 @@ nlohmann::json job_summary(const TaggingJobConfig& config, const DistributedCont
       {"usable_bytes", facts.usable_bytes},
       {"static_bytes", facts.memory.static_bytes},
       {"static_bytes_per_rank", facts.memory.static_bytes_per_rank},
-      {"sharding", config.sharding},
+      {"sharding", to_string(config.sharding)},
       {"optimizer_state_bytes_per_rank", facts.memory.optimizer_state_bytes_per_rank},
       {"tokens_per_s", counters.real_tokens / std::max(1e-9, counters.train_s)},
       {"real_tokens", counters.real_tokens},
@@ -297,7 +297,7 @@ nlohmann::json job_summary(const TaggingJobConfig& config, const DistributedCont
       {"checkpoints_written", outcome.checkpoints_written},
       {"checkpoints_on_disk", checkpoints_on_disk(config)},
       {"canonical_formula", facts.canonical_formula},
-      {"batcher", config.batcher},
+      {"batcher", to_string(config.batcher)},
       {"microbatch_size", facts.microbatch_size},
       {"retried_steps", counters.retried_steps},
       {"oom_skipped_steps", counters.oom_skipped_steps},
@@ -318,7 +318,7 @@ void log_static_memory(const TaggingJobConfig& config, const DistributedContext&
       (dist.distributed() ? " per rank; world size " + std::to_string(dist.world_size()) + ", backend " +
                                 dist.backend() + ", " + std::to_string(threads) + " threads per rank"
                           : "") +
-      "; sharding " + config.sharding + ", AdamW state " + std::to_string(memory.optimizer_state_bytes) + " bytes");
+      "; sharding " + to_string(config.sharding) + ", AdamW state " + std::to_string(memory.optimizer_state_bytes) + " bytes");
   if (sharded && !dist.distributed()) {
     log("xpm-train: note: --sharding shard_grad_op at world size 1: this rank owns the whole AdamW "
         "state, so nothing is saved (run N ranks with --nproc N)");
@@ -341,7 +341,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
                                TaggingJobExtensions& extensions) {
   check_job_config(config, dist);
   HookList hooks = job_hooks(config, extensions.hooks);
-  const bool predictive = config.batcher == "predictive";
+  const bool predictive = config.batcher == BatcherKind::kPredictive;
   const auto job_start = Clock::now();
   const bool main_rank = dist.is_main();
   const std::function<void(const std::string&)> log = [&](const std::string& line) {
@@ -402,9 +402,9 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   } else if (predictive) {
     facts.origin = obtain_memory_model(config, setup, meter, facts.capacity.capacity_bytes, batcher, dist, log);
   } else {
-    log("xpm-train: batcher " + config.batcher + ", microbatch size " +
+    log("xpm-train: batcher " + to_string(config.batcher) + ", microbatch size " +
         std::to_string(config.microbatch_size > 0 ? config.microbatch_size : config.outer_batch_size) +
-        (config.batcher == "power" ? " at first, shrunk on out-of-memory errors" : "") +
+        (config.batcher == BatcherKind::kPower ? " at first, shrunk on out-of-memory errors" : "") +
         "; no probing, no memory model");
   }
   // Per-rank dropout streams after the Learner broadcasts rank 0's parameters; world size 1

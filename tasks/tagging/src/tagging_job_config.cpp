@@ -53,46 +53,33 @@ void TaggingJobConfig::validate() const {
   require(memory_cap_bytes == 0 || memory_cap_factor == 0,
           "memory_cap_bytes and TaggingJobConfig.memory_cap_factor are exclusive: give one (got " +
               std::to_string(memory_cap_bytes) + " and " + std::to_string(memory_cap_factor) + ")");
-  require(batcher == "predictive" || batcher == "fixed" || batcher == "power",
-          "batcher must be 'predictive', 'fixed' or 'power', got '" + batcher + "'");
   require(microbatch_size >= 0, "microbatch_size must be >= 1 (0: the outer batch size), got " +
                                     std::to_string(microbatch_size));
   require(microbatch_size <= outer_batch_size,
           "microbatch_size must be at most TaggingJobConfig.outer_batch_size (" +
               std::to_string(outer_batch_size) + "), got " + std::to_string(microbatch_size));
-  require(microbatch_size == 0 || batcher != "predictive",
+  require(microbatch_size == 0 || batcher != BatcherKind::kPredictive,
           "microbatch_size is for the fixed and power batchers (TaggingJobConfig.batcher fixed or "
           "power); the predictive batcher chooses its microbatches from the memory model");
-  require(packer == "adaptive" || packer == "uniform" || packer == "ffd",
-          "packer must be 'adaptive', 'uniform' or 'ffd', got '" + packer + "'");
-  parse_lr_schedule_kind(lr_schedule, "TaggingJobConfig.lr_schedule");  // names the bad text
   // This build trains on the CPU: 16-mixed (float16 autocast, loss scaling) needs CUDA.
-  check_precision_supported(parse_precision(precision, "TaggingJobConfig.precision"), torch::Device(torch::kCPU));
-  parse_sharding_strategy(sharding, "TaggingJobConfig.sharding");  // names the bad text; says why not full_shard
-  require(optimizer_checkpoint == "sharded" || optimizer_checkpoint == "full",
-          "optimizer_checkpoint must be 'sharded' (each rank writes optimizer-rank<r>.pt) or 'full' "
-          "(one consolidated optimizer.pt any world size can load), got '" + optimizer_checkpoint + "'");
-  require(sharding == "no_shard" || batcher == "predictive",
-          "sharding '" + sharding + "' runs in the predictive batcher's data-parallel step, but "
-              "TaggingJobConfig.batcher is '" + batcher + "', which steps a plain AdamW (use sharding "
+  check_precision_supported(precision, torch::Device(torch::kCPU));
+  require(sharding == ShardingStrategy::kNoShard || batcher == BatcherKind::kPredictive,
+          "sharding '" + to_string(sharding) + "' runs in the predictive batcher's data-parallel step, but "
+              "TaggingJobConfig.batcher is '" + to_string(batcher) + "', which steps a plain AdamW (use sharding "
               "no_shard or batcher predictive)");
-  require(sharding == "no_shard" || freeze_until_step == 0,
+  require(sharding == ShardingStrategy::kNoShard || freeze_until_step == 0,
           "freeze_until_step " + std::to_string(freeze_until_step) + " cannot be used with sharding '" +
-              sharding + "': the sharded optimizer "
+              to_string(sharding) + "': the sharded optimizer "
           "flattens the trainable parameters once, so parameters unfrozen later would never be stepped");
-  require(!model.activation_checkpointing || architecture == "transformer",
+  require(!model.activation_checkpointing || architecture == TaggingArchitecture::kTransformer,
           "model.activation_checkpointing recomputes the Transformer's encoder layers; the '" +
-              architecture + "' architecture has none (use architecture transformer)");
+              to_string(architecture) + "' architecture has none (use architecture transformer)");
   require(log_every >= 1, "log_every must be >= 1, got " + std::to_string(log_every));
   require(underprediction_tolerance >= 0, "underprediction_tolerance must be >= 0, got " +
                                              std::to_string(underprediction_tolerance));
   require(validate_every >= 0, "validate_every must be >= 0, got " + std::to_string(validate_every));
   require(validate_every_epochs >= 0,
           "validate_every_epochs must be >= 0, got " + std::to_string(validate_every_epochs));
-  require(validation_metric == "token_accuracy" || validation_metric == "loss",
-          "validation_metric must be 'token_accuracy' or 'loss', got '" + validation_metric + "'");
-  require(validation_mode == "auto" || validation_mode == "min" || validation_mode == "max",
-          "validation_mode must be 'min', 'max' or 'auto', got '" + validation_mode + "'");
   require(validation_warmup >= 0,
           "validation_warmup must be >= 0 (validations), got " + std::to_string(validation_warmup));
   require(early_stopping_patience >= 0, "early_stopping_patience must be >= 0 (0: off), got " +
@@ -130,8 +117,6 @@ void TaggingJobConfig::validate() const {
                   " must be a whole number in [1, 1000000]");
     }
   }
-  require(architecture == "transformer" || architecture == "bilstm",
-          "architecture must be 'transformer' or 'bilstm', got '" + architecture + "'");
   CostFormula(formula, coefficients, variables);  // FormulaError (invalid_argument) now, not later
   const std::vector<std::string> used = coefficient_names_in(formula, variables);
   for (const std::string& name : coefficients) {
@@ -139,7 +124,7 @@ void TaggingJobConfig::validate() const {
             "coefficients: '" + name + "' does not appear in the formula '" + formula +
                 "' (it could not be fitted)");
   }
-  if (architecture == "bilstm") {
+  if (architecture == TaggingArchitecture::kBilstm) {
     bilstm.validate();
   } else {
     model.validate();
@@ -159,7 +144,7 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"validation_every_files", validation_every_files},
           {"vocab_size", vocab_size},
           {"min_word_count", min_word_count},
-          {"architecture", architecture},
+          {"architecture", to_string(architecture)},
           {"bilstm",
            {{"embedding_dim", bilstm.embedding_dim},
             {"hidden_size", bilstm.hidden_size},
@@ -185,20 +170,20 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"coefficients", coefficients},
           {"variables", variables},
           {"probe_points", probes},
-          {"batcher", batcher},
+          {"batcher", to_string(batcher)},
           {"microbatch_size", microbatch_size},
-          {"packer", packer},
-          {"lr_schedule", lr_schedule},
-          {"precision", precision},
-          {"sharding", sharding},
-          {"optimizer_checkpoint", optimizer_checkpoint},
+          {"packer", to_string(packer)},
+          {"lr_schedule", to_string(lr_schedule)},
+          {"precision", to_string(precision)},
+          {"sharding", to_string(sharding)},
+          {"optimizer_checkpoint", optimizer_checkpoint_name(optimizer_checkpoint)},
           {"sort_by", sort_by},
           {"log_every", log_every},
           {"validate_every", validate_every},
           {"validate_every_epochs", validate_every_epochs},
           {"max_validation_sentences", max_validation_sentences},
-          {"validation_metric", validation_metric},
-          {"validation_mode", validation_mode},
+          {"validation_metric", to_string(validation_metric)},
+          {"validation_mode", validation_mode_name(validation_mode)},
           {"validation_warmup", validation_warmup},
           {"early_stopping_patience", early_stopping_patience},
           {"checkpoint_every_steps", checkpoint_every_steps},
@@ -211,7 +196,7 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"clip_grad_norm", clip_grad_norm},
           {"memory_model_cache", memory_model_cache},
           {"underprediction_tolerance", underprediction_tolerance},
-          {"backend", backend},
+          {"backend", to_string(backend)},
           {"bucket_cap_bytes", bucket_cap_bytes},
           {"collective_timeout_s", collective_timeout_s},
           {"rendezvous_timeout_s", rendezvous_timeout_s}};
@@ -221,8 +206,8 @@ ValidationSettings TaggingJobConfig::validation_settings() const {
   ValidationSettings settings;
   settings.every_steps = validate_every;
   settings.every_epochs = validate_every_epochs;
-  settings.metric = validation_metric;
-  settings.mode = parse_metric_mode(validation_mode, validation_metric);
+  settings.metric = to_string(validation_metric);
+  settings.mode = validation_mode ? *validation_mode : default_metric_mode(settings.metric);
   settings.warmup_validations = validation_warmup;
   settings.patience = early_stopping_patience;
   return settings;

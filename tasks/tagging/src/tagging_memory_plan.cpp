@@ -18,9 +18,7 @@ namespace xpm {
 PredictiveBatcherOptions tagging_batcher_options(const TaggingJobConfig& config,
                                                  std::size_t max_length, std::int64_t capacity_bytes) {
   PredictiveBatcherOptions options;
-  options.formula = config.formula;
-  options.coefficient_names = config.coefficients;
-  options.variable_names = config.variables;
+  options.formula = CostFormula(config.formula, config.coefficients, config.variables);
   options.batch_size_variable = "bs";
   options.aggregation = {{"l", DimAggregation::kMax}};
   options.probe_points = config.probe_points;
@@ -31,8 +29,8 @@ PredictiveBatcherOptions tagging_batcher_options(const TaggingJobConfig& config,
 }
 
 std::shared_ptr<const MicrobatchPacker> tagging_packer(const TaggingJobConfig& config) {
-  if (config.packer == "uniform") return std::make_shared<UniformPacker>();
-  if (config.packer == "ffd") return std::make_shared<FirstFitDecreasingPacker>();
+  if (config.packer == PackerKind::kUniform) return std::make_shared<UniformPacker>();
+  if (config.packer == PackerKind::kFirstFitDecreasing) return std::make_shared<FirstFitDecreasingPacker>();
   return std::make_shared<AdaptivePacker>(AdaptivePackerOptions{config.sort_by});
 }
 
@@ -42,15 +40,14 @@ nlohmann::json memory_model_identity(const TaggingJobConfig& config,
                                      std::int64_t capacity_bytes, int world_size) {
   nlohmann::json probe_points = nlohmann::json::array();
   for (const ProbePoint& point : batcher_options.probe_points) probe_points.push_back(point.values);
-  const CostFormula formula(batcher_options.formula, batcher_options.coefficient_names,
-                            batcher_options.variable_names);
+  const CostFormula& formula = batcher_options.formula;
   return {{"xpm_memory_model_format", 1},
           {"formula", formula.canonical()},
           {"coefficient_names", formula.coefficient_names()},
           {"variable_names", formula.variable_names()},
           {"model_signature", model_signature},
-          {"architecture", config.architecture},
-          {"model", config.architecture == "bilstm"
+          {"architecture", to_string(config.architecture)},
+          {"model", config.architecture == TaggingArchitecture::kBilstm
                         ? nlohmann::json{{"dropout", config.bilstm.dropout}}
                         : nlohmann::json{{"nhead", config.model.nhead},
                                          {"dropout", config.model.dropout},
@@ -58,8 +55,8 @@ nlohmann::json memory_model_identity(const TaggingJobConfig& config,
           {"optimizer", {{"name", "adamw"},
                          {"weight_decay", config.weight_decay},
                          {"groups", config.weight_decay_groups ? "no_decay_bias_norm" : "all"}}},
-          {"precision", config.precision},
-          {"sharding", config.sharding},
+          {"precision", to_string(config.precision)},
+          {"sharding", to_string(config.sharding)},
           {"device", "cpu"},
           {"world_size", world_size},
           {"torch_version", TORCH_VERSION},
@@ -104,9 +101,9 @@ nlohmann::json look_up_or_probe(const TaggingJobConfig& config, TaggingModelSetu
     MemoryModel fitted = batcher.model();
     fitted.metadata()["device"] = "cpu";
     fitted.metadata()["capacity_bytes"] = capacity_bytes;
-    fitted.metadata()["precision"] = config.precision;
+    fitted.metadata()["precision"] = to_string(config.precision);
     fitted.metadata()["activation_checkpointing"] = config.model.activation_checkpointing;
-    fitted.metadata()["sharding"] = config.sharding;
+    fitted.metadata()["sharding"] = to_string(config.sharding);
     fitted.metadata()["world_size"] = world_size;
     fitted.metadata()["optimizer"] = "adamw";
     fitted.metadata()["torch_version"] = TORCH_VERSION;

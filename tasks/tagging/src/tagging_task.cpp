@@ -70,21 +70,18 @@ BiLstmTaggerOptions bilstm_options_for(const TaggingJobConfig& config, const Tag
 }
 
 std::int64_t max_sequence_length(const TaggingJobConfig& config, const TaggingData& data) {
-  if (config.architecture == "bilstm") return std::numeric_limits<std::int64_t>::max();
+  if (config.architecture == TaggingArchitecture::kBilstm) return std::numeric_limits<std::int64_t>::max();
   return model_options_for(config, data).max_length;
 }
 
-std::string default_cost_formula(const std::string& architecture) {
-  if (architecture == "transformer") return "a*bs*l^2 + b*bs*l + c";
-  if (architecture == "bilstm") return "a*bs*(l-1) + b*bs + c";
-  throw std::invalid_argument("architecture must be 'transformer' or 'bilstm', got '" +
-                              architecture + "'");
+std::string default_cost_formula(TaggingArchitecture architecture) {
+  return architecture == TaggingArchitecture::kBilstm ? "a*bs*(l-1) + b*bs + c" : "a*bs*l^2 + b*bs*l + c";
 }
 
 TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingData& data) {
   TaggingModel model;
   model.architecture = config.architecture;
-  if (config.architecture == "transformer") {
+  if (config.architecture == TaggingArchitecture::kTransformer) {
     TransformerTagger transformer(model_options_for(config, data));
     model.module = transformer.ptr();
     model.forward = [transformer](const torch::Tensor& token_ids,
@@ -94,7 +91,7 @@ TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingDat
     model.vocab_size = transformer->options().vocab_size;
     model.num_tags = transformer->options().num_tags;
     model.max_length = transformer->options().max_length;
-  } else if (config.architecture == "bilstm") {
+  } else {
     BiLstmTagger bilstm(bilstm_options_for(config, data));
     model.module = bilstm.ptr();
     model.forward = [bilstm](const torch::Tensor& token_ids,
@@ -104,14 +101,11 @@ TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingDat
     model.vocab_size = bilstm->options().vocab_size;
     model.num_tags = bilstm->options().num_tags;
     model.max_length = std::numeric_limits<std::int64_t>::max();
-  } else {
-    throw std::invalid_argument("TaggingJobConfig.architecture must be 'transformer' or 'bilstm', "
-                                "got '" + config.architecture + "'");
   }
   // Mixed precision: autocast around the forward only; the logits come back as float32, so the
   // loss, backward's start, the master weights and AdamW stay float32 (precision.hpp). Every
   // forward of the job goes through here: probes, training steps and validation.
-  const Precision precision = parse_precision(config.precision, "TaggingJobConfig.precision");
+  const Precision precision = config.precision;
   if (precision != Precision::k32True) {
     model.forward = [inner = std::move(model.forward), precision](const torch::Tensor& token_ids,
                                                                  const torch::Tensor& padding_mask) {
@@ -134,7 +128,7 @@ TaggingModelSetup::TaggingModelSetup(const TaggingJobConfig& config, const Taggi
   if (before_optimizer) before_optimizer(*model_.module);
   torch::optim::AdamWOptions adamw(config.learning_rate);
   adamw.weight_decay(config.weight_decay);
-  if (parse_sharding_strategy(config.sharding, "TaggingJobConfig.sharding") == ShardingStrategy::kShardGradOp) {
+  if (config.sharding == ShardingStrategy::kShardGradOp) {
     ShardedAdamWOptions options;
     options.strategy = ShardingStrategy::kShardGradOp;
     options.rank = dist != nullptr ? dist->rank() : 0;

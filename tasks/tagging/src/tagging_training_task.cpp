@@ -67,7 +67,7 @@ LearnerOptions tagging_learner_options(const TaggingJobConfig& config,
   options.outer_batch_size = config.outer_batch_size;
   options.sampler_seed = config.seed;
   // Linear warmup to the peak, then constant, or linear / cosine decay to 10 % of the peak.
-  options.lr_schedule.kind = parse_lr_schedule_kind(config.lr_schedule, "TaggingJobConfig.lr_schedule");
+  options.lr_schedule.kind = config.lr_schedule;
   options.lr_schedule.peak_learning_rate = config.learning_rate;
   options.lr_schedule.warmup_steps = config.warmup_steps;
   options.lr_schedule.final_fraction = 0.1;
@@ -76,9 +76,8 @@ LearnerOptions tagging_learner_options(const TaggingJobConfig& config,
   options.stop_after_steps = config.stop_after_steps;
   options.log_every = config.log_every;
   options.underprediction_tolerance = config.underprediction_tolerance;
-  options.loss_scaling = config.precision == "16-mixed";  // float16 gradients underflow without it
-  options.optimizer_checkpoint = config.optimizer_checkpoint == "full" ? OptimizerCheckpointLayout::kConsolidated
-                                                                       : OptimizerCheckpointLayout::kPerRankShards;
+  options.loss_scaling = config.precision == Precision::k16Mixed;  // float16 gradients underflow without it
+  options.optimizer_checkpoint = config.optimizer_checkpoint;
   options.bucket_cap_bytes = config.bucket_cap_bytes;
   options.checkpoint_kind = "xpm-tagging-job";
   options.config = config.to_json();

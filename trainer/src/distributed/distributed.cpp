@@ -89,13 +89,25 @@ std::optional<WorkerEnvironment> WorkerEnvironment::from_environment() {
   return out;
 }
 
-void DistributedOptions::validate() const {
-  if (backend != "auto" && backend != "gloo" && backend != "nccl") {
-    throw std::invalid_argument("--backend must be auto, gloo or nccl, got '" +
-                                backend + "'");
+CollectiveBackend parse_collective_backend(const std::string& text, const std::string& source) {
+  if (text == "auto") return CollectiveBackend::kAuto;
+  if (text == "gloo") return CollectiveBackend::kGloo;
+  if (text == "nccl") return CollectiveBackend::kNccl;
+  throw std::invalid_argument(source + " must be auto, gloo or nccl, got '" + text + "'");
+}
+
+std::string to_string(CollectiveBackend backend) {
+  switch (backend) {
+    case CollectiveBackend::kGloo: return "gloo";
+    case CollectiveBackend::kNccl: return "nccl";
+    case CollectiveBackend::kAuto: break;
   }
+  return "auto";
+}
+
+void DistributedOptions::validate() const {
 #ifndef USE_C10D_NCCL
-  if (backend == "nccl") {
+  if (backend == CollectiveBackend::kNccl) {
     throw std::invalid_argument("--backend nccl: this LibTorch was built without NCCL "
                                 "(Debian's CPU build); use gloo or a CUDA LibTorch");
   }
@@ -114,7 +126,7 @@ DistributedContext::DistributedContext(const WorkerEnvironment& environment,
                                        const DistributedOptions& options)
     : environment_(environment), options_(options) {
   options_.validate();
-  std::string backend = options_.backend;
+  std::string backend = to_string(options_.backend);
   if (backend == "auto") backend = "gloo";  // CPU tensors; CUDA runs choose nccl (docs/cuda.md)
   backend_ = backend;
   if (environment_.world_size == 1) return;  // nothing to connect to

@@ -247,7 +247,7 @@ void Learner::Impl::restore(const LearnerCheckpoint& checkpoint) {
   const LearnerResumeState& saved = checkpoint.state;
   // A consolidated optimizer.pt loads at any world size and sharding; per-rank shards only where
   // they were written.
-  check_optimizer_loadable(checkpoint, dist.world_size(), parts.sharded != nullptr ? "shard_grad_op" : "no_shard");
+  check_optimizer_loadable(checkpoint, dist.world_size(), parts.sharded != nullptr ? ShardingStrategy::kShardGradOp : ShardingStrategy::kNoShard);
   if (saved.total_steps != state.total_steps || saved.epoch_order.size() != order.size()) {
     throw std::invalid_argument("--resume: checkpoint '" + checkpoint.info.path + "' belongs to a run of " +
                                 std::to_string(saved.total_steps) + " steps over " +

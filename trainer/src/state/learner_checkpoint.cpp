@@ -164,15 +164,15 @@ std::string save_learner_checkpoint(CheckpointStore& store, const torch::nn::Mod
   return store.save(state.step, extra, files, is_best);
 }
 
-void check_optimizer_loadable(const LearnerCheckpoint& checkpoint, int world_size, const std::string& sharding) {
+void check_optimizer_loadable(const LearnerCheckpoint& checkpoint, int world_size, ShardingStrategy sharding) {
   const std::string& path = checkpoint.info.path;
   if (std::filesystem::exists(path + "/optimizer.pt")) return;  // full state: any world, any sharding
   const int saved_world = checkpoint.state.world_size;
-  if (saved_world == world_size && sharding == "shard_grad_op") return;
+  if (saved_world == world_size && sharding == ShardingStrategy::kShardGradOp) return;
   throw std::invalid_argument(
       "--resume: checkpoint '" + path + "' holds sharded optimizer state (optimizer-rank<r>.pt of " +
       std::to_string(saved_world) + " rank(s), --sharding shard_grad_op); this run has world size " +
-      std::to_string(world_size) + " and --sharding " + sharding +
+      std::to_string(world_size) + " and --sharding " + to_string(sharding) +
       ": resume with --sharding shard_grad_op at world size " + std::to_string(saved_world) +
       ", or write full checkpoints (--optimizer-checkpoint full) to change either");
 }

@@ -28,9 +28,7 @@ std::vector<torch::Tensor> parameters_without_gradient(torch::optim::Optimizer& 
 // A PredictiveBatcher that is never asked to plan: one coefficient, one probe point, 1 byte.
 PredictiveBatcher placeholder_predictive_batcher() {
   PredictiveBatcherOptions options;
-  options.formula = "a*bs";
-  options.coefficient_names = {"a"};
-  options.variable_names = {"bs"};
+  options.formula = CostFormula("a*bs", {"a"}, {"bs"});
   options.probe_points = {{{{"bs", 1}}}};
   options.budget = {1, 1.0, 0};
   return PredictiveBatcher(options, std::make_shared<UniformPacker>());

@@ -6,6 +6,7 @@
 // canonical string and one identity hash:
 //
 //   CostFormula f("a*bs*l**2 + b*bs*(l-1) + c", {"a", "b", "c"}, {"bs", "l"});
+//   // or CostFormula::with_variables("a*bs*l**2 + b*bs*(l-1) + c", {"bs", "l"}): a, b, c found
 //   f.canonical();                      // "a*bs*l^2 + b*bs*l - b*bs + c"
 //   f.is_linear();                      // true: sum_k coefficient_k * basis_k(dims) + offset
 //   f.basis({4, 128});                  // {4*128^2, 4*128-4, 1}  (per coefficient, declared order)
@@ -95,6 +96,11 @@ class CostFormula {
   /// Throws FormulaError for the formula errors listed in the file comment.
   CostFormula(const std::string& text, std::vector<std::string> coefficient_names,
               std::vector<std::string> variable_names, CostFormulaOptions options = {});
+  /// The same with the coefficients found in `text` (coefficient_names_in: every name that is
+  /// not a variable, in order of first use): with_variables("a*bs*l + b*bs + c", {"bs", "l"})
+  /// declares a, b, c. Throws like the constructor.
+  static CostFormula with_variables(const std::string& text, std::vector<std::string> variable_names,
+                                    CostFormulaOptions options = {});
 
   const std::string& text() const { return text_; }            // as given
   const std::string& canonical() const { return canonical_; }  // see docs/formula.md

@@ -2,6 +2,7 @@
 // microbatches predicted to fit the memory budget.
 //
 //   PredictiveBatcherOptions options;              // formula a*bs*l^2 + b*bs*l + c by default
+//   options.formula = CostFormula::with_variables("a*bs*l + b*bs + c", {"bs", "l"});
 //   options.budget.capacity_bytes = cap;
 //   options.budget.memory_fraction = 0.9;
 //   options.variable_max = {{"bs", 64}, {"l", 180}};  // ranges for the automatic probe design
@@ -32,6 +33,7 @@
 #include "xpm/planner/budget.hpp"
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/floor_model.hpp"
+#include "xpm/planner/formula.hpp"
 #include "xpm/planner/memory_model.hpp"
 #include "xpm/planner/packer.hpp"
 #include "xpm/planner/probe.hpp"
@@ -39,9 +41,9 @@
 namespace xpm {
 
 struct PredictiveBatcherOptions {
-  std::string formula = "a*bs*l^2 + b*bs*l + c";               // cost formula, bytes
-  std::vector<std::string> coefficient_names = {"a", "b", "c"};
-  std::vector<std::string> variable_names = {"bs", "l"};
+  /// The cost formula (bytes): its variables are the dims of every record and probe point, in
+  /// its variable_names() order.
+  CostFormula formula = CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"});
   std::string batch_size_variable = "bs";                      // the microbatch size variable
   std::map<std::string, DimAggregation> aggregation;           // non-bs variables; default max
   std::vector<ProbePoint> probe_points;                        // empty: automatic design
@@ -115,7 +117,7 @@ class PredictiveBatcher {
   /// The same packer, shared (e.g. for another batcher over a snapshot of this one's model).
   std::shared_ptr<const MicrobatchPacker> shared_packer() const { return packer_; }
 
-  /// Splits one outer batch (record dims in variable_names() order) into microbatches under
+  /// Splits one outer batch (record dims in formula.variable_names() order) into microbatches under
   /// the budget. Deterministic: every rank gets the same plan for the same records.
   MicrobatchPlan plan(const std::vector<std::vector<double>>& record_dims) const;
 

@@ -8,16 +8,13 @@
 //   torch::nn::GRU gru(...);  torch::optim::Adam optimizer(gru->parameters(), 1e-3);
 //   meter.set_capacity_bytes(200'000'000);                         // the cap to plan under
 //   xpm::StepProbeOptions options;
-//   options.batcher.formula = "a*bs*l + b*bs + c";                 // bytes
-//   options.batcher.coefficient_names = {"a", "b", "c"};
-//   options.batcher.variable_names = {"bs", "l"};
+//   options.batcher.formula = xpm::CostFormula::with_variables("a*bs*l + b*bs + c", {"bs", "l"});
 //   options.batcher.variable_max = {{"bs", 64}, {"l", 300}};       // the automatic design's range
-//   options.batcher.budget.capacity_bytes = 200'000'000;
 //   xpm::StepProbeResult probed = xpm::probe_and_fit(*gru, optimizer,
 //       [&](const std::vector<double>& dims) {                    // dims in variable order
 //         return loss_sum_of_random_batch(dims[0], dims[1]);       // forward + summed loss
-//       }, options);
-//   xpm::PredictiveBatcher batcher(options.batcher, std::make_shared<xpm::AdaptivePacker>());
+//       }, options);                                               // budget: the meter's capacity
+//   xpm::PredictiveBatcher batcher(probed.batcher_options, std::make_shared<xpm::AdaptivePacker>());
 //   batcher.set_model(probed.model);                               // plan every outer batch
 //
 // What a probe runs: gradients zeroed in place, `loss_fn(dims)` then backward() of its result
@@ -57,6 +54,7 @@ using ProbeLossFn = std::function<torch::Tensor(const std::vector<double>& dims)
 
 struct StepProbeOptions {
   /// Formula, budget, probe points or automatic design, fit options (predictive_batcher.hpp).
+  /// A budget.capacity_bytes of 0 is the meter's capacity (meter_budget): give it once.
   PredictiveBatcherOptions batcher;
   /// The meter the peaks are read from; null: CpuMemoryMeter::instance() (installed first).
   MemoryMeter* meter = nullptr;
@@ -80,10 +78,12 @@ struct StepProbeResult {
   std::vector<ProbeResult> probes;  // rank 0's probes, infeasible ones included; empty from the cache
   bool from_cache = false;
   double probe_s = 0;               // rank 0's probing wall time (s); 0 from the cache
+  PredictiveBatcherOptions batcher_options;  // options.batcher with the capacity resolved
 };
 
 /// Probes `module` trained by `optimizer` (see the header comment) and fits the model.
-/// Throws on every rank: std::invalid_argument for bad options or a budget the probes cannot
+/// Throws on every rank: std::invalid_argument for bad options (a capacity of 0 with an
+/// uncapped meter among them) or a budget the probes cannot
 /// work under (PredictiveBatcher::probe_and_fit), std::runtime_error for an unusable fit or
 /// an error of `loss_fn` (the message names the probe: "probing at bs=8 l=64: ...").
 StepProbeResult probe_and_fit(torch::nn::Module& module, torch::optim::Optimizer& optimizer,

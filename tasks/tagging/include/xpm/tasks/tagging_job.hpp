@@ -22,7 +22,7 @@
 // model, early stopping (EarlyStopping and the extensions' listeners, combine_votes),
 // checkpoints (learner_checkpoint.hpp); write summary.json.
 //
-// With config.batcher "fixed" or "power" (fixed_batchers.hpp; single process only) there is no
+// With config.batcher kFixed or kPower (fixed_batchers.hpp; single process only) there is no
 // probing and no memory model: the outer batch is cut into slices of config.microbatch_size
 // records (power: shrunk after an out-of-memory error and the step redone); the CPU cap still
 // applies and peaks are still measured per step. memory_model.json is not written; summary.json
@@ -54,6 +54,10 @@
 
 #include "xpm/planner/probe.hpp"
 #include "xpm/tasks/bilstm_tagger.hpp"
+#include "xpm/tasks/tagging_choices.hpp"
+#include "xpm/trainer/distributed/sharded_optimizer.hpp"
+#include "xpm/trainer/options/lr_schedule.hpp"
+#include "xpm/trainer/options/precision.hpp"
 #include "xpm/trainer/state/checkpoint_store.hpp"
 #include "xpm/trainer/distributed/distributed.hpp"
 #include "xpm/trainer/loop/hooks.hpp"
@@ -74,17 +78,18 @@ struct TaggingJobConfig {
   int validation_every_files = 10;            // every 10th corpus file goes to validation
   std::size_t vocab_size = 20000;             // vocabulary entries incl. pad and unknown
   std::size_t min_word_count = 2;             // words seen fewer times are unknown
-  std::string architecture = "transformer";  // bundled model: transformer | bilstm
+  TaggingArchitecture architecture = TaggingArchitecture::kTransformer;  // bundled model
   TransformerTaggerOptions model;             // transformer; vocab_size/num_tags from the data
   BiLstmTaggerOptions bilstm;                 // bilstm; vocab_size/num_tags from the data
   double learning_rate = 3e-3;                // AdamW peak learning rate
   double weight_decay = 0.01;                 // AdamW weight decay
   bool weight_decay_groups = false;           // no decay for biases and norm parameters (weight_decay_groups.hpp)
   std::int64_t warmup_steps = 50;             // linear warmup, then the schedule's decay
-  std::string lr_schedule = "linear";         // after warmup: constant | linear | cosine (to 10 %; lr_schedule.hpp)
-  std::string precision = "32-true";          // 32-true | bf16-mixed (CPU autocast) | 16-mixed (CUDA); precision.hpp
-  std::string sharding = "no_shard";          // no_shard | shard_grad_op (AdamW state 1/world_size per rank); sharded_optimizer.hpp
-  std::string optimizer_checkpoint = "sharded";  // shard_grad_op checkpoints: sharded (optimizer-rank<r>.pt) | full (optimizer.pt, any world size)
+  LrScheduleKind lr_schedule = LrScheduleKind::kLinear;  // after warmup: constant, linear, cosine (to 10 %)
+  Precision precision = Precision::k32True;   // bf16-mixed: CPU autocast; 16-mixed: CUDA (precision.hpp)
+  ShardingStrategy sharding = ShardingStrategy::kNoShard;  // shard_grad_op: AdamW state 1/world_size per rank
+  /// shard_grad_op checkpoints: optimizer-rank<r>.pt per rank, or one optimizer.pt (any world size).
+  OptimizerCheckpointLayout optimizer_checkpoint = OptimizerCheckpointLayout::kPerRankShards;
   std::int64_t memory_cap_bytes = 0;          // CPU cap on allocated bytes (0: see factor)
   double memory_cap_factor = 0;               // cap = factor x static bytes, when bytes is 0
   double memory_fraction = 0.9;               // share of the cap the plan may use
@@ -93,16 +98,16 @@ struct TaggingJobConfig {
   std::vector<std::string> coefficients = {"a", "b", "c"};
   std::vector<std::string> variables = {"bs", "l"};
   std::vector<ProbePoint> probe_points;       // empty: automatic design up to the budget
-  std::string batcher = "predictive";         // predictive | fixed | power (fixed_batchers.hpp)
+  BatcherKind batcher = BatcherKind::kPredictive;  // or fixed, power (fixed_batchers.hpp)
   std::int64_t microbatch_size = 0;           // fixed, power (first size): records; 0: outer batch
-  std::string packer = "adaptive";            // adaptive | uniform | ffd (first fit decreasing)
+  PackerKind packer = PackerKind::kAdaptive;  // or uniform, first fit decreasing
   std::string sort_by = "l";                  // adaptive packer: heaviest first by this dim
   std::int64_t log_every = 10;                // progress line every N steps
   std::int64_t validate_every = 0;            // validation every N steps (0: not by steps)
   std::int64_t validate_every_epochs = 0;     // validation every N epochs (0: not by epochs)
   std::int64_t max_validation_sentences = 0;  // 0: the whole validation split
-  std::string validation_metric = "token_accuracy";  // decides best model / early stopping: token_accuracy | loss
-  std::string validation_mode = "auto";       // min | max | auto (max for accuracy, min for loss)
+  TaggingMetric validation_metric = TaggingMetric::kTokenAccuracy;  // decides best model / early stopping
+  std::optional<MetricMode> validation_mode;  // nullopt: max for accuracy, min for loss
   std::int64_t validation_warmup = 0;         // the first W validations decide nothing
   std::int64_t early_stopping_patience = 0;   // stop after P validations without improvement (0: off)
   std::int64_t checkpoint_every_steps = 0;    // checkpoint every N steps (0: not by steps)
@@ -117,7 +122,7 @@ struct TaggingJobConfig {
   double underprediction_tolerance = 0.005;   // online correction when measured > (1+tol) x predicted
   bool quiet = false;                         // no progress lines
   // Data-parallel runs (docs/distributed.md); ignored by a single process.
-  std::string backend = "auto";               // c10d backend: auto | gloo | nccl
+  CollectiveBackend backend = CollectiveBackend::kAuto;  // c10d backend
   std::int64_t bucket_cap_bytes = 25 << 20;   // gradient all-reduce bucket cap (PyTorch DDP: 25 MiB)
   double collective_timeout_s = 300;          // a collective that takes longer fails, naming ranks
   double rendezvous_timeout_s = 600;          // joining the job; waiting for rank 0's memory model
@@ -125,7 +130,7 @@ struct TaggingJobConfig {
   /// collective/rendezvous timeouts and backend as DistributedOptions.
   DistributedOptions distributed_options() const;
   /// validate_every, validate_every_epochs, validation_* and early_stopping_patience as
-  /// ValidationSettings (mode "auto" resolved). Throws std::invalid_argument for a bad mode.
+  /// ValidationSettings (no validation_mode: the metric's natural direction).
   ValidationSettings validation_settings() const;
   /// checkpoint_every_*, keep_checkpoints as CheckpointSettings (the best is always kept).
   CheckpointSettings checkpoint_settings() const;
@@ -174,10 +179,10 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
 /// GradientClipper (config.clip_grad_norm) after them, so clipping sees the final gradients.
 /// config.freeze_until_step with world_size > 1 is refused (std::invalid_argument, every rank):
 /// the gradient buckets are laid out once, without the frozen parameters.
-/// With config.sharding "shard_grad_op" each rank holds 1/world_size of the AdamW state
+/// With config.sharding kShardGradOp each rank holds 1/world_size of the AdamW state
 /// (ShardedAdamW); clip_grad_norm is then applied by the sharded step (global norm over the
 /// owned slices) instead of a GradientClipper hook, checkpoints hold optimizer-rank<r>.pt per
-/// rank or one consolidated optimizer.pt (config.optimizer_checkpoint "full"), and a --resume
+/// rank or one consolidated optimizer.pt (config.optimizer_checkpoint kConsolidated), and a --resume
 /// whose optimizer files this world size and sharding cannot load throws std::invalid_argument
 /// before anything is written (check_optimizer_loadable).
 nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContext& dist,

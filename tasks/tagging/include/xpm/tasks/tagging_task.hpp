@@ -60,11 +60,11 @@ std::int64_t max_sequence_length(const TaggingJobConfig& config, const TaggingDa
 /// architecture: "a*bs*l^2 + b*bs*l + c" for the Transformer (attention scores are bs x heads x
 /// l x l), "a*bs*(l-1) + b*bs + c" for the BiLSTM (bilstm_tagger.hpp says why). Throws
 /// std::invalid_argument for an unknown architecture.
-std::string default_cost_formula(const std::string& architecture);
+std::string default_cost_formula(TaggingArchitecture architecture);
 
 /// The model of the config's architecture behind the forward signature both taggers share.
 struct TaggingModel {
-  std::string architecture;                  // transformer | bilstm
+  TaggingArchitecture architecture = TaggingArchitecture::kTransformer;
   std::shared_ptr<torch::nn::Module> module;  // parameters, train()/eval(), to()
   /// token_ids [bs, l] int64, padding_mask [bs, l] bool (true at padding, right padding) ->
   /// logits [bs, l, num_tags] float32.
@@ -75,7 +75,7 @@ struct TaggingModel {
 };
 
 /// Builds a freshly initialized model of config.architecture (from the torch RNG), options
-/// completed from the data. With config.precision other than "32-true", `forward` runs the
+/// completed from the data. With config.precision other than k32True, `forward` runs the
 /// model under AutocastGuard (precision.hpp) and returns float32 logits [bs, l, num_tags], so
 /// probes, training steps and validation all see the same precision. Throws
 /// std::invalid_argument for a bad architecture, options or precision.
@@ -85,7 +85,7 @@ TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingDat
 /// training, for either architecture. Construct after installing the CpuMemoryMeter so the
 /// static memory is counted.
 ///
-/// With config.sharding "shard_grad_op" the optimizer is a ShardedAdamW (sharded_optimizer.hpp)
+/// With config.sharding kShardGradOp the optimizer is a ShardedAdamW (sharded_optimizer.hpp)
 /// over `dist`'s ranks: the parameters and their gradients become views of flat buffers and this
 /// rank allocates the AdamW state of its 1/world_size slice only, so the static bytes measured
 /// after construction are what this rank holds. optimizer() is then the AdamW over the owned
@@ -119,7 +119,7 @@ class TaggingModelSetup {
   torch::optim::AdamW& optimizer() { return sharded_ ? sharded_->adamw() : *optimizer_; }
   /// The sharded optimizer under shard_grad_op; null otherwise.
   ShardedAdamW* sharded_optimizer() { return sharded_.get(); }
-  const std::string& architecture() const { return model_.architecture; }
+  TaggingArchitecture architecture() const { return model_.architecture; }
   /// Embedding rows and classifier outputs of the model.
   std::int64_t vocab_size() const { return model_.vocab_size; }
   std::int64_t num_tags() const { return model_.num_tags; }

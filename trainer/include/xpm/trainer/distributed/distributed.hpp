@@ -49,8 +49,14 @@ struct WorkerEnvironment {
   static std::optional<WorkerEnvironment> from_environment();
 };
 
+/// The c10d process group's backend: kAuto is nccl on CUDA when built with it, else gloo.
+enum class CollectiveBackend { kAuto, kGloo, kNccl };
+/// "auto" | "gloo" | "nccl"; throws std::invalid_argument "<source> must be auto, gloo or nccl, got '<text>'".
+CollectiveBackend parse_collective_backend(const std::string& text, const std::string& source);
+std::string to_string(CollectiveBackend backend);
+
 struct DistributedOptions {
-  std::string backend = "auto";  // auto (nccl on CUDA when built with it, else gloo) | gloo | nccl
+  CollectiveBackend backend = CollectiveBackend::kAuto;
   std::chrono::milliseconds collective_timeout{std::chrono::minutes(5)};   // per collective
   std::chrono::milliseconds rendezvous_timeout{std::chrono::minutes(10)};  // store connect/wait
   /// Throws std::invalid_argument naming the bad field.

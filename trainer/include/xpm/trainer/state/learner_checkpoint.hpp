@@ -39,6 +39,7 @@
 
 #include "xpm/trainer/state/checkpoint_store.hpp"
 #include "xpm/trainer/distributed/distributed.hpp"
+#include "xpm/trainer/distributed/sharded_optimizer.hpp"
 
 namespace xpm {
 
@@ -101,7 +102,7 @@ LearnerCheckpoint read_learner_checkpoint(const std::string& path);
 /// consolidated optimizer.pt loads anywhere; per-rank optimizer-rank<r>.pt files only at the
 /// world size that wrote them, under shard_grad_op. Throws std::invalid_argument naming the
 /// folder, both layouts and what to do otherwise.
-void check_optimizer_loadable(const LearnerCheckpoint& checkpoint, int world_size, const std::string& sharding);
+void check_optimizer_loadable(const LearnerCheckpoint& checkpoint, int world_size, ShardingStrategy sharding);
 
 /// The newest checkpoint of `store` that verifies (sizes and checksums) and whose state.json
 /// parses; every newer one is skipped with its folder and reason appended to `warnings`.
