@@ -19,6 +19,9 @@ packages=(
   libtorch-dev libceres-dev libmuparserx-dev libboost-program-options-dev
   libbenchmark-dev doctest-dev nlohmann-json3-dev libgloo-dev libprotobuf-dev
   jq  # make bench: bench/precision_modes.sh reads summary.json
+  # The Python package (python/): built for and tested with /usr/bin/python3, whose torch is
+  # Debian's python3-torch, the same build as libtorch-dev.
+  pybind11-dev python3-dev python3-numpy python3-torch python3-pytest
 )
 
 log() { echo "setup: $*"; }

@@ -1,0 +1,335 @@
+// xpm._planner: the planner core for Python, without LibTorch (it imports next to any torch).
+// The Pythonic layer over it is python/xpm/*.py; names and units are documented there.
+#include <pybind11/pybind11.h>
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "xpm/planner/budget.hpp"
+#include "xpm/planner/ffd_packer.hpp"
+#include "xpm/planner/fit.hpp"
+#include "xpm/planner/formula.hpp"
+#include "xpm/planner/memory_model.hpp"
+#include "xpm/planner/packer.hpp"
+#include "xpm/planner/predictive_batcher.hpp"
+#include "xpm/planner/rank_assignment.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+using DoubleArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+// Rows of a [n, v] array (a [n] array is n records of one variable) as the planner's dims.
+std::vector<std::vector<double>> rows_of(const DoubleArray& array, std::size_t variables, const char* what) {
+  const py::buffer_info info = array.request();
+  if (info.ndim != 1 && info.ndim != 2) throw std::invalid_argument(std::string(what) + " must be a 1-D or 2-D array");
+  const auto n = static_cast<std::size_t>(info.shape[0]);
+  const std::size_t width = info.ndim == 2 ? static_cast<std::size_t>(info.shape[1]) : 1;
+  if (width != variables) {
+    throw std::invalid_argument(std::string(what) + " has " + std::to_string(width) + " column(s), the formula " +
+                                std::to_string(variables) + " variable(s)");
+  }
+  const double* data = static_cast<const double*>(info.ptr);
+  std::vector<std::vector<double>> rows(n);
+  for (std::size_t i = 0; i < n; ++i) rows[i].assign(data + i * width, data + (i + 1) * width);
+  return rows;
+}
+
+std::shared_ptr<const xpm::MicrobatchPacker> packer_named(const std::string& name, const std::string& sort_by) {
+  if (name == "adaptive") return std::make_shared<xpm::AdaptivePacker>(xpm::AdaptivePackerOptions{sort_by});
+  if (name == "ffd") return std::make_shared<xpm::FirstFitDecreasingPacker>();
+  if (name == "uniform") return std::make_shared<xpm::UniformPacker>();
+  throw std::invalid_argument("packer must be 'adaptive', 'ffd' or 'uniform', got '" + name + "'");
+}
+
+// A plan as flat arrays: record indices of every microbatch one after the other, offsets
+// (m + 1) into them, each microbatch's dims [m, v], predicted bytes [m], over-budget flags [m].
+py::tuple flat_plan(const xpm::MicrobatchPlan& plan, std::size_t variables) {
+  const std::size_t m = plan.microbatches.size();
+  std::size_t total = 0;
+  for (const xpm::Microbatch& mb : plan.microbatches) total += mb.record_indices.size();
+  py::array_t<std::int64_t> indices(static_cast<py::ssize_t>(total));
+  py::array_t<std::int64_t> offsets(static_cast<py::ssize_t>(m + 1));
+  py::array_t<double> dims({static_cast<py::ssize_t>(m), static_cast<py::ssize_t>(variables)});
+  py::array_t<double> predicted(static_cast<py::ssize_t>(m));
+  py::array_t<bool> over(static_cast<py::ssize_t>(m));
+  auto i = indices.mutable_unchecked<1>();
+  auto o = offsets.mutable_unchecked<1>();
+  auto d = dims.mutable_unchecked<2>();
+  auto p = predicted.mutable_unchecked<1>();
+  auto b = over.mutable_unchecked<1>();
+  std::size_t at = 0;
+  for (std::size_t k = 0; k < m; ++k) {
+    const xpm::Microbatch& mb = plan.microbatches[k];
+    o(k) = static_cast<std::int64_t>(at);
+    for (std::size_t r : mb.record_indices) i(at++) = static_cast<std::int64_t>(r);
+    for (std::size_t v = 0; v < variables; ++v) d(k, v) = mb.dims[v];
+    p(k) = mb.predicted_bytes;
+    b(k) = mb.over_budget;
+  }
+  o(m) = static_cast<std::int64_t>(at);
+  return py::make_tuple(indices, offsets, dims, predicted, over);
+}
+
+py::tuple pack(const std::string& packer, const std::string& sort_by, const DoubleArray& record_dims,
+               const xpm::MemoryModel& model, std::int64_t usable_bytes) {
+  const std::size_t variables = model.formula().variable_names().size();
+  const std::vector<std::vector<double>> rows = rows_of(record_dims, variables, "record dims");
+  xpm::MicrobatchPlan plan;
+  {
+    py::gil_scoped_release release;
+    plan = packer_named(packer, sort_by)->pack(rows, model, usable_bytes);
+  }
+  return flat_plan(plan, variables);
+}
+
+py::array_t<double> predict(const xpm::MemoryModel& model, const DoubleArray& dims) {
+  const std::vector<std::vector<double>> rows = rows_of(dims, model.formula().variable_names().size(), "dims");
+  py::array_t<double> out(static_cast<py::ssize_t>(rows.size()));
+  auto o = out.mutable_unchecked<1>();
+  for (std::size_t i = 0; i < rows.size(); ++i) o(i) = model.predict_bytes(rows[i]);
+  return out;
+}
+
+// Cost of each record alone above the formula's value at zero dims (its constant part): what
+// the rank assignment balances.
+py::array_t<double> record_costs(const xpm::MemoryModel& model, const DoubleArray& record_dims) {
+  const xpm::CostFormula& formula = model.formula();
+  std::vector<std::vector<double>> rows = rows_of(record_dims, formula.variable_names().size(), "record dims");
+  const double constant = formula.predict(model.coefficients(), std::vector<double>(rows.empty() ? 0 : rows[0].size(), 0.0));
+  py::array_t<double> out(static_cast<py::ssize_t>(rows.size()));
+  auto o = out.mutable_unchecked<1>();
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    rows[i][model.batch_size_index()] = 1;
+    o(i) = std::max(0.0, formula.predict(model.coefficients(), rows[i]) - constant);
+  }
+  return out;
+}
+
+std::map<std::string, xpm::DimAggregation> aggregation_of(const std::map<std::string, std::string>& names) {
+  std::map<std::string, xpm::DimAggregation> out;
+  for (const auto& [variable, name] : names) out[variable] = xpm::dim_aggregation_from_string(name);
+  return out;
+}
+
+py::dict summary_dict(const xpm::FitSummary& s) {
+  py::dict d;
+  d["converged"] = s.converged;
+  d["usable"] = s.usable;
+  d["reasons"] = s.reasons;
+  d["max_rel_error"] = s.max_rel_error;
+  d["mean_rel_error"] = s.mean_rel_error;
+  d["rel_errors"] = s.rel_errors;
+  d["leave_one_out_max_rel_error"] = s.leave_one_out_max_rel_error;
+  d["iterations"] = s.iterations;
+  d["linear"] = s.linear;
+  d["brief_report"] = s.brief_report();
+  d["full_report"] = s.full_report();
+  return d;
+}
+
+struct FitArguments {
+  double floor_bytes = 0;
+  std::string batch_size_variable;
+  std::map<std::string, std::string> aggregation;
+  bool non_negative = true;
+  double usable_max_rel_error = 0.05;
+};
+
+// Fits `formula` to measured peaks (and infeasible bounds); returns the model and the summary.
+py::tuple fit(const xpm::CostFormula& formula, const DoubleArray& dims, const DoubleArray& peak_bytes,
+              const DoubleArray& infeasible_dims, const DoubleArray& infeasible_bytes, const FitArguments& args) {
+  const std::size_t variables = formula.variable_names().size();
+  const std::vector<std::vector<double>> rows = rows_of(dims, variables, "dims");
+  const std::vector<std::vector<double>> peaks = rows_of(peak_bytes, 1, "peak_bytes");
+  if (peaks.size() != rows.size()) throw std::invalid_argument("dims and peak_bytes differ in length");
+  std::vector<xpm::Measurement> measurements;
+  for (std::size_t i = 0; i < rows.size(); ++i) measurements.push_back({rows[i], peaks[i][0]});
+  const std::vector<std::vector<double>> bound_rows = rows_of(infeasible_dims, variables, "infeasible dims");
+  const std::vector<std::vector<double>> bound_bytes = rows_of(infeasible_bytes, 1, "infeasible bytes");
+  if (bound_rows.size() != bound_bytes.size()) throw std::invalid_argument("infeasible dims and bytes differ in length");
+  std::vector<xpm::InfeasibleBound> bounds;
+  for (std::size_t i = 0; i < bound_rows.size(); ++i) bounds.push_back({bound_rows[i], bound_bytes[i][0]});
+  const std::string bs = args.batch_size_variable.empty() ? formula.variable_names().at(0) : args.batch_size_variable;
+  xpm::FitOptions options;
+  options.non_negative = args.non_negative;
+  options.batch_size_variable = bs;
+  options.usable_max_rel_error = args.usable_max_rel_error;
+  xpm::FitResult result;
+  {
+    py::gil_scoped_release release;
+    result = xpm::fit_coefficients(formula, measurements, bounds, options);
+  }
+  xpm::MemoryModel model(formula, result.coefficients, args.floor_bytes, bs, aggregation_of(args.aggregation));
+  model.set_infeasible_probes(bounds);
+  model.set_probed_ranges(xpm::MemoryModel::ranges_of(rows));
+  return py::make_tuple(model, summary_dict(result.summary));
+}
+
+// A probe executor written in Python: run_probe(dims) -> ProbeResult, static_bytes() -> float.
+class PythonProbeExecutor : public xpm::ProbeExecutor {
+ public:
+  using xpm::ProbeExecutor::ProbeExecutor;
+  xpm::ProbeResult run_probe(const std::vector<double>& dims) override {
+    PYBIND11_OVERRIDE_PURE(xpm::ProbeResult, xpm::ProbeExecutor, run_probe, dims);
+  }
+  double static_bytes() override { PYBIND11_OVERRIDE_PURE(double, xpm::ProbeExecutor, static_bytes, ); }
+};
+
+struct ProbeArguments {
+  std::string batch_size_variable = "bs";
+  std::map<std::string, std::string> aggregation;
+  std::vector<std::map<std::string, double>> probe_points;
+  std::map<std::string, double> variable_max;
+  std::vector<double> design_fractions = {1.0, 0.75, 0.5};
+  double usable_max_rel_error = 0.05;
+};
+
+// The C++ probe design and fit over a Python executor: (model, probes, fit summary, floor report).
+py::tuple probe_and_fit(xpm::ProbeExecutor& executor, const xpm::CostFormula& formula,
+                        const xpm::MemoryBudget& budget, const ProbeArguments& args) {
+  xpm::PredictiveBatcherOptions options;
+  options.formula = formula;
+  options.batch_size_variable = args.batch_size_variable;
+  options.aggregation = aggregation_of(args.aggregation);
+  for (const auto& point : args.probe_points) options.probe_points.push_back({point});
+  options.variable_max = args.variable_max;
+  options.design_fractions = args.design_fractions;
+  options.budget = budget;
+  options.fit.usable_max_rel_error = args.usable_max_rel_error;
+  xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
+  batcher.probe_and_fit(executor);
+  return py::make_tuple(batcher.model(), batcher.probes(), summary_dict(batcher.fit_summary()),
+                        batcher.floor_fit().report);
+}
+
+void register_formula_error(py::module_& m) {
+  static py::exception<xpm::FormulaError> formula_error(m, "FormulaError", PyExc_ValueError);
+  py::register_exception_translator([](std::exception_ptr thrown) {
+    try {
+      if (thrown) std::rethrow_exception(thrown);
+    } catch (const xpm::FormulaError& error) {
+      py::object type = py::reinterpret_borrow<py::object>(formula_error.ptr());
+      py::object instance = type(error.what());
+      const bool positioned = error.position() != std::string::npos;
+      instance.attr("position") = positioned ? py::cast(error.position()) : py::none();
+      instance.attr("column") = positioned ? py::cast(error.position() + 1) : py::none();
+      instance.attr("symbol") = error.symbol();
+      instance.attr("brief") = error.brief();
+      PyErr_SetObject(formula_error.ptr(), instance.ptr());
+    }
+  });
+}
+
+void bind_formula(py::module_& m) {
+  py::class_<xpm::CostFormula>(m, "CostFormula")
+      .def(py::init([](const std::string& text, const std::vector<std::string>& variables,
+                       const std::optional<std::vector<std::string>>& coefficients, bool allow_nonlinear) {
+             xpm::CostFormulaOptions options;
+             options.allow_nonlinear = allow_nonlinear;
+             return coefficients ? xpm::CostFormula(text, *coefficients, variables, options)
+                                 : xpm::CostFormula::with_variables(text, variables, options);
+           }),
+           py::arg("text"), py::arg("variables"), py::arg("coefficients") = py::none(),
+           py::arg("allow_nonlinear") = false)
+      .def_property_readonly("text", &xpm::CostFormula::text)
+      .def_property_readonly("canonical", &xpm::CostFormula::canonical)
+      .def_property_readonly("coefficient_names", &xpm::CostFormula::coefficient_names)
+      .def_property_readonly("variable_names", &xpm::CostFormula::variable_names)
+      .def_property_readonly("is_linear", &xpm::CostFormula::is_linear)
+      .def_property_readonly("identity_hash", &xpm::CostFormula::identity_hash)
+      .def("predict", &xpm::CostFormula::predict, py::arg("coefficients"), py::arg("dims"))
+      .def("__repr__", [](const xpm::CostFormula& f) { return "CostFormula('" + f.canonical() + "')"; });
+}
+
+void bind_model(py::module_& m) {
+  py::class_<xpm::MemoryModel>(m, "MemoryModel")
+      .def_static("from_json", [](const std::string& text) { return xpm::MemoryModel::from_json(nlohmann::json::parse(text)); })
+      .def("to_json", [](const xpm::MemoryModel& model) { return model.to_json().dump(2); })
+      .def_static("load", &xpm::MemoryModel::load, py::arg("path"))
+      .def("save", &xpm::MemoryModel::save, py::arg("path"))
+      .def_property_readonly("formula", &xpm::MemoryModel::formula)
+      .def_property_readonly("coefficients", &xpm::MemoryModel::coefficients)
+      .def_property_readonly("floor_bytes", &xpm::MemoryModel::floor_bytes)
+      .def_property_readonly("batch_size_variable", &xpm::MemoryModel::batch_size_variable)
+      .def("predict_bytes", &xpm::MemoryModel::predict_bytes, py::arg("dims"))
+      .def("max_microbatch_size", &xpm::MemoryModel::max_microbatch_size, py::arg("dims"), py::arg("usable_bytes"),
+           py::arg("max_size") = std::int64_t{1} << 40);
+  m.def("predict", &predict);
+  m.def("record_costs", &record_costs);
+}
+
+void bind_budget(py::module_& m) {
+  py::class_<xpm::MemoryBudget>(m, "MemoryBudget")
+      .def(py::init([](std::int64_t capacity_bytes, double memory_fraction, std::int64_t extra_overhead_bytes) {
+             xpm::MemoryBudget budget{capacity_bytes, memory_fraction, extra_overhead_bytes};
+             budget.validate();
+             return budget;
+           }),
+           py::arg("capacity_bytes"), py::arg("memory_fraction") = 0.9, py::arg("extra_overhead_bytes") = 0)
+      .def_readonly("capacity_bytes", &xpm::MemoryBudget::capacity_bytes)
+      .def_readonly("memory_fraction", &xpm::MemoryBudget::memory_fraction)
+      .def_readonly("extra_overhead_bytes", &xpm::MemoryBudget::extra_overhead_bytes)
+      .def_property_readonly("usable_bytes", &xpm::MemoryBudget::usable_bytes);
+}
+
+void bind_probing(py::module_& m) {
+  py::class_<xpm::ProbeResult>(m, "ProbeResult")
+      .def(py::init<>())
+      .def_readwrite("dims", &xpm::ProbeResult::dims)
+      .def_readwrite("feasible", &xpm::ProbeResult::feasible)
+      .def_readwrite("forward_backward_peak_bytes", &xpm::ProbeResult::forward_backward_peak_bytes)
+      .def_readwrite("optimizer_step_peak_bytes", &xpm::ProbeResult::optimizer_step_peak_bytes)
+      .def_readwrite("duration_s", &xpm::ProbeResult::duration_s)
+      .def_readwrite("error", &xpm::ProbeResult::error)
+      .def_readwrite("capacity_bytes", &xpm::ProbeResult::capacity_bytes)
+      .def_property_readonly("step_peak_bytes", &xpm::ProbeResult::step_peak_bytes);
+  py::class_<xpm::ProbeExecutor, PythonProbeExecutor>(m, "ProbeExecutor")
+      .def(py::init<>())
+      .def("run_probe", &xpm::ProbeExecutor::run_probe)
+      .def("static_bytes", &xpm::ProbeExecutor::static_bytes);
+  py::class_<ProbeArguments>(m, "ProbeArguments")
+      .def(py::init<>())
+      .def_readwrite("batch_size_variable", &ProbeArguments::batch_size_variable)
+      .def_readwrite("aggregation", &ProbeArguments::aggregation)
+      .def_readwrite("probe_points", &ProbeArguments::probe_points)
+      .def_readwrite("variable_max", &ProbeArguments::variable_max)
+      .def_readwrite("design_fractions", &ProbeArguments::design_fractions)
+      .def_readwrite("usable_max_rel_error", &ProbeArguments::usable_max_rel_error);
+  m.def("probe_and_fit", &probe_and_fit);
+}
+
+void bind_fit(py::module_& m) {
+  py::class_<FitArguments>(m, "FitArguments")
+      .def(py::init<>())
+      .def_readwrite("floor_bytes", &FitArguments::floor_bytes)
+      .def_readwrite("batch_size_variable", &FitArguments::batch_size_variable)
+      .def_readwrite("aggregation", &FitArguments::aggregation)
+      .def_readwrite("non_negative", &FitArguments::non_negative)
+      .def_readwrite("usable_max_rel_error", &FitArguments::usable_max_rel_error);
+  m.def("fit", &fit);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_planner, m) {
+  m.doc() = "xpm's planner core (no LibTorch); use the xpm package, not this module";
+  register_formula_error(m);
+  bind_formula(m);
+  bind_model(m);
+  bind_budget(m);
+  bind_probing(m);
+  bind_fit(m);
+  m.def("pack", &pack);
+  m.def("assign_records_to_ranks", [](const std::vector<double>& costs, int world_size) {
+    return xpm::assign_records_to_ranks(costs, world_size).records_per_rank;
+  });
+}

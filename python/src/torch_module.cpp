@@ -1,0 +1,20 @@
+// xpm._torch: the LibTorch side for Python: the capping CPU memory meter, installed into the
+// Python process's c10 (the one `import torch` uses: Debian's python3-torch and libtorch-dev
+// share libc10.so).
+#include <pybind11/pybind11.h>
+
+#include "xpm/planner_torch/cpu_memory_meter.hpp"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_torch, m) {
+  m.doc() = "xpm's CPU memory meter for PyTorch; use xpm.CpuMeter, not this module";
+  py::class_<xpm::CpuMemoryMeter, std::unique_ptr<xpm::CpuMemoryMeter, py::nodelete>>(m, "CpuMemoryMeter")
+      .def_static("install", &xpm::CpuMemoryMeter::install, py::return_value_policy::reference)
+      .def_static("uninstall", &xpm::CpuMemoryMeter::uninstall)
+      .def_property_readonly("current_allocated_bytes", &xpm::CpuMemoryMeter::current_allocated_bytes)
+      .def_property_readonly("peak_allocated_bytes", &xpm::CpuMemoryMeter::peak_allocated_bytes)
+      .def("reset_peak", &xpm::CpuMemoryMeter::reset_peak)
+      .def_property("capacity_bytes", &xpm::CpuMemoryMeter::capacity_bytes, &xpm::CpuMemoryMeter::set_capacity_bytes)
+      .def_property_readonly("oom_count", &xpm::CpuMemoryMeter::oom_count);
+}

@@ -1,0 +1,261 @@
+"""Cost formulas, fitted memory models, budgets and plans (the planner core, no torch needed).
+
+Units: bytes for memory, dims in the formula's variable order (e.g. ``bs`` records, ``l`` padded
+length). Errors are Python exceptions with the messages of the C++ library and the CLI:
+``FormulaError`` (a ``ValueError`` with ``position``, ``column``, ``symbol``) for a bad
+formula, ``ValueError`` for bad arguments, ``RuntimeError`` for an unusable fit.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from . import _planner
+
+FormulaError = _planner.FormulaError
+
+
+class MemoryBudget(_planner.MemoryBudget):
+    """The budget a microbatch's predicted peak must fit: ``capacity_bytes`` (the device's
+    memory or the CPU cap) x ``memory_fraction`` - ``extra_overhead_bytes`` = ``usable_bytes``.
+    The fraction is the margin for what the model misses (fit error, allocator rounding);
+    ValueError naming a value out of range."""
+
+    def __init__(self, capacity_bytes, memory_fraction: float = 0.9, extra_overhead_bytes=0):
+        super().__init__(_whole_bytes(capacity_bytes, "capacity_bytes"), float(memory_fraction),
+                         _whole_bytes(extra_overhead_bytes, "extra_overhead_bytes"))
+
+
+def _whole_bytes(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or value != int(value):
+        raise ValueError(f"{what} must be a whole number of bytes, got {value!r}")
+    if not -(1 << 63) <= int(value) < (1 << 63):
+        raise ValueError(f"{what} is out of range: {value!r}")
+    return int(value)
+
+
+class CostFormula(_planner.CostFormula):
+    """A cost formula for a step's peak memory in bytes, e.g. ``a*bs*l^2 + b*bs*l + c``.
+
+    ``CostFormula("a*bs*l + b*bs + c", ["bs", "l"])`` declares the variables; every other name
+    is a coefficient (fitted, bytes per unit of its term), or give ``coefficients=[...]``.
+    ``allow_nonlinear=True`` admits terms such as ``l^p``. Properties: ``canonical`` (one
+    spelling for equivalent formulas), ``identity_hash`` (16 hex digits), ``coefficient_names``,
+    ``variable_names``, ``is_linear``. Raises ``FormulaError`` with the column of the error.
+    """
+
+
+def _matrix(values, width: int, what: str) -> np.ndarray:
+    """``values`` as a float64 [n, width] array (C order); ValueError naming ``what`` otherwise."""
+    array = np.ascontiguousarray(values, dtype=np.float64)
+    if array.ndim != 2 or array.shape[1] != width:
+        raise ValueError(f"{what} must be an array of shape [n, {width}] (one column per formula variable), "
+                         f"got shape {list(array.shape)}")
+    if not np.isfinite(array).all() or (array < 0).any():
+        raise ValueError(f"{what} must be finite and >= 0")
+    return array
+
+
+def _vector(values, n: int, what: str) -> np.ndarray:
+    array = np.ascontiguousarray(values, dtype=np.float64)
+    if array.shape != (n,):
+        raise ValueError(f"{what} must hold {n} values (one per row of the dims), got shape {list(array.shape)}")
+    return array
+
+
+def _batch_size_variable(variables: Sequence[str], given: Optional[str]) -> str:
+    if given is not None:
+        if given not in variables:
+            raise ValueError(f"batch_size_variable '{given}' is not one of the formula's variables {list(variables)}")
+        return given
+    if "bs" in variables:
+        return "bs"
+    raise ValueError(f"batch_size_variable: the formula's variables {list(variables)} have no 'bs'; name the "
+                     "one that counts records")
+
+
+def record_dims_from_lengths(lengths, variables: Sequence[str] = ("bs", "l"),
+                             batch_size_variable: str = "bs") -> np.ndarray:
+    """[n, 2] dims from record lengths, in ``variables`` order: the batch-size variable 1, the
+    other the length (e.g. {bs: 1, l: length} for variables ("bs", "l"))."""
+    variables = list(variables)
+    if len(variables) != 2 or batch_size_variable not in variables:
+        raise ValueError(f"record_dims_from_lengths: two variables, one of them '{batch_size_variable}', "
+                         f"expected, got {variables}")
+    lengths = np.asarray(lengths, dtype=np.float64)
+    if lengths.ndim != 1 or not np.isfinite(lengths).all() or (lengths < 0).any():
+        raise ValueError(f"lengths must be a 1-D array of finite values >= 0, got shape {list(lengths.shape)}")
+    ones = np.ones_like(lengths)
+    columns = [ones, lengths] if variables.index(batch_size_variable) == 0 else [lengths, ones]
+    return np.ascontiguousarray(np.stack(columns, axis=1))
+
+
+def _record_dims(record_dims, model: "MemoryModel", what: str) -> np.ndarray:
+    """[n, variables] record dims, or a 1-D array of lengths for a two-variable model."""
+    variables = list(model.formula.variable_names)
+    array = np.asarray(record_dims, dtype=np.float64)
+    if array.ndim == 1 and len(variables) == 2:
+        return record_dims_from_lengths(array, variables, model.batch_size_variable)
+    return _matrix(array, len(variables), what)
+
+
+class MemoryModel:
+    """A fitted memory model: ``predict(dims)`` in bytes, ``max_batch``, JSON ``load``/``save``.
+
+    The files are those ``xpm-plan`` and ``xpm-train`` read and write (memory_model.json).
+    """
+
+    def __init__(self, native: _planner.MemoryModel):
+        self._native = native
+
+    @classmethod
+    def load(cls, path: str) -> "MemoryModel":
+        """Reads a memory model JSON file; ``FileNotFoundError`` for a missing one,
+        ``ValueError``/``RuntimeError`` naming the file when it is not a memory model."""
+        path = str(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"memory model '{path}': no such file" +
+                                    (" (it is a directory)" if os.path.isdir(path) else ""))
+        return cls(_planner.MemoryModel.load(path))
+
+    @classmethod
+    def from_json(cls, text: str) -> "MemoryModel":
+        """The model of ``to_json()`` text (e.g. sent from rank 0); ValueError when it is not one."""
+        try:
+            return cls(_planner.MemoryModel.from_json(text))
+        except (ValueError, RuntimeError) as error:
+            raise ValueError(f"memory model JSON: {error}") from None
+
+    def save(self, path: str) -> None:
+        """Writes the model (temporary file, then rename: never half-written)."""
+        self._native.save(str(path))
+
+    def to_json(self) -> str:
+        return self._native.to_json()
+
+    @property
+    def formula(self) -> _planner.CostFormula:
+        return self._native.formula
+
+    @property
+    def coefficients(self) -> Dict[str, float]:
+        """Fitted coefficients by name, bytes per unit of their term."""
+        return dict(zip(self.formula.coefficient_names, self._native.coefficients))
+
+    @property
+    def floor_bytes(self) -> float:
+        return self._native.floor_bytes
+
+    @property
+    def batch_size_variable(self) -> str:
+        return self._native.batch_size_variable
+
+    def predict(self, dims) -> np.ndarray:
+        """Predicted peak bytes: ``dims`` one row per microbatch ([n, variables]) or one row."""
+        width = len(self.formula.variable_names)
+        array = np.asarray(dims, dtype=np.float64)
+        single = array.ndim == 1
+        out = _planner.predict(self._native, _matrix(array.reshape(1, -1) if single else array, width, "dims"))
+        return float(out[0]) if single else out
+
+    def max_batch(self, dims: Sequence[float], usable_bytes: int, max_size: int = 1 << 40) -> int:
+        """Largest microbatch size that fits ``usable_bytes`` at ``dims`` (its batch-size entry
+        is ignored); ``ValueError`` when even one record does not fit."""
+        if int(usable_bytes) <= 0:
+            raise ValueError(f"max_batch: usable_bytes must be > 0, got {usable_bytes}")
+        return self._native.max_microbatch_size(list(map(float, dims)), int(usable_bytes), int(max_size))
+
+    def __repr__(self) -> str:
+        return f"MemoryModel('{self.formula.canonical}', floor_bytes={self.floor_bytes:.0f})"
+
+
+@dataclass
+class FitReport:
+    """What ``fit`` measured: ``usable`` (and ``reasons`` when not), relative errors (signed,
+    (predicted - measured) / measured, one per measurement), leave-one-out max error."""
+
+    usable: bool
+    reasons: List[str]
+    max_rel_error: float
+    mean_rel_error: float
+    rel_errors: List[float]
+    leave_one_out_max_rel_error: float
+    converged: bool
+    brief_report: str
+    full_report: str
+
+
+def _report(summary: dict) -> FitReport:
+    return FitReport(**{name: summary[name] for name in FitReport.__dataclass_fields__})
+
+
+def fit(formula: CostFormula, dims, peak_bytes, *, infeasible_dims=None, infeasible_bytes=None,
+        floor_bytes: float = 0.0, batch_size_variable: Optional[str] = None,
+        aggregation: Optional[Dict[str, str]] = None, non_negative: bool = True,
+        usable_max_rel_error: float = 0.05):
+    """Fits ``formula``'s coefficients to measured peaks (Ceres, relative residuals).
+
+    ``dims``: [n, variables] (formula order); ``peak_bytes``: [n] measured peak bytes.
+    ``batch_size_variable``: the variable that counts records (default "bs").
+    ``infeasible_dims`` / ``infeasible_bytes``: shapes that ran out of memory and the capacity
+    they ran under, lower bounds of the prediction. ``aggregation``: how records combine per
+    variable in a microbatch ("max", "sum", "count"; default max). Returns
+    ``(MemoryModel, FitReport)``; the report says whether the fit is usable.
+    """
+    width = len(formula.variable_names)
+    dims_array = _matrix(dims, width, "dims")
+    peaks = _vector(peak_bytes, len(dims_array), "peak_bytes")
+    bounds = _matrix(np.zeros((0, width)) if infeasible_dims is None else infeasible_dims, width, "infeasible_dims")
+    bound_bytes = _vector(np.zeros(0) if infeasible_bytes is None else infeasible_bytes, len(bounds), "infeasible_bytes")
+    args = _planner.FitArguments()
+    args.floor_bytes = float(floor_bytes)
+    args.batch_size_variable = _batch_size_variable(formula.variable_names, batch_size_variable)
+    args.aggregation = dict(aggregation or {})
+    args.non_negative = non_negative
+    args.usable_max_rel_error = usable_max_rel_error
+    native, summary = _planner.fit(formula, dims_array, peaks, bounds, bound_bytes, args)
+    return MemoryModel(native), _report(summary)
+
+
+@dataclass
+class Plan:
+    """Microbatches of one list of records: ``microbatches[k]`` the record indices (int64
+    array) of microbatch k, ``dims`` [m, variables] its aggregated dims, ``predicted_bytes`` [m],
+    ``over_budget`` [m] (a record that does not fit even alone)."""
+
+    indices: np.ndarray
+    offsets: np.ndarray
+    dims: np.ndarray
+    predicted_bytes: np.ndarray
+    over_budget: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def microbatches(self) -> List[np.ndarray]:
+        return [self.indices[self.offsets[k]:self.offsets[k + 1]] for k in range(len(self))]
+
+
+PACKERS = ("adaptive", "ffd", "uniform")
+
+
+def plan(record_dims, model: MemoryModel, usable_bytes: int, *, packer: str = "adaptive",
+         sort_by: Optional[str] = None) -> Plan:
+    """Splits records into microbatches predicted to fit ``usable_bytes``.
+
+    ``record_dims``: [n, variables] (each record's dims, its batch-size entry 1) as a NumPy
+    array or sequences, read as it is (float64, C order; otherwise converted once); for a model
+    of two variables, a 1-D array of lengths (``record_dims_from_lengths``).
+    ``packer``: "adaptive" (grow while it fits, heaviest first by ``sort_by``), "ffd" (first fit
+    decreasing) or "uniform" (equal slices). Deterministic: every rank gets the same plan.
+    """
+    if packer not in PACKERS:
+        raise ValueError(f"packer must be one of {', '.join(PACKERS)}, got '{packer}'")
+    array = _record_dims(record_dims, model, "record_dims")
+    if sort_by is None:
+        sort_by = next((v for v in model.formula.variable_names if v != model.batch_size_variable), "")
+    return Plan(*_planner.pack(packer, sort_by, array, model._native, int(usable_bytes)))

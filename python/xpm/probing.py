@@ -1,0 +1,291 @@
+"""Probing a user's PyTorch training step and fitting its memory model, from Python.
+
+    meter = xpm.CpuMeter.install()          # CPU: before the model is built (it must see the weights)
+    meter.capacity_bytes = 200_000_000      # the cap the probes and the steps run under
+    model = MyModel(); optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    result = xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_batch(dims)),
+                       xpm.CostFormula("a*bs*l + b*bs + c", ["bs", "l"]),
+                       variable_max={"bs": 64, "l": 300}, meter=meter)
+    result.model.predict([8, 120])          # bytes
+
+What a probe runs, as the C++ probe does: gradients zeroed in place (allocated when missing),
+``loss_fn(dims).backward()`` (the forward/backward peak), ``optimizer.step()`` at learning rate
+0 (the optimizer-step peak), each phase's peak allocated bytes read from the meter. Before the
+first probe every trainable parameter has a gradient and the optimizer its state (one step at
+learning rate 0): the steady state of training. Afterwards the optimizer's state, its learning
+rates and the CPU (and CUDA) random generators are as they were; the parameters are unchanged
+(every ``torch.optim`` optimizer but LBFGS scales its update with the learning rate). A probe
+that runs out of memory is an upper bound of what fits, never dropped. The automatic design
+(no ``probe_points``): for each fraction of ``design_fractions``, the other variables at that
+fraction of their max, the batch size doubling from 1 to ``variable_max[bs]`` until the budget
+or the first out-of-memory probe, then one bisection. Call it on rank 0 before wrapping the
+model in DistributedDataParallel, and share ``result.model.to_json()`` with the other ranks.
+"""
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from . import _planner
+from .planning import CostFormula, FitReport, MemoryBudget, MemoryModel, _report
+
+
+class CpuMeter:
+    """Peak allocated bytes of CPU tensors (c10's CPU allocator, wrapped), with a hard cap
+    that raises PyTorch's out-of-memory error. One per process; ``install()`` it before the
+    model is built."""
+
+    def __init__(self, native):
+        self._native = native
+
+    @classmethod
+    def install(cls) -> "CpuMeter":
+        from . import _torch  # LibTorch side: needs the same torch build as the extension
+        return cls(_torch.CpuMemoryMeter.install())
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Cap on allocated bytes (0: none)."""
+        return self._native.capacity_bytes
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: int) -> None:
+        self._native.capacity_bytes = int(value)
+
+    @property
+    def current_allocated_bytes(self) -> int:
+        return self._native.current_allocated_bytes
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        return self._native.peak_allocated_bytes
+
+    def reset_peak(self) -> None:
+        self._native.reset_peak()
+
+
+class CudaMeter:
+    """Peak allocated bytes of one CUDA device through ``torch.cuda`` (reset per probe phase);
+    the capacity is the device's total memory. ``reserved_peak_bytes`` is the caching
+    allocator's reserved peak, for reports."""
+
+    def __init__(self, device: Optional[torch.device] = None):
+        if not torch.cuda.is_available():
+            raise ValueError("CudaMeter: this torch has no CUDA device (torch.cuda.is_available() is False); "
+                             "on CPU use xpm.CpuMeter.install()")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+    @property
+    def current_allocated_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    @property
+    def reserved_peak_bytes(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(error).lower()
+
+
+def _drain_autograd_buffers(meter) -> None:
+    """The autograd engine keeps the gradients of a backward that ran out of memory until the
+    next backward on the thread; a tiny one, with a CPU cap lifted for its bytes, frees them,
+    so the next probe measures only itself."""
+    capped = isinstance(meter, CpuMeter)
+    capacity = meter.capacity_bytes if capped else 0
+    if capped:
+        meter.capacity_bytes = 0
+    try:
+        torch.zeros(1, requires_grad=True).sum().backward()
+    finally:
+        if capped:
+            meter.capacity_bytes = capacity
+
+
+def _zero_gradients_in_place(parameters: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p in parameters:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
+
+
+def _reallocate_state(optimizer: torch.optim.Optimizer) -> None:
+    """Replaces every state tensor by a clone. ``load_state_dict`` deep-copies the state through
+    Python storages, which PyTorch allocates past c10's CPU allocator and so past the meter;
+    a clone is allocated as the optimizer's own step allocates, and counted."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.clone()
+
+
+class _SteadyState:
+    """Gradients and optimizer state allocated, learning rates 0; restores the optimizer, its
+    learning rates and the random generators on exit."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = optimizer
+
+    def __enter__(self):
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        # Saved as bytes, not as tensors: a tensor copy would be counted in every probe.
+        self.state = io.BytesIO()
+        torch.save(self.optimizer.state_dict(), self.state)
+        self.had_state = len(self.optimizer.state) > 0
+        self.rates = [group["lr"] for group in self.optimizer.param_groups]
+        try:
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.0
+            _zero_gradients_in_place(self.parameters)
+            self.optimizer.step()
+            _zero_gradients_in_place(self.parameters)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        if self.had_state:
+            self.state.seek(0)
+            self.optimizer.load_state_dict(torch.load(self.state))
+            _reallocate_state(self.optimizer)
+        else:
+            self.optimizer.state.clear()
+        for group, rate in zip(self.optimizer.param_groups, self.rates):
+            group["lr"] = rate
+        _zero_gradients_in_place(self.parameters)
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        return False
+
+
+class _TorchExecutor(_planner.ProbeExecutor):
+    """The probe steps over the user's model, optimizer and loss function."""
+
+    def __init__(self, steady: _SteadyState, loss_fn, meter, names: List[str]):
+        super().__init__()
+        self.steady, self.loss_fn, self.meter, self.names = steady, loss_fn, meter, names
+        self.results = []  # every probe run, for an error that must carry them
+
+    def static_bytes(self) -> float:
+        return float(self.meter.current_allocated_bytes)
+
+    def run_probe(self, dims):
+        result = _planner.ProbeResult()
+        result.dims = list(dims)
+        result.capacity_bytes = float(self.meter.capacity_bytes)
+        start = time.perf_counter()
+        _zero_gradients_in_place(self.steady.parameters)
+        loss = None
+        try:
+            self.meter.reset_peak()
+            loss = self.loss_fn(list(dims))
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError("the loss function must return a scalar tensor")
+            loss.backward()
+            loss = None
+            result.forward_backward_peak_bytes = float(self.meter.peak_allocated_bytes)
+            self.meter.reset_peak()
+            self.steady.optimizer.step()
+            result.optimizer_step_peak_bytes = float(self.meter.peak_allocated_bytes)
+        except Exception as error:  # noqa: BLE001 - out of memory is a result, the rest named
+            if not _is_out_of_memory(error):
+                where = " ".join(f"{n}={d:g}" for n, d in zip(self.names, dims))
+                raise type(error)(f"probing at {where}: {error}") from error
+            result.feasible = False
+            result.error = str(error).splitlines()[0]
+            loss = None  # the graph of a forward that ran out of memory goes now, not later
+            _drain_autograd_buffers(self.meter)
+        finally:
+            _zero_gradients_in_place(self.steady.parameters)
+        result.duration_s = time.perf_counter() - start
+        self.results.append(result)
+        return result
+
+
+@dataclass
+class ProbeOutcome:
+    """``model``: the fitted memory model; ``probes``: every probe (``feasible`` False: ran out
+    of memory); ``fit``: the fit report; ``floor``: how the floor was chosen; ``probe_s``."""
+
+    model: MemoryModel
+    probes: list
+    fit: FitReport
+    floor: str
+    probe_s: float
+
+
+def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[List[float]], torch.Tensor],
+          formula: CostFormula, *, meter, budget: Optional[MemoryBudget] = None,
+          variable_max: Optional[Dict[str, float]] = None, probe_points: Optional[List[Dict[str, float]]] = None,
+          design_fractions: Sequence[float] = (1.0, 0.75, 0.5), batch_size_variable: str = "bs",
+          aggregation: Optional[Dict[str, str]] = None, usable_max_rel_error: float = 0.05) -> ProbeOutcome:
+    """Probes the step (see the module docstring) and fits ``formula``; rank 0 only.
+
+    ``loss_fn(dims)``: builds a batch at ``dims`` (formula order; synthetic data is fine) and
+    returns its summed loss, a scalar tensor. ``budget``: default the meter's capacity, 90 %.
+    ``usable_max_rel_error``: the fit's largest relative error at the probes that still makes
+    it usable (5 %; some models peak off any smooth trend at batch size 1: raise it then).
+    Whatever is allocated after probing (a dataset made of tensors, caches) is not in the model:
+    build it before, or leave room for it in ``budget``.
+    Raises ``ValueError`` for bad options or a budget the probes cannot work under,
+    ``RuntimeError`` for an unusable fit (its ``probes`` attribute holds the probes, so
+    ``xpm.fit`` can refit them); an error of ``loss_fn`` names the probe's dims.
+    """
+    if budget is None:
+        if meter.capacity_bytes <= 0:
+            raise ValueError("probe: the meter has no capacity (0 bytes): set meter.capacity_bytes or give budget")
+        budget = MemoryBudget(meter.capacity_bytes)
+    args = _planner.ProbeArguments()
+    args.batch_size_variable = batch_size_variable
+    args.aggregation = dict(aggregation or {})
+    args.probe_points = [dict(point) for point in (probe_points or [])]
+    args.variable_max = {name: float(value) for name, value in (variable_max or {}).items()}
+    args.design_fractions = list(design_fractions)
+    args.usable_max_rel_error = usable_max_rel_error
+    if not probe_points and not design_fractions:
+        raise ValueError("probe: design_fractions is empty and no probe_points are given: nothing to probe")
+    if probe_points and len(probe_points) < len(formula.coefficient_names):
+        raise ValueError(f"probe: {len(probe_points)} probe point(s) for {len(formula.coefficient_names)} "
+                         f"coefficients ({', '.join(formula.coefficient_names)}); give at least one per coefficient")
+    start = time.perf_counter()
+    try:
+        steady = _SteadyState(model, optimizer).__enter__()
+    except Exception as error:  # noqa: BLE001 - only out of memory is translated
+        if not _is_out_of_memory(error):
+            raise
+        raise ValueError(f"probe: the steady state (gradients and optimizer state) does not fit under the "
+                         f"meter's capacity of {meter.capacity_bytes} bytes: raise the capacity") from None
+    executor = _TorchExecutor(steady, loss_fn, meter, list(formula.variable_names))
+    try:
+        native, probes, summary, floor = _planner.probe_and_fit(executor, formula, budget, args)
+    except RuntimeError as error:
+        failure = RuntimeError(f"{error} (xpm.probe(..., usable_max_rel_error=...) sets that limit; this error's "
+                               f".probes holds the {len(executor.results)} probes, for xpm.fit)")
+        failure.probes = list(executor.results)
+        raise failure from None
+    finally:
+        steady.__exit__(None, None, None)
+    return ProbeOutcome(MemoryModel(native), list(probes), _report(summary), floor, time.perf_counter() - start)

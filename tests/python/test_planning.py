@@ -1,0 +1,139 @@
+"""The planner core from Python: formulas, fit, models, budgets, plans equal to the C++ plans."""
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+import xpm
+
+
+def test_formula_canonical_form_and_identity():
+    f = xpm.CostFormula("a*bs*l**2 + b*bs*(l-1) + c", ["bs", "l"])
+    assert f.coefficient_names == ["a", "b", "c"]
+    assert f.canonical == "a*bs*l^2 + b*bs*l - b*bs + c"
+    assert f.is_linear
+    g = xpm.CostFormula("c + b*bs*l - b*bs + a*l^2*bs", ["bs", "l"], coefficients=["a", "b", "c"])
+    assert g.identity_hash == f.identity_hash and len(f.identity_hash) == 16
+    assert f.predict([2.0, 3.0, 1e6], [4, 128]) == pytest.approx(2 * 4 * 128**2 + 3 * (4 * 128 - 4) + 1e6)
+
+
+def test_formula_errors_are_exceptions_with_the_column():
+    with pytest.raises(xpm.FormulaError) as caught:
+        xpm.CostFormula("a*bs + x*", ["bs"], coefficients=["a"])
+    assert isinstance(caught.value, ValueError)
+    assert caught.value.column == caught.value.position + 1
+    assert "formula error at column" in caught.value.brief
+    with pytest.raises(xpm.FormulaError) as undeclared:
+        xpm.CostFormula("a*bs + x", ["bs"], coefficients=["a"])
+    assert undeclared.value.symbol == "x" and undeclared.value.column == 8
+    with pytest.raises(xpm.FormulaError, match="not linear"):
+        xpm.CostFormula("a^2*bs", ["bs"])
+    assert not xpm.CostFormula("a*bs*l^p + c", ["bs", "l"], allow_nonlinear=True).is_linear
+
+
+def test_fit_recovers_known_coefficients_and_reports_its_errors():
+    rng = np.random.default_rng(3)
+    dims = np.stack([rng.integers(1, 64, 40), rng.integers(8, 300, 40)], axis=1).astype(float)
+    truth = {"a": 12.5, "b": 3000.0, "c": 4e6}
+    peaks = truth["a"] * dims[:, 0] * dims[:, 1] ** 2 + truth["b"] * dims[:, 0] * dims[:, 1] + truth["c"]
+    formula = xpm.CostFormula("a*bs*l^2 + b*bs*l + c", ["bs", "l"])
+    model, report = xpm.fit(formula, dims, peaks)
+    assert report.usable and report.converged
+    assert report.max_rel_error < 1e-9
+    for name, value in truth.items():
+        assert model.coefficients[name] == pytest.approx(value, rel=1e-6)
+    assert model.predict([8, 100]) == pytest.approx(12.5 * 8 * 100**2 + 3000 * 800 + 4e6, rel=1e-9)
+    assert model.predict(dims) == pytest.approx(peaks, rel=1e-9)
+
+
+def test_fit_keeps_an_out_of_memory_shape_out_of_every_plan():
+    formula = xpm.CostFormula("a*bs*l + c", ["bs", "l"])
+    dims = np.array([[1, 10], [2, 10], [4, 10], [8, 10]], dtype=float)
+    model, _ = xpm.fit(formula, dims, 100 * dims[:, 0] * dims[:, 1] + 1000,
+                       infeasible_dims=[[3, 10]], infeasible_bytes=[5000])
+    # 3 records of length 10 ran out of memory under 5000 bytes: no plan under that budget
+    # reaches them, whatever the prediction; a larger budget is not bound by that probe.
+    assert model.max_batch([1, 10], 5000) == 2
+    assert model.max_batch([1, 10], 10**6) > 100
+
+
+def test_model_json_round_trip_and_max_batch(tmp_path):
+    formula = xpm.CostFormula("a*bs*l + c", ["bs", "l"])
+    dims = np.array([[1, 10], [4, 20], [8, 40], [16, 10]], dtype=float)
+    model, _ = xpm.fit(formula, dims, 50 * dims[:, 0] * dims[:, 1] + 10_000)
+    path = tmp_path / "memory_model.json"
+    model.save(path)
+    loaded = xpm.MemoryModel.load(path)
+    assert loaded.coefficients == pytest.approx(model.coefficients)
+    assert json.loads(loaded.to_json())["formula"]["canonical"] == "a*bs*l + c"
+    assert loaded.max_batch([1, 100], 60_010) == 10  # 50 * 10 * 100 + 10000 = 60000
+    with pytest.raises(ValueError, match="over the usable budget of 10000 bytes"):
+        loaded.max_batch([1, 100], 10_000)
+
+
+def test_budget_names_its_bad_field():
+    assert xpm.MemoryBudget(1000, 0.9, 100).usable_bytes == 800
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        xpm.MemoryBudget(0)
+
+
+@pytest.mark.parametrize("packer", xpm.PACKERS)
+def test_plans_equal_the_cpp_plans_for_the_same_model(tmp_path, bin_dir, packer):
+    formula = xpm.CostFormula("a*bs*l^2 + b*bs*l + c", ["bs", "l"])
+    probe_dims = np.array([[1, 16], [8, 64], [16, 128], [32, 32], [4, 180]], dtype=float)
+    model, _ = xpm.fit(formula, probe_dims, 3 * probe_dims[:, 0] * probe_dims[:, 1] ** 2
+                       + 900 * probe_dims[:, 0] * probe_dims[:, 1] + 2e6)
+    model_path = tmp_path / "model.json"
+    model.save(model_path)
+    lengths = np.random.default_rng(5).integers(3, 180, 500)
+    records = tmp_path / "lengths.txt"
+    records.write_text("".join(f"{l}\n" for l in lengths))
+    budget = xpm.MemoryBudget(40_000_000)
+    sort_by = "l" if packer == "adaptive" else ""
+    plan = xpm.plan(xpm.record_dims_from_lengths(lengths), model, budget.usable_bytes, packer=packer,
+                    sort_by=sort_by)
+    command = [str(bin_dir / "xpm-plan"), "plan", "--model", str(model_path), "--csv", str(records),
+               "--capacity-bytes", "40000000", "--packer", packer, "--json"] + (["--sort-by", "l"] if sort_by else [])
+    cpp = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    assert len(plan) == cpp["microbatch_count"] > 1
+    for k, microbatch in enumerate(cpp["microbatches"]):
+        assert plan.microbatches[k].tolist() == microbatch["record_indices"]
+        assert plan.predicted_bytes[k] == pytest.approx(microbatch["predicted_bytes"], rel=1e-12)
+    assert sorted(plan.indices.tolist()) == list(range(500))
+
+
+def test_plan_refuses_dims_of_the_wrong_width():
+    formula = xpm.CostFormula("a*bs*l + c", ["bs", "l"])
+    model, _ = xpm.fit(formula, np.array([[1, 10], [2, 10], [4, 20]], dtype=float), [2000, 3000, 9000])
+    with pytest.raises(ValueError, match="column"):
+        xpm.plan(np.ones((5, 3)), model, 10**6)
+    with pytest.raises(ValueError, match="packer must be"):
+        xpm.plan(np.ones((5, 2)), model, 10**6, packer="best")
+
+
+def test_shapes_and_variable_names_are_checked_not_guessed(tmp_path):
+    formula = xpm.CostFormula("a*bs*l + c", ["l", "bs"])  # the batch size second
+    dims = np.array([[10, 1], [10, 2], [20, 4]], dtype=float)
+    model, _ = xpm.fit(formula, dims, 100 * dims[:, 0] * dims[:, 1] + 1000)
+    assert model.batch_size_variable == "bs"
+    assert xpm.record_dims_from_lengths([5, 7], ["l", "bs"]).tolist() == [[5, 1], [7, 1]]
+    plan = xpm.plan([30, 40, 10], model, 100 * 2 * 40 + 1000)  # lengths: 1-D for two variables
+    assert [m.tolist() for m in plan.microbatches] == [[1, 0], [2]]
+    with pytest.raises(ValueError, match=r"shape \[n, 2\]"):
+        xpm.fit(formula, dims.T, [1, 2])
+    with pytest.raises(ValueError, match="peak_bytes must hold 3 values"):
+        xpm.fit(formula, dims, [1, 2])
+    with pytest.raises(ValueError, match="batch_size_variable 'n'"):
+        xpm.fit(formula, dims, [1, 2, 3], batch_size_variable="n")
+    with pytest.raises(ValueError, match="must be finite and >= 0"):
+        xpm.plan([[1, -3]], model, 10**6)
+    with pytest.raises(ValueError, match="usable_bytes must be > 0"):
+        model.max_batch([1, 10], -1)
+    assert xpm.MemoryBudget(4e7, 0.99).capacity_bytes == 40_000_000
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        xpm.MemoryBudget(1.5)
+    with pytest.raises(FileNotFoundError, match="is a directory"):
+        xpm.MemoryModel.load(tmp_path)
+    with pytest.raises(ValueError, match="memory model JSON"):
+        xpm.MemoryModel.from_json("[1,2")
