@@ -78,7 +78,7 @@ std::vector<xpm::ProbePoint> parse_probe_points(const std::string& text) {
 // are read; errors name the option.
 struct ChoiceTexts {
   std::string architecture, lr_schedule, precision, sharding, optimizer_checkpoint, batcher, packer,
-      validation_metric, validation_mode, backend;
+      validation_metric, validation_mode, backend, preemption_signal;
 
   explicit ChoiceTexts(const xpm::TaggingJobConfig& c)
       : architecture(xpm::to_string(c.architecture)), lr_schedule(xpm::to_string(c.lr_schedule)),
@@ -86,7 +86,8 @@ struct ChoiceTexts {
         optimizer_checkpoint(xpm::optimizer_checkpoint_name(c.optimizer_checkpoint)),
         batcher(xpm::to_string(c.batcher)), packer(xpm::to_string(c.packer)),
         validation_metric(xpm::to_string(c.validation_metric)),
-        validation_mode(xpm::validation_mode_name(c.validation_mode)), backend(xpm::to_string(c.backend)) {}
+        validation_mode(xpm::validation_mode_name(c.validation_mode)), backend(xpm::to_string(c.backend)),
+        preemption_signal(c.preemption_signal == 0 ? "none" : xpm::signal_name(c.preemption_signal)) {}
 
   void parse_into(xpm::TaggingJobConfig& c) const {
     c.architecture = xpm::parse_tagging_architecture(architecture, "--architecture");
@@ -99,6 +100,7 @@ struct ChoiceTexts {
     c.validation_metric = xpm::parse_tagging_metric(validation_metric, "--validation-metric");
     c.validation_mode = xpm::parse_validation_mode(validation_mode, "--validation-mode");
     c.backend = xpm::parse_collective_backend(backend, "--backend");
+    c.preemption_signal = xpm::parse_signal_name(preemption_signal, "--preemption-signal");
   }
 };
 
@@ -347,6 +349,10 @@ TrainSettings parse_train_settings(int argc, char** argv) {
        "warning; none: start at step 0); same settings required")
       ("stop-after-steps", po::value(&config.stop_after_steps)->default_value(config.stop_after_steps),
        "stop after step N with a checkpoint, schedule unchanged (for --resume; 0: off)")
+      ("preemption-signal", po::value(&choices.preemption_signal)->default_value(choices.preemption_signal),
+       "besides SIGINT and SIGTERM, the signal that stops every rank after its step with a "
+       "checkpoint (exit code 4; a scheduler's notice before it kills the job): SIGUSR1, SIGUSR2, "
+       "... or none; docs/distributed.md")
       ("freeze", po::value(&config.freeze)->default_value(config.freeze),
        "freeze the parameters whose names match this regex (ECMAScript, searched; e.g. "
        "'^token_embedding\\.'): no gradient, no AdamW state; LayerFreezer, docs/hooks.md")

@@ -176,7 +176,8 @@ int train(int argc, char** argv, TrainProcess& process) {
     remove_error_logs(config.run_dir);
     std::cout << "summary: " << config.run_dir << "/summary.json\n" << summary.dump(2) << "\n";
   }
-  return 0;
+  // Stopped by a signal with a checkpoint: a distinct code, so a scheduler's wrapper can requeue.
+  return summary.value("interrupted", false) ? xpm::kInterruptedExitCode : 0;
 }
 
 }  // namespace

@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
+#include <queue>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 namespace xpm {
 
@@ -36,22 +39,33 @@ RankAssignment assign_records_to_ranks(const std::vector<double>& costs, int wor
   const auto ranks = static_cast<std::size_t>(world_size);
   assignment.records_per_rank.resize(ranks);
   assignment.cost_per_rank.assign(ranks, 0.0);
+  // Least loaded rank first; on equal load the one with fewer records, then the lower rank, so
+  // zero-cost records still spread out. A heap of (load, records, rank): O(log w) per record.
+  using Slot = std::tuple<double, std::size_t, std::size_t>;
+  std::priority_queue<Slot, std::vector<Slot>, std::greater<Slot>> least_loaded;
+  for (std::size_t r = 0; r < ranks; ++r) least_loaded.emplace(0.0, 0, r);
   for (std::size_t record : order) {
-    // Least loaded rank; on equal load the one with fewer records, then the lower rank, so
-    // zero-cost records still spread out.
-    std::size_t best = 0;
-    for (std::size_t r = 1; r < ranks; ++r) {
-      const double load = assignment.cost_per_rank[r], best_load = assignment.cost_per_rank[best];
-      if (load < best_load || (load == best_load && assignment.records_per_rank[r].size() <
-                                                        assignment.records_per_rank[best].size())) {
-        best = r;
-      }
-    }
+    const std::size_t best = std::get<2>(least_loaded.top());
+    least_loaded.pop();
     assignment.records_per_rank[best].push_back(record);
     assignment.cost_per_rank[best] += costs[record];
+    least_loaded.emplace(assignment.cost_per_rank[best], assignment.records_per_rank[best].size(), best);
   }
   for (auto& records : assignment.records_per_rank) std::sort(records.begin(), records.end());
   return assignment;
+}
+
+std::vector<double> marginal_costs_bytes(const MemoryModel& model, const std::vector<std::vector<double>>& record_dims) {
+  const std::size_t bs = model.batch_size_index();
+  std::vector<double> costs;
+  costs.reserve(record_dims.size());
+  for (std::vector<double> dims : record_dims) {
+    dims.at(bs) = 1;
+    const double one = model.formula().predict(model.coefficients(), dims);
+    dims[bs] = 0;
+    costs.push_back(std::max(0.0, one - model.formula().predict(model.coefficients(), dims)));
+  }
+  return costs;
 }
 
 }  // namespace xpm

@@ -99,19 +99,12 @@ py::array_t<double> predict(const xpm::MemoryModel& model, const DoubleArray& di
   return out;
 }
 
-// Cost of each record alone above the formula's value at zero dims (its constant part): what
-// the rank assignment balances.
+// The bytes each record adds alone (marginal_costs_bytes): what the rank assignment balances,
+// as the C++ data-parallel step does.
 py::array_t<double> record_costs(const xpm::MemoryModel& model, const DoubleArray& record_dims) {
-  const xpm::CostFormula& formula = model.formula();
-  std::vector<std::vector<double>> rows = rows_of(record_dims, formula.variable_names().size(), "record dims");
-  const double constant = formula.predict(model.coefficients(), std::vector<double>(rows.empty() ? 0 : rows[0].size(), 0.0));
-  py::array_t<double> out(static_cast<py::ssize_t>(rows.size()));
-  auto o = out.mutable_unchecked<1>();
-  for (std::size_t i = 0; i < rows.size(); ++i) {
-    rows[i][model.batch_size_index()] = 1;
-    o(i) = std::max(0.0, formula.predict(model.coefficients(), rows[i]) - constant);
-  }
-  return out;
+  const std::vector<double> costs =
+      xpm::marginal_costs_bytes(model, rows_of(record_dims, model.formula().variable_names().size(), "record dims"));
+  return py::array_t<double>(static_cast<py::ssize_t>(costs.size()), costs.data());
 }
 
 std::map<std::string, xpm::DimAggregation> aggregation_of(const std::map<std::string, std::string>& names) {

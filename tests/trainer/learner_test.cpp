@@ -3,6 +3,7 @@
 #include "../torch_doctest.hpp"
 
 #include <cmath>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -11,6 +12,7 @@
 
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/loop/learner.hpp"
+#include "xpm/trainer/loop/stop_signals.hpp"
 
 namespace {
 
@@ -90,8 +92,17 @@ struct Trained {
   std::int64_t restored_loss_calls = -1;
 };
 
+// The regression task that sends itself SIGUSR2 in the middle of step 5 (its 13th microbatch).
+struct SignalledTask : RegressionTask {
+  torch::Tensor loss_sum(const std::vector<std::size_t>& records) override {
+    if (loss_calls_ == 12) std::raise(SIGUSR2);
+    return RegressionTask::loss_sum(records);
+  }
+};
+
+template <class Task = RegressionTask>
 Trained train(xpm::LearnerOptions options) {
-  RegressionTask task;
+  Task task;
   torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
   xpm::FixedBatcher batcher(optimizer, nullptr, /*microbatch_size=*/3);
   xpm::LearnerComponents parts;
@@ -203,4 +214,44 @@ TEST_CASE("the Learner refuses components that cannot work, naming them") {
   options.stop_after_steps = 13;
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options, parts),
                        "LearnerOptions.stop_after_steps 13 is beyond the run's 12 steps", std::invalid_argument);
+}
+
+TEST_CASE("a signal stops the Learner after the step in progress, with a checkpoint a resume continues bit for bit") {
+  std::filesystem::remove_all(kWork);
+  const Trained whole = train(options_in("whole"));
+  xpm::LearnerOptions signalled = options_in("signalled");
+  signalled.stop_signals = {SIGUSR2};
+  signalled.checkpoints.every_steps = 0;  // the stop writes its checkpoint anyway
+  const Trained first = train<SignalledTask>(signalled);
+  CHECK_FALSE(first.outcome.finished);
+  CHECK(first.outcome.stopped_by_signal);
+  CHECK(first.outcome.stop_signal == SIGUSR2);
+  CHECK(first.outcome.steps == 5);  // step 5 was finished, not abandoned
+  CHECK(std::filesystem::exists(kWork + "/signalled/checkpoints/step-00000005"));
+  CHECK((std::signal(SIGUSR2, SIG_DFL) == SIG_DFL));  // run() put the previous handler back
+  xpm::LearnerOptions resumed = options_in("signalled");
+  resumed.checkpoints.every_steps = 0;
+  resumed.resume = true;
+  const Trained second = train(resumed);
+  CHECK(second.outcome.resumed_from_step == 5);
+  CHECK(torch::equal(second.weight, whole.weight));
+}
+
+TEST_CASE("StopSignals: one instance at a time, signals that can be caught, names both ways") {
+  {
+    xpm::StopSignals stop({SIGUSR2});
+    CHECK_FALSE(stop.requested());
+    std::raise(SIGUSR2);
+    CHECK(stop.requested());
+    CHECK(stop.signal() == SIGUSR2);
+    CHECK_THROWS_AS(xpm::StopSignals({SIGUSR1}), std::logic_error);
+  }
+  CHECK_THROWS_WITH_AS(xpm::StopSignals({SIGKILL}), "StopSignals: signal 9 cannot be caught", std::invalid_argument);
+  CHECK(xpm::parse_signal_name("USR1", "--preemption-signal") == SIGUSR1);
+  CHECK(xpm::parse_signal_name("SIGTERM", "--preemption-signal") == SIGTERM);
+  CHECK(xpm::parse_signal_name("none", "--preemption-signal") == 0);
+  CHECK(xpm::signal_name(SIGUSR2) == "SIGUSR2");
+  CHECK_THROWS_WITH_AS(xpm::parse_signal_name("SIGFOO", "--preemption-signal"),
+                       "--preemption-signal must be a signal name (SIGUSR1, SIGUSR2, SIGTERM, ...) or none, got 'SIGFOO'",
+                       std::invalid_argument);
 }

@@ -118,7 +118,7 @@ TaggingData load_job_data(const TaggingJobConfig& config) {
 // A fresh run must not mix its checkpoints with an earlier run's (a later --resume would pick
 // the newest, maybe the earlier run's). Every rank sees the same folder, so every rank refuses.
 void refuse_earlier_checkpoints(const TaggingJobConfig& config) {
-  if (config.resume || (!config.checkpointing() && config.stop_after_steps == 0)) return;
+  if (config.resume) return;  // a signal makes every run write a checkpoint
   const std::string folder = config.run_dir + "/checkpoints";
   std::error_code error;
   if (std::filesystem::is_directory(folder, error) &&
@@ -236,7 +236,6 @@ struct JobFacts {
 };
 
 std::int64_t checkpoints_on_disk(const TaggingJobConfig& config) {
-  if (!config.checkpointing() && config.stop_after_steps == 0) return 0;
   return static_cast<std::int64_t>(
       CheckpointStore(config.run_dir + "/checkpoints", config.checkpoint_settings()).list().size());
 }
@@ -293,6 +292,10 @@ nlohmann::json job_summary(const TaggingJobConfig& config, const DistributedCont
       {"best_value", outcome.best.best_value ? nlohmann::json(*outcome.best.best_value) : nlohmann::json()},
       {"early_stopped", outcome.early_stopped},
       {"finished", outcome.finished},
+      {"interrupted", outcome.stopped_by_signal},
+      {"stop_signal", !outcome.stopped_by_signal ? nlohmann::json()
+                      : outcome.stop_signal != 0 ? nlohmann::json(signal_name(outcome.stop_signal))
+                                                 : nlohmann::json("another rank's")},
       {"resumed_from_step", outcome.resumed_from_step},
       {"checkpoints_written", outcome.checkpoints_written},
       {"checkpoints_on_disk", checkpoints_on_disk(config)},

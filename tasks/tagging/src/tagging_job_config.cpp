@@ -191,6 +191,7 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"keep_checkpoints", keep_checkpoints},
           {"resume", resume},
           {"stop_after_steps", stop_after_steps},
+          {"preemption_signal", preemption_signal == 0 ? std::string("none") : signal_name(preemption_signal)},
           {"freeze", freeze},
           {"freeze_until_step", freeze_until_step},
           {"clip_grad_norm", clip_grad_norm},

@@ -54,7 +54,7 @@ const std::set<std::string>& tagging_settings_free_on_resume() {
       "log_every",        "quiet",              "memory_model_cache",
       "resume",           "stop_after_steps",   "checkpoint_every_steps",
       "checkpoint_every_epochs", "keep_checkpoints", "collective_timeout_s",
-      "rendezvous_timeout_s", "backend", "sharding", "optimizer_checkpoint"};
+      "rendezvous_timeout_s", "backend", "sharding", "optimizer_checkpoint", "preemption_signal"};
   return keys;
 }
 
@@ -74,6 +74,10 @@ LearnerOptions tagging_learner_options(const TaggingJobConfig& config,
   options.validation = config.validation_settings();
   options.checkpoints = config.checkpoint_settings();
   options.stop_after_steps = config.stop_after_steps;
+  options.stop_signals = {SIGINT, SIGTERM};
+  if (config.preemption_signal != 0 && config.preemption_signal != SIGINT && config.preemption_signal != SIGTERM) {
+    options.stop_signals.push_back(config.preemption_signal);
+  }
   options.log_every = config.log_every;
   options.underprediction_tolerance = config.underprediction_tolerance;
   options.loss_scaling = config.precision == Precision::k16Mixed;  // float16 gradients underflow without it

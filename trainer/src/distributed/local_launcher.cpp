@@ -1,5 +1,6 @@
 #include "xpm/trainer/distributed/local_launcher.hpp"
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -16,6 +17,8 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include "xpm/trainer/loop/stop_signals.hpp"
 
 extern char** environ;
 
@@ -72,7 +75,42 @@ int exit_code_of(int status) {
   return 1;
 }
 
+// The signals the launcher passes on to its workers (each in a process group of its own, so a
+// terminal's Ctrl-C reaches them once, through here).
+constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP};
+std::atomic<int> g_pending_signal{0};
+
+void remember_signal(int signal) { g_pending_signal.store(signal); }
+
+class ForwardedSignals {
+ public:
+  ForwardedSignals() {
+    struct sigaction action {};
+    action.sa_handler = &remember_signal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = 0;  // no SA_RESTART: waitpid returns EINTR and the loop forwards
+    for (std::size_t i = 0; i < std::size(kForwarded); ++i) sigaction(kForwarded[i], &action, &previous_[i]);
+  }
+  ~ForwardedSignals() {
+    for (std::size_t i = 0; i < std::size(kForwarded); ++i) sigaction(kForwarded[i], &previous_[i], nullptr);
+  }
+  ForwardedSignals(const ForwardedSignals&) = delete;
+  ForwardedSignals& operator=(const ForwardedSignals&) = delete;
+
+ private:
+  struct sigaction previous_[std::size(kForwarded)] {};
+};
+
+void forward_pending_signal(const std::map<pid_t, int>& rank_of) {
+  const int signal = g_pending_signal.exchange(0);
+  if (signal == 0) return;
+  for (const auto& [pid, rank] : rank_of) ::kill(pid, signal);
+}
+
 std::string describe(int status) {
+  if (WIFEXITED(status) && WEXITSTATUS(status) == kInterruptedExitCode) {
+    return "stopped after a signal, with a checkpoint (exit code " + std::to_string(kInterruptedExitCode) + ")";
+  }
   if (WIFSIGNALED(status)) {
     return "was killed by signal " + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
   }
@@ -87,14 +125,20 @@ int launch_local_workers(const std::vector<std::string>& arguments, const LocalL
   }
   const int port = options.master_port > 0 ? options.master_port : free_loopback_port();
   std::map<pid_t, int> rank_of;
+  const ForwardedSignals forwarded;
+  posix_spawnattr_t attributes;
+  posix_spawnattr_init(&attributes);
+  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attributes, 0);
   for (int rank = 0; rank < options.nproc; ++rank) {
     std::vector<std::string> argv_strings = {"/proc/self/exe"};
     argv_strings.insert(argv_strings.end(), arguments.begin(), arguments.end());
     std::vector<std::string> env_strings = worker_environment(rank, options.nproc, port);
     std::vector<char*> argv = pointers(argv_strings), envp = pointers(env_strings);
     pid_t pid = 0;
-    const int error = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data());
+    const int error = ::posix_spawn(&pid, "/proc/self/exe", nullptr, &attributes, argv.data(), envp.data());
     if (error != 0) {
+      posix_spawnattr_destroy(&attributes);
       for (const auto& [started, unused] : rank_of) ::kill(started, SIGTERM);
       for (const auto& [started, unused] : rank_of) ::waitpid(started, nullptr, 0);
       throw std::runtime_error("--nproc: cannot start rank " + std::to_string(rank) + ": " +
@@ -102,10 +146,12 @@ int launch_local_workers(const std::vector<std::string>& arguments, const LocalL
     }
     rank_of[pid] = rank;
   }
+  posix_spawnattr_destroy(&attributes);
   int first_failure = 0;
   std::chrono::steady_clock::time_point failed_at;
   bool terminated = false;
   while (!rank_of.empty()) {
+    forward_pending_signal(rank_of);
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, first_failure == 0 ? 0 : WNOHANG);
     if (pid > 0) {
@@ -123,6 +169,7 @@ int launch_local_workers(const std::vector<std::string>& arguments, const LocalL
       continue;
     }
     if (pid < 0 && errno != EINTR) break;  // no children left
+    if (first_failure == 0) continue;      // a signal interrupted the wait: forward it
     const double waited_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - failed_at).count();
     if (!terminated && waited_s > options.grace_s) {

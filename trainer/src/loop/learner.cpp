@@ -340,6 +340,8 @@ void Learner::Impl::train_one_step(const std::vector<std::size_t>& records) {
   } else {
     result = trainer->train_step(record_dims, record_units, loss_sum_fn, before_optimizer_step);
   }
+  // Data parallel: agreed in the step's status; a fixed batcher runs in one process.
+  stop_agreed = fixed_batcher != nullptr ? stop_signals && stop_signals->requested() : result.stop_requested;
   ++state.step;
   ++state.epoch_position;
   const std::int64_t step = state.step;
@@ -460,7 +462,7 @@ void Learner::Impl::run_epochs() {
         outcome.early_stopped = stop;
       }
       // Exactly at stop_after_steps: a run resumed from that step's checkpoint goes on.
-      interrupted = options.stop_after_steps > 0 && state.step == options.stop_after_steps &&
+      interrupted = ((options.stop_after_steps > 0 && state.step == options.stop_after_steps) || stop_agreed) &&
                     state.step < state.total_steps;
       // The last step's checkpoint waits for the final validation (finish()).
       const bool last_step = state.step == state.total_steps;
@@ -475,12 +477,17 @@ void Learner::Impl::run_epochs() {
     state.epoch_position = 0;
   }
   outcome.finished = !interrupted;
+  outcome.stopped_by_signal = interrupted && stop_agreed;
+  outcome.stop_signal = stop_signals ? stop_signals->signal() : 0;
 }
 
 void Learner::Impl::finish() {
   if (!outcome.finished) {
-    log(options.log_prefix + ": stopped after step " + std::to_string(state.step) +
-        " (stop after steps); a resume continues from the checkpoint");
+    const std::string why = !outcome.stopped_by_signal ? "stop after steps"
+                            : outcome.stop_signal != 0 ? signal_name(outcome.stop_signal)
+                                                       : "a signal to another rank";
+    log(options.log_prefix + ": stopped after step " + std::to_string(state.step) + " (" + why +
+        "); a resume continues from the checkpoint");
   } else {
     bool final_best = false;
     if (last_validation_step != state.step || outcome.counters.validations.empty()) {
@@ -497,6 +504,8 @@ void Learner::Impl::finish() {
 }
 
 LearnerOutcome Learner::Impl::run() {
+  // From the start: a signal while probing or resuming stops the run after its first step.
+  if (!options.stop_signals.empty()) stop_signals.emplace(options.stop_signals);
   if (!parts.resume_from && options.resume) find_checkpoint_to_resume();
   if (parts.resume_from) restore(*parts.resume_from);
   if (predictive() && !batcher->has_model()) obtain_memory_model();
@@ -514,9 +523,11 @@ LearnerOutcome Learner::Impl::run() {
     }
   }
   set_learning_rate(optimizer, 0.0);
+  if (trainer && stop_signals) trainer->set_stop_flag(&stop_signals->flag());
   run_epochs();
   finish();
   outcome.memory_model_from_checkpoint = memory_model_from_checkpoint;
+  stop_signals.reset();  // the handlers that were there before
   return outcome;
 }
 

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "xpm/trainer/loop/learner.hpp"
+#include "xpm/trainer/loop/stop_signals.hpp"
 
 namespace xpm {
 
@@ -69,6 +70,8 @@ struct Learner::Impl {
   std::optional<CheckpointStore> store;
   std::optional<DataParallelTrainer> trainer;
   std::optional<DynamicLossScaler> loss_scaler;
+  std::optional<StopSignals> stop_signals;  // options.stop_signals, installed by run()
+  bool stop_agreed = false;                 // the last step's ranks agreed to stop (a signal)
   LearnerOutcome outcome;
   std::mt19937_64 sampler;
   std::vector<std::size_t> order;

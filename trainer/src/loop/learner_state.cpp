@@ -57,7 +57,7 @@ Learner::Impl::Impl(TrainingTask& task_, torch::optim::Optimizer& optimizer_, Le
     throw std::invalid_argument("LearnerOptions.stop_after_steps " + std::to_string(options.stop_after_steps) +
                                 " is beyond the run's " + std::to_string(state.total_steps) + " steps");
   }
-  if (options.checkpointing() || options.stop_after_steps > 0) {
+  if (options.checkpointing() || options.stop_after_steps > 0 || !options.stop_signals.empty()) {
     store.emplace(options.run_dir + "/checkpoints", options.checkpoints);
   }
   if (options.loss_scaling && predictive()) loss_scaler.emplace();

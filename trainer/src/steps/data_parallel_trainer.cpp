@@ -12,16 +12,6 @@
 namespace xpm {
 namespace {
 
-// Bytes one record adds alone: formula at batch size 1 minus formula at batch size 0.
-double marginal_cost_bytes(const MemoryModel& model, std::vector<double> dims) {
-  const std::size_t bs = model.batch_size_index();
-  dims[bs] = 1;
-  const double one = model.formula().predict(model.coefficients(), dims);
-  dims[bs] = 0;
-  const double zero = model.formula().predict(model.coefficients(), dims);
-  return std::max(0.0, one - zero);
-}
-
 
 // The gradients of the optimizer's parameters (undefined ones included; unscale_ skips them).
 std::vector<torch::Tensor> gradients_of(torch::optim::Optimizer& optimizer) {
@@ -78,10 +68,9 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
 
   // Split the global batch (every rank computes the same split) and count its units.
   GlobalStepResult result;
-  std::vector<double> costs(record_dims.size());
+  const std::vector<double> costs = marginal_costs_bytes(model, record_dims);
   double global_units = 0;
   for (std::size_t i = 0; i < record_dims.size(); ++i) {
-    costs[i] = marginal_cost_bytes(model, record_dims[i]);
     if (model.fits(record_dims[i], usable_bytes)) global_units += record_units[i];  // as the packer decides
   }
   const RankAssignment assignment = assign_records_to_ranks(costs, world);
@@ -127,10 +116,11 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
   }
 
   // 1. Status: [loss, skipped records, oom per rank (w), microbatches per rank (w), dims of the
-  // microbatch that ran out of memory per rank (w x dims; 0 where none)].
+  // microbatch that ran out of memory per rank (w x dims; 0 where none), stop requests].
   const std::size_t dim_count = model.formula().variable_names().size();
   const std::size_t w = static_cast<std::size_t>(world);
-  std::vector<double> status(2 + 2 * w + w * dim_count, 0.0);
+  std::vector<double> status(2 + 2 * w + w * dim_count + 1, 0.0);
+  status.back() = stop_flag_ != nullptr && stop_flag_->load() ? 1 : 0;
   status[0] = local.loss;
   status[1] = static_cast<double>(local.skipped_records);
   status[2 + static_cast<std::size_t>(rank)] = local_oom ? 1 : 0;
@@ -140,6 +130,7 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
               status.begin() + static_cast<std::ptrdiff_t>(2 + 2 * w + static_cast<std::size_t>(rank) * dim_count));
   }
   status = context_.all_reduce(status, ReduceOp::kSum);
+  result.stop_requested = status.back() > 0;
   result.loss = status[0];
   result.skipped_records = static_cast<std::int64_t>(status[1]);
   std::int64_t max_microbatches = 0;

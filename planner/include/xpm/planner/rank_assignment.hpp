@@ -17,6 +17,8 @@
 #include <cstddef>
 #include <vector>
 
+#include "xpm/planner/memory_model.hpp"
+
 namespace xpm {
 
 struct RankAssignment {
@@ -32,5 +34,10 @@ struct RankAssignment {
 /// Throws std::invalid_argument when world_size < 1 or a cost is negative or not finite (the
 /// message names the record index and the value). Pure; thread-safe.
 RankAssignment assign_records_to_ranks(const std::vector<double>& costs, int world_size);
+
+/// The cost the data-parallel step balances: the bytes each record adds alone, the model's
+/// formula at batch size 1 minus at batch size 0 (its other dims kept), at least 0. record_dims
+/// in the formula's variable order. Pure; the same on every rank.
+std::vector<double> marginal_costs_bytes(const MemoryModel& model, const std::vector<std::vector<double>>& record_dims);
 
 }  // namespace xpm

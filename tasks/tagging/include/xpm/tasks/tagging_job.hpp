@@ -61,6 +61,7 @@
 #include "xpm/trainer/state/checkpoint_store.hpp"
 #include "xpm/trainer/distributed/distributed.hpp"
 #include "xpm/trainer/loop/hooks.hpp"
+#include "xpm/trainer/loop/stop_signals.hpp"
 #include "xpm/trainer/loop/learner_listener.hpp"
 #include "xpm/tasks/transformer_tagger.hpp"
 #include "xpm/trainer/loop/validation.hpp"
@@ -115,6 +116,9 @@ struct TaggingJobConfig {
   std::int64_t keep_checkpoints = 2;          // newest K checkpoints kept (plus the best)
   bool resume = false;                        // continue from the newest valid checkpoint of run_dir
   std::int64_t stop_after_steps = 0;          // stop (with a checkpoint) after step N, schedule unchanged (0: off)
+  /// Besides SIGINT and SIGTERM, the signal that stops the run gracefully (a scheduler's notice
+  /// before it kills the job; LearnerOptions::stop_signals); 0: none.
+  int preemption_signal = SIGUSR1;
   std::string freeze;                         // LayerFreezer regex over parameter names ("" : none)
   std::int64_t freeze_until_step = 0;         // unfreeze after N steps (0: frozen for the whole run)
   double clip_grad_norm = 0;                  // GradientClipper max global L2 norm (0: no clipping)

@@ -103,6 +103,12 @@ struct LearnerOptions {
   ValidationSettings validation;          // when, which metric, early stopping
   CheckpointSettings checkpoints;         // when (every_steps / every_epochs > 0), how many kept
   std::int64_t stop_after_steps = 0;      // stop with a checkpoint after step N (0: off)
+  /// Signals that stop the run gracefully (StopSignals, installed for run()'s duration): every
+  /// rank finishes the step it is in, the ranks agree through the step's status all-reduce (a
+  /// signal to one rank stops all at the same step), a checkpoint is written and run() returns
+  /// with LearnerOutcome::stop_signal set; a second signal ends the process. Empty: none
+  /// (xpm-train passes SIGINT, SIGTERM and its --preemption-signal).
+  std::vector<int> stop_signals;
   bool resume = false;                    // continue from the newest valid checkpoint in run_dir
   std::int64_t log_every = 10;            // progress line every N steps
   double underprediction_tolerance = 0.005;  // online correction above (1 + tol) x predicted
@@ -159,7 +165,9 @@ struct LearnerOutcome {
   RunCounters counters;
   NamedMetrics last_validation;         // the final one (or the last before stopping)
   double last_validation_s = 0;         // its wall time
-  bool finished = true;                 // false when stopped by stop_after_steps
+  bool finished = true;                 // false when stopped by stop_after_steps or a signal
+  bool stopped_by_signal = false;       // some rank received one of stop_signals; a checkpoint was written
+  int stop_signal = 0;                  // the one this rank received (0: none, another rank's)
   bool early_stopped = false;           // the listeners voted stop
   std::int64_t resumed_from_step = -1;  // -1: not resumed
   std::int64_t checkpoints_written = 0;  // by this process

@@ -9,7 +9,7 @@
 // Collective sequence of one step, identical on every rank whatever its share (docs/design.md: no
 // desync by construction):
 //   1. all-reduce (sum) of the step status: loss, OOM flag per rank, microbatches per rank, the
-//      dims of the microbatch that ran out of memory per rank;
+//      dims of the microbatch that ran out of memory per rank, whether a rank was asked to stop;
 //   2. all-reduce (sum) of every rank's microbatch peaks (dims, predicted, measured), sized by
 //      the largest per-rank microbatch count from step 1, so every rank sees every peak;
 //   3. unless some rank ran out of memory (known to all from step 1): one all-reduce per
@@ -29,6 +29,7 @@
 // of the global batch's mean loss.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -65,6 +66,7 @@ struct GlobalStepResult {
   double gradient_norm = -1;  // global L2 norm before clipping, when ShardedAdamW clipped (else -1)
   bool loss_scale_overflow = false;  // with a loss scaler: inf/nan gradients, the step was skipped everywhere
   double loss_scale = 0;             // with a loss scaler: the scale this step's losses were multiplied by
+  bool stop_requested = false;       // some rank's stop flag was set when the status was reduced
 };
 
 class DataParallelTrainer {
@@ -95,6 +97,10 @@ class DataParallelTrainer {
   /// some rank found inf/nan; then the scaler's update(). The scaler must outlive its use.
   /// Every rank must set a scaler with the same state, or none (unscaling is collective).
   void set_loss_scaler(DynamicLossScaler* scaler) { loss_scaler_ = scaler; }
+  /// A flag set asynchronously (StopSignals::flag()): its value on each rank joins the step's
+  /// status all-reduce, so GlobalStepResult::stop_requested is the same on every rank, with no
+  /// collective of its own. Null: never. The flag must outlive its use.
+  void set_stop_flag(const std::atomic<bool>* flag) { stop_flag_ = flag; }
 
   GlobalStepResult train_step(const std::vector<std::vector<double>>& record_dims,
                               const std::vector<double>& record_units,
@@ -115,6 +121,7 @@ class DataParallelTrainer {
   GradientBuckets* buckets_;
   ShardedAdamW* sharded_;
   DynamicLossScaler* loss_scaler_ = nullptr;
+  const std::atomic<bool>* stop_flag_ = nullptr;
   LossTrainer local_;
 };
 
