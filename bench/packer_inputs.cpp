@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -140,6 +141,19 @@ std::int64_t safe_max_tokens(const BenchModel& model, double longest) {
     worst_per_token = std::max(worst_per_token, g / l);
   }
   return static_cast<std::int64_t>(std::floor((static_cast<double>(model.usable_bytes) - c) / worst_per_token));
+}
+
+const Records& cached_brown_batch(const std::string& directory, std::size_t n) {
+  static std::map<std::string, std::vector<double>> lengths;
+  static std::map<std::pair<std::string, std::size_t>, Records> batches;
+  const auto key = std::make_pair(directory, n);
+  auto it = batches.find(key);
+  if (it == batches.end()) {
+    auto known = lengths.find(directory);
+    if (known == lengths.end()) known = lengths.emplace(directory, brown_sentence_lengths(directory)).first;
+    it = batches.emplace(key, outer_batch(LengthDistribution::kBrown, n, known->second)).first;
+  }
+  return it->second;
 }
 
 }  // namespace xpm_bench

@@ -43,6 +43,10 @@ std::vector<double> brown_sentence_lengths(const std::string& directory);
 /// distribution (std::mt19937, seed 42). Deterministic.
 Records outer_batch(LengthDistribution d, std::size_t n, const std::vector<double>& brown_lengths);
 
+/// outer_batch(kBrown, n, brown_sentence_lengths(directory)), made once per (directory, n) and
+/// kept for the program's life (not thread-safe: call it from benchmark set-up, one thread).
+const Records& cached_brown_batch(const std::string& directory, std::size_t n);
+
 enum class BenchFormula {
   kQuadratic,  // a*bs*l^2 + b*bs*l + c, l = longest (padded): the Transformer tagger
   kLinear,     // a*bs*(l-1) + b*bs + c, l = longest (padded): the BiLSTM tagger

@@ -11,12 +11,11 @@
 #include <pybind11/embed.h>
 #include <pybind11/numpy.h>
 
-#include <cstring>
 #include <iostream>
-#include <map>
 #include <string>
 #include <vector>
 
+#include "benchmark_main.hpp"
 #include "packer_inputs.hpp"
 #include "xpm/planner/packer.hpp"
 
@@ -26,13 +25,7 @@ namespace {
 
 std::string g_data_dir = "data/brown";
 
-const xpm_bench::Records& records(std::size_t n) {
-  static const std::vector<double> brown = xpm_bench::brown_sentence_lengths(g_data_dir);
-  static std::map<std::size_t, xpm_bench::Records> cache;
-  auto it = cache.find(n);
-  if (it == cache.end()) it = cache.emplace(n, xpm_bench::outer_batch(xpm_bench::LengthDistribution::kBrown, n, brown)).first;
-  return it->second;
-}
+const xpm_bench::Records& records(std::size_t n) { return xpm_bench::cached_brown_batch(g_data_dir, n); }
 
 void BM_Plan_Cpp(benchmark::State& state) {
   const auto& input = records(static_cast<std::size_t>(state.range(0)));
@@ -76,17 +69,7 @@ BENCHMARK(BM_Plan_Python)->Arg(65536)->Arg(1 << 20)->Unit(benchmark::kMillisecon
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<char*> rest;
-  for (int i = 0; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--data-dir") == 0 && i + 1 < argc) {
-      g_data_dir = argv[++i];
-    } else {
-      rest.push_back(argv[i]);
-    }
-  }
-  int rest_count = static_cast<int>(rest.size());
-  benchmark::Initialize(&rest_count, rest.data());
-  if (benchmark::ReportUnrecognizedArguments(rest_count, rest.data())) return 2;
+  if (!xpm_bench::initialize_benchmarks(argc, argv, g_data_dir)) return 2;
   py::scoped_interpreter interpreter;
   py::module_::import("sys").attr("path").attr("insert")(0, XPM_PYTHON_PACKAGE_PARENT);
   benchmark::RunSpecifiedBenchmarks();
