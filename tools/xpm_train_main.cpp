@@ -102,7 +102,8 @@ int fail(TrainProcess& process) {
 
 // Fault injection for the tests of failing ranks: XPM_FAULT_EXIT_AT=R:S makes rank R exit
 // (code 17) at the start of step S; XPM_FAULT_EXIT_AT=R:S:kill makes it kill itself with
-// SIGKILL there instead.
+// SIGKILL there instead. Only in the first XPM_FAULT_ATTEMPTS attempts of a restarted group
+// (default 1: a restart gets past the fault).
 class FaultInjectionHook : public xpm::StepTrainingHook {
  public:
   FaultInjectionHook(int rank, long long step, bool kill) : rank_(rank), step_(step), kill_(kill) {}
@@ -121,8 +122,22 @@ class FaultInjectionHook : public xpm::StepTrainingHook {
   bool kill_;
 };
 
-// The hook XPM_FAULT_EXIT_AT asks for on this rank; null when it names another rank or is unset.
-std::shared_ptr<FaultInjectionHook> fault_injection_hook(int this_rank) {
+long long positive_environment_number(const char* name, long long fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr) return fallback;
+  long long value = 0;
+  char tail = 0;
+  if (std::sscanf(text, "%lld%c", &value, &tail) != 1 || value < 1) {
+    throw std::invalid_argument("environment variable " + std::string(name) + "='" + text +
+                                "' must be a whole number >= 1");
+  }
+  return value;
+}
+
+// The hook XPM_FAULT_EXIT_AT asks for on this rank; null when it names another rank, is unset,
+// or this attempt is past XPM_FAULT_ATTEMPTS.
+std::shared_ptr<FaultInjectionHook> fault_injection_hook(int this_rank,
+                                                         const std::optional<xpm::WorkerEnvironment>& worker) {
   const char* text = std::getenv("XPM_FAULT_EXIT_AT");
   if (text == nullptr) return nullptr;
   long long rank = -1, step = -1;
@@ -132,8 +147,22 @@ std::shared_ptr<FaultInjectionHook> fault_injection_hook(int this_rank) {
     throw std::invalid_argument("environment variable XPM_FAULT_EXIT_AT='" + std::string(text) +
                                 "' must be RANK:STEP or RANK:STEP:kill with RANK >= 0 and STEP >= 1");
   }
-  if (rank != this_rank) return nullptr;
+  const long long attempts = positive_environment_number("XPM_FAULT_ATTEMPTS", 1);
+  if (rank != this_rank || (worker ? worker->restart_count : 0) >= attempts) return nullptr;
   return std::make_shared<FaultInjectionHook>(this_rank, step, fields == 3);
+}
+
+// --max-restarts belongs to the launcher that restarts the workers: ours (which passes it on
+// as TORCHELASTIC_MAX_RESTARTS) or torchrun's own --max-restarts.
+void check_restart_limit(const xpm_train::TrainSettings& settings,
+                         const std::optional<xpm::WorkerEnvironment>& worker) {
+  if (!worker || settings.max_restarts == 0 || worker->max_restarts == settings.max_restarts) return;
+  throw std::invalid_argument(
+      "--max-restarts " + std::to_string(settings.max_restarts) +
+      (worker->max_restarts ? " disagrees with TORCHELASTIC_MAX_RESTARTS=" + std::to_string(*worker->max_restarts) +
+                                  " set by the launcher"
+                            : " needs the --nproc launcher; a worker started by another launcher is restarted "
+                              "by it (torchrun --max-restarts)"));
 }
 
 // Launcher: the workers run the same command line; they see RANK etc. and run as workers.
@@ -142,6 +171,7 @@ int launch_workers(int argc, char** argv, const xpm_train::TrainSettings& settin
   xpm::LocalLaunchOptions launch;
   launch.nproc = settings.nproc;
   launch.grace_s = settings.config.collective_timeout_s + 30;
+  launch.max_restarts = settings.max_restarts;
   const int code = xpm::launch_local_workers(std::vector<std::string>(argv + 1, argv + argc), launch);
   std::error_code ignored;
   if (code != 0 && process.run_dir_is_new && fs::is_empty(process.run_dir, ignored) && !ignored) {
@@ -162,16 +192,23 @@ int train(int argc, char** argv, TrainProcess& process) {
     throw std::invalid_argument("--nproc " + std::to_string(settings.nproc) + " disagrees with WORLD_SIZE=" +
                                 std::to_string(worker->world_size) + " set by the launcher");
   }
+  check_restart_limit(settings, worker);
   create_run_dir(process, config.run_dir);
-  if (settings.nproc > 1 && !worker) return launch_workers(argc, argv, settings, process);
+  if ((settings.nproc > 1 || settings.max_restarts > 0) && !worker) {
+    return launch_workers(argc, argv, settings, process);
+  }
   if (worker && worker->world_size > 1) {
     process.who = "xpm-train: rank " + std::to_string(worker->rank) + ": error: ";
     process.rank = worker->rank;
   }
   if (worker) process.dist = xpm::DistributedContext(*worker, config.distributed_options());
   xpm::TaggingJobExtensions extensions;
-  if (auto hook = fault_injection_hook(process.dist.rank())) extensions.hooks.add(hook);
-  const nlohmann::json summary = xpm::run_tagging_job(config, process.dist, extensions);
+  if (auto hook = fault_injection_hook(process.dist.rank(), worker)) extensions.hooks.add(hook);
+  // A restarted group (ours or torchrun's) continues from the newest valid checkpoint.
+  xpm::TaggingJobConfig job_config = config;
+  extensions.restart_count = worker ? worker->restart_count : 0;
+  if (extensions.restart_count > 0) job_config.resume = true;
+  const nlohmann::json summary = xpm::run_tagging_job(job_config, process.dist, extensions);
   if (process.dist.is_main()) {
     remove_error_logs(config.run_dir);
     std::cout << "summary: " << config.run_dir << "/summary.json\n" << summary.dump(2) << "\n";

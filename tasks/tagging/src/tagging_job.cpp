@@ -232,6 +232,7 @@ struct JobFacts {
   std::string canonical_formula;
   std::int64_t microbatch_size = 0;
   int threads = 0;
+  int restart_count = 0;
   double total_s = 0;
 };
 
@@ -297,6 +298,7 @@ nlohmann::json job_summary(const TaggingJobConfig& config, const DistributedCont
                       : outcome.stop_signal != 0 ? nlohmann::json(signal_name(outcome.stop_signal))
                                                  : nlohmann::json("another rank's")},
       {"resumed_from_step", outcome.resumed_from_step},
+      {"restarts", facts.restart_count},
       {"checkpoints_written", outcome.checkpoints_written},
       {"checkpoints_on_disk", checkpoints_on_disk(config)},
       {"canonical_formula", facts.canonical_formula},
@@ -452,6 +454,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
     log(text);
   }
   facts.microbatch_size = fixed_batcher ? fixed_batcher->microbatch_size() : 0;
+  facts.restart_count = extensions.restart_count;
   facts.total_s = seconds_since(job_start);
   const nlohmann::json summary = job_summary(config, dist, outcome, facts);
   if (main_rank) {

@@ -2,8 +2,11 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <functional>
+#include <future>
 #include <limits>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -18,6 +21,7 @@ namespace xpm {
 struct DistributedContext::Connection {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroup> process_group;
+  bool store_unreachable = false;  // a bounded lookup timed out: do not wait for it again
 };
 
 namespace {
@@ -58,6 +62,32 @@ void store_set(c10d::Store& store, const std::string& key, const std::string& va
   store.set(key, std::vector<std::uint8_t>(value.begin(), value.end()));
 }
 
+// How long a rank that is failing anyway waits for the store (to read or leave a failure
+// message) before it gives up on it.
+constexpr std::chrono::milliseconds kStoreLookupBound{3000};
+
+// Runs `call` on a thread of its own and waits at most `bound` for it. Returns nullopt when the
+// call did not finish in time or threw; the thread then ends on its own (at the store's
+// timeout), holding what `call` captured.
+template <typename Result>
+std::optional<Result> within(std::chrono::milliseconds bound, std::function<Result()> call) {
+  auto task = std::make_shared<std::packaged_task<Result()>>(std::move(call));
+  std::future<Result> result = task->get_future();
+  std::thread([task] { (*task)(); }).detach();
+  if (result.wait_for(bound) != std::future_status::ready) return std::nullopt;
+  try {
+    return result.get();
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+DistributedError rendezvous_failure(const WorkerEnvironment& environment, const std::string& why) {
+  return DistributedError("rank " + std::to_string(environment.rank) + ": rendezvous at " +
+                          environment.master_addr + ":" + std::to_string(environment.master_port) +
+                          " failed: " + why);
+}
+
 }  // namespace
 
 std::optional<WorkerEnvironment> WorkerEnvironment::from_environment() {
@@ -86,6 +116,12 @@ std::optional<WorkerEnvironment> WorkerEnvironment::from_environment() {
     out.master_addr = *addr;
   }
   if (auto port = env("MASTER_PORT")) out.master_port = env_int("MASTER_PORT", *port, 1, 65535);
+  if (auto count = env("TORCHELASTIC_RESTART_COUNT")) {
+    out.restart_count = env_int("TORCHELASTIC_RESTART_COUNT", *count, 0, 1 << 20);
+  }
+  if (auto limit = env("TORCHELASTIC_MAX_RESTARTS")) {
+    out.max_restarts = env_int("TORCHELASTIC_MAX_RESTARTS", *limit, 0, 1 << 20);
+  }
   return out;
 }
 
@@ -164,9 +200,9 @@ DistributedContext::DistributedContext(const WorkerEnvironment& environment,
     }
 #endif
   } catch (const c10::Error& error) {
-    throw DistributedError("rank " + std::to_string(environment_.rank) + ": rendezvous at " +
-                           environment_.master_addr + ":" + std::to_string(environment_.master_port) +
-                           " failed: " + first_line(error.what_without_backtrace()));
+    throw rendezvous_failure(environment_, first_line(error.what_without_backtrace()));
+  } catch (const std::exception& error) {  // LibTorch 1.13's socket code throws std::runtime_error
+    throw rendezvous_failure(environment_, first_line(error.what()));
   }
 }
 
@@ -174,23 +210,28 @@ void DistributedContext::rethrow_collective_failure(const std::string& what,
                                                     const std::exception& error) {
   std::string message = "rank " + std::to_string(rank()) + ": " + what + " failed: " +
                         first_line(error.what());
-  // Did another rank say why? (Best effort: the store lives in rank 0's process.)
-  try {
-    for (int other = 0; other < world_size(); ++other) {
+  // Did another rank say why? The store lives in rank 0's process; across a cut link each store
+  // call blocks until the store's own timeout (the rendezvous timeout), so the lookup is bounded.
+  const c10::intrusive_ptr<c10d::Store> store = connection_->store;
+  const int self = rank(), world = world_size();
+  const std::optional<std::string> reported = within<std::string>(kStoreLookupBound, [store, self, world] {
+    for (int other = 0; other < world; ++other) {
       const std::string key = "failure/" + std::to_string(other);
-      if (other != rank() && connection_->store->check({key})) {
-        message += "; rank " + std::to_string(other) + " reported: " + store_get(*connection_->store, key);
-        throw DistributedError(message);
+      if (other != self && store->check({key})) {
+        return "; rank " + std::to_string(other) + " reported: " + store_get(*store, key);
       }
     }
-    message += world_size() == 2
-                   ? "; rank " + std::to_string(1 - rank()) + " (the only other rank) reported no error, "
-                     "so it probably exited or was killed"
-                   : "; no rank reported an error, so a rank probably exited or was killed";
-  } catch (const DistributedError&) {
-    throw;
-  } catch (const std::exception&) {
-    message += "; the store on rank 0 is unreachable, so rank 0 probably exited or was killed";
+    return std::string();
+  });
+  if (!reported) {
+    connection_->store_unreachable = true;
+    message += "; the store on rank 0 is unreachable, so rank 0 probably exited, was killed or became unreachable";
+  } else if (!reported->empty()) {
+    message += *reported;
+  } else {
+    message += world == 2 ? "; rank " + std::to_string(1 - self) + " (the only other rank) reported no error, "
+                            "so it probably exited, was killed or became unreachable"
+                          : "; no rank reported an error, so a rank probably exited, was killed or became unreachable";
   }
   throw DistributedError(message);
 }
@@ -288,10 +329,15 @@ std::string DistributedContext::share_from(int root_rank, const std::string& tex
 }
 
 void DistributedContext::report_failure(const std::string& message) noexcept {
-  if (!connection_ || !connection_->store) return;
-  try {
-    store_set(*connection_->store, "failure/" + std::to_string(rank()), message);
-  } catch (...) {  // best effort: the store may be gone with rank 0
+  if (!connection_ || !connection_->store || connection_->store_unreachable) return;
+  try {  // best effort, bounded: the store may be gone with rank 0 or behind a cut link
+    const c10::intrusive_ptr<c10d::Store> store = connection_->store;
+    const std::string key = "failure/" + std::to_string(rank());
+    within<bool>(kStoreLookupBound, [store, key, message] {
+      store_set(*store, key, message);
+      return true;
+    });
+  } catch (...) {
   }
 }
 

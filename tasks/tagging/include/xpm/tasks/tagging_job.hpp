@@ -159,6 +159,9 @@ struct TaggingJobConfig {
 struct TaggingJobExtensions {
   HookList hooks;
   std::vector<std::shared_ptr<LearnerListener>> listeners;
+  /// Restarts of the group before this attempt (WorkerEnvironment::restart_count), reported as
+  /// "restarts" in the summary. The caller also sets config.resume when it is > 0.
+  int restart_count = 0;
 };
 
 /// Runs the job as a single process and returns the summary (also written to

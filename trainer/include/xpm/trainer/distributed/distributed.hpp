@@ -40,12 +40,19 @@ struct WorkerEnvironment {
   int local_world_size = 1;  // workers on this host (for the default thread count)
   std::string master_addr = "127.0.0.1";  // host of rank 0's TCPStore
   int master_port = 29500;                // port of rank 0's TCPStore
+  /// Which restart of the group this process belongs to: 0 for the first attempt, k after k
+  /// restarts (TORCHELASTIC_RESTART_COUNT, set by torchrun and by `xpm-train --nproc`). A
+  /// worker with restart_count > 0 should resume from its newest valid checkpoint.
+  int restart_count = 0;
+  /// The group's restart limit (TORCHELASTIC_MAX_RESTARTS); nullopt when no launcher set it.
+  std::optional<int> max_restarts;
 
   /// Reads the variables above. Returns nullopt when neither RANK nor WORLD_SIZE is set (a
   /// plain single-process run). Throws std::invalid_argument naming the variable and its value
   /// when one is set but not a valid number, out of range (RANK >= WORLD_SIZE, port outside
   /// 1..65535), or when RANK is set without WORLD_SIZE or the reverse. LOCAL_RANK defaults to
-  /// RANK, LOCAL_WORLD_SIZE to WORLD_SIZE, MASTER_ADDR to 127.0.0.1, MASTER_PORT to 29500.
+  /// RANK, LOCAL_WORLD_SIZE to WORLD_SIZE, MASTER_ADDR to 127.0.0.1, MASTER_PORT to 29500,
+  /// TORCHELASTIC_RESTART_COUNT to 0.
   static std::optional<WorkerEnvironment> from_environment();
 };
 
