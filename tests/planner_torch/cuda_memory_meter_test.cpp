@@ -7,7 +7,7 @@
 #include "xpm/planner_torch/cuda_memory_meter.hpp"
 
 namespace {
-constexpr std::int64_t kMiB = 1 << 20;
+constexpr std::int64_t kCudaTestMiB = 1 << 20;
 }
 
 #ifndef XPM_WITH_CUDA
@@ -34,15 +34,15 @@ TEST_CASE("the CUDA meter counts a known allocation and reset_peak lowers the pe
   const std::int64_t base = meter.current_allocated_bytes();
   meter.reset_peak();
   {
-    torch::Tensor t = torch::empty({16 * kMiB}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32));
+    torch::Tensor t = torch::empty({16 * kCudaTestMiB}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32));
     // The caching allocator rounds blocks up (to 512 bytes; large ones to 2 MiB segments for
     // reserved, not for allocated): 64 MiB is a multiple of both.
-    CHECK(meter.current_allocated_bytes() == base + 64 * kMiB);
-    CHECK(meter.peak_allocated_bytes() == base + 64 * kMiB);
+    CHECK(meter.current_allocated_bytes() == base + 64 * kCudaTestMiB);
+    CHECK(meter.peak_allocated_bytes() == base + 64 * kCudaTestMiB);
     CHECK(meter.current_reserved_bytes() >= meter.current_allocated_bytes());
   }
   CHECK(meter.current_allocated_bytes() == base);
-  CHECK(meter.peak_allocated_bytes() == base + 64 * kMiB);
+  CHECK(meter.peak_allocated_bytes() == base + 64 * kCudaTestMiB);
   meter.reset_peak();
   CHECK(meter.peak_allocated_bytes() == base);
 }
@@ -50,7 +50,7 @@ TEST_CASE("the CUDA meter counts a known allocation and reset_peak lowers the pe
 TEST_CASE("the CUDA meter's capacity is the device memory and a memory fraction caps allocations") {
   xpm::CudaMemoryMeter meter(0);
   const std::int64_t total = meter.total_device_bytes();
-  CHECK(total > 1024 * kMiB);
+  CHECK(total > 1024 * kCudaTestMiB);
   CHECK(meter.capacity_bytes() == total);
   meter.set_memory_fraction(0.25);
   CHECK(meter.capacity_bytes() == total / 4);

@@ -19,6 +19,7 @@
 #include "xpm/trainer/steps/fixed_batchers.hpp"
 #include "xpm/tasks/tagging_batch.hpp"
 #include "xpm/tasks/transformer_tagger.hpp"
+#include "gradient_snapshot.hpp"
 
 namespace {
 
@@ -53,11 +54,7 @@ xpm::TransformerTagger small_tagger() {
   return model;
 }
 
-std::vector<torch::Tensor> gradients(const torch::nn::Module& model) {
-  std::vector<torch::Tensor> grads;
-  for (const auto& p : model.parameters()) grads.push_back(p.grad().detach().clone());
-  return grads;
-}
+using xpm_test::gradients;
 
 double max_relative_difference(const std::vector<torch::Tensor>& actual,
                                const std::vector<torch::Tensor>& expected) {

@@ -20,6 +20,7 @@
 #include "xpm/trainer/steps/loss_trainer.hpp"
 #include "xpm/tasks/tagging_batch.hpp"
 #include "xpm/tasks/transformer_tagger.hpp"
+#include "gradient_snapshot.hpp"
 
 namespace {
 
@@ -70,11 +71,7 @@ std::map<std::string, torch::Tensor> named_sums(xpm::TransformerTagger& model,
                                          F::CrossEntropyFuncOptions().reduction(torch::kSum))}};
 }
 
-std::vector<torch::Tensor> gradients(const torch::nn::Module& model) {
-  std::vector<torch::Tensor> grads;
-  for (const auto& p : model.parameters()) grads.push_back(p.grad().detach().clone());
-  return grads;
-}
+using xpm_test::gradients;
 
 double max_relative_difference(const std::vector<torch::Tensor>& actual,
                                const std::vector<torch::Tensor>& expected) {

@@ -23,6 +23,7 @@
 #include "xpm/trainer/steps/multiple_trainer.hpp"
 #include "xpm/tasks/tagging_batch.hpp"
 #include "xpm/tasks/transformer_tagger.hpp"
+#include "gradient_snapshot.hpp"
 
 namespace {
 
@@ -75,11 +76,7 @@ void zero_gradients(torch::nn::Module& model) {
   }
 }
 
-std::vector<torch::Tensor> gradients(const torch::nn::Module& model) {
-  std::vector<torch::Tensor> grads;
-  for (const auto& p : model.parameters()) grads.push_back(p.grad().detach().clone());
-  return grads;
-}
+using xpm_test::gradients;
 
 // Counts the probes that reach a sub-trainer's executor.
 struct CountingExecutor : xpm::ProbeExecutor {
