@@ -5,8 +5,9 @@
 // by hand) reads RANK, WORLD_SIZE, ... (docs/distributed.md).
 // Exit codes: 0 success; 1 the run failed (out of memory where no batcher can help, a rank died
 // or a collective timed out, a file could not be written); 2 bad input (option, config, data,
-// checkpoint settings); 3 internal error (a LibTorch error other than out of memory, a bug).
-// Under --nproc: the first failing worker's code. Errors are one line, "xpm-train: error: ..."
+// checkpoint settings); 3 internal error (a LibTorch error other than out of memory, a bug);
+// 4 stopped by a signal after a step, with a checkpoint. Under --nproc: the first failing
+// worker's code, after up to --max-restarts restarts of the group from the newest checkpoint. Errors are one line, "xpm-train: error: ..."
 // ("xpm-train: rank R: error: ..." from a worker of several), saying where (step 12, probing at
 // bs=8 l=64, validation after step 40, checkpoint write of step 40, resume); with codes 1 and 3
 // the full text (LibTorch's backtrace included) goes to RUN_DIR/error.log (error-rank<R>.log

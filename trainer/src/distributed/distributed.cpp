@@ -168,13 +168,24 @@ DistributedContext::DistributedContext(const WorkerEnvironment& environment,
   if (environment_.world_size == 1) return;  // nothing to connect to
   connection_ = std::make_unique<Connection>();
   try {
+    // Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True) the agent already hosts
+    // the store at MASTER_ADDR:MASTER_PORT: every rank is a client, and the keys of each attempt
+    // live under /worker/attempt_<k>, as PyTorch's own rendezvous does.
+    const std::optional<std::string> agent_store = env("TORCHELASTIC_USE_AGENT_STORE");
+    const bool use_agent_store =
+        agent_store && (*agent_store == "True" || *agent_store == "true" || *agent_store == "1");
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<std::uint16_t>(environment_.master_port);
-    store_options.isServer = environment_.rank == 0;
+    store_options.isServer = environment_.rank == 0 && !use_agent_store;
     store_options.numWorkers = static_cast<std::size_t>(environment_.world_size);
-    store_options.waitWorkers = true;
+    store_options.waitWorkers = !use_agent_store;
     store_options.timeout = options_.rendezvous_timeout;
-    auto tcp_store = c10::make_intrusive<c10d::TCPStore>(environment_.master_addr, store_options);
+    c10::intrusive_ptr<c10d::Store> tcp_store =
+        c10::make_intrusive<c10d::TCPStore>(environment_.master_addr, store_options);
+    if (use_agent_store) {
+      tcp_store = c10::make_intrusive<c10d::PrefixStore>(
+          "/worker/attempt_" + std::to_string(environment_.restart_count), tcp_store);
+    }
     connection_->store = c10::make_intrusive<c10d::PrefixStore>("xpm", tcp_store);
     if (backend_ == "gloo") {
       auto gloo_options = c10d::ProcessGroupGloo::Options::create(options_.collective_timeout);

@@ -80,7 +80,8 @@ int exit_code_of(int status) {
 
 // The signals the launcher passes on to its workers (each in a process group of its own, so a
 // terminal's Ctrl-C reaches them once, through here).
-constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP};
+// Every signal --preemption-signal accepts (stop_signals.cpp) is among them.
+constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT, SIGXCPU};
 std::atomic<int> g_pending_signal{0};
 
 void remember_signal(int signal) { g_pending_signal.store(signal); }

@@ -10,7 +10,8 @@
 // Environment (same names as torchrun, https://pytorch.org/docs/stable/elastic/run.html):
 // RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT. Rank 0 hosts the
 // TCPStore on MASTER_ADDR:MASTER_PORT; the others connect to it (multi-node: MASTER_ADDR is rank
-// 0's host). Gloo binds to 127.0.0.1 when MASTER_ADDR is a loopback address, to the interface
+// 0's host). Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True, which torchrun
+// sets) every rank connects to the agent's store there instead, under /worker/attempt_<k>. Gloo binds to 127.0.0.1 when MASTER_ADDR is a loopback address, to the interface
 // named by GLOO_SOCKET_IFNAME when set, else to the address this host's name resolves to.
 //
 // Collectives: every rank must call them, in the same order, with tensors of the same shapes

@@ -1,6 +1,6 @@
 // xpm/trainer/distributed/local_launcher.hpp — `xpm-train --nproc N`: run N workers of this program on
 // this host, each with torchrun's environment, and wait for them (a minimal `torchrun
-// --standalone --nproc-per-node N`, https://pytorch.org/docs/stable/elastic/run.html).
+// --standalone --nproc_per_node N`, https://pytorch.org/docs/stable/elastic/run.html).
 //
 //   LocalLaunchOptions options;
 //   options.nproc = 2;
