@@ -2,7 +2,6 @@
 step's status, a checkpoint and summary.json ("interrupted": true) are written, the exit code is
 4, and --resume ends with the parameters of an uninterrupted run. A second signal ends the
 process at once. World 1 and 2; the signal to rank 0 only, rank 1 only, and to both."""
-import hashlib
 import json
 import os
 import pathlib
@@ -11,6 +10,8 @@ import subprocess
 import time
 
 import pytest
+
+from run_files import digest, steps_written
 
 BIN = pathlib.Path(os.environ.get("XPM_BIN_DIR", "build/bin"))
 DATA = os.environ.get("XPM_DATA_DIR", "data/brown")
@@ -29,15 +30,6 @@ def run(run_dir, *extra):
     done = subprocess.run(command(run_dir, *extra), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return done
-
-
-def digest(path):
-    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
-
-
-def steps_written(run_dir):
-    path = pathlib.Path(run_dir) / "metrics.jsonl"
-    return sum(1 for line in path.read_text().splitlines() if '"step"' in line) if path.exists() else 0
 
 
 def workers_of(launcher):

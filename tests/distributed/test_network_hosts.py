@@ -8,7 +8,6 @@ has it (the job finishes; the step-time cost is printed), and rank 0's host unre
 the rendezvous (rank 1 says so within the rendezvous timeout). Every address lives inside the
 two namespaces, and every run is bounded in time. Skipped, with the reason, where namespaces
 cannot be made (not root, or the kernel refuses them)."""
-import hashlib
 import json
 import os
 import pathlib
@@ -16,6 +15,8 @@ import subprocess
 import time
 
 import pytest
+
+from run_files import digest, steps_written
 
 BIN = pathlib.Path(os.environ.get("XPM_BIN_DIR", "build/bin"))
 DATA = os.environ.get("XPM_DATA_DIR", "data/brown")
@@ -120,15 +121,6 @@ def finish(processes, timeout_s=300):
         codes.append(process.returncode)
         errors.append(err)
     return codes, errors, time.monotonic() - started
-
-
-def digest(path):
-    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
-
-
-def steps_written(run_dir):
-    path = pathlib.Path(run_dir) / "metrics.jsonl"
-    return sum(1 for line in path.read_text().splitlines() if '"step"' in line) if path.exists() else 0
 
 
 def fresh(name):

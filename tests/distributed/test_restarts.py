@@ -2,13 +2,14 @@
 a rank fails (as torchrun --max-restarts does): each restart is logged and counted in
 summary.json, and the final parameters equal those of an uninterrupted run. Bad input and a
 stop by a signal are not restarted; a fault that comes back every attempt gives up after K."""
-import hashlib
 import json
 import os
 import pathlib
 import subprocess
 
 import pytest
+
+from run_files import digest
 
 BIN = pathlib.Path(os.environ.get("XPM_BIN_DIR", "build/bin"))
 DATA = os.environ.get("XPM_DATA_DIR", "data/brown")
@@ -28,10 +29,6 @@ def run(run_dir, *extra, env=None):
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     return subprocess.run(command(run_dir, *extra), capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, **(env or {})))
-
-
-def digest(path):
-    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
 def summary_of(run_dir):

@@ -4,7 +4,6 @@ rank 0 included, must connect to it as a client, with each attempt's keys under
 /worker/attempt_<k>. Here the agent is stood in for by a TCPStore of PyTorch's Python API
 (Debian's torchrun itself does not start under Python 3.11); the job must give the parameters
 of `--nproc 2`, and a second attempt on the same store must not see the first one's keys."""
-import hashlib
 import os
 import pathlib
 import socket
@@ -12,6 +11,8 @@ import subprocess
 from datetime import timedelta
 
 import pytest
+
+from run_files import digest
 
 torch_distributed = pytest.importorskip("torch.distributed")
 
@@ -26,10 +27,6 @@ def command(run_dir, *extra):
             "--max-validation-sentences", "100", "--validate-every", "3", "--warmup-steps", "2",
             "--collective-timeout-s", "30", "--rendezvous-timeout-s", "60",
             "--memory-model-cache", str(WORK / "cache"), "--quiet", *extra]
-
-
-def digest(path):
-    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
 def free_port():
