@@ -1,6 +1,12 @@
-# The two commands of the README. Both set up (packages, corpus), configure, build incrementally,
-# then do their job.
+# The two commands of the README. Both set up (packages, the Python environment with torch,
+# corpus), configure, build incrementally, then do their job.
 BUILD_DIR ?= build
+# The Python environment whose PyTorch 2.x is xpm's LibTorch: .venv/ (made by tools/setup.sh),
+# or XPM_PYTHON=/path/to/python to reuse an environment that has torch 2.11 to 2.14.
+XPM_PYTHON ?=
+export XPM_PYTHON
+PYTHON := $(if $(XPM_PYTHON),$(XPM_PYTHON),$(CURDIR)/.venv/bin/python)
+SETUP_FLAGS ?=
 JOBS ?= 2
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 RUN_DIR ?= runs/demo
@@ -15,14 +21,17 @@ demo: setup configure
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target xpm-train
 	$(BUILD_DIR)/bin/xpm-train --run-dir $(RUN_DIR) --memory-cap-factor $(DEMO_CAP_FACTOR)
 
+# The tests also need the integrations' packages (transformers, lightning, accelerate, torchdata)
+# and a CUDA build of torch for the CUDA build check (tools/setup.sh --test).
+test: SETUP_FLAGS = --test
 test: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
 
 setup:
-	tools/setup.sh
+	tools/setup.sh $(SETUP_FLAGS)
 
 $(BUILD_DIR)/CMakeCache.txt: | setup
-	cmake -S . -B $(BUILD_DIR) $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD_DIR) $(CMAKE_FLAGS) -DXPM_PYTHON_EXECUTABLE=$(PYTHON)
 
 configure: $(BUILD_DIR)/CMakeCache.txt
 

@@ -57,7 +57,7 @@ class SamplingAllocator final : public c10::Allocator {
  public:
   explicit SamplingAllocator(xpm::CpuMemoryMeter& meter) : meter_(meter) {}
 
-  c10::DataPtr allocate(size_t n_bytes) const override {
+  c10::DataPtr allocate(size_t n_bytes) override {
     c10::DataPtr out = meter_.allocate(n_bytes);
     const std::int64_t unseen = (heap_in_use_bytes() - heap_base_) -
                                 (meter_.current_allocated_bytes() - counted_base_);
@@ -66,6 +66,9 @@ class SamplingAllocator final : public c10::Allocator {
     return out;
   }
   c10::DeleterFnPtr raw_deleter() const override { return meter_.raw_deleter(); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    meter_.copy_data(dest, src, count);
+  }
 
   void start_step() {
     heap_base_ = heap_in_use_bytes();

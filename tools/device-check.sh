@@ -3,8 +3,10 @@
 # tools/device-prep.sh, then from the device tool:
 #   run(command="tools/device-check.sh", carry=[".device"], timeout_s=540)
 # Stages (each logged to $OUT/device-check.log; a failing stage stops the script, rc != 0):
-#   1. unpack the carried Debian packages into /tmp/xpm-prefix; find PyTorch's CUDA LibTorch
-#   2. configure (XPM_WITH_CUDA must be ON) and build planner_torch_tests, xpm-train,
+#   1. unpack the carried Debian packages into /tmp/xpm-prefix; check the machine's PyTorch
+#      (python3's torch, 2.11 on the GPU image; xpm supports 2.11 to 2.14) and its CUDA
+#   2. configure against that torch's LibTorch (XPM_WITH_CUDA must be ON) and build
+#      planner_torch_tests, xpm-train,
 #      heldout-prediction, xpm-plan (ninja, all cores)
 #   3. the CUDA tests: planner_torch_tests (CudaMemoryMeter against the caching allocator)
 #   4. held-out prediction error of the memory model on the GPU (table)
@@ -41,18 +43,17 @@ export LD_LIBRARY_PATH="$multiarch:$multiarch/atlas:${LD_LIBRARY_PATH:-}"
 export PKG_CONFIG_PATH="$multiarch/pkgconfig:$prefix/usr/share/pkgconfig"
 export PKG_CONFIG_SYSROOT_DIR="$prefix"
 python=${PYTHON:-python3}
-torch_cmake=$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)') ||
-  fail "no PyTorch in $python"
+"$python" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if (2, 11) <= v < (2, 15) else 1)' ||
+  fail "$python's torch $("$python" -c 'import torch; print(torch.__version__)' 2>&1) is not one xpm supports (2.11 to 2.14)"
 "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
   "devices", torch.cuda.device_count(), torch.cuda.get_device_name(0))' | tee -a "$log_file"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log_file"
 
-stage "2. configure and build (CUDA LibTorch from $torch_cmake)"
-cxx11_abi=$("$python" -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')
+stage "2. configure and build (the LibTorch inside $python's torch)"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DTorch_DIR="$torch_cmake/Torch" -DCMAKE_PREFIX_PATH="$prefix/usr;$multiarch/cmake" \
-  -DCMAKE_CXX_FLAGS="-D_GLIBCXX_USE_CXX11_ABI=$cxx11_abi" \
-  -DXPM_BUILD_BENCHMARKS=OFF >>"$log_file" 2>&1 || fail "configure failed (see the log)"
+  -DXPM_PYTHON_EXECUTABLE="$(command -v "$python")" -DCMAKE_PREFIX_PATH="$prefix/usr;$multiarch/cmake" \
+  -DXPM_GLOO_INCLUDE_DIR="$prefix/usr/include" -DXPM_BUILD_BENCHMARKS=OFF >>"$log_file" 2>&1 ||
+  fail "configure failed (see the log)"
 grep -q "xpm: CUDA LibTorch" "$log_file" || fail "CMake did not find a CUDA LibTorch"
 cmake --build "$build" -j "$(nproc)" --target planner_torch_tests xpm-train heldout-prediction xpm-plan \
   >>"$log_file" 2>&1 || { tail -40 "$log_file"; fail "build failed"; }

@@ -6,7 +6,8 @@
 #                   libraries, muparserx, Boost.Program_options, nlohmann-json, doctest), as
 #                   downloaded .deb files; device-check.sh unpacks them into a prefix (dpkg -x).
 #   .device/brown/  the Brown corpus (tools/setup.sh --data-only fetches it into data/brown).
-# LibTorch is NOT carried: the GPU image's PyTorch ships a CUDA LibTorch (share/cmake/Torch).
+# LibTorch is NOT carried: the GPU image's PyTorch (2.11) holds a CUDA LibTorch, which the build
+# uses as it uses the torch of .venv here.
 #
 # Usage: tools/device-prep.sh        then: device run, carry [".device"], tools/device-check.sh
 set -euo pipefail
@@ -25,6 +26,8 @@ packages=(
   libboost-program-options-dev libboost-program-options1.74-dev libboost-program-options1.74.0
   libboost1.74-dev
   nlohmann-json3-dev doctest-dev
+  libgloo-dev  # headers only: c10d's ProcessGroupGloo.hpp includes them (torch holds gloo itself)
+  libprotobuf-dev "$(apt-cache pkgnames libprotobuf3 | grep -E '^libprotobuf3[0-9]+(t64)?$' | head -1)"
 )
 
 mkdir -p .device/debs

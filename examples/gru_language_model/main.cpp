@@ -160,7 +160,7 @@ int main(int argc, char** argv) try {
       dims.push_back({1, double(outer.back()->size())});
       targets += double(outer.back()->size() - 1);
     }
-    optimizer.zero_grad();
+    optimizer.zero_grad(/*set_to_none=*/false);  // keep the gradients the probes measured
     for (const xpm::Microbatch& mb : batcher.plan(dims).microbatches) {
       std::vector<const std::string*> sentences;
       for (std::size_t index : mb.record_indices) sentences.push_back(outer[index]);

@@ -108,7 +108,7 @@ c10::Allocator& CpuMemoryMeter::wrapped() const {
   return wrapped_ != nullptr ? *wrapped_ : *c10::GetDefaultCPUAllocator();
 }
 
-c10::DataPtr CpuMemoryMeter::allocate(size_t n_bytes) const {
+c10::DataPtr CpuMemoryMeter::allocate(size_t n_bytes) {
   const auto n = static_cast<std::int64_t>(n_bytes);
   const std::int64_t cap = capacity_bytes_.load();
   // Reserve first so concurrent allocations cannot both pass the cap check.

@@ -1,6 +1,6 @@
 // xpm._torch: the LibTorch side for Python: the capping CPU memory meter, installed into the
-// Python process's c10 (the one `import torch` uses: Debian's python3-torch and libtorch-dev
-// share libc10.so).
+// Python process's c10 (the one `import torch` uses: xpm links the LibTorch inside the installed
+// torch, so both share libc10.so). xpm.torch_extension checks the torch version before loading.
 #include <pybind11/pybind11.h>
 
 #include "xpm/planner_torch/cpu_memory_meter.hpp"

@@ -44,8 +44,9 @@ class CpuMeter:
 
     @classmethod
     def install(cls) -> "CpuMeter":
-        from . import _torch  # LibTorch side: needs the same torch build as the extension
-        return cls(_torch.CpuMemoryMeter.install())
+        from .torch_extension import load_torch_extension  # the torch xpm was built against
+
+        return cls(load_torch_extension().CpuMemoryMeter.install())
 
     @property
     def capacity_bytes(self) -> int:
@@ -63,6 +64,12 @@ class CpuMeter:
     @property
     def peak_allocated_bytes(self) -> int:
         return self._native.peak_allocated_bytes
+
+    @property
+    def oom_count(self) -> int:
+        """Allocations the cap refused since the process started (each raised an out-of-memory
+        error)."""
+        return self._native.oom_count
 
     def reset_peak(self) -> None:
         self._native.reset_peak()
@@ -168,7 +175,9 @@ class _SteadyState:
     def __exit__(self, *exc):
         if self.had_state:
             self.state.seek(0)
-            self.optimizer.load_state_dict(torch.load(self.state))
+            # Bytes this process wrote a moment ago, so trusted: weights_only=False, because an
+            # optimizer's state may hold objects torch 2.x's default weights-only loader refuses.
+            self.optimizer.load_state_dict(torch.load(self.state, weights_only=False))
             _reallocate_state(self.optimizer)
         else:
             self.optimizer.state.clear()

@@ -87,7 +87,7 @@ torch::Tensor owned_state(xpm::ShardedAdamW& optimizer) {
   for (auto& group : optimizer.adamw().param_groups()) {
     for (auto& p : group.params()) {
       auto& state = static_cast<torch::optim::AdamWParamState&>(
-          *optimizer.adamw().state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+          *optimizer.adamw().state().at(p.unsafeGetTensorImpl()));
       parts.push_back(state.exp_avg());
       parts.push_back(state.exp_avg_sq());
     }

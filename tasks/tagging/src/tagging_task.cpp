@@ -216,7 +216,7 @@ TorchProbeSteps TaggingModelSetup::probe_steps() {
     if (sharded_) {
       sharded_->zero_grad();
     } else {
-      optimizer_->zero_grad();
+      zero_gradients_in_place(*optimizer_);
     }
   };
   return steps;

@@ -4,6 +4,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <variant>
 
 #include <ATen/autocast_mode.h>
 
@@ -39,7 +40,7 @@ torch::Tensor encoder_layer_forward(torch::nn::TransformerEncoderLayerImpl& laye
                                     const torch::Tensor& padding_mask) {
   namespace F = torch::nn::functional;
   torch::nn::MultiheadAttentionImpl& attention = *layer.self_attn;
-  if (!c10::get_if<torch::enumtype::kReLU>(&layer.options.activation()) || !attention._qkv_same_embed_dim ||
+  if (!std::get_if<torch::enumtype::kReLU>(&layer.options.activation()) || !attention._qkv_same_embed_dim ||
       attention.bias_k.defined() || attention.options.add_zero_attn()) {
     throw std::invalid_argument("encoder_layer_forward: only ReLU layers with packed self-attention weights and "
                                 "no key/value biases are supported");
@@ -75,7 +76,7 @@ namespace {
 // LibTorch's layer forward, or encoder_layer_forward when autocast is on for the input's device.
 torch::Tensor run_encoder_layer(torch::nn::TransformerEncoderLayerImpl& layer, const torch::Tensor& src,
                                 const torch::Tensor& padding_mask) {
-  const bool autocast = src.is_cuda() ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+  const bool autocast = at::autocast::is_autocast_enabled(src.device().type());
   return autocast ? encoder_layer_forward(layer, src, padding_mask)
                   : layer.forward(src, /*src_mask=*/torch::Tensor(), padding_mask);
 }
@@ -111,7 +112,7 @@ torch::Tensor TransformerTaggerImpl::forward(const torch::Tensor& token_ids,
   auto x = token_embedding_(token_ids) + position_embedding_(positions).unsqueeze(0);  // [bs,l,d]
   x = x.transpose(0, 1);                                                          // [l, bs, d]
   const bool checkpointing = options_.activation_checkpointing && is_training() && torch::GradMode::is_enabled();
-  const bool autocast = x.is_cuda() ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+  const bool autocast = at::autocast::is_autocast_enabled(x.device().type());
   if (checkpointing || autocast) {
     // TransformerEncoderImpl::forward's loop over the layers, then its optional norm.
     for (std::size_t i = 0; i < encoder_->layers->size(); ++i) {

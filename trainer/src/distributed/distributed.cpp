@@ -20,7 +20,7 @@ namespace xpm {
 
 struct DistributedContext::Connection {
   c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::ProcessGroup> process_group;
+  c10::intrusive_ptr<c10d::Backend> process_group;  // gloo or NCCL: c10d's collectives
   bool store_unreachable = false;  // a bounded lookup timed out: do not wait for it again
 };
 
@@ -212,7 +212,7 @@ DistributedContext::DistributedContext(const WorkerEnvironment& environment,
 #endif
   } catch (const c10::Error& error) {
     throw rendezvous_failure(environment_, first_line(error.what_without_backtrace()));
-  } catch (const std::exception& error) {  // LibTorch 1.13's socket code throws std::runtime_error
+  } catch (const std::exception& error) {  // socket errors may come as std::runtime_error
     throw rendezvous_failure(environment_, first_line(error.what()));
   }
 }

@@ -15,8 +15,8 @@ namespace {
 
 constexpr std::int64_t kShardFileFormat = 1;
 
-std::string state_key(const torch::Tensor& parameter) {
-  return c10::guts::to_string(parameter.unsafeGetTensorImpl());  // torch::optim's state key
+void* state_key(const torch::Tensor& parameter) {
+  return parameter.unsafeGetTensorImpl();  // torch::optim's state key
 }
 
 const torch::optim::AdamWOptions& adamw_options(const torch::optim::OptimizerParamGroup& group,

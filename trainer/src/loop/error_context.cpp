@@ -113,7 +113,7 @@ void throw_error_of_kind(ErrorKind kind, const std::string& message) {
     case ErrorKind::kBadInput:
       throw std::invalid_argument(message);
     case ErrorKind::kOutOfMemory:
-      throw c10::OutOfMemoryError(message, "");
+      throw c10::OutOfMemoryError(message);
     case ErrorKind::kFailure:
       throw std::runtime_error(message);
     case ErrorKind::kInternal:
@@ -131,7 +131,7 @@ void rethrow_with_context(const std::string& context) {
   } catch (const c10::Error& error) {
     rethrow_c10_prefixed(error, prefix);
   } catch (const std::bad_alloc& error) {
-    throw c10::OutOfMemoryError(prefix + "out of memory (" + error.what() + ")", "");
+    throw c10::OutOfMemoryError(prefix + "out of memory (" + error.what() + ")");
   } catch (const std::invalid_argument& error) {
     throw std::invalid_argument(prefix + error.what());
   } catch (const std::runtime_error& error) {

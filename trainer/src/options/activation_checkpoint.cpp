@@ -20,15 +20,15 @@ struct FunctionHolder : torch::CustomClassHolder {
 };
 
 struct AutocastState {
-  bool cpu_enabled = at::autocast::is_cpu_enabled();
-  at::ScalarType cpu_dtype = at::autocast::get_autocast_cpu_dtype();
-  bool gpu_enabled = at::autocast::is_enabled();
-  at::ScalarType gpu_dtype = at::autocast::get_autocast_gpu_dtype();
+  bool cpu_enabled = at::autocast::is_autocast_enabled(at::kCPU);
+  at::ScalarType cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+  bool gpu_enabled = at::autocast::is_autocast_enabled(at::kCUDA);
+  at::ScalarType gpu_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
   void apply() const {
-    at::autocast::set_cpu_enabled(cpu_enabled);
-    at::autocast::set_autocast_cpu_dtype(cpu_dtype);
-    at::autocast::set_enabled(gpu_enabled);
-    at::autocast::set_autocast_gpu_dtype(gpu_dtype);
+    at::autocast::set_autocast_enabled(at::kCPU, cpu_enabled);
+    at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
+    at::autocast::set_autocast_enabled(at::kCUDA, gpu_enabled);
+    at::autocast::set_autocast_dtype(at::kCUDA, gpu_dtype);
   }
 };
 

@@ -39,17 +39,10 @@ AutocastGuard::AutocastGuard(Precision precision, torch::DeviceType device_type)
   check_precision_supported(precision, torch::Device(device_type));
   if (precision == Precision::k32True) return;
   const at::ScalarType dtype = precision == Precision::kBf16Mixed ? at::kBFloat16 : at::kHalf;
-  if (device_type_ == torch::kCPU) {
-    previous_enabled_ = at::autocast::is_cpu_enabled();
-    previous_dtype_ = at::autocast::get_autocast_cpu_dtype();
-    at::autocast::set_cpu_enabled(true);
-    at::autocast::set_autocast_cpu_dtype(dtype);
-  } else {
-    previous_enabled_ = at::autocast::is_enabled();
-    previous_dtype_ = at::autocast::get_autocast_gpu_dtype();
-    at::autocast::set_enabled(true);
-    at::autocast::set_autocast_gpu_dtype(dtype);
-  }
+  previous_enabled_ = at::autocast::is_autocast_enabled(device_type_);
+  previous_dtype_ = at::autocast::get_autocast_dtype(device_type_);
+  at::autocast::set_autocast_enabled(device_type_, true);
+  at::autocast::set_autocast_dtype(device_type_, dtype);
   at::autocast::increment_nesting();
   active_ = true;
 }
@@ -58,13 +51,8 @@ AutocastGuard::~AutocastGuard() {
   if (!active_) return;
   // As torch.autocast's __exit__: the outermost region drops the cached weight casts.
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-  if (device_type_ == torch::kCPU) {
-    at::autocast::set_cpu_enabled(previous_enabled_);
-    at::autocast::set_autocast_cpu_dtype(previous_dtype_);
-  } else {
-    at::autocast::set_enabled(previous_enabled_);
-    at::autocast::set_autocast_gpu_dtype(previous_dtype_);
-  }
+  at::autocast::set_autocast_enabled(device_type_, previous_enabled_);
+  at::autocast::set_autocast_dtype(device_type_, previous_dtype_);
 }
 
 void DynamicLossScalerOptions::validate() const {

@@ -207,7 +207,7 @@ StepResult LossTrainer::step(const std::vector<std::vector<double>>& record_dims
   const auto start = std::chrono::steady_clock::now();
   step_peak_bytes_ = 0;
   if (meter_ != nullptr) meter_->reset_peak();
-  optimizer_.zero_grad();
+  zero_gradients_in_place(optimizer_);
   const MicrobatchPlan plan = batcher_.plan(record_dims);
   StepResult result;
   try {
@@ -225,7 +225,7 @@ StepResult LossTrainer::step(const std::vector<std::vector<double>>& record_dims
     }
   } catch (const c10::OutOfMemoryError&) {
     // accumulate released the failed backward's buffers; what is left is the partial gradient.
-    optimizer_.zero_grad();
+    zero_gradients_in_place(optimizer_);
     result = StepResult{};
     result.oom = true;
   }

@@ -78,7 +78,11 @@ class CpuMemoryMeter final : public c10::Allocator, public MemoryMeter {
   /// Counts `n_bytes` (throws c10::OutOfMemoryError over the cap, changing no counter) and
   /// allocates them through the allocator that was active before install(). The DataPtr's
   /// context is its data pointer and its deleter raw_deleter(), so raw_allocate() works.
-  c10::DataPtr allocate(size_t n_bytes) const override;
+  c10::DataPtr allocate(size_t n_bytes) override;
+  /// Copies `count` bytes between two storages of the meter (memcpy; Tensor::clone uses it).
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
   /// Frees and uncounts a pointer of the meter (see the file comment for other pointers).
   c10::DeleterFnPtr raw_deleter() const override { return &CpuMemoryMeter::free_raw; }
 

@@ -42,7 +42,7 @@
 // raises it, as CUDA's allocator does). One in the optimizer step is not caught: a smaller
 // microbatch cannot help it and some parameters may already be updated, so it propagates.
 // Gradients are zeroed in place (as data_parallel_trainer.cpp does), not by
-// Optimizer::zero_grad(), which in LibTorch 1.13 detaches them.
+// Optimizer::zero_grad(), which frees them in LibTorch 2.x (or detaches them).
 #pragma once
 
 #include <cstdint>

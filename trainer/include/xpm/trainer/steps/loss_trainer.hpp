@@ -95,9 +95,9 @@ struct UnitWeightedMean {
 void release_autograd_buffers_after_oom();
 
 /// Zeroes every defined .grad of the optimizer's parameters in place, keeping the tensors
-/// allocated: Optimizer::zero_grad() in LibTorch 1.13 calls detach_() on each gradient (which
-/// gradient views into buckets refuse) and frees them from 2.0 on (which would move the static
-/// memory the planner measured). Local: no collective.
+/// allocated: Optimizer::zero_grad() frees them (set_to_none defaults to true in LibTorch 2.x,
+/// which would move the static memory the planner measured) or, with set_to_none false, calls
+/// detach_() on each gradient (which gradient views into buckets refuse). Local: no collective.
 void zero_gradients_in_place(torch::optim::Optimizer& optimizer);
 
 /// Called once per optimizer step, right before optimizer.step(): the outer batch's gradients

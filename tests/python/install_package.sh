@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs the xpm package with `pip install --no-build-isolation <source>` into a fresh virtual
+# environment, as a user would, and checks that it imports and probes a PyTorch step on CPU.
+# The new environment sees the dependencies of the project's environment (torch, numpy, pytest,
+# scikit-build-core, pybind11 and the integrations' packages) through a .pth file instead of a
+# second copy of torch; xpm itself is installed only into the new environment, so the Python
+# suites that run with it test the installed copy.
+#
+# Usage: tests/python/install_package.sh PYTHON_WITH_TORCH SOURCE_DIR NEW_VENV_DIR
+set -euo pipefail
+python=$1 source=$2 venv=$3
+
+rm -rf "$venv"
+"$python" -m venv "$venv"
+purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+purelib "$python" > "$(purelib "$venv/bin/python")/xpm-project-environment.pth"
+if ! output=$("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation "$source" 2>&1); then
+  echo "$output" >&2
+  echo "install_package.sh: pip install --no-build-isolation $source failed" >&2
+  exit 1
+fi
+"$venv/bin/python" - <<'PY'
+import pathlib
+
+import torch
+
+import xpm
+
+location = pathlib.Path(xpm.__file__).resolve().parent
+assert "site-packages" in location.parts, f"xpm imported from {location}, not an installed copy"
+meter = xpm.CpuMeter.install()  # before the model: the meter must see the weights
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+meter.capacity_bytes = 64 << 20
+probed = xpm.probe(model, optimizer, lambda dims: model(torch.randn(int(dims[0]), 256)).square().sum(),
+                   xpm.CostFormula("a*bs + c", ["bs"]), meter=meter,
+                   probe_points=[{"bs": bs} for bs in (16, 64, 128, 256)])
+print(f"installed xpm in {location} with torch {torch.__version__}: {len(probed.probes)} probes, "
+      f"{probed.model.formula.canonical}, predicts {float(probed.model.predict([512])):.0f} bytes at bs 512")
+PY
