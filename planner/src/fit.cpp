@@ -23,6 +23,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -34,6 +35,7 @@
 
 #include "fit_points.hpp"
 #include "fit_start.hpp"
+#include "formula_ast.hpp"
 #include "nnls.hpp"
 #include "residual_structure.hpp"
 
@@ -662,6 +664,121 @@ void validate_fit_inputs(const CostFormula& formula, const std::vector<Measureme
   validate_inputs(formula, measurements, bounds, options);
 }
 
+
+// True when setting coefficient `k` to 0 changes the prediction at no measurement.
+bool zeroing_changes_nothing(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                             const std::vector<double>& coefficients, std::size_t k) {
+  std::vector<double> zeroed = coefficients;
+  zeroed[k] = 0.0;
+  for (const Measurement& m : measurements) {
+    const double before = formula.predict(coefficients, m.dims);
+    if (std::abs(formula.predict(zeroed, m.dims) - before) > 1e-9 * std::abs(before)) return false;
+  }
+  return true;
+}
+
+// One argument of a top-level max(): its coefficients and the variable powers of its terms.
+struct MaxArgument {
+  std::set<int> coefficients;
+  std::set<std::vector<int>> shapes;
+};
+
+// The arguments of each max() among the formula's top-level terms.
+std::vector<std::vector<MaxArgument>> max_arguments(const CostFormula& formula) {
+  std::vector<std::vector<MaxArgument>> out;
+  for (const formula_ast::Term& term : formula.expression().terms) {
+    for (const auto& [factor, power] : term.factors) {
+      if (factor->kind != formula_ast::Factor::Kind::max) continue;
+      std::vector<MaxArgument> arguments;
+      for (const formula_ast::Sum& operand : factor->operands) {
+        MaxArgument argument;
+        for (const formula_ast::Term& t : operand) {
+          for (std::size_t c = 0; c < t.coefficient_powers.size(); ++c) {
+            if (t.coefficient_powers[c] != 0) argument.coefficients.insert(static_cast<int>(c));
+          }
+          argument.shapes.insert(t.variable_powers);
+        }
+        arguments.push_back(std::move(argument));
+      }
+      out.push_back(std::move(arguments));
+    }
+  }
+  return out;
+}
+
+// True when every coefficient in `zeroed` belongs to a max() argument all of whose coefficients
+// are zeroed and which has a sibling argument of the same shape (the same monomials in the
+// variables) with a coefficient left: a duplicate piece that never wins, which its sibling
+// covers. A floor or any piece of its own shape that no probe reached is not covered.
+bool covered_by_siblings(const CostFormula& formula, const std::set<int>& zeroed) {
+  std::set<int> covered;
+  for (const std::vector<MaxArgument>& arguments : max_arguments(formula)) {
+    for (const MaxArgument& argument : arguments) {
+      const bool all_zeroed = std::includes(zeroed.begin(), zeroed.end(), argument.coefficients.begin(),
+                                            argument.coefficients.end());
+      if (!all_zeroed || argument.coefficients.empty()) continue;
+      for (const MaxArgument& sibling : arguments) {
+        const bool live = std::any_of(sibling.coefficients.begin(), sibling.coefficients.end(),
+                                      [&](int c) { return zeroed.count(c) == 0; });
+        if (&sibling != &argument && live && sibling.shapes == argument.shapes) {
+          covered.insert(argument.coefficients.begin(), argument.coefficients.end());
+          break;
+        }
+      }
+    }
+  }
+  return std::includes(covered.begin(), covered.end(), zeroed.begin(), zeroed.end());
+}
+
+// Non-linear fits, after solving: every coefficient must change the prediction at some
+// measurement at the fitted point. A max() argument that never wins at any measurement, whose
+// zeroing changes nothing there and which a sibling of the same shape covers (e.g. the second
+// of two quadratic pieces when one explains every probe), is set to 0 and named in the
+// summary; any other dependence makes the fit unusable.
+void check_identified_at_fit(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                             const FitOptions& options, FitResult& result) {
+  FitSummary& s = result.summary;
+  const double tolerance = std::max(options.identifiability_tolerance, 1e-6);
+  const auto& names = formula.coefficient_names();
+  const std::vector<double> fitted = result.coefficients;
+  std::set<int> zeroed;
+  std::vector<std::size_t> active(names.size());
+  for (std::size_t k = 0; k < active.size(); ++k) active[k] = k;
+  std::string first_reason;
+  for (;;) {
+    const Eigen::MatrixXd full = numeric_jacobian(formula, measurements, result.coefficients);
+    Eigen::MatrixXd jacobian(full.rows(), static_cast<Eigen::Index>(active.size()));
+    for (std::size_t c = 0; c < active.size(); ++c) {
+      jacobian.col(static_cast<Eigen::Index>(c)) = full.col(static_cast<Eigen::Index>(active[c]));
+    }
+    auto d = find_dependence(jacobian, tolerance);
+    if (!d) break;
+    d->dependent = active[d->dependent];
+    for (std::size_t& partner : d->partners) partner = active[partner];
+    const std::string reason = describe_dependence(formula, measurements, *d, "at the fitted point").first;
+    if (first_reason.empty()) first_reason = reason;
+    if (!d->partners.empty() ||
+        !zeroing_changes_nothing(formula, measurements, result.coefficients, d->dependent)) {
+      s.reasons.push_back(zeroed.empty() ? reason : first_reason);
+      result.coefficients = fitted;
+      return;
+    }
+    result.coefficients[d->dependent] = 0.0;
+    zeroed.insert(static_cast<int>(d->dependent));
+    active.erase(std::find(active.begin(), active.end(), d->dependent));
+  }
+  if (zeroed.empty()) return;
+  if (!covered_by_siblings(formula, zeroed)) {
+    s.reasons.push_back(first_reason);
+    result.coefficients = fitted;
+    return;
+  }
+  for (int c : zeroed) s.dormant_coefficients.push_back(names[static_cast<std::size_t>(c)]);
+  s.dormant_note = "coefficient(s) " + and_list(s.dormant_coefficients) +
+                   " have no effect at any probe (a max() argument that never wins there, covered by "
+                   "one of the same shape): set to 0";
+}
+
 FitResult fit_points(const CostFormula& formula, const std::vector<Measurement>& measurements,
                      const std::vector<InfeasibleBound>& bounds, const FitOptions& options) {
   const auto& coefs = formula.coefficient_names();
@@ -797,14 +914,7 @@ FitResult fit_points(const CostFormula& formula, const std::vector<Measurement>&
                           short_double(predicted) + " bytes there");
     }
   }
-  if (!formula.is_linear()) {
-    const Eigen::MatrixXd jacobian = numeric_jacobian(formula, measurements, result.coefficients);
-    const double tolerance = std::max(options.identifiability_tolerance, 1e-6);
-    if (const auto d = find_dependence(jacobian, tolerance)) {
-      s.reasons.push_back(
-          describe_dependence(formula, measurements, *d, "at the fitted point").first);
-    }
-  }
+  if (!formula.is_linear()) check_identified_at_fit(formula, measurements, options, result);
   if (!options.batch_size_variable.empty()) {
     const std::size_t b = formula.variable_index(options.batch_size_variable);
     std::size_t decreasing = 0;

@@ -123,6 +123,7 @@ std::string FitSummary::full_report() const {
   if (!start.empty()) os << "  start: " << start << "\n";
   if (!residual_structure.empty()) os << "  " << residual_structure << "\n";
   if (!left_out_note.empty()) os << "  " << left_out_note << "\n";
+  if (!dormant_note.empty()) os << "  " << dormant_note << "\n";
   return os.str();
 }
 

@@ -404,6 +404,26 @@ TEST_CASE("non-linear fit marks a coefficient the probes cannot identify as not 
   CHECK(any_reason_contains(r.summary, "coefficient 'c' has no effect"));
 }
 
+TEST_CASE("non-linear fit sets a max() argument that never wins to 0 when a sibling of the same shape explains every probe") {
+  // One piece explains every probe; the second, of the same shape, never wins at any of them.
+  const CostFormula f("max(a1*bs*l + c1, a2*bs*l + c2)", {"a1", "c1", "a2", "c2"}, {"bs", "l"});
+  std::vector<Measurement> m;
+  for (double bs : {1.0, 2.0, 4.0, 8.0}) {
+    for (double l : {16.0, 32.0, 64.0}) m.push_back({{bs, l}, 5.0 * bs * l + 1000.0});
+  }
+  const FitResult r = xpm::fit_coefficients(f, m);
+  INFO(r.summary.full_report());
+  CHECK(r.summary.usable);
+  CHECK(r.summary.dormant_coefficients.size() == 2);
+  CHECK(contains(r.summary.dormant_note, "set to 0"));
+  CHECK(contains(r.summary.full_report(), "never wins"));
+  for (const Measurement& point : m) {
+    CHECK(f.predict(r.coefficients, point.dims) == doctest::Approx(point.bytes).epsilon(1e-6));
+  }
+  // Between the probes the prediction is the winning piece's.
+  CHECK(f.predict(r.coefficients, {3, 40}) == doctest::Approx(5.0 * 3 * 40 + 1000.0).epsilon(1e-6));
+}
+
 TEST_CASE("fit options reject an unknown robust loss, a bad scale and bad initial values") {
   FitOptions o;
   o.robust_loss = "tukey";

@@ -139,6 +139,15 @@ struct FitSummary {
   /// rel_errors are the fit's errors there. max/mean_rel_error are over the fitted points.
   std::vector<std::size_t> left_out;
   std::string left_out_note;           // why they were left out ("" when none)
+  /// Coefficients of a non-linear fit that have no effect at any measurement at the fitted point:
+  /// a max() argument that never wins there, whose zeroing changes no prediction at the
+  /// measurements, and which a sibling argument of the same shape covers (e.g. the second of two
+  /// quadratic pieces when one explains every probe). Set to 0, so the prediction between
+  /// measurements follows the piece the data support. Names, in declared order; dormant_note
+  /// says it in a sentence ("" when none). Any other such coefficient (a floor no probe reached)
+  /// makes the fit unusable.
+  std::vector<std::string> dormant_coefficients;
+  std::string dormant_note;
   std::string batch_size_variable;     // FitOptions::batch_size_variable of the fit
   std::size_t infeasible_bound_count = 0;  // InfeasibleBounds given to the fit
   std::vector<double> infeasible_bound_predicted_bytes;  // prediction at each bound's dims
