@@ -71,12 +71,11 @@ class MicrobatchThresholds {
 
 }  // namespace
 
-MicrobatchPlan FirstFitDecreasingPacker::pack(const std::vector<std::vector<double>>& record_dims,
-                                              const MemoryModel& model,
+MicrobatchPlan FirstFitDecreasingPacker::pack(RecordDimsView record_dims, const MemoryModel& model,
                                               std::int64_t usable_bytes) const {
-  const std::size_t nv = model.formula().variable_names().size();
-  const std::vector<double> dims = packer_internal::flat_dims(record_dims, model, usable_bytes);
-  const std::size_t n = record_dims.size();
+  packer_internal::validate_pack_inputs(record_dims, model, usable_bytes);
+  const std::size_t nv = record_dims.variables;
+  const std::size_t n = record_dims.records;
   const std::size_t bs = model.batch_size_index();
   const auto& aggregation = model.aggregation();
   const packer_internal::FitTest fits(model, static_cast<double>(usable_bytes));
@@ -85,14 +84,13 @@ MicrobatchPlan FirstFitDecreasingPacker::pack(const std::vector<std::vector<doub
   std::vector<double> keys(n);
   std::vector<double> alone(nv);
   for (std::size_t i = 0; i < n; ++i) {
-    std::copy(dims.begin() + static_cast<std::ptrdiff_t>(i * nv),
-              dims.begin() + static_cast<std::ptrdiff_t>((i + 1) * nv), alone.begin());
+    std::copy(record_dims.row(i), record_dims.row(i) + nv, alone.begin());
     alone[bs] = 1;
     keys[i] = model.formula().predict(model.coefficients(), alone);
   }
   const std::vector<std::size_t> order = packer_internal::descending_order(keys);
-  const std::vector<double> ordered_dims = packer_internal::permute_rows(dims, order, nv);
-  const std::vector<double> ordered_keys = packer_internal::permute_rows(keys, order, 1);
+  const std::vector<double> ordered_dims = packer_internal::permute_rows(record_dims.data, order, nv);
+  const std::vector<double> ordered_keys = packer_internal::permute_rows(keys.data(), order, 1);
 
   // rest_min[k * nv + v]: the minimum of dim v over the records order[k..n-1] (the batch-size
   // entry is unused): a record no heavier in any dim than every one still to place.

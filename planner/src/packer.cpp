@@ -15,26 +15,111 @@
 namespace xpm {
 namespace packer_internal {
 
-void validate_pack_inputs(const std::vector<std::vector<double>>& record_dims,
-                          const MemoryModel& model, std::int64_t usable_bytes) {
+void validate_pack_inputs(RecordDimsView record_dims, const MemoryModel& model, std::int64_t usable_bytes) {
   if (usable_bytes <= 0) {
     throw std::invalid_argument("pack: usable_bytes must be > 0, got " +
                                 std::to_string(usable_bytes));
   }
   const auto& vars = model.formula().variable_names();
-  for (std::size_t i = 0; i < record_dims.size(); ++i) {
-    if (record_dims[i].size() != vars.size()) {
-      throw std::invalid_argument("pack: record " + std::to_string(i) + " has " +
-                                  std::to_string(record_dims[i].size()) + " dims, expected " +
-                                  std::to_string(vars.size()));
-    }
+  if (record_dims.variables != vars.size()) {
+    throw std::invalid_argument("pack: record dims have " + std::to_string(record_dims.variables) +
+                                " value(s) per record, expected " + std::to_string(vars.size()) +
+                                " (one per formula variable)");
+  }
+  if (record_dims.records > 0 && record_dims.data == nullptr) {
+    throw std::invalid_argument("pack: record dims of " + std::to_string(record_dims.records) +
+                                " records have no data (null pointer)");
+  }
+  const std::size_t bs = model.batch_size_index();
+  for (std::size_t i = 0; i < record_dims.records; ++i) {
+    const double* r = record_dims.row(i);
     for (std::size_t v = 0; v < vars.size(); ++v) {
-      if (v != model.batch_size_index() && !std::isfinite(record_dims[i][v])) {
+      if (v != bs && !std::isfinite(r[v])) {
         throw std::invalid_argument("pack: record " + std::to_string(i) + " has " + vars[v] +
-                                    " = " + std::to_string(record_dims[i][v]) +
-                                    "; dims must be finite");
+                                    " = " + std::to_string(r[v]) + "; dims must be finite");
       }
     }
+  }
+}
+
+std::vector<double> contiguous_dims(const std::vector<std::vector<double>>& record_dims,
+                                    const MemoryModel& model, std::int64_t usable_bytes) {
+  if (usable_bytes <= 0) {
+    throw std::invalid_argument("pack: usable_bytes must be > 0, got " +
+                                std::to_string(usable_bytes));
+  }
+  const std::size_t nv = model.formula().variable_names().size();
+  std::vector<double> out(record_dims.size() * nv);
+  for (std::size_t i = 0; i < record_dims.size(); ++i) {
+    if (record_dims[i].size() != nv) {
+      throw std::invalid_argument("pack: record " + std::to_string(i) + " has " +
+                                  std::to_string(record_dims[i].size()) + " dims, expected " +
+                                  std::to_string(nv));
+    }
+    std::copy(record_dims[i].begin(), record_dims[i].end(), out.begin() + static_cast<std::ptrdiff_t>(i * nv));
+  }
+  return out;
+}
+
+namespace {
+
+// True when the n keys key(0..n-1) are all integers in [0, kCountingSortMaxKey] spanning at
+// most 2n + 65536 values (record lengths, token counts): a counting sort takes them in O(n +
+// range). Sets [lo, hi] to their range.
+template <class Key>
+bool counting_sortable(std::size_t n, Key key, std::size_t& lo, std::size_t& hi) {
+  if (n == 0) return false;
+  double low = key(0), high = key(0);
+  for (std::size_t i = 0; i < n; ++i) {
+    const double k = key(i);
+    if (!(k >= 0 && k <= kCountingSortMaxKey && k == std::floor(k))) return false;
+    low = std::min(low, k);
+    high = std::max(high, k);
+  }
+  if (high - low > static_cast<double>(2 * n + 65536)) return false;
+  lo = static_cast<std::size_t>(low);
+  hi = static_cast<std::size_t>(high);
+  return true;
+}
+
+// Where each key's records start in the descending order: start[hi - k] for key k, ties in
+// index order as they are placed (stable by construction).
+template <class Key>
+std::vector<std::size_t> bucket_starts(std::size_t n, Key key, std::size_t lo, std::size_t hi) {
+  std::vector<std::size_t> start(hi - lo + 2, 0);  // bucket b holds key hi - b
+  for (std::size_t i = 0; i < n; ++i) ++start[hi - static_cast<std::size_t>(key(i)) + 1];
+  for (std::size_t b = 1; b < start.size(); ++b) start[b] += start[b - 1];
+  return start;
+}
+
+}  // namespace
+
+void sort_rows_descending(RecordDimsView view, std::size_t key, const std::vector<std::size_t>& columns,
+                          std::vector<std::size_t>& order, std::vector<double>& rows) {
+  const std::size_t n = view.records;
+  const std::size_t width = columns.size();
+  const auto key_of = [&](std::size_t i) { return view(i, key); };
+  std::size_t lo = 0, hi = 0;
+  if (!counting_sortable(n, key_of, lo, hi)) {
+    std::vector<double> keys(n);
+    for (std::size_t i = 0; i < n; ++i) keys[i] = key_of(i);
+    order = descending_order(keys);
+    rows.assign(n * width, 0.0);
+    for (std::size_t k = 0; k < n; ++k) {
+      for (std::size_t j = 0; j < width; ++j) rows[k * width + j] = view(order[k], columns[j]);
+    }
+    return;
+  }
+  // One pass places each record's index and dims at its slot (reads the view in order, writes
+  // scattered): no key array, no inverse permutation.
+  std::vector<std::size_t> start = bucket_starts(n, key_of, lo, hi);
+  order.assign(n, 0);
+  rows.assign(n * width, 0.0);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t slot = start[hi - static_cast<std::size_t>(key_of(i))]++;
+    order[slot] = i;
+    const double* record = view.row(i);
+    for (std::size_t j = 0; j < width; ++j) rows[slot * width + j] = record[columns[j]];
   }
 }
 
@@ -44,20 +129,11 @@ std::vector<std::size_t> descending_order(const std::vector<double>& keys) {
   if (n == 0) return order;
   // Counting sort when every key is a small non-negative integer (lengths, token counts): O(n +
   // range), and stable by construction.
-  bool integral = true;
-  double lo = keys[0], hi = keys[0];
-  for (double k : keys) {
-    integral = integral && k >= 0 && k <= kCountingSortMaxKey && k == std::floor(k);
-    if (!integral) break;
-    lo = std::min(lo, k);
-    hi = std::max(hi, k);
-  }
-  if (integral && hi - lo <= static_cast<double>(2 * n + 65536)) {
-    const auto base = static_cast<std::size_t>(hi);  // bucket b holds key hi - b
-    std::vector<std::size_t> start(base - static_cast<std::size_t>(lo) + 2, 0);
-    for (double k : keys) ++start[base - static_cast<std::size_t>(k) + 1];
-    for (std::size_t b = 1; b < start.size(); ++b) start[b] += start[b - 1];
-    for (std::size_t i = 0; i < n; ++i) order[start[base - static_cast<std::size_t>(keys[i])]++] = i;
+  const auto key_of = [&](std::size_t i) { return keys[i]; };
+  std::size_t lo = 0, hi = 0;
+  if (counting_sortable(n, key_of, lo, hi)) {
+    std::vector<std::size_t> start = bucket_starts(n, key_of, lo, hi);
+    for (std::size_t i = 0; i < n; ++i) order[start[hi - static_cast<std::size_t>(keys[i])]++] = i;
     return order;
   }
   // Otherwise: NaN counts as +infinity (first, the heaviest). Small inputs: sort (key, index)
@@ -138,19 +214,7 @@ bool FitTest::operator()(const std::vector<double>& dims) const {
   return std::max(model_.floor_bytes(), formula) <= usable_bytes_;  // MemoryModel::predict_bytes
 }
 
-std::vector<double> flat_dims(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
-                              std::int64_t usable_bytes) {
-  validate_pack_inputs(record_dims, model, usable_bytes);
-  const std::size_t nv = model.formula().variable_names().size();
-  std::vector<double> out(record_dims.size() * nv);
-  for (std::size_t i = 0; i < record_dims.size(); ++i) {
-    std::copy(record_dims[i].begin(), record_dims[i].end(), out.begin() + static_cast<std::ptrdiff_t>(i * nv));
-  }
-  return out;
-}
-
-std::vector<double> permute_rows(const std::vector<double>& values, const std::vector<std::size_t>& order,
-                                 std::size_t width) {
+std::vector<double> permute_rows(const double* values, const std::vector<std::size_t>& order, std::size_t width) {
   const std::size_t n = order.size();
   std::vector<std::size_t> position(n);
   for (std::size_t k = 0; k < n; ++k) position[order[k]] = k;
@@ -167,24 +231,27 @@ namespace {
 
 using packer_internal::validate_pack_inputs;
 
-// Running aggregation of a growing set of records: O(1) per added record.
+// Running aggregation of a growing set of records: O(1) per added record. A record is a row of
+// values of which variable v's is at record[column[v]] (a count variable's is not read).
 class RunningDims {
  public:
-  explicit RunningDims(const MemoryModel& model)
-      : model_(model), dims_(model.formula().variable_names().size(), 0.0) {}
+  RunningDims(const MemoryModel& model, std::vector<std::size_t> column)
+      : model_(model), column_(std::move(column)), dims_(model.formula().variable_names().size(), 0.0) {}
 
   std::size_t count() const { return count_; }
   const std::vector<double>& dims() const { return dims_; }
 
-  // The dims this set would have with `record` (one value per variable) added; does not modify
-  // the set. `out` must have one entry per variable.
+  // The dims this set would have with `record` added; does not modify the set. `out` must have
+  // one entry per variable.
   void with(const double* record, std::vector<double>& out) const {
     const auto& agg = model_.aggregation();
     for (std::size_t v = 0; v < dims_.size(); ++v) {
       switch (agg[v]) {
         case DimAggregation::kCount: out[v] = static_cast<double>(count_ + 1); break;
-        case DimAggregation::kMax: out[v] = count_ == 0 ? record[v] : std::max(dims_[v], record[v]); break;
-        case DimAggregation::kSum: out[v] = dims_[v] + record[v]; break;
+        case DimAggregation::kMax:
+          out[v] = count_ == 0 ? record[column_[v]] : std::max(dims_[v], record[column_[v]]);
+          break;
+        case DimAggregation::kSum: out[v] = dims_[v] + record[column_[v]]; break;
       }
     }
   }
@@ -199,7 +266,8 @@ class RunningDims {
 
  private:
   const MemoryModel& model_;
-  std::vector<double> dims_;  // aggregated dims of the records added so far
+  std::vector<std::size_t> column_;  // where each variable's value is in a record's row
+  std::vector<double> dims_;         // aggregated dims of the records added so far
   std::size_t count_ = 0;
 };
 
@@ -216,10 +284,8 @@ Microbatch make_microbatch(std::vector<std::size_t> indices, std::vector<double>
 // Equal slices of `records` (in the given order) of at most `max_size` each; sizes differ by at
 // most one. Returns false (and leaves `out` untouched) if a slice is predicted over budget,
 // which only happens when the model is not monotone in the dims.
-bool equal_slices(const std::vector<std::vector<double>>& record_dims,
-                  const std::vector<std::size_t>& records, std::int64_t max_size,
-                  const MemoryModel& model, std::int64_t usable_bytes,
-                  std::vector<Microbatch>& out) {
+bool equal_slices(RecordDimsView record_dims, const std::vector<std::size_t>& records, std::int64_t max_size,
+                  const MemoryModel& model, std::int64_t usable_bytes, std::vector<Microbatch>& out) {
   const std::size_t n = records.size();
   const std::size_t m = static_cast<std::size_t>(max_size);
   const std::size_t k = (n + m - 1) / m;
@@ -244,8 +310,7 @@ bool equal_slices(const std::vector<std::vector<double>>& record_dims,
 
 // Uniform slicing of `records`: one size from their aggregated dims. False if even one record
 // at those dims is over budget (or a slice is, for a non-monotone model).
-bool try_uniform(const std::vector<std::vector<double>>& record_dims,
-                 const std::vector<std::size_t>& records, const MemoryModel& model,
+bool try_uniform(RecordDimsView record_dims, const std::vector<std::size_t>& records, const MemoryModel& model,
                  std::int64_t usable_bytes, std::vector<Microbatch>& out) {
   if (records.empty()) return true;
   std::vector<double> dims = aggregate_dims(record_dims, records, model);
@@ -256,18 +321,69 @@ bool try_uniform(const std::vector<std::vector<double>>& record_dims,
   return equal_slices(record_dims, records, m, model, usable_bytes, out);
 }
 
+// Sets `guard` to the packer adapting one pack() overload to the other on this thread, and
+// back when the adapted call returns: reentering the same adaptation means the packer overrides
+// neither overload (each default would call the other forever).
+class AdaptationGuard {
+ public:
+  AdaptationGuard(const MicrobatchPacker* packer, const char* overload) : previous_(adapting_) {
+    if (adapting_ == packer) {
+      throw std::logic_error("packer '" + packer->name() + "' overrides neither pack(RecordDimsView, ...) nor "
+                             "pack(const std::vector<std::vector<double>>&, ...); override one (called: " +
+                             overload + ")");
+    }
+    adapting_ = packer;
+  }
+  AdaptationGuard(const AdaptationGuard&) = delete;
+  AdaptationGuard& operator=(const AdaptationGuard&) = delete;
+  ~AdaptationGuard() { adapting_ = previous_; }
+
+ private:
+  static thread_local const MicrobatchPacker* adapting_;
+  const MicrobatchPacker* previous_;
+};
+
+thread_local const MicrobatchPacker* AdaptationGuard::adapting_ = nullptr;
+
 }  // namespace
 
-std::vector<double> aggregate_dims(const std::vector<std::vector<double>>& record_dims,
-                                   const std::vector<std::size_t>& indices,
+std::vector<double> aggregate_dims(RecordDimsView record_dims, const std::vector<std::size_t>& indices,
                                    const MemoryModel& model) {
   const std::size_t nv = model.formula().variable_names().size();
+  if (record_dims.variables != nv) {
+    throw std::invalid_argument("aggregate_dims: record dims have " + std::to_string(record_dims.variables) +
+                                " value(s) per record, expected " + std::to_string(nv));
+  }
   const auto& agg = model.aggregation();
   std::vector<double> dims(nv, 0.0);
   for (std::size_t v = 0; v < nv; ++v) {
     if (agg[v] == DimAggregation::kCount) dims[v] = static_cast<double>(indices.size());
   }
   bool first = true;
+  for (std::size_t i : indices) {
+    if (i >= record_dims.records) {
+      throw std::invalid_argument("aggregate_dims: record index " + std::to_string(i) +
+                                  " out of range (" + std::to_string(record_dims.records) +
+                                  " records)");
+    }
+    const double* r = record_dims.row(i);
+    for (std::size_t v = 0; v < nv; ++v) {
+      if (agg[v] == DimAggregation::kMax) dims[v] = first ? r[v] : std::max(dims[v], r[v]);
+      if (agg[v] == DimAggregation::kSum) dims[v] += r[v];
+    }
+    first = false;
+  }
+  return dims;
+}
+
+std::vector<double> aggregate_dims(const std::vector<std::vector<double>>& record_dims,
+                                   const std::vector<std::size_t>& indices,
+                                   const MemoryModel& model) {
+  // Only the listed records are read (a view of all of them would copy every record): their
+  // dims, checked, copied contiguously, then aggregated as a view of `indices.size()` rows.
+  const std::size_t nv = model.formula().variable_names().size();
+  std::vector<double> rows;
+  rows.reserve(indices.size() * nv);
   for (std::size_t i : indices) {
     if (i >= record_dims.size()) {
       throw std::invalid_argument("aggregate_dims: record index " + std::to_string(i) +
@@ -280,13 +396,32 @@ std::vector<double> aggregate_dims(const std::vector<std::vector<double>>& recor
                                   std::to_string(r.size()) + " dims, expected " +
                                   std::to_string(nv));
     }
-    for (std::size_t v = 0; v < nv; ++v) {
-      if (agg[v] == DimAggregation::kMax) dims[v] = first ? r[v] : std::max(dims[v], r[v]);
-      if (agg[v] == DimAggregation::kSum) dims[v] += r[v];
-    }
-    first = false;
+    rows.insert(rows.end(), r.begin(), r.end());
   }
-  return dims;
+  std::vector<std::size_t> positions(indices.size());
+  std::iota(positions.begin(), positions.end(), std::size_t{0});
+  return aggregate_dims(RecordDimsView(rows.data(), indices.size(), nv), positions, model);
+}
+
+// ---------------------------------------------------------------------------------------------
+// MicrobatchPacker: each overload's default adapts its input to the other.
+
+MicrobatchPlan MicrobatchPacker::pack(RecordDimsView record_dims, const MemoryModel& model,
+                                      std::int64_t usable_bytes) const {
+  const AdaptationGuard guard(this, "pack(RecordDimsView, ...)");
+  std::vector<std::vector<double>> rows(record_dims.records);
+  for (std::size_t i = 0; i < record_dims.records; ++i) {
+    rows[i].assign(record_dims.row(i), record_dims.row(i) + record_dims.variables);
+  }
+  return pack(rows, model, usable_bytes);
+}
+
+MicrobatchPlan MicrobatchPacker::pack(const std::vector<std::vector<double>>& record_dims,
+                                      const MemoryModel& model, std::int64_t usable_bytes) const {
+  const AdaptationGuard guard(this, "pack(const std::vector<std::vector<double>>&, ...)");
+  const std::vector<double> dims = packer_internal::contiguous_dims(record_dims, model, usable_bytes);
+  return pack(RecordDimsView(dims.data(), record_dims.size(), model.formula().variable_names().size()), model,
+              usable_bytes);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -295,11 +430,11 @@ std::vector<double> aggregate_dims(const std::vector<std::vector<double>>& recor
 // are sliced uniformly at their own aggregated dims (or, if even that does not fit, delivered
 // one per microbatch). Microbatches are then ordered by their first record index.
 
-MicrobatchPlan UniformPacker::pack(const std::vector<std::vector<double>>& record_dims,
-                                   const MemoryModel& model, std::int64_t usable_bytes) const {
+MicrobatchPlan UniformPacker::pack(RecordDimsView record_dims, const MemoryModel& model,
+                                   std::int64_t usable_bytes) const {
   validate_pack_inputs(record_dims, model, usable_bytes);
   MicrobatchPlan plan;
-  std::vector<std::size_t> all(record_dims.size());
+  std::vector<std::size_t> all(record_dims.records);
   std::iota(all.begin(), all.end(), std::size_t{0});
   if (try_uniform(record_dims, all, model, usable_bytes, plan.microbatches)) return plan;
 
@@ -337,13 +472,22 @@ std::string AdaptivePacker::name() const {
   return options_.sort_by.empty() ? "adaptive" : "adaptive(sort_by=" + options_.sort_by + ")";
 }
 
-MicrobatchPlan AdaptivePacker::pack(const std::vector<std::vector<double>>& record_dims,
-                                    const MemoryModel& model, std::int64_t usable_bytes) const {
-  const std::size_t nv = model.formula().variable_names().size();
-  std::vector<double> dims = packer_internal::flat_dims(record_dims, model, usable_bytes);  // record order
-  const std::size_t n = record_dims.size();
-  std::vector<std::size_t> order(n);
-  std::iota(order.begin(), order.end(), std::size_t{0});
+MicrobatchPlan AdaptivePacker::pack(RecordDimsView record_dims, const MemoryModel& model,
+                                    std::int64_t usable_bytes) const {
+  validate_pack_inputs(record_dims, model, usable_bytes);
+  const std::size_t nv = record_dims.variables;
+  const std::size_t n = record_dims.records;
+  // The records' dims in the order they are visited, contiguous: the view itself in record
+  // order (row width nv, variable v at column v). When sorting, a sorted copy of only the
+  // columns the aggregation reads (not the count's), so the one pass that sorts writes as little
+  // as it can (for {bs, l}: the lengths); reading the view in sorted order instead would miss
+  // the cache on nearly every record of a large outer batch.
+  const double* dims = record_dims.data;
+  std::size_t width = nv;
+  std::vector<std::size_t> column(nv);
+  std::iota(column.begin(), column.end(), std::size_t{0});
+  std::vector<double> sorted_dims;
+  std::vector<std::size_t> order;
   if (!options_.sort_by.empty()) {
     const auto& vars = model.formula().variable_names();
     auto it = std::find(vars.begin(), vars.end(), options_.sort_by);
@@ -356,17 +500,23 @@ MicrobatchPlan AdaptivePacker::pack(const std::vector<std::vector<double>>& reco
       throw std::invalid_argument("AdaptivePacker: sort_by '" + options_.sort_by +
                                   "' is the batch-size variable; sort by a record dimension");
     }
-    std::vector<double> keys(n);
-    for (std::size_t i = 0; i < n; ++i) keys[i] = dims[i * nv + key];
-    order = packer_internal::descending_order(keys);
-    dims = packer_internal::permute_rows(dims, order, nv);  // now in sorted order
+    std::vector<std::size_t> read;  // the variables whose values the aggregation reads
+    for (std::size_t v = 0; v < nv; ++v) {
+      if (model.aggregation()[v] != DimAggregation::kCount) {
+        column[v] = read.size();
+        read.push_back(v);
+      }
+    }
+    packer_internal::sort_rows_descending(record_dims, key, read, order, sorted_dims);
+    dims = sorted_dims.data();
+    width = read.size();
   }
 
   const packer_internal::FitTest fits(model, static_cast<double>(usable_bytes));
   MicrobatchPlan plan;
-  RunningDims current(model);
+  RunningDims current(model, std::move(column));
   std::vector<std::size_t> current_indices;
-  std::vector<double> trial(model.formula().variable_names().size());
+  std::vector<double> trial(nv);
   auto close_current = [&] {
     if (current_indices.empty()) return;
     const std::size_t size = current_indices.size();
@@ -381,11 +531,9 @@ MicrobatchPlan AdaptivePacker::pack(const std::vector<std::vector<double>>& reco
     current.clear();
   };
 
-  // `dims` holds the records' dims contiguously in the order they are visited: reading one heap
-  // block per record in sorted order (cache misses) dominated the time of large outer batches.
   for (std::size_t k = 0; k < n; ++k) {
-    const std::size_t i = order[k];
-    const double* record = &dims[k * nv];
+    const std::size_t i = order.empty() ? k : order[k];
+    const double* record = dims + k * width;
     current.with(record, trial);
     if (fits(trial)) {
       current.add(trial);

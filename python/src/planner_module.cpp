@@ -20,6 +20,7 @@
 #include "xpm/planner/packer.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner/rank_assignment.hpp"
+#include "xpm/planner/record_dims_view.hpp"
 
 namespace py = pybind11;
 
@@ -27,19 +28,24 @@ namespace {
 
 using DoubleArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
-// Rows of a [n, v] array (a [n] array is n records of one variable) as the planner's dims.
-std::vector<std::vector<double>> rows_of(const DoubleArray& array, std::size_t variables, const char* what) {
-  const py::buffer_info info = array.request();
-  if (info.ndim != 1 && info.ndim != 2) throw std::invalid_argument(std::string(what) + " must be a 1-D or 2-D array");
-  const auto n = static_cast<std::size_t>(info.shape[0]);
-  const std::size_t width = info.ndim == 2 ? static_cast<std::size_t>(info.shape[1]) : 1;
+// A [n, v] array's buffer (a [n] array is n records of one variable) as a view of n records of
+// v dims, without copying: valid while `array` lives and is not written to.
+xpm::RecordDimsView view_of(const DoubleArray& array, std::size_t variables, const char* what) {
+  if (array.ndim() != 1 && array.ndim() != 2) throw std::invalid_argument(std::string(what) + " must be a 1-D or 2-D array");
+  const auto n = static_cast<std::size_t>(array.shape(0));
+  const std::size_t width = array.ndim() == 2 ? static_cast<std::size_t>(array.shape(1)) : 1;
   if (width != variables) {
     throw std::invalid_argument(std::string(what) + " has " + std::to_string(width) + " column(s), the formula " +
                                 std::to_string(variables) + " variable(s)");
   }
-  const double* data = static_cast<const double*>(info.ptr);
-  std::vector<std::vector<double>> rows(n);
-  for (std::size_t i = 0; i < n; ++i) rows[i].assign(data + i * width, data + (i + 1) * width);
+  return xpm::RecordDimsView(array.data(), n, width);  // C-contiguous float64 (DoubleArray's flags)
+}
+
+// Rows of a [n, v] array as one vector each (for the calls that take that type).
+std::vector<std::vector<double>> rows_of(const DoubleArray& array, std::size_t variables, const char* what) {
+  const xpm::RecordDimsView view = view_of(array, variables, what);
+  std::vector<std::vector<double>> rows(view.records);
+  for (std::size_t i = 0; i < view.records; ++i) rows[i].assign(view.row(i), view.row(i) + view.variables);
   return rows;
 }
 
@@ -61,16 +67,18 @@ py::tuple flat_plan(const xpm::MicrobatchPlan& plan, std::size_t variables) {
   py::array_t<double> dims({static_cast<py::ssize_t>(m), static_cast<py::ssize_t>(variables)});
   py::array_t<double> predicted(static_cast<py::ssize_t>(m));
   py::array_t<bool> over(static_cast<py::ssize_t>(m));
-  auto i = indices.mutable_unchecked<1>();
   auto o = offsets.mutable_unchecked<1>();
   auto d = dims.mutable_unchecked<2>();
   auto p = predicted.mutable_unchecked<1>();
   auto b = over.mutable_unchecked<1>();
+  std::int64_t* index = indices.mutable_data();
   std::size_t at = 0;
   for (std::size_t k = 0; k < m; ++k) {
     const xpm::Microbatch& mb = plan.microbatches[k];
     o(k) = static_cast<std::int64_t>(at);
-    for (std::size_t r : mb.record_indices) i(at++) = static_cast<std::int64_t>(r);
+    std::transform(mb.record_indices.begin(), mb.record_indices.end(), index + at,
+                   [](std::size_t r) { return static_cast<std::int64_t>(r); });
+    at += mb.record_indices.size();
     for (std::size_t v = 0; v < variables; ++v) d(k, v) = mb.dims[v];
     p(k) = mb.predicted_bytes;
     b(k) = mb.over_budget;
@@ -79,14 +87,17 @@ py::tuple flat_plan(const xpm::MicrobatchPlan& plan, std::size_t variables) {
   return py::make_tuple(indices, offsets, dims, predicted, over);
 }
 
+// Packs the array's rows in place: the packer reads the NumPy buffer (no copy; `record_dims`
+// holds a reference to the array, so it lives until the plan is made) with the GIL released.
 py::tuple pack(const std::string& packer, const std::string& sort_by, const DoubleArray& record_dims,
                const xpm::MemoryModel& model, std::int64_t usable_bytes) {
   const std::size_t variables = model.formula().variable_names().size();
-  const std::vector<std::vector<double>> rows = rows_of(record_dims, variables, "record dims");
+  const xpm::RecordDimsView view = view_of(record_dims, variables, "record dims");
+  const std::shared_ptr<const xpm::MicrobatchPacker> chosen = packer_named(packer, sort_by);
   xpm::MicrobatchPlan plan;
   {
     py::gil_scoped_release release;
-    plan = packer_named(packer, sort_by)->pack(rows, model, usable_bytes);
+    plan = chosen->pack(view, model, usable_bytes);
   }
   return flat_plan(plan, variables);
 }

@@ -1,5 +1,6 @@
 // ffd_packer_test.cpp — FirstFitDecreasingPacker: hand-worked first fit, equivalence with the
-// sorted adaptive packer for count/max dims, coverage, budgets, over-budget records.
+// sorted adaptive packer for count/max dims, coverage, budgets, over-budget records; a
+// RecordDimsView and one vector per record alike.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 
 #include "xpm/planner/ffd_packer.hpp"
 #include "xpm/planner/packer.hpp"
+#include "xpm/planner/record_dims_view.hpp"
 
 using xpm::AdaptivePacker;
 using xpm::AdaptivePackerOptions;
@@ -217,4 +219,36 @@ TEST_CASE("on 20,000 records with fractional lengths first fit decreasing still 
   }
   CHECK(concatenated == expected);
   check_dims_and_budget(ffd, records, model, budget);
+}
+
+TEST_CASE("first fit decreasing gives the same plan from a view of 5,000 records as from one vector per record") {
+  // Summed tokens (where first fit differs from next fit) and padded lengths; the view reads the
+  // records' dims in place from one contiguous buffer.
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> tokens(1, 600);
+  std::vector<double> values(5000);
+  for (double& v : values) v = tokens(rng);
+  const Records records = records_of(values);
+  std::vector<double> flat;
+  for (const auto& r : records) flat.insert(flat.end(), r.begin(), r.end());
+  const xpm::RecordDimsView view(flat.data(), records.size(), 2);
+  for (const MemoryModel& model : {packed_model(1.0, 20.0, 100.0), padded_model()}) {
+    for (const std::int64_t budget : {std::int64_t{2000}, std::int64_t{20000}, std::int64_t{5000000}}) {
+      CAPTURE(budget);
+      const MicrobatchPlan from_view = FirstFitDecreasingPacker().pack(view, model, budget);
+      const MicrobatchPlan from_rows = FirstFitDecreasingPacker().pack(records, model, budget);
+      REQUIRE(from_view.microbatches.size() == from_rows.microbatches.size());
+      for (std::size_t m = 0; m < from_view.microbatches.size(); ++m) {
+        CHECK(from_view.microbatches[m].record_indices == from_rows.microbatches[m].record_indices);
+        CHECK(from_view.microbatches[m].dims == from_rows.microbatches[m].dims);
+        CHECK(from_view.microbatches[m].over_budget == from_rows.microbatches[m].over_budget);
+      }
+      CHECK(from_view.over_budget_records == from_rows.over_budget_records);
+      check_each_record_once(from_view, records.size());
+      check_dims_and_budget(from_view, records, model, budget);
+    }
+  }
+  CHECK_THROWS_WITH_AS(FirstFitDecreasingPacker().pack(xpm::RecordDimsView(flat.data(), 2500, 4), padded_model(), 1000),
+                       doctest::Contains("4 value(s) per record, expected 2"), std::invalid_argument);
+  CHECK(FirstFitDecreasingPacker().pack(xpm::RecordDimsView(nullptr, 0, 2), padded_model(), 100).microbatches.empty());
 }

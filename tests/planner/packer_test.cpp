@@ -1,13 +1,18 @@
-// packer_test.cpp — UniformPacker and AdaptivePacker: coverage, budgets, sorting, over-budget.
+// packer_test.cpp — UniformPacker and AdaptivePacker: coverage, budgets, sorting, over-budget;
+// packing a RecordDimsView and one vector per record alike.
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "xpm/planner/packer.hpp"
+#include "xpm/planner/record_dims_view.hpp"
 
 using xpm::AdaptivePacker;
 using xpm::AdaptivePackerOptions;
@@ -277,4 +282,188 @@ TEST_CASE("500 records of length 1 and 8 of maximum length pack densely, each mi
   // 8 long records need 2 microbatches (at most 6 fit at l = 180); the 500 short ones 1.
   CHECK(adaptive.microbatches.size() == 3);
   CHECK(uniform.microbatches.size() > 50);  // one size for all, set by l = 180
+}
+
+namespace {
+
+// The records' dims one after the other: the buffer a RecordDimsView reads.
+std::vector<double> contiguous(const Records& records) {
+  std::vector<double> out;
+  for (const auto& r : records) out.insert(out.end(), r.begin(), r.end());
+  return out;
+}
+
+void check_same_plan(const MicrobatchPlan& a, const MicrobatchPlan& b) {
+  REQUIRE(a.microbatches.size() == b.microbatches.size());
+  for (std::size_t m = 0; m < a.microbatches.size(); ++m) {
+    CAPTURE(m);
+    CHECK(a.microbatches[m].record_indices == b.microbatches[m].record_indices);
+    CHECK(a.microbatches[m].dims == b.microbatches[m].dims);
+    CHECK(a.microbatches[m].predicted_bytes == b.microbatches[m].predicted_bytes);
+    CHECK(a.microbatches[m].over_budget == b.microbatches[m].over_budget);
+  }
+  CHECK(a.over_budget_records == b.over_budget_records);
+}
+
+// Next fit over the records in the stable descending order of variable `key`, from
+// aggregate_dims and MemoryModel::fits alone: what AdaptivePacker(sort_by) must give.
+std::vector<std::vector<std::size_t>> reference_sorted_next_fit(const Records& records, std::size_t key,
+                                                                const MemoryModel& model, std::int64_t budget) {
+  std::vector<std::size_t> order(records.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return records[a][key] > records[b][key]; });
+  const auto fits = [&](const std::vector<std::size_t>& indices) {
+    return model.fits(xpm::aggregate_dims(records, indices, model), static_cast<double>(budget));
+  };
+  std::vector<std::vector<std::size_t>> out;
+  std::vector<std::size_t> current;
+  for (std::size_t i : order) {
+    std::vector<std::size_t> grown = current;
+    grown.push_back(i);
+    if (fits(grown)) {
+      current = grown;
+      continue;
+    }
+    if (!current.empty()) out.push_back(current);
+    current.clear();
+    if (fits({i})) {
+      current = {i};
+    } else {
+      out.push_back({i});  // over budget alone
+    }
+  }
+  if (!current.empty()) out.push_back(current);
+  return out;
+}
+
+// Packs one microbatch per record and implements only the vector-per-record overload, as a
+// packer written before RecordDimsView does.
+class OnePerRecordPacker : public xpm::MicrobatchPacker {
+ public:
+  using xpm::MicrobatchPacker::pack;
+  MicrobatchPlan pack(const Records& record_dims, const MemoryModel& model, std::int64_t) const override {
+    MicrobatchPlan plan;
+    for (std::size_t i = 0; i < record_dims.size(); ++i) {
+      xpm::Microbatch mb;
+      mb.record_indices = {i};
+      mb.dims = xpm::aggregate_dims(record_dims, {i}, model);
+      mb.predicted_bytes = model.predict_bytes(mb.dims);
+      plan.microbatches.push_back(std::move(mb));
+    }
+    return plan;
+  }
+  std::string name() const override { return "one_per_record"; }
+};
+
+// Overrides neither pack() overload.
+class NamelessPacker : public xpm::MicrobatchPacker {
+ public:
+  std::string name() const override { return "nameless"; }
+};
+
+}  // namespace
+
+TEST_CASE("every packer gives the same plan from a view of 3,000 records as from one vector per record") {
+  // Three variables, l aggregated by max and t summed, so every aggregation is exercised; the
+  // view reads the same values in place.
+  const MemoryModel model(CostFormula("a*bs*l^2 + b*bs*l + d*t + c", {"a", "b", "c", "d"}, {"bs", "l", "t"}),
+                          {2.0, 64.0, 5000.0, 3.0}, 0, "bs",
+                          {{"l", DimAggregation::kMax}, {"t", DimAggregation::kSum}});
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> length(1, 400);
+  Records records;
+  for (int i = 0; i < 3000; ++i) {
+    const double l = length(rng);
+    records.push_back({1.0, l, l - 1});
+  }
+  const std::vector<double> flat = contiguous(records);
+  const xpm::RecordDimsView view(flat.data(), records.size(), 3);
+  REQUIRE(view(2, 1) == records[2][1]);
+  REQUIRE(view.row(2)[2] == records[2][2]);
+  const UniformPacker uniform;
+  const AdaptivePacker adaptive;
+  const AdaptivePacker adaptive_sorted = sorted_by("l");
+  const AdaptivePacker adaptive_sorted_t = sorted_by("t");
+  for (const std::int64_t budget : {std::int64_t{60000}, std::int64_t{3000000}, std::int64_t{90000000}}) {
+    for (const xpm::MicrobatchPacker* packer :
+         {static_cast<const xpm::MicrobatchPacker*>(&uniform), static_cast<const xpm::MicrobatchPacker*>(&adaptive),
+          static_cast<const xpm::MicrobatchPacker*>(&adaptive_sorted),
+          static_cast<const xpm::MicrobatchPacker*>(&adaptive_sorted_t)}) {
+      CAPTURE(budget);
+      CAPTURE(packer->name());
+      const MicrobatchPlan from_view = packer->pack(view, model, budget);
+      const MicrobatchPlan from_rows = packer->pack(records, model, budget);
+      check_same_plan(from_view, from_rows);
+      check_each_record_once(from_view, records.size());
+      check_budget_respected(from_view, budget);
+      for (const auto& mb : from_view.microbatches) {
+        CHECK(mb.dims == xpm::aggregate_dims(view, mb.record_indices, model));
+      }
+    }
+    // The sorted packers read only the columns they aggregate (l and t here), sorted by l or t.
+    for (const auto& [packer, key] : {std::make_pair(&adaptive_sorted, std::size_t{1}),
+                                      std::make_pair(&adaptive_sorted_t, std::size_t{2})}) {
+      CAPTURE(key);
+      const MicrobatchPlan plan = packer->pack(view, model, budget);
+      const auto expected = reference_sorted_next_fit(records, key, model, budget);
+      REQUIRE(plan.microbatches.size() == expected.size());
+      for (std::size_t m = 0; m < expected.size(); ++m) CHECK(plan.microbatches[m].record_indices == expected[m]);
+    }
+  }
+}
+
+TEST_CASE("a view's record dims are checked: its width, finite dims, a positive budget") {
+  const std::vector<double> three_wide = {1, 8, 0, 1, 9, 0};
+  CHECK_THROWS_WITH_AS(AdaptivePacker().pack(xpm::RecordDimsView(three_wide.data(), 2, 3), square_model(), 1000),
+                       doctest::Contains("3 value(s) per record, expected 2"), std::invalid_argument);
+  CHECK_THROWS_AS(UniformPacker().pack(xpm::RecordDimsView(three_wide.data(), 2, 3), square_model(), 1000),
+                  std::invalid_argument);
+  const std::vector<double> infinite = {1, 8, 1, 9, 1, std::numeric_limits<double>::infinity()};
+  CHECK_THROWS_WITH_AS(sorted_by("l").pack(xpm::RecordDimsView(infinite.data(), 3, 2), square_model(), 1000),
+                       doctest::Contains("record 2 has l"), std::invalid_argument);
+  const std::vector<double> lengths = {1, 8, 1, 9};
+  CHECK_THROWS_WITH_AS(UniformPacker().pack(xpm::RecordDimsView(lengths.data(), 2, 2), square_model(), 0),
+                       doctest::Contains("usable_bytes"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(AdaptivePacker().pack(xpm::RecordDimsView(nullptr, 2, 2), square_model(), 1000),
+                       doctest::Contains("no data"), std::invalid_argument);
+  // The batch-size entry is not read: NaN there packs as 1 does.
+  const std::vector<double> nan_count = {std::nan(""), 8, std::nan(""), 9};
+  check_same_plan(AdaptivePacker().pack(xpm::RecordDimsView(nan_count.data(), 2, 2), square_model(), 200),
+                  AdaptivePacker().pack(xpm::RecordDimsView(lengths.data(), 2, 2), square_model(), 200));
+  // No records: no microbatches, from a null buffer too.
+  CHECK(sorted_by("l").pack(xpm::RecordDimsView(nullptr, 0, 2), square_model(), 1000).microbatches.empty());
+  CHECK(UniformPacker().pack(xpm::RecordDimsView(nullptr, 0, 2), square_model(), 1000).microbatches.empty());
+}
+
+TEST_CASE("aggregate dims over a view equal those over vectors and reject an index out of range") {
+  const MemoryModel model(CostFormula("a*bs*l + b*t", {"a", "b"}, {"bs", "l", "t"}), {1, 1}, 0,
+                          "bs", {{"t", DimAggregation::kSum}});
+  const Records records = {{0, 5, 10}, {0, 9, 20}, {0, 7, 30}};
+  const std::vector<double> flat = contiguous(records);
+  const xpm::RecordDimsView view(flat.data(), 3, 3);
+  CHECK(xpm::aggregate_dims(view, {0, 2}, model) == std::vector<double>{2, 7, 40});
+  CHECK(xpm::aggregate_dims(view, {2, 1, 0}, model) == xpm::aggregate_dims(records, {2, 1, 0}, model));
+  CHECK(xpm::aggregate_dims(view, {}, model) == std::vector<double>{0, 0, 0});
+  CHECK_THROWS_WITH_AS(xpm::aggregate_dims(view, {3}, model), doctest::Contains("record index 3 out of range"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(xpm::aggregate_dims(xpm::RecordDimsView(flat.data(), 4, 2), {0}, model),
+                       doctest::Contains("2 value(s) per record, expected 3"), std::invalid_argument);
+}
+
+TEST_CASE("a packer implementing only the vector overload packs a view; one implementing neither throws") {
+  const std::vector<double> lengths = {1, 8, 1, 3, 1, 5};
+  const xpm::RecordDimsView view(lengths.data(), 3, 2);
+  const OnePerRecordPacker one_per_record;
+  const xpm::MicrobatchPacker& as_base = one_per_record;
+  const MicrobatchPlan plan = as_base.pack(view, square_model(), 1000);
+  REQUIRE(plan.microbatches.size() == 3);
+  CHECK(plan.microbatches[1].record_indices == std::vector<std::size_t>{1});
+  CHECK(plan.microbatches[1].predicted_bytes == 3 * 3);
+  check_same_plan(plan, one_per_record.pack(records_of_lengths({8, 3, 5}), square_model(), 1000));
+  const NamelessPacker nameless;
+  CHECK_THROWS_WITH_AS(nameless.pack(view, square_model(), 1000), doctest::Contains("'nameless' overrides neither"),
+                       std::logic_error);
+  CHECK_THROWS_WITH_AS(nameless.pack(records_of_lengths({8}), square_model(), 1000),
+                       doctest::Contains("'nameless' overrides neither"), std::logic_error);
 }

@@ -1,4 +1,5 @@
 """The planner core from Python: formulas, fit, models, budgets, plans equal to the C++ plans."""
+import concurrent.futures
 import json
 import subprocess
 
@@ -137,3 +138,64 @@ def test_shapes_and_variable_names_are_checked_not_guessed(tmp_path):
         xpm.MemoryModel.load(tmp_path)
     with pytest.raises(ValueError, match="memory model JSON"):
         xpm.MemoryModel.from_json("[1,2")
+
+
+def _plan_arrays(plan):
+    return plan.indices.tolist(), plan.offsets.tolist(), plan.dims.tolist(), plan.predicted_bytes.tolist(), \
+        plan.over_budget.tolist()
+
+
+@pytest.mark.parametrize("packer", xpm.PACKERS)
+def test_plans_are_the_same_from_any_layout_or_dtype_of_the_record_dims(packer):
+    formula = xpm.CostFormula("a*bs*l^2 + b*bs*l + c", ["bs", "l"])
+    probe_dims = np.array([[1, 16], [8, 64], [16, 128], [32, 32], [4, 180]], dtype=float)
+    model, _ = xpm.fit(formula, probe_dims, 3 * probe_dims[:, 0] * probe_dims[:, 1] ** 2
+                       + 900 * probe_dims[:, 0] * probe_dims[:, 1] + 2e6)
+    lengths = np.random.default_rng(9).integers(1, 400, 3000)
+    contiguous = xpm.record_dims_from_lengths(lengths)  # C order float64: read in place
+    assert contiguous.flags.c_contiguous and contiguous.dtype == np.float64
+    wider = np.zeros((3000, 5))
+    wider[:, 1], wider[:, 3] = 1, lengths
+    layouts = {
+        "fortran": np.asfortranarray(contiguous),
+        "int64": contiguous.astype(np.int64),
+        "float32": contiguous.astype(np.float32),
+        "strided columns": wider[:, 1::2][:, :2],
+        "every other row of twice the rows": np.repeat(contiguous, 2, axis=0)[::2],
+        "lists": contiguous.tolist(),
+        "lengths": lengths,
+    }
+    budget = 30_000_000
+    expected = xpm.plan(contiguous, model, budget, packer=packer)
+    assert len(expected) > 10 and sorted(expected.indices.tolist()) == list(range(3000))
+    for name, dims in layouts.items():
+        assert _plan_arrays(xpm.plan(dims, model, budget, packer=packer)) == _plan_arrays(expected), name
+    assert contiguous[:, 1].tolist() == lengths.tolist()  # read, not written
+
+
+def test_plan_rejects_non_finite_dims_and_plans_no_records():
+    formula = xpm.CostFormula("a*bs*l + c", ["bs", "l"])
+    model, _ = xpm.fit(formula, np.array([[1, 10], [2, 10], [4, 20]], dtype=float), [2000, 3000, 9000])
+    for bad in ([[1, np.nan]], [[1, np.inf]], [[np.nan, 10]], [[1, 10], [1, -np.inf]], [[-1, 10]]):
+        with pytest.raises(ValueError, match="must be finite and >= 0"):
+            xpm.plan(np.array(bad), model, 10**6)
+    empty = xpm.plan(np.zeros((0, 2)), model, 10**6)
+    assert len(empty) == 0 and empty.indices.tolist() == [] and empty.offsets.tolist() == [0]
+    with pytest.raises(ValueError, match="usable_bytes must be > 0"):
+        xpm.plan(np.ones((3, 2)), model, 0)
+
+
+def test_plans_made_in_threads_at_once_equal_the_plan_made_alone():
+    # The packer reads the array in place with the GIL released: threads planning from one array
+    # at the same time must each get the plan of a call made alone.
+    formula = xpm.CostFormula("a*bs*l^2 + b*bs*l + c", ["bs", "l"])
+    probe_dims = np.array([[1, 16], [8, 64], [16, 128], [4, 180]], dtype=float)
+    model, _ = xpm.fit(formula, probe_dims, 3 * probe_dims[:, 0] * probe_dims[:, 1] ** 2
+                       + 900 * probe_dims[:, 0] * probe_dims[:, 1] + 2e6)
+    dims = xpm.record_dims_from_lengths(np.random.default_rng(4).integers(1, 300, 200_000))
+    alone = {packer: _plan_arrays(xpm.plan(dims, model, 40_000_000, packer=packer)) for packer in ("adaptive", "ffd")}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        futures = [(packer, pool.submit(xpm.plan, dims, model, 40_000_000, packer=packer))
+                   for packer in ("adaptive", "ffd") * 2]
+        for packer, future in futures:
+            assert _plan_arrays(future.result()) == alone[packer]

@@ -1,7 +1,10 @@
 // xpm/planner/ffd_packer.hpp — first-fit-decreasing microbatch packer.
 //
 //   FirstFitDecreasingPacker packer;
-//   MicrobatchPlan plan = packer.pack(record_dims, model, budget.usable_bytes());
+//   MicrobatchPlan plan = packer.pack(RecordDimsView(dims.data(), n, 2), model, budget.usable_bytes());
+//
+// (dims: n records x 2 variables, row-major; record_dims_view.hpp.) One std::vector<double> per
+// record is taken too (packer.hpp, MicrobatchPacker), with the same plan.
 //
 // Records are taken heaviest first (by the formula's prediction for the record alone), and each
 // goes into the FIRST microbatch opened so far that still fits with it (MemoryModel::fits on the
@@ -40,9 +43,10 @@ namespace xpm {
 /// in the prediction keep record order.
 class FirstFitDecreasingPacker : public MicrobatchPacker {
  public:
-  /// Throws std::invalid_argument when a record has the wrong number of dims or a non-finite
-  /// dim, or usable_bytes <= 0.
-  MicrobatchPlan pack(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
+  using MicrobatchPacker::pack;  // the vector-per-record overload, adapted to a view
+  /// Throws std::invalid_argument when the view's width is not the formula's variable count, a
+  /// dim is not finite, or usable_bytes <= 0.
+  MicrobatchPlan pack(RecordDimsView record_dims, const MemoryModel& model,
                       std::int64_t usable_bytes) const override;
   std::string name() const override { return "ffd"; }
 };

@@ -1,19 +1,24 @@
 // xpm/planner/packer.hpp — split an outer batch into microbatches that fit a memory budget.
 //
-// Records are described by their dims only: record_dims[i][v] is record i's value of variable v
-// (formula variable_names() order; the batch-size entry is ignored). A microbatch's dims are
-// the aggregation of its records' dims (MemoryModel::aggregation(): count, max or sum).
+// Records are described by their dims only: record i's value of variable v (formula
+// variable_names() order; the batch-size entry is ignored). A microbatch's dims are the
+// aggregation of its records' dims (MemoryModel::aggregation(): count, max or sum). The primary
+// input is a RecordDimsView (record_dims_view.hpp): a row-major [records, variables] buffer the
+// packer reads without copying (a NumPy array from Python, a std::vector<double>); one
+// std::vector<double> per record is also taken (copied once into one contiguous block).
 //
+//   std::vector<double> dims = ...;                            // n x 2 values: {bs, l} per record
 //   AdaptivePackerOptions packer_options;
 //   packer_options.sort_by = "l";
 //   AdaptivePacker packer(packer_options);
-//   MicrobatchPlan plan = packer.pack(record_dims, model, budget.usable_bytes());
+//   MicrobatchPlan plan = packer.pack(RecordDimsView(dims.data(), n, 2), model, budget.usable_bytes());
 //   for (const Microbatch& mb : plan.microbatches) run(mb.record_indices);
 //
 // Guarantees of every packer: each record index 0..n-1 appears in exactly one microbatch; a
 // microbatch fits (MemoryModel::fits: predicted within budget, and dominating no probe that ran
 // out of memory); a record that does not fit alone is put in a microbatch of its own with
 // over_budget = true and listed in plan.over_budget_records (never silently treated as fitting).
+// Both inputs give the same plan for the same dims.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +27,7 @@
 #include <vector>
 
 #include "xpm/planner/memory_model.hpp"
+#include "xpm/planner/record_dims_view.hpp"
 
 namespace xpm {
 
@@ -38,19 +44,36 @@ struct MicrobatchPlan {
   std::vector<std::size_t> over_budget_records;  // records that do not fit even alone
 };
 
-/// Aggregates the dims of `indices` under `model`'s aggregation rules.
+/// Aggregates the dims of the records `indices` under `model`'s aggregation rules (count: the
+/// number of indices; max; sum). Throws std::invalid_argument for an index out of range or a
+/// view whose width is not the formula's variable count.
+std::vector<double> aggregate_dims(RecordDimsView record_dims, const std::vector<std::size_t>& indices,
+                                   const MemoryModel& model);
+/// The same over one vector per record; also throws when a listed record has the wrong width.
 std::vector<double> aggregate_dims(const std::vector<std::vector<double>>& record_dims,
                                    const std::vector<std::size_t>& indices,
                                    const MemoryModel& model);
 
+/// A packer implements pack(RecordDimsView, ...) (the packers here) or, as older ones do,
+/// pack(const std::vector<std::vector<double>>&, ...); each overload's default adapts its input
+/// to the other (throwing std::logic_error naming the packer when a class overrides neither).
+/// A class that overrides one adds `using MicrobatchPacker::pack;` to keep both callable on it.
 class MicrobatchPacker {
  public:
   virtual ~MicrobatchPacker() = default;
-  /// Packs records 0..record_dims.size()-1. Throws std::invalid_argument when a record has
-  /// the wrong number of dims or usable_bytes <= 0. Deterministic; every rank calling with the
-  /// same input gets the same plan.
+  /// Packs records 0..record_dims.records-1, read in place (the buffer must not change until it
+  /// returns). Throws std::invalid_argument when the view's width is not the formula's variable
+  /// count, a dim other than the batch size is not finite, or usable_bytes <= 0.
+  /// Deterministic; every rank calling with the same input gets the same plan. The default
+  /// copies the rows into vectors and calls the vector overload.
+  virtual MicrobatchPlan pack(RecordDimsView record_dims, const MemoryModel& model,
+                              std::int64_t usable_bytes) const;
+  /// Packs records 0..record_dims.size()-1, one vector of dims each. Throws
+  /// std::invalid_argument when a record has the wrong number of dims (naming it), a dim is not
+  /// finite, or usable_bytes <= 0. The default copies the rows into one contiguous block (one
+  /// pass) and packs a view of it: the same plan as the view overload.
   virtual MicrobatchPlan pack(const std::vector<std::vector<double>>& record_dims,
-                              const MemoryModel& model, std::int64_t usable_bytes) const = 0;
+                              const MemoryModel& model, std::int64_t usable_bytes) const;
   virtual std::string name() const = 0;
 };
 
@@ -62,7 +85,8 @@ class MicrobatchPacker {
 /// does not fit), and the microbatches are ordered by their first record index.
 class UniformPacker : public MicrobatchPacker {
  public:
-  MicrobatchPlan pack(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
+  using MicrobatchPacker::pack;  // the vector-per-record overload, adapted to a view
+  MicrobatchPlan pack(RecordDimsView record_dims, const MemoryModel& model,
                       std::int64_t usable_bytes) const override;
   std::string name() const override { return "uniform"; }
 };
@@ -82,7 +106,8 @@ struct AdaptivePackerOptions {
 class AdaptivePacker : public MicrobatchPacker {
  public:
   explicit AdaptivePacker(AdaptivePackerOptions options = {});
-  MicrobatchPlan pack(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
+  using MicrobatchPacker::pack;  // the vector-per-record overload, adapted to a view
+  MicrobatchPlan pack(RecordDimsView record_dims, const MemoryModel& model,
                       std::int64_t usable_bytes) const override;
   std::string name() const override;
 
