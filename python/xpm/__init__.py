@@ -12,10 +12,10 @@ every rank. ``docs/python.md`` has the guide.
 from .planning import (PACKERS, CostFormula, FitReport, FormulaError, MemoryBudget, MemoryModel, Plan, fit,
                        plan, record_dims_from_lengths)
 from .adapters import StepDataset, accumulate
-from .sampler import PredictiveBatchSampler, Step, microbatch_loop
+from .sampler import Microbatch, PredictiveBatchSampler, Step, microbatch_loop
 
 __all__ = ["PACKERS", "CostFormula", "FitReport", "FormulaError", "MemoryBudget", "MemoryModel", "Plan", "fit",
-           "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Step", "microbatch_loop", "StepDataset", "accumulate",
+           "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop", "StepDataset", "accumulate",
            "probe", "CpuMeter", "CudaMeter", "ProbeOutcome"]
 
 

@@ -2,7 +2,7 @@
 by a memory model, the same on every rank, with weights for exact gradient accumulation.
 
     sampler = xpm.PredictiveBatchSampler(dims, model, usable_bytes, outer_batch_size=64,
-                                         rank=rank, world_size=world_size, seed=1, units=lengths)
+                                         seed=1, units=lengths)  # rank, world_size: torch.distributed's
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
@@ -21,46 +21,165 @@ list for that step, so it still joins the step's gradient all-reduce.
 Weight of a microbatch: ``world_size * units(microbatch) / units(outer batch)``, for a loss
 averaged over the microbatch's units. Summed over a rank's microbatches and averaged over ranks
 (as DDP does), the gradient is the outer batch's mean-loss gradient, exactly.
+
+``rank`` and ``world_size`` default to torch.distributed's when its process group is
+initialised (else 0 and 1); given values that contradict the group raise ValueError.
+Every index list ``__iter__`` yields is a ``Microbatch`` (a ``list`` of record indices) that also
+carries its planned ``dims``, ``predicted_bytes``, ``weight``, ``last`` and ``step``;
+``len(sampler)`` is the number the next pass yields.
+
+Resuming: ``state_dict()`` / ``load_state_dict()`` resume at the step ``microbatch_loop`` (or
+``mark_step_done``) counted last; torchdata's ``StatefulDataLoader`` saves the sampler's and its
+iterator's state and resumes at the exact microbatch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, List, Optional
-
+import bisect
+import hashlib
+import sys
 import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
+import torch
+import torch.distributed
+from torch.utils.data import Sampler
 
 from . import _planner
 from .planning import PACKERS, MemoryModel, _record_dims, plan
 
 
+class Microbatch(list):
+    """The record indices of one microbatch (a ``list`` of ``int``, what
+    ``DataLoader(batch_sampler=...)`` expects), with the plan's figures as attributes.
+
+    Attributes:
+        dims: the formula's variables for the padded microbatch (``np.ndarray`` [variables],
+            in the formula's order; zeros for an empty microbatch).
+        predicted_bytes: ``model.predict(dims)``, the predicted peak in bytes.
+        weight: the factor of the microbatch's mean loss (``world_size * units(microbatch) /
+            units(outer batch)``; 0 for an empty microbatch).
+        last: whether the microbatch ends its optimizer step.
+        step: the index of its optimizer step in the epoch.
+    """
+
+    dims: np.ndarray
+    predicted_bytes: float
+    weight: float
+    last: bool
+    step: int
+
+    def __init__(self, indices, *, dims: np.ndarray, predicted_bytes: float, weight: float, last: bool,
+                 step: int):
+        super().__init__(indices)
+        self.dims, self.predicted_bytes = dims, predicted_bytes
+        self.weight, self.last, self.step = weight, last, step
+
+    def __repr__(self) -> str:
+        return (f"Microbatch({list.__repr__(self)}, step={self.step}, weight={self.weight:.6g}, last={self.last}, "
+                f"dims={self.dims.tolist()}, predicted_bytes={self.predicted_bytes:.0f})")
+
+
 @dataclass
 class Step:
-    """One optimizer step of this rank: its microbatches (record index arrays into the dataset)
-    and their weights; ``units``: the whole outer batch's units (every rank)."""
+    """One optimizer step of this rank.
+
+    Attributes:
+        microbatches: record index arrays (int64) into the dataset, one per microbatch.
+        weights: the weight of each microbatch's mean loss.
+        units: the whole outer batch's units (all ranks).
+        dims: each microbatch's planned dims (``np.ndarray`` [variables]).
+        predicted_bytes: each microbatch's predicted peak bytes (``model.predict(dims)``).
+    """
 
     microbatches: List[np.ndarray]
     weights: List[float]
     units: float
+    dims: List[np.ndarray] = field(default_factory=list)
+    predicted_bytes: List[float] = field(default_factory=list)
 
 
-class PredictiveBatchSampler:
-    """See the module docstring. ``record_dims``: [n, variables] dims of every record (batch-size
-    entry 1) or [n] lengths for variables (bs, l); ``units``: [n] loss units per record (tokens;
-    default 1 each); ``usable_bytes``: the budget (``MemoryBudget.usable_bytes``)."""
+def _whole_number(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def _rank_and_world_size(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
+    """``(rank, world_size)``: the given values, else torch.distributed's when it is initialised,
+    else 0 and 1; ValueError when a given value contradicts an initialised process group."""
+    rank = None if rank is None else _whole_number("rank", rank)
+    world_size = None if world_size is None else _whole_number("world_size", world_size)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        actual_rank, actual_world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        for name, given in (("rank", rank), ("world_size", world_size)):
+            if given is not None and given != (actual_rank if name == "rank" else actual_world):
+                raise ValueError(f"{name}={given} but torch.distributed says this process is rank {actual_rank} "
+                                 f"of {actual_world}; leave {name} out to use torch.distributed's")
+        return actual_rank, actual_world
+    return (0 if rank is None else rank), (1 if world_size is None else world_size)
+
+
+def _first_bad(values: np.ndarray) -> Optional[int]:
+    """Index of the first row with a NaN, an infinity or a negative value, or None."""
+    bad = ~np.isfinite(values) | (values < 0)
+    if values.ndim > 1:
+        bad = bad.reshape(len(values), -1).any(axis=1)
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) if len(hits) else None
+
+
+def _checked_record_dims(record_dims) -> np.ndarray:
+    try:
+        array = np.asarray(record_dims, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"record_dims must be numbers ([n] lengths or [n, variables] dims): {error}") from None
+    if array.ndim >= 1:
+        bad = _first_bad(array)
+        if bad is not None:
+            value = array[bad].tolist()
+            raise ValueError(f"record_dims[{bad}] is {value}: every record's dims must be finite and >= 0")
+    return array
+
+
+class PredictiveBatchSampler(Sampler[List[int]]):
+    """A batch sampler of microbatches planned under a memory budget (see the module docstring).
+
+    Args:
+        record_dims: [n, variables] dims of every record (its batch-size entry 1, the formula's
+            variable order), or [n] lengths for a model of variables (bs, l).
+        model: the fitted memory model.
+        usable_bytes: the budget every microbatch's prediction must fit
+            (``MemoryBudget.usable_bytes``).
+        outer_batch_size: records per optimizer step, over all ranks.
+        rank: this process's rank; default torch.distributed's when it is initialised, else 0.
+        world_size: the number of ranks; default torch.distributed's when it is initialised, else 1.
+        seed: the shuffle's seed (the permutation of epoch e uses ``seed + e``).
+        units: [n] loss units per record (tokens, characters); default 1 each.
+        shuffle: shuffle the records every epoch (else they go in order).
+        drop_last: leave out the last outer batch when it is short.
+        packer: "adaptive", "ffd" or "uniform" (see ``xpm.plan``).
+        sort_by: the variable the packer sorts by (default: the non-batch-size one).
+
+    Raises:
+        ValueError: a bad argument (named, with its value); a NaN, infinite or negative entry of
+            ``record_dims`` or ``units`` (named with the first bad index); a rank or world size
+            that contradicts an initialised torch.distributed process group.
+    """
 
     def __init__(self, record_dims, model: MemoryModel, usable_bytes: int, *, outer_batch_size: int,
-                 rank: int = 0, world_size: int = 1, seed: int = 0, units=None, shuffle: bool = True,
-                 drop_last: bool = False, packer: str = "adaptive", sort_by: Optional[str] = None):
-        dims = _record_dims(record_dims, model, "record_dims")
+                 rank: Optional[int] = None, world_size: Optional[int] = None, seed: int = 0, units=None,
+                 shuffle: bool = True, drop_last: bool = False, packer: str = "adaptive",
+                 sort_by: Optional[str] = None):
+        super().__init__()
+        dims = _record_dims(_checked_record_dims(record_dims), model, "record_dims")
         if len(dims) == 0:
             raise ValueError("record_dims: no records")
-        for name, value in (("outer_batch_size", outer_batch_size), ("world_size", world_size), ("rank", rank)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise ValueError(f"{name} must be a whole number, got {value!r}")
+        outer_batch_size = _whole_number("outer_batch_size", outer_batch_size)
         if outer_batch_size < 1:
             raise ValueError(f"outer_batch_size must be >= 1, got {outer_batch_size}")
+        rank, world_size = _rank_and_world_size(rank, world_size)
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
         if int(usable_bytes) <= 0:
@@ -69,45 +188,116 @@ class PredictiveBatchSampler:
             raise ValueError(f"packer must be one of {', '.join(PACKERS)}, got '{packer}'")
         self._dims = dims
         self._units = np.ones(len(dims)) if units is None else np.asarray(units, dtype=np.float64)
-        if self._units.shape != (len(dims),) or (self._units < 0).any():
-            raise ValueError(f"units must be {len(dims)} values >= 0, got shape {self._units.shape}")
+        if self._units.shape != (len(dims),):
+            raise ValueError(f"units must be {len(dims)} values >= 0 (one per record), got shape {self._units.shape}")
+        bad = _first_bad(self._units)
+        if bad is not None:
+            raise ValueError(f"units[{bad}] is {self._units[bad]}: every record's units must be finite and >= 0")
         self._model, self._usable_bytes = model, int(usable_bytes)
-        self._outer, self._rank, self._world = int(outer_batch_size), int(rank), int(world_size)
-        self._seed, self._shuffle, self._drop_last = int(seed), shuffle, drop_last
+        self._outer, self._rank, self._world = outer_batch_size, rank, world_size
+        self._seed, self._shuffle, self._drop_last = _whole_number("seed", seed), bool(shuffle), bool(drop_last)
         self._packer, self._sort_by = packer, sort_by
         self._costs = _planner.record_costs(model._native, dims)
-        self._epoch, self._steps_done = 0, 0
+        self._epoch = 0
+        self._steps_done = 0                  # steps counted done (microbatch_loop, mark_step_done)
+        self._start: Tuple[int, int] = (0, 0)  # where the next pass begins: (step, microbatch in it)
+        self._generation = 0                  # bumped by set_epoch / load_state_dict
+        self._current: Optional[_MicrobatchIterator] = None  # the latest pass
         self._steps_cache: Optional[List[Step]] = None
+        self._offsets_cache: Optional[List[int]] = None
+        # (generation, (epoch, steps_done, start)) of the last load_state_dict: what it replaced
+        self._before_load: Optional[Tuple[int, Tuple[int, int, Tuple[int, int]]]] = None
+
+    # ---- who and when
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the outer batches are shared among."""
+        return self._world
+
+    @property
+    def batch_size(self) -> None:
+        """None: the microbatches' sizes vary (what batch-sampler wrappers read).
+
+        Raises:
+            ValueError: read by accelerate's ``BatchSamplerShard`` at more than one process
+                (``Accelerator.prepare`` of a ``DataLoader(batch_sampler=sampler)``), which would
+                deal this rank's microbatches among the processes again (see
+                ``xpm.integrations.accelerate.prepare_data_loader``).
+        """
+        caller = sys._getframe(1).f_locals.get("self")
+        kind = type(caller)
+        if kind.__name__ == "BatchSamplerShard" and kind.__module__.startswith("accelerate."):
+            from .integrations.accelerate import reject_batch_sampler_shard
+            reject_batch_sampler_shard(self, caller)
+        return None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being planned (``set_epoch``)."""
+        return self._epoch
 
     # ---- epochs and resume
     def set_epoch(self, epoch: int) -> None:
         """Starts epoch ``epoch`` (a new permutation) from its first step."""
-        self._epoch, self._steps_done, self._steps_cache = int(epoch), 0, None
+        self._enter_epoch(_whole_number("epoch", epoch))
+        self._steps_done, self._start = 0, (0, 0)
+
+    def _enter_epoch(self, epoch: int) -> None:
+        if epoch != self._epoch:
+            self._steps_cache = self._offsets_cache = None
+        self._epoch = epoch
+        self._generation += 1
 
     def _settings(self) -> dict:
         return {"seed": self._seed, "outer_batch_size": self._outer, "world_size": self._world,
                 "records": len(self._dims), "shuffle": self._shuffle, "drop_last": self._drop_last,
                 "packer": self._packer, "units": float(self._units.sum())}
 
-    def state_dict(self) -> dict:
-        """Where the epoch is: ``load_state_dict`` of it yields exactly the remaining steps."""
+    def _check_settings(self, state: dict, what: str, settings: dict) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"{what} must be a dict, got {type(state).__name__}")
+        for key, mine in settings.items():
+            if state.get(key) != mine:
+                raise ValueError(f"{what} {key} {state.get(key)!r} differs from this sampler's {mine!r}")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Where the epoch is, in optimizer steps: ``load_state_dict`` of it yields exactly the
+        remaining steps. Returns the epoch, ``steps_done`` and the settings it must be loaded with."""
         return {"epoch": self._epoch, "steps_done": self._steps_done, **self._settings()}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resumes at ``state``'s step; ValueError when it was written by a sampler with other
-        settings (seed, outer batch size, world size, records, shuffle, drop_last, packer, units)."""
-        for key, mine in self._settings().items():
-            if state.get(key) != mine:
-                raise ValueError(f"state_dict {key} {state.get(key)!r} differs from this sampler's {mine!r}")
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Resumes at ``state``'s step.
+
+        Raises:
+            ValueError: ``state`` was written by a sampler with other settings (seed, outer batch
+                size, world size, records, shuffle, drop_last, packer, units), or its
+                ``steps_done`` is out of range. The state is the same on every rank: any rank's
+                loads on every rank.
+        """
+        self._check_settings(state, "state_dict", self._settings())
         steps_done = state.get("steps_done")
         if not isinstance(steps_done, int) or not 0 <= steps_done <= self.steps_per_epoch():
             raise ValueError(f"state_dict steps_done must be in [0, {self.steps_per_epoch()}], got {steps_done!r}")
-        self._epoch, self._steps_done, self._steps_cache = int(state["epoch"]), steps_done, None
+        epoch = _whole_number("state_dict epoch", state.get("epoch"))
+        before = (self._epoch, self._steps_done, self._start)
+        self._enter_epoch(epoch)
+        self._steps_done, self._start = steps_done, (steps_done, 0)
+        self._before_load = (self._generation, before)
 
     def mark_step_done(self) -> None:
-        """Counts one optimizer step as done (``microbatch_loop`` calls it when it hands out a
-        step's last microbatch; call it yourself after each step when you iterate ``steps()``)."""
+        """Counts one optimizer step as done (``microbatch_loop`` counts them itself; call it after
+        each step when you iterate ``steps()``)."""
         self._steps_done += 1
+        self._start = (self._steps_done, 0)
+
+    def _step_finished(self, step: int, generation: int) -> None:
+        if generation == self._generation:
+            self._steps_done, self._start = step + 1, (step + 1, 0)
 
     # ---- the plan
     def _outer_batches(self) -> List[np.ndarray]:
@@ -116,28 +306,69 @@ class PredictiveBatchSampler:
         cut = n - n % self._outer if self._drop_last else n
         return [order[i:i + self._outer] for i in range(0, cut, self._outer)]
 
-    def _step(self, records: np.ndarray) -> Step:
+    def _step(self, records: np.ndarray, rank: int) -> Step:
         shares = _planner.assign_records_to_ranks(self._costs[records].tolist(), self._world)
-        mine = records[np.asarray(shares[self._rank], dtype=np.int64)]
+        mine = records[np.asarray(shares[rank], dtype=np.int64)]
         total_units = float(self._units[records].sum())
         if len(mine) == 0:
-            return Step([np.zeros(0, dtype=np.int64)], [0.0], total_units)
+            empty = np.zeros(len(self._model.formula.variable_names))
+            return Step([np.zeros(0, dtype=np.int64)], [0.0], total_units, [empty], [self._model.predict(empty)])
         planned = plan(self._dims[mine], self._model, self._usable_bytes, packer=self._packer, sort_by=self._sort_by)
         microbatches = [mine[k] for k in planned.microbatches]
         scale = self._world / total_units if total_units > 0 else 0.0
-        return Step(microbatches, [scale * float(self._units[mb].sum()) for mb in microbatches], total_units)
+        return Step(microbatches, [scale * float(self._units[mb].sum()) for mb in microbatches], total_units,
+                    [row.copy() for row in planned.dims], [float(b) for b in planned.predicted_bytes])
 
-    def steps(self) -> Iterator[Step]:
-        """This rank's remaining steps of the epoch, in order. Once the epoch is done, iterating
-        again starts it over (the same order, as without ``set_epoch`` in PyTorch's samplers)."""
+    def _plan(self) -> Tuple[List[Step], List[int]]:
+        """This epoch's steps and ``offsets`` (``offsets[k]``: microbatches before step k;
+        ``offsets[-1]``: the epoch's microbatches)."""
         if self._steps_cache is None:
-            self._steps_cache = [self._step(records) for records in self._outer_batches()]
+            self._steps_cache = [self._step(records, self._rank) for records in self._outer_batches()]
+            self._offsets_cache = np.concatenate(
+                [[0], np.cumsum([len(s.microbatches) for s in self._steps_cache], dtype=np.int64)]).astype(int).tolist()
             self._warn_over_budget()
-        if self._steps_done >= len(self._steps_cache):
-            self._steps_done = 0
-        start = self._steps_done
-        for step in self._steps_cache[start:]:
-            yield step
+        return self._steps_cache, self._offsets_cache
+
+    def _start_position(self, begin_pass: bool = False) -> int:
+        """The microbatch (in the epoch) the next pass begins at; a finished epoch starts over
+        (and when ``begin_pass``, its steps count from 0 again)."""
+        steps, offsets = self._plan()
+        step, offset = self._start
+        position = offsets[min(step, len(steps))] + offset
+        if position < offsets[-1]:
+            return position
+        if begin_pass:
+            self._steps_done, self._start = 0, (0, 0)
+        return 0
+
+    def steps(self, rank: Optional[int] = None) -> Iterator[Step]:
+        """The remaining steps of the epoch, in order (a step resumed in its middle is given
+        whole). Once the epoch is done, iterating again starts it over (the same order, as
+        without ``set_epoch`` in PyTorch's samplers).
+
+        Args:
+            rank: whose steps: this rank's by default; another rank's are those its sampler
+                plans at the same position (computed here, no communication).
+
+        Returns:
+            An iterator of ``Step``.
+
+        Raises:
+            ValueError: ``rank`` is not in [0, world_size).
+        """
+        rank = self._rank if rank is None else _whole_number("rank", rank)
+        if not 0 <= rank < self._world:
+            raise ValueError(f"rank must be in [0, {self._world}), got {rank}")
+        return self._steps_from_start(rank)
+
+    def _steps_from_start(self, rank: int) -> Iterator[Step]:
+        steps, offsets = self._plan()
+        first = bisect.bisect_right(offsets, self._start_position(begin_pass=True)) - 1
+        if rank == self._rank:
+            yield from steps[first:]
+        else:
+            for records in self._outer_batches()[first:]:
+                yield self._step(records, rank)
 
     def _warn_over_budget(self) -> None:
         alone = self._model.predict(self._dims)
@@ -145,7 +376,7 @@ class PredictiveBatchSampler:
         if over:
             warnings.warn(f"xpm: {over} record(s) are predicted over the budget of {self._usable_bytes} bytes even "
                           f"alone (the largest at {alone.max():.0f} bytes); each gets a microbatch of its own",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=4)
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch (the same on every rank)."""
@@ -153,31 +384,153 @@ class PredictiveBatchSampler:
         return n // self._outer if self._drop_last else -(-n // self._outer)
 
     def __iter__(self) -> Iterator[List[int]]:
-        """Microbatch index lists of the remaining steps (for ``DataLoader(batch_sampler=...)``)."""
-        for step in self.steps():
-            for microbatch in step.microbatches:
-                yield microbatch.tolist()
+        """The remaining microbatches of the epoch, each a ``Microbatch`` (for
+        ``DataLoader(batch_sampler=...)``). The iterator has ``state_dict``/``load_state_dict``,
+        which ``StatefulDataLoader`` saves and restores: it resumes at the exact microbatch."""
+        self._current = _MicrobatchIterator(self, self._start_position(begin_pass=True))
+        return self._current
 
     def __len__(self) -> int:
-        """Microbatches this rank yields over the rest of the epoch."""
-        return sum(len(step.microbatches) for step in self.steps())
+        """The number of microbatches the next pass (``iter(sampler)``) yields: the whole epoch
+        after ``set_epoch``, the rest after a resume."""
+        return self._plan()[1][-1] - self._start_position()
 
     def weights(self) -> Iterator[tuple]:
-        """(weight, last of its step) of every microbatch ``__iter__`` yields, in the same order."""
-        for step in self.steps():
-            for k, weight in enumerate(step.weights):
-                yield weight, k == len(step.weights) - 1
+        """(weight, last of its step) of every microbatch the next pass yields, in the same order."""
+        steps, offsets = self._plan()
+        for position in range(self._start_position(), offsets[-1]):
+            k = bisect.bisect_right(offsets, position) - 1
+            j = position - offsets[k]
+            yield steps[k].weights[j], j == len(steps[k].weights) - 1
+
+    def _plan_fingerprint(self) -> dict:
+        model = hashlib.sha256(self._model.to_json().encode()).hexdigest()[:16]
+        return {"rank": self._rank, "usable_bytes": self._usable_bytes, "sort_by": self._sort_by, "model": model}
 
 
-def microbatch_loop(loader, sampler: PredictiveBatchSampler):
-    """Yields ``(batch, weight, last)`` for every microbatch of ``loader`` (a DataLoader over
-    ``batch_sampler=sampler``): ``weight`` multiplies the microbatch's mean loss, ``last`` ends
-    the optimizer step (step the optimizer, and under DDP let this backward all-reduce).
-    The step counts as done when its last microbatch is handed out, so a ``state_dict()`` taken
-    after that optimizer step resumes at the next step."""
-    weights = sampler.weights()
-    for batch in loader:
-        weight, last = next(weights)
+class _MicrobatchIterator(Iterator[List[int]]):
+    """One pass over the rest of an epoch's microbatches; ``state_dict``/``load_state_dict``
+    make it resumable (torchdata's ``StatefulDataLoader`` saves and restores them)."""
+
+    def __init__(self, sampler: PredictiveBatchSampler, position: int):
+        self._sampler = sampler
+        self._generation, self._epoch = sampler._generation, sampler._epoch
+        self._steps, self._offsets = sampler._plan()
+        self.pass_start = self.position = position   # microbatches of the epoch before them
+
+    def __iter__(self) -> "_MicrobatchIterator":
+        return self
+
+    def locate(self, position: int) -> Tuple[int, int]:
+        """(step, microbatch in the step) of the epoch's microbatch ``position``."""
+        k = bisect.bisect_right(self._offsets, position) - 1
+        return k, position - self._offsets[k]
+
+    def microbatch(self, position: int) -> Microbatch:
+        k, j = self.locate(position)
+        step = self._steps[k]
+        return Microbatch(step.microbatches[j].tolist(), dims=step.dims[j].copy(),
+                          predicted_bytes=step.predicted_bytes[j], weight=step.weights[j],
+                          last=j == len(step.microbatches) - 1, step=k)
+
+    def _is_current(self) -> bool:
+        return self._sampler._current is self and self._sampler._generation == self._generation
+
+    def __next__(self) -> Microbatch:
+        if self.position >= self._offsets[-1]:
+            if self._is_current():
+                self._sampler._start = (0, 0)   # the pass is over: the next one starts the epoch over
+            raise StopIteration
+        microbatch = self.microbatch(self.position)
+        self.position += 1
+        return microbatch
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The pass's position: its epoch, the epoch's microbatches before the next one, where the
+        pass began, and the settings (the sampler's and the plan's) it must be loaded with."""
+        sampler = self._sampler
+        return {"epoch": self._epoch, "position": self.position, "pass_start": self.pass_start,
+                "microbatches": self._offsets[-1], **sampler._settings(), **sampler._plan_fingerprint()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continues at ``state``'s microbatch of ``state``'s epoch. A state whose pass had
+        yielded the whole epoch resumes nothing: the sampler is left as it was before the
+        ``load_state_dict`` that came with it, so the next pass is the epoch ``set_epoch`` chose.
+
+        Raises:
+            ValueError: ``state`` was written for another plan (sampler settings, rank, budget,
+                model) or its position is out of range.
+        """
+        sampler = self._sampler
+        sampler._check_settings(state, "sampler iterator state_dict", {**sampler._settings(),
+                                                                      **sampler._plan_fingerprint()})
+        epoch = _whole_number("sampler iterator state_dict epoch", state.get("epoch"))
+        before, generation = sampler._before_load, sampler._generation
+        sampler._enter_epoch(epoch)
+        self._generation, self._epoch = sampler._generation, epoch
+        self._steps, self._offsets = sampler._plan()
+        total = self._offsets[-1]
+        position, pass_start = state.get("position"), state.get("pass_start")
+        if state.get("microbatches") != total:
+            raise ValueError(f"sampler iterator state_dict microbatches {state.get('microbatches')!r} differs from "
+                             f"this sampler's {total} for epoch {epoch}")
+        if not isinstance(position, int) or not 0 <= position <= total:
+            raise ValueError(f"sampler iterator state_dict position must be in [0, {total}], got {position!r}")
+        if not isinstance(pass_start, int) or not 0 <= pass_start <= position:
+            raise ValueError(f"sampler iterator state_dict pass_start must be in [0, {position}], got {pass_start!r}")
+        self.position, self.pass_start = position, pass_start
+        if position == total:  # a finished pass: nothing to resume
+            if before is not None and before[0] == generation:
+                sampler._enter_epoch(before[1][0])
+                sampler._steps_done, sampler._start = before[1][1], before[1][2]
+            self._generation = -1  # detached: its end changes nothing
+            return
+        step, offset = self.locate(position)
+        sampler._steps_done, sampler._start, sampler._current = step, (step, offset), self
+
+
+def microbatch_loop(loader, sampler: PredictiveBatchSampler) -> Iterator[Tuple[Any, float, bool]]:
+    """Yields ``(batch, weight, last)`` for every microbatch of ``loader``.
+
+    Args:
+        loader: a ``DataLoader`` (or torchdata ``StatefulDataLoader``, resumed or not) over
+            ``batch_sampler=sampler``, or ``iter(sampler)`` itself.
+        sampler: the loader's ``PredictiveBatchSampler``.
+
+    Returns:
+        An iterator of ``(batch, weight, last)``: ``weight`` multiplies the microbatch's mean
+        loss, ``last`` ends the optimizer step (step the optimizer, and under DDP let this
+        backward all-reduce). The step counts as done when its last microbatch is handed out,
+        so a ``sampler.state_dict()`` taken after that optimizer step resumes at the next step.
+
+    Raises:
+        RuntimeError: ``loader`` does not draw its batches from ``sampler``.
+    """
+    iterator = iter(loader)
+    position: Optional[int] = None
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        current = sampler._current
+        if current is None:
+            raise RuntimeError("microbatch_loop: the loader did not iterate the sampler; build it with "
+                               "DataLoader(dataset, batch_sampler=sampler)")
+        # A DataLoader iterator counts the batches it has yielded this pass (a resumed
+        # StatefulDataLoader's count includes those before the checkpoint); any other iterator
+        # yields the sampler's microbatches in order from where the pass began.
+        yielded = getattr(iterator, "_num_yielded", None)
+        if isinstance(yielded, int) and not isinstance(iterator, _MicrobatchIterator):
+            position = current.pass_start + yielded - 1
+        else:
+            position = current.pass_start if position is None else position + 1
+        if position >= current._offsets[-1]:
+            raise RuntimeError(f"microbatch_loop: the loader's batch would be microbatch {position + 1} of an epoch "
+                               f"of {current._offsets[-1]}; its batches must be the sampler's, in order")
+        step, j = current.locate(position)
+        microbatches = current._steps[step].microbatches
+        last = j == len(microbatches) - 1
         if last:
-            sampler.mark_step_done()
-        yield batch, weight, last
+            sampler._step_finished(step, current._generation)
+        yield batch, current._steps[step].weights[j], last

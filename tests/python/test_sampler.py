@@ -1,17 +1,34 @@
-"""PredictiveBatchSampler: every index once per epoch, the same plan on every rank, exact resume,
-weights that make the accumulated gradient the outer batch's."""
+"""PredictiveBatchSampler: a torch Sampler of microbatch index lists; every index once per epoch,
+the same plan on every rank (defaults from a real gloo process group), an exact len, exact
+resume (its own state_dict and torchdata's StatefulDataLoader), the plan's figures on every
+microbatch, weights that make the accumulated gradient the outer batch's."""
+import json
+import os
+import pathlib
+
 import numpy as np
 import pytest
+import torch
+import torch.distributed
+import torch.multiprocessing
+from torch.utils.data import DataLoader, Sampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import xpm
 
+BUDGET = 6_000_000
 
-@pytest.fixture(scope="module")
-def model():
+
+def fitted_model():
     formula = xpm.CostFormula("a*bs*l^2 + b*bs*l + c", ["bs", "l"])
     dims = np.array([[1, 8], [4, 64], [16, 128], [32, 16], [8, 200]], dtype=float)
     fitted, _ = xpm.fit(formula, dims, 4 * dims[:, 0] * dims[:, 1] ** 2 + 2000 * dims[:, 0] * dims[:, 1] + 1e6)
     return fitted
+
+
+@pytest.fixture(scope="module")
+def model():
+    return fitted_model()
 
 
 @pytest.fixture(scope="module")
@@ -20,25 +37,94 @@ def lengths():
 
 
 def sampler_for(model, lengths, rank=0, world_size=1, **kwargs):
-    return xpm.PredictiveBatchSampler(lengths, model, 6_000_000, outer_batch_size=64, rank=rank,
+    return xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, rank=rank,
                                       world_size=world_size, seed=7, units=lengths, **kwargs)
+
+
+def identity(indices):
+    """collate_fn that keeps the record indices (the dataset is range(n))."""
+    return list(indices)
 
 
 def test_every_index_exactly_once_per_epoch_and_microbatches_fit(model, lengths):
     sampler = sampler_for(model, lengths)
+    assert isinstance(sampler, Sampler)
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
         seen = [i for microbatch in sampler for i in microbatch]
         assert sorted(seen) == list(range(len(lengths)))
         for microbatch in sampler:
             dims = [len(microbatch), float(lengths[microbatch].max())]
-            assert model.predict(dims) <= 6_000_000
+            assert model.predict(dims) <= BUDGET
     sampler.set_epoch(0)
     first = list(sampler)
     sampler.set_epoch(1)
     assert list(sampler) != first  # a new permutation
-    assert len(sampler) == len(list(sampler))
     assert sampler.steps_per_epoch() == 16
+
+
+def test_rank_and_world_size_default_to_one_process_without_a_process_group(model, lengths):
+    assert not torch.distributed.is_initialized()
+    sampler = xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64)
+    assert (sampler.rank, sampler.world_size) == (0, 1)
+    assert sorted(i for mb in sampler for i in mb) == list(range(len(lengths)))
+    simulated = xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, rank=2, world_size=3)
+    assert (simulated.rank, simulated.world_size) == (2, 3)
+
+
+def run_rank(rank, store_path, out_dir, lengths, model_json):
+    """One rank of a real gloo process group of 2: samplers built with defaults, and ones that
+    contradict the group."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(store_path, 2), rank=rank,
+                                         world_size=2)
+    try:
+        model = xpm.MemoryModel.from_json(model_json)
+        lengths = np.asarray(lengths)
+        sampler = xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, seed=7, units=lengths)
+        result = {"rank": sampler.rank, "world_size": sampler.world_size, "epochs": [], "errors": []}
+        for epoch in (0, 1):
+            sampler.set_epoch(epoch)
+            length = len(sampler)
+            microbatches = list(sampler)
+            steps = sum(mb.last for mb in microbatches)
+            # The ranks agree on the step count through the group itself.
+            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+            torch.distributed.all_gather(counts, torch.tensor([steps]))
+            result["epochs"].append({"len": length, "microbatches": [list(mb) for mb in microbatches],
+                                     "steps": steps, "all_steps": [int(c) for c in counts]})
+        for kwargs in ({"rank": 1 - rank}, {"world_size": 3}, {"rank": rank, "world_size": 2}):
+            try:
+                xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, **kwargs)
+                result["errors"].append(None)
+            except ValueError as error:
+                result["errors"].append(str(error))
+    finally:
+        torch.distributed.destroy_process_group()
+    (pathlib.Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_ranks_of_a_gloo_group_share_every_record_once_with_the_defaults(model, lengths, tmp_path):
+    torch.multiprocessing.spawn(run_rank, args=(str(tmp_path / "store"), str(tmp_path), lengths.tolist(),
+                                                model.to_json()), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["rank"], r["world_size"]) for r in results] == [(0, 2), (1, 2)]
+    for epoch in (0, 1):
+        shares = [r["epochs"][epoch] for r in results]
+        for share in shares:
+            assert share["len"] == len(share["microbatches"])
+            assert share["all_steps"] == [16, 16] and share["steps"] == 16
+        records = [set(i for mb in share["microbatches"] for i in mb) for share in shares]
+        assert not records[0] & records[1]
+        assert sorted(i for share in shares for mb in share["microbatches"] for i in mb) == list(range(len(lengths)))
+    assert results[0]["epochs"][0]["microbatches"] != results[0]["epochs"][1]["microbatches"]
+    for rank, result in enumerate(results):
+        wrong_rank, wrong_world, agreeing = result["errors"]
+        assert wrong_rank == (f"rank={1 - rank} but torch.distributed says this process is rank {rank} of 2; "
+                              "leave rank out to use torch.distributed's")
+        assert wrong_world.startswith(f"world_size=3 but torch.distributed says this process is rank {rank} of 2")
+        assert agreeing is None
 
 
 def test_the_ranks_share_every_outer_batch_and_take_the_same_steps(model, lengths):
@@ -49,6 +135,14 @@ def test_the_ranks_share_every_outer_batch_and_take_the_same_steps(model, length
     assert len({len(s) for s in steps}) == 1 == len({s.steps_per_epoch() for s in samplers})
     assert [m.tolist() for st in steps[1] for m in st.microbatches] == \
            [m.tolist() for st in again.steps() for m in st.microbatches]  # deterministic
+    # Another rank's plan, computed here: what that rank's sampler gives, from the same position.
+    assert [(m.tolist(), w) for st in samplers[0].steps(rank=2) for m, w in zip(st.microbatches, st.weights)] == \
+           [(m.tolist(), w) for st in steps[2] for m, w in zip(st.microbatches, st.weights)]
+    again.load_state_dict({**again.state_dict(), "steps_done": 9})
+    assert [m.tolist() for st in again.steps(rank=0) for m in st.microbatches] == \
+           [m.tolist() for st in steps[0][9:] for m in st.microbatches]
+    with pytest.raises(ValueError, match="rank must be in \\[0, 3\\), got 3"):
+        again.steps(rank=3)
     all_indices = []
     for k in range(len(steps[0])):
         shares = [np.concatenate(steps[r][k].microbatches) for r in range(world)]
@@ -62,9 +156,80 @@ def test_the_ranks_share_every_outer_batch_and_take_the_same_steps(model, length
 
 
 def test_a_rank_without_records_still_joins_the_step(model):
-    sampler = xpm.PredictiveBatchSampler([10, 20], model, 6_000_000, outer_batch_size=2, rank=2, world_size=3)
+    sampler = xpm.PredictiveBatchSampler([10, 20], model, BUDGET, outer_batch_size=2, rank=2, world_size=3)
     (step,) = list(sampler.steps())
     assert [m.tolist() for m in step.microbatches] == [[]] and step.weights == [0.0]
+    (microbatch,) = list(sampler)
+    assert microbatch == [] and microbatch.weight == 0.0 and microbatch.last and microbatch.step == 0
+    assert microbatch.dims.tolist() == [0.0, 0.0] and microbatch.predicted_bytes == model.predict([0, 0])
+
+
+@pytest.mark.parametrize("packer", xpm.PACKERS)
+def test_microbatches_carry_the_plans_dims_and_predicted_bytes(model, lengths, packer):
+    world = 3
+    for rank in range(world):
+        sampler = sampler_for(model, lengths, rank=rank, world_size=world, shuffle=False, packer=packer)
+        microbatches = list(sampler)
+        steps = list(sampler.steps())
+        assert [mb.step for mb in microbatches] == [k for k, s in enumerate(steps) for _ in s.microbatches]
+        assert [mb.last for mb in microbatches] == [j == len(s.microbatches) - 1 for s in steps
+                                                    for j in range(len(s.microbatches))]
+        assert [mb.weight for mb in microbatches] == [w for s in steps for w in s.weights]
+        for mb in microbatches:
+            assert isinstance(mb, xpm.Microbatch) and isinstance(mb, list)
+            assert isinstance(mb.dims, np.ndarray) and isinstance(mb.predicted_bytes, float)
+            assert mb.dims.tolist() == [len(mb), float(lengths[mb].max())]  # (records, padded length)
+            assert mb.predicted_bytes == model.predict(mb.dims)
+        # Without shuffling, this rank's share of an outer batch is in dataset order: xpm.plan of
+        # it gives the very microbatches, dims and predictions.
+        for k, step in enumerate(steps):
+            share = np.sort(np.concatenate(step.microbatches))
+            planned = xpm.plan(lengths[share], model, BUDGET, packer=packer)
+            ours = [mb for mb in microbatches if mb.step == k]
+            assert [list(mb) for mb in ours] == [share[m].tolist() for m in planned.microbatches]
+            assert np.array_equal(np.stack([mb.dims for mb in ours]), planned.dims)
+            assert [mb.predicted_bytes for mb in ours] == planned.predicted_bytes.tolist()
+            assert step.predicted_bytes == planned.predicted_bytes.tolist()
+            assert np.array_equal(np.stack(step.dims), planned.dims)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataloader_takes_it_as_its_batch_sampler(model, lengths, num_workers):
+    sampler = sampler_for(model, lengths, world_size=2, rank=1)
+    sampler.set_epoch(3)
+    expected = [list(mb) for mb in sampler]
+    loader = DataLoader(range(len(lengths)), batch_sampler=sampler, collate_fn=identity, num_workers=num_workers)
+    assert sampler.batch_size is None  # the sizes vary
+    assert len(loader) == len(expected)
+    assert list(loader) == expected
+    # microbatch_loop over the DataLoader: each batch with its microbatch's weight and step end.
+    looped = list(xpm.microbatch_loop(loader, sampler))
+    assert sampler.state_dict()["steps_done"] == sampler.steps_per_epoch()
+    assert len(sampler) == len(expected)  # the finished epoch starts over
+    assert looped == [(list(mb), mb.weight, mb.last) for mb in sampler]
+
+
+@pytest.mark.parametrize("size,outer,drop_last,world", [(1, 4, False, 1), (7, 3, False, 2), (63, 64, False, 1),
+                                                         (64, 64, True, 3), (65, 64, True, 1), (300, 17, False, 4),
+                                                         (1003, 64, False, 2), (1003, 100, True, 3)])
+def test_len_is_exactly_what_the_next_pass_yields(model, size, outer, drop_last, world):
+    lengths = np.random.default_rng(size).integers(1, 400, size)  # some alone over the budget
+    for rank in range(world):
+        sampler = xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=outer, rank=rank,
+                                             world_size=world, seed=size, drop_last=drop_last)
+        for epoch in (0, 1, 5):
+            sampler.set_epoch(epoch)
+            expected = len(sampler)
+            assert expected == len(list(iter(sampler))) == len(list(iter(sampler)))
+            assert sum(len(s.microbatches) for s in sampler.steps()) == expected
+            if drop_last and size < outer:
+                assert expected == 0
+        # After a resume at step 1: the rest of the epoch.
+        state = {**sampler.state_dict(), "steps_done": min(1, sampler.steps_per_epoch())}
+        resumed = xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=outer, rank=rank,
+                                             world_size=world, seed=size, drop_last=drop_last)
+        resumed.load_state_dict(state)
+        assert len(resumed) == len(list(resumed))
 
 
 def test_state_dict_resumes_mid_epoch_with_exactly_the_rest(model, lengths):
@@ -81,9 +246,83 @@ def test_state_dict_resumes_mid_epoch_with_exactly_the_rest(model, lengths):
     state = sampler.state_dict()
     resumed = sampler_for(model, lengths)
     resumed.load_state_dict(state)
+    assert len(resumed) == len(expected) - len(taken)
     assert taken + [m for m in resumed] == expected
+    # The state is the same on every rank: another rank's loads.
+    sampler_for(model, lengths, rank=1, world_size=2).load_state_dict(sampler_for(model, lengths, rank=0,
+                                                                                  world_size=2).state_dict())
     with pytest.raises(ValueError, match="seed"):
-        xpm.PredictiveBatchSampler(lengths, model, 6_000_000, outer_batch_size=64, seed=8).load_state_dict(state)
+        xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, seed=8).load_state_dict(state)
+
+
+def stateful_run(model, lengths, num_workers, state=None, stop_after=None, epoch=4, snapshot_every=1):
+    """(batch, weight, last) of one pass of a StatefulDataLoader over a new sampler, resumed from
+    ``state`` when given; stops after ``stop_after`` batches and returns the loader's state too."""
+    sampler = sampler_for(model, lengths, world_size=2, rank=1)
+    sampler.set_epoch(epoch)
+    loader = StatefulDataLoader(range(len(lengths)), batch_sampler=sampler, collate_fn=identity,
+                                num_workers=num_workers, snapshot_every_n_steps=snapshot_every)
+    if state is not None:
+        loader.load_state_dict(state)
+    taken = []
+    for item in xpm.microbatch_loop(loader, sampler):
+        taken.append(item)
+        if stop_after is not None and len(taken) == stop_after:
+            return taken, loader.state_dict()
+    return taken, None
+
+
+# With workers the loader snapshots the sampler's iterator when it hands an index list to a
+# worker, and replays the batches since the snapshot (every 5th batch: up to 4 replayed).
+@pytest.mark.parametrize("num_workers,snapshot_every", [(0, 1), (2, 1), (2, 5)])
+def test_a_stateful_dataloader_resumes_at_the_exact_microbatch(model, lengths, num_workers, snapshot_every):
+    uninterrupted, _ = stateful_run(model, lengths, num_workers)
+    lasts = [k for k, (_, _, last) in enumerate(uninterrupted) if last]
+    assert len(lasts) == sampler_for(model, lengths).steps_per_epoch() == 16 and len(uninterrupted) > 30
+    # Stop in the middle of a step (its first microbatch taken, not its last), at a step's end,
+    # and early.
+    step = next(k for k in range(2, 7) if lasts[k + 1] - lasts[k] >= 2)
+    middle = lasts[step] + 2
+    assert not uninterrupted[middle - 1][2]
+    for stop in (middle, lasts[4] + 1, 3):
+        taken, state = stateful_run(model, lengths, num_workers, stop_after=stop, snapshot_every=snapshot_every)
+        assert taken == uninterrupted[:stop]
+        rest, _ = stateful_run(model, lengths, num_workers, state=state, epoch=0,  # the state's epoch wins
+                               snapshot_every=snapshot_every)
+        assert [b for b, _, _ in rest] == [b for b, _, _ in uninterrupted[stop:]]
+        assert rest == uninterrupted[stop:]  # the same weights and step ends too
+
+
+def test_a_stateful_dataloader_state_taken_after_the_epoch_resumes_nothing(model, lengths):
+    epoch_4, _ = stateful_run(model, lengths, 0)
+    sampler = sampler_for(model, lengths, world_size=2, rank=1)
+    loader = StatefulDataLoader(range(len(lengths)), batch_sampler=sampler, collate_fn=identity)
+    loader.state_dict()  # before any pass
+    for _ in loader:
+        pass
+    state = loader.state_dict()  # after the whole epoch 0
+    resumed_sampler = sampler_for(model, lengths, world_size=2, rank=1)
+    resumed = StatefulDataLoader(range(len(lengths)), batch_sampler=resumed_sampler, collate_fn=identity)
+    resumed.load_state_dict(state)
+    resumed_sampler.set_epoch(4)  # the next epoch, as a training loop sets it
+    assert list(resumed) == [b for b, _, _ in epoch_4]
+
+
+def test_the_iterator_state_refuses_another_plan(model, lengths):
+    sampler = sampler_for(model, lengths)
+    iterator = iter(sampler)
+    next(iterator)
+    state = iterator.state_dict()
+    with pytest.raises(ValueError, match="usable_bytes"):
+        iter(xpm.PredictiveBatchSampler(lengths, model, BUDGET // 2, outer_batch_size=64, seed=7,
+                                        units=lengths)).load_state_dict(state)
+    with pytest.raises(ValueError, match="rank"):
+        iter(sampler_for(model, lengths, rank=1, world_size=2)).load_state_dict({**state, "world_size": 2})
+    with pytest.raises(ValueError, match="position must be in"):
+        iter(sampler_for(model, lengths)).load_state_dict({**state, "position": 10**6})
+    other = iter(sampler_for(model, lengths))
+    other.load_state_dict(state)
+    assert list(other) == list(sampler)[1:]
 
 
 def test_bad_arguments_name_the_value(model, lengths):
@@ -93,6 +332,22 @@ def test_bad_arguments_name_the_value(model, lengths):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, rank=2, world_size=2)
     with pytest.raises(ValueError, match="units must be"):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, units=[1, 2])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_nan_infinite_or_negative_records_and_units_name_the_first_bad_index(model, lengths, bad):
+    units = lengths.astype(float)
+    units[[17, 40]] = bad
+    with pytest.raises(ValueError, match=r"^units\[17\] is (nan|inf|-1\.0): every record's units must be finite"):
+        xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, units=units)
+    spoiled = lengths.astype(float)
+    spoiled[[5, 9]] = bad
+    with pytest.raises(ValueError, match=r"^record_dims\[5\] is (nan|inf|-1\.0): every record's dims must be"):
+        xpm.PredictiveBatchSampler(spoiled, model, BUDGET, outer_batch_size=64)
+    dims = xpm.record_dims_from_lengths(lengths)
+    dims[[33, 50], 1] = bad
+    with pytest.raises(ValueError, match=r"^record_dims\[33\] is \[1\.0, (nan|inf|-1\.0)\]"):
+        xpm.PredictiveBatchSampler(dims, model, BUDGET, outer_batch_size=64)
 
 
 def test_a_finished_epoch_starts_over_and_bad_states_are_refused(model, lengths):
@@ -110,4 +365,4 @@ def test_a_finished_epoch_starts_over_and_bad_states_are_refused(model, lengths)
     with pytest.raises(ValueError, match="outer_batch_size must be a whole number"):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=2.5)
     with pytest.warns(RuntimeWarning, match="over the budget"):
-        list(xpm.PredictiveBatchSampler([10, 5000], model, 6_000_000, outer_batch_size=2))
+        list(xpm.PredictiveBatchSampler([10, 5000], model, BUDGET, outer_batch_size=2))
