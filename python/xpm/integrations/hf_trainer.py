@@ -1,0 +1,464 @@
+"""xpm under the Hugging Face ``transformers.Trainer``: one optimizer step per outer batch, its
+microbatches planned by an ``xpm.PredictiveBatchSampler`` and accumulated inside one
+``training_step``.
+
+    meter = xpm.CpuMeter.install()                     # before the model is built
+    model = LlamaForCausalLM(config); optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    probed = xpm.probe(model, optimizer, loss_fn, formula, meter=meter, variable_max=...)
+    sampler = xpm.PredictiveBatchSampler(lengths, probed.model, budget.usable_bytes,
+                                         outer_batch_size=32, seed=1, units=lengths - 1)
+    trainer = PlannedTrainer(model=model, args=TrainingArguments(..., gradient_accumulation_steps=1),
+                             train_dataset=records, data_collator=pad_collate,
+                             optimizers=(optimizer, None), batch_sampler=sampler)
+    trainer.train()
+
+How it fits the Trainer's loop (transformers 5.17):
+
+- ``get_train_dataloader`` returns a ``DataLoader`` with one item per optimizer step (a
+  ``PlannedStep``: the step's collated microbatches). Its length is the sampler's steps per
+  epoch, so the Trainer's epoch arithmetic, its prefetch of ``gradient_accumulation_steps``
+  items (1) and ``skip_first_batches`` on resume work on whole steps. The loader is not passed
+  through ``accelerator.prepare``: the sampler already gives every rank its own share of every
+  outer batch, and accelerate would shard the steps again among the ranks.
+- ``get_batch_samples`` counts the outer batch's label tokens (the Trainer's own count over all
+  the step's microbatches, summed over ranks when ``average_tokens_across_devices``) as
+  ``num_items_in_batch``; each microbatch's loss is then its summed token loss over that count,
+  and the microbatch losses add up to the outer batch's mean token loss. A model whose loss
+  takes no ``num_items_in_batch`` gets each microbatch's mean loss times the sampler's weight
+  (give the sampler ``units`` = label tokens per record then).
+- ``training_step`` runs the Trainer's own ``training_step`` (``compute_loss``, backward) once
+  per microbatch, under ``accelerator.no_sync`` for all but the last (DDP all-reduces once per
+  step); the Trainer then clips, steps the optimizer and the scheduler once.
+- Checkpoints hold the sampler's ``state_dict`` (``xpm_sampler_state.json``); ``train(
+  resume_from_checkpoint=...)`` checks it against this sampler (same seed, outer batch size,
+  world size, records, ...) and the Trainer's step count, and the run continues at the next
+  outer batch of the same plan.
+
+Settings that would break the step accounting are refused with ``ValueError`` when the trainer
+is built: ``gradient_accumulation_steps`` other than 1, DeepSpeed, DataParallel over several
+GPUs, tensor/context/sequence parallelism, ``auto_find_batch_size``, a
+``train_sampling_strategy`` of ``group_by_length``, ``batch_rebalance`` or ``sequential`` (the
+sampler decides the order), a sampler planned for another world size, and
+``average_tokens_across_devices=False`` on several ranks. ``per_device_train_batch_size`` and
+``dataloader_drop_last`` are not used (the sampler's ``outer_batch_size`` and ``drop_last``
+decide). Importing this module imports ``transformers``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+import transformers
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
+
+from ..sampler import PredictiveBatchSampler
+
+SAMPLER_STATE_NAME = "xpm_sampler_state.json"
+"""File in each checkpoint folder holding the sampler's ``state_dict()``."""
+
+_REFUSED_SAMPLING_STRATEGIES = ("group_by_length", "batch_rebalance", "sequential")
+
+
+@dataclass(frozen=True)
+class _StepKey:
+    """What the batch sampler hands the DataLoader for one step (small, picklable for workers)."""
+
+    epoch: int
+    index: int
+    microbatches: Tuple[Tuple[int, ...], ...]
+    weights: Tuple[float, ...]
+    placeholder: bool
+
+
+@dataclass
+class PlannedStep:
+    """One optimizer step as the Trainer receives it from the loader.
+
+    Attributes:
+        epoch: the sampler's epoch.
+        index: the step's index in the epoch (0-based).
+        microbatches: the collated microbatches (``data_collator`` of their records), in order.
+        records: each microbatch's dataset indices.
+        weights: each microbatch's sampler weight (used for losses without ``num_items_in_batch``).
+        placeholder: True when this rank's share of the outer batch is empty: ``microbatches``
+            then holds one batch of record 0 whose loss is multiplied by 0, so the rank still
+            joins the step's gradient all-reduce.
+    """
+
+    epoch: int
+    index: int
+    microbatches: List[Any]
+    records: List[Tuple[int, ...]]
+    weights: List[float]
+    placeholder: bool = False
+
+    def pin_memory(self) -> "PlannedStep":
+        """Pins every microbatch's tensors (called by a DataLoader with ``pin_memory=True``)."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        self.microbatches = [pin_memory(batch) for batch in self.microbatches]
+        return self
+
+
+@dataclass(frozen=True)
+class MicrobatchRecord:
+    """What ``PlannedTrainer`` reports after each microbatch's forward and backward.
+
+    Attributes:
+        step: the optimizer step it belongs to (the Trainer's ``global_step`` after that step).
+        epoch: the sampler's epoch.
+        records: the dataset indices of its records.
+        peak_allocated_bytes: the meter's peak over its forward and backward (None without a meter).
+        placeholder: True for the zero-weight batch of a rank whose share is empty.
+    """
+
+    step: int
+    epoch: int
+    records: Tuple[int, ...]
+    peak_allocated_bytes: Optional[int]
+    placeholder: bool
+
+
+class _StepDataset(torch.utils.data.Dataset):
+    """Item ``_StepKey``: the step's microbatches collated (runs in the DataLoader's workers)."""
+
+    def __init__(self, dataset, collate_fn: Callable):
+        self.dataset, self.collate_fn = dataset, collate_fn
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: _StepKey) -> PlannedStep:
+        batches = [self.collate_fn([self.dataset[i] for i in microbatch]) for microbatch in key.microbatches]
+        return PlannedStep(key.epoch, key.index, batches, list(key.microbatches), list(key.weights), key.placeholder)
+
+
+def _only_item(items: List[PlannedStep]) -> PlannedStep:
+    return items[0]
+
+
+class _StepBatchSampler(torch.utils.data.Sampler):
+    """Yields ``[_StepKey]`` for each step of the epoch from its first (the Trainer skips the
+    steps done itself on resume); ``len``: the steps per epoch."""
+
+    def __init__(self, sampler: PredictiveBatchSampler):
+        self.sampler, self.epoch = sampler, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.sampler.steps_per_epoch()
+
+    def __iter__(self) -> Iterator[List[_StepKey]]:
+        self.sampler.set_epoch(self.epoch)
+        for index, step in enumerate(self.sampler.steps()):
+            microbatches = tuple(tuple(int(i) for i in np.asarray(mb, dtype=np.int64).reshape(-1))
+                                 for mb in step.microbatches)
+            weights = tuple(float(w) for w in step.weights)
+            kept = [(mb, w) for mb, w in zip(microbatches, weights) if len(mb) > 0]
+            if kept:
+                yield [_StepKey(self.epoch, index, tuple(mb for mb, _ in kept), tuple(w for _, w in kept), False)]
+            else:  # this rank's share is empty: one zero-weight batch of record 0 joins the all-reduce
+                yield [_StepKey(self.epoch, index, ((0,),), (0.0,), True)]
+
+
+class _StepLoader(torch.utils.data.DataLoader):
+    """The DataLoader over steps; ``set_epoch`` reaches the step sampler (the Trainer calls it)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+def _masked_labels(batch: Mapping) -> dict:
+    """``batch`` with every label ignored (-100), for a placeholder's token count of 0."""
+    masked = dict(batch)
+    for key in ("labels", "shift_labels"):
+        if key in masked and torch.is_tensor(masked[key]):
+            masked[key] = torch.full_like(masked[key], -100)
+    return masked
+
+
+class PlannedTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` whose every optimizer step is one outer batch of
+    ``batch_sampler``, run as the sampler's microbatches with exact gradient accumulation
+    (module docstring).
+
+    Args:
+        *args: as ``transformers.Trainer``.
+        batch_sampler: the ``xpm.PredictiveBatchSampler`` over ``train_dataset`` (one record per
+            dataset index; its ``world_size`` must be the run's).
+        meter: optional ``xpm.CpuMeter`` / ``xpm.CudaMeter``: its peak is reset before each
+            microbatch and reported in ``MicrobatchRecord.peak_allocated_bytes``.
+        on_microbatch: optional callable given a ``MicrobatchRecord`` after each microbatch's
+            backward (on every rank).
+        **kwargs: as ``transformers.Trainer``; ``data_collator`` collates one microbatch (a
+            list of records) into the model's inputs.
+
+    Raises:
+        ValueError: ``batch_sampler`` is not a ``PredictiveBatchSampler``, or a setting named in
+            the module docstring would break the step accounting.
+    """
+
+    def __init__(self, *args, batch_sampler: PredictiveBatchSampler, meter=None,
+                 on_microbatch: Optional[Callable[[MicrobatchRecord], None]] = None, **kwargs):
+        if not isinstance(batch_sampler, PredictiveBatchSampler):
+            raise ValueError(f"PlannedTrainer: batch_sampler must be an xpm.PredictiveBatchSampler, "
+                             f"got {type(batch_sampler).__name__}")
+        super().__init__(*args, **kwargs)
+        self.xpm_sampler = batch_sampler
+        self.xpm_meter = meter
+        self.on_microbatch = on_microbatch
+        self._microbatch_loss_scale = 1.0
+        self._check_settings()
+
+    # ---- settings
+    def _check_settings(self) -> None:
+        args = self.args
+        if args.gradient_accumulation_steps != 1:
+            raise ValueError(f"PlannedTrainer: gradient_accumulation_steps must be 1 (each loader item is a whole "
+                             f"optimizer step; the sampler sets the microbatches), got {args.gradient_accumulation_steps}")
+        if self.is_deepspeed_enabled:
+            raise ValueError("PlannedTrainer: DeepSpeed is not supported (its backward steps the optimizer itself; "
+                             "run without a deepspeed config)")
+        if args.n_gpu > 1:
+            raise ValueError(f"PlannedTrainer: DataParallel over {args.n_gpu} GPUs is not supported; launch one "
+                             "process per GPU (torchrun) for DistributedDataParallel")
+        if args.auto_find_batch_size:
+            raise ValueError("PlannedTrainer: auto_find_batch_size must be False (the sampler plans the microbatches)")
+        if args.train_sampling_strategy in _REFUSED_SAMPLING_STRATEGIES:
+            raise ValueError(f"PlannedTrainer: train_sampling_strategy '{args.train_sampling_strategy}' is not used "
+                             "by the planned loader; leave it at 'random' (the sampler's shuffle decides the order)")
+        config = getattr(self.accelerator, "parallelism_config", None)
+        if config is not None and any(getattr(config, name, 1) > 1 for name in ("tp_size", "cp_size", "sp_size")):
+            raise ValueError("PlannedTrainer: tensor, context and sequence parallelism are not supported "
+                             "(only data parallelism: one process per device)")
+        sampler_world = self.xpm_sampler.state_dict()["world_size"]
+        if sampler_world != args.world_size:
+            raise ValueError(f"PlannedTrainer: the batch sampler plans for world size {sampler_world} but this run "
+                             f"has {args.world_size} process(es); build it with world_size={args.world_size} "
+                             f"and rank={args.process_index}")
+        if args.world_size > 1 and not args.average_tokens_across_devices:
+            raise ValueError("PlannedTrainer: average_tokens_across_devices must be True on several ranks (each "
+                             "microbatch's loss is normalised by the whole outer batch's label tokens)")
+
+    # ---- data
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """One item per optimizer step (a ``PlannedStep``); not passed through
+        ``accelerator.prepare`` (module docstring).
+
+        Returns:
+            The step loader (length: the sampler's steps per epoch).
+
+        Raises:
+            ValueError: no ``train_dataset``, or it is an ``IterableDataset``.
+        """
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("PlannedTrainer: training requires a train_dataset")
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ValueError("PlannedTrainer: train_dataset must be map-style (indexable records), "
+                             "got an IterableDataset")
+        collator = self.data_collator
+        try:
+            import datasets  # noqa: PLC0415 - optional, as in the Trainer
+        except ImportError:
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
+        args = self.args
+        options: Dict[str, Any] = {
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+            "persistent_workers": args.dataloader_persistent_workers,
+            "multiprocessing_context": args.dataloader_multiprocessing_context,
+            "prefetch_factor": args.dataloader_prefetch_factor,
+            "worker_init_fn": partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
+        }
+        return _StepLoader(_StepDataset(dataset, collator), batch_sampler=_StepBatchSampler(self.xpm_sampler),
+                           collate_fn=_only_item, **options)
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: torch.device) -> Tuple[List[PlannedStep], Any]:
+        """Takes the next step and counts its label tokens over all its microbatches (and ranks)
+        as the Trainer does, so each microbatch's loss is normalised by the outer batch's count.
+
+        Args:
+            epoch_iterator: the step loader's iterator.
+            num_batches: items to take (1: ``gradient_accumulation_steps``).
+            device: where the count goes.
+
+        Returns:
+            ``([step], num_items_in_batch)``, or ``([], None)`` at the epoch's end.
+
+        Raises:
+            ValueError: the loader yields something other than a ``PlannedStep``.
+        """
+        steps: List[PlannedStep] = []
+        for _ in range(num_batches):
+            try:
+                steps.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        for step in steps:
+            if not isinstance(step, PlannedStep):
+                raise ValueError(f"PlannedTrainer: the train loader must yield xpm PlannedStep items (from "
+                                 f"get_train_dataloader), got {type(step).__name__}")
+        counted = [_masked_labels(batch) if step.placeholder else batch
+                   for step in steps for batch in step.microbatches]
+        if not counted or not all(isinstance(batch, Mapping) for batch in counted):
+            return steps, None
+        return steps, self._get_num_items_in_batch(counted, device)
+
+    # ---- the step
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """The Trainer's loss, times the current microbatch's scale (1, except the sampler's
+        weight for a loss without ``num_items_in_batch`` and 0 for a placeholder batch).
+
+        Returns:
+            As ``transformers.Trainer.compute_loss``.
+        """
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        scale = self._microbatch_loss_scale
+        if scale == 1.0:
+            return result
+        if return_outputs:
+            loss, outputs = result
+            return loss * scale, outputs
+        return result * scale
+
+    def training_step(self, model: torch.nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """Runs the step's microbatches through the Trainer's ``training_step`` (forward,
+        ``compute_loss``, backward), all but the last under ``accelerator.no_sync``.
+
+        Args:
+            model: the (wrapped) model.
+            inputs: a ``PlannedStep``.
+            num_items_in_batch: the outer batch's label tokens (``get_batch_samples``), or None.
+
+        Returns:
+            The step's loss (the outer batch's mean over this rank's share), detached.
+
+        Raises:
+            ValueError: ``inputs`` is not a ``PlannedStep``.
+        """
+        if not isinstance(inputs, PlannedStep):
+            raise ValueError(f"PlannedTrainer.training_step takes a PlannedStep (one optimizer step's "
+                             f"microbatches), got {type(inputs).__name__}")
+        # One item is a whole optimizer step: the Trainer's division of the loss by the items of a
+        # step is by 1; the sampler's weights (or num_items_in_batch) do the accumulation.
+        self.current_gradient_accumulation_steps = 1
+        losses = []
+        last = len(inputs.microbatches) - 1
+        for k, (batch, records, weight) in enumerate(zip(inputs.microbatches, inputs.records, inputs.weights)):
+            if inputs.placeholder:
+                scale = 0.0
+            else:
+                scale = 1.0 if num_items_in_batch is not None else weight
+            sync = contextlib.nullcontext() if k == last else self.accelerator.no_sync(model)
+            if self.xpm_meter is not None:
+                self.xpm_meter.reset_peak()
+            self._microbatch_loss_scale = scale
+            try:
+                with sync:
+                    losses.append(super().training_step(model, batch, num_items_in_batch))
+            finally:
+                self._microbatch_loss_scale = 1.0
+            if self.on_microbatch is not None:
+                peak = None if self.xpm_meter is None else int(self.xpm_meter.peak_allocated_bytes)
+                self.on_microbatch(MicrobatchRecord(self.state.global_step + 1, inputs.epoch, tuple(records), peak,
+                                                    inputs.placeholder))
+        state = self.xpm_sampler.state_dict()
+        state.update(epoch=inputs.epoch, steps_done=inputs.index + 1)
+        self.xpm_sampler.load_state_dict(state)
+        return torch.stack(losses).sum()
+
+    def floating_point_ops(self, inputs) -> int:
+        """The step's floating point operations: the sum over its microbatches."""
+        if isinstance(inputs, PlannedStep):
+            return 0 if inputs.placeholder else sum(super(PlannedTrainer, self).floating_point_ops(batch)
+                                                    for batch in inputs.microbatches)
+        return super().floating_point_ops(inputs)
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """Input tokens seen, counted over the step's microbatches and gathered once per step."""
+        if not isinstance(inputs, PlannedStep):
+            return super()._track_num_input_tokens(inputs)
+        mode = self.args.include_num_input_tokens_seen
+        if mode == "no":
+            return None
+        name = getattr(self.model, "main_input_name", "input_ids")
+        pad = getattr(self.processing_class, "pad_token_id", None) if self.processing_class is not None else None
+        total = 0
+        for batch in ([] if inputs.placeholder else inputs.microbatches):
+            if not isinstance(batch, Mapping) or name not in batch:
+                return super()._track_num_input_tokens({})  # the Trainer's own warning
+            if mode == "non_padding" and "attention_mask" in batch:
+                total += int(batch["attention_mask"].sum())
+            elif mode == "non_padding" and pad is not None:
+                total += int((batch[name] != pad).sum())
+            else:
+                total += int(batch[name].numel())
+        tokens = torch.as_tensor(total, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += self.accelerator.gather(tokens).sum().item()
+        return None
+
+    # ---- checkpoints
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            with open(os.path.join(folder, SAMPLER_STATE_NAME), "w") as out:
+                json.dump(self.xpm_sampler.state_dict(), out, indent=1)
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        """``transformers.Trainer.train``; on resume, first checks the checkpoint's sampler state.
+
+        Args:
+            resume_from_checkpoint: as the Trainer's (a folder, or True for the last in output_dir).
+            trial: as the Trainer's.
+            ignore_keys_for_eval: as the Trainer's.
+
+        Returns:
+            The Trainer's ``TrainOutput``.
+
+        Raises:
+            ValueError: the checkpoint has no sampler state, was written by a sampler with other
+                settings, or its step count differs from the Trainer's.
+        """
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"PlannedTrainer: no checkpoint found in output_dir '{self.args.output_dir}'")
+        if resume_from_checkpoint:
+            self._check_sampler_checkpoint(str(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _check_sampler_checkpoint(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, SAMPLER_STATE_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(f"PlannedTrainer: checkpoint '{checkpoint}' has no {SAMPLER_STATE_NAME} (not written by "
+                             "PlannedTrainer); resume from one that is, or start without resume_from_checkpoint")
+        with open(path) as source:
+            saved = json.load(source)
+        self.xpm_sampler.load_state_dict(saved)  # ValueError for other settings
+        with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as source:
+            global_step = json.load(source)["global_step"]
+        done = saved["epoch"] * self.xpm_sampler.steps_per_epoch() + saved["steps_done"]
+        if done != global_step:
+            raise ValueError(f"PlannedTrainer: checkpoint '{checkpoint}' is at global step {global_step} but its "
+                             f"sampler state is at step {done} (epoch {saved['epoch']}, step {saved['steps_done']})")
+
+
+__all__ = ["PlannedTrainer", "PlannedStep", "MicrobatchRecord", "SAMPLER_STATE_NAME"]

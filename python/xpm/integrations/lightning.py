@@ -1,0 +1,359 @@
+"""xpm under Lightning (``lightning.pytorch``), single device or DDP: one dataloader item per
+optimizer step, manual optimization, one gradient all-reduce per step.
+
+    import xpm
+    from xpm.integrations import lightning as xpm_lightning
+
+    meter = xpm.CpuMeter.install()                 # every rank, before the model is built
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False    # the microbatches decide the step, not Lightning
+            self.net = Net()
+        def setup(self, stage):                    # process group up, model not yet wrapped in DDP
+            meter.capacity_bytes = CAP
+            memory_model = xpm_lightning.probe_and_share(self.net, self.configure_optimizers(), loss_fn,
+                                                         formula, meter=meter, variable_max={...})
+            budget = xpm.MemoryBudget(CAP, extra_overhead_bytes=xpm_lightning.ddp_bucket_bytes(self.net))
+            self.sampler = xpm.PredictiveBatchSampler(lengths, memory_model, budget.usable_bytes,
+                                                      outer_batch_size=64, rank=self.global_rank,
+                                                      world_size=self.trainer.world_size, units=units)
+        def train_dataloader(self):
+            return xpm_lightning.planned_dataloader(self.trainer, dataset, self.sampler, collate_fn)
+        def training_step(self, step, index):
+            loss = xpm_lightning.backward_microbatches(self, step, self.mean_loss)
+            optimizer = self.optimizers()
+            optimizer.step()
+            optimizer.zero_grad()
+            self.log("loss", loss, batch_size=max(step.records, 1), sync_dist=True)   # the outer batch's mean loss
+
+Why this shape:
+
+- Lightning's ``accumulate_grad_batches`` is a fixed count; the planner gives every step as many
+  microbatches as fit, so each dataloader item is a whole step (``PlannedStep``) and the
+  LightningModule runs its microbatches with manual optimization.
+- Under DDP, every rank issues the same collectives per step: ``backward_microbatches`` runs all
+  but a rank's last microbatch inside ``strategy.block_backward_sync()`` (DDP's ``no_sync``), so
+  each rank all-reduces once per step, at its last backward; a rank whose share of an outer batch
+  is empty backwards a zero loss over every parameter, so it still joins that all-reduce. The
+  sampler's weights make the all-reduced gradient the outer batch's mean-loss gradient.
+- The dataset is an ``IterableDataset`` that is already this rank's share: Lightning injects a
+  ``DistributedSampler`` only into map-style loaders, so ``Trainer(use_distributed_sampler=...)``
+  may stay at its default. A map-style ``xpm.StepDataset`` loader under DDP would be re-sharded
+  by that sampler (each rank taking every other step of its own share); ``backward_microbatches``
+  refuses its items with the fix in the message.
+- DDP allocates its gradient buckets (a copy of the gradients) when it wraps the model, after
+  the probe: reserve ``ddp_bucket_bytes(model)`` in the budget.
+- The epoch: ``planned_dataloader`` re-plans at every ``iter()`` with ``trainer.current_epoch``
+  (Lightning calls ``set_epoch`` only on samplers, and an ``IterableDataset`` loader has none).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+try:
+    import lightning.pytorch as pl
+except ImportError as _error:  # pragma: no cover - depends on the environment
+    raise ImportError("xpm.integrations.lightning needs the lightning package (pip install lightning); "
+                      f"importing it failed: {_error}") from None
+
+from ..planning import CostFormula, MemoryModel
+from ..sampler import PredictiveBatchSampler
+
+__all__ = ["PlannedStep", "PlannedSteps", "planned_dataloader", "microbatches", "backward_microbatches",
+           "probe_and_share", "ddp_bucket_bytes"]
+
+
+def _sampler_rank_and_world(sampler: PredictiveBatchSampler) -> Tuple[int, int]:
+    if not isinstance(sampler, PredictiveBatchSampler):
+        raise TypeError(f"xpm: sampler must be an xpm.PredictiveBatchSampler, got {type(sampler).__name__}")
+    return int(sampler.rank), int(sampler.world_size)
+
+
+class PlannedStep:
+    """One optimizer step of one rank: its microbatches, collated, with their weights.
+
+    A plain object (not a tensor collection), so Lightning hands it to ``training_step`` as it
+    is; ``microbatches`` moves each microbatch to the module's device just before its forward,
+    so only one microbatch's inputs are on the device at a time.
+
+    Attributes:
+        epoch: the epoch it was planned for.
+        index: the step's index in the epoch (the same step index on every rank).
+        rank: the rank whose share it is.
+        world_size: the ranks sharing the outer batch.
+        batches: ``[(batch, weight), ...]``: ``collate_fn`` of each microbatch's records and the
+            weight of its mean loss; empty when this rank's share of the outer batch is empty.
+        indices: each microbatch's record indices into the dataset.
+        records: records of this rank's share.
+    """
+
+    __slots__ = ("epoch", "index", "rank", "world_size", "batches", "indices")
+
+    def __init__(self, epoch: int, index: int, rank: int, world_size: int, batches: List[Tuple[Any, float]],
+                 indices: List[List[int]]):
+        self.epoch, self.index, self.rank, self.world_size = epoch, index, rank, world_size
+        self.batches, self.indices = batches, indices
+
+    @property
+    def records(self) -> int:
+        return sum(len(i) for i in self.indices)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __repr__(self) -> str:
+        return (f"PlannedStep(epoch={self.epoch}, index={self.index}, rank={self.rank}/{self.world_size}, "
+                f"microbatches={len(self.batches)}, records={self.records})")
+
+
+class PlannedSteps(IterableDataset):
+    """This rank's steps of one epoch, one ``PlannedStep`` per item, planned by ``sampler``.
+
+    An ``IterableDataset``, so Lightning does not re-shard it among the ranks. With
+    ``num_workers > 0`` each DataLoader worker collates every ``num_workers``-th step, and the
+    DataLoader's round-robin over the workers keeps the steps in order.
+
+    Args:
+        dataset: map-style records, ``dataset[i]`` for the sampler's indices.
+        sampler: the planner; built with this process's ``rank`` and ``world_size``.
+        collate_fn: turns a list of records into a microbatch (called with an empty list never:
+            an empty share has no microbatch).
+    """
+
+    def __init__(self, dataset: Any, sampler: PredictiveBatchSampler, collate_fn: Callable[[list], Any]):
+        super().__init__()
+        self.dataset, self.sampler, self.collate_fn = dataset, sampler, collate_fn
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Plans epoch ``epoch`` (its permutation) at the next ``iter()``."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        """Steps per epoch: the same on every rank."""
+        return self.sampler.steps_per_epoch()
+
+    def __iter__(self) -> Iterator[PlannedStep]:
+        worker = get_worker_info()
+        worker_id, workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
+        return self._steps(self.epoch, worker_id, workers)
+
+    def _steps(self, epoch: int, worker_id: int, workers: int) -> Iterator[PlannedStep]:
+        rank, world = _sampler_rank_and_world(self.sampler)
+        self.sampler.set_epoch(epoch)
+        for index, step in enumerate(list(self.sampler.steps())):
+            if index % workers != worker_id:
+                continue
+            batches, indices = [], []
+            for microbatch, weight in zip(step.microbatches, step.weights):
+                if len(microbatch) == 0:
+                    continue
+                records = [int(i) for i in microbatch]
+                batches.append((self.collate_fn([self.dataset[i] for i in records]), float(weight)))
+                indices.append(records)
+            yield PlannedStep(epoch, index, rank, world, batches, indices)
+
+
+class _PlannedStepLoader(DataLoader):
+    """A DataLoader over ``PlannedSteps`` that plans the trainer's current epoch at every ``iter()``
+    (before any worker starts)."""
+
+    def __init__(self, steps: PlannedSteps, epoch_source: Callable[[], int], **kwargs: Any):
+        super().__init__(steps, batch_size=None, **kwargs)
+        self._epoch_source = epoch_source
+
+    def __iter__(self):
+        self.dataset.set_epoch(self._epoch_source())
+        return super().__iter__()
+
+
+def planned_dataloader(trainer: "pl.Trainer", dataset: Any, sampler: PredictiveBatchSampler,
+                       collate_fn: Callable[[list], Any], *, num_workers: int = 0, **dataloader_kwargs: Any) -> DataLoader:
+    """The training DataLoader: one ``PlannedStep`` per optimizer step, re-planned each epoch.
+
+    Return it from ``train_dataloader()`` (or a ``LightningDataModule``'s). Works with any
+    ``Trainer(use_distributed_sampler=...)``: the loader is already this rank's share.
+
+    Args:
+        trainer: the trainer that iterates it (``self.trainer``); its ``current_epoch`` picks the
+            permutation and its ``global_rank``/``world_size`` must be the sampler's.
+        dataset: map-style records.
+        sampler: the planner, built with ``rank=trainer.global_rank``, ``world_size=trainer.world_size``.
+        collate_fn: records to a microbatch.
+        num_workers: DataLoader worker processes (each collates every ``num_workers``-th step).
+        **dataloader_kwargs: other DataLoader arguments (``pin_memory``, ``prefetch_factor``, ...);
+            not ``batch_size``, ``shuffle``, ``sampler``, ``batch_sampler``, ``collate_fn`` (the
+            plan decides them) nor ``persistent_workers`` (workers must see each epoch's plan).
+
+    Returns:
+        A ``torch.utils.data.DataLoader`` of ``PlannedStep`` items, ``len()`` steps per epoch.
+
+    Raises:
+        ValueError: the sampler's rank or world size is not the trainer's, or an argument the plan
+            decides is given.
+    """
+    taken = sorted(set(dataloader_kwargs) & {"batch_size", "shuffle", "sampler", "batch_sampler", "collate_fn",
+                                             "drop_last", "persistent_workers"})
+    if taken:
+        raise ValueError(f"planned_dataloader: {', '.join(taken)} cannot be given (the plan decides the steps, "
+                         "and workers must be restarted each epoch); leave them out")
+    rank, world = _sampler_rank_and_world(sampler)
+    if (rank, world) != (trainer.global_rank, trainer.world_size):
+        raise ValueError(f"planned_dataloader: the sampler is for rank {rank} of world size {world} but this process "
+                         f"is rank {trainer.global_rank} of {trainer.world_size}; build it with "
+                         "rank=trainer.global_rank, world_size=trainer.world_size")
+    return _PlannedStepLoader(PlannedSteps(dataset, sampler, collate_fn), lambda: trainer.current_epoch,
+                              num_workers=num_workers, **dataloader_kwargs)
+
+
+def _check_step(module: "pl.LightningModule", step: Any) -> None:
+    if module.automatic_optimization:
+        raise ValueError("xpm: set self.automatic_optimization = False in the LightningModule's __init__ "
+                         "(each step's microbatches are run and stepped by training_step)")
+    if not isinstance(step, PlannedStep):
+        raise TypeError(f"xpm: training_step got a {type(step).__name__}, not a PlannedStep: return "
+                        "xpm.integrations.lightning.planned_dataloader(...) from train_dataloader() (a map-style "
+                        "xpm.StepDataset loader is re-sharded by Lightning's DistributedSampler unless "
+                        "Trainer(use_distributed_sampler=False))")
+    trainer = module.trainer
+    if (step.rank, step.world_size) != (trainer.global_rank, trainer.world_size):
+        raise RuntimeError(f"xpm: this step was planned for rank {step.rank} of {step.world_size} but this process is "
+                           f"rank {trainer.global_rank} of {trainer.world_size}; build the sampler with "
+                           "rank=trainer.global_rank, world_size=trainer.world_size")
+
+
+def _transfer(module: "pl.LightningModule", batch: Any) -> Any:
+    """The module's batch transfer hooks (default: ``move_data_to_device``) on one microbatch."""
+    batch = module.on_before_batch_transfer(batch, 0)
+    batch = module.transfer_batch_to_device(batch, module.device, 0)
+    return module.on_after_batch_transfer(batch, 0)
+
+
+def _zero_loss(module: "pl.LightningModule") -> torch.Tensor:
+    """0 times one element of every trainable parameter: its backward gives every parameter a
+    (zero) gradient, so an empty share joins DDP's all-reduce with nothing to add."""
+    parameters = [p for p in module.parameters() if p.requires_grad]
+    if not parameters:
+        raise ValueError("xpm: the LightningModule has no trainable parameters")
+    return torch.stack([p.reshape(-1)[0] for p in parameters]).sum() * 0.0
+
+
+def microbatches(module: "pl.LightningModule", step: PlannedStep) -> Iterator[Tuple[Any, float, bool]]:
+    """Yields ``(batch, weight, last)`` for each microbatch of ``step``; call
+    ``module.manual_backward(weight * mean_loss(batch))`` for every one, and step the optimizer after.
+
+    All but the last microbatch are yielded inside the strategy's ``block_backward_sync()`` (DDP's
+    ``no_sync``), so the gradients are all-reduced once, at the last backward. A step with no
+    microbatch (this rank's share of the outer batch is empty) yields nothing but backwards a zero
+    loss over every parameter itself, so this rank joins the step's all-reduce. Every yielded
+    microbatch must be backwarded (else the ranks' collectives no longer match).
+
+    Args:
+        module: the LightningModule (``automatic_optimization = False``).
+        step: the ``training_step`` batch, from ``planned_dataloader``.
+
+    Yields:
+        The microbatch (through the module's batch transfer hooks, on its device), the weight of
+        its mean loss, and whether it is the step's last.
+
+    Raises:
+        ValueError: automatic optimization is on.
+        TypeError: ``step`` is not a ``PlannedStep`` (the loader is not ``planned_dataloader``'s).
+        RuntimeError: the step was planned for another rank or world size.
+    """
+    _check_step(module, step)
+    if not step.batches:
+        module.manual_backward(_zero_loss(module))
+        return
+    block = getattr(module.trainer.strategy, "block_backward_sync", contextlib.nullcontext)
+    last = len(step.batches) - 1
+    for k, (batch, weight) in enumerate(step.batches):
+        if k < last:
+            with block():
+                yield _transfer(module, batch), weight, False
+        else:
+            yield _transfer(module, batch), weight, True
+
+
+def backward_microbatches(module: "pl.LightningModule", step: PlannedStep,
+                          mean_loss: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    """Runs ``module.manual_backward(weight * mean_loss(batch))`` over ``step``'s microbatches
+    (see ``microbatches``); the optimizer step is the caller's.
+
+    Args:
+        module: the LightningModule (``automatic_optimization = False``).
+        step: the ``training_step`` batch, from ``planned_dataloader``.
+        mean_loss: a microbatch's loss averaged over its units (the sampler's ``units``).
+
+    Returns:
+        This rank's weighted loss sum, detached: averaged over the ranks (``self.log(...,
+        sync_dist=True)``) it is the outer batch's mean loss.
+
+    Raises:
+        ValueError, TypeError, RuntimeError: as ``microbatches``.
+    """
+    total = torch.zeros((), device=module.device)
+    for batch, weight, _ in microbatches(module, step):
+        loss = weight * mean_loss(batch)
+        module.manual_backward(loss)
+        total += loss.detach()
+    return total
+
+
+def probe_and_share(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    loss_fn: Callable[[List[float]], torch.Tensor], formula: CostFormula, *, meter: Any,
+                    src: int = 0, **probe_kwargs: Any) -> MemoryModel:
+    """``xpm.probe`` on rank ``src`` only, its fitted model sent to every rank: the plans are then
+    identical on every rank. Call it from ``LightningModule.setup()`` (the process group is up
+    and the model not yet wrapped in DDP) on every rank; without a process group it just probes.
+
+    Args:
+        model, optimizer, loss_fn, formula, meter, **probe_kwargs: as ``xpm.probe``.
+        src: the rank that probes.
+
+    Returns:
+        The fitted ``MemoryModel`` (the same on every rank).
+
+    Raises:
+        ValueError, RuntimeError: the probe's errors, on rank ``src``; on the other ranks a
+            RuntimeError with rank ``src``'s message (so no rank waits for a model that never comes).
+    """
+    from ..probing import probe
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed:
+        return probe(model, optimizer, loss_fn, formula, meter=meter, **probe_kwargs).model
+    message: List[Optional[Tuple[str, str]]] = [None]
+    error: Optional[BaseException] = None
+    if torch.distributed.get_rank() == src:
+        try:
+            message[0] = ("model", probe(model, optimizer, loss_fn, formula, meter=meter, **probe_kwargs).model.to_json())
+        except Exception as caught:  # noqa: BLE001 - re-raised below, after the other ranks are told
+            error, message[0] = caught, ("error", f"{type(caught).__name__}: {caught}")
+    torch.distributed.broadcast_object_list(message, src=src)
+    if error is not None:
+        raise error
+    kind, text = message[0]
+    if kind == "error":
+        raise RuntimeError(f"xpm: rank {src} failed to probe the memory model: {text}")
+    return MemoryModel.from_json(text)
+
+
+def ddp_bucket_bytes(model: torch.nn.Module) -> int:
+    """Bytes DDP allocates for its gradient buckets when it wraps ``model``: one copy of the
+    trainable parameters' gradients (``gradient_as_bucket_view=False``, the default). They are
+    allocated after the probe, so the memory model leaves them out: reserve them in the budget,
+    ``xpm.MemoryBudget(cap, extra_overhead_bytes=ddp_bucket_bytes(model))``.
+
+    Args:
+        model: the module DDP wraps (its trainable parameters are the buckets' contents).
+
+    Returns:
+        The trainable parameters' bytes.
+    """
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

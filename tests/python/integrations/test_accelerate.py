@@ -1,0 +1,346 @@
+"""xpm's loader through the real accelerate's ``Accelerator.prepare``, on 2 real processes
+(torch.distributed.run, gloo): one epoch of examples/accelerate_loop's character Transformer under
+a CPU cap, each rank writing the records it trained on per step, the all-reduces of each backward
+(a DDP comm hook), its optimizer steps and OOMs, and on rank 0 the accumulated gradient of every
+step against the outer batch's own. Also: ``Accelerator.prepare`` of a plain
+``DataLoader(batch_sampler=xpm sampler)`` at 2 processes (the double sharding) must raise, and a
+set-up that would shard twice, drop or repeat records gives a one-line ValueError.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+accelerate = pytest.importorskip("accelerate")
+
+import xpm  # noqa: E402
+from xpm.integrations import accelerate as xpm_accelerate  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+EXAMPLE = REPO / "examples" / "accelerate_loop"
+BROWN = REPO / "data" / "brown"
+RECORDS, OUTER_BATCH = 512, 64
+# The epoch runs under the first of these CPU caps whose plan gives the two ranks different
+# microbatch counts (over the epoch, and so in some steps): the case accelerate's round-robin
+# dealing gets wrong. The probe runs under the largest.
+CAPS_BYTES = (6_000_000, 4_000_000, 4_500_000, 3_000_000, 5_000_000, 7_000_000)
+
+# Run on each process by torch.distributed.run: argv = example dir, data dir, records, outer
+# batch size, caps (comma-separated), output file pattern.
+EPOCH_SCRIPT = r'''
+import json, sys
+import numpy as np, torch, torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+sys.path.insert(0, sys.argv[1])
+import accelerate, xpm
+from xpm.integrations import accelerate as xpm_accelerate
+import train
+
+data_dir, records, outer, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
+caps = [int(c) for c in sys.argv[5].split(",")]
+torch.manual_seed(1)
+accelerator = accelerate.Accelerator(cpu=True)
+rank = accelerator.process_index
+sentences = train.synthetic_sentences(records) if data_dir == "synthetic" else train.read_brown(data_dir, records)
+lengths = np.array([len(s) for s in sentences])
+meter = xpm.CpuMeter.install()
+model = train.CharTransformer()
+optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+meter.capacity_bytes = max(caps)
+memory_model = train.probe_on_main_process(accelerator, model, optimizer, meter, int(lengths.max()))
+
+def sampler_for(cap):
+    return xpm.PredictiveBatchSampler(lengths, memory_model, xpm.MemoryBudget(cap).usable_bytes, outer_batch_size=outer,
+                                      rank=rank, world_size=accelerator.num_processes, seed=1, units=lengths - 1)
+
+def uneven(cap):
+    counts = [sum(len(step.microbatches) for step in sampler_for(cap).steps(rank=r)) for r in (0, 1)]
+    return counts[0] != counts[1]
+
+cap = next((c for c in caps if uneven(c)), caps[0])  # the same choice on both ranks (the same model)
+meter.capacity_bytes = cap
+sampler = sampler_for(cap)
+result = {"rank": rank, "world_size": accelerator.num_processes, "records": len(sentences), "cap_bytes": cap}
+
+# 1. The mistake: accelerate's own sharding of a loader over the sampler.
+plain = torch.utils.data.DataLoader(sentences, batch_sampler=sampler, collate_fn=train.collate)
+try:
+    dealt = accelerator.prepare(plain)
+except ValueError as error:
+    result["mistake_error"] = str(error)
+else:  # what accelerate made of it, measured
+    result["mistake_error"] = None
+    result["mistake_records"] = sum(int(batch[0].size(0)) for batch in dealt)
+    result["own_records"] = sum(len(m) for m in sampler)
+
+# 2. One epoch through xpm's loader, instrumented.
+steps_taken = [0]
+optimizer.register_step_post_hook(lambda *args: steps_taken.__setitem__(0, steps_taken[0] + 1))
+loader = xpm_accelerate.prepare_data_loader(accelerator, sentences, sampler, collate_fn=train.collate)
+model, optimizer = accelerator.prepare(model, optimizer)
+all_reduces = [0]
+def counting_allreduce(state, bucket):
+    all_reduces[0] += 1
+    return default_hooks.allreduce_hook(state, bucket)
+model.register_comm_hook(None, counting_allreduce)
+round_robin = xpm_accelerate.check_prepared(accelerator, loader)
+loader.set_epoch(0)
+plan = round_robin.steps_of_ranks()  # every rank's steps of the epoch, as planned
+result["planned_microbatches"] = [[len(step.microbatches) for step in steps] for steps in plan]
+result["dealt_per_process"] = len(loader)
+per_backward, grad_errors, peaks = [], [], []
+
+def after_backward(microbatch):
+    per_backward.append({"step": microbatch.step, "last": microbatch.last, "all_reduces": all_reduces[0],
+                         "weight": microbatch.weight})
+    all_reduces[0] = 0
+    peaks.append(meter.peak_allocated_bytes)
+    meter.reset_peak()
+    if microbatch.last and rank == 0:  # the all-reduced gradient against the outer batch's own
+        meter.capacity_bytes = 0
+        reference = train.CharTransformer()  # a copy outside DDP, of the weights before this step
+        reference.load_state_dict(accelerator.unwrap_model(model).state_dict())
+        outer_batch = [int(i) for r in range(len(plan)) for m in plan[r][microbatch.step].microbatches for i in m]
+        chars, units = train.collate([sentences[i] for i in outer_batch])
+        (reference(chars) / units).backward()
+        trained = dict(accelerator.unwrap_model(model).named_parameters())
+        scale = max(float(p.grad.abs().max()) for p in reference.parameters())
+        error = max(float((trained[name].grad - p.grad).abs().max()) for name, p in reference.named_parameters())
+        grad_errors.append(error / scale)
+        del reference
+        meter.capacity_bytes = cap
+        meter.reset_peak()
+
+meter.reset_peak()
+epoch = train.run_epoch(accelerator, model, optimizer, loader, after_backward)
+result.update(steps=epoch["steps"], ooms=epoch["ooms"], microbatches=epoch["microbatches"], backwards=per_backward,
+              optimizer_steps=steps_taken[0], steps_per_epoch=sampler.steps_per_epoch(), grad_rel_errors=grad_errors,
+              peak_bytes=max(peaks), sampler_state=sampler.state_dict())
+with open(out.format(rank=rank), "w") as f:
+    json.dump(result, f)
+accelerator.end_training()
+'''
+
+
+def _data_dir() -> str:
+    """The Brown corpus when the checkout has it, else generated sentences of varied lengths."""
+    has_brown = BROWN.is_dir() and any(p.name.startswith("ca") for p in BROWN.iterdir())
+    return str(BROWN) if has_brown else "synthetic"
+
+
+@pytest.fixture(scope="module")
+def epoch_on_two_processes(tmp_path_factory):
+    """Runs EPOCH_SCRIPT on 2 processes; returns what each rank measured (a dict per rank)."""
+    work = tmp_path_factory.mktemp("accelerate_two_processes")
+    script = work / "epoch_under_accelerate.py"
+    script.write_text(EPOCH_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore::UserWarning")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+               str(EXAMPLE), _data_dir(), str(RECORDS), str(OUTER_BATCH), ",".join(map(str, CAPS_BYTES)),
+               str(work / "rank{rank}.json")]
+    start = time.perf_counter()
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150)
+    wall = time.perf_counter() - start
+    assert run.returncode == 0, \
+        f"the 2-process run failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    results = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
+    print(f"\n2 processes ({_data_dir()}): {wall:.1f} s; steps {[len(r['steps']) for r in results]}, "
+          f"microbatches {[r['microbatches'] for r in results]}, planned per step "
+          f"{results[0]['planned_microbatches']}, optimizer steps {[r['optimizer_steps'] for r in results]}, "
+          f"OOM {[r['ooms'] for r in results]}, peak {[r['peak_bytes'] for r in results]} of "
+          f"{results[0]['cap_bytes']} bytes, "
+          f"max gradient error {max(results[0]['grad_rel_errors']):.2e}; plain prepare: {results[0]['mistake_error']}")
+    return results
+
+
+def test_every_record_once_on_one_rank_over_the_epoch(epoch_on_two_processes):
+    results = epoch_on_two_processes
+    assert [r["rank"] for r in results] == [0, 1] and {r["world_size"] for r in results} == {2}
+    trained = [[i for step in r["steps"] for i in step] for r in results]
+    everything = trained[0] + trained[1]
+    assert len(everything) == len(set(everything)), "a record trained twice (repeated, or on both ranks)"
+    assert sorted(everything) == list(range(results[0]["records"])), "a record dropped"
+    # Each rank trained on exactly its share of the plan, step by step.
+    planned = results[0]["planned_microbatches"]
+    assert planned == results[1]["planned_microbatches"]
+    for r, result in enumerate(results):
+        assert result["microbatches"] == sum(planned[r])
+        assert result["dealt_per_process"] == max(sum(counts) for counts in planned)  # padding evens them out
+    # The trap this guards: ranks with different microbatch counts over the epoch (padding).
+    assert sum(planned[0]) != sum(planned[1])
+
+
+def test_same_optimizer_steps_and_one_all_reduce_per_step(epoch_on_two_processes):
+    for result in epoch_on_two_processes:
+        assert len(result["steps"]) == result["steps_per_epoch"] == RECORDS // OUTER_BATCH
+        assert result["optimizer_steps"] == result["steps_per_epoch"]
+        assert result["sampler_state"]["steps_done"] == result["steps_per_epoch"]
+        backwards = result["backwards"]
+        assert sum(b["all_reduces"] for b in backwards if not b["last"]) == 0  # accumulated under no_sync
+        assert all(b["all_reduces"] >= 1 for b in backwards if b["last"])
+        assert sum(b["last"] for b in backwards) == result["steps_per_epoch"]
+        assert max(len(step) for step in result["steps"]) < OUTER_BATCH  # a share of each outer batch
+    # Microbatches per step on each rank, of which more than one: accumulation really ran.
+    assert max(sum(not b["last"] for b in r["backwards"]) for r in epoch_on_two_processes) > 0
+    # The weights of both ranks' microbatches of a step sum to world_size.
+    weights = {}
+    for result in epoch_on_two_processes:
+        for b in result["backwards"]:
+            weights[b["step"]] = weights.get(b["step"], 0.0) + b["weight"]
+    assert list(weights.values()) == pytest.approx([2.0] * len(weights))
+
+
+def test_accumulated_gradient_is_the_outer_batch_gradient(epoch_on_two_processes):
+    errors = epoch_on_two_processes[0]["grad_rel_errors"]
+    assert len(errors) == RECORDS // OUTER_BATCH
+    assert max(errors) < 1e-5
+
+
+def test_no_out_of_memory_under_the_cap(epoch_on_two_processes):
+    for result in epoch_on_two_processes:
+        assert result["ooms"] == 0
+        assert 0 < result["peak_bytes"] <= result["cap_bytes"]
+
+
+def test_prepare_of_a_plain_loader_over_the_sampler_raises(epoch_on_two_processes):
+    for result in epoch_on_two_processes:
+        message = result["mistake_error"]
+        assert message is not None, (
+            f"Accelerator.prepare dealt rank {result['rank']} {result['mistake_records']} of its "
+            f"{result['own_records']} records without an error (needs PredictiveBatchSampler.batch_size to call "
+            f"xpm.integrations.accelerate.reject_batch_sampler_shard)")
+        assert "xpm.integrations.accelerate.prepare_data_loader" in message and "\n" not in message
+
+
+# ---- one process, in this interpreter: the settings that are refused, and a plain epoch.
+
+@pytest.fixture(scope="module")
+def memory_model():
+    formula = xpm.CostFormula("a*bs*l^2 + b*bs*l + c", ["bs", "l"])
+    dims = np.array([[1, 8], [4, 64], [16, 128], [32, 16], [8, 120]], dtype=float)
+    fitted, _ = xpm.fit(formula, dims, 4 * dims[:, 0] * dims[:, 1] ** 2 + 2000 * dims[:, 0] * dims[:, 1] + 1e6)
+    return fitted
+
+
+@pytest.fixture(scope="module")
+def lengths():
+    return np.random.default_rng(5).integers(3, 120, 300)
+
+
+def _sampler(memory_model, lengths, rank=0, world_size=1):
+    # A budget under which the two ranks of world size 2 plan 25 and 22 microbatches.
+    return xpm.PredictiveBatchSampler(lengths, memory_model, 2_750_000, outer_batch_size=32, rank=rank,
+                                      world_size=world_size, seed=2, units=lengths - 1)
+
+
+def _records(lengths):
+    return [torch.full((int(n),), 1.0) for n in lengths]
+
+
+def _pad(records):
+    return torch.nn.utils.rnn.pad_sequence(records, batch_first=True) if records else torch.zeros(0, 1)
+
+
+def test_one_process_epoch_every_record_once(memory_model, lengths):
+    accelerator = accelerate.Accelerator(cpu=True)
+    sampler = _sampler(memory_model, lengths)
+    loader = xpm_accelerate.prepare_data_loader(accelerator, _records(lengths), sampler, collate_fn=_pad)
+    seen, weights, steps = [], {}, 0
+    for microbatch in xpm_accelerate.microbatch_loop(loader):
+        assert microbatch.batch.size(0) == len(microbatch.indices)
+        seen += microbatch.indices
+        weights[microbatch.step] = weights.get(microbatch.step, 0.0) + microbatch.weight
+        steps += microbatch.last
+    assert sorted(seen) == list(range(len(lengths)))
+    assert steps == sampler.steps_per_epoch() == sampler.state_dict()["steps_done"]
+    assert list(weights.values()) == pytest.approx([1.0] * steps)
+
+
+@pytest.mark.parametrize("setting, config, named", [
+    ("world_size", {}, "world_size"),
+    ("gradient_accumulation_steps", {"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=1"),
+    ("split_batches", {"dataloader_config": accelerate.DataLoaderConfiguration(split_batches=True)}, "split_batches"),
+    ("dispatch_batches", {"dataloader_config": accelerate.DataLoaderConfiguration(dispatch_batches=True)},
+     "dispatch_batches"),
+])
+def test_a_set_up_that_would_shard_wrong_is_refused(memory_model, lengths, setting, config, named):
+    accelerator = accelerate.Accelerator(cpu=True, **config)
+    sampler = _sampler(memory_model, lengths, rank=1 if setting == "world_size" else 0,
+                       world_size=2 if setting == "world_size" else 1)
+    with pytest.raises(ValueError, match=named) as raised:
+        xpm_accelerate.prepare_data_loader(accelerator, _records(lengths), sampler, collate_fn=_pad)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_loader_prepared_without_this_module_is_refused(memory_model, lengths):
+    accelerator = accelerate.Accelerator(cpu=True)
+    plain = accelerator.prepare(torch.utils.data.DataLoader(_records(lengths), collate_fn=_pad,
+                                                            batch_sampler=_sampler(memory_model, lengths)))
+    with pytest.raises(ValueError, match="prepare_data_loader"):
+        xpm_accelerate.check_prepared(accelerator, plain)
+    with pytest.raises(ValueError, match="prepare_data_loader"):
+        next(xpm_accelerate.microbatch_loop(plain))
+
+
+@pytest.mark.parametrize("even_batches", [True, False])
+def test_accelerates_batch_sampler_shard_deals_each_rank_its_own(memory_model, lengths, even_batches):
+    """accelerate's own BatchSamplerShard (as Accelerator.prepare builds it at 2 processes) over the
+    round-robin sampler of each rank: exactly that rank's microbatches, in its order."""
+    world = 2
+    dealt, own = [], []
+    for rank in range(world):
+        sampler = _sampler(memory_model, lengths, rank=rank, world_size=world)
+        round_robin = xpm_accelerate.RoundRobinMicrobatches(sampler)
+        shard = accelerate.data_loader.BatchSamplerShard(round_robin, num_processes=world, process_index=rank,
+                                                         even_batches=even_batches)
+        batches = list(shard)
+        assert len(batches) == len(shard) == round_robin.microbatches_per_process()
+        assert {b.rank for b in batches} == {rank}
+        dealt.append([list(b) for b in batches if not b.padding])
+        own.append([m.tolist() for step in sampler.steps() for m in step.microbatches])
+    assert dealt == own
+    counts = [len(d) for d in dealt]
+    assert counts[0] != counts[1]  # padding evened out different counts
+    everything = [i for d in dealt for m in d for i in m]
+    assert sorted(everything) == list(range(len(lengths)))
+
+
+def test_accelerates_batch_sampler_shard_refuses_the_sampler_itself(memory_model, lengths):
+    """What Accelerator.prepare of DataLoader(batch_sampler=sampler) builds at 2 processes."""
+    sampler = _sampler(memory_model, lengths, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="prepare_data_loader"):
+        accelerate.data_loader.BatchSamplerShard(sampler, num_processes=2, process_index=0)
+    assert accelerate.data_loader.BatchSamplerShard(sampler, num_processes=1, process_index=0).batch_size is None
+
+
+def test_epochs_and_resume_through_the_prepared_loader(memory_model, lengths):
+    accelerator = accelerate.Accelerator(cpu=True)
+    sampler = _sampler(memory_model, lengths)
+    loader = xpm_accelerate.prepare_data_loader(accelerator, _records(lengths), sampler, collate_fn=_pad)
+    epochs = []
+    for _ in range(2):  # accelerate counts the epochs itself: one per pass
+        epochs.append([i for m in xpm_accelerate.microbatch_loop(loader) for i in m.indices])
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(len(lengths))) and epochs[0] != epochs[1]
+    assert sampler.epoch == 1
+    # Stop after 2 steps of epoch 1, resume in a new sampler and loader: exactly the rest.
+    loader.set_epoch(1)
+    first, steps = [], 0
+    for microbatch in xpm_accelerate.microbatch_loop(loader):
+        first += microbatch.indices
+        steps += microbatch.last
+        if steps == 2:
+            break
+    state = sampler.state_dict()
+    assert state["epoch"] == 1 and state["steps_done"] == 2
+    resumed = _sampler(memory_model, lengths)
+    resumed.load_state_dict(state)
+    loader = xpm_accelerate.prepare_data_loader(accelerator, _records(lengths), resumed, collate_fn=_pad)
+    loader.set_epoch(state["epoch"])  # the same epoch: the resumed position stays
+    rest = [i for m in xpm_accelerate.microbatch_loop(loader) for i in m.indices]
+    assert first + rest == epochs[1]

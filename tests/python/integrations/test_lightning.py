@@ -1,0 +1,413 @@
+"""xpm under the real Lightning Trainer with ``strategy="ddp", devices=2`` on CPU.
+
+Lightning's DDP launcher starts the second rank by running the script again, so the training runs
+in a script of its own (written below into the test's temporary folder) and every rank writes
+what it saw to a JSON file: the record indices of every microbatch of every step, the optimizer
+steps, the gradient all-reduces (a counting DDP communication hook) per microbatch, OOMs under
+the CPU cap, the memory model's prediction errors, and the all-reduced gradient of two steps
+against the outer batch's mean-loss gradient computed in one batch.
+
+Data: Brown sentences when data/brown holds the corpus, else generated sentences of varied
+lengths.
+"""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("lightning")
+torch = pytest.importorskip("torch")
+import xpm  # noqa: E402
+
+METER = xpm.CpuMeter.install()  # before any model of this process: the meter must see the weights
+import lightning  # noqa: E402
+
+from xpm.integrations import lightning as xpm_lightning  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")  # sharded itself
+REPO = pathlib.Path(__file__).resolve().parents[3]
+RECORDS = 32 * 6 + 1  # the last outer batch holds one record: one rank's share of it is empty
+OUTER_BATCH = 32
+EPOCHS = 2
+
+WORKER = textwrap.dedent(r'''
+    """One rank of a Lightning DDP run with xpm's planning; writes rank<r>.json into argv[1]."""
+    import copy
+    import json
+    import pathlib
+    import random
+    import re
+    import sys
+    import warnings
+
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    import xpm
+
+    meter = xpm.CpuMeter.install()  # before any model is built
+    import lightning
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from xpm.integrations import lightning as xpm_lightning
+
+    OUT, MODE, DATA_DIR = pathlib.Path(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3])
+    RECORDS, OUTER_BATCH, EPOCHS = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+    CAP, MAX_CHARS, VOCAB = 8_000_000, 160, 128
+    warnings.filterwarnings("ignore", ".*IterableDataset. has .__len__. defined.*")
+
+
+    def sentences():
+        files = sorted(p for p in DATA_DIR.glob("c[a-r][0-9][0-9]")) if DATA_DIR.is_dir() else []
+        texts = []
+        for path in files:
+            for line in path.read_text().splitlines():
+                text = " ".join(token.rsplit("/", 1)[0] for token in line.split())
+                if len(text) >= 5:
+                    texts.append(text[:MAX_CHARS])
+        if len(texts) >= RECORDS:
+            return texts[:RECORDS], "brown"
+        rng = random.Random(7)  # generated like Brown's: words of 1-9 letters, 3-50 words a sentence
+        words = ["".join(rng.choice("etaoinshrdlucmfwyp") for _ in range(rng.randint(1, 9))) for _ in range(300)]
+        return [" ".join(rng.choice(words) for _ in range(min(50, 3 + int(rng.expovariate(1 / 18)))))[:MAX_CHARS]
+                for _ in range(RECORDS)], "generated"
+
+
+    def collate(texts):
+        chars = torch.zeros(len(texts), max(len(t) for t in texts), dtype=torch.long)
+        for row, text in enumerate(texts):
+            chars[row, :len(text)] = torch.tensor([ord(c) & 127 or 1 for c in text])
+        return {"chars": chars, "units": float(sum(len(t) - 1 for t in texts))}
+
+
+    class CharTransformer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(VOCAB, 32)
+            self.position = torch.nn.Embedding(MAX_CHARS, 32)
+            layer = torch.nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+            self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = torch.nn.Linear(32, VOCAB)
+
+        def loss_sum(self, chars):
+            inputs, targets = chars[:, :-1], chars[:, 1:]
+            l = inputs.size(1)
+            x = self.embedding(inputs) + self.position(torch.arange(l))
+            causal = torch.ones(l, l, dtype=torch.bool).triu(1)  # True: not attended
+            hidden = self.encoder(x, mask=causal, src_key_padding_mask=inputs.eq(0))
+            return torch.nn.functional.cross_entropy(self.head(hidden).reshape(-1, VOCAB), targets.reshape(-1),
+                                                     ignore_index=0, reduction="sum")
+
+
+    class Recorder(lightning.LightningModule):
+        def __init__(self, texts):
+            super().__init__()
+            self.automatic_optimization = False
+            self.net = CharTransformer()
+            self.texts, self.lengths = texts, np.array([len(t) for t in texts])
+            self.seen = {"steps": [], "optimizer_steps": 0, "ooms": 0, "max_abs_error": 0.0, "worst_under": 0.0,
+                         "measured": 0, "allreduces": [], "gradient_checks": []}
+            self.hook_calls = 0
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.net.parameters(), lr=1e-3)
+
+        def setup(self, stage):
+            torch.manual_seed(1)
+            meter.capacity_bytes = CAP
+            self.memory_model = xpm_lightning.probe_and_share(
+                self.net, self.configure_optimizers(),
+                lambda dims: self.net.loss_sum(torch.randint(1, VOCAB, (int(dims[0]), int(dims[1])))),
+                xpm.CostFormula("a*bs*l^2 + b*bs*l + d*bs + c", ["bs", "l"]), meter=meter,
+                variable_max={"bs": OUTER_BATCH, "l": int(self.lengths.max())}, design_fractions=(1.0, 0.5, 0.25))
+            self.reserve = xpm_lightning.ddp_bucket_bytes(self.net)  # allocated by DDP, after the probe
+            self.usable = xpm.MemoryBudget(CAP, extra_overhead_bytes=self.reserve).usable_bytes
+            self.seen["model_json"] = self.memory_model.to_json()
+            self.sampler = xpm.PredictiveBatchSampler(self.lengths, self.memory_model, self.usable,
+                                                      outer_batch_size=OUTER_BATCH, seed=3, units=self.lengths - 1,
+                                                      rank=torch.distributed.get_rank(),
+                                                      world_size=torch.distributed.get_world_size())
+
+        def train_dataloader(self):
+            if MODE == "stepdataset":  # the map-style adapter, as Lightning re-shards it under DDP
+                return torch.utils.data.DataLoader(xpm.StepDataset(self.texts, self.sampler, collate), batch_size=None)
+            return xpm_lightning.planned_dataloader(self.trainer, self.texts, self.sampler, collate)
+
+        def on_train_start(self):
+            def counting_allreduce(state, bucket):
+                self.hook_calls += 1
+                return allreduce_hook(None, bucket)
+            self.trainer.strategy.model.register_comm_hook(None, counting_allreduce)
+
+        def mean_loss(self, batch):
+            return self.net.loss_sum(batch["chars"]) / batch["units"]
+
+        def training_step(self, step, index):
+            calls, step_start = [], self.hook_calls
+
+            for batch, weight, last in xpm_lightning.microbatches(self, step):
+                before = self.hook_calls
+                meter.reset_peak()
+                try:
+                    self.manual_backward(weight * self.mean_loss(batch))
+                except RuntimeError as error:
+                    if "out of memory" in str(error).lower():
+                        self.seen["ooms"] += 1
+                    raise
+                measured = meter.peak_allocated_bytes
+                predicted = self.memory_model.predict(list(batch["chars"].shape)) + self.reserve
+                if measured > self.memory_model.floor_bytes:
+                    relative = (predicted - measured) / measured
+                    self.seen["measured"] += 1
+                    self.seen["max_abs_error"] = max(self.seen["max_abs_error"], abs(relative))
+                    self.seen["worst_under"] = min(self.seen["worst_under"], relative)
+                calls.append(self.hook_calls - before)
+            if not step.batches:  # the zero loss's backward ran inside microbatches()
+                calls.append(self.hook_calls - step_start)
+            self.seen["steps"].append({"epoch": step.epoch, "index": step.index, "batch_idx": index,
+                                       "lightning_epoch": self.current_epoch, "indices": step.indices})
+            self.seen["allreduces"].append(calls)
+            if step.epoch == 0 and step.index in (0, self.sampler.steps_per_epoch() - 1):
+                self.seen["gradient_checks"].append(self.gradient_check(step))
+            optimizer = self.optimizers()
+            optimizer.step()
+            optimizer.zero_grad()
+            self.seen["optimizer_steps"] += 1
+
+        def gradient_check(self, step):
+            """The all-reduced gradient against the outer batch's mean-loss gradient in one batch."""
+            shares = [None] * torch.distributed.get_world_size()  # every rank's records of this step
+            torch.distributed.all_gather_object(shares, [i for microbatch in step.indices for i in microbatch])
+            records = [i for share in shares for i in share]
+            capacity, meter.capacity_bytes = meter.capacity_bytes, 0
+            reference = copy.deepcopy(self.net)
+            reference.zero_grad(set_to_none=True)
+            batch = collate([self.texts[i] for i in records])
+            (reference.loss_sum(batch["chars"]) / batch["units"]).backward()
+            meter.capacity_bytes = capacity
+            worst = 0.0
+            for mine, theirs in zip(self.net.parameters(), reference.parameters()):
+                scale = float(theirs.grad.abs().max()) + 1e-12
+                worst = max(worst, float((mine.grad - theirs.grad).abs().max()) / scale)
+            return {"index": step.index, "records": sorted(records), "max_rel_diff": worst,
+                    "empty_share": not step.batches}
+
+
+    if __name__ == "__main__":
+        texts, source = sentences()
+        module = Recorder(texts)
+        trainer = lightning.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_epochs=EPOCHS, logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False, use_distributed_sampler=True)
+        try:
+            trainer.fit(module)
+        except Exception as error:  # written down for the test, then the run fails
+            module.seen["error"] = f"{type(error).__name__}: {error}"
+        module.seen.update(rank=trainer.global_rank, world_size=trainer.world_size, source=source,
+                           steps_per_epoch=module.sampler.steps_per_epoch() if hasattr(module, "sampler") else None)
+        (OUT / f"rank{trainer.global_rank}.json").write_text(json.dumps(module.seen))
+        sys.exit(1 if "error" in module.seen else 0)
+''')
+
+
+def _run_ranks(tmp_path: pathlib.Path, mode: str, timeout_s: float) -> list:
+    """Runs the worker (Lightning starts rank 1 itself); returns both ranks' JSON."""
+    script = tmp_path / "lightning_ddp_worker.py"
+    script.write_text(WORKER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    env.pop("LOCAL_RANK", None)
+    env.pop("WORLD_SIZE", None)
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path), mode, str(REPO / "data" / "brown"),
+                                str(RECORDS), str(OUTER_BATCH), str(EPOCHS)], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the run's own session: both ranks
+        output, _ = process.communicate()
+        pytest.fail(f"the DDP run did not finish in {timeout_s} s (a hang?):\n{output.decode()[-3000:]}")
+    files = [tmp_path / f"rank{r}.json" for r in range(2)]
+    missing = [f.name for f in files if not f.exists()]
+    assert not missing, f"ranks wrote no result {missing}; exit {process.returncode}:\n{output.decode()[-3000:]}"
+    return [json.loads(f.read_text()) for f in files], process.returncode, output.decode()
+
+
+def test_ddp_two_ranks_every_record_once_one_allreduce_per_step(tmp_path):
+    start = time.perf_counter()
+    ranks, code, output = _run_ranks(tmp_path, "planned", timeout_s=100)
+    for seen in ranks:
+        assert "error" not in seen, seen["error"]
+    assert code == 0, output[-3000:]
+    assert [seen["rank"] for seen in ranks] == [0, 1] and {seen["world_size"] for seen in ranks} == {2}
+    # The plans are the same on both ranks: rank 0 probed and sent its model.
+    assert ranks[0]["model_json"] == ranks[1]["model_json"]
+
+    steps_per_epoch = ranks[0]["steps_per_epoch"]
+    assert steps_per_epoch == -(-RECORDS // OUTER_BATCH)
+    # The same number of optimizer steps on both ranks, one per outer batch.
+    assert [seen["optimizer_steps"] for seen in ranks] == [EPOCHS * steps_per_epoch] * 2
+    # Every record exactly once per epoch across both ranks; each epoch its own permutation.
+    orders = []
+    for epoch in range(EPOCHS):
+        seen_indices = []
+        for seen in ranks:
+            steps = [s for s in seen["steps"] if s["epoch"] == epoch]
+            assert [s["index"] for s in steps] == list(range(steps_per_epoch))
+            assert all(s["batch_idx"] == s["index"] and s["lightning_epoch"] == epoch for s in steps)
+            seen_indices += [i for s in steps for microbatch in s["indices"] for i in microbatch]
+        assert sorted(seen_indices) == list(range(RECORDS)), f"epoch {epoch}: records missing or repeated"
+        orders.append([i for s in ranks[0]["steps"] if s["epoch"] == epoch for mb in s["indices"] for i in mb])
+    assert orders[0] != orders[1], "both epochs had the same permutation (set_epoch not applied)"
+
+    # Several microbatches per outer batch under the cap, and no OOM.
+    microbatches = sum(len(s["indices"]) for seen in ranks for s in seen["steps"])
+    assert microbatches >= 2 * EPOCHS * steps_per_epoch * 2 - 2, f"only {microbatches} microbatches"
+    assert [seen["ooms"] for seen in ranks] == [0, 0]
+    assert all(seen["measured"] > 0 for seen in ranks)
+    # Measured peaks against the model's prediction plus DDP's buckets (what the budget reserves):
+    # under by at most half the budget's 10 % margin; over by more at the first step (no optimizer
+    # state yet) and at small microbatches, which costs nothing but a smaller microbatch.
+    assert min(seen["worst_under"] for seen in ranks) > -0.05
+    assert max(seen["max_abs_error"] for seen in ranks) < 0.25
+
+    # Gradients all-reduced once per step on every rank, at its last microbatch only.
+    assert [len(seen["allreduces"]) for seen in ranks] == [EPOCHS * steps_per_epoch] * 2
+    per_step = [[sum(calls) for calls in seen["allreduces"]] for seen in ranks]
+    assert per_step[0] == per_step[1] and min(per_step[0]) >= 1
+    for seen in ranks:
+        for calls in seen["allreduces"]:
+            assert all(c == 0 for c in calls[:-1]) and calls[-1] >= 1, f"all-reduces per microbatch: {calls}"
+
+    # The all-reduced gradient is the outer batch's mean-loss gradient (first and last step of
+    # epoch 0; in the last, one rank's share is empty and it backwards the zero loss).
+    checks = [check for seen in ranks for check in seen["gradient_checks"]]
+    assert len(checks) == 4 and sum(check["empty_share"] for check in checks) == 1
+    assert max(check["max_rel_diff"] for check in checks) < 1e-4, checks
+    print(f"\nlightning ddp: {ranks[0]['source']} records {RECORDS}, {EPOCHS} epochs x {steps_per_epoch} steps, "
+          f"{microbatches} microbatches, all-reduces/step {per_step[0][0]}, OOM 0, max |prediction error| "
+          f"{100 * max(s['max_abs_error'] for s in ranks):.2f} %, gradient rel diff "
+          f"{max(c['max_rel_diff'] for c in checks):.1e}, {time.perf_counter() - start:.0f} s")
+
+
+def test_ddp_map_style_step_dataset_is_refused_with_the_fix(tmp_path):
+    # With use_distributed_sampler=True (the default), Lightning puts a DistributedSampler on a
+    # map-style xpm.StepDataset loader; the first training step refuses its items.
+    ranks, code, output = _run_ranks(tmp_path, "stepdataset", timeout_s=100)
+    assert code != 0
+    for seen in ranks:
+        assert seen["error"].startswith("TypeError: xpm: training_step got a list, not a PlannedStep"), seen["error"]
+        assert "use_distributed_sampler=False" in seen["error"] and "\n" not in seen["error"]
+        assert seen["optimizer_steps"] == 0
+
+
+# ---- one process, one device: the same recipe without DDP, and its errors
+
+class BigramModule(lightning.LightningModule):
+    """Next character from the current one (embedding 16 -> 128 logits); memory grows with bs*l."""
+
+    def __init__(self, texts, sampler_world_size=None, automatic=False):
+        super().__init__()
+        self.automatic_optimization = automatic
+        self.embedding = torch.nn.Embedding(128, 16)
+        self.head = torch.nn.Linear(16, 128)
+        self.texts, self.lengths = texts, np.array([len(t) for t in texts])
+        self.sampler_world_size = sampler_world_size
+        self.steps_seen = []
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def loss_sum(self, chars):
+        logits = self.head(self.embedding(chars[:, :-1]))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 128), chars[:, 1:].reshape(-1), ignore_index=0,
+                                                 reduction="sum")
+
+    def setup(self, stage):
+        METER.capacity_bytes = 3_000_000
+        model = xpm_lightning.probe_and_share(
+            self, self.configure_optimizers(), lambda dims: self.loss_sum(torch.randint(1, 128, (int(dims[0]), int(dims[1])))),
+            xpm.CostFormula("a*bs*l + b*bs + c", ["bs", "l"]), meter=METER,
+            variable_max={"bs": 16, "l": int(self.lengths.max())}, design_fractions=(1.0, 0.5))
+        world = self.sampler_world_size or self.trainer.world_size
+        self.sampler = xpm.PredictiveBatchSampler(self.lengths, model, xpm.MemoryBudget(3_000_000).usable_bytes,
+                                                  outer_batch_size=16, rank=0, world_size=world, seed=5,
+                                                  units=self.lengths - 1)
+
+    def teardown(self, stage):
+        METER.capacity_bytes = 0
+
+    def train_dataloader(self):
+        return xpm_lightning.planned_dataloader(self.trainer, self.texts, self.sampler, _collate)
+
+    def mean_loss(self, batch):
+        return self.loss_sum(batch["chars"]) / batch["units"]
+
+    def training_step(self, step, index):
+        loss = xpm_lightning.backward_microbatches(self, step, self.mean_loss)
+        self.steps_seen.append((step.epoch, step.index, step.indices))
+        self.optimizers().step()
+        self.optimizers().zero_grad()
+        return loss
+
+
+def _collate(texts):
+    chars = torch.zeros(len(texts), max(len(t) for t in texts), dtype=torch.long)
+    for row, text in enumerate(texts):
+        chars[row, :len(text)] = torch.tensor([ord(c) & 127 or 1 for c in text])
+    return {"chars": chars, "units": float(sum(len(t) - 1 for t in texts))}
+
+
+def _texts(n=70):
+    rng = np.random.default_rng(11)
+    return ["".join(rng.choice(list("abcdefgh ")) for _ in range(int(k))) for k in rng.integers(5, 160, n)]
+
+
+def _trainer(epochs=2):
+    return lightning.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+
+
+def test_single_device_every_record_once_per_epoch_several_microbatches():
+    torch.manual_seed(2)
+    texts = _texts()
+    module = BigramModule(texts)
+    trainer = _trainer()
+    trainer.fit(module)
+    steps_per_epoch = module.sampler.steps_per_epoch()
+    assert trainer.global_step == 2 * steps_per_epoch  # one optimizer step per outer batch
+    assert [(e, k) for e, k, _ in module.steps_seen] == [(e, k) for e in range(2) for k in range(steps_per_epoch)]
+    orders = [[i for e, _, indices in module.steps_seen if e == epoch for mb in indices for i in mb] for epoch in (0, 1)]
+    assert all(sorted(order) == list(range(len(texts))) for order in orders) and orders[0] != orders[1]
+    assert sum(len(indices) for _, _, indices in module.steps_seen) > len(module.steps_seen)  # several microbatches
+
+
+def test_errors_name_the_fix():
+    texts = _texts(20)
+    with pytest.raises(ValueError, match="automatic_optimization = False"):
+        _trainer(1).fit(BigramModule(texts, automatic=True))
+    with pytest.raises(ValueError, match="rank 0 of world size 2 but this process is rank 0 of 1"):
+        _trainer(1).fit(BigramModule(texts, sampler_world_size=2))
+    with pytest.raises(ValueError, match="batch_size cannot be given"):
+        xpm_lightning.planned_dataloader(_trainer(1), texts, None, _collate, batch_size=4)
+
+
+def test_workers_collate_the_same_steps_in_the_same_order():
+    texts = _texts(50)
+    module = BigramModule(texts, sampler_world_size=1)
+    module.setup("fit")
+    try:
+        trainer = _trainer(1)
+        runs = [[(s.epoch, s.index, s.indices, [b["chars"].shape for b, _ in s.batches], [w for _, w in s.batches])
+                 for s in xpm_lightning.planned_dataloader(trainer, texts, module.sampler, _collate, num_workers=workers)]
+                for workers in (0, 2)]
+    finally:
+        METER.capacity_bytes = 0
+    assert runs[0] == runs[1] and len(runs[0]) == module.sampler.steps_per_epoch()
