@@ -26,9 +26,18 @@ macro(_xpm_cuda_hints)
   string(REGEX MATCH "^[0-9]+" _xpm_cuda_major "${_xpm_torch_cuda}")
   find_library(CUDA_nvrtc_LIBRARY NAMES nvrtc libnvrtc.so.${_xpm_cuda_major}
                HINTS ${_xpm_cuda_root}/lib64 ${_xpm_nvidia_lib_dirs})
-  # The NCCL process group's header (nccl.h) comes with the nvidia-nccl wheel.
+  # The NCCL process group's header (nccl.h) comes with the nvidia-nccl wheel, and LibTorch's
+  # CUDA headers include the CUDA libraries' own (cusparse.h, cublas_v2.h), which a minimal
+  # toolkit may lack and the nvidia-* wheels hold: XPM_CUDA_INCLUDE_DIRS.
   find_path(XPM_NCCL_INCLUDE_DIR nccl.h HINTS ${_xpm_cuda_root}/include ${_xpm_nvidia_lib_dirs}
             PATH_SUFFIXES ../include)
+  set(XPM_CUDA_INCLUDE_DIRS "")
+  foreach(_xpm_lib_dir IN LISTS _xpm_nvidia_lib_dirs)
+    get_filename_component(_xpm_include_dir ${_xpm_lib_dir}/../include ABSOLUTE)
+    if(IS_DIRECTORY ${_xpm_include_dir})
+      list(APPEND XPM_CUDA_INCLUDE_DIRS ${_xpm_include_dir})
+    endif()
+  endforeach()
   # enable_language(CUDA) in TorchConfig.cmake defines CMAKE_CUDA_ARCHITECTURES, which torch
   # then warns it ignores (it uses TORCH_CUDA_ARCH_LIST); xpm compiles no CUDA code.
   if(POLICY CMP0104)
@@ -72,5 +81,18 @@ macro(xpm_find_torch)
      NOT XPM_TORCH_VERSION VERSION_LESS XPM_TORCH_END_VERSION)
     _xpm_torch_fail("torch ${XPM_TORCH_VERSION} (${Torch_DIR}) is outside the supported range ${XPM_TORCH_MIN_VERSION} to before ${XPM_TORCH_END_VERSION}: install torch==2.13.0 in that environment or point XPM_PYTHON_EXECUTABLE at one that has it")
   endif()
-  message(STATUS "xpm: LibTorch of torch ${XPM_TORCH_VERSION} (${Torch_DIR})")
+  # torch 2.14's headers require C++20 (torch/all.h: "C++20 or later compatible compiler is
+  # required"); earlier ones take C++17. What is compiled against LibTorch from here on (and an
+  # embedder linking xpm::planner_torch) uses the standard the headers ask for.
+  set(XPM_TORCH_CXX_STANDARD 17)
+  foreach(_xpm_dir IN LISTS TORCH_INCLUDE_DIRS)
+    if(EXISTS ${_xpm_dir}/torch/all.h)
+      file(STRINGS ${_xpm_dir}/torch/all.h _xpm_cxx20 REGEX "C\\+\\+20 or later")
+      if(_xpm_cxx20)
+        set(XPM_TORCH_CXX_STANDARD 20)
+      endif()
+    endif()
+  endforeach()
+  set(CMAKE_CXX_STANDARD ${XPM_TORCH_CXX_STANDARD})
+  message(STATUS "xpm: LibTorch of torch ${XPM_TORCH_VERSION} (${Torch_DIR}), C++${XPM_TORCH_CXX_STANDARD}")
 endmacro()

@@ -1,24 +1,17 @@
-"""For trainers that take one batch per optimizer step (the Hugging Face Trainer, Lightning with
-manual optimization): one item per step, holding the step's microbatches and their weights.
+"""For trainers that take one batch per optimizer step: one item per step, holding the step's
+microbatches and their weights.
 
     steps = xpm.StepDataset(dataset, sampler, collate_fn)       # item k: [(batch, weight), ...]
     loader = torch.utils.data.DataLoader(steps, batch_size=None, shuffle=False)
+    for items in loader:                                        # one optimizer step each
+        loss = xpm.accumulate(items, mean_loss, backward)
+        optimizer.step(); optimizer.zero_grad(set_to_none=False)
 
-    # Hugging Face Trainer (gradient_accumulation_steps=1): return `loader` from
-    # get_train_dataloader() and run the microbatches in training_step:
-    class PlannedTrainer(transformers.Trainer):
-        def get_train_dataloader(self):
-            return loader
-        def training_step(self, model, inputs):
-            return xpm.accumulate(inputs, lambda batch: self.compute_loss(model, batch),
-                                  self.accelerator.backward)
-
-    # Lightning (self.automatic_optimization = False): train_dataloader() returns `loader`;
-    # training_step(self, inputs, index): xpm.accumulate(inputs, self.mean_loss, self.manual_backward),
-    # then self.optimizers().step(); self.optimizers().zero_grad()
-
-The trainer then clips and steps once per item. Neither package is needed here: the contract
-is ``accumulate`` over one item, which tests/python checks with a stand-in of the trainer loop.
+``StepDataset`` plans the sampler's current epoch once, when it is built: build one per epoch
+(after ``sampler.set_epoch``). For the Hugging Face Trainer, Lightning and accelerate use
+``xpm.integrations`` (``hf_trainer.PlannedTrainer``, ``lightning.planned_dataloader``,
+``accelerate.prepare_data_loader``), which handle their sharding, gradient synchronisation and
+resume; this module is the same pattern for a loop of your own.
 """
 from __future__ import annotations
 

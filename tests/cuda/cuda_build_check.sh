@@ -34,8 +34,11 @@ if grep -q "warning:" "$log"; then
   exit 1
 fi
 # The real meter and the NCCL group are in the libraries, not the stand-ins of a CPU build.
-nm -DC "$build/lib/libxpm_planner_torch.so" | grep -q "CUDACachingAllocator" ||
+# (nm's output is kept first: grep -q would stop reading early and, under pipefail, fail nm.)
+planner_torch_symbols=$(nm -DC "$build/lib/libxpm_planner_torch.so")
+grep -q "CUDACachingAllocator" <<<"$planner_torch_symbols" ||
   { echo "cuda_build_check: libxpm_planner_torch.so does not use the CUDA caching allocator" >&2; exit 1; }
-nm -DC "$build/lib/libxpm_trainer.so" | grep -q "ProcessGroupNCCL" ||
+trainer_symbols=$(nm -DC "$build/lib/libxpm_trainer.so")
+grep -q "ProcessGroupNCCL" <<<"$trainer_symbols" ||
   { echo "cuda_build_check: libxpm_trainer.so does not use the NCCL process group" >&2; exit 1; }
 echo "cuda_build_check: CudaMemoryMeter and the NCCL process group compiled and linked (no undefined symbols)"

@@ -1,5 +1,6 @@
-"""The xpm package under test is the build tree's (PYTHONPATH set by CTest); bin_dir is the
-build's programs (xpm-plan)."""
+"""The xpm package under test is the one the interpreter imports: under CTest, the copy that
+`pip install --no-build-isolation .` put into a fresh virtual environment (by hand,
+PYTHONPATH=build/python gives the build tree's); bin_dir is the build's programs (xpm-plan)."""
 import os
 import pathlib
 

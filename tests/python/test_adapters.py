@@ -1,13 +1,13 @@
-"""The per-step adapter's contract, with a stand-in of the loop the Hugging Face Trainer and
-Lightning run (one item per optimizer step, training_step then optimizer.step)."""
+"""The per-step adapter's contract in a plain loop of one item per optimizer step (training_step,
+then optimizer.step); the real trainers are tested in tests/python/integrations/."""
 import numpy as np
 import torch
 
 import xpm
 
 
-class StandInTrainer:
-    """What such a trainer does with one item per step: training_step, then one optimizer step."""
+class OneItemPerStepLoop:
+    """A loop of one item per optimizer step: training_step, then one optimizer step."""
 
     def __init__(self, model, optimizer, training_step):
         self.model, self.optimizer, self.training_step = model, optimizer, training_step
@@ -42,7 +42,7 @@ def test_one_item_per_step_gives_each_step_the_outer_batch_gradient():
         rows = torch.cat([features[i] for i in ids])
         return net(rows).pow(2).sum() / rows.shape[0]
 
-    trainer = StandInTrainer(net, torch.optim.SGD(net.parameters(), lr=0.1),
+    trainer = OneItemPerStepLoop(net, torch.optim.SGD(net.parameters(), lr=0.1),
                              lambda model, inputs: xpm.accumulate(inputs, mean_loss, torch.Tensor.backward))
     trainer.train(loader)
     seen = [i for item in steps for ids, _ in item for i in ids]

@@ -192,6 +192,36 @@ TEST_CASE("LossTrainer::train_step with named losses steps once and report_losse
   CHECK(context.metrics().at("train/loss/tagging") == result.named_losses.at("tagging").mean);
 }
 
+TEST_CASE("LossTrainer keeps every gradient tensor between steps, zeroed in place (LibTorch 2.x's zero_grad would free them)") {
+  const auto sentences = random_sentences(9);
+  xpm::TransformerTagger model = small_tagger();
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  std::vector<double> ones(sentences.size(), 1.0);
+  std::vector<std::vector<double>> dims;
+  for (const auto& s : sentences) dims.push_back({1.0, static_cast<double>(s.token_ids.size())});
+  xpm::PredictiveBatcher batcher = token_slot_batcher(30);
+  xpm::LossTrainer trainer(optimizer, batcher, nullptr);
+  xpm::WeightedLosses losses;
+  losses.weights = {{"tagging", 1.0}};
+  const auto step = [&] {
+    return trainer.train_step(dims, ones, losses, [&](const std::vector<std::size_t>& ids) {
+      return named_sums(model, sentences, ids);
+    });
+  };
+  step();
+  std::vector<const void*> storages;
+  for (const torch::Tensor& parameter : model->parameters()) {
+    REQUIRE(parameter.grad().defined());
+    storages.push_back(parameter.grad().data_ptr());
+  }
+  step();
+  std::size_t k = 0;
+  for (const torch::Tensor& parameter : model->parameters()) {
+    REQUIRE(parameter.grad().defined());
+    CHECK(parameter.grad().data_ptr() == storages[k++]);  // the same tensor, not a new one
+  }
+}
+
 TEST_CASE("weighted losses refuse bad weights, names and a loss function that returns other losses, naming the loss") {
   xpm::WeightedLosses losses;
   CHECK_THROWS_AS(losses.validate(), std::invalid_argument);
