@@ -731,10 +731,11 @@ bool covered_by_siblings(const CostFormula& formula, const std::set<int>& zeroed
 }
 
 // Non-linear fits, after solving: every coefficient must change the prediction at some
-// measurement at the fitted point. A max() argument that never wins at any measurement, whose
-// zeroing changes nothing there and which a sibling of the same shape covers (e.g. the second
-// of two quadratic pieces when one explains every probe), is set to 0 and named in the
-// summary; any other dependence makes the fit unusable.
+// measurement at the fitted point, independently of the others. A max() argument that adds
+// nothing at any measurement (it never wins, or ties a sibling of the same shape everywhere),
+// whose zeroing changes no prediction there and which a sibling of the same shape covers (e.g.
+// the second of two quadratic pieces when one explains every probe), is set to 0, coefficient by
+// coefficient, and named in the summary; any other dependence makes the fit unusable.
 void check_identified_at_fit(const CostFormula& formula, const std::vector<Measurement>& measurements,
                              const FitOptions& options, FitResult& result) {
   FitSummary& s = result.summary;
@@ -757,8 +758,7 @@ void check_identified_at_fit(const CostFormula& formula, const std::vector<Measu
     for (std::size_t& partner : d->partners) partner = active[partner];
     const std::string reason = describe_dependence(formula, measurements, *d, "at the fitted point").first;
     if (first_reason.empty()) first_reason = reason;
-    if (!d->partners.empty() ||
-        !zeroing_changes_nothing(formula, measurements, result.coefficients, d->dependent)) {
+    if (!zeroing_changes_nothing(formula, measurements, result.coefficients, d->dependent)) {
       s.reasons.push_back(zeroed.empty() ? reason : first_reason);
       result.coefficients = fitted;
       return;

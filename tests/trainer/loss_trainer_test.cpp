@@ -202,7 +202,7 @@ TEST_CASE("LossTrainer keeps every gradient tensor between steps, zeroed in plac
   xpm::PredictiveBatcher batcher = token_slot_batcher(30);
   xpm::LossTrainer trainer(optimizer, batcher, nullptr);
   xpm::WeightedLosses losses;
-  losses.weights = {{"tagging", 1.0}};
+  losses.weights = {{"tagging", 1.0}, {"first_tag", 0.0}};
   const auto step = [&] {
     return trainer.train_step(dims, ones, losses, [&](const std::vector<std::size_t>& ids) {
       return named_sums(model, sentences, ids);
