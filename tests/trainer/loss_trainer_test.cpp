@@ -157,15 +157,31 @@ TEST_CASE("a weighted sum of named losses gives the gradient of sum_k w_k mean_k
   CHECK(tagging.mean() == doctest::Approx(tagging_mean).epsilon(1e-12));
 }
 
-TEST_CASE("LossTrainer::train_step with named losses steps once and report_losses records loss and loss/<name>") {
-  const auto sentences = random_sentences(9);
+// Nine random sentences, the small tagger, SGD and a LossTrainer planning 30-token microbatches:
+// what the train_step cases share.
+struct NineSentenceStep {
+  std::vector<xpm::EncodedSentence> sentences = random_sentences(9);
   xpm::TransformerTagger model = small_tagger();
-  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
-  std::vector<double> ones(sentences.size(), 1.0);
-  std::vector<std::vector<double>> dims;
-  for (const auto& s : sentences) dims.push_back({1.0, static_cast<double>(s.token_ids.size())});
+  torch::optim::SGD optimizer{model->parameters(), torch::optim::SGDOptions(0.1)};
+  std::vector<double> ones = std::vector<double>(sentences.size(), 1.0);
+  std::vector<std::vector<double>> dims = token_dims(sentences);
   xpm::PredictiveBatcher batcher = token_slot_batcher(30);
-  xpm::LossTrainer trainer(optimizer, batcher, nullptr);
+  xpm::LossTrainer trainer{optimizer, batcher, nullptr};
+
+  static std::vector<std::vector<double>> token_dims(const std::vector<xpm::EncodedSentence>& sentences) {
+    std::vector<std::vector<double>> out;
+    for (const auto& s : sentences) out.push_back({1.0, static_cast<double>(s.token_ids.size())});
+    return out;
+  }
+};
+
+TEST_CASE("LossTrainer::train_step with named losses steps once and report_losses records loss and loss/<name>") {
+  NineSentenceStep f;
+  const auto& sentences = f.sentences;
+  auto& model = f.model;
+  const auto& ones = f.ones;
+  const auto& dims = f.dims;
+  auto& trainer = f.trainer;
   xpm::WeightedLosses losses;
   losses.weights = {{"tagging", 0.0}, {"first_tag", 2.0}};
   const torch::Tensor before = model->parameters()[0].detach().clone();
@@ -193,14 +209,12 @@ TEST_CASE("LossTrainer::train_step with named losses steps once and report_losse
 }
 
 TEST_CASE("LossTrainer keeps every gradient tensor between steps, zeroed in place (LibTorch 2.x's zero_grad would free them)") {
-  const auto sentences = random_sentences(9);
-  xpm::TransformerTagger model = small_tagger();
-  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
-  std::vector<double> ones(sentences.size(), 1.0);
-  std::vector<std::vector<double>> dims;
-  for (const auto& s : sentences) dims.push_back({1.0, static_cast<double>(s.token_ids.size())});
-  xpm::PredictiveBatcher batcher = token_slot_batcher(30);
-  xpm::LossTrainer trainer(optimizer, batcher, nullptr);
+  NineSentenceStep f;
+  const auto& sentences = f.sentences;
+  auto& model = f.model;
+  const auto& ones = f.ones;
+  const auto& dims = f.dims;
+  auto& trainer = f.trainer;
   xpm::WeightedLosses losses;
   losses.weights = {{"tagging", 1.0}, {"first_tag", 0.0}};
   const auto step = [&] {
