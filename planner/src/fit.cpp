@@ -779,6 +779,81 @@ void check_identified_at_fit(const CostFormula& formula, const std::vector<Measu
                    "one of the same shape): set to 0";
 }
 
+namespace {
+
+// Leave-one-shape-out: every group of points with the same dims is left out in turn, the others
+// refitted (non-linear fits start from the full solution), and the group predicted.
+void leave_one_shape_out(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                         const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
+                         FitResult& result) {
+  FitSummary& s = result.summary;
+  const std::size_t n = measurements.size();
+  const std::size_t k = formula.coefficient_names().size();
+  if (!options.leave_one_out) {
+    s.leave_one_out_note = "not computed (FitOptions::leave_one_out is off)";
+    return;
+  }
+  std::vector<std::vector<std::size_t>> shapes;  // indices of the points of each distinct dims
+  for (std::size_t i = 0; i < n; ++i) {
+    auto same = std::find_if(shapes.begin(), shapes.end(), [&](const auto& group) {
+      return measurements[group.front()].dims == measurements[i].dims;
+    });
+    if (same == shapes.end()) shapes.push_back({i}); else same->push_back(i);
+  }
+  std::size_t largest = 0;
+  for (const auto& group : shapes) largest = std::max(largest, group.size());
+  if (n - largest < k) {
+    s.leave_one_out_note = "not computed: " + std::to_string(n) + " points for " +
+                           std::to_string(k) + " coefficients (" + std::to_string(shapes.size()) +
+                           " distinct dims); it needs as many points as coefficients without "
+                           "any one shape";
+    return;
+  }
+  std::vector<double> loo(n, 0.0);
+  double loo_max = 0;
+  std::vector<std::vector<double>> refits;
+  for (const auto& group : shapes) {
+    std::vector<Measurement> rest;
+    for (std::size_t j = 0; j < n; ++j) {
+      if (std::find(group.begin(), group.end(), j) == group.end()) rest.push_back(measurements[j]);
+    }
+    try {
+      const Solution without = solve(formula, rest, bounds, options, &result.coefficients);
+      refits.push_back(without.coefficients);
+      for (std::size_t i : group) {
+        const Measurement& m = measurements[i];
+        loo[i] = (formula.predict(without.coefficients, m.dims) - m.bytes) / m.bytes;
+        loo_max = std::isnan(loo[i]) || std::isnan(loo_max) ? std::nan("")
+                                                            : std::max(loo_max, std::abs(loo[i]));
+      }
+    } catch (const IdentifiabilityError& e) {
+      s.leave_one_out_note = "not computed: without point " + std::to_string(group.front()) +
+                             " (" + describe_dims(formula, measurements[group.front()].dims) + ")" +
+                             " the coefficients " + and_list(e.coefficients()) +
+                             " cannot be separated";
+      return;
+    }
+  }
+  s.leave_one_out_rel_errors = std::move(loo);
+  s.leave_one_out_max_rel_error = loo_max;
+  s.leave_one_out_coefficients = std::move(refits);
+}
+
+bool held_out_above_limit(const FitSummary& s, const FitOptions& options) {
+  return !s.leave_one_out_rel_errors.empty() &&
+         !(s.leave_one_out_max_rel_error <= options.usable_max_rel_error);
+}
+
+std::size_t worst_held_out_point(const FitSummary& s) {
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < s.leave_one_out_rel_errors.size(); ++i) {
+    if (!(std::abs(s.leave_one_out_rel_errors[i]) <= std::abs(s.leave_one_out_rel_errors[at]))) at = i;
+  }
+  return at;
+}
+
+}  // namespace
+
 FitResult fit_points(const CostFormula& formula, const std::vector<Measurement>& measurements,
                      const std::vector<InfeasibleBound>& bounds, const FitOptions& options) {
   const auto& coefs = formula.coefficient_names();
@@ -850,42 +925,7 @@ FitResult fit_points(const CostFormula& formula, const std::vector<Measurement>&
   s.mean_rel_error = sum_abs / static_cast<double>(n);
   s.residual_structure = detail::residual_structure(formula, measurements, s.rel_errors);
 
-  // Leave-one-out: refit without point i (non-linear fits start from the full solution), then
-  // predict point i.
-  if (!options.leave_one_out) {
-    s.leave_one_out_note = "not computed (FitOptions::leave_one_out is off)";
-  } else if (n <= k) {
-    s.leave_one_out_note = "not computed: " + std::to_string(n) + " points for " +
-                           std::to_string(k) +
-                           " coefficients; it needs more points than coefficients";
-  } else {
-    double loo_max = 0;
-    std::vector<double> loo;
-    loo.reserve(n);
-    for (std::size_t i = 0; i < n && s.leave_one_out_note.empty(); ++i) {
-      std::vector<Measurement> rest;
-      rest.reserve(n - 1);
-      for (std::size_t j = 0; j < n; ++j) {
-        if (j != i) rest.push_back(measurements[j]);
-      }
-      try {
-        const Solution without = solve(formula, rest, bounds, options, &result.coefficients);
-        const Measurement& m = measurements[i];
-        const double rel = (formula.predict(without.coefficients, m.dims) - m.bytes) / m.bytes;
-        loo.push_back(rel);
-        loo_max = std::isnan(rel) || std::isnan(loo_max) ? std::nan("")
-                                                         : std::max(loo_max, std::abs(rel));
-      } catch (const IdentifiabilityError& e) {
-        s.leave_one_out_note = "not computed: without point " + std::to_string(i) +
-                               " the coefficients " + and_list(e.coefficients()) +
-                               " cannot be separated";
-      }
-    }
-    if (s.leave_one_out_note.empty()) {
-      s.leave_one_out_rel_errors = std::move(loo);
-      s.leave_one_out_max_rel_error = loo_max;
-    }
-  }
+  leave_one_shape_out(formula, measurements, bounds, options, result);
 
   // Usable?
   if (!s.converged) {
@@ -900,6 +940,14 @@ FitResult fit_points(const CostFormula& formula, const std::vector<Measurement>&
                         describe_dims(formula, measurements[worst].dims) +
                         ") is above the limit " + percent(options.usable_max_rel_error) +
                         " (FitOptions::usable_max_rel_error)");
+  } else if (held_out_above_limit(s, options)) {
+    const std::size_t at = worst_held_out_point(s);
+    s.reasons.push_back("held-out (leave-one-shape-out) max relative error " +
+                        percent(s.leave_one_out_max_rel_error) + " at point " + std::to_string(at) +
+                        " (" + describe_dims(formula, measurements[at].dims) +
+                        ") is above the limit " + percent(options.usable_max_rel_error) +
+                        " (FitOptions::usable_max_rel_error): the fit does not predict shapes it "
+                        "was not fitted to; probe more shapes or change the formula");
   }
   s.infeasible_bound_count = bounds.size();
   for (std::size_t b = 0; b < bounds.size(); ++b) {

@@ -19,6 +19,8 @@ namespace {
 constexpr double kBelowTrend = 0.002;
 // ... and one under-predicted by at most this still counts as on the trend (not above it).
 constexpr double kOnTrend = 0.001;
+// A fit of every point within this at every point explains them all: nothing is left out.
+constexpr double kExplained = 0.01;
 
 struct Split {
   std::vector<std::size_t> single;  // measurements at batch size 1
@@ -81,6 +83,14 @@ FitResult without_single_records(const CostFormula& formula,
   return rest;
 }
 
+// The fit without the single records predicts held-out shapes better (or held-out error is not
+// known for the fit of every point).
+bool lower_held_out(const FitResult& rest, const FitResult& all) {
+  const double without = rest.summary.leave_one_out_max_rel_error;
+  const double with = all.summary.leave_one_out_max_rel_error;
+  return std::isnan(with) || (!std::isnan(without) && without < with);
+}
+
 }  // namespace
 
 FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measurement>& measurements,
@@ -94,6 +104,7 @@ FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measure
   FitResult all = detail::fit_points(formula, measurements, bounds, options);
   all.summary.batch_size_variable = options.batch_size_variable;
   if (!options.single_record_regime || options.batch_size_variable.empty()) return all;
+  if (all.summary.usable && all.summary.max_rel_error <= kExplained) return all;
   const Split split = split_single_records(formula, measurements, options);
   // Enough other points to fit and to leave one out.
   if (split.single.empty() || split.rest.size() < formula.coefficient_names().size() + 2) return all;
@@ -110,7 +121,8 @@ FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measure
     below = below && e >= -kOnTrend;
     notably = notably || e >= kBelowTrend;
   }
-  if (!below || !notably || !rest.summary.usable || !(rest.summary.max_rel_error < all.summary.max_rel_error)) {
+  if (!below || !notably || !rest.summary.usable ||
+      !(rest.summary.max_rel_error < all.summary.max_rel_error) || !lower_held_out(rest, all)) {
     return all;
   }
   return without_single_records(formula, measurements, split, std::move(rest));

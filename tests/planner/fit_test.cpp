@@ -304,7 +304,7 @@ TEST_CASE("leave-one-out error on exact data is about zero") {
   CHECK(r.summary.leave_one_out_note.empty());
   REQUIRE(r.summary.leave_one_out_rel_errors.size() == 16);
   CHECK(r.summary.leave_one_out_max_rel_error < 1e-8);
-  CHECK(contains(r.summary.brief_report(), "leave-one-out max relative error"));
+  CHECK(contains(r.summary.brief_report(), "held-out (leave-one-out) max relative error"));
 }
 
 TEST_CASE("leave-one-out reveals a point that the others do not predict") {

@@ -37,9 +37,10 @@
 // the fit is solved again with 10x the weight, up to 4 times. A bound still violated then makes
 // the fit not usable, with a reason naming its dims. Bounds never count as points for the
 // identifiability check, the error statistics or leave-one-out (each left-out refit keeps them).
-// Diagnostics: per-point relative errors, max/mean, leave-one-out error, the bounds, and a usable
-// flag with the reasons when not (no convergence, max relative error above a limit, violated
-// infeasible bound, prediction that decreases as the batch size grows).
+// Diagnostics: per-point relative errors, max/mean, held-out (leave-one-shape-out) error, the
+// bounds, and a usable flag with the reasons when not (no convergence, max relative error or
+// held-out error above a limit, violated infeasible bound, prediction that decreases as the
+// batch size grows).
 #pragma once
 
 #include <limits>
@@ -97,14 +98,22 @@ struct FitOptions {
   bool automatic_start = true;         // non-linear fit without initial_values: search a start
   double infeasible_bound_weight = 100;  // weight w of an infeasible bound's hinge residual, > 0
   std::string batch_size_variable;     // "": no check; else refuse a decreasing prediction in it
-  double usable_max_rel_error = 0.05;  // a larger max relative error makes the fit not usable
-  bool leave_one_out = true;           // refit without each point (one refit per point)
+  /// The fit is usable only when its max relative error at the fitted points and its held-out
+  /// (leave-one-shape-out) max relative error are both at most this. Error at the probes is
+  /// not prediction error: a fit exact at its probes can miss between them.
+  double usable_max_rel_error = 0.05;
+  /// Held-out error: every group of points with the same dims is left out in turn, the rest
+  /// refitted and the group predicted (one refit per distinct shape). false: not computed, and
+  /// usability rests on the fit error alone.
+  bool leave_one_out = true;
   double identifiability_tolerance = 1e-9;  // relative distance of a unit column to the others'
                                             // span below which it counts as dependent
-  /// With batch_size_variable set: when every probe at batch size 1 lies below the fit of the
-  /// others or on it (under-predicted by at most 0.1 %), one of them by 0.2 % or more, and
-  /// leaving them out lowers the max relative
-  /// error, they are left out of the fit (FitSummary::left_out says so). In PyTorch a
+  /// With batch_size_variable set: when no fit of every point explains the probes at batch
+  /// size 1 (the fit of all points misses some point by more than 1 %), every one of them lies
+  /// below the fit of the others or on it (under-predicted by at most 0.1 %), one of them by
+  /// 0.2 % or more, and leaving them out lowers both the max relative error and the held-out
+  /// error, they are left out of the fit (FitSummary::left_out says so). A probe that some
+  /// fit explains is never left out: it may be the only one where a max() piece wins. In PyTorch a
   /// microbatch of one record often peaks below the trend of larger ones (other kernels, copies
   /// of a transposed size-1 batch dimension skipped); fitted with them, a formula misses the
   /// others. Predictions at batch size 1 then err on the safe side. false: fit every point.
@@ -123,11 +132,16 @@ struct FitSummary {
   double max_rel_error = 0;            // max_i |pred_i - meas_i| / meas_i
   double mean_rel_error = 0;           // mean of the same
   std::vector<double> rel_errors;      // signed (pred - meas) / meas, one per measurement
-  /// max_i |pred_{-i}(dims_i) - meas_i| / meas_i, with pred_{-i} fitted without point i; NaN when
-  /// not computed (see leave_one_out_note).
+  /// Held-out error: max_i |pred_{-i}(dims_i) - meas_i| / meas_i, with pred_{-i} fitted without
+  /// every point of the same dims as point i (leave-one-shape-out); NaN when not computed (see
+  /// leave_one_out_note). `usable` rests on it (FitOptions::usable_max_rel_error).
   double leave_one_out_max_rel_error = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> leave_one_out_rel_errors;  // signed, one per measurement; empty: not computed
   std::string leave_one_out_note;      // why leave-one-out was not computed; "" when it was
+  /// The coefficients of each leave-one-shape-out refit (one per distinct dims, in order of
+  /// first appearance): candidate models that the data explain about as well as the fit; where
+  /// they disagree, a probe is informative (the adaptive probe design uses them).
+  std::vector<std::vector<double>> leave_one_out_coefficients;
   bool usable = false;                 // converged, accurate enough, non-decreasing in bs
   std::vector<std::string> reasons;    // why not usable (one sentence each); empty when usable
   std::string solver_report;           // Ceres BriefReport()
