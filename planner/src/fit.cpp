@@ -781,6 +781,29 @@ void check_identified_at_fit(const CostFormula& formula, const std::vector<Measu
 
 namespace {
 
+// The refits of `rest` (the points without one shape): from the full fit's solution, and, for a
+// non-linear formula with the automatic start, also from the automatic start of `rest` (it may
+// find another assignment of the max() pieces). Both when they explain `rest` equally well (the
+// data then cannot choose between them), else the better one.
+std::vector<std::vector<double>> held_out_refits(const CostFormula& formula,
+                                                 const std::vector<Measurement>& rest,
+                                                 const std::vector<InfeasibleBound>& bounds,
+                                                 const FitOptions& options, const FitResult& full) {
+  const Solution from_full = solve(formula, rest, bounds, options, &full.coefficients);
+  if (formula.is_linear() || !options.automatic_start || !options.initial_values.empty()) {
+    return {from_full.coefficients};
+  }
+  const std::vector<double> ones(formula.coefficient_names().size(), 1.0);
+  const AutomaticStart start = automatic_start(formula, rest, options, ones);
+  const Solution from_start = solve(formula, rest, bounds, options, &start.coefficients);
+  const double a = objective(formula, rest, bounds, options, from_full.coefficients);
+  const double b = objective(formula, rest, bounds, options, from_start.coefficients);
+  if (std::abs(a - b) <= 1e-9 * std::max(a, b) + 1e-16) {
+    return {from_full.coefficients, from_start.coefficients};
+  }
+  return {a < b ? from_full.coefficients : from_start.coefficients};
+}
+
 // Leave-one-shape-out: every group of points with the same dims is left out in turn, the others
 // refitted (non-linear fits start from the full solution), and the group predicted.
 void leave_one_shape_out(const CostFormula& formula, const std::vector<Measurement>& measurements,
@@ -818,11 +841,14 @@ void leave_one_shape_out(const CostFormula& formula, const std::vector<Measureme
       if (std::find(group.begin(), group.end(), j) == group.end()) rest.push_back(measurements[j]);
     }
     try {
-      const Solution without = solve(formula, rest, bounds, options, &result.coefficients);
-      refits.push_back(without.coefficients);
+      const std::vector<std::vector<double>> found = held_out_refits(formula, rest, bounds, options, result);
+      refits.insert(refits.end(), found.begin(), found.end());
       for (std::size_t i : group) {
         const Measurement& m = measurements[i];
-        loo[i] = (formula.predict(without.coefficients, m.dims) - m.bytes) / m.bytes;
+        for (const std::vector<double>& refit : found) {  // equally good refits: the worst
+          const double rel = (formula.predict(refit, m.dims) - m.bytes) / m.bytes;
+          if (&refit == &found.front() || !(std::abs(rel) <= std::abs(loo[i]))) loo[i] = rel;
+        }
         loo_max = std::isnan(loo[i]) || std::isnan(loo_max) ? std::nan("")
                                                             : std::max(loo_max, std::abs(loo[i]));
       }

@@ -10,6 +10,12 @@
 namespace xpm {
 namespace {
 
+std::string join_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& name : names) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
 // A corrected model keeps the floor formula and the probed range of the one it replaces.
 void keep_floor_and_range(const MemoryModel& from, MemoryModel& to) {
   if (const FloorFormula* moving = from.floor_formula()) to.set_floor_formula(*moving);
@@ -18,10 +24,17 @@ void keep_floor_and_range(const MemoryModel& from, MemoryModel& to) {
 
 }  // namespace
 
+std::string not_usable_message(const FitSummary& summary) {
+  std::string reasons;
+  for (const std::string& reason : summary.reasons) reasons += (reasons.empty() ? "" : "; ") + reason;
+  return "PredictiveBatcher: the fitted memory model is not usable: " + reasons;
+}
+
 void PredictiveBatcherOptions::validate() const {
   budget.validate();
   fit.validate();
   floor.validate();
+  adaptive.validate();
   const std::vector<std::string>& variable_names = formula.variable_names();
   const auto is_variable = [&](const std::string& name) {
     return std::find(variable_names.begin(), variable_names.end(), name) != variable_names.end();
@@ -29,6 +42,13 @@ void PredictiveBatcherOptions::validate() const {
   if (!is_variable(batch_size_variable)) {
     throw std::invalid_argument("PredictiveBatcherOptions.batch_size_variable '" +
                                 batch_size_variable + "' is not one of the formula's variables");
+  }
+  for (const auto& [name, value] : variable_max) {
+    if (!is_variable(name)) {
+      throw std::invalid_argument("PredictiveBatcherOptions.variable_max names '" + name +
+                                  "', which is not a variable of the formula (" +
+                                  join_names(variable_names) + ")");
+    }
   }
   if (probe_points.empty()) {
     for (const std::string& name : variable_names) {
@@ -73,8 +93,6 @@ std::vector<std::vector<double>> PredictiveBatcher::design_probe_dims(
 }
 
 const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
-  const CostFormula& formula = options_.formula;
-  const std::size_t bs_index = formula.variable_index(options_.batch_size_variable);
   const double usable_bytes = static_cast<double>(options_.budget.usable_bytes());
   const double static_bytes = executor.static_bytes();
   if (static_bytes >= usable_bytes) {
@@ -85,38 +103,17 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
                              " bytes: no microbatch can fit");
   }
   probes_.clear();
-  if (!options_.probe_points.empty()) {
-    for (const auto& dims : design_probe_dims(formula)) probes_.push_back(executor.run_probe(dims));
-  } else {
-    const double bs_max = std::floor(options_.variable_max.at(options_.batch_size_variable));
-    for (double fraction : options_.design_fractions) {
-      std::vector<double> dims(formula.variable_names().size());
-      for (std::size_t v = 0; v < dims.size(); ++v) {
-        dims[v] = std::max(1.0, std::floor(fraction * options_.variable_max.at(
-                                                          formula.variable_names()[v])));
-      }
-      // Grow the microbatch size by doubling toward the budget, then bisect once between the
-      // last size that fitted and the first that did not, so two probes lie where it binds.
-      const auto fits = [&](const ProbeResult& probe) {
-        return probe.feasible && probe.step_peak_bytes() <= usable_bytes;
-      };
-      double last_fit = 0, first_miss = 0;
-      for (double bs = 1; bs <= bs_max; bs = (bs * 2 > bs_max && bs < bs_max) ? bs_max : bs * 2) {
-        dims[bs_index] = bs;
-        probes_.push_back(executor.run_probe(dims));
-        if (!fits(probes_.back())) {
-          first_miss = bs;
-          break;
-        }
-        last_fit = bs;
-      }
-      if (first_miss > 0 && first_miss - last_fit > 1) {
-        dims[bs_index] = std::floor((last_fit + first_miss) / 2);
-        probes_.push_back(executor.run_probe(dims));
-      }
-    }
-  }
+  run_initial_design(executor, usable_bytes);
+  FitCandidate chosen = fit_probes(static_bytes, usable_bytes);
+  chosen = refine_design(executor, std::move(chosen), static_bytes, usable_bytes);
+  if (!chosen.model) throw std::runtime_error(not_usable_message(chosen.fit.summary));
+  store_model(std::move(chosen), static_bytes);
+  return *model_;
+}
 
+PredictiveBatcher::FitCandidate PredictiveBatcher::fit_probes(double static_bytes,
+                                                              double usable_bytes) {
+  const CostFormula& formula = options_.formula;
   // Floor: the static memory and the optimizer-step peaks, a constant or a formula of its own
   // when they grow with the dims (floor_model.hpp).
   std::vector<Measurement> optimizer_peaks;
@@ -143,9 +140,16 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
     infeasible.push_back({probe.dims, capacity});
   }
   FitCandidate chosen = choose_fit(formula, infeasible, usable_bytes);
+  chosen.probed_ranges = MemoryModel::ranges_of(feasible_dims);
+  chosen.infeasible = std::move(infeasible);
+  return chosen;
+}
+
+void PredictiveBatcher::store_model(FitCandidate chosen, double static_bytes) {
   fit_summary_ = chosen.fit.summary;
   MemoryModel model = std::move(*chosen.model);
-  model.set_probed_ranges(MemoryModel::ranges_of(feasible_dims));
+  model.set_probed_ranges(chosen.probed_ranges);
+  const std::vector<InfeasibleBound>& infeasible = chosen.infeasible;
   model.metadata()["floor"] = {{"report", floor_fit_.report},
                                {"spread", floor_fit_.spread},
                                {"moving", floor_fit_.formula.has_value()},
@@ -174,8 +178,15 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
                              {"fitted_points", chosen.measurements.size()},
                              {"infeasible_bound_count", infeasible.size()},
                              {"fitted_above_floor_only", chosen.fitted_above_floor}};
+  model.metadata()["adaptive_design"] = {
+      {"stop", to_string(adaptive_report_.stop)},
+      {"added_probes", adaptive_report_.added_probes},
+      {"elapsed_s", adaptive_report_.elapsed_s},
+      {"disagreement", std::isnan(adaptive_report_.disagreement)
+                           ? nlohmann::json(nullptr)
+                           : nlohmann::json(adaptive_report_.disagreement)},
+      {"report", adaptive_report_.describe(model.formula())}};
   model_ = std::move(model);
-  return *model_;
 }
 
 PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
@@ -274,13 +285,8 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::choose_fit(
   for (FitCandidate& c : candidates) {
     if (c.model && (best == nullptr || c.probe_error < best->probe_error)) best = &c;
   }
-  if (best == nullptr) {
-    const FitSummary& s = candidates.front().fit.summary;
-    std::string reasons;
-    for (const std::string& reason : s.reasons) reasons += (reasons.empty() ? "" : "; ") + reason;
-    throw std::runtime_error("PredictiveBatcher: the fitted memory model is not usable: " + reasons);
-  }
-  return std::move(*best);
+  // None usable: the caller may probe more (adaptive design) before it refuses.
+  return std::move(best == nullptr ? candidates.front() : *best);
 }
 
 void PredictiveBatcher::set_model(MemoryModel model) {

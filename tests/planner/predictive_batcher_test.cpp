@@ -2,6 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "xpm/planner/predictive_batcher.hpp"
 
@@ -199,4 +203,118 @@ TEST_CASE("a probe without a recorded capacity is bounded by the budget's capaci
                                  std::make_shared<xpm::AdaptivePacker>());
   const xpm::MemoryModel& model = batcher.probe_and_fit(executor);
   for (const auto& probe : model.infeasible_probes()) CHECK(probe.exceeds_bytes == 5e6);
+}
+
+namespace {
+
+// A step whose forward/backward peak is any function of the dims; the optimizer step peaks at
+// the static bytes plus 5000. Never out of memory.
+class FunctionExecutor : public xpm::ProbeExecutor {
+ public:
+  explicit FunctionExecutor(std::function<double(const std::vector<double>&)> activations)
+      : activations_(std::move(activations)) {}
+  xpm::ProbeResult run_probe(const std::vector<double>& dims) override {
+    xpm::ProbeResult r;
+    r.dims = dims;
+    r.forward_backward_peak_bytes = kStatic + activations_(dims);
+    r.optimizer_step_peak_bytes = kStatic + 5000;
+    probed.push_back(dims);
+    return r;
+  }
+  double static_bytes() override { return kStatic; }
+  static constexpr double kStatic = 1e6;
+  std::vector<std::vector<double>> probed;
+
+ private:
+  std::function<double(const std::vector<double>&)> activations_;
+};
+
+double max_held_out_error(const xpm::MemoryModel& model, FunctionExecutor& executor,
+                          const std::vector<std::vector<double>>& shapes) {
+  double worst = 0;
+  for (const auto& dims : shapes) {
+    const double measured = std::max(executor.run_probe(dims).step_peak_bytes(), 0.0);
+    worst = std::max(worst, std::abs(model.predict_bytes(dims) - measured) / measured);
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("the automatic design moves each length variable on its own, so their terms separate") {
+  // Encoder-decoder-like: self-attention over the source and the target, cross-attention.
+  FunctionExecutor executor([](const std::vector<double>& d) {
+    return 30 * d[0] * d[1] * d[1] + 20 * d[0] * d[2] * d[2] + 10 * d[0] * d[1] * d[2] + 500 * d[0] * d[1];
+  });
+  xpm::PredictiveBatcherOptions options;
+  options.formula = xpm::CostFormula::with_variables(
+      "a*bs*ls^2 + b*bs*lt^2 + d*bs*ls*lt + e*bs*ls + f*bs*lt + c", {"bs", "ls", "lt"});
+  options.variable_max = {{"bs", 16}, {"ls", 64}, {"lt", 48}};
+  options.budget = {4'000'000'000, 0.9, 0};
+  xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
+  const xpm::MemoryModel& model = batcher.probe_and_fit(executor);
+  CHECK(model.coefficients()[0] == doctest::Approx(30).epsilon(1e-6));
+  CHECK(model.coefficients()[1] == doctest::Approx(20).epsilon(1e-6));
+  CHECK(model.coefficients()[2] == doctest::Approx(10).epsilon(1e-6));
+  CHECK(batcher.fit_summary().leave_one_out_max_rel_error < 1e-6);
+  CHECK(batcher.adaptive_report().stop == xpm::AdaptiveStop::kAgreed);
+  CHECK(batcher.adaptive_report().added_probes == 0);
+  CHECK(max_held_out_error(model, executor, {{3, 40, 25}, {11, 33, 47}, {7, 64, 30}}) < 1e-6);
+}
+
+TEST_CASE("the adaptive design probes where the candidate models disagree until they agree") {
+  // The peak moves between two operations: the attention scores (bs*l^2) win only at the
+  // largest probe of the initial design (bs = 32, l = 256, and bs = 24 between probes); without
+  // it, the held-out refits
+  // can put that piece anywhere below, so they disagree until probes around it pin it down.
+  FunctionExecutor executor([](const std::vector<double>& d) {
+    return std::max(40 * d[0] * d[1] * d[1] + 2e5, 9000 * d[0] * d[1] + 6.2e6);
+  });
+  xpm::PredictiveBatcherOptions options;
+  xpm::CostFormulaOptions nonlinear;
+  nonlinear.allow_nonlinear = true;
+  options.formula = xpm::CostFormula("max(a*bs*l^2 + c, b*bs*l + d)", {"a", "b", "c", "d"},
+                                     {"bs", "l"}, nonlinear);
+  options.variable_max = {{"bs", 32}, {"l", 256}};
+  options.design_fractions = {1.0, 0.5};
+  options.budget = {8'000'000'000, 0.9, 0};
+  xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
+  const xpm::MemoryModel& model = batcher.probe_and_fit(executor);
+  const xpm::AdaptiveDesignReport& report = batcher.adaptive_report();
+  MESSAGE(report.describe(options.formula));
+  CHECK(report.stop == xpm::AdaptiveStop::kAgreed);
+  CHECK(report.added_probes >= 1);
+  CHECK(report.disagreement <= options.adaptive.tolerance);
+  CHECK(model.metadata().at("adaptive_design").at("stop") == "agreed");
+  std::vector<std::vector<double>> held_out;
+  for (double bs : {2.0, 5.0, 9.0, 17.0, 30.0}) {
+    for (double l : {130.0, 170.0, 200.0, 230.0, 250.0}) held_out.push_back({bs, l});
+  }
+  CHECK(max_held_out_error(model, executor, held_out) < 0.01);
+}
+
+TEST_CASE("the adaptive design stops at its probe count and says so") {
+  FunctionExecutor executor([](const std::vector<double>& d) {
+    return 40 * d[0] * d[1] * d[1] * (1 + 0.3 * std::sin(d[1] / 9)) + 3000 * d[0];  // no formula fits
+  });
+  xpm::PredictiveBatcherOptions options;
+  options.formula = xpm::CostFormula::with_variables("a*bs*l^2 + b*bs + c", {"bs", "l"});
+  options.variable_max = {{"bs", 16}, {"l", 200}};
+  options.budget = {8'000'000'000, 0.9, 0};
+  options.fit.usable_max_rel_error = 1.0;  // keep the fit, to watch the design
+  options.adaptive.max_probes = 3;
+  xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
+  batcher.probe_and_fit(executor);
+  CHECK(batcher.adaptive_report().stop == xpm::AdaptiveStop::kProbeCount);
+  CHECK(batcher.adaptive_report().added_probes == 3);
+  CHECK(batcher.adaptive_report().describe(options.formula).find("probe count budget") != std::string::npos);
+}
+
+TEST_CASE("variable_max with a name that is not a variable of the formula is refused") {
+  xpm::PredictiveBatcherOptions options;
+  options.variable_max = {{"bs", 16}, {"l", 64}, {"lenght", 64}};
+  options.budget = {1'000'000'000, 0.9, 0};
+  CHECK_THROWS_WITH_AS(xpm::PredictiveBatcher(options, std::make_shared<xpm::AdaptivePacker>()),
+                       doctest::Contains("variable_max names 'lenght', which is not a variable of the formula (bs, l)"),
+                       std::invalid_argument);
 }

@@ -138,9 +138,11 @@ struct FitSummary {
   double leave_one_out_max_rel_error = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> leave_one_out_rel_errors;  // signed, one per measurement; empty: not computed
   std::string leave_one_out_note;      // why leave-one-out was not computed; "" when it was
-  /// The coefficients of each leave-one-shape-out refit (one per distinct dims, in order of
-  /// first appearance): candidate models that the data explain about as well as the fit; where
-  /// they disagree, a probe is informative (the adaptive probe design uses them).
+  /// The coefficients of each leave-one-shape-out refit (per distinct dims, in order of first
+  /// appearance; two for a non-linear fit whose refits from the full solution and from the
+  /// automatic start explain the rest equally well, the held-out error then being the worse
+  /// one's): candidate models that the data explain about as well as the fit; where they
+  /// disagree, a probe is informative (the adaptive probe design uses them).
   std::vector<std::vector<double>> leave_one_out_coefficients;
   bool usable = false;                 // converged, accurate enough, non-decreasing in bs
   std::vector<std::string> reasons;    // why not usable (one sentence each); empty when usable

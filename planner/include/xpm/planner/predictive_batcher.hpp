@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -40,6 +41,46 @@
 
 namespace xpm {
 
+/// Why the adaptive probe design stopped.
+enum class AdaptiveStop {
+  kNotRun,        // not run: explicit probe points, or max_probes = 0
+  kAgreed,        // the candidate models agree within the tolerance everywhere in range
+  kProbeCount,    // AdaptiveDesignOptions::max_probes probes added
+  kProbeTime,     // AdaptiveDesignOptions::max_s seconds spent
+  kNoCandidates,  // no held-out refits to compare (too few probes), or no shape left to probe
+};
+
+/// After the initial design, probe next where candidate models disagree most: the fit and its
+/// leave-one-shape-out refits (models the probes explain about as well), over a grid of shapes
+/// inside the design's range whose predicted peak fits the budget. Each added probe joins the
+/// fit; the loop stops when they agree within `tolerance`, or at a budget.
+struct AdaptiveDesignOptions {
+  int max_probes = 8;        // probes added at most (0: no adaptive design)
+  double max_s = 120;        // seconds of adaptive probing (probes and refits) at most
+  double tolerance = 0.01;   // relative disagreement below which the models agree
+  int grid_steps = 8;        // grid values per non-batch-size variable
+  void validate() const;     // throws std::invalid_argument naming the field
+};
+
+/// What the adaptive probe design did.
+struct AdaptiveDesignReport {
+  AdaptiveStop stop = AdaptiveStop::kNotRun;
+  int added_probes = 0;
+  double elapsed_s = 0;
+  /// The largest relative disagreement between the candidate models at the last check, and
+  /// where (formula variable order); NaN and empty when never computed.
+  double disagreement = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> disagreement_dims;
+  /// One sentence: "added 3 probes in 4.2 s; stopped: the models agree within 1 % (largest
+  /// disagreement 0.4 % at bs = 12, l = 96)".
+  std::string describe(const CostFormula& formula) const;
+};
+
+std::string to_string(AdaptiveStop stop);  // "not run" | "agreed" | "probe count" | ...
+
+/// "PredictiveBatcher: the fitted memory model is not usable: " and the summary's reasons.
+std::string not_usable_message(const FitSummary& summary);
+
 struct PredictiveBatcherOptions {
   /// The cost formula (bytes): its variables are the dims of every record and probe point, in
   /// its variable_names() order.
@@ -49,6 +90,7 @@ struct PredictiveBatcherOptions {
   std::vector<ProbePoint> probe_points;                        // empty: automatic design
   std::map<std::string, double> variable_max;                  // upper ends for the design
   std::vector<double> design_fractions = {1.0, 0.75, 0.5};     // of each non-bs variable's max
+  AdaptiveDesignOptions adaptive;                              // after the automatic design
   MemoryBudget budget;                                         // the plan's budget
   FitOptions fit;                                              // Ceres options
   FloorOptions floor;                                          // constant or fitted floor
@@ -61,11 +103,14 @@ class PredictiveBatcher {
   PredictiveBatcher(PredictiveBatcherOptions options, std::shared_ptr<const MicrobatchPacker> packer);
 
   /// Runs the probes through `executor`, fits the formula and stores the model. Rank 0 only,
-  /// before DDP wrapping. Automatic design (no probe points given): for each fraction f of
-  /// design_fractions, the non-bs variables are set to f * their max and the microbatch size
-  /// doubles from 1 up to variable_max[bs], stopping at the first infeasible probe or the first
-  /// whose step peak exceeds the budget, then one bisection probe between the last fit and the
-  /// first miss. Infeasible probes are kept in probes() (feasible = false), never dropped
+  /// before DDP wrapping. Automatic design (no probe points given): sweeps of the microbatch
+  /// size, doubling from 1 up to variable_max[bs], stopping at the first infeasible probe or the
+  /// first whose step peak exceeds the budget, then one bisection probe between the last fit
+  /// and the first miss; one sweep with every other variable at f * its max for each fraction
+  /// f of design_fractions, and, with two or more other variables, one sweep per variable and
+  /// fraction f < 1 with that variable at f * its max and the others at their max (so terms
+  /// in different variables can be told apart). Then the adaptive design
+  /// (AdaptiveDesignOptions; adaptive_report() says what it added and why it stopped). Infeasible probes are kept in probes() (feasible = false), never dropped
   /// silently: each one bounds the fit from below at its dims (InfeasibleBound with
   /// exceeds_bytes = ProbeResult::capacity_bytes, or the budget's capacity_bytes when 0) and is
   /// stored in the model (MemoryModel::infeasible_probes), which keeps every plan below it.
@@ -109,6 +154,8 @@ class PredictiveBatcher {
   /// Throws std::logic_error before probe_and_fit() or set_model().
   const MemoryModel& model() const;
   const FitSummary& fit_summary() const { return fit_summary_; }
+  /// What the adaptive design of the last probe_and_fit() did.
+  const AdaptiveDesignReport& adaptive_report() const { return adaptive_report_; }
   /// How probe_and_fit() chose the floor (FloorFit::report says which and why).
   const FloorFit& floor_fit() const { return floor_fit_; }
   const std::vector<ProbeResult>& probes() const { return probes_; }
@@ -132,8 +179,20 @@ class PredictiveBatcher {
     FitResult fit;
     std::optional<MemoryModel> model;  // empty when the fit is not usable
     double probe_error = 0;
+    std::vector<ProbedRange> probed_ranges;   // of the feasible probes
+    std::vector<InfeasibleBound> infeasible;  // the probes that ran out of memory
   };
   std::vector<std::vector<double>> design_probe_dims(const CostFormula& formula) const;
+  std::vector<std::vector<double>> design_sweep_shapes() const;
+  void run_initial_design(ProbeExecutor& executor, double usable_bytes);
+  void sweep_batch_size(ProbeExecutor& executor, std::vector<double> dims, double usable_bytes);
+  FitCandidate fit_probes(double static_bytes, double usable_bytes);
+  FitCandidate refine_design(ProbeExecutor& executor, FitCandidate chosen, double static_bytes,
+                             double usable_bytes);
+  std::vector<std::vector<double>> adaptive_grid() const;
+  double candidate_prediction(const std::vector<double>& coefficients, double floor_bytes,
+                              const std::vector<double>& dims) const;
+  void store_model(FitCandidate chosen, double static_bytes);
   FitCandidate fit_candidate(const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible,
                              double floor_bytes,
                              const std::function<bool(const ProbeResult&)>& off_plateau) const;
@@ -144,6 +203,7 @@ class PredictiveBatcher {
   std::shared_ptr<const MicrobatchPacker> packer_;
   std::optional<MemoryModel> model_;
   FitSummary fit_summary_;
+  AdaptiveDesignReport adaptive_report_;
   FloorFit floor_fit_;
   std::vector<ProbeResult> probes_;
   std::vector<Measurement> fit_measurements_;  // what the current coefficients were fitted to

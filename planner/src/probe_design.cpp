@@ -1,0 +1,257 @@
+// probe_design.cpp — where PredictiveBatcher probes: the automatic initial design (sweeps of the
+// microbatch size at shapes that move each variable) and the adaptive design that probes next
+// where the candidate models disagree most (predictive_batcher.hpp).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "xpm/planner/predictive_batcher.hpp"
+
+#include "number_format.hpp"
+
+namespace xpm {
+namespace {
+
+std::string describe_dims(const CostFormula& formula, const std::vector<double>& dims) {
+  std::string out;
+  for (std::size_t v = 0; v < dims.size() && v < formula.variable_names().size(); ++v) {
+    out += (v ? ", " : "") + formula.variable_names()[v] + " = " + detail::short_double(dims[v]);
+  }
+  return out;
+}
+
+// Microbatch sizes of the adaptive grid: 1, 2, 3, 4, 6, 8, 12, ... up to `largest`, and it.
+std::vector<double> grid_batch_sizes(double largest) {
+  std::set<double> sizes;
+  for (double p = 1; p <= largest; p *= 2) {
+    sizes.insert(p);
+    if (p * 1.5 <= largest && p >= 2) sizes.insert(p * 1.5);
+  }
+  sizes.insert(largest);
+  return {sizes.begin(), sizes.end()};
+}
+
+}  // namespace
+
+void AdaptiveDesignOptions::validate() const {
+  if (max_probes < 0) {
+    throw std::invalid_argument("AdaptiveDesignOptions.max_probes must be >= 0, got " +
+                                std::to_string(max_probes));
+  }
+  if (!(max_s >= 0)) {
+    throw std::invalid_argument("AdaptiveDesignOptions.max_s must be >= 0, got " +
+                                detail::format_double(max_s));
+  }
+  if (!(tolerance > 0 && std::isfinite(tolerance))) {
+    throw std::invalid_argument("AdaptiveDesignOptions.tolerance must be finite and > 0, got " +
+                                detail::format_double(tolerance));
+  }
+  if (grid_steps < 2) {
+    throw std::invalid_argument("AdaptiveDesignOptions.grid_steps must be >= 2, got " +
+                                std::to_string(grid_steps));
+  }
+}
+
+std::string to_string(AdaptiveStop stop) {
+  switch (stop) {
+    case AdaptiveStop::kNotRun: return "not run";
+    case AdaptiveStop::kAgreed: return "agreed";
+    case AdaptiveStop::kProbeCount: return "probe count";
+    case AdaptiveStop::kProbeTime: return "probe time";
+    case AdaptiveStop::kNoCandidates: return "no candidates";
+  }
+  return "unknown";
+}
+
+std::string AdaptiveDesignReport::describe(const CostFormula& formula) const {
+  std::ostringstream os;
+  if (stop == AdaptiveStop::kNotRun) return "adaptive design not run";
+  os << "adaptive design added " << added_probes << (added_probes == 1 ? " probe" : " probes")
+     << " in " << detail::short_double(elapsed_s) << " s; stopped: ";
+  switch (stop) {
+    case AdaptiveStop::kAgreed: os << "the candidate models agree within the tolerance"; break;
+    case AdaptiveStop::kProbeCount: os << "the probe count budget is spent"; break;
+    case AdaptiveStop::kProbeTime: os << "the probe time budget is spent"; break;
+    default: os << "no held-out refits to compare, or no shape left to probe"; break;
+  }
+  if (!std::isnan(disagreement)) {
+    os << " (largest disagreement " << detail::percent(disagreement) << " at "
+       << describe_dims(formula, disagreement_dims) << ")";
+  }
+  return os.str();
+}
+
+std::vector<std::vector<double>> PredictiveBatcher::design_sweep_shapes() const {
+  const CostFormula& formula = options_.formula;
+  const std::size_t variables = formula.variable_names().size();
+  const std::size_t bs_index = formula.variable_index(options_.batch_size_variable);
+  const auto at_fraction = [&](std::size_t v, double fraction) {
+    return std::max(1.0, std::floor(fraction * options_.variable_max.at(formula.variable_names()[v])));
+  };
+  std::vector<std::vector<double>> shapes;
+  const auto add = [&](std::vector<double> dims) {
+    if (std::find(shapes.begin(), shapes.end(), dims) == shapes.end()) shapes.push_back(std::move(dims));
+  };
+  for (double fraction : options_.design_fractions) {  // every other variable together
+    std::vector<double> dims(variables);
+    for (std::size_t v = 0; v < variables; ++v) dims[v] = at_fraction(v, fraction);
+    add(dims);
+  }
+  if (variables < 3) return shapes;
+  for (std::size_t moved = 0; moved < variables; ++moved) {  // one variable at a time
+    if (moved == bs_index) continue;
+    for (double fraction : options_.design_fractions) {
+      if (fraction >= 1) continue;
+      std::vector<double> dims(variables);
+      for (std::size_t v = 0; v < variables; ++v) dims[v] = at_fraction(v, v == moved ? fraction : 1.0);
+      add(dims);
+    }
+  }
+  return shapes;
+}
+
+void PredictiveBatcher::run_initial_design(ProbeExecutor& executor, double usable_bytes) {
+  if (!options_.probe_points.empty()) {
+    for (const auto& dims : design_probe_dims(options_.formula)) probes_.push_back(executor.run_probe(dims));
+    return;
+  }
+  for (const std::vector<double>& shape : design_sweep_shapes()) sweep_batch_size(executor, shape, usable_bytes);
+}
+
+// Grows the microbatch size by doubling toward the budget, then bisects once between the last
+// size that fitted and the first that did not, so two probes lie where it binds.
+void PredictiveBatcher::sweep_batch_size(ProbeExecutor& executor, std::vector<double> dims,
+                                         double usable_bytes) {
+  const std::size_t bs_index = options_.formula.variable_index(options_.batch_size_variable);
+  const double bs_max = std::floor(options_.variable_max.at(options_.batch_size_variable));
+  const auto fits = [&](const ProbeResult& probe) {
+    return probe.feasible && probe.step_peak_bytes() <= usable_bytes;
+  };
+  double last_fit = 0, first_miss = 0;
+  for (double bs = 1; bs <= bs_max; bs = (bs * 2 > bs_max && bs < bs_max) ? bs_max : bs * 2) {
+    dims[bs_index] = bs;
+    probes_.push_back(executor.run_probe(dims));
+    if (!fits(probes_.back())) {
+      first_miss = bs;
+      break;
+    }
+    last_fit = bs;
+  }
+  if (first_miss > 0 && first_miss - last_fit > 1) {
+    dims[bs_index] = std::floor((last_fit + first_miss) / 2);
+    probes_.push_back(executor.run_probe(dims));
+  }
+}
+
+// Every shape of the grid: microbatch sizes up to variable_max[bs], each other variable at
+// grid_steps values from the smallest design fraction of its max to its max.
+std::vector<std::vector<double>> PredictiveBatcher::adaptive_grid() const {
+  const CostFormula& formula = options_.formula;
+  const std::size_t bs_index = formula.variable_index(options_.batch_size_variable);
+  const double lowest_fraction =
+      *std::min_element(options_.design_fractions.begin(), options_.design_fractions.end());
+  std::vector<std::vector<double>> axes;
+  for (std::size_t v = 0; v < formula.variable_names().size(); ++v) {
+    const double max = std::floor(options_.variable_max.at(formula.variable_names()[v]));
+    if (v == bs_index) {
+      axes.push_back(grid_batch_sizes(max));
+      continue;
+    }
+    std::set<double> values;
+    const int steps = options_.adaptive.grid_steps;
+    for (int i = 0; i < steps; ++i) {
+      const double fraction = lowest_fraction + (1 - lowest_fraction) * i / (steps - 1);
+      values.insert(std::max(1.0, std::floor(fraction * max)));
+    }
+    axes.push_back({values.begin(), values.end()});
+  }
+  std::vector<std::vector<double>> grid = {{}};
+  for (const std::vector<double>& axis : axes) {
+    std::vector<std::vector<double>> longer;
+    for (const auto& prefix : grid) {
+      for (double value : axis) {
+        longer.push_back(prefix);
+        longer.back().push_back(value);
+      }
+    }
+    grid = std::move(longer);
+  }
+  return grid;
+}
+
+double PredictiveBatcher::candidate_prediction(const std::vector<double>& coefficients,
+                                               double floor_bytes,
+                                               const std::vector<double>& dims) const {
+  double floor = floor_bytes;
+  if (floor_fit_.formula) {
+    floor = std::max(floor, floor_fit_.formula->formula.predict(floor_fit_.formula->coefficients, dims));
+  }
+  return std::max(floor, options_.formula.predict(coefficients, dims));
+}
+
+PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& executor,
+                                                                 FitCandidate chosen,
+                                                                 double static_bytes,
+                                                                 double usable_bytes) {
+  adaptive_report_ = AdaptiveDesignReport{};
+  if (!options_.probe_points.empty() || options_.adaptive.max_probes == 0) return chosen;
+  const auto start = std::chrono::steady_clock::now();
+  const auto elapsed_s = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  const std::vector<std::vector<double>> grid = adaptive_grid();
+  for (;;) {
+    const FitSummary& summary = chosen.fit.summary;
+    adaptive_report_.elapsed_s = elapsed_s();
+    if (summary.leave_one_out_coefficients.empty()) {
+      adaptive_report_.stop = AdaptiveStop::kNoCandidates;
+      return chosen;
+    }
+    // The shape where a held-out refit departs most from the fit, inside the budget.
+    double worst = -1;
+    std::vector<double> worst_dims;
+    for (const std::vector<double>& dims : grid) {
+      const double fitted = candidate_prediction(chosen.fit.coefficients, chosen.floor_bytes, dims);
+      if (!(fitted > 0) || fitted > usable_bytes) continue;
+      const bool probed = std::any_of(probes_.begin(), probes_.end(),
+                                      [&](const ProbeResult& p) { return p.dims == dims; });
+      if (probed) continue;
+      for (const std::vector<double>& refit : summary.leave_one_out_coefficients) {
+        const double d = std::abs(candidate_prediction(refit, chosen.floor_bytes, dims) - fitted) / fitted;
+        if (d > worst) {
+          worst = d;
+          worst_dims = dims;
+        }
+      }
+    }
+    if (worst < 0) {
+      adaptive_report_.stop = AdaptiveStop::kNoCandidates;
+      return chosen;
+    }
+    adaptive_report_.disagreement = worst;
+    adaptive_report_.disagreement_dims = worst_dims;
+    if (worst <= options_.adaptive.tolerance) {
+      adaptive_report_.stop = AdaptiveStop::kAgreed;
+      return chosen;
+    }
+    if (adaptive_report_.added_probes >= options_.adaptive.max_probes) {
+      adaptive_report_.stop = AdaptiveStop::kProbeCount;
+      return chosen;
+    }
+    if (adaptive_report_.elapsed_s >= options_.adaptive.max_s) {
+      adaptive_report_.stop = AdaptiveStop::kProbeTime;
+      return chosen;
+    }
+    probes_.push_back(executor.run_probe(worst_dims));
+    ++adaptive_report_.added_probes;
+    chosen = fit_probes(static_bytes, usable_bytes);
+  }
+}
+
+}  // namespace xpm
