@@ -24,6 +24,10 @@ void keep_floor_and_range(const MemoryModel& from, MemoryModel& to) {
 
 }  // namespace
 
+std::string to_string(FormulaChoice choice) {
+  return choice == FormulaChoice::kAutomatic ? "auto" : "given";
+}
+
 std::string not_usable_message(const FitSummary& summary) {
   std::string reasons;
   for (const std::string& reason : summary.reasons) reasons += (reasons.empty() ? "" : "; ") + reason;
@@ -35,6 +39,7 @@ void PredictiveBatcherOptions::validate() const {
   fit.validate();
   floor.validate();
   adaptive.validate();
+  if (formula_choice == FormulaChoice::kAutomatic) selection.validate();
   const std::vector<std::string>& variable_names = formula.variable_names();
   const auto is_variable = [&](const std::string& name) {
     return std::find(variable_names.begin(), variable_names.end(), name) != variable_names.end();
@@ -128,7 +133,11 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_probes(double static_byte
     floor_fit_.constant_bytes = static_bytes;
     feasible_dims.push_back(std::vector<double>(formula.variable_names().size(), 0.0));
   } else {
-    floor_fit_ = fit_floor(formula, optimizer_peaks, static_bytes, options_.floor);
+    FloorOptions floor = options_.floor;
+    if (options_.formula_choice == FormulaChoice::kAutomatic && floor.formula.empty()) {
+      floor.formula = all_terms_formula(formula.variable_names(), options_.batch_size_variable, "floor_");
+    }
+    floor_fit_ = fit_floor(formula, optimizer_peaks, static_bytes, floor);
   }
   // Probes that ran out of memory: lower bounds of the fit, limits of the plans.
   std::vector<InfeasibleBound> infeasible;
@@ -147,6 +156,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_probes(double static_byte
 
 void PredictiveBatcher::store_model(FitCandidate chosen, double static_bytes) {
   fit_summary_ = chosen.fit.summary;
+  selection_report_ = chosen.selection_report;
   MemoryModel model = std::move(*chosen.model);
   model.set_probed_ranges(chosen.probed_ranges);
   const std::vector<InfeasibleBound>& infeasible = chosen.infeasible;
@@ -178,6 +188,10 @@ void PredictiveBatcher::store_model(FitCandidate chosen, double static_bytes) {
                              {"fitted_points", chosen.measurements.size()},
                              {"infeasible_bound_count", infeasible.size()},
                              {"fitted_above_floor_only", chosen.fitted_above_floor}};
+  if (!selection_report_.empty()) {
+    model.metadata()["formula_selection"] = {{"chosen", model.formula().canonical()},
+                                             {"report", selection_report_}};
+  }
   model.metadata()["adaptive_design"] = {
       {"stop", to_string(adaptive_report_.stop)},
       {"added_probes", adaptive_report_.added_probes},
@@ -187,6 +201,24 @@ void PredictiveBatcher::store_model(FitCandidate chosen, double static_bytes) {
                            : nlohmann::json(adaptive_report_.disagreement)},
       {"report", adaptive_report_.describe(model.formula())}};
   model_ = std::move(model);
+}
+
+// The given formula's fit, or the formula chosen from the candidates (FormulaChoice::kAutomatic).
+void PredictiveBatcher::fit_formula(FitCandidate& c, const std::vector<InfeasibleBound>& infeasible) const {
+  if (options_.formula_choice == FormulaChoice::kGiven) {
+    c.formula = options_.formula;
+    c.fit = fit_coefficients(*c.formula, c.measurements, infeasible, options_.fit);
+    return;
+  }
+  FormulaSelectionOptions selection = options_.selection;
+  selection.batch_size_variable = options_.batch_size_variable;
+  selection.fit = options_.fit;
+  selection.floor = false;  // the batcher's floor is its own (floor_model.hpp)
+  FormulaSelection chosen = select_formula(options_.formula.variable_names(), c.measurements, infeasible, selection);
+  c.formula = chosen.formula;
+  c.fit = std::move(chosen.fit);
+  c.selection_report = chosen.report();
+  c.alternatives = std::move(chosen.alternatives);
 }
 
 PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
@@ -208,20 +240,22 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
       c.measurements.push_back(all_feasible.back());
     }
   }
-  c.fitted_above_floor = c.measurements.size() >= formula.coefficient_names().size();
+  const bool choosing = options_.formula_choice == FormulaChoice::kAutomatic;
+  const std::size_t needed = choosing ? 3 : formula.coefficient_names().size();
+  c.fitted_above_floor = c.measurements.size() >= needed;
   if (!c.fitted_above_floor) c.measurements = all_feasible;
-  if (c.measurements.size() < formula.coefficient_names().size()) {
+  if (c.measurements.size() < needed) {
     throw std::invalid_argument(
         "PredictiveBatcher: only " + std::to_string(c.measurements.size()) + " of " +
         std::to_string(probes_.size()) + " probes fit under the capacity of " +
         std::to_string(options_.budget.capacity_bytes) + " bytes (the others ran out of memory), for " +
-        std::to_string(formula.coefficient_names().size()) + " coefficients; the floor (static memory, optimizer step) is " +
+        std::to_string(needed) + " coefficients; the floor (static memory, optimizer step) is " +
         std::to_string(static_cast<long long>(floor_fit_.constant_bytes)) +
         " bytes: raise the capacity or give probe points that fit it");
   }
-  c.fit = fit_coefficients(formula, c.measurements, infeasible, options_.fit);
+  fit_formula(c, infeasible);
   if (!c.fit.summary.usable) return c;
-  MemoryModel model(formula, c.fit.coefficients, floor_bytes, options_.batch_size_variable,
+  MemoryModel model(*c.formula, c.fit.coefficients, floor_bytes, options_.batch_size_variable,
                     options_.aggregation);
   model.set_infeasible_probes(infeasible);
   if (floor_fit_.formula) model.set_floor_formula(*floor_fit_.formula);

@@ -185,14 +185,15 @@ std::vector<std::vector<double>> PredictiveBatcher::adaptive_grid() const {
   return grid;
 }
 
-double PredictiveBatcher::candidate_prediction(const std::vector<double>& coefficients,
+double PredictiveBatcher::candidate_prediction(const CostFormula& formula,
+                                               const std::vector<double>& coefficients,
                                                double floor_bytes,
                                                const std::vector<double>& dims) const {
   double floor = floor_bytes;
   if (floor_fit_.formula) {
     floor = std::max(floor, floor_fit_.formula->formula.predict(floor_fit_.formula->coefficients, dims));
   }
-  return std::max(floor, options_.formula.predict(coefficients, dims));
+  return std::max(floor, formula.predict(coefficients, dims));
 }
 
 PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& executor,
@@ -206,24 +207,36 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   const std::vector<std::vector<double>> grid = adaptive_grid();
+  const auto finish = [&](AdaptiveStop stop) {
+    adaptive_report_.stop = stop;
+    return std::move(chosen);
+  };
   for (;;) {
     const FitSummary& summary = chosen.fit.summary;
     adaptive_report_.elapsed_s = elapsed_s();
-    if (summary.leave_one_out_coefficients.empty()) {
-      adaptive_report_.stop = AdaptiveStop::kNoCandidates;
-      return chosen;
+    // The candidates: the fit's held-out refits, and, when the formula was chosen, the other
+    // formulas that explain the probes within the tolerance of its fit error.
+    std::vector<std::pair<const CostFormula*, const std::vector<double>*>> rivals;
+    for (const auto& refit : summary.leave_one_out_coefficients) rivals.push_back({&*chosen.formula, &refit});
+    for (const FittedFormula& other : chosen.alternatives) {  // those that explain the probes as well
+      if (other.max_rel_error <= summary.max_rel_error + options_.adaptive.tolerance) {
+        rivals.push_back({&other.formula, &other.coefficients});
+      }
+    }
+    if (rivals.empty()) {
+      return finish(AdaptiveStop::kNoCandidates);
     }
     // The shape where a held-out refit departs most from the fit, inside the budget.
     double worst = -1;
     std::vector<double> worst_dims;
     for (const std::vector<double>& dims : grid) {
-      const double fitted = candidate_prediction(chosen.fit.coefficients, chosen.floor_bytes, dims);
+      const double fitted = candidate_prediction(*chosen.formula, chosen.fit.coefficients, chosen.floor_bytes, dims);
       if (!(fitted > 0) || fitted > usable_bytes) continue;
       const bool probed = std::any_of(probes_.begin(), probes_.end(),
                                       [&](const ProbeResult& p) { return p.dims == dims; });
       if (probed) continue;
-      for (const std::vector<double>& refit : summary.leave_one_out_coefficients) {
-        const double d = std::abs(candidate_prediction(refit, chosen.floor_bytes, dims) - fitted) / fitted;
+      for (const auto& [formula, coefficients] : rivals) {
+        const double d = std::abs(candidate_prediction(*formula, *coefficients, chosen.floor_bytes, dims) - fitted) / fitted;
         if (d > worst) {
           worst = d;
           worst_dims = dims;
@@ -231,22 +244,18 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
       }
     }
     if (worst < 0) {
-      adaptive_report_.stop = AdaptiveStop::kNoCandidates;
-      return chosen;
+      return finish(AdaptiveStop::kNoCandidates);
     }
     adaptive_report_.disagreement = worst;
     adaptive_report_.disagreement_dims = worst_dims;
     if (worst <= options_.adaptive.tolerance) {
-      adaptive_report_.stop = AdaptiveStop::kAgreed;
-      return chosen;
+      return finish(AdaptiveStop::kAgreed);
     }
     if (adaptive_report_.added_probes >= options_.adaptive.max_probes) {
-      adaptive_report_.stop = AdaptiveStop::kProbeCount;
-      return chosen;
+      return finish(AdaptiveStop::kProbeCount);
     }
     if (adaptive_report_.elapsed_s >= options_.adaptive.max_s) {
-      adaptive_report_.stop = AdaptiveStop::kProbeTime;
-      return chosen;
+      return finish(AdaptiveStop::kProbeTime);
     }
     probes_.push_back(executor.run_probe(worst_dims));
     ++adaptive_report_.added_probes;

@@ -318,3 +318,41 @@ TEST_CASE("variable_max with a name that is not a variable of the formula is ref
                        doctest::Contains("variable_max names 'lenght', which is not a variable of the formula (bs, l)"),
                        std::invalid_argument);
 }
+
+TEST_CASE("with the formula chosen from the probes, an encoder-decoder's peaks are predicted on held-out shapes") {
+  FunctionExecutor executor([](const std::vector<double>& d) {
+    return 30 * d[0] * d[1] * d[1] + 20 * d[0] * d[2] * d[2] + 10 * d[0] * d[1] * d[2] + 500 * d[0] * d[1];
+  });
+  xpm::PredictiveBatcherOptions options;
+  options.formula_choice = xpm::FormulaChoice::kAutomatic;
+  options.formula = xpm::CostFormula::with_variables("c", {"bs", "ls", "lt"});  // the variables
+  options.variable_max = {{"bs", 16}, {"ls", 64}, {"lt", 48}};
+  options.budget = {4'000'000'000, 0.9, 0};
+  xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
+  const xpm::MemoryModel& model = batcher.probe_and_fit(executor);
+  INFO(batcher.selection_report());
+  CHECK(batcher.fit_summary().usable);
+  CHECK(batcher.selection_report().find("formula chosen from the probes") != std::string::npos);
+  CHECK(model.metadata().at("formula_selection").at("chosen") == model.formula().canonical());
+  CHECK(max_held_out_error(model, executor, {{3, 40, 25}, {11, 33, 47}, {7, 64, 30}, {16, 50, 40}}) < 1e-4);
+}
+
+TEST_CASE("with the formula chosen from the probes, a peak that moves between operations is predicted") {
+  FunctionExecutor executor([](const std::vector<double>& d) {
+    return std::max(40 * d[0] * d[1] * d[1] + 2e5, 9000 * d[0] * d[1] + 2e6);
+  });
+  xpm::PredictiveBatcherOptions options;
+  options.formula_choice = xpm::FormulaChoice::kAutomatic;
+  options.formula = xpm::CostFormula::with_variables("c", {"bs", "l"});
+  options.variable_max = {{"bs", 32}, {"l", 256}};
+  options.budget = {8'000'000'000, 0.9, 0};
+  xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
+  const xpm::MemoryModel& model = batcher.probe_and_fit(executor);
+  INFO(batcher.selection_report());
+  MESSAGE(batcher.adaptive_report().describe(model.formula()));
+  std::vector<std::vector<double>> held_out;
+  for (double bs : {2.0, 5.0, 9.0, 17.0, 30.0}) {
+    for (double l : {130.0, 170.0, 200.0, 230.0, 250.0}) held_out.push_back({bs, l});
+  }
+  CHECK(max_held_out_error(model, executor, held_out) < 0.01);
+}

@@ -35,6 +35,7 @@
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/floor_model.hpp"
 #include "xpm/planner/formula.hpp"
+#include "xpm/planner/formula_selection.hpp"
 #include "xpm/planner/memory_model.hpp"
 #include "xpm/planner/packer.hpp"
 #include "xpm/planner/probe.hpp"
@@ -81,10 +82,26 @@ std::string to_string(AdaptiveStop stop);  // "not run" | "agreed" | "probe coun
 /// "PredictiveBatcher: the fitted memory model is not usable: " and the summary's reasons.
 std::string not_usable_message(const FitSummary& summary);
 
+/// Where the cost formula comes from.
+enum class FormulaChoice {
+  kGiven,      // PredictiveBatcherOptions::formula
+  kAutomatic,  // chosen from the probes (formula_selection.hpp); `formula` names the variables
+};
+
+std::string to_string(FormulaChoice choice);                   // "given" | "auto"
+
 struct PredictiveBatcherOptions {
   /// The cost formula (bytes): its variables are the dims of every record and probe point, in
   /// its variable_names() order.
   CostFormula formula = CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"});
+  /// kAutomatic: the formula is chosen from the probes (select_formula over
+  /// formula.variable_names(), e.g. formula = CostFormula::with_variables("c", {"bs", "l"})),
+  /// after the initial design and after every adaptive probe (the other formulas the probes
+  /// explain join the adaptive design's candidate models); fit_summary() is the chosen
+  /// formula's, selection_report() says what was tried; the floor formula defaults to every
+  /// candidate term (all_terms_formula).
+  FormulaChoice formula_choice = FormulaChoice::kGiven;
+  FormulaSelectionOptions selection;  // kAutomatic (its batch size, fit and floor set here)
   std::string batch_size_variable = "bs";                      // the microbatch size variable
   std::map<std::string, DimAggregation> aggregation;           // non-bs variables; default max
   std::vector<ProbePoint> probe_points;                        // empty: automatic design
@@ -154,6 +171,9 @@ class PredictiveBatcher {
   /// Throws std::logic_error before probe_and_fit() or set_model().
   const MemoryModel& model() const;
   const FitSummary& fit_summary() const { return fit_summary_; }
+  /// FormulaChoice::kAutomatic: the candidates tried and the one chosen (FormulaSelection::
+  /// report()); "" otherwise.
+  const std::string& selection_report() const { return selection_report_; }
   /// What the adaptive design of the last probe_and_fit() did.
   const AdaptiveDesignReport& adaptive_report() const { return adaptive_report_; }
   /// How probe_and_fit() chose the floor (FloorFit::report says which and why).
@@ -179,6 +199,9 @@ class PredictiveBatcher {
     FitResult fit;
     std::optional<MemoryModel> model;  // empty when the fit is not usable
     double probe_error = 0;
+    std::optional<CostFormula> formula;       // the formula fitted (chosen when automatic)
+    std::string selection_report;             // FormulaSelection::report() when chosen
+    std::vector<FittedFormula> alternatives;  // FormulaSelection::alternatives when chosen
     std::vector<ProbedRange> probed_ranges;   // of the feasible probes
     std::vector<InfeasibleBound> infeasible;  // the probes that ran out of memory
   };
@@ -190,8 +213,9 @@ class PredictiveBatcher {
   FitCandidate refine_design(ProbeExecutor& executor, FitCandidate chosen, double static_bytes,
                              double usable_bytes);
   std::vector<std::vector<double>> adaptive_grid() const;
-  double candidate_prediction(const std::vector<double>& coefficients, double floor_bytes,
-                              const std::vector<double>& dims) const;
+  double candidate_prediction(const CostFormula& formula, const std::vector<double>& coefficients,
+                              double floor_bytes, const std::vector<double>& dims) const;
+  void fit_formula(FitCandidate& c, const std::vector<InfeasibleBound>& infeasible) const;
   void store_model(FitCandidate chosen, double static_bytes);
   FitCandidate fit_candidate(const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible,
                              double floor_bytes,
@@ -204,6 +228,7 @@ class PredictiveBatcher {
   std::optional<MemoryModel> model_;
   FitSummary fit_summary_;
   AdaptiveDesignReport adaptive_report_;
+  std::string selection_report_;
   FloorFit floor_fit_;
   std::vector<ProbeResult> probes_;
   std::vector<Measurement> fit_measurements_;  // what the current coefficients were fitted to
