@@ -308,6 +308,51 @@ bool equal_slices(RecordDimsView record_dims, const std::vector<std::size_t>& re
   return true;
 }
 
+// Record indices by `keys` (the first, then the next among equals, ...), largest first, stable.
+std::vector<std::size_t> lexicographic_descending_order(RecordDimsView view, const std::vector<std::size_t>& keys) {
+  std::vector<std::size_t> order(view.records);
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    for (std::size_t key : keys) {
+      const double x = view.row(a)[key], y = view.row(b)[key];
+      if (x != y) return x > y;
+    }
+    return false;
+  });
+  return order;
+}
+
+// With summed variables: the largest m such that any m of `records` fit, i.e. m records with
+// the largest max dims and, per summed variable, the sum of its m largest values (0: none fits).
+std::int64_t largest_uniform_size(RecordDimsView record_dims, const std::vector<std::size_t>& records,
+                                  const MemoryModel& model, double usable_bytes) {
+  const std::vector<double> all = aggregate_dims(record_dims, records, model);
+  const auto& aggregation = model.aggregation();
+  std::vector<std::vector<double>> top_sums(aggregation.size());  // [v][m]: sum of the m largest
+  for (std::size_t v = 0; v < aggregation.size(); ++v) {
+    if (aggregation[v] != DimAggregation::kSum) continue;
+    std::vector<double> values;
+    for (std::size_t i : records) values.push_back(record_dims.row(i)[v]);
+    std::sort(values.rbegin(), values.rend());
+    top_sums[v].assign(1, 0.0);
+    for (double value : values) top_sums[v].push_back(top_sums[v].back() + value);
+  }
+  const auto fits_at = [&](std::size_t m) {
+    std::vector<double> dims = all;
+    dims[model.batch_size_index()] = static_cast<double>(m);
+    for (std::size_t v = 0; v < dims.size(); ++v) {
+      if (aggregation[v] == DimAggregation::kSum) dims[v] = top_sums[v][m];
+    }
+    return model.fits(dims, usable_bytes);
+  };
+  std::size_t lo = 0, hi = records.size() + 1;  // fits_at(lo) (or lo = 0), !fits_at(hi)
+  while (hi - lo > 1) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    (fits_at(mid) ? lo : hi) = mid;
+  }
+  return static_cast<std::int64_t>(lo);
+}
+
 // Uniform slicing of `records`: one size from their aggregated dims. False if even one record
 // at those dims is over budget (or a slice is, for a non-monotone model).
 bool try_uniform(RecordDimsView record_dims, const std::vector<std::size_t>& records, const MemoryModel& model,
@@ -315,6 +360,12 @@ bool try_uniform(RecordDimsView record_dims, const std::vector<std::size_t>& rec
   if (records.empty()) return true;
   std::vector<double> dims = aggregate_dims(record_dims, records, model);
   dims[model.batch_size_index()] = 1;
+  const auto& aggregation = model.aggregation();
+  const bool summed = std::find(aggregation.begin(), aggregation.end(), DimAggregation::kSum) != aggregation.end();
+  if (summed) {
+    const std::int64_t m = largest_uniform_size(record_dims, records, model, static_cast<double>(usable_bytes));
+    return m > 0 && equal_slices(record_dims, records, m, model, usable_bytes, out);
+  }
   if (!model.fits(dims, static_cast<double>(usable_bytes))) return false;
   const std::int64_t m = model.max_microbatch_size(dims, usable_bytes,
                                                    static_cast<std::int64_t>(records.size()));
@@ -468,6 +519,31 @@ MicrobatchPlan UniformPacker::pack(RecordDimsView record_dims, const MemoryModel
 
 AdaptivePacker::AdaptivePacker(AdaptivePackerOptions options) : options_(std::move(options)) {}
 
+// The variables of sort_by ("l", or "h,w": by h, then by w among equal h), by index.
+std::vector<std::size_t> AdaptivePacker::sort_keys(const MemoryModel& model) const {
+  const auto& vars = model.formula().variable_names();
+  std::vector<std::size_t> keys;
+  std::size_t begin = 0;
+  while (begin <= options_.sort_by.size()) {
+    const std::size_t comma = std::min(options_.sort_by.find(',', begin), options_.sort_by.size());
+    std::string name = options_.sort_by.substr(begin, comma - begin);
+    name.erase(0, name.find_first_not_of(' '));
+    name.erase(name.find_last_not_of(' ') + 1);
+    begin = comma + 1;
+    const auto it = std::find(vars.begin(), vars.end(), name);
+    if (it == vars.end()) {
+      throw std::invalid_argument("AdaptivePacker: sort_by '" + name + "' is not a variable of the formula");
+    }
+    const std::size_t key = static_cast<std::size_t>(it - vars.begin());
+    if (key == model.batch_size_index()) {
+      throw std::invalid_argument("AdaptivePacker: sort_by '" + name +
+                                  "' is the batch-size variable; sort by a record dimension");
+    }
+    keys.push_back(key);
+  }
+  return keys;
+}
+
 std::string AdaptivePacker::name() const {
   return options_.sort_by.empty() ? "adaptive" : "adaptive(sort_by=" + options_.sort_by + ")";
 }
@@ -489,17 +565,7 @@ MicrobatchPlan AdaptivePacker::pack(RecordDimsView record_dims, const MemoryMode
   std::vector<double> sorted_dims;
   std::vector<std::size_t> order;
   if (!options_.sort_by.empty()) {
-    const auto& vars = model.formula().variable_names();
-    auto it = std::find(vars.begin(), vars.end(), options_.sort_by);
-    if (it == vars.end()) {
-      throw std::invalid_argument("AdaptivePacker: sort_by '" + options_.sort_by +
-                                  "' is not a variable of the formula");
-    }
-    const std::size_t key = static_cast<std::size_t>(it - vars.begin());
-    if (key == model.batch_size_index()) {
-      throw std::invalid_argument("AdaptivePacker: sort_by '" + options_.sort_by +
-                                  "' is the batch-size variable; sort by a record dimension");
-    }
+    const std::vector<std::size_t> keys = sort_keys(model);
     std::vector<std::size_t> read;  // the variables whose values the aggregation reads
     for (std::size_t v = 0; v < nv; ++v) {
       if (model.aggregation()[v] != DimAggregation::kCount) {
@@ -507,7 +573,15 @@ MicrobatchPlan AdaptivePacker::pack(RecordDimsView record_dims, const MemoryMode
         read.push_back(v);
       }
     }
-    packer_internal::sort_rows_descending(record_dims, key, read, order, sorted_dims);
+    if (keys.size() == 1) {
+      packer_internal::sort_rows_descending(record_dims, keys.front(), read, order, sorted_dims);
+    } else {
+      order = lexicographic_descending_order(record_dims, keys);
+      sorted_dims.reserve(n * read.size());
+      for (std::size_t i : order) {
+        for (std::size_t v : read) sorted_dims.push_back(record_dims.row(i)[v]);
+      }
+    }
     dims = sorted_dims.data();
     width = read.size();
   }

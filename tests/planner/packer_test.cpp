@@ -467,3 +467,46 @@ TEST_CASE("a packer implementing only the vector overload packs a view; one impl
   CHECK_THROWS_WITH_AS(nameless.pack(records_of_lengths({8}), square_model(), 1000),
                        doctest::Contains("'nameless' overrides neither"), std::logic_error);
 }
+
+TEST_CASE("the uniform packer with a summed token count slices by the largest records' sum, not one record each") {
+  // 1000 bytes per token, budget 100,000: at most 100 tokens per microbatch.
+  const MemoryModel model(CostFormula("a*t", {"a"}, {"bs", "t"}), {1000.0}, 0, "bs",
+                          {{"t", DimAggregation::kSum}});
+  Records records;
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> length(5, 20);
+  for (int i = 0; i < 64; ++i) records.push_back({1.0, static_cast<double>(length(rng))});
+  const MicrobatchPlan plan = UniformPacker().pack(records, model, 100'000);
+  check_each_record_once(plan, records.size());
+  for (const auto& mb : plan.microbatches) CHECK(mb.predicted_bytes <= 100'000);
+  double tokens = 0;
+  for (const auto& r : records) tokens += r[1];
+  // Slices of the size whose largest records fit: 5 to 20 tokens each, at least 5 per slice.
+  CHECK(plan.microbatches.size() <= static_cast<std::size_t>(std::ceil(64.0 / 5)));
+  CHECK(plan.microbatches.size() >= static_cast<std::size_t>(std::ceil(tokens / 100)));
+}
+
+TEST_CASE("max_microbatch_size counts a summed variable once per record") {
+  const MemoryModel model(CostFormula("a*t + c", {"a", "c"}, {"bs", "t"}), {1000.0, 10'000.0}, 0, "bs",
+                          {{"t", DimAggregation::kSum}});
+  // Records of 30 tokens: 90,000 bytes at 3 records, 120,000 at 4.
+  CHECK(model.max_microbatch_size({1, 30}, 100'000) == 3);
+}
+
+TEST_CASE("the adaptive packer sorts by several variables: the first, then the next among equals") {
+  const MemoryModel model(CostFormula("a*bs*h*w", {"a"}, {"bs", "h", "w"}), {1.0}, 0, "bs",
+                          {{"h", DimAggregation::kMax}, {"w", DimAggregation::kMax}});
+  const Records records = {{1, 32, 10}, {1, 64, 20}, {1, 32, 40}, {1, 64, 10}, {1, 32, 20}, {1, 64, 40}};
+  AdaptivePackerOptions options;
+  options.sort_by = "h, w";
+  const MicrobatchPlan plan = AdaptivePacker(options).pack(records, model, 64 * 40 * 2);
+  check_each_record_once(plan, records.size());
+  // Heaviest first by h, then by w: (64,40) (64,20) | (64,10) (32,40) | (32,20) (32,10).
+  REQUIRE(plan.microbatches.size() == 3);
+  CHECK(plan.microbatches[0].record_indices == std::vector<std::size_t>{5, 1});
+  CHECK(plan.microbatches[1].record_indices == std::vector<std::size_t>{3, 2});
+  CHECK(plan.microbatches[2].record_indices == std::vector<std::size_t>{4, 0});
+  options.sort_by = "h,bs";
+  CHECK_THROWS_WITH_AS(AdaptivePacker(options).pack(records, model, 10'000),
+                       doctest::Contains("sort_by 'bs' is the batch-size variable"), std::invalid_argument);
+}

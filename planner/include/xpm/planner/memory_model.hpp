@@ -130,9 +130,11 @@ class MemoryModel {
   /// predict_bytes(dims) <= usable_bytes and no infeasible probe dominated (see above).
   bool fits(const std::vector<double>& dims, double usable_bytes) const;
 
-  /// Largest microbatch size m in [1, max_size] such that fits(dims with batch-size variable =
-  /// m, usable_bytes): predicted within budget, and below the batch size of every infeasible
-  /// probe whose other dims `dims` reach. The batch-size entry of `dims` is ignored.
+  /// Largest microbatch size m in [1, max_size] such that m records with `dims` each fit
+  /// (fits() at the batch-size variable = m, every summed variable (DimAggregation::kSum) = m
+  /// times its value in `dims`, the others as given): predicted within budget, and below the
+  /// batch size of every infeasible probe those dims reach. The batch-size entry of `dims` is
+  /// ignored.
   /// Never returns a size the model predicts over budget. Throws std::invalid_argument when even
   /// m = 1 does not fit (message gives the prediction and the budget, or the infeasible probe).
   std::int64_t max_microbatch_size(std::vector<double> dims, std::int64_t usable_bytes,

@@ -92,7 +92,10 @@ class UniformPacker : public MicrobatchPacker {
 };
 
 struct AdaptivePackerOptions {
-  std::string sort_by;  // variable to sort by, heaviest first (stable); "" keeps record order
+  /// Variable to sort by, heaviest first (stable); several, comma-separated ("h,w"), sort by
+  /// the first, then by the next among equal values, so records alike in every padded
+  /// dimension share microbatches; "" keeps record order.
+  std::string sort_by;
 };
 
 /// Grows the current microbatch record by record while its predicted bytes fit, then starts a
@@ -112,6 +115,7 @@ class AdaptivePacker : public MicrobatchPacker {
   std::string name() const override;
 
  private:
+  std::vector<std::size_t> sort_keys(const MemoryModel& model) const;
   AdaptivePackerOptions options_;
 };
 
