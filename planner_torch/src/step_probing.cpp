@@ -91,7 +91,29 @@ nlohmann::json cache_identity(torch::nn::Module& module, torch::optim::Optimizer
           {"probe_points", probe_points},
           {"variable_max", b.variable_max},
           {"design_fractions", b.design_fractions},
+          {"formula_choice", to_string(b.formula_choice)},
+          {"adaptive_design", {{"max_probes", b.adaptive.max_probes},
+                               {"tolerance", b.adaptive.tolerance},
+                               {"grid_steps", b.adaptive.grid_steps}}},
           {"user", options.identity}};
+}
+
+// A CPU meter installed after the model was built never saw the weights: the floor would miss
+// them and every prediction would be short by their bytes.
+void check_meter_sees_weights(torch::nn::Module& module, const MemoryMeter& meter) {
+  if (dynamic_cast<const CpuMemoryMeter*>(&meter) == nullptr) return;
+  std::int64_t weight_bytes = 0;
+  for (const torch::Tensor& p : module.parameters()) {
+    if (p.device().is_cpu()) weight_bytes += p.numel() * static_cast<std::int64_t>(p.element_size());
+  }
+  const std::int64_t counted = meter.current_allocated_bytes();
+  if (counted < weight_bytes) {
+    throw std::invalid_argument(
+        "probe_and_fit: the CPU meter counts " + std::to_string(counted) + " bytes allocated, but the "
+        "model's parameters alone take " + std::to_string(weight_bytes) + " bytes: the meter was installed "
+        "after the model was built (or the weights live in memory it does not see); call "
+        "CpuMemoryMeter::install() before building the model");
+  }
 }
 
 void say(const StepProbeOptions& options, const std::string& line) {
@@ -275,6 +297,7 @@ StepProbeResult probe_and_fit(torch::nn::Module& module, torch::optim::Optimizer
     budget = meter_budget(meter, budget.memory_fraction, budget.extra_overhead_bytes);
   }
   options.batcher.validate();
+  check_meter_sees_weights(module, options.meter != nullptr ? *options.meter : CpuMemoryMeter::instance());
   StepProbeResult result = share_or_probe(module, optimizer, loss_fn, options);
   result.batcher_options = options.batcher;
   return result;

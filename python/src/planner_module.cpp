@@ -16,6 +16,7 @@
 #include "xpm/planner/ffd_packer.hpp"
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/formula.hpp"
+#include "xpm/planner/formula_selection.hpp"
 #include "xpm/planner/memory_model.hpp"
 #include "xpm/planner/packer.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
@@ -133,6 +134,7 @@ py::dict summary_dict(const xpm::FitSummary& s) {
   d["mean_rel_error"] = s.mean_rel_error;
   d["rel_errors"] = s.rel_errors;
   d["leave_one_out_max_rel_error"] = s.leave_one_out_max_rel_error;
+  d["leave_one_out_rel_errors"] = s.leave_one_out_rel_errors;
   d["iterations"] = s.iterations;
   d["linear"] = s.linear;
   d["brief_report"] = s.brief_report();
@@ -146,11 +148,13 @@ struct FitArguments {
   std::map<std::string, std::string> aggregation;
   bool non_negative = true;
   double usable_max_rel_error = 0.05;
+  std::vector<std::string> automatic_variables;  // non-empty: choose the formula over these
 };
 
 // Fits `formula` to measured peaks (and infeasible bounds); returns the model and the summary.
-py::tuple fit(const xpm::CostFormula& formula, const DoubleArray& dims, const DoubleArray& peak_bytes,
+py::tuple fit(const xpm::CostFormula& given, const DoubleArray& dims, const DoubleArray& peak_bytes,
               const DoubleArray& infeasible_dims, const DoubleArray& infeasible_bytes, const FitArguments& args) {
+  xpm::CostFormula formula = given;
   const std::size_t variables = formula.variable_names().size();
   const std::vector<std::vector<double>> rows = rows_of(dims, variables, "dims");
   const std::vector<std::vector<double>> peaks = rows_of(peak_bytes, 1, "peak_bytes");
@@ -168,14 +172,28 @@ py::tuple fit(const xpm::CostFormula& formula, const DoubleArray& dims, const Do
   options.batch_size_variable = bs;
   options.usable_max_rel_error = args.usable_max_rel_error;
   xpm::FitResult result;
+  std::string selection_report;
   {
     py::gil_scoped_release release;
-    result = xpm::fit_coefficients(formula, measurements, bounds, options);
+    if (args.automatic_variables.empty()) {
+      result = xpm::fit_coefficients(formula, measurements, bounds, options);
+    } else {
+      xpm::FormulaSelectionOptions selection;
+      selection.batch_size_variable = bs;
+      selection.fit = options;
+      xpm::FormulaSelection chosen = xpm::select_formula(args.automatic_variables, measurements, bounds, selection);
+      formula = chosen.formula;
+      result = std::move(chosen.fit);
+      selection_report = chosen.report();
+    }
   }
   xpm::MemoryModel model(formula, result.coefficients, args.floor_bytes, bs, aggregation_of(args.aggregation));
   model.set_infeasible_probes(bounds);
   model.set_probed_ranges(xpm::MemoryModel::ranges_of(rows));
-  return py::make_tuple(model, summary_dict(result.summary));
+  if (!selection_report.empty()) {
+    model.metadata()["formula_selection"] = {{"chosen", formula.canonical()}, {"report", selection_report}};
+  }
+  return py::make_tuple(model, summary_dict(result.summary), selection_report);
 }
 
 // A probe executor written in Python: run_probe(dims) -> ProbeResult, static_bytes() -> float.
@@ -195,7 +213,20 @@ struct ProbeArguments {
   std::map<std::string, double> variable_max;
   std::vector<double> design_fractions = {1.0, 0.75, 0.5};
   double usable_max_rel_error = 0.05;
+  bool automatic_formula = false;  // the formula's variables only; the formula chosen from the probes
+  xpm::AdaptiveDesignOptions adaptive;
 };
+
+py::dict adaptive_dict(const xpm::AdaptiveDesignReport& r, const xpm::CostFormula& formula) {
+  py::dict d;
+  d["stop"] = xpm::to_string(r.stop);
+  d["added_probes"] = r.added_probes;
+  d["elapsed_s"] = r.elapsed_s;
+  d["disagreement"] = r.disagreement;
+  d["disagreement_dims"] = r.disagreement_dims;
+  d["report"] = r.describe(formula);
+  return d;
+}
 
 // The C++ probe design and fit over a Python executor: (model, probes, fit summary, floor report).
 py::tuple probe_and_fit(xpm::ProbeExecutor& executor, const xpm::CostFormula& formula,
@@ -209,10 +240,13 @@ py::tuple probe_and_fit(xpm::ProbeExecutor& executor, const xpm::CostFormula& fo
   options.design_fractions = args.design_fractions;
   options.budget = budget;
   options.fit.usable_max_rel_error = args.usable_max_rel_error;
+  options.adaptive = args.adaptive;
+  if (args.automatic_formula) options.formula_choice = xpm::FormulaChoice::kAutomatic;
   xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
   batcher.probe_and_fit(executor);
   return py::make_tuple(batcher.model(), batcher.probes(), summary_dict(batcher.fit_summary()),
-                        batcher.floor_fit().report);
+                        batcher.floor_fit().report, adaptive_dict(batcher.adaptive_report(), batcher.model().formula()),
+                        batcher.selection_report());
 }
 
 void register_formula_error(py::module_& m) {
@@ -307,7 +341,15 @@ void bind_probing(py::module_& m) {
       .def_readwrite("probe_points", &ProbeArguments::probe_points)
       .def_readwrite("variable_max", &ProbeArguments::variable_max)
       .def_readwrite("design_fractions", &ProbeArguments::design_fractions)
-      .def_readwrite("usable_max_rel_error", &ProbeArguments::usable_max_rel_error);
+      .def_readwrite("usable_max_rel_error", &ProbeArguments::usable_max_rel_error)
+      .def_readwrite("automatic_formula", &ProbeArguments::automatic_formula)
+      .def_readwrite("adaptive", &ProbeArguments::adaptive);
+  py::class_<xpm::AdaptiveDesignOptions>(m, "AdaptiveDesignOptions")
+      .def(py::init<>())
+      .def_readwrite("max_probes", &xpm::AdaptiveDesignOptions::max_probes)
+      .def_readwrite("max_s", &xpm::AdaptiveDesignOptions::max_s)
+      .def_readwrite("tolerance", &xpm::AdaptiveDesignOptions::tolerance)
+      .def_readwrite("grid_steps", &xpm::AdaptiveDesignOptions::grid_steps);
   m.def("probe_and_fit", &probe_and_fit);
 }
 
@@ -318,7 +360,8 @@ void bind_fit(py::module_& m) {
       .def_readwrite("batch_size_variable", &FitArguments::batch_size_variable)
       .def_readwrite("aggregation", &FitArguments::aggregation)
       .def_readwrite("non_negative", &FitArguments::non_negative)
-      .def_readwrite("usable_max_rel_error", &FitArguments::usable_max_rel_error);
+      .def_readwrite("usable_max_rel_error", &FitArguments::usable_max_rel_error)
+      .def_readwrite("automatic_variables", &FitArguments::automatic_variables);
   m.def("fit", &fit);
 }
 

@@ -16,12 +16,12 @@ from .sampler import Microbatch, PredictiveBatchSampler, Step, microbatch_loop
 
 __all__ = ["PACKERS", "CostFormula", "FitReport", "FormulaError", "MemoryBudget", "MemoryModel", "Plan", "fit",
            "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop", "StepDataset", "accumulate",
-           "probe", "CpuMeter", "CudaMeter", "ProbeOutcome"]
+           "probe", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport"]
 
 
 def __getattr__(name):
     # The torch side loads on first use, so the planner core imports without torch.
-    if name in ("probe", "CpuMeter", "CudaMeter", "ProbeOutcome"):
+    if name in ("probe", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport"):
         from . import probing
         return getattr(probing, name)
     raise AttributeError(f"module 'xpm' has no attribute {name!r}")

@@ -177,7 +177,8 @@ class MemoryModel:
 @dataclass
 class FitReport:
     """What ``fit`` measured: ``usable`` (and ``reasons`` when not), relative errors (signed,
-    (predicted - measured) / measured, one per measurement), leave-one-out max error."""
+    (predicted - measured) / measured, one per measurement), the held-out (leave-one-shape-out)
+    max error, on which ``usable`` rests with the fit error."""
 
     usable: bool
     reasons: List[str]
@@ -188,25 +189,53 @@ class FitReport:
     converged: bool
     brief_report: str
     full_report: str
+    formula_selection: str = ""  # with formula="auto": the candidates tried and the one chosen
 
 
-def _report(summary: dict) -> FitReport:
-    return FitReport(**{name: summary[name] for name in FitReport.__dataclass_fields__})
+def _report(summary: dict, formula_selection: str = "") -> FitReport:
+    fields = {name: summary[name] for name in FitReport.__dataclass_fields__ if name != "formula_selection"}
+    return FitReport(**fields, formula_selection=formula_selection)
 
 
-def fit(formula: CostFormula, dims, peak_bytes, *, infeasible_dims=None, infeasible_bytes=None,
+def fit(formula: "CostFormula | Literal['auto']", dims, peak_bytes, *, variables: Optional[Sequence[str]] = None,
+        infeasible_dims=None, infeasible_bytes=None,
         floor_bytes: float = 0.0, batch_size_variable: Optional[str] = None,
         aggregation: Optional[Dict[str, str]] = None, non_negative: bool = True,
         usable_max_rel_error: float = 0.05):
     """Fits ``formula``'s coefficients to measured peaks (Ceres, relative residuals).
 
-    ``dims``: [n, variables] (formula order); ``peak_bytes``: [n] measured peak bytes.
-    ``batch_size_variable``: the variable that counts records (default "bs").
-    ``infeasible_dims`` / ``infeasible_bytes``: shapes that ran out of memory and the capacity
-    they ran under, lower bounds of the prediction. ``aggregation``: how records combine per
-    variable in a microbatch ("max", "sum", "count"; default max). Returns
-    ``(MemoryModel, FitReport)``; the report says whether the fit is usable.
+    Args:
+        formula: the cost formula, or ``"auto"``: chosen from the measurements (candidates from
+            ``variables``: the batch size times monomials up to degree 2 in the others, a
+            constant, a floor, max() of up to three pieces; the best usable one by held-out
+            error with a penalty for size; the report's ``formula_selection`` lists them).
+        dims: [n, variables] in the formula's variable order (``variables`` with "auto").
+        peak_bytes: [n] measured peak bytes.
+        variables: the variable names, for ``formula="auto"`` only.
+        infeasible_dims, infeasible_bytes: shapes that ran out of memory and the capacity they
+            ran under, lower bounds of the prediction.
+        floor_bytes: a constant floor of the prediction.
+        batch_size_variable: the variable that counts records (default "bs").
+        aggregation: how records combine per variable in a microbatch ("max", "sum", "count";
+            default max).
+        non_negative: coefficients >= 0.
+        usable_max_rel_error: the largest fit error and held-out (leave-one-shape-out) error
+            that keep the fit usable.
+
+    Returns:
+        ``(MemoryModel, FitReport)``; the report says whether the fit is usable.
+
+    Raises:
+        ValueError: bad arguments (``variables`` missing with "auto" or given without it), a
+            formula the shapes cannot identify.
     """
+    automatic = isinstance(formula, str)
+    if automatic and formula != "auto":
+        raise ValueError(f"formula must be a CostFormula or 'auto', got {formula!r}")
+    if automatic != (variables is not None):
+        raise ValueError("fit: give variables=[...] with formula='auto', and only then")
+    if automatic:
+        formula = CostFormula("xpm_constant", list(variables))  # the variables; the formula is chosen
     width = len(formula.variable_names)
     dims_array = _matrix(dims, width, "dims")
     peaks = _vector(peak_bytes, len(dims_array), "peak_bytes")
@@ -218,8 +247,10 @@ def fit(formula: CostFormula, dims, peak_bytes, *, infeasible_dims=None, infeasi
     args.aggregation = dict(aggregation or {})
     args.non_negative = non_negative
     args.usable_max_rel_error = usable_max_rel_error
-    native, summary = _planner.fit(formula, dims_array, peaks, bounds, bound_bytes, args)
-    return MemoryModel(native), _report(summary)
+    if automatic:
+        args.automatic_variables = list(variables)
+    native, summary, selection = _planner.fit(formula, dims_array, peaks, bounds, bound_bytes, args)
+    return MemoryModel(native), _report(summary, selection)
 
 
 @dataclass

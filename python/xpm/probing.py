@@ -26,7 +26,7 @@ from __future__ import annotations
 import io
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Literal, Optional, Sequence, Union
 
 import torch
 
@@ -234,35 +234,87 @@ class _TorchExecutor(_planner.ProbeExecutor):
         return result
 
 
+AdaptiveStop = Literal["not run", "agreed", "probe count", "probe time", "no candidates"]
+
+
+@dataclass
+class AdaptiveReport:
+    """What the adaptive probe design did: ``added_probes``, ``stop`` (why it stopped),
+    ``disagreement`` (largest relative disagreement of the candidate models at the last check,
+    NaN when never computed) at ``disagreement_dims``, ``elapsed_s``, and ``report``, a sentence."""
+
+    stop: AdaptiveStop
+    added_probes: int
+    elapsed_s: float
+    disagreement: float
+    disagreement_dims: List[float]
+    report: str
+
+
 @dataclass
 class ProbeOutcome:
     """``model``: the fitted memory model; ``probes``: every probe (``feasible`` False: ran out
-    of memory); ``fit``: the fit report; ``floor``: how the floor was chosen; ``probe_s``."""
+    of memory); ``fit``: the fit report (``fit.formula_selection`` lists the candidates with
+    ``formula="auto"``); ``floor``: how the floor was chosen; ``adaptive``: what the adaptive
+    design added and why it stopped; ``probe_s``."""
 
     model: MemoryModel
     probes: list
     fit: FitReport
     floor: str
     probe_s: float
+    adaptive: AdaptiveReport
 
 
 def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[List[float]], torch.Tensor],
-          formula: CostFormula, *, meter, budget: Optional[MemoryBudget] = None,
+          formula: Union[CostFormula, Literal["auto"]], *, meter, budget: Optional[MemoryBudget] = None,
           variable_max: Optional[Dict[str, float]] = None, probe_points: Optional[List[Dict[str, float]]] = None,
           design_fractions: Sequence[float] = (1.0, 0.75, 0.5), batch_size_variable: str = "bs",
-          aggregation: Optional[Dict[str, str]] = None, usable_max_rel_error: float = 0.05) -> ProbeOutcome:
+          aggregation: Optional[Dict[str, str]] = None, usable_max_rel_error: float = 0.05,
+          adaptive_max_probes: int = 8, adaptive_max_s: float = 120.0,
+          adaptive_tolerance: float = 0.01) -> ProbeOutcome:
     """Probes the step (see the module docstring) and fits ``formula``; rank 0 only.
 
-    ``loss_fn(dims)``: builds a batch at ``dims`` (formula order; synthetic data is fine) and
-    returns its summed loss, a scalar tensor. ``budget``: default the meter's capacity, 90 %.
-    ``usable_max_rel_error``: the fit's largest relative error at the probes that still makes
-    it usable (5 %; some models peak off any smooth trend at batch size 1: raise it then).
+    Args:
+        model, optimizer: the user's, before any DistributedDataParallel wrapping.
+        loss_fn: ``loss_fn(dims)`` builds a batch at ``dims`` (variable order; synthetic data is
+            fine) and returns its summed loss, a scalar tensor.
+        formula: the cost formula, or ``"auto"``: chosen from the probes (the variables are
+            ``variable_max``'s keys in order, or the first probe point's); the candidates and
+            the choice are in ``outcome.fit.formula_selection``.
+        meter: ``CpuMeter.install()`` (before the model was built) or ``CudaMeter()``.
+        budget: default the meter's capacity, 90 %.
+        variable_max: the automatic design's upper end of every variable.
+        probe_points: explicit probe shapes instead of the automatic design (no adaptive one).
+        design_fractions: the automatic design's fractions of each variable's max.
+        batch_size_variable: the variable that counts records.
+        aggregation: per variable, "max" (padded) or "sum" over a microbatch's records.
+        usable_max_rel_error: the largest fit error and held-out (leave-one-shape-out) error
+            that keep the fit usable (5 %).
+        adaptive_max_probes, adaptive_max_s: the adaptive design's budget, probes and seconds
+            (``adaptive_max_probes=0``: none). After the initial design it probes where the fit
+            and its held-out refits (and, with "auto", the other formulas that explain the
+            probes) disagree most, until they agree within ``adaptive_tolerance``.
+
+    Returns:
+        ProbeOutcome: the model, every probe, the fit report, the floor, the adaptive report.
+
+    Raises:
+        ValueError: bad options or a budget the probes cannot work under.
+        RuntimeError: an unusable fit (its ``probes`` attribute holds the probes, so ``xpm.fit``
+            can refit them); an error of ``loss_fn`` names the probe's dims.
+
     Whatever is allocated after probing (a dataset made of tensors, caches) is not in the model:
     build it before, or leave room for it in ``budget``.
-    Raises ``ValueError`` for bad options or a budget the probes cannot work under,
-    ``RuntimeError`` for an unusable fit (its ``probes`` attribute holds the probes, so
-    ``xpm.fit`` can refit them); an error of ``loss_fn`` names the probe's dims.
     """
+    automatic = isinstance(formula, str)
+    if automatic:
+        if formula != "auto":
+            raise ValueError(f"probe: formula must be a CostFormula or 'auto', got {formula!r}")
+        names = list(variable_max or {}) or list((probe_points or [{}])[0])
+        if not names:
+            raise ValueError("probe: formula='auto' takes its variables from variable_max (or probe_points): give one")
+        formula = CostFormula("xpm_constant", names)  # the variables; the formula is chosen from the probes
     if budget is None:
         if meter.capacity_bytes <= 0:
             raise ValueError("probe: the meter has no capacity (0 bytes): set meter.capacity_bytes or give budget")
@@ -274,9 +326,13 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
     args.variable_max = {name: float(value) for name, value in (variable_max or {}).items()}
     args.design_fractions = list(design_fractions)
     args.usable_max_rel_error = usable_max_rel_error
+    args.automatic_formula = automatic
+    args.adaptive.max_probes = int(adaptive_max_probes)
+    args.adaptive.max_s = float(adaptive_max_s)
+    args.adaptive.tolerance = float(adaptive_tolerance)
     if not probe_points and not design_fractions:
         raise ValueError("probe: design_fractions is empty and no probe_points are given: nothing to probe")
-    if probe_points and len(probe_points) < len(formula.coefficient_names):
+    if probe_points and not automatic and len(probe_points) < len(formula.coefficient_names):
         raise ValueError(f"probe: {len(probe_points)} probe point(s) for {len(formula.coefficient_names)} "
                          f"coefficients ({', '.join(formula.coefficient_names)}); give at least one per coefficient")
     start = time.perf_counter()
@@ -289,7 +345,7 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
                          f"meter's capacity of {meter.capacity_bytes} bytes: raise the capacity") from None
     executor = _TorchExecutor(steady, loss_fn, meter, list(formula.variable_names))
     try:
-        native, probes, summary, floor = _planner.probe_and_fit(executor, formula, budget, args)
+        native, probes, summary, floor, adaptive, selection = _planner.probe_and_fit(executor, formula, budget, args)
     except RuntimeError as error:
         failure = RuntimeError(f"{error} (xpm.probe(..., usable_max_rel_error=...) sets that limit; this error's "
                                f".probes holds the {len(executor.results)} probes, for xpm.fit)")
@@ -297,4 +353,5 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
         raise failure from None
     finally:
         steady.__exit__(None, None, None)
-    return ProbeOutcome(MemoryModel(native), list(probes), _report(summary), floor, time.perf_counter() - start)
+    return ProbeOutcome(MemoryModel(native), list(probes), _report(summary, selection), floor,
+                        time.perf_counter() - start, AdaptiveReport(**adaptive))

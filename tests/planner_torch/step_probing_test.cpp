@@ -197,3 +197,27 @@ TEST_CASE("probe_and_fit shares rank 0's model or its error with the other ranks
   alone.rank = 1;
   CHECK_THROWS_AS(xpm::probe_and_fit(*f.model, f.optimizer, f.loss_fn(), alone), std::invalid_argument);
 }
+
+TEST_CASE("probe_and_fit refuses a CPU meter that never saw the model's weights") {
+  xpm::CpuMemoryMeter::install();
+  // Weights in memory the meter does not see, as when the meter is installed after the model
+  // is built: a 64 MB parameter over a buffer of our own.
+  std::vector<float> buffer(4096 * 4096, 0.5f);
+  torch::nn::Linear layer(4096, 4096);
+  {
+    torch::NoGradGuard no_grad;
+    layer->weight.set_data(torch::from_blob(buffer.data(), {4096, 4096}));
+  }
+  torch::optim::SGD optimizer(layer->parameters(), torch::optim::SGDOptions(0.1));
+  xpm::StepProbeOptions options;
+  options.batcher.formula = xpm::CostFormula::with_variables("a*bs + c", {"bs"});
+  options.batcher.variable_max = {{"bs", 8}};
+  options.batcher.budget.capacity_bytes = 400'000'000;
+  CHECK_THROWS_WITH_AS(
+      xpm::probe_and_fit(*layer, optimizer,
+                         [&](const std::vector<double>& dims) {
+                           return layer(torch::ones({static_cast<std::int64_t>(dims[0]), 4096})).sum();
+                         },
+                         options),
+      doctest::Contains("the meter was installed after the model was built"), std::invalid_argument);
+}

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "common.hpp"
+#include "xpm/planner/formula_selection.hpp"
 
 namespace xpm_plan {
 
@@ -47,9 +48,9 @@ xpm::CostFormula make_formula(const std::string& text, const std::vector<std::st
   }
 }
 
-FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSet& set,
-                            const FitRequest& request, const std::string& batch_size_variable,
-                            const std::vector<xpm::InfeasibleBound>& bounds) {
+namespace {
+
+xpm::FitOptions fit_options_of(const FitRequest& request, const std::string& batch_size_variable) {
   xpm::FitOptions options;
   options.non_negative = !request.allow_negative;
   options.robust_loss = request.robust_loss;
@@ -62,6 +63,44 @@ FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSe
   } catch (const std::invalid_argument& e) {
     throw InputError("fit options: " + first_line(e.what()));
   }
+  return options;
+}
+
+void set_verdict(FitOutcome& outcome) {
+  const xpm::FitSummary& s = outcome.result.summary;
+  outcome.usable = s.usable;
+  for (const std::string& reason : s.reasons) {
+    outcome.unusable_reason += (outcome.unusable_reason.empty() ? "" : "; ") + option_names(reason);
+  }
+}
+
+}  // namespace
+
+FitOutcome fit_automatic_formula(const std::vector<std::string>& variables, const MeasurementSet& set,
+                                 const FitRequest& request, const std::string& batch_size_variable,
+                                 const std::vector<xpm::InfeasibleBound>& bounds, bool has_floor) {
+  if (!request.initial.empty()) throw InputError("--initial does not apply to --formula auto");
+  xpm::FormulaSelectionOptions selection;
+  selection.batch_size_variable = batch_size_variable;
+  selection.fit = fit_options_of(request, batch_size_variable);
+  selection.floor = !has_floor;
+  FitOutcome outcome;
+  try {
+    xpm::FormulaSelection chosen = xpm::select_formula(variables, set.measurements, bounds, selection);
+    outcome.result = std::move(chosen.fit);
+    outcome.selection_report = chosen.report();
+    outcome.chosen_formula = std::move(chosen.formula);
+  } catch (const std::invalid_argument& e) {
+    throw InputError(set.path + ": --formula auto: " + first_line(e.what()));
+  }
+  set_verdict(outcome);
+  return outcome;
+}
+
+FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSet& set,
+                            const FitRequest& request, const std::string& batch_size_variable,
+                            const std::vector<xpm::InfeasibleBound>& bounds) {
+  const xpm::FitOptions options = fit_options_of(request, batch_size_variable);
   if (!request.initial.empty() && formula.is_linear()) {
     throw InputError("--initial applies to non-linear formulas only (max(...), or terms such as "
                      "l^p with --nonlinear); '" + formula.text() + "' is fitted linearly");
@@ -79,11 +118,7 @@ FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSe
   } catch (const std::invalid_argument& e) {  // includes IdentifiabilityError
     throw InputError(set.path + ": " + first_line(e.what()));
   }
-  const xpm::FitSummary& s = outcome.result.summary;
-  outcome.usable = s.usable;
-  for (const std::string& reason : s.reasons) {
-    outcome.unusable_reason += (outcome.unusable_reason.empty() ? "" : "; ") + option_names(reason);
-  }
+  set_verdict(outcome);
   return outcome;
 }
 
@@ -189,6 +224,8 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
     for (const auto& m : set.below_floor) below.push_back(dims_json(model, m.dims));
     j["below_floor_not_fitted"] = std::move(below);
     if (!outcome.usable) j["unusable_reason"] = outcome.unusable_reason;
+    j["formula_selection"] = outcome.selection_report.empty() ? nlohmann::json(nullptr)
+                                                              : nlohmann::json(outcome.selection_report);
     j["output"] = output.empty() ? nlohmann::json(nullptr) : nlohmann::json(output);
     j["figure"] = figure.empty() ? nlohmann::json(nullptr) : nlohmann::json(figure);
     os << j.dump() << "\n";
@@ -216,6 +253,7 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
   if (model.metadata().contains("floor")) {
     os << "  " << model.metadata()["floor"]["report"].get<std::string>() << "\n";
   }
+  os << outcome.selection_report;
   os << option_names(s.brief_report()) << "\n";
   os << "residuals ((predicted - measured) / measured; left out: predicted by a fit without "
         "that point):\n";

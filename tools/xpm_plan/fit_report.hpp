@@ -3,6 +3,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -37,6 +38,8 @@ struct FitOutcome {
   xpm::FitResult result;
   bool usable = true;            // the planner's verdict (FitSummary::usable)
   std::string unusable_reason;   // FitSummary::reasons joined, when !usable
+  std::optional<xpm::CostFormula> chosen_formula;  // --formula auto: the formula chosen
+  std::string selection_report;  // --formula auto: xpm::FormulaSelection::report()
 };
 
 /// Fits; the planner's input errors (identifiability, too few points) become InputError.
@@ -45,6 +48,12 @@ struct FitOutcome {
 FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSet& set,
                             const FitRequest& request, const std::string& batch_size_variable,
                             const std::vector<xpm::InfeasibleBound>& bounds);
+
+/// --formula auto: chooses the formula over `variables` (xpm::select_formula; a floor piece
+/// among the candidates unless `has_floor`) and fits it; errors as fit_measurements.
+FitOutcome fit_automatic_formula(const std::vector<std::string>& variables, const MeasurementSet& set,
+                                 const FitRequest& request, const std::string& batch_size_variable,
+                                 const std::vector<xpm::InfeasibleBound>& bounds, bool has_floor);
 
 /// The fit summary as JSON (converged, iterations, errors, ...).
 nlohmann::json fit_summary_json(const xpm::FitSummary& summary, const FitOutcome& outcome);

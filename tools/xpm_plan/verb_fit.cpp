@@ -13,6 +13,7 @@
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/floor_model.hpp"
 #include "xpm/planner/formula.hpp"
+#include "xpm/planner/formula_selection.hpp"
 #include "xpm/planner/memory_model.hpp"
 
 namespace xpm_plan {
@@ -87,6 +88,14 @@ std::optional<xpm::FloorFit> fit_floor_column(const po::variables_map& vm,
   }
 }
 
+std::string all_terms_text(const std::vector<std::string>& variables, const std::string& bs_variable) {
+  try {
+    return xpm::all_terms_formula(variables, bs_variable, "");
+  } catch (const std::invalid_argument& e) {
+    throw InputError("--batch-size-variable: " + first_line(e.what()));
+  }
+}
+
 }  // namespace
 
 po::options_description fit_options() {
@@ -106,8 +115,10 @@ po::options_description fit_options() {
        "measurements file, CSV or JSON (also the positional argument)")
       ("csv", po::value<std::string>(), "measurements file, read as CSV")
       ("formula", po::value<std::string>()->required(),
-       "cost formula in bytes, e.g. 'a*bs*l^2 + b*bs*l + c' or 'max(a*bs*l^2, b*bs*l) + c' "
-       "(required)")
+       "cost formula in bytes, e.g. 'a*bs*l^2 + b*bs*l + c' or 'max(a*bs*l^2, b*bs*l) + c', "
+       "or auto: chosen from the measurements (the batch size times monomials up to degree 2 "
+       "in the other variables, a constant, a floor, max() of up to 3 pieces; the best by "
+       "held-out error with a penalty for size) (required)")
       ("coefficients", po::value<std::string>(),
        "comma-separated coefficient names (default: the formula's names that are not variables)")
       ("variables", po::value<std::string>(),
@@ -148,7 +159,8 @@ po::options_description fit_options() {
       ("robust-scale", po::value<double>()->default_value(0.01, "0.01"),
        "relative residual where the robust loss bends (0.01: 1 %)")
       ("usable-max-rel-error", po::value<double>()->default_value(0.05, "0.05"),
-       "a fit whose max relative error exceeds this is not usable (exit code 1, no file)")
+       "a fit whose max relative error, or held-out (leave-one-shape-out) max relative error, "
+       "exceeds this is not usable (exit code 1, no file)")
       ("output,o", po::value<std::string>(), "save the memory model JSON here (atomic write)")
       ("figure", po::value<std::string>(),
        "write an SVG figure here: measured vs predicted bytes, and relative residuals")
@@ -192,11 +204,18 @@ int run_fit(const po::variables_map& vm) {
   request.verb = "fit";
   request.count_variable = vm["batch-size-variable"].as<std::string>();
 
+  const bool automatic = formula_text == "auto";
+  if (automatic && vm.count("coefficients")) throw InputError("--coefficients does not apply to --formula auto");
   MeasurementSet set = read_measurements(request);
   const std::vector<std::string>& variables = set.variables;
+  std::string bs_variable = vm["batch-size-variable"].as<std::string>();
+  if (bs_variable.empty()) bs_variable = variables.front();
+  // --formula auto: every candidate term stands in for the formula until one is chosen (its
+  // variables, the floor formula derived from it).
+  const std::string given_text = automatic ? all_terms_text(variables, bs_variable) : formula_text;
   const std::vector<std::string> coefficients =
       vm.count("coefficients") ? split_list(vm["coefficients"].as<std::string>(), "coefficients")
-                               : infer_coefficients(formula_text, variables);
+                               : infer_coefficients(given_text, variables);
   if (vm.count("coefficients")) {  // a declared coefficient the formula never uses cannot be fitted
     const std::vector<std::string> used = infer_coefficients(formula_text, variables);
     for (const std::string& name : coefficients) {
@@ -206,10 +225,7 @@ int run_fit(const po::variables_map& vm) {
       }
     }
   }
-  const xpm::CostFormula formula = make_formula(formula_text, coefficients, variables,
-                                                fit_request);
-  std::string bs_variable = vm["batch-size-variable"].as<std::string>();
-  if (bs_variable.empty()) bs_variable = variables.front();
+  const xpm::CostFormula formula = make_formula(given_text, coefficients, variables, fit_request);
   const auto aggregation = vm.count("aggregation")
                                ? parse_aggregation(vm["aggregation"].as<std::vector<std::string>>())
                                : std::map<std::string, xpm::DimAggregation>{};
@@ -257,11 +273,14 @@ int run_fit(const po::variables_map& vm) {
                                                                  : probe_capacity_bytes;
     if (capacity > 0) bounds.push_back({set.infeasible[i], capacity});
   }
-  const FitOutcome outcome = fit_measurements(formula, set, fit_request, bs_variable, bounds);
+  const bool has_floor = floor_bytes > 0 || (floor_fit && floor_fit->formula);
+  const FitOutcome outcome =
+      automatic ? fit_automatic_formula(variables, set, fit_request, bs_variable, bounds, has_floor)
+                : fit_measurements(formula, set, fit_request, bs_variable, bounds);
   const xpm::FitSummary& s = outcome.result.summary;
 
-  xpm::MemoryModel model(formula, outcome.result.coefficients, floor_bytes, bs_variable,
-                         aggregation);
+  xpm::MemoryModel model(automatic ? *outcome.chosen_formula : formula, outcome.result.coefficients,
+                         floor_bytes, bs_variable, aggregation);
   model.set_infeasible_probes(bounds);
   if (floor_fit && floor_fit->formula) model.set_floor_formula(*floor_fit->formula);
   model.set_probed_ranges(probed_ranges);
@@ -283,6 +302,10 @@ int run_fit(const po::variables_map& vm) {
                                  {"moving", floor_fit->formula.has_value()}};
   }
   model.metadata()["probes"] = std::move(probes);
+  if (automatic) {
+    model.metadata()["formula_selection"] = {{"chosen", model.formula().canonical()},
+                                             {"report", outcome.selection_report}};
+  }
 
   // Render everything, then write: a failure leaves no file behind.
   const std::string output = vm.count("output") ? vm["output"].as<std::string>() : "";

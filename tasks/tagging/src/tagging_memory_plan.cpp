@@ -65,7 +65,11 @@ nlohmann::json memory_model_identity(const TaggingJobConfig& config,
           {"extra_overhead_bytes", batcher_options.budget.extra_overhead_bytes},
           {"probe_points", probe_points},
           {"variable_max", batcher_options.variable_max},
-          {"design_fractions", batcher_options.design_fractions}};
+          {"design_fractions", batcher_options.design_fractions},
+          {"formula_choice", to_string(batcher_options.formula_choice)},
+          {"adaptive_design", {{"max_probes", batcher_options.adaptive.max_probes},
+                               {"tolerance", batcher_options.adaptive.tolerance},
+                               {"grid_steps", batcher_options.adaptive.grid_steps}}}};
 }
 
 namespace {
