@@ -47,7 +47,7 @@ import torch.distributed
 from torch.utils.data import Sampler
 
 from . import _planner
-from .planning import PACKERS, MemoryModel, _record_dims, plan
+from .planning import PACKERS, MemoryModel, _pack, _record_dims
 
 
 class Microbatch(list):
@@ -164,8 +164,14 @@ class PredictiveBatchSampler(Sampler[List[int]]):
 
     Raises:
         ValueError: a bad argument (named, with its value); a NaN, infinite or negative entry of
-            ``record_dims`` or ``units`` (named with the first bad index); a rank or world size
-            that contradicts an initialised torch.distributed process group.
+            ``record_dims`` or ``units`` (named with the first bad index); a record whose
+            batch-size entry is not 1 (dims in the wrong order or the wrong batch-size variable;
+            named with its index, its dims and the formula's variable order); a rank or world
+            size that contradicts an initialised torch.distributed process group.
+
+    Warns:
+        RuntimeWarning: a column of ``record_dims`` reaches more than 4 times the largest value
+            its variable was probed at (likely columns in the wrong order), once.
     """
 
     def __init__(self, record_dims, model: MemoryModel, usable_bytes: int, *, outer_batch_size: int,
@@ -313,7 +319,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         if len(mine) == 0:
             empty = np.zeros(len(self._model.formula.variable_names))
             return Step([np.zeros(0, dtype=np.int64)], [0.0], total_units, [empty], [self._model.predict(empty)])
-        planned = plan(self._dims[mine], self._model, self._usable_bytes, packer=self._packer, sort_by=self._sort_by)
+        planned = _pack(self._dims[mine], self._model, self._usable_bytes, self._packer, self._sort_by)
         microbatches = [mine[k] for k in planned.microbatches]
         scale = self._world / total_units if total_units > 0 else 0.0
         return Step(microbatches, [scale * float(self._units[mb].sum()) for mb in microbatches], total_units,
