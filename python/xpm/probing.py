@@ -234,6 +234,42 @@ class _TorchExecutor(_planner.ProbeExecutor):
         return result
 
 
+def _cpu_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the storages of ``model``'s CPU parameters, each storage once (tied weights)."""
+    storages = {}
+    for p in model.parameters():
+        if p.device.type == "cpu":
+            storage = p.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _check_meter_saw_the_weights(model: torch.nn.Module, meter) -> None:
+    """ValueError when a ``CpuMeter`` counts fewer bytes than the model's CPU parameters take:
+    it was installed after they were allocated, so every probe (and the floor) would miss them."""
+    if not isinstance(meter, CpuMeter):
+        return
+    allocated, weights = int(meter.current_allocated_bytes), _cpu_parameter_bytes(model)
+    if allocated < weights:
+        raise ValueError(f"probe: the meter counts {allocated} bytes allocated but the model's CPU parameters alone "
+                         f"take {weights} bytes: it was installed after the model was built, so the memory model "
+                         f"would miss the weights; call xpm.CpuMeter.install() before building the model")
+
+
+def _check_variable_names(formula: CostFormula, variable_max: Optional[Dict[str, float]],
+                          probe_points: Optional[List[Dict[str, float]]]) -> None:
+    if not hasattr(formula, "variable_names"):
+        return  # not a CostFormula: refused with the planner's message
+    variables = list(formula.variable_names)
+    named = [("variable_max", variable_max or {})] + [(f"probe_points[{k}]", point)
+                                                      for k, point in enumerate(probe_points or [])]
+    for what, values in named:
+        for key in values:
+            if key not in variables:
+                raise ValueError(f"probe: {what} has '{key}', which is not a variable of the formula "
+                                 f"'{formula.canonical}' (its variables: {', '.join(variables)})")
+
+
 @dataclass
 class ProbeOutcome:
     """``model``: the fitted memory model; ``probes``: every probe (``feasible`` False: ran out
@@ -253,16 +289,40 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
           aggregation: Optional[Dict[str, str]] = None, usable_max_rel_error: float = 0.05) -> ProbeOutcome:
     """Probes the step (see the module docstring) and fits ``formula``; rank 0 only.
 
-    ``loss_fn(dims)``: builds a batch at ``dims`` (formula order; synthetic data is fine) and
-    returns its summed loss, a scalar tensor. ``budget``: default the meter's capacity, 90 %.
-    ``usable_max_rel_error``: the fit's largest relative error at the probes that still makes
-    it usable (5 %; some models peak off any smooth trend at batch size 1: raise it then).
-    Whatever is allocated after probing (a dataset made of tensors, caches) is not in the model:
-    build it before, or leave room for it in ``budget``.
-    Raises ``ValueError`` for bad options or a budget the probes cannot work under,
-    ``RuntimeError`` for an unusable fit (its ``probes`` attribute holds the probes, so
-    ``xpm.fit`` can refit them); an error of ``loss_fn`` names the probe's dims.
+    Whatever is allocated after probing (a dataset made of tensors, caches, a second optimizer)
+    is not in the model: build it before, or leave room for it in ``budget``
+    (``xpm.check_unplanned_memory`` warns about it during training). The model records the
+    bytes allocated before every probe (``result.model.static_bytes``).
+
+    Args:
+        model: the module to probe (its CPU parameters must have been allocated under ``meter``).
+        optimizer: the optimizer training steps with (stepped at learning rate 0).
+        loss_fn: ``loss_fn(dims)`` builds a batch at ``dims`` (formula order; synthetic data is
+            fine) and returns its summed loss, a scalar tensor.
+        formula: the cost formula to fit.
+        meter: ``xpm.CpuMeter.install()`` (installed before the model was built) or ``xpm.CudaMeter()``.
+        budget: default the meter's capacity, 90 %.
+        variable_max: the largest value of every formula variable (the automatic design).
+        probe_points: explicit probe shapes (``{variable: value}``) instead of the automatic design.
+        design_fractions: the automatic design's fractions of the non-batch-size variables' max.
+        batch_size_variable: the variable that counts records.
+        aggregation: how records combine per variable in a microbatch (see ``xpm.fit``).
+        usable_max_rel_error: the fit's largest relative error at the probes that still makes
+            it usable (5 %; some models peak off any smooth trend at batch size 1: raise it then).
+
+    Returns:
+        The ``ProbeOutcome`` (model, probes, fit report, floor, seconds).
+
+    Raises:
+        ValueError: bad options (a ``variable_max`` or ``probe_points`` key that is not a variable
+            of the formula, named with the formula's variables), a ``CpuMeter`` that counts fewer
+            bytes than the model's CPU parameters take (installed after the model was built), or
+            a budget the probes cannot work under; nothing is probed then.
+        RuntimeError: an unusable fit (its ``probes`` attribute holds the probes, so ``xpm.fit``
+            can refit them). An error of ``loss_fn`` names the probe's dims.
     """
+    _check_variable_names(formula, variable_max, probe_points)
+    _check_meter_saw_the_weights(model, meter)
     if budget is None:
         if meter.capacity_bytes <= 0:
             raise ValueError("probe: the meter has no capacity (0 bytes): set meter.capacity_bytes or give budget")
