@@ -51,6 +51,8 @@ class ModelSpec:
         build: ``build()`` returns ``(module, optimizer, loss_fn)``; ``loss_fn(dims)`` builds a
             synthetic batch at ``dims`` and returns its summed loss (a scalar tensor).
         usable_max_rel_error: the fit's largest error at the probes that still makes it usable.
+        formulas: the formulas to probe it with: "user" (``formula``) and "auto" (the planner
+            chooses; skipped by the suite until ``xpm.probe`` takes it).
     """
 
     name: str
@@ -59,6 +61,7 @@ class ModelSpec:
     variable_max: Dict[str, int]
     build: Callable[[], Tuple[torch.nn.Module, torch.optim.Optimizer, Callable]]
     usable_max_rel_error: float = 0.05
+    formulas: Tuple[str, ...] = ("user", "auto")
 
 
 @dataclass

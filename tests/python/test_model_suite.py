@@ -32,8 +32,8 @@ XFAIL = {
 
 
 def _cases():
-    for name in SPECS:
-        for formula in ("user", "auto"):
+    for name, spec in SPECS.items():
+        for formula in spec.formulas:
             reason = XFAIL.get((name, formula))
             marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
             yield pytest.param(name, formula, marks=marks, id=f"{name}-{formula}")
