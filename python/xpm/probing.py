@@ -235,12 +235,16 @@ class _TorchExecutor(_planner.ProbeExecutor):
 
 
 def _cpu_parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the storages of ``model``'s CPU parameters, each storage once (tied weights)."""
+    """Bytes of the storages of ``model``'s CPU parameters that c10's CPU allocator made (the
+    resizable ones: what a module's constructor allocates), each storage once (tied weights).
+    Storages over memory of another owner (``torch.from_numpy``, safetensors' memory map) are
+    left out: no meter ever counts them, whenever it was installed."""
     storages = {}
     for p in model.parameters():
         if p.device.type == "cpu":
             storage = p.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            if storage.resizable():
+                storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 

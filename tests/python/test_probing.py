@@ -187,6 +187,24 @@ def test_a_meter_installed_after_the_model_was_built_is_refused_in_one_line(tmp_
                         rf"miss the weights; call xpm\.CpuMeter\.install\(\) before building the model", message)
 
 
+def test_weights_in_memory_no_meter_counts_are_not_taken_for_a_late_meter():
+    # Parameters over NumPy's memory (as over a safetensors memory map) are never counted, so a
+    # meter installed first still counts less than they take: that is not the mistake.
+    torch.manual_seed(9)
+    model = torch.nn.Linear(4096, 4096, bias=False)
+    model.weight = torch.nn.Parameter(torch.from_numpy(np.zeros((4096, 4096), dtype=np.float32)))
+    assert METER.current_allocated_bytes < 4096 * 4096 * 4
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    METER.capacity_bytes = 400_000_000
+    try:
+        outcome = xpm.probe(model, optimizer, lambda dims: model(torch.randn(int(dims[0]), 4096)).sum(),
+                            xpm.CostFormula("a*bs + c", ["bs"]), meter=METER,
+                            probe_points=[{"bs": bs} for bs in (8, 16, 32)])
+    finally:
+        METER.capacity_bytes = 0
+    assert outcome.fit.usable
+
+
 def test_a_variable_max_key_that_is_not_a_formula_variable_is_refused_in_one_line():
     torch.manual_seed(7)
     model = CharGru()
