@@ -369,7 +369,8 @@ def probed_ranges(model: xpm.MemoryModel) -> Dict[str, Tuple[float, float]]:
 
 
 def measure(spec: ModelSpec, meter, *, formula: str = "user", seed: int = 0,
-            capacity_bytes: int = 2_000_000_000) -> SuiteResult:
+            capacity_bytes: int = 2_000_000_000,
+            probe_points: Optional[List[Dict[str, float]]] = None) -> SuiteResult:
     """Builds, probes and measures one model (see the module docstring).
 
     Args:
@@ -379,6 +380,8 @@ def measure(spec: ModelSpec, meter, *, formula: str = "user", seed: int = 0,
         seed: seeds torch (the model's weights, the batches) and the held-out shapes.
         capacity_bytes: the meter's cap while the model is probed and measured (generous: the
             design then doubles the batch size up to ``variable_max`` at every fraction).
+        probe_points: explicit probe shapes instead of the automatic design (the suite uses the
+            automatic design; these are for comparing designs by hand).
 
     Returns:
         The ``SuiteResult``; ``refusal`` holds the planner's message when it refused the fit.
@@ -404,7 +407,7 @@ def measure(spec: ModelSpec, meter, *, formula: str = "user", seed: int = 0,
         start = time.perf_counter()
         try:
             outcome = xpm.probe(module, optimizer, loss_fn, cost, meter=meter, variable_max=spec.variable_max,
-                                usable_max_rel_error=spec.usable_max_rel_error)
+                                probe_points=probe_points, usable_max_rel_error=spec.usable_max_rel_error)
         except (RuntimeError, ValueError) as error:  # the planner refused the fit (probes or formula)
             result.probes = calls[0]
             result.probe_s = time.perf_counter() - start
