@@ -6,16 +6,18 @@ every rank. ``docs/python.md`` has the guide.
 
 - ``CostFormula``, ``fit``, ``MemoryModel``, ``MemoryBudget``, ``plan`` (no torch needed);
 - ``probe``, ``CpuMeter``, ``CudaMeter`` (need torch);
-- ``PredictiveBatchSampler``, ``microbatch_loop`` (a ``torch.utils.data`` batch sampler);
+- ``PredictiveBatchSampler``, ``microbatch_loop`` (a ``torch.utils.data`` batch sampler),
+  ``check_unplanned_memory`` (memory allocated after probing);
 - ``StepDataset``, ``accumulate`` (one item per optimizer step, for the HF Trainer, Lightning).
 """
 from .planning import (PACKERS, CostFormula, FitReport, FormulaError, MemoryBudget, MemoryModel, Plan, fit,
                        plan, record_dims_from_lengths)
 from .adapters import StepDataset, accumulate
-from .sampler import Microbatch, PredictiveBatchSampler, Step, microbatch_loop
+from .sampler import Microbatch, PredictiveBatchSampler, Step, check_unplanned_memory, microbatch_loop
 
 __all__ = ["PACKERS", "CostFormula", "FitReport", "FormulaError", "MemoryBudget", "MemoryModel", "Plan", "fit",
-           "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop", "StepDataset", "accumulate",
+           "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop",
+           "check_unplanned_memory", "StepDataset", "accumulate",
            "probe", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport"]
 
 

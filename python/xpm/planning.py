@@ -7,7 +7,9 @@ formula, ``ValueError`` for bad arguments, ``RuntimeError`` for an unusable fit.
 """
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Literal, Optional, Sequence, Tuple
 
@@ -57,7 +59,8 @@ def _matrix(values, width: int, what: str) -> np.ndarray:
     # Two reductions, no temporary array (a million records: about a millisecond): the minimum
     # is NaN or negative when a value is, the maximum infinite when one is.
     if array.size and not (array.min() >= 0 and array.max() < np.inf):
-        raise ValueError(f"{what} must be finite and >= 0")
+        row = int(np.flatnonzero((~np.isfinite(array) | (array < 0)).any(axis=1))[0])
+        raise ValueError(f"{what}[{row}] is {array[row].tolist()}: {what} must be finite and >= 0")
     return array
 
 
@@ -95,13 +98,64 @@ def record_dims_from_lengths(lengths, variables: Sequence[str] = ("bs", "l"),
     return np.ascontiguousarray(np.stack(columns, axis=1))
 
 
+# A record dim this many times the largest value the model was probed at is most likely a
+# column in the wrong place (or the wrong unit), not a real record.
+FAR_BEYOND_PROBED = 4.0
+
+
 def _record_dims(record_dims, model: "MemoryModel", what: str) -> np.ndarray:
-    """[n, variables] record dims, or a 1-D array of lengths for a two-variable model."""
+    """[n, variables] record dims, or a 1-D array of lengths for a two-variable model.
+
+    Args:
+        record_dims: [n, variables] dims (formula order, the batch-size entry 1) or [n] lengths.
+        model: the memory model whose variables the columns are.
+        what: the argument's name, for the errors.
+
+    Returns:
+        The dims as a float64 [n, variables] array (the given one when it is already that, C order).
+
+    Raises:
+        ValueError: a wrong shape; a NaN, infinite or negative value; a record whose batch-size
+            entry is not 1 (named with its index, its dims and the formula's variable order).
+    Warns:
+        RuntimeWarning: a column reaches more than ``FAR_BEYOND_PROBED`` times the largest value
+            its variable was probed at (likely swapped columns), once per call.
+    """
     variables = list(model.formula.variable_names)
     array = np.asarray(record_dims, dtype=np.float64)
     if array.ndim == 1 and len(variables) == 2:
-        return record_dims_from_lengths(array, variables, model.batch_size_variable)
-    return _matrix(array, len(variables), what)
+        array = record_dims_from_lengths(array, variables, model.batch_size_variable)
+    else:
+        array = _matrix(array, len(variables), what)
+        _check_one_record_each(array, variables, model.batch_size_variable, what)
+    _warn_far_beyond_probed(array, variables, model, what)
+    return array
+
+
+def _check_one_record_each(array: np.ndarray, variables: List[str], batch_size_variable: str, what: str) -> None:
+    if not len(array) or batch_size_variable not in variables:
+        return
+    column = array[:, variables.index(batch_size_variable)]
+    if column.min() == 1 and column.max() == 1:  # two reductions, no temporary: the usual case
+        return
+    row = int(np.flatnonzero(column != 1)[0])
+    raise ValueError(f"{what}[{row}] is {array[row].tolist()}: every record's '{batch_size_variable}' must be 1 "
+                     f"(one record); the columns must be the formula's variables in the order {variables}")
+
+
+def _warn_far_beyond_probed(array: np.ndarray, variables: List[str], model: "MemoryModel", what: str) -> None:
+    if not len(array):
+        return
+    ranges = model.probed_ranges
+    for k, name in enumerate(variables):
+        if name == model.batch_size_variable or name not in ranges or ranges[name][1] <= 0:
+            continue
+        largest, probed = float(array[:, k].max()), ranges[name][1]
+        if largest > FAR_BEYOND_PROBED * probed:
+            warnings.warn(f"xpm: {what} column '{name}' reaches {largest:g}, {largest / probed:.1f}x the largest "
+                          f"'{name}' the model was probed at ({probed:g}): are the columns in the formula's order "
+                          f"{variables}? (predictions that far out are extrapolations)", RuntimeWarning, stacklevel=4)
+            return
 
 
 class MemoryModel:
@@ -112,6 +166,12 @@ class MemoryModel:
 
     def __init__(self, native: _planner.MemoryModel):
         self._native = native
+        self._json: Optional[dict] = None  # to_json() parsed, on first use
+
+    def _parsed(self) -> dict:
+        if self._json is None:
+            self._json = json.loads(self._native.to_json())
+        return self._json
 
     @classmethod
     def load(cls, path: str) -> "MemoryModel":
@@ -154,6 +214,20 @@ class MemoryModel:
     @property
     def batch_size_variable(self) -> str:
         return self._native.batch_size_variable
+
+    @property
+    def probed_ranges(self) -> Dict[str, Tuple[float, float]]:
+        """``{variable: (min, max)}`` over the shapes the model was fitted to (its feasible probes,
+        or the dims given to ``fit``); empty for a model file that does not record them."""
+        return {name: (float(span[0]), float(span[1])) for name, span in self._parsed().get("probed_ranges", {}).items()}
+
+    @property
+    def static_bytes(self) -> Optional[float]:
+        """Bytes allocated when ``xpm.probe`` began probing (weights, every gradient, the
+        optimizer's state, whatever else was alive), as its meter counted them; None for a model
+        fitted to given measurements (``fit``)."""
+        value = self._parsed().get("metadata", {}).get("static_bytes")
+        return None if value is None else float(value)
 
     def predict(self, dims) -> np.ndarray:
         """Predicted peak bytes: ``dims`` one row per microbatch ([n, variables]) or one row."""
@@ -300,12 +374,22 @@ def plan(record_dims, model: MemoryModel, usable_bytes: int, *, packer: PackerNa
         same model file. Deterministic: every rank gets the same plan.
 
     Raises:
-        ValueError: an unknown packer, dims of the wrong shape, a negative or non-finite dim,
-            ``usable_bytes`` <= 0, or ``sort_by`` not a record variable of the formula.
+        ValueError: an unknown packer, dims of the wrong shape, a negative or non-finite dim (named
+            with its record's index), a record whose batch-size entry is not 1 (dims in the wrong
+            order), ``usable_bytes`` <= 0, or ``sort_by`` not a record variable of the formula.
+
+    Warns:
+        RuntimeWarning: a column reaches more than 4 times the largest value its variable was
+            probed at (likely columns in the wrong order).
     """
     if packer not in PACKERS:
         raise ValueError(f"packer must be one of {', '.join(PACKERS)}, got '{packer}'")
-    array = _record_dims(record_dims, model, "record_dims")
+    return _pack(_record_dims(record_dims, model, "record_dims"), model, usable_bytes, packer, sort_by)
+
+
+def _pack(array: np.ndarray, model: MemoryModel, usable_bytes: int, packer: PackerName,
+          sort_by: Optional[str]) -> Plan:
+    """``plan`` of record dims already checked (a float64 [n, variables] array)."""
     if sort_by is None:
         sort_by = next((v for v in model.formula.variable_names if v != model.batch_size_variable), "")
     return Plan(*_planner.pack(packer, sort_by, array, model._native, int(usable_bytes)))

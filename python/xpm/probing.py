@@ -251,6 +251,46 @@ class AdaptiveReport:
     report: str
 
 
+def _cpu_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the storages of ``model``'s CPU parameters that c10's CPU allocator made (the
+    resizable ones: what a module's constructor allocates), each storage once (tied weights).
+    Storages over memory of another owner (``torch.from_numpy``, safetensors' memory map) are
+    left out: no meter ever counts them, whenever it was installed."""
+    storages = {}
+    for p in model.parameters():
+        if p.device.type == "cpu":
+            storage = p.untyped_storage()
+            if storage.resizable():
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _check_meter_saw_the_weights(model: torch.nn.Module, meter) -> None:
+    """ValueError when a ``CpuMeter`` counts fewer bytes than the model's CPU parameters take:
+    it was installed after they were allocated, so every probe (and the floor) would miss them."""
+    if not isinstance(meter, CpuMeter):
+        return
+    allocated, weights = int(meter.current_allocated_bytes), _cpu_parameter_bytes(model)
+    if allocated < weights:
+        raise ValueError(f"probe: the meter counts {allocated} bytes allocated but the model's CPU parameters alone "
+                         f"take {weights} bytes: it was installed after the model was built, so the memory model "
+                         f"would miss the weights; call xpm.CpuMeter.install() before building the model")
+
+
+def _check_variable_names(formula: CostFormula, variable_max: Optional[Dict[str, float]],
+                          probe_points: Optional[List[Dict[str, float]]]) -> None:
+    if not hasattr(formula, "variable_names"):
+        return  # not a CostFormula: refused with the planner's message
+    variables = list(formula.variable_names)
+    named = [("variable_max", variable_max or {})] + [(f"probe_points[{k}]", point)
+                                                      for k, point in enumerate(probe_points or [])]
+    for what, values in named:
+        for key in values:
+            if key not in variables:
+                raise ValueError(f"probe: {what} has '{key}', which is not a variable of the formula "
+                                 f"'{formula.canonical}' (its variables: {', '.join(variables)})")
+
+
 @dataclass
 class ProbeOutcome:
     """``model``: the fitted memory model; ``probes``: every probe (``feasible`` False: ran out
@@ -282,7 +322,8 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
         formula: the cost formula, or ``"auto"``: chosen from the probes (the variables are
             ``variable_max``'s keys in order, or the first probe point's); the candidates and
             the choice are in ``outcome.fit.formula_selection``.
-        meter: ``CpuMeter.install()`` (before the model was built) or ``CudaMeter()``.
+        meter: ``CpuMeter.install()`` (installed before the model was built: its CPU parameters
+            must have been allocated under it) or ``CudaMeter()``.
         budget: default the meter's capacity, 90 %.
         variable_max: the automatic design's upper end of every variable.
         probe_points: explicit probe shapes instead of the automatic design (no adaptive one).
@@ -300,12 +341,17 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
         ProbeOutcome: the model, every probe, the fit report, the floor, the adaptive report.
 
     Raises:
-        ValueError: bad options or a budget the probes cannot work under.
+        ValueError: bad options (a ``variable_max`` or ``probe_points`` key that is not a variable
+            of the formula, named with the formula's variables), a ``CpuMeter`` that counts fewer
+            bytes than the model's CPU parameters take (installed after the model was built), or
+            a budget the probes cannot work under; nothing is probed then.
         RuntimeError: an unusable fit (its ``probes`` attribute holds the probes, so ``xpm.fit``
             can refit them); an error of ``loss_fn`` names the probe's dims.
 
-    Whatever is allocated after probing (a dataset made of tensors, caches) is not in the model:
-    build it before, or leave room for it in ``budget``.
+    Whatever is allocated after probing (a dataset made of tensors, caches, a second optimizer)
+    is not in the model: build it before, or leave room for it in ``budget``
+    (``xpm.check_unplanned_memory`` warns about it during training). The model records the
+    bytes allocated before every probe (``result.model.static_bytes``).
     """
     automatic = isinstance(formula, str)
     if automatic:
@@ -315,6 +361,8 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
         if not names:
             raise ValueError("probe: formula='auto' takes its variables from variable_max (or probe_points): give one")
         formula = CostFormula("xpm_constant", names)  # the variables; the formula is chosen from the probes
+    _check_variable_names(formula, variable_max, probe_points)
+    _check_meter_saw_the_weights(model, meter)
     if budget is None:
         if meter.capacity_bytes <= 0:
             raise ValueError("probe: the meter has no capacity (0 bytes): set meter.capacity_bytes or give budget")

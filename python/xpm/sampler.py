@@ -47,7 +47,7 @@ import torch.distributed
 from torch.utils.data import Sampler
 
 from . import _planner
-from .planning import PACKERS, MemoryModel, _record_dims, plan
+from .planning import PACKERS, MemoryModel, _pack, _record_dims
 
 
 class Microbatch(list):
@@ -164,8 +164,14 @@ class PredictiveBatchSampler(Sampler[List[int]]):
 
     Raises:
         ValueError: a bad argument (named, with its value); a NaN, infinite or negative entry of
-            ``record_dims`` or ``units`` (named with the first bad index); a rank or world size
-            that contradicts an initialised torch.distributed process group.
+            ``record_dims`` or ``units`` (named with the first bad index); a record whose
+            batch-size entry is not 1 (dims in the wrong order or the wrong batch-size variable;
+            named with its index, its dims and the formula's variable order); a rank or world
+            size that contradicts an initialised torch.distributed process group.
+
+    Warns:
+        RuntimeWarning: a column of ``record_dims`` reaches more than 4 times the largest value
+            its variable was probed at (likely columns in the wrong order), once.
     """
 
     def __init__(self, record_dims, model: MemoryModel, usable_bytes: int, *, outer_batch_size: int,
@@ -313,7 +319,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         if len(mine) == 0:
             empty = np.zeros(len(self._model.formula.variable_names))
             return Step([np.zeros(0, dtype=np.int64)], [0.0], total_units, [empty], [self._model.predict(empty)])
-        planned = plan(self._dims[mine], self._model, self._usable_bytes, packer=self._packer, sort_by=self._sort_by)
+        planned = _pack(self._dims[mine], self._model, self._usable_bytes, self._packer, self._sort_by)
         microbatches = [mine[k] for k in planned.microbatches]
         scale = self._world / total_units if total_units > 0 else 0.0
         return Step(microbatches, [scale * float(self._units[mb].sum()) for mb in microbatches], total_units,
@@ -489,13 +495,78 @@ class _MicrobatchIterator(Iterator[List[int]]):
         sampler._steps_done, sampler._start, sampler._current = step, (step, offset), self
 
 
-def microbatch_loop(loader, sampler: PredictiveBatchSampler) -> Iterator[Tuple[Any, float, bool]]:
+# Without a cap on the meter, the unplanned bytes worth a warning: this share of the budget.
+UNPLANNED_SHARE_WITHOUT_CAPACITY = 0.10
+
+
+def check_unplanned_memory(meter, model: MemoryModel, usable_bytes: int,
+                           module: Optional[torch.nn.Module] = None) -> float:
+    """Compares the bytes allocated now, at the start of an optimizer step, with what the
+    model's probes had allocated before every probe (``model.static_bytes``: weights, gradients,
+    optimizer state); warns when the difference, memory no prediction holds (a second optimizer
+    created after probing, a cache, a dataset moved into tensors), is large enough that
+    microbatches planned up to the budget can run out of memory.
+
+    Call it between optimizer steps (after ``zero_grad``, before the next step's batch is made);
+    ``microbatch_loop(..., meter=...)`` calls it at every step's start, and the Hugging Face
+    integration at every ``training_step``.
+
+    Args:
+        meter: the meter the probes ran under (``xpm.CpuMeter`` or ``xpm.CudaMeter``).
+        model: the memory model ``xpm.probe`` fitted (another model checks nothing).
+        usable_bytes: the budget the plans fill.
+        module: the trained module: the gradients ``zero_grad()`` has set to None are counted as
+            allocated (the probes had them), so the check also holds after ``set_to_none``.
+
+    Returns:
+        The unplanned bytes (allocated now, plus the freed gradients, minus ``model.static_bytes``;
+        0 when the model has no static bytes).
+
+    Warns:
+        RuntimeWarning (one line): the unplanned bytes exceed what the budget leaves under the
+        meter's capacity (``capacity_bytes - usable_bytes``), or 10 % of ``usable_bytes`` when the
+        meter has no capacity.
+    """
+    unplanned, message = _unplanned_memory(meter, model, usable_bytes, module)
+    if message is not None:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return unplanned
+
+
+def _unplanned_memory(meter, model: MemoryModel, usable_bytes: int,
+                      module: Optional[torch.nn.Module]) -> Tuple[float, Optional[str]]:
+    """``check_unplanned_memory``'s unplanned bytes and its warning (None when there is none)."""
+    static = model.static_bytes
+    if static is None:
+        return 0.0, None
+    allocated = float(meter.current_allocated_bytes)
+    if module is not None:
+        allocated += sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad and p.grad is None)
+    unplanned = allocated - static
+    usable, capacity = int(usable_bytes), int(meter.capacity_bytes)
+    room = capacity - usable if capacity > usable else UNPLANNED_SHARE_WITHOUT_CAPACITY * usable
+    if unplanned <= room:
+        return unplanned, None
+    where = (f"the {capacity - usable} bytes the budget leaves under the meter's capacity of {capacity}"
+             if capacity > usable else f"10 % of the budget of {usable} bytes (the meter has no capacity)")
+    return unplanned, (f"xpm: {allocated:.0f} bytes are allocated at the start of a step but the probes saw "
+                       f"{static:.0f} (weights, gradients, optimizer state): {unplanned:.0f} bytes no prediction "
+                       f"holds, more than {where}, so microbatches can run out of memory; was an optimizer or a "
+                       f"cache created after xpm.probe? create it before probing, or reserve it in "
+                       f"MemoryBudget(extra_overhead_bytes=...)")
+
+
+def microbatch_loop(loader, sampler: PredictiveBatchSampler, *, meter=None,
+                    module: Optional[torch.nn.Module] = None) -> Iterator[Tuple[Any, float, bool]]:
     """Yields ``(batch, weight, last)`` for every microbatch of ``loader``.
 
     Args:
         loader: a ``DataLoader`` (or torchdata ``StatefulDataLoader``, resumed or not) over
             ``batch_sampler=sampler``, or ``iter(sampler)`` itself.
         sampler: the loader's ``PredictiveBatchSampler``.
+        meter: the meter the model was probed under; given, ``check_unplanned_memory`` runs
+            before each step's first batch is fetched, and warns at most once per loop.
+        module: the trained module, for ``check_unplanned_memory`` (gradients set to None).
 
     Returns:
         An iterator of ``(batch, weight, last)``: ``weight`` multiplies the microbatch's mean
@@ -505,10 +576,19 @@ def microbatch_loop(loader, sampler: PredictiveBatchSampler) -> Iterator[Tuple[A
 
     Raises:
         RuntimeError: ``loader`` does not draw its batches from ``sampler``.
+
+    Warns:
+        RuntimeWarning: from ``check_unplanned_memory``, once per loop, when ``meter`` is given.
     """
     iterator = iter(loader)
     position: Optional[int] = None
+    check, step_starts = meter is not None, True
     while True:
+        if check and step_starts:
+            message = _unplanned_memory(meter, sampler._model, sampler._usable_bytes, module)[1]
+            if message is not None:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                check = False  # once per loop
         try:
             batch = next(iterator)
         except StopIteration:
@@ -531,6 +611,7 @@ def microbatch_loop(loader, sampler: PredictiveBatchSampler) -> Iterator[Tuple[A
         step, j = current.locate(position)
         microbatches = current._steps[step].microbatches
         last = j == len(microbatches) - 1
+        step_starts = last
         if last:
             sampler._step_finished(step, current._generation)
         yield batch, current._steps[step].weights[j], last

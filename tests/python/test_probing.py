@@ -1,6 +1,13 @@
 """Probing a PyTorch model written in Python, on CPU under the capping meter: the steady state,
 the restored optimizer and generators, held-out error, a short training run without OOM, and
-gradient accumulation over planned microbatches equal to one big batch."""
+gradient accumulation over planned microbatches equal to one big batch; the plain mistakes
+(a meter installed after the model, a variable_max key that is no variable, a second optimizer
+created after probing) get a one-line error or warning."""
+import re
+import subprocess
+import sys
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -142,3 +149,138 @@ def test_accumulated_microbatches_give_the_big_batch_gradient():
         (weight * mean_loss(microbatch.tolist())).backward()
     for g, p in zip(big, model.parameters()):
         assert torch.allclose(p.grad, g, atol=1e-6, rtol=0)
+
+
+# ---- plain mistakes: one-line errors (nothing probed) or a warning where only a heuristic tells
+
+def _untouched(model, optimizer, rate):
+    """The optimizer has no state, its learning rate is ``rate``, no parameter has a gradient."""
+    return (len(optimizer.state) == 0 and optimizer.param_groups[0]["lr"] == rate
+            and all(p.grad is None for p in model.parameters()))
+
+
+def test_a_meter_installed_after_the_model_was_built_is_refused_in_one_line(tmp_path):
+    # One meter per process, installed before this file's models: the mistake needs a process of
+    # its own, which builds the model first and installs the meter after it.
+    script = tmp_path / "late_meter.py"
+    script.write_text(
+        "import torch, xpm\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))\n"
+        "meter = xpm.CpuMeter.install()\n"
+        "optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)\n"
+        "meter.capacity_bytes = 64 << 20\n"
+        "try:\n"
+        "    xpm.probe(model, optimizer, lambda dims: model(torch.randn(int(dims[0]), 256)).sum(),\n"
+        "              xpm.CostFormula('a*bs + c', ['bs']), meter=meter, variable_max={'bs': 64})\n"
+        "except ValueError as error:\n"
+        "    untouched = (len(optimizer.state) == 0 and all(p.grad is None for p in model.parameters())\n"
+        "                 and optimizer.param_groups[0]['lr'] == 1e-3 and meter.capacity_bytes == 64 << 20)\n"
+        "    print(f'untouched={untouched}')\n"
+        "    print(error)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    untouched, message = done.stdout.strip().split("\n")
+    weights = (256 * 512 + 512 + 512 * 8 + 8) * 4
+    assert untouched == "untouched=True"
+    assert re.fullmatch(rf"probe: the meter counts \d+ bytes allocated but the model's CPU parameters alone take "
+                        rf"{weights} bytes: it was installed after the model was built, so the memory model would "
+                        rf"miss the weights; call xpm\.CpuMeter\.install\(\) before building the model", message)
+
+
+def test_weights_in_memory_no_meter_counts_are_not_taken_for_a_late_meter():
+    # Parameters over NumPy's memory (as over a safetensors memory map) are never counted, so a
+    # meter installed first still counts less than they take: that is not the mistake.
+    torch.manual_seed(9)
+    model = torch.nn.Linear(4096, 4096, bias=False)
+    model.weight = torch.nn.Parameter(torch.from_numpy(np.zeros((4096, 4096), dtype=np.float32)))
+    assert METER.current_allocated_bytes < 4096 * 4096 * 4
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    METER.capacity_bytes = 400_000_000
+    try:
+        outcome = xpm.probe(model, optimizer, lambda dims: model(torch.randn(int(dims[0]), 4096)).sum(),
+                            xpm.CostFormula("a*bs + c", ["bs"]), meter=METER,
+                            probe_points=[{"bs": bs} for bs in (8, 16, 32)])
+    finally:
+        METER.capacity_bytes = 0
+    assert outcome.fit.usable
+
+
+def test_a_variable_max_key_that_is_not_a_formula_variable_is_refused_in_one_line():
+    torch.manual_seed(7)
+    model = CharGru()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    METER.capacity_bytes = 400_000_000
+    try:
+        with pytest.raises(ValueError) as error:
+            xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)), FORMULA, meter=METER,
+                      variable_max={"bs": 16, "length": 48})
+    finally:
+        METER.capacity_bytes = 0
+    assert str(error.value) == ("probe: variable_max has 'length', which is not a variable of the formula "
+                                f"'{FORMULA.canonical}' (its variables: bs, l)")
+    assert _untouched(model, optimizer, 1e-2)
+
+
+class WideMlp(torch.nn.Module):
+    """Characters -> embedding 64 -> 1024 -> 1024 -> next-character logits: 4.7 MB of weights,
+    so the optimizer's state is a large share of a step's peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(VOCAB, 64)
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
+                                        torch.nn.GELU(), torch.nn.Linear(1024, VOCAB))
+
+    def loss_sum(self, chars):
+        logits = self.body(self.embedding(chars[:, :-1]))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), chars[:, 1:].reshape(-1), reduction="sum")
+
+
+def _train_epoch(model, optimizers, sampler, texts):
+    """One epoch through ``microbatch_loop`` with the meter; every optimizer steps at each step's
+    end, then ``zero_grad()`` (gradients set to None). Returns the warnings xpm gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for indices, weight, last in xpm.microbatch_loop(iter(sampler), sampler, meter=METER, module=model):
+            l = max(len(texts[i]) for i in indices)
+            batch = torch.stack([torch.nn.functional.pad(texts[i], (0, l - len(texts[i]))) for i in indices])
+            (weight * model.loss_sum(batch) / batch.numel()).backward()
+            if last:
+                for optimizer in optimizers:
+                    optimizer.step()
+                for optimizer in optimizers:
+                    optimizer.zero_grad()
+    return [w for w in caught if str(w.message).startswith("xpm:")]
+
+
+def test_a_second_optimizer_created_after_probing_is_warned_about_once():
+    torch.manual_seed(8)
+    model = WideMlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    cap = METER.current_allocated_bytes + 40_000_000
+    METER.capacity_bytes = cap
+    try:
+        outcome = xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)),
+                            xpm.CostFormula("a*bs*l + b*bs + c", ["bs", "l"]), meter=METER,
+                            variable_max={"bs": 32, "l": 48})
+        assert outcome.model.static_bytes > 4 * 4_700_000  # weights, gradients, Adam's two moments
+        budget = xpm.MemoryBudget(cap)
+        lengths = np.random.default_rng(3).integers(8, 48, 96)
+        texts = [torch.randint(1, VOCAB, (int(n),)) for n in lengths]
+        sampler = xpm.PredictiveBatchSampler(lengths, outcome.model, budget.usable_bytes, outer_batch_size=32, seed=1)
+        assert _train_epoch(model, [optimizer], sampler, texts) == []  # the probed optimizer alone: planned
+        second = torch.optim.Adam(model.parameters(), lr=1e-4)    # its state (9.4 MB) is in no prediction
+        sampler.set_epoch(1)
+        caught = _train_epoch(model, [optimizer, second], sampler, texts)
+    finally:
+        METER.capacity_bytes = 0
+    assert len(caught) == 1 and caught[0].category is RuntimeWarning
+    message = str(caught[0].message)
+    assert "\n" not in message
+    assert re.fullmatch(r"xpm: \d+ bytes are allocated at the start of a step but the probes saw \d+ \(weights, "
+                        r"gradients, optimizer state\): \d+ bytes no prediction holds, more than the \d+ bytes the "
+                        r"budget leaves under the meter's capacity of \d+, so microbatches can run out of memory; "
+                        r"was an optimizer or a cache created after xpm\.probe\? create it before probing, or "
+                        r"reserve it in MemoryBudget\(extra_overhead_bytes=\.\.\.\)", message)
+    unplanned = int(message.split(": ")[2].split(" bytes")[0])
+    assert 0.9 * 9_400_000 < unplanned < 1.3 * 9_400_000  # Adam's two moments of 1.18 M parameters

@@ -5,6 +5,7 @@ microbatch, weights that make the accumulated gradient the outer batch's."""
 import json
 import os
 import pathlib
+import warnings
 
 import numpy as np
 import pytest
@@ -366,3 +367,46 @@ def test_a_finished_epoch_starts_over_and_bad_states_are_refused(model, lengths)
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=2.5)
     with pytest.warns(RuntimeWarning, match="over the budget"):
         list(xpm.PredictiveBatchSampler([10, 5000], model, BUDGET, outer_batch_size=2))
+
+
+def test_records_whose_batch_size_entry_is_not_1_are_refused_naming_the_first(model, lengths):
+    dims = xpm.record_dims_from_lengths(lengths)
+    swapped = np.ascontiguousarray(dims[:, ::-1])  # [l, bs]: the columns in the wrong order
+    expected = (f"record_dims[0] is [{float(lengths[0])}, 1.0]: every record's 'bs' must be 1 (one record); "
+                f"the columns must be the formula's variables in the order ['bs', 'l']")
+    for make in (lambda: xpm.PredictiveBatchSampler(swapped, model, BUDGET, outer_batch_size=64),
+                 lambda: xpm.plan(swapped, model, BUDGET)):
+        with pytest.raises(ValueError) as error:
+            make()
+        assert str(error.value) == expected
+    dims[7, 0] = 3  # a microbatch's dims given as a record's
+    with pytest.raises(ValueError, match=r"^record_dims\[7\] is \[3\.0, \d+\.0\]: every record's 'bs' must be 1 "):
+        xpm.PredictiveBatchSampler(dims, model, BUDGET, outer_batch_size=64)
+    assert dims[7, 0] == 3 and dims[8, 0] == 1  # read, not changed
+
+
+def test_records_far_beyond_the_probed_range_warn_once_naming_the_variable(model, lengths):
+    assert model.probed_ranges == {"bs": (1.0, 32.0), "l": (8.0, 200.0)}
+    within = np.minimum(lengths * 4, 800)  # up to 4x the largest probed length: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        steps = list(xpm.PredictiveBatchSampler(within, model, 10**9, outer_batch_size=64).steps())
+    assert len(steps) == 16
+    far = lengths.copy()
+    far[5] = 900
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sampler = xpm.PredictiveBatchSampler(far, model, 10**9, outer_batch_size=64)
+        list(sampler.steps())
+        list(sampler)
+    assert [str(w.message) for w in caught] == [
+        "xpm: record_dims column 'l' reaches 900, 4.5x the largest 'l' the model was probed at (200): are the "
+        "columns in the formula's order ['bs', 'l']? (predictions that far out are extrapolations)"]
+    assert caught[0].category is RuntimeWarning and caught[0].filename == __file__
+
+
+def test_plan_names_the_first_record_with_a_nan_an_infinity_or_a_negative_dim(model):
+    for bad in (float("nan"), float("inf"), -2.0):
+        with pytest.raises(ValueError) as error:
+            xpm.plan([[1, 10], [1, 20], [1, bad]], model, BUDGET)
+        assert str(error.value) == f"record_dims[2] is [1.0, {bad}]: record_dims must be finite and >= 0"

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -58,7 +59,7 @@ import transformers
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
-from ..sampler import PredictiveBatchSampler
+from ..sampler import PredictiveBatchSampler, _unplanned_memory
 
 SAMPLER_STATE_NAME = "xpm_sampler_state.json"
 """File in each checkpoint folder holding the sampler's ``state_dict()``."""
@@ -196,7 +197,9 @@ class PlannedTrainer(transformers.Trainer):
         batch_sampler: the ``xpm.PredictiveBatchSampler`` over ``train_dataset`` (one record per
             dataset index; its ``world_size`` must be the run's).
         meter: optional ``xpm.CpuMeter`` / ``xpm.CudaMeter``: its peak is reset before each
-            microbatch and reported in ``MicrobatchRecord.peak_allocated_bytes``.
+            microbatch and reported in ``MicrobatchRecord.peak_allocated_bytes``; at each step's
+            start ``xpm.check_unplanned_memory`` compares what is allocated with what the probes
+            saw and warns once (e.g. an optimizer the Trainer made instead of the probed one).
         on_microbatch: optional callable given a ``MicrobatchRecord`` after each microbatch's
             backward (on every rank).
         **kwargs: as ``transformers.Trainer``; ``data_collator`` collates one microbatch (a
@@ -217,6 +220,7 @@ class PlannedTrainer(transformers.Trainer):
         self.xpm_meter = meter
         self.on_microbatch = on_microbatch
         self._microbatch_loss_scale = 1.0
+        self._unplanned_warned = False
         self._check_settings()
 
     # ---- settings
@@ -358,6 +362,12 @@ class PlannedTrainer(transformers.Trainer):
         # One item is a whole optimizer step: the Trainer's division of the loss by the items of a
         # step is by 1; the sampler's weights (or num_items_in_batch) do the accumulation.
         self.current_gradient_accumulation_steps = 1
+        if self.xpm_meter is not None and not self._unplanned_warned:
+            message = _unplanned_memory(self.xpm_meter, self.xpm_sampler._model, self.xpm_sampler._usable_bytes,
+                                        model)[1]
+            if message is not None:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                self._unplanned_warned = True
         losses = []
         last = len(inputs.microbatches) - 1
         for k, (batch, records, weight) in enumerate(zip(inputs.microbatches, inputs.records, inputs.weights)):

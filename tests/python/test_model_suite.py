@@ -1,0 +1,63 @@
+"""Models the planner has never seen (tests/python/model_suite.py): each is probed with the
+automatic design under the CPU meter, fitted, and checked at 16 random held-out shapes inside
+its probed ranges against the project's goal, a held-out error of at most 1 %.
+
+Where the current planner misses the goal (or refuses the fit) the case is marked xfail with the
+measured figures, so the suite stays green while the planner is being improved; the assertion
+stays at the goal, and an xfail case that passes is reported as XPASS (-rxX). Every case prints
+its figures (-s): probes, probe seconds, fit and leave-one-out errors, held-out max and mean.
+"""
+import pytest
+import torch
+
+import xpm
+from model_suite import HELD_OUT_SHAPES, SPECS, measure
+
+torch.set_num_threads(1)
+METER = xpm.CpuMeter.install()  # before any model is built: the meter must see the weights
+GOAL = 0.01                     # the project's goal: held-out relative error within 1 %
+
+# Measured with the planner of this branch (torch 2.13.0+cpu, 1 thread); see each reason.
+XFAIL = {
+    ("seq2seq", "user"): "the planner refuses the fit: the automatic design moves ls and lt together (the same "
+                         "fraction of their max), so ls^2, lt^2 and ls*lt cannot be separated ('fit: coefficients a "
+                         "and b cannot be separated by the probe shapes ...'), measured after 15 probes; "
+                         "probed on a bs x ls x lt grid by hand the same formula is within 0.05 % held out",
+    ("cnn", "user"): "the planner refuses the fit: the automatic design moves h and w together, so bs*h and bs*w "
+                     "cannot be separated ('fit: coefficients b and d cannot be separated by the probe shapes ...'), "
+                     "measured after 15 probes; probed with h and w apart by hand the same formula is within "
+                     "0.42 % held out",
+    ("packed_lstm", "user"): "measured: held-out max 1.17 % (+1.17 % at bs 2, l 55; the largest under-prediction "
+                             "-0.44 % at bs 27, l 74), mean 0.32 %; fit max 0.54 %, leave-one-out 0.69 %, 18 probes",
+}
+
+
+def _cases():
+    for name, spec in SPECS.items():
+        for formula in spec.formulas:
+            reason = XFAIL.get((name, formula))
+            marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
+            yield pytest.param(name, formula, marks=marks, id=f"{name}-{formula}")
+
+
+@pytest.mark.parametrize("name, formula", list(_cases()))
+def test_an_unseen_model_probes_fits_and_predicts_held_out_shapes_within_the_goal(name, formula):
+    if formula == "auto":
+        pytest.skip("xpm.probe does not accept formula='auto' yet (being added to the planner); "
+                    "drop this skip when it does")
+    result = measure(SPECS[name], METER, formula=formula)
+    print(f"\n{result.line()}")
+    assert result.refusal is None, f"{name}: the planner refused the fit: {result.refusal}"
+    assert result.probes > 0 and len(result.held_out) == HELD_OUT_SHAPES
+    assert result.fit_max_rel_error <= 0.05
+    assert result.held_out_max <= GOAL, result.line()
+
+
+def test_held_out_shapes_are_drawn_inside_the_probed_ranges_each_variable_on_its_own():
+    from model_suite import held_out_shapes
+
+    shapes = held_out_shapes({"bs": (1, 16), "h": (32, 64), "w": (48, 96)}, ["bs", "h", "w"], 200, seed=5)
+    assert shapes == held_out_shapes({"bs": (1, 16), "h": (32, 64), "w": (48, 96)}, ["bs", "h", "w"], 200, seed=5)
+    assert all(1 <= bs <= 16 and 32 <= h <= 64 and 48 <= w <= 96 for bs, h, w in shapes)
+    ratios = {round(w / h, 2) for _, h, w in shapes}
+    assert len(ratios) > 20  # h and w vary independently, unlike the design's probes
