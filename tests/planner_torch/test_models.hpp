@@ -4,7 +4,7 @@
 //
 //   auto model = make_test_model(TestModelKind::kConvClassifier);
 //   TorchProbeExecutor executor(model->probe_steps(), CpuMemoryMeter::install());
-//   ProbeResult r = executor.run_probe({8, 64});   // dims {bs, l} ({bs, hw} for kImageCnn)
+//   ProbeResult r = executor.run_probe({8, 64});   // dims in variable_names() order
 //
 // Every model builds a synthetic batch of the given dims (random token ids, labels and pixels
 // from LibTorch's generator), computes a summed loss, runs backward and an optimizer step at
@@ -21,6 +21,18 @@
 //    optimizer-step peak grows with the shape (a moving floor).
 //  - kImageCnn: a three-stage Conv2d image classifier over hw x hw RGB images, Adagrad (dims
 //    {bs, hw}: activations grow with bs*hw^2).
+//  - kEncoderDecoder: torch::nn::Transformer (1 encoder and 1 decoder layer, d 64, 4 heads, ff
+//    128, causal target mask), source and target of their own lengths, next-token loss over a
+//    512-token target vocabulary, Adam (dims {bs, ls, lt}: self-attention grows with bs*ls^2
+//    and bs*lt^2, cross-attention with bs*ls*lt).
+//  - kVariableImageCnn: Conv2d + BatchNorm2d x3 over h x w RGB images (height and width
+//    apart), SGD with Nesterov momentum and weight decay (dims {bs, h, w}).
+//  - kCheckpointedCharLm: a character LM of 3 causal pre-norm blocks, each run through
+//    xpm::checkpoint (activations recomputed in backward), label smoothing 0.1, gradients
+//    clipped to norm 1 in the optimizer step, SGD with momentum (dims {bs, l}).
+//  - kPackedLstm: an LSTM tagger over packed sequences (pack_padded_sequence), lengths spread
+//    evenly from l down to about l/2 within the batch (the same lengths for the same dims),
+//    Adam (dims {bs, l}).
 #pragma once
 
 #include <memory>
@@ -37,6 +49,10 @@ enum class TestModelKind {
   kConvClassifier,
   kPreNormTransformer,
   kImageCnn,
+  kEncoderDecoder,
+  kVariableImageCnn,
+  kCheckpointedCharLm,
+  kPackedLstm,
 };
 
 class TestModel {
@@ -46,7 +62,8 @@ class TestModel {
   virtual TorchProbeSteps probe_steps() = 0;
   /// e.g. "transformer tagger (Adam)".
   virtual std::string name() const = 0;
-  /// The formula's variable names: {"bs", "l"} or {"bs", "hw"}.
+  /// The formula's variable names, bs first: {"bs", "l"}, {"bs", "hw"}, {"bs", "ls", "lt"} or
+  /// {"bs", "h", "w"}.
   virtual std::vector<std::string> variable_names() const = 0;
 };
 
