@@ -395,9 +395,11 @@ struct Solution {
 // or, when null, from the exact (non-negative) least-squares solution of the measurements;
 // throws IdentifiabilityError before solving when the columns of the scaled design matrix are
 // dependent (the measurements alone must identify every coefficient).
+// `exact_is_enough`: without bounds or a robust loss, return the exact least-squares solution
+// without running Ceres (held-out refits: only their coefficients are read).
 Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>& measurements,
                       const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
-                      double weight, const std::vector<double>* start) {
+                      double weight, const std::vector<double>* start, bool exact_is_enough = false) {
   const auto& coefs = formula.coefficient_names();
   const Eigen::Index n = static_cast<Eigen::Index>(measurements.size());
   const Eigen::Index k = static_cast<Eigen::Index>(coefs.size());
@@ -450,6 +452,16 @@ Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>
   // Newton step can be zero and Ceres stops at a point that is not the constrained minimum.
   Eigen::VectorXd x0 = options.non_negative ? detail::non_negative_least_squares(jacobian, -r0)
                                             : jacobian.colPivHouseholderQr().solve(-r0);
+  if (exact_is_enough && bounds.empty() && options.robust_loss == "none" && x0.allFinite()) {
+    // Nothing for Ceres to add: the (non-negative) least-squares solution is the optimum.
+    Solution s;
+    s.summary.termination_type = ceres::CONVERGENCE;
+    for (Eigen::Index j = 0; j < k; ++j) {
+      s.coefficients.push_back(options.non_negative ? std::max(x0(j) * y_max / scale(j), 0.0)
+                                                    : x0(j) * y_max / scale(j));
+    }
+    return s;
+  }
   if (start != nullptr) {
     for (Eigen::Index j = 0; j < k; ++j) {
       x0(j) = (*start)[static_cast<std::size_t>(j)] * scale(j) / y_max;
@@ -789,6 +801,9 @@ std::vector<std::vector<double>> held_out_refits(const CostFormula& formula,
                                                  const std::vector<Measurement>& rest,
                                                  const std::vector<InfeasibleBound>& bounds,
                                                  const FitOptions& options, const FitResult& full) {
+  if (formula.is_linear() && bounds.empty() && options.robust_loss == "none") {
+    return {solve_linear(formula, rest, bounds, options, 0.0, nullptr, true).coefficients};
+  }
   const Solution from_full = solve(formula, rest, bounds, options, &full.coefficients);
   if (formula.is_linear() || !options.automatic_start || !options.initial_values.empty()) {
     return {from_full.coefficients};

@@ -70,13 +70,15 @@ class SuiteResult:
 
     Attributes:
         name: the model's name.
-        formula: the formula probed ("user": the spec's; later "auto").
+        formula: the formula probed ("user": the spec's; "auto": chosen from the probes).
         probes: the number of probes the automatic design ran (out-of-memory ones included).
         probe_s: seconds ``xpm.probe`` took.
         fit_max_rel_error: the fit's largest relative error at the probes.
         loo_max_rel_error: the fit's leave-one-out largest relative error.
         held_out: ``(dims, measured bytes, predicted bytes)`` of every held-out shape.
         refusal: the planner's error message when it refused the fit (then no held-out shapes).
+        chosen_formula: the fitted model's formula (the chosen one with "auto").
+        adaptive: the adaptive design's report sentence.
     """
 
     name: str
@@ -87,6 +89,8 @@ class SuiteResult:
     loo_max_rel_error: float = float("nan")
     held_out: List[Tuple[List[int], float, float]] = field(default_factory=list)
     refusal: Optional[str] = None
+    chosen_formula: str = ""
+    adaptive: str = ""
 
     @property
     def errors(self) -> np.ndarray:
@@ -117,7 +121,8 @@ class SuiteResult:
         dims, error = self.worst
         return (f"{head}, fit max {100 * self.fit_max_rel_error:.2f} %, leave-one-out "
                 f"{100 * self.loo_max_rel_error:.2f} %; held-out max {100 * self.held_out_max:.2f} % "
-                f"(worst {100 * error:+.2f} % at {dims}), mean {100 * self.held_out_mean:.2f} %")
+                f"(worst {100 * error:+.2f} % at {dims}), mean {100 * self.held_out_mean:.2f} %; "
+                f"formula {self.chosen_formula}; {self.adaptive}")
 
 
 # ---------------------------------------------------------------- the models
@@ -378,7 +383,7 @@ def measure(spec: ModelSpec, meter, *, formula: str = "user", seed: int = 0,
     Args:
         spec: the model.
         meter: the process's ``xpm.CpuMeter`` (installed before any model is built).
-        formula: "user" (the spec's formula); "auto" is for when ``xpm.probe`` accepts it.
+        formula: "user" (the spec's formula) or "auto" (chosen by the planner from the probes).
         seed: seeds torch (the model's weights, the batches) and the held-out shapes.
         capacity_bytes: the meter's cap while the model is probed and measured (generous: the
             design then doubles the batch size up to ``variable_max`` at every fraction).
@@ -418,6 +423,8 @@ def measure(spec: ModelSpec, meter, *, formula: str = "user", seed: int = 0,
         result.probes, result.probe_s = len(outcome.probes), outcome.probe_s
         result.fit_max_rel_error = outcome.fit.max_rel_error
         result.loo_max_rel_error = outcome.fit.leave_one_out_max_rel_error
+        result.chosen_formula = outcome.model.formula.canonical
+        result.adaptive = outcome.adaptive.report
         shapes = held_out_shapes(probed_ranges(outcome.model), spec.variables, HELD_OUT_SHAPES, seed + 1)
         steady = _SteadyState(module, optimizer).__enter__()
         try:

@@ -42,9 +42,6 @@ def _cases():
 
 @pytest.mark.parametrize("name, formula", list(_cases()))
 def test_an_unseen_model_probes_fits_and_predicts_held_out_shapes_within_the_goal(name, formula):
-    if formula == "auto":
-        pytest.skip("xpm.probe does not accept formula='auto' yet (being added to the planner); "
-                    "drop this skip when it does")
     result = measure(SPECS[name], METER, formula=formula)
     print(f"\n{result.line()}")
     assert result.refusal is None, f"{name}: the planner refused the fit: {result.refusal}"
