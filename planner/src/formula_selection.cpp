@@ -21,7 +21,8 @@ namespace {
 using Term = std::vector<int>;  // power of each variable, variable order
 using TermSet = std::vector<std::size_t>;  // indices into the term pool, ascending
 
-// bs times every monomial of degree 0 to 2 in the other variables.
+// bs times every monomial of degree 0 to 2 in the other variables, then those monomials of
+// degree 1 and 2 alone (memory that does not grow with the records: a workspace per shape).
 std::vector<Term> term_pool(std::size_t variables, std::size_t bs) {
   std::vector<Term> pool;
   Term base(variables, 0);
@@ -41,6 +42,12 @@ std::vector<Term> term_pool(std::size_t variables, std::size_t bs) {
       ++quadratic[w];
       pool.push_back(quadratic);
     }
+  }
+  const std::size_t with_bs = pool.size();
+  for (std::size_t t = 1; t < with_bs; ++t) {
+    Term alone = pool[t];
+    alone[bs] = 0;
+    pool.push_back(alone);
   }
   return pool;
 }
@@ -75,6 +82,13 @@ std::string piece_text(const std::vector<Term>& pool, const TermSet& set, const 
     out += name(letter + std::to_string(i + 1)) + term_text(pool[set[i]], names) + " + ";
   }
   return out + name(constant);
+}
+
+double rms(const std::vector<double>& values) {
+  if (values.empty()) return std::nan("");
+  double sum = 0;
+  for (double v : values) sum += v * v;
+  return std::sqrt(sum / static_cast<double>(values.size()));
 }
 
 struct Tried {
@@ -117,9 +131,10 @@ class Selector {
       const FitSummary& s = t.fit.summary;
       t.candidate.max_rel_error = s.max_rel_error;
       t.candidate.held_out_max_rel_error = s.leave_one_out_max_rel_error;
+      t.candidate.held_out_rms_rel_error = rms(s.leave_one_out_rel_errors);
       t.candidate.usable = s.usable;
-      const double error = std::isnan(s.leave_one_out_max_rel_error) ? s.max_rel_error + 1
-                                                                     : s.leave_one_out_max_rel_error;
+      const double error = s.leave_one_out_rel_errors.empty() ? rms(s.rel_errors) + 1
+                                                              : t.candidate.held_out_rms_rel_error;
       t.candidate.score = std::isnan(error) ? HUGE_VAL
                                             : error + options_.size_penalty * static_cast<double>(coefficient_count);
     } catch (const std::invalid_argument& e) {  // the shapes cannot separate its terms
@@ -139,8 +154,8 @@ class Selector {
     try {
       CostFormula formula = CostFormula::with_variables(text, names_);
       FitResult fit = fit_coefficients(formula, measurements_, bounds_, quick);
-      const double error = fit.summary.max_rel_error;
-      if (std::isfinite(error)) fitted_.push_back({formula, fit.coefficients, error});
+      const double error = rms(fit.summary.rel_errors);
+      if (std::isfinite(error)) fitted_.push_back({formula, fit.coefficients, fit.summary.max_rel_error});
       if (!fit.summary.usable) return HUGE_VAL;
       return error + options_.size_penalty * static_cast<double>(coefficient_count);
     } catch (const std::invalid_argument&) {
@@ -213,57 +228,59 @@ class Selector {
   std::vector<FittedFormula> fitted_;  // the quick fits
 };
 
-// Every non-empty subset (pool up to 6 terms), else forward then backward selection.
-std::vector<std::pair<double, TermSet>> linear_sets(Selector& selector, const std::vector<Term>& pool) {
+// Adds terms of `candidates` to `set` one at a time while one lowers the score (forward
+// selection); every set tried joins `scored`.
+void grow(Selector& selector, const std::vector<Term>& pool, TermSet set, double score,
+          const TermSet& candidates, std::vector<std::pair<double, TermSet>>& scored) {
+  for (bool improved = true; improved;) {
+    improved = false;
+    TermSet best_set = set;
+    for (std::size_t i : candidates) {
+      if (std::find(set.begin(), set.end(), i) != set.end()) continue;
+      TermSet grown = set;
+      grown.push_back(i);
+      std::sort(grown.begin(), grown.end());
+      const double grown_score = selector.try_linear(pool, grown);
+      scored.push_back({grown_score, grown});
+      if (grown_score < score) {
+        score = grown_score;
+        best_set = grown;
+        improved = true;
+      }
+    }
+    set = best_set;
+  }
+}
+
+// Every non-empty subset of the terms that grow with the records (up to 6 of them; else a
+// forward selection), then, from the three best, the other terms added while they help.
+std::vector<std::pair<double, TermSet>> linear_sets(Selector& selector, const std::vector<Term>& pool,
+                                                    const TermSet& with_bs) {
   std::vector<std::pair<double, TermSet>> scored;
-  if (pool.size() <= 6) {
-    for (unsigned mask = 1; mask < (1u << pool.size()); ++mask) {
+  if (with_bs.size() <= 6) {
+    for (unsigned mask = 1; mask < (1u << with_bs.size()); ++mask) {
       TermSet set;
-      for (std::size_t i = 0; i < pool.size(); ++i) {
-        if (mask & (1u << i)) set.push_back(i);
+      for (std::size_t i = 0; i < with_bs.size(); ++i) {
+        if (mask & (1u << i)) set.push_back(with_bs[i]);
       }
       scored.push_back({selector.try_linear(pool, set), set});
     }
   } else {
-    TermSet set;
-    double best = HUGE_VAL;
-    for (bool improved = true; improved;) {  // forward
-      improved = false;
-      TermSet best_set = set;
-      for (std::size_t i = 0; i < pool.size(); ++i) {
-        if (std::find(set.begin(), set.end(), i) != set.end()) continue;
-        TermSet grown = set;
-        grown.push_back(i);
-        std::sort(grown.begin(), grown.end());
-        const double score = selector.try_linear(pool, grown);
-        scored.push_back({score, grown});
-        if (score < best) {
-          best = score;
-          best_set = grown;
-          improved = true;
-        }
-      }
-      set = best_set;
-    }
-    for (bool improved = set.size() > 1; improved && set.size() > 1;) {  // backward
-      improved = false;
-      for (std::size_t i = 0; i < set.size(); ++i) {
-        TermSet shrunk = set;
-        shrunk.erase(shrunk.begin() + static_cast<long>(i));
-        const double score = selector.try_linear(pool, shrunk);
-        scored.push_back({score, shrunk});
-        if (score < best) {
-          best = score;
-          set = shrunk;
-          improved = true;
-          break;
-        }
-      }
-    }
+    grow(selector, pool, {}, HUGE_VAL, with_bs, scored);
   }
-  std::sort(scored.begin(), scored.end(), [](const auto& x, const auto& y) {
+  const auto by_score = [](const auto& x, const auto& y) {
     return x.first < y.first || (x.first == y.first && x.second.size() < y.second.size());
-  });
+  };
+  std::sort(scored.begin(), scored.end(), by_score);
+  TermSet others;
+  for (std::size_t t = 0; t < pool.size(); ++t) {
+    if (std::find(with_bs.begin(), with_bs.end(), t) == with_bs.end()) others.push_back(t);
+  }
+  const std::vector<std::pair<double, TermSet>> best(scored.begin(), scored.begin() + std::min<std::ptrdiff_t>(3, static_cast<std::ptrdiff_t>(scored.size())));
+  for (const auto& [score, set] : best) {
+    if (std::isfinite(score)) grow(selector, pool, set, score, others, scored);
+  }
+  std::sort(scored.begin(), scored.end(), by_score);
   return scored;
 }
 
@@ -291,10 +308,29 @@ std::vector<std::vector<TermSet>> piece_shapes(const TermSet& terms, int max_pie
 // Quick fits of every max() shape; the three best by fit error (with the size penalty) are
 // then fitted with their held-out refits and join the candidates.
 void try_piece_shapes(Selector& selector, const std::vector<Term>& pool, const TermSet& terms,
-                      int max_pieces) {
-  if (max_pieces < 2 || terms.size() < 2) return;
+                      const TermSet& with_bs, int max_pieces) {
+  if (max_pieces < 2) return;
   std::vector<std::pair<double, std::pair<std::string, std::size_t>>> quick;
-  for (const std::vector<TermSet>& pieces : piece_shapes(terms, max_pieces)) {
+  std::vector<std::vector<TermSet>> shapes;
+  if (terms.size() >= 2) {
+    shapes = piece_shapes(terms, max_pieces);
+    shapes.push_back({terms, terms});  // two pieces of every term: the same operations, two regimes
+  }
+  // One term that grows with the records per piece: a peak that moves between operations
+  // (pairs; triples too when there are at most 6 such terms).
+  const std::size_t m = with_bs.size();
+  const auto add = [&](std::vector<TermSet> pieces) {
+    if (std::find(shapes.begin(), shapes.end(), pieces) == shapes.end()) shapes.push_back(std::move(pieces));
+  };
+  for (std::size_t a = 0; a < m; ++a) {
+    for (std::size_t b = a + 1; b < m; ++b) {
+      add({{with_bs[a]}, {with_bs[b]}});
+      for (std::size_t c = b + 1; c < m && m <= 6 && max_pieces >= 3; ++c) {
+        add({{with_bs[a]}, {with_bs[b]}, {with_bs[c]}});
+      }
+    }
+  }
+  for (const std::vector<TermSet>& pieces : shapes) {
     const auto formula = selector.pieces_formula(pool, pieces);
     quick.push_back({selector.try_formula(formula.first, formula.second, false), formula});
   }
@@ -348,7 +384,11 @@ FormulaSelection select_formula(const std::vector<std::string>& variable_names,
   const std::vector<Term> pool =
       term_pool(variable_names.size(), batch_size_index(variable_names, options.batch_size_variable));
   Selector selector(variable_names, measurements, bounds, options);
-  const auto linear = linear_sets(selector, pool);
+  TermSet with_bs;  // the terms that grow with the records
+  for (std::size_t t = 0; t < pool.size(); ++t) {
+    if (pool[t][batch_size_index(variable_names, options.batch_size_variable)] > 0) with_bs.push_back(t);
+  }
+  const auto linear = linear_sets(selector, pool, with_bs);
   TermSet shaped;  // the terms of the best two linear sets (at most 4) make the max() pieces
   for (std::size_t i = 0; i < linear.size() && i < 2 && std::isfinite(linear[i].first); ++i) {
     if (options.floor) selector.try_floor(pool, linear[i].second);
@@ -358,7 +398,7 @@ FormulaSelection select_formula(const std::vector<std::string>& variable_names,
     joined.erase(std::unique(joined.begin(), joined.end()), joined.end());
     if (i == 0 || joined.size() <= 4) shaped = joined;
   }
-  try_piece_shapes(selector, pool, shaped, options.max_pieces);
+  try_piece_shapes(selector, pool, shaped, with_bs, options.max_pieces);
   std::vector<Tried>& tried = selector.tried();
   std::size_t best = tried.size();
   for (std::size_t i = 0; i < tried.size(); ++i) {
@@ -383,7 +423,7 @@ FormulaSelection select_formula(const std::vector<std::string>& variable_names,
 std::string FormulaSelection::report() const {
   std::ostringstream os;
   os << "formula chosen from the probes: " << formula.canonical() << " (" << candidates.size()
-     << " candidates; ranked by held-out error + a penalty per coefficient)\n";
+     << " candidates; ranked by root-mean-square held-out error + a penalty per coefficient)\n";
   std::vector<std::size_t> order(candidates.size());
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
@@ -397,8 +437,9 @@ std::string FormulaSelection::report() const {
       continue;
     }
     os << ", fit " << detail::percent(c.max_rel_error) << ", held-out "
-       << (std::isnan(c.held_out_max_rel_error) ? std::string("not computed")
-                                                : detail::percent(c.held_out_max_rel_error))
+       << (std::isnan(c.held_out_max_rel_error)
+               ? std::string("not computed")
+               : detail::percent(c.held_out_rms_rel_error) + " rms, " + detail::percent(c.held_out_max_rel_error) + " max")
        << (c.usable ? "" : ", not usable") << "\n";
   }
   return os.str();

@@ -5,8 +5,8 @@
 // the probed range, bs >= 2. measure_model() returns the figures (probes, probe seconds, fit
 // and leave-one-out errors, held-out max and mean error, or the planner's refusal), so the same
 // models can be run again under another fit configuration (SuiteCase::base).
-// Goal: every held-out shape within 1 % of its measured step peak. A case the current planner
-// does not meet is marked may_fail, with the figure measured. One more case fits the
+// Goal: every held-out shape within 1 % of its measured step peak. A case the planner does not
+// meet is marked may_fail, with the figure measured. One more case fits the
 // checkpointed char LM with the max() of pieces its fit suggests.
 #include "../torch_doctest.hpp"
 
@@ -202,8 +202,9 @@ void check_held_out_within_one_percent(TestModelKind kind, const SuiteCase& c) {
   xpm::CpuMemoryMeter::install();  // first: the model's static memory is counted
   const std::unique_ptr<xpm::test::TestModel> model = xpm::test::make_test_model(kind);
   const SuiteFigures f = measure_model(*model, c);
-  MESSAGE(summary_line(model->name() + ", " + c.formula.text(), f) + "; formula " + f.chosen_formula + "; " +
-          f.adaptive);
+  const std::string line = summary_line(model->name() + ", " + c.formula.text(), f) + "; formula " +
+                           f.chosen_formula + "; " + f.adaptive;
+  MESSAGE(line);
   INFO(f.fit_report);
   INFO(held_out_report(model->variable_names(), f));
   CHECK_MESSAGE(f.refusal.empty(), f.refusal);
@@ -224,21 +225,19 @@ SuiteCase auto_case(const std::vector<std::string>& variables, std::map<std::str
 
 }  // namespace
 
-// Measured with the current planner: refused, "fit: coefficients a and b cannot be separated by
-// the probe shapes ..." (18 probes): the automatic design sets ls and lt to the same fraction of
-// their max at every probe, so bs*ls^2, bs*lt^2 and bs*ls*lt move together.
-TEST_CASE("an encoder-decoder Transformer's held-out peaks are predicted within 1 % from the automatic design" *
-          doctest::may_fail()) {
+// Each length moved on its own by the automatic design: measured held-out max 0.0013 % (42
+// probes; when ls and lt moved together, the fit was refused: their terms could not be told apart).
+TEST_CASE("an encoder-decoder Transformer's held-out peaks are predicted within 1 % from the automatic design") {
   check_held_out_within_one_percent(
       TestModelKind::kEncoderDecoder,
       suite_case("a*bs*ls^2 + b*bs*lt^2 + d*bs*ls*lt + e*bs*ls + f*bs*lt + c", {"bs", "ls", "lt"},
                  {{"bs", 32}, {"ls", 96}, {"lt", 64}}));
 }
 
-// Measured with the current planner: refused, "max relative error 7.51 % at point 13 (bs = 2,
-// h = 32, w = 48) is above the limit 5 %" (18 probes): the bs = 1 probes peak above the line
-// through bs 16 and 32 (+12 % at 64 x 96: 2.56 MB measured, 2.29 MB on the line; +21 % at
-// 32 x 48), and the fit only leaves bs = 1 probes out when they lie below the others' trend.
+// Not met, measured: refused, "max relative error 9.74 % at point 13 (bs = 2, h = 32, w = 48) is
+// above the limit 5 %" (46 probes): the bs = 1 probes peak above the line through bs 16 and 32
+// (+12 % at 64 x 96: 2.56 MB measured, 2.29 MB on the line; +21 % at 32 x 48), and this formula
+// has no term for it; probes at bs = 1 that lie above the trend are kept (they are real).
 TEST_CASE("a variable-size image CNN's held-out peaks are predicted within 1 % from the automatic design" *
           doctest::may_fail()) {
   check_held_out_within_one_percent(
@@ -246,7 +245,7 @@ TEST_CASE("a variable-size image CNN's held-out peaks are predicted within 1 % f
       suite_case("a*bs*h*w + b*bs + c", {"bs", "h", "w"}, {{"bs", 32}, {"h", 64}, {"w", 96}}));
 }
 
-// Measured with the current planner: fit max 2.51 %, leave-one-out 2.99 %, held-out max 1.69 %
+// Not met, measured: fit max 2.51 %, leave-one-out 2.99 %, held-out max 1.69 %
 // (over), mean 0.76 %; the fit's residual note finds the signs grouped by bs and suggests a max()
 // of two pieces (the next case).
 TEST_CASE("a character LM with activation checkpointing has held-out peaks predicted within 1 % from the automatic design" *
@@ -282,7 +281,11 @@ TEST_CASE("with no formula written, an encoder-decoder's held-out peaks are pred
                                     auto_case({"bs", "ls", "lt"}, {{"bs", 32}, {"ls", 96}, {"lt", 64}}));
 }
 
-TEST_CASE("with no formula written, a variable-size image CNN's held-out peaks are predicted within 1 %") {
+// Not met, measured: the chosen max(a1*bs*h*w + c1, b1*h*w + c2) (a workspace per image at
+// bs = 1) predicts held-out shapes 3.95 % over at worst (mean 2 %); the adaptive design spends
+// its 8 probes at bs = 1, where the candidate formulas disagree by up to 65 %.
+TEST_CASE("with no formula written, a variable-size image CNN's held-out peaks are predicted within 1 %" *
+          doctest::may_fail()) {
   check_held_out_within_one_percent(TestModelKind::kVariableImageCnn,
                                     auto_case({"bs", "h", "w"}, {{"bs", 32}, {"h", 64}, {"w", 96}}));
 }

@@ -9,14 +9,21 @@
 //
 // Candidates, from the declared variables alone (dims in variable order, bytes measured):
 //  - terms: the batch-size variable times every monomial of degree 0 to 2 in the other
-//    variables (bs; bs*l, bs*l^2; with two length variables also bs*ls*lt, ...);
-//  - linear: a constant plus any subset of the terms (every subset up to 6 terms, else a forward
-//    selection followed by a backward one);
-//  - max(): the best linear term sets as 2 or 3 pieces, each with its own coefficients and
-//    constant (a peak that moves between operations), and, with
-//    FormulaSelectionOptions::floor, max(f, best linear) (a floor in the same formula).
+//    variables (bs; bs*l, bs*l^2; with two length variables also bs*ls*lt, ...), and those
+//    monomials alone (l, l^2: memory per shape that does not grow with the records, such as a
+//    convolution's workspace at batch size 1);
+//  - linear: a constant plus any subset of the terms that grow with the records (every subset
+//    up to 6 of them, else a forward selection), the three best then grown by the other terms
+//    while one lowers the score;
+//  - max(): 2 or 3 pieces, each an affine piece (own coefficients and constant) over a disjoint
+//    subset of the terms of the best two linear sets (at most 4 terms), or two pieces over all
+//    of them: a peak that moves between operations or regimes; each shape quickly fitted, the
+//    three best by fit error kept; and, with FormulaSelectionOptions::floor, max(f, best
+//    linear) (a floor in the same formula).
 // Every candidate is fitted by fit_coefficients (with held-out, leave-one-shape-out, error) and
-// ranked by held-out max relative error + size_penalty * coefficients; the best usable one is
+// ranked by the root mean square of its held-out relative errors + size_penalty * coefficients
+// (the mean, not the max: one extreme shape, predicted from the others by extrapolation,
+// would decide every ranking); the best usable one is
 // chosen (the best unusable one when none is usable: its summary says why). Measurements must
 // be more than the coefficients of a candidate for it to be tried.
 // Pure function; thread-safe. Time: one linear fit per subset, a few non-linear fits with
@@ -35,7 +42,7 @@ struct FormulaSelectionOptions {
   std::string batch_size_variable = "bs";  // a variable of the selection; it multiplies every term
   int max_pieces = 3;                      // max() of up to this many pieces; 1: linear only
   bool floor = true;                       // also try max(f, best linear formula)
-  double size_penalty = 0.001;             // added to the held-out error per coefficient
+  double size_penalty = 0.0005;            // added to the held-out rms error per coefficient
   FitOptions fit;                          // for every candidate's fit (batch_size_variable set)
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;
@@ -47,8 +54,9 @@ struct FormulaCandidate {
   std::size_t coefficient_count = 0;
   double max_rel_error = 0;           // at the fitted points
   double held_out_max_rel_error = 0;  // leave-one-shape-out; NaN when not computed
+  double held_out_rms_rel_error = 0;  // root mean square of the same; NaN when not computed
   bool usable = false;                // FitSummary::usable
-  double score = 0;                   // held-out + size_penalty * coefficients (ranking)
+  double score = 0;                   // held-out rms + size_penalty * coefficients (ranking)
   std::string note;                   // why it was not fitted ("" when it was)
 };
 
