@@ -1,6 +1,7 @@
 // model_suite_test.cpp — the planner as a user meets it, on test models it has never seen
 // (test_models.hpp): PredictiveBatcher::probe_and_fit with the automatic design (variable_max
-// for every variable, no probe points) and a formula written for the model, then 16 held-out
+// for every variable, no probe points) and a formula written for the model (and, in the cases
+// "with no formula written", the formula chosen from the probes), then 16 held-out
 // shapes measured with the same executor, each variable drawn independently (seeded) inside
 // the probed range, bs >= 2. measure_model() returns the figures (probes, probe seconds, fit
 // and leave-one-out errors, held-out max and mean error, or the planner's refusal), so the same
