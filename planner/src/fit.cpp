@@ -819,6 +819,21 @@ std::vector<std::vector<double>> held_out_refits(const CostFormula& formula,
   return {a < b ? from_full.coefficients : from_start.coefficients};
 }
 
+// Whether the dims of `group` lie within the other points' range in every variable.
+bool surrounded(const std::vector<Measurement>& measurements, const std::vector<std::size_t>& group) {
+  const std::vector<double>& dims = measurements[group.front()].dims;
+  for (std::size_t v = 0; v < dims.size(); ++v) {
+    bool below = false, above = false;
+    for (std::size_t j = 0; j < measurements.size(); ++j) {
+      if (std::find(group.begin(), group.end(), j) != group.end()) continue;
+      below = below || measurements[j].dims[v] <= dims[v];
+      above = above || measurements[j].dims[v] >= dims[v];
+    }
+    if (!below || !above) return false;
+  }
+  return true;
+}
+
 // Leave-one-shape-out: every group of points with the same dims is left out in turn, the others
 // refitted (non-linear fits start from the full solution), and the group predicted.
 void leave_one_shape_out(const CostFormula& formula, const std::vector<Measurement>& measurements,
@@ -878,19 +893,28 @@ void leave_one_shape_out(const CostFormula& formula, const std::vector<Measureme
   s.leave_one_out_rel_errors = std::move(loo);
   s.leave_one_out_max_rel_error = loo_max;
   s.leave_one_out_coefficients = std::move(refits);
+  for (const auto& group : shapes) {
+    if (!surrounded(measurements, group)) continue;
+    for (std::size_t i : group) {
+      const double e = std::abs(s.leave_one_out_rel_errors[i]);
+      if (std::isnan(s.surrounded_held_out_max_rel_error) || !(e <= s.surrounded_held_out_max_rel_error)) {
+        s.surrounded_held_out_max_rel_error = e;
+      }
+    }
+  }
 }
 
 bool held_out_above_limit(const FitSummary& s, const FitOptions& options) {
-  return !s.leave_one_out_rel_errors.empty() &&
-         !(s.leave_one_out_max_rel_error <= options.usable_max_rel_error);
+  return !std::isnan(s.surrounded_held_out_max_rel_error) &&
+         !(s.surrounded_held_out_max_rel_error <= options.usable_max_rel_error);
 }
 
+// The point whose held-out error is the surrounded max.
 std::size_t worst_held_out_point(const FitSummary& s) {
-  std::size_t at = 0;
   for (std::size_t i = 0; i < s.leave_one_out_rel_errors.size(); ++i) {
-    if (!(std::abs(s.leave_one_out_rel_errors[i]) <= std::abs(s.leave_one_out_rel_errors[at]))) at = i;
+    if (std::abs(s.leave_one_out_rel_errors[i]) == s.surrounded_held_out_max_rel_error) return i;
   }
-  return at;
+  return 0;
 }
 
 }  // namespace
@@ -984,7 +1008,7 @@ FitResult fit_points(const CostFormula& formula, const std::vector<Measurement>&
   } else if (held_out_above_limit(s, options)) {
     const std::size_t at = worst_held_out_point(s);
     s.reasons.push_back("held-out (leave-one-shape-out) max relative error " +
-                        percent(s.leave_one_out_max_rel_error) + " at point " + std::to_string(at) +
+                        percent(s.surrounded_held_out_max_rel_error) + " at point " + std::to_string(at) +
                         " (" + describe_dims(formula, measurements[at].dims) +
                         ") is above the limit " + percent(options.usable_max_rel_error) +
                         " (FitOptions::usable_max_rel_error): the fit does not predict shapes it "

@@ -86,8 +86,8 @@ FitResult without_single_records(const CostFormula& formula,
 // The fit without the single records predicts held-out shapes better (or held-out error is not
 // known for the fit of every point).
 bool lower_held_out(const FitResult& rest, const FitResult& all) {
-  const double without = rest.summary.leave_one_out_max_rel_error;
-  const double with = all.summary.leave_one_out_max_rel_error;
+  const double without = rest.summary.surrounded_held_out_max_rel_error;
+  const double with = all.summary.surrounded_held_out_max_rel_error;
   return std::isnan(with) || (!std::isnan(without) && without < with);
 }
 

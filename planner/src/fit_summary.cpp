@@ -75,7 +75,11 @@ std::string FitSummary::brief_report() const {
      << robust_loss << "): max relative error " << percent(max_rel_error) << ", mean "
      << percent(mean_rel_error) << ", ";
   if (leave_one_out_note.empty() && !leave_one_out_rel_errors.empty()) {
-    os << "held-out (leave-one-out) max relative error " << percent(leave_one_out_max_rel_error) << ".";
+    os << "held-out (leave-one-out) max relative error " << percent(leave_one_out_max_rel_error);
+    if (!std::isnan(surrounded_held_out_max_rel_error)) {
+      os << " (" << percent(surrounded_held_out_max_rel_error) << " where the other shapes surround it)";
+    }
+    os << ".";
   } else {
     os << "held-out (leave-one-out) " << (leave_one_out_note.empty() ? "not computed" : leave_one_out_note)
        << ".";

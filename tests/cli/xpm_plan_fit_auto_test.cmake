@@ -34,7 +34,7 @@ xpm_plan_run(0 "predict auto" predict --model "${model}" --dims bs=3,ls=40,lt=30
 string(JSON predicted GET "${OUT}" predicted_bytes 0)
 expect_between("predict auto" "${predicted}" 2233000 2235000)
 xpm_plan_run(0 "fit auto text" fit "${csv}" --formula auto --variables bs,ls,lt --bytes-column peak)
-expect_match("fit auto text" "${OUT}" "candidates; ranked by held-out error")
+expect_match("fit auto text" "${OUT}" "candidates; ranked by root-mean-square held-out error")
 
 xpm_plan_run(2 "auto with --coefficients" fit "${csv}" --formula auto --coefficients a
              --variables bs,ls,lt --bytes-column peak)

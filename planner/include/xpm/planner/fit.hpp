@@ -99,8 +99,9 @@ struct FitOptions {
   double infeasible_bound_weight = 100;  // weight w of an infeasible bound's hinge residual, > 0
   std::string batch_size_variable;     // "": no check; else refuse a decreasing prediction in it
   /// The fit is usable only when its max relative error at the fitted points and its held-out
-  /// (leave-one-shape-out) max relative error are both at most this. Error at the probes is
-  /// not prediction error: a fit exact at its probes can miss between them.
+  /// (leave-one-shape-out) max relative error where the other shapes surround the one left out
+  /// (FitSummary::surrounded_held_out_max_rel_error) are both at most this. Error at the probes
+  /// is not prediction error: a fit exact at its probes can miss between them.
   double usable_max_rel_error = 0.05;
   /// Held-out error: every group of points with the same dims is left out in turn, the rest
   /// refitted and the group predicted (one refit per distinct shape). false: not computed, and
@@ -137,6 +138,11 @@ struct FitSummary {
   /// leave_one_out_note). `usable` rests on it (FitOptions::usable_max_rel_error).
   double leave_one_out_max_rel_error = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> leave_one_out_rel_errors;  // signed, one per measurement; empty: not computed
+  /// The same max over the points whose dims lie within the range of the other shapes' in every
+  /// variable (predicted by interpolation, as plans inside the probed range are); NaN when none
+  /// does or not computed. `usable` rests on it: a shape at the edge, predicted from the others
+  /// by extrapolation, is reported but does not make the fit unusable.
+  double surrounded_held_out_max_rel_error = std::numeric_limits<double>::quiet_NaN();
   std::string leave_one_out_note;      // why leave-one-out was not computed; "" when it was
   /// The coefficients of each leave-one-shape-out refit (per distinct dims, in order of first
   /// appearance; two for a non-linear fit whose refits from the full solution and from the
