@@ -95,7 +95,8 @@ std::vector<std::vector<double>> PredictiveBatcher::design_sweep_shapes() const 
     return std::max(1.0, std::floor(fraction * options_.variable_max.at(formula.variable_names()[v])));
   };
   std::vector<std::vector<double>> shapes;
-  const auto add = [&](std::vector<double> dims) {
+  const auto add = [&](std::vector<double> dims) {  // the sweep sets the batch size
+    dims[bs_index] = 1;
     if (std::find(shapes.begin(), shapes.end(), dims) == shapes.end()) shapes.push_back(std::move(dims));
   };
   for (double fraction : options_.design_fractions) {  // every other variable together

@@ -31,10 +31,11 @@ assert "site-packages" in location.parts, f"xpm imported from {location}, not an
 meter = xpm.CpuMeter.install()  # before the model: the meter must see the weights
 model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-meter.capacity_bytes = 64 << 20
+meter.capacity_bytes = 128 << 20
+# Batches large enough that the activations, not the weights' gradients, set the peak.
 probed = xpm.probe(model, optimizer, lambda dims: model(torch.randn(int(dims[0]), 256)).square().sum(),
                    xpm.CostFormula("a*bs + c", ["bs"]), meter=meter,
-                   probe_points=[{"bs": bs} for bs in (16, 64, 128, 256)])
+                   probe_points=[{"bs": bs} for bs in (512, 1024, 2048, 4096)])
 print(f"installed xpm in {location} with torch {torch.__version__}: {len(probed.probes)} probes, "
-      f"{probed.model.formula.canonical}, predicts {float(probed.model.predict([512])):.0f} bytes at bs 512")
+      f"{probed.model.formula.canonical}, predicts {float(probed.model.predict([3000])):.0f} bytes at bs 3000")
 PY
