@@ -159,11 +159,7 @@ class PredictHingeResidual {
   double weight_;
 };
 
-std::string join(const std::vector<std::string>& names) {
-  std::string out;
-  for (std::size_t i = 0; i < names.size(); ++i) out += (i ? ", " : "") + names[i];
-  return out;
-}
+using detail::comma_list;
 
 using detail::and_list;
 
@@ -192,7 +188,7 @@ void validate_inputs(const CostFormula& formula, const std::vector<Measurement>&
   if (measurements.size() < coefs.size()) {
     throw std::invalid_argument("fit: " + std::to_string(measurements.size()) +
                                 " measurements for " + std::to_string(coefs.size()) +
-                                " coefficients (" + join(coefs) + "); need at least " +
+                                " coefficients (" + comma_list(coefs) + "); need at least " +
                                 std::to_string(coefs.size()));
   }
   for (std::size_t i = 0; i < measurements.size(); ++i) {
@@ -200,7 +196,7 @@ void validate_inputs(const CostFormula& formula, const std::vector<Measurement>&
     if (m.dims.size() != vars.size()) {
       throw std::invalid_argument("fit: measurement " + std::to_string(i) + " has " +
                                   std::to_string(m.dims.size()) + " dims, expected " +
-                                  std::to_string(vars.size()) + " (" + join(vars) + ")");
+                                  std::to_string(vars.size()) + " (" + comma_list(vars) + ")");
     }
     for (std::size_t v = 0; v < vars.size(); ++v) {
       if (!std::isfinite(m.dims[v])) {
@@ -218,7 +214,7 @@ void validate_inputs(const CostFormula& formula, const std::vector<Measurement>&
     if (bound.dims.size() != vars.size()) {
       throw std::invalid_argument("fit: infeasible bound " + std::to_string(b) + " has " +
                                   std::to_string(bound.dims.size()) + " dims, expected " +
-                                  std::to_string(vars.size()) + " (" + join(vars) + ")");
+                                  std::to_string(vars.size()) + " (" + comma_list(vars) + ")");
     }
     for (std::size_t v = 0; v < vars.size(); ++v) {
       if (!std::isfinite(bound.dims[v])) {
@@ -238,13 +234,13 @@ void validate_inputs(const CostFormula& formula, const std::vector<Measurement>&
     throw std::invalid_argument("fit: FitOptions::batch_size_variable '" +
                                 options.batch_size_variable +
                                 "' is not a variable of formula '" + formula.canonical() +
-                                "' (variables: " + join(vars) + ")");
+                                "' (variables: " + comma_list(vars) + ")");
   }
   for (const auto& [name, value] : options.initial_values) {
     if (std::find(coefs.begin(), coefs.end(), name) == coefs.end()) {
       throw std::invalid_argument("fit: FitOptions::initial_values has '" + name +
                                   "', which is not a coefficient of formula '" +
-                                  formula.canonical() + "' (coefficients: " + join(coefs) + ")");
+                                  formula.canonical() + "' (coefficients: " + comma_list(coefs) + ")");
     }
     if (options.non_negative && value < 0) {
       throw std::invalid_argument("fit: FitOptions::initial_values['" + name + "'] = " +

@@ -381,12 +381,12 @@ FormulaSelection select_formula(const std::vector<std::string>& variable_names,
                                 const std::vector<InfeasibleBound>& bounds,
                                 const FormulaSelectionOptions& options) {
   options.validate();
-  const std::vector<Term> pool =
-      term_pool(variable_names.size(), batch_size_index(variable_names, options.batch_size_variable));
+  const std::size_t bs = batch_size_index(variable_names, options.batch_size_variable);
+  const std::vector<Term> pool = term_pool(variable_names.size(), bs);
   Selector selector(variable_names, measurements, bounds, options);
   TermSet with_bs;  // the terms that grow with the records
   for (std::size_t t = 0; t < pool.size(); ++t) {
-    if (pool[t][batch_size_index(variable_names, options.batch_size_variable)] > 0) with_bs.push_back(t);
+    if (pool[t][bs] > 0) with_bs.push_back(t);
   }
   const auto linear = linear_sets(selector, pool, with_bs);
   TermSet shaped;  // the terms of the best two linear sets (at most 4) make the max() pieces

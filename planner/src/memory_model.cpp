@@ -360,10 +360,12 @@ std::int64_t MemoryModel::max_microbatch_size(std::vector<double> dims, std::int
     }
     if (below < static_cast<double>(max_size)) max_size = static_cast<std::int64_t>(below);
   }
-  const std::vector<double> record = dims;  // a summed variable grows with the records
+  // A summed variable grows with the records (a copy of the record's dims only then).
+  const bool summed = std::find(aggregation_.begin(), aggregation_.end(), DimAggregation::kSum) != aggregation_.end();
+  const std::vector<double> record = summed ? dims : std::vector<double>();
   auto fits_at = [&](std::int64_t m) {
     dims[batch_size_index_] = static_cast<double>(m);
-    for (std::size_t v = 0; v < dims.size(); ++v) {
+    for (std::size_t v = 0; summed && v < dims.size(); ++v) {
       if (aggregation_[v] == DimAggregation::kSum) dims[v] = record[v] * static_cast<double>(m);
     }
     return fits(dims, budget);

@@ -30,6 +30,13 @@ inline std::string percent(double rel) {
   return buf;
 }
 
+/// "a", "a, b", "a, b, c".
+inline std::string comma_list(const std::vector<std::string>& names) {
+  std::string out;
+  for (std::size_t i = 0; i < names.size(); ++i) out += (i ? ", " : "") + names[i];
+  return out;
+}
+
 /// "a", "a and b", "a, b and c".
 inline std::string and_list(const std::vector<std::string>& names) {
   std::string out;

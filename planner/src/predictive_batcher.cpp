@@ -7,14 +7,10 @@
 #include <stdexcept>
 #include <utility>
 
+#include "number_format.hpp"
+
 namespace xpm {
 namespace {
-
-std::string join_names(const std::vector<std::string>& names) {
-  std::string out;
-  for (const std::string& name : names) out += (out.empty() ? "" : ", ") + name;
-  return out;
-}
 
 // A corrected model keeps the floor formula and the probed range of the one it replaces.
 void keep_floor_and_range(const MemoryModel& from, MemoryModel& to) {
@@ -52,7 +48,7 @@ void PredictiveBatcherOptions::validate() const {
     if (!is_variable(name)) {
       throw std::invalid_argument("PredictiveBatcherOptions.variable_max names '" + name +
                                   "', which is not a variable of the formula (" +
-                                  join_names(variable_names) + ")");
+                                  detail::comma_list(variable_names) + ")");
     }
   }
   if (probe_points.empty()) {

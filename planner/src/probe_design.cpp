@@ -13,18 +13,12 @@
 
 #include "xpm/planner/predictive_batcher.hpp"
 
+#include "xpm/planner/dims_text.hpp"
+
 #include "number_format.hpp"
 
 namespace xpm {
 namespace {
-
-std::string describe_dims(const CostFormula& formula, const std::vector<double>& dims) {
-  std::string out;
-  for (std::size_t v = 0; v < dims.size() && v < formula.variable_names().size(); ++v) {
-    out += (v ? ", " : "") + formula.variable_names()[v] + " = " + detail::short_double(dims[v]);
-  }
-  return out;
-}
 
 // Microbatch sizes of the adaptive grid: 1, 2, 3, 4, 6, 8, 12, ... up to `largest`, and it.
 std::vector<double> grid_batch_sizes(double largest) {
@@ -82,7 +76,7 @@ std::string AdaptiveDesignReport::describe(const CostFormula& formula) const {
   }
   if (!std::isnan(disagreement)) {
     os << " (largest disagreement " << detail::percent(disagreement) << " at "
-       << describe_dims(formula, disagreement_dims) << ")";
+       << dims_text(formula.variable_names(), disagreement_dims) << ")";
   }
   return os.str();
 }
