@@ -26,7 +26,8 @@
 // would decide every ranking); the best usable one is
 // chosen (the best unusable one when none is usable: its summary says why). Measurements must
 // be more than the coefficients of a candidate for it to be tried.
-// Pure function; thread-safe. Time: one linear fit per subset, a few non-linear fits with
+// Pure and deterministic: every rank given the same measurements gets the same formula (no
+// collective; PredictiveBatcher calls it on rank 0 and shares the model). Thread-safe. Time: one linear fit per subset, a few non-linear fits with
 // their held-out refits (seconds for tens of probes).
 #pragma once
 
