@@ -21,9 +21,37 @@ namespace {
 using Term = std::vector<int>;  // power of each variable, variable order
 using TermSet = std::vector<std::size_t>;  // indices into the term pool, ascending
 
+// Which variables are summed over the records (FormulaSelectionOptions::summed_variables).
+std::vector<bool> summed_flags(const std::vector<std::string>& names, const FormulaSelectionOptions& options) {
+  std::vector<bool> summed(names.size(), false);
+  for (const std::string& name : options.summed_variables) {
+    const auto it = std::find(names.begin(), names.end(), name);
+    if (it == names.end()) {
+      throw std::invalid_argument("FormulaSelectionOptions.summed_variables names '" + name +
+                                  "', which is not one of the variables (" + detail::comma_list(names) + ")");
+    }
+    summed[static_cast<std::size_t>(it - names.begin())] = true;
+  }
+  return summed;
+}
+
+// The degree of `term` in the summed variables.
+int summed_degree(const Term& term, const std::vector<bool>& summed) {
+  int degree = 0;
+  for (std::size_t v = 0; v < term.size(); ++v) degree += summed[v] ? term[v] : 0;
+  return degree;
+}
+
+// A term grows with the records: bs times a monomial of the others, or a sum (t, t*l).
+bool grows_with_records(const Term& term, std::size_t bs, const std::vector<bool>& summed) {
+  return term[bs] > 0 || summed_degree(term, summed) == 1;
+}
+
 // bs times every monomial of degree 0 to 2 in the other variables, then those monomials of
-// degree 1 and 2 alone (memory that does not grow with the records: a workspace per shape).
-std::vector<Term> term_pool(std::size_t variables, std::size_t bs) {
+// degree 1 and 2 alone (memory that does not grow with the records: a workspace per shape; or,
+// with a summed variable, memory that grows with its sum); bs times a summed variable is left
+// out (quadratic in the records).
+std::vector<Term> term_pool(std::size_t variables, std::size_t bs, const std::vector<bool>& summed) {
   std::vector<Term> pool;
   Term base(variables, 0);
   base[bs] = 1;
@@ -49,6 +77,9 @@ std::vector<Term> term_pool(std::size_t variables, std::size_t bs) {
     alone[bs] = 0;
     pool.push_back(alone);
   }
+  pool.erase(std::remove_if(pool.begin(), pool.end(),
+                            [&](const Term& term) { return term[bs] > 0 && summed_degree(term, summed) > 0; }),
+             pool.end());
   return pool;
 }
 
@@ -369,7 +400,8 @@ std::size_t batch_size_index(const std::vector<std::string>& variable_names, con
 
 std::string all_terms_formula(const std::vector<std::string>& variable_names,
                               const std::string& batch_size_variable, const std::string& prefix) {
-  const std::vector<Term> pool = term_pool(variable_names.size(), batch_size_index(variable_names, batch_size_variable));
+  const std::vector<Term> pool = term_pool(variable_names.size(), batch_size_index(variable_names, batch_size_variable),
+                                             std::vector<bool>(variable_names.size(), false));
   TermSet all(pool.size());
   for (std::size_t i = 0; i < pool.size(); ++i) all[i] = i;
   const Namer name(variable_names);
@@ -382,11 +414,12 @@ FormulaSelection select_formula(const std::vector<std::string>& variable_names,
                                 const FormulaSelectionOptions& options) {
   options.validate();
   const std::size_t bs = batch_size_index(variable_names, options.batch_size_variable);
-  const std::vector<Term> pool = term_pool(variable_names.size(), bs);
+  const std::vector<bool> summed = summed_flags(variable_names, options);
+  const std::vector<Term> pool = term_pool(variable_names.size(), bs, summed);
   Selector selector(variable_names, measurements, bounds, options);
   TermSet with_bs;  // the terms that grow with the records
   for (std::size_t t = 0; t < pool.size(); ++t) {
-    if (pool[t][bs] > 0) with_bs.push_back(t);
+    if (grows_with_records(pool[t], bs, summed)) with_bs.push_back(t);
   }
   const auto linear = linear_sets(selector, pool, with_bs);
   TermSet shaped;  // the terms of the best two linear sets (at most 4) make the max() pieces

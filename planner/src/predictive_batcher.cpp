@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <cmath>
 #include <stdexcept>
 #include <utility>
@@ -16,6 +17,67 @@ namespace {
 void keep_floor_and_range(const MemoryModel& from, MemoryModel& to) {
   if (const FloorFormula* moving = from.floor_formula()) to.set_floor_formula(*moving);
   to.set_probed_ranges(from.probed_ranges());
+}
+
+// The sample's records: the formula's width, batch-size column 1, finite and >= 0; with the
+// automatic design only, whose range of every other variable it sets.
+void validate_record_dims_sample(const PredictiveBatcherOptions& options) {
+  if (options.record_dims_sample.empty()) return;
+  const std::vector<std::string>& names = options.formula.variable_names();
+  if (!options.probe_points.empty()) {
+    throw std::invalid_argument("PredictiveBatcherOptions: record_dims_sample and probe_points are both given; the "
+                                "sample shapes the automatic design, explicit probe points replace it: give one");
+  }
+  for (const auto& [name, value] : options.variable_max) {
+    if (name != options.batch_size_variable) {
+      throw std::invalid_argument("PredictiveBatcherOptions.variable_max['" + name + "'] and record_dims_sample both "
+                                  "set the range of '" + name + "': the sample's records set it, drop the key");
+    }
+  }
+  const std::size_t bs_index = options.formula.variable_index(options.batch_size_variable);
+  for (std::size_t r = 0; r < options.record_dims_sample.size(); ++r) {
+    const std::vector<double>& record = options.record_dims_sample[r];
+    const std::string where = "PredictiveBatcherOptions.record_dims_sample[" + std::to_string(r) + "]";
+    if (record.size() != names.size()) {
+      throw std::invalid_argument(where + " has " + std::to_string(record.size()) + " dims; the formula has " +
+                                  std::to_string(names.size()) + " variables (" + detail::comma_list(names) + ")");
+    }
+    if (record[bs_index] != 1) {
+      throw std::invalid_argument(where + ": its " + options.batch_size_variable + " column is " +
+                                  detail::format_double(record[bs_index]) + ", not 1 (one record)");
+    }
+    for (std::size_t v = 0; v < record.size(); ++v) {
+      if (!(std::isfinite(record[v]) && record[v] >= 0)) {
+        throw std::invalid_argument(where + ": " + names[v] + " = " + detail::format_double(record[v]) +
+                                    " is not a finite value >= 0");
+      }
+    }
+  }
+}
+
+// The sample's record indices in ascending order: by the summed variables (formula order),
+// then by the others.
+std::vector<std::size_t> sample_order(const PredictiveBatcherOptions& options) {
+  const std::vector<std::string>& names = options.formula.variable_names();
+  std::vector<std::size_t> keys;
+  for (int summed = 1; summed >= 0; --summed) {
+    for (std::size_t v = 0; v < names.size(); ++v) {
+      const auto it = options.aggregation.find(names[v]);
+      const bool is_sum = it != options.aggregation.end() && it->second == DimAggregation::kSum;
+      if (names[v] != options.batch_size_variable && is_sum == (summed == 1)) keys.push_back(v);
+    }
+  }
+  std::vector<std::size_t> order(options.record_dims_sample.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    const auto& x = options.record_dims_sample[a];
+    const auto& y = options.record_dims_sample[b];
+    for (std::size_t key : keys) {
+      if (x[key] != y[key]) return x[key] < y[key];
+    }
+    return false;
+  });
+  return order;
 }
 
 }  // namespace
@@ -51,8 +113,10 @@ void PredictiveBatcherOptions::validate() const {
                                   detail::comma_list(variable_names) + ")");
     }
   }
+  validate_record_dims_sample(*this);
   if (probe_points.empty()) {
     for (const std::string& name : variable_names) {
+      if (!record_dims_sample.empty() && name != batch_size_variable) continue;  // the sample's range
       auto it = variable_max.find(name);
       if (it == variable_max.end() || !(it->second >= 1)) {
         throw std::invalid_argument(
@@ -79,6 +143,7 @@ PredictiveBatcher::PredictiveBatcher(PredictiveBatcherOptions options,
     options_.fit.batch_size_variable = options_.batch_size_variable;
   }
   options_.validate();
+  sample_order_ = sample_order(options_);
 }
 
 std::vector<std::vector<double>> PredictiveBatcher::design_probe_dims(
@@ -210,6 +275,9 @@ void PredictiveBatcher::fit_formula(FitCandidate& c, const std::vector<Infeasibl
   selection.batch_size_variable = options_.batch_size_variable;
   selection.fit = options_.fit;
   selection.floor = false;  // the batcher's floor is its own (floor_model.hpp)
+  for (const auto& [name, aggregation] : options_.aggregation) {
+    if (aggregation == DimAggregation::kSum) selection.summed_variables.push_back(name);
+  }
   FormulaSelection chosen = select_formula(options_.formula.variable_names(), c.measurements, infeasible, selection);
   c.formula = chosen.formula;
   c.fit = std::move(chosen.fit);

@@ -3,6 +3,7 @@
 // where the candidate models disagree most (predictive_batcher.hpp).
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <cmath>
 #include <set>
 #include <sstream>
@@ -116,22 +117,74 @@ void PredictiveBatcher::run_initial_design(ProbeExecutor& executor, double usabl
     for (const auto& dims : design_probe_dims(options_.formula)) probes_.push_back(executor.run_probe(dims));
     return;
   }
-  for (const std::vector<double>& shape : design_sweep_shapes()) sweep_batch_size(executor, shape, usable_bytes);
+  if (!options_.record_dims_sample.empty()) {  // mixes of the sample's records
+    for (double fraction : options_.design_fractions) {
+      for (bool spread : {false, true}) {
+        sweep_batch_size(executor, [&](double bs) {
+          return sample_mix(static_cast<std::size_t>(bs), fraction, spread);
+        }, usable_bytes);
+      }
+    }
+    return;
+  }
+  const std::size_t bs_index = options_.formula.variable_index(options_.batch_size_variable);
+  for (const std::vector<double>& dims : design_sweep_shapes()) {
+    sweep_batch_size(executor, [&](double bs) {
+      ProbeShape shape{dims, {}};
+      shape.dims[bs_index] = bs;
+      return shape;
+    }, usable_bytes);
+  }
+}
+
+ProbeResult PredictiveBatcher::run_shape(ProbeExecutor& executor, const ProbeShape& shape) {
+  if (shape.records.empty()) return executor.run_probe(shape.dims);
+  ProbeResult result = executor.run_probe_records(shape.records);
+  result.dims = shape.dims;
+  return result;
+}
+
+std::vector<double> PredictiveBatcher::aggregate_records(const std::vector<std::vector<double>>& records) const {
+  const std::vector<std::string>& names = options_.formula.variable_names();
+  std::vector<double> dims(names.size(), 0.0);
+  for (std::size_t v = 0; v < names.size(); ++v) {
+    const auto it = options_.aggregation.find(names[v]);
+    const bool summed = it != options_.aggregation.end() && it->second == DimAggregation::kSum;
+    for (const std::vector<double>& record : records) {
+      dims[v] = summed ? dims[v] + record[v] : std::max(dims[v], record[v]);
+    }
+  }
+  dims[options_.formula.variable_index(options_.batch_size_variable)] = static_cast<double>(records.size());
+  return dims;
+}
+
+// `records` of the sample up to its `fraction`-quantile (record_dims_sample's order): the
+// ones just below it (spread false; repeated when fewer), or ones spread evenly up to it.
+PredictiveBatcher::ProbeShape PredictiveBatcher::sample_mix(std::size_t records, double fraction,
+                                                            bool spread) const {
+  const std::size_t n = sample_order_.size();
+  const auto top = std::clamp<std::size_t>(static_cast<std::size_t>(std::ceil(fraction * n)), 1, n);
+  ProbeShape shape;
+  for (std::size_t i = 0; i < records; ++i) {
+    const std::size_t rank = spread ? (2 * i + 1) * top / (2 * records) : top - 1 - i % top;
+    shape.records.push_back(options_.record_dims_sample[sample_order_[rank]]);
+  }
+  shape.dims = aggregate_records(shape.records);
+  return shape;
 }
 
 // Grows the microbatch size by doubling toward the budget, then bisects once between the last
 // size that fitted and the first that did not, so two probes lie where it binds.
-void PredictiveBatcher::sweep_batch_size(ProbeExecutor& executor, std::vector<double> dims,
+void PredictiveBatcher::sweep_batch_size(ProbeExecutor& executor,
+                                         const std::function<ProbeShape(double)>& shape_at,
                                          double usable_bytes) {
-  const std::size_t bs_index = options_.formula.variable_index(options_.batch_size_variable);
   const double bs_max = std::floor(options_.variable_max.at(options_.batch_size_variable));
   const auto fits = [&](const ProbeResult& probe) {
     return probe.feasible && probe.step_peak_bytes() <= usable_bytes;
   };
   double last_fit = 0, first_miss = 0;
   for (double bs = 1; bs <= bs_max; bs = (bs * 2 > bs_max && bs < bs_max) ? bs_max : bs * 2) {
-    dims[bs_index] = bs;
-    probes_.push_back(executor.run_probe(dims));
+    probes_.push_back(run_shape(executor, shape_at(bs)));
     if (!fits(probes_.back())) {
       first_miss = bs;
       break;
@@ -139,18 +192,33 @@ void PredictiveBatcher::sweep_batch_size(ProbeExecutor& executor, std::vector<do
     last_fit = bs;
   }
   if (first_miss > 0 && first_miss - last_fit > 1) {
-    dims[bs_index] = std::floor((last_fit + first_miss) / 2);
-    probes_.push_back(executor.run_probe(dims));
+    probes_.push_back(run_shape(executor, shape_at(std::floor((last_fit + first_miss) / 2))));
   }
 }
 
 // Every shape of the grid: microbatch sizes up to variable_max[bs], each other variable at
-// grid_steps values from the smallest design fraction of its max to its max.
-std::vector<std::vector<double>> PredictiveBatcher::adaptive_grid() const {
+// grid_steps values from the smallest design fraction of its max to its max; with a record
+// sample, both mixes of every microbatch size at grid_steps fractions of the sample.
+std::vector<PredictiveBatcher::ProbeShape> PredictiveBatcher::adaptive_grid() const {
   const CostFormula& formula = options_.formula;
   const std::size_t bs_index = formula.variable_index(options_.batch_size_variable);
   const double lowest_fraction =
       *std::min_element(options_.design_fractions.begin(), options_.design_fractions.end());
+  const int steps = options_.adaptive.grid_steps;
+  if (!options_.record_dims_sample.empty()) {
+    std::vector<ProbeShape> mixes;
+    for (double bs : grid_batch_sizes(std::floor(options_.variable_max.at(options_.batch_size_variable)))) {
+      for (int i = 0; i < steps; ++i) {
+        for (bool spread : {false, true}) {
+          ProbeShape mix = sample_mix(static_cast<std::size_t>(bs),
+                                      lowest_fraction + (1 - lowest_fraction) * i / (steps - 1), spread);
+          const bool seen = std::any_of(mixes.begin(), mixes.end(), [&](const ProbeShape& s) { return s.dims == mix.dims; });
+          if (!seen) mixes.push_back(std::move(mix));
+        }
+      }
+    }
+    return mixes;
+  }
   std::vector<std::vector<double>> axes;
   for (std::size_t v = 0; v < formula.variable_names().size(); ++v) {
     const double max = std::floor(options_.variable_max.at(formula.variable_names()[v]));
@@ -159,20 +227,19 @@ std::vector<std::vector<double>> PredictiveBatcher::adaptive_grid() const {
       continue;
     }
     std::set<double> values;
-    const int steps = options_.adaptive.grid_steps;
     for (int i = 0; i < steps; ++i) {
       const double fraction = lowest_fraction + (1 - lowest_fraction) * i / (steps - 1);
       values.insert(std::max(1.0, std::floor(fraction * max)));
     }
     axes.push_back({values.begin(), values.end()});
   }
-  std::vector<std::vector<double>> grid = {{}};
+  std::vector<ProbeShape> grid = {{}};
   for (const std::vector<double>& axis : axes) {
-    std::vector<std::vector<double>> longer;
-    for (const auto& prefix : grid) {
+    std::vector<ProbeShape> longer;
+    for (const ProbeShape& prefix : grid) {
       for (double value : axis) {
         longer.push_back(prefix);
-        longer.back().push_back(value);
+        longer.back().dims.push_back(value);
       }
     }
     grid = std::move(longer);
@@ -201,7 +268,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
   const auto elapsed_s = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
-  const std::vector<std::vector<double>> grid = adaptive_grid();
+  const std::vector<ProbeShape> grid = adaptive_grid();
   const auto finish = [&](AdaptiveStop stop) {
     adaptive_report_.stop = stop;
     return std::move(chosen);
@@ -223,8 +290,9 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
     }
     // The shape where a held-out refit departs most from the fit, inside the budget.
     double worst = -1;
-    std::vector<double> worst_dims;
-    for (const std::vector<double>& dims : grid) {
+    const ProbeShape* worst_shape = nullptr;
+    for (const ProbeShape& shape : grid) {
+      const std::vector<double>& dims = shape.dims;
       const double fitted = candidate_prediction(*chosen.formula, chosen.fit.coefficients, chosen.floor_bytes, dims);
       if (!(fitted > 0) || fitted > usable_bytes) continue;
       const bool probed = std::any_of(probes_.begin(), probes_.end(),
@@ -234,7 +302,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
         const double d = std::abs(candidate_prediction(*formula, *coefficients, chosen.floor_bytes, dims) - fitted) / fitted;
         if (d > worst) {
           worst = d;
-          worst_dims = dims;
+          worst_shape = &shape;
         }
       }
     }
@@ -242,7 +310,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
       return finish(AdaptiveStop::kNoCandidates);
     }
     adaptive_report_.disagreement = worst;
-    adaptive_report_.disagreement_dims = worst_dims;
+    adaptive_report_.disagreement_dims = worst_shape->dims;
     if (worst <= options_.adaptive.tolerance) {
       return finish(AdaptiveStop::kAgreed);
     }
@@ -252,7 +320,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
     if (adaptive_report_.elapsed_s >= options_.adaptive.max_s) {
       return finish(AdaptiveStop::kProbeTime);
     }
-    probes_.push_back(executor.run_probe(worst_dims));
+    probes_.push_back(run_shape(executor, *worst_shape));
     ++adaptive_report_.added_probes;
     chosen = fit_probes(static_bytes, usable_bytes);
   }

@@ -1,6 +1,7 @@
 #include "xpm/planner_torch/probe_runner.hpp"
 
 #include <chrono>
+#include <functional>
 #include <stdexcept>
 #include <utility>
 
@@ -17,15 +18,25 @@ TorchProbeExecutor::TorchProbeExecutor(TorchProbeSteps steps, MemoryMeter& meter
 }
 
 ProbeResult TorchProbeExecutor::run_probe(const std::vector<double>& dims) {
-  ProbeResult result;
+  ProbeResult result = measure([&] { steps_.forward_backward(dims); });
   result.dims = dims;
+  return result;
+}
+
+ProbeResult TorchProbeExecutor::run_probe_records(const std::vector<std::vector<double>>& records) {
+  if (!steps_.forward_backward_records) return ProbeExecutor::run_probe_records(records);
+  return measure([&] { steps_.forward_backward_records(records); });
+}
+
+ProbeResult TorchProbeExecutor::measure(const std::function<void()>& forward_backward) {
+  ProbeResult result;
   // The limit the probe runs under: an out-of-memory probe bounds the fit at this many bytes.
   result.capacity_bytes = static_cast<double>(meter_.capacity_bytes());
   const auto start = std::chrono::steady_clock::now();
   steps_.zero_grad();
   try {
     meter_.reset_peak();
-    steps_.forward_backward(dims);
+    forward_backward();
     result.forward_backward_peak_bytes = static_cast<double>(meter_.peak_allocated_bytes());
     meter_.reset_peak();
     steps_.optimizer_step();

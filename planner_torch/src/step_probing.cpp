@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -16,6 +17,7 @@
 
 #include "xpm/planner/dims_text.hpp"
 #include "xpm/planner/memory_model_cache.hpp"
+#include "xpm/planner/stable_hash.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 
 namespace xpm {
@@ -49,6 +51,21 @@ void drain_autograd_buffers(MemoryMeter& meter) {
   if (cpu_meter != nullptr) cpu_meter->set_capacity_bytes(capacity_bytes);
 }
 
+// backward() of the loss `forward` returns (a scalar); after an out-of-memory error the
+// autograd buffers are drained before it propagates.
+void backward_draining_on_oom(const std::function<torch::Tensor()>& forward, MemoryMeter& meter) {
+  try {
+    torch::Tensor loss = forward();
+    if (!loss.defined() || loss.numel() != 1) {
+      throw std::invalid_argument("the loss function must return a scalar tensor");
+    }
+    loss.backward();
+  } catch (const c10::OutOfMemoryError&) {
+    drain_autograd_buffers(meter);
+    throw;
+  }
+}
+
 // TorchProbeExecutor whose errors (other than out of memory) name the probe's dims.
 class NamedProbeExecutor : public ProbeExecutor {
  public:
@@ -64,6 +81,16 @@ class NamedProbeExecutor : public ProbeExecutor {
                                error.what_without_backtrace());
     } catch (const std::exception& error) {
       throw std::runtime_error("probing at " + dims_text(names_, dims) + ": " + error.what());
+    }
+  }
+  ProbeResult run_probe_records(const std::vector<std::vector<double>>& records) override {
+    const std::string where = "probing a mix of " + std::to_string(records.size()) + " records: ";
+    try {
+      return executor_.run_probe_records(records);
+    } catch (const std::invalid_argument& error) {
+      throw std::invalid_argument(where + error.what());
+    } catch (const c10::Error& error) {
+      throw std::runtime_error(where + error.what_without_backtrace());
     }
   }
   double static_bytes() override { return executor_.static_bytes(); }
@@ -91,6 +118,7 @@ nlohmann::json cache_identity(torch::nn::Module& module, torch::optim::Optimizer
           {"probe_points", probe_points},
           {"variable_max", b.variable_max},
           {"design_fractions", b.design_fractions},
+          {"record_dims_sample", stable_hash_hex(nlohmann::json(b.record_dims_sample).dump())},
           {"formula_choice", to_string(b.formula_choice)},
           {"adaptive_design", {{"max_probes", b.adaptive.max_probes},
                                {"tolerance", b.adaptive.tolerance},
@@ -147,7 +175,7 @@ StepProbeResult look_up_or_probe(torch::nn::Module& module, torch::optim::Optimi
           "the steady state (gradients and optimizer state) does not fit under the meter's capacity of " +
           std::to_string(meter.capacity_bytes()) + " bytes: raise the capacity");
     }
-    NamedProbeExecutor executor(probe_steps_for(module, optimizer, loss_fn, meter), meter,
+    NamedProbeExecutor executor(probe_steps_for(module, optimizer, loss_fn, meter, options.records_loss_fn), meter,
                                 options.batcher.formula.variable_names());
     batcher.probe_and_fit(executor);
   }
@@ -169,6 +197,10 @@ StepProbeResult look_up_or_probe(torch::nn::Module& module, torch::optim::Optimi
 StepProbeResult share_or_probe(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
                                const ProbeLossFn& loss_fn, const StepProbeOptions& options) {
   if (!loss_fn) throw std::invalid_argument("probe_and_fit: loss_fn is empty");
+  if (!options.batcher.record_dims_sample.empty() && !options.records_loss_fn) {
+    throw std::invalid_argument("probe_and_fit: batcher.record_dims_sample is given but records_loss_fn is empty: "
+                                "the design probes mixes of those records through it");
+  }
   if (!options.share_from_rank0) {
     if (options.rank != 0) {
       throw std::invalid_argument("probe_and_fit: rank " + std::to_string(options.rank) +
@@ -268,21 +300,18 @@ void ProbeStateGuard::restore() {
 }
 
 TorchProbeSteps probe_steps_for(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
-                                ProbeLossFn loss_fn, MemoryMeter& meter) {
+                                ProbeLossFn loss_fn, MemoryMeter& meter, ProbeRecordsLossFn records_loss_fn) {
   if (!loss_fn) throw std::invalid_argument("probe_steps_for: loss_fn is empty");
   TorchProbeSteps steps;
   steps.forward_backward = [loss_fn = std::move(loss_fn), &meter](const std::vector<double>& dims) {
-    try {
-      torch::Tensor loss = loss_fn(dims);
-      if (!loss.defined() || loss.numel() != 1) {
-        throw std::invalid_argument("the loss function must return a scalar tensor");
-      }
-      loss.backward();
-    } catch (const c10::OutOfMemoryError&) {
-      drain_autograd_buffers(meter);
-      throw;
-    }
+    backward_draining_on_oom([&] { return loss_fn(dims); }, meter);
   };
+  if (records_loss_fn) {
+    steps.forward_backward_records = [records_loss_fn = std::move(records_loss_fn),
+                                      &meter](const std::vector<std::vector<double>>& records) {
+      backward_draining_on_oom([&] { return records_loss_fn(records); }, meter);
+    };
+  }
   steps.optimizer_step = [&optimizer] { optimizer.step(); };
   steps.zero_grad = [&module] { zero_gradients_in_place(module); };
   return steps;

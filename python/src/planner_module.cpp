@@ -203,6 +203,9 @@ class PythonProbeExecutor : public xpm::ProbeExecutor {
   xpm::ProbeResult run_probe(const std::vector<double>& dims) override {
     PYBIND11_OVERRIDE_PURE(xpm::ProbeResult, xpm::ProbeExecutor, run_probe, dims);
   }
+  xpm::ProbeResult run_probe_records(const std::vector<std::vector<double>>& records) override {
+    PYBIND11_OVERRIDE(xpm::ProbeResult, xpm::ProbeExecutor, run_probe_records, records);
+  }
   double static_bytes() override { PYBIND11_OVERRIDE_PURE(double, xpm::ProbeExecutor, static_bytes, ); }
 };
 
@@ -211,6 +214,7 @@ struct ProbeArguments {
   std::map<std::string, std::string> aggregation;
   std::vector<std::map<std::string, double>> probe_points;
   std::map<std::string, double> variable_max;
+  std::vector<std::vector<double>> record_dims_sample;
   std::vector<double> design_fractions = {1.0, 0.75, 0.5};
   double usable_max_rel_error = 0.05;
   bool automatic_formula = false;  // the formula's variables only; the formula chosen from the probes
@@ -237,6 +241,7 @@ py::tuple probe_and_fit(xpm::ProbeExecutor& executor, const xpm::CostFormula& fo
   options.aggregation = aggregation_of(args.aggregation);
   for (const auto& point : args.probe_points) options.probe_points.push_back({point});
   options.variable_max = args.variable_max;
+  options.record_dims_sample = args.record_dims_sample;
   options.design_fractions = args.design_fractions;
   options.budget = budget;
   options.fit.usable_max_rel_error = args.usable_max_rel_error;
@@ -333,6 +338,7 @@ void bind_probing(py::module_& m) {
   py::class_<xpm::ProbeExecutor, PythonProbeExecutor>(m, "ProbeExecutor")
       .def(py::init<>())
       .def("run_probe", &xpm::ProbeExecutor::run_probe)
+      .def("run_probe_records", &xpm::ProbeExecutor::run_probe_records)
       .def("static_bytes", &xpm::ProbeExecutor::static_bytes);
   py::class_<ProbeArguments>(m, "ProbeArguments")
       .def(py::init<>())
@@ -340,6 +346,7 @@ void bind_probing(py::module_& m) {
       .def_readwrite("aggregation", &ProbeArguments::aggregation)
       .def_readwrite("probe_points", &ProbeArguments::probe_points)
       .def_readwrite("variable_max", &ProbeArguments::variable_max)
+      .def_readwrite("record_dims_sample", &ProbeArguments::record_dims_sample)
       .def_readwrite("design_fractions", &ProbeArguments::design_fractions)
       .def_readwrite("usable_max_rel_error", &ProbeArguments::usable_max_rel_error)
       .def_readwrite("automatic_formula", &ProbeArguments::automatic_formula)

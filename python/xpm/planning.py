@@ -84,17 +84,31 @@ def _batch_size_variable(variables: Sequence[str], given: Optional[str]) -> str:
 
 def record_dims_from_lengths(lengths, variables: Sequence[str] = ("bs", "l"),
                              batch_size_variable: str = "bs") -> np.ndarray:
-    """[n, 2] dims from record lengths, in ``variables`` order: the batch-size variable 1, the
-    other the length (e.g. {bs: 1, l: length} for variables ("bs", "l"))."""
+    """Record dims from record lengths: the batch-size variable 1, every other variable the length.
+
+    For variables ("bs", "l") a record of length 12 is [1, 12]; for ("bs", "l", "t") (the padded
+    length, aggregated by max, and the real tokens, summed) it is [1, 12, 12].
+
+    Args:
+        lengths: [n] record lengths, finite and >= 0.
+        variables: the formula's variables, in its order; one of them ``batch_size_variable``.
+        batch_size_variable: the variable that counts records.
+
+    Returns:
+        [n, len(variables)] float64 dims, C-contiguous.
+
+    Raises:
+        ValueError: fewer than two variables or none named ``batch_size_variable``; lengths not
+            a 1-D array of finite values >= 0.
+    """
     variables = list(variables)
-    if len(variables) != 2 or batch_size_variable not in variables:
-        raise ValueError(f"record_dims_from_lengths: two variables, one of them '{batch_size_variable}', "
+    if len(variables) < 2 or batch_size_variable not in variables:
+        raise ValueError(f"record_dims_from_lengths: two variables or more, one of them '{batch_size_variable}', "
                          f"expected, got {variables}")
     lengths = np.asarray(lengths, dtype=np.float64)
     if lengths.ndim != 1 or not np.isfinite(lengths).all() or (lengths < 0).any():
         raise ValueError(f"lengths must be a 1-D array of finite values >= 0, got shape {list(lengths.shape)}")
-    ones = np.ones_like(lengths)
-    columns = [ones, lengths] if variables.index(batch_size_variable) == 0 else [lengths, ones]
+    columns = [np.ones_like(lengths) if name == batch_size_variable else lengths for name in variables]
     return np.ascontiguousarray(np.stack(columns, axis=1))
 
 

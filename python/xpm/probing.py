@@ -193,24 +193,41 @@ class _SteadyState:
 class _TorchExecutor(_planner.ProbeExecutor):
     """The probe steps over the user's model, optimizer and loss function."""
 
-    def __init__(self, steady: _SteadyState, loss_fn, meter, names: List[str]):
+    def __init__(self, steady: _SteadyState, loss_fn, meter, names: List[str], batch_size_variable: str = "bs",
+                 aggregation: Optional[Dict[str, str]] = None):
         super().__init__()
         self.steady, self.loss_fn, self.meter, self.names = steady, loss_fn, meter, names
+        self.batch_size_variable, self.aggregation = batch_size_variable, dict(aggregation or {})
         self.results = []  # every probe run, for an error that must carry them
 
     def static_bytes(self) -> float:
         return float(self.meter.current_allocated_bytes)
 
     def run_probe(self, dims):
+        return self._run(list(dims), list(dims), " ".join(f"{n}={d:g}" for n, d in zip(self.names, dims)))
+
+    def run_probe_records(self, records):
+        records = [list(record) for record in records]
+        return self._run(records, self._aggregate(records), f"a mix of {len(records)} records")
+
+    def _aggregate(self, records: List[List[float]]) -> List[float]:
+        """A mix's dims (the planner's rule): the record count, sums of "sum" variables, else maxima."""
+        columns = list(zip(*records))
+        return [float(len(records)) if name == self.batch_size_variable else
+                float(sum(columns[k]) if self.aggregation.get(name) == "sum" else max(columns[k]))
+                for k, name in enumerate(self.names)]
+
+    def _run(self, batch, dims, where):
+        """One probe step: ``loss_fn(batch)``, ``batch`` the dims or a mix's records."""
         result = _planner.ProbeResult()
-        result.dims = list(dims)
+        result.dims = dims
         result.capacity_bytes = float(self.meter.capacity_bytes)
         start = time.perf_counter()
         _zero_gradients_in_place(self.steady.parameters)
         loss = None
         try:
             self.meter.reset_peak()
-            loss = self.loss_fn(list(dims))
+            loss = self.loss_fn(batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError("the loss function must return a scalar tensor")
             loss.backward()
@@ -221,7 +238,6 @@ class _TorchExecutor(_planner.ProbeExecutor):
             result.optimizer_step_peak_bytes = float(self.meter.peak_allocated_bytes)
         except Exception as error:  # noqa: BLE001 - out of memory is a result, the rest named
             if not _is_out_of_memory(error):
-                where = " ".join(f"{n}={d:g}" for n, d in zip(self.names, dims))
                 raise type(error)(f"probing at {where}: {error}") from error
             result.feasible = False
             result.error = str(error).splitlines()[0]
@@ -309,6 +325,7 @@ class ProbeOutcome:
 def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[List[float]], torch.Tensor],
           formula: Union[CostFormula, Literal["auto"]], *, meter, budget: Optional[MemoryBudget] = None,
           variable_max: Optional[Dict[str, float]] = None, probe_points: Optional[List[Dict[str, float]]] = None,
+          record_dims: Optional[Sequence[Sequence[float]]] = None, variables: Optional[Sequence[str]] = None,
           design_fractions: Sequence[float] = (1.0, 0.75, 0.5), batch_size_variable: str = "bs",
           aggregation: Optional[Dict[str, str]] = None, usable_max_rel_error: float = 0.05,
           adaptive_max_probes: int = 8, adaptive_max_s: float = 120.0,
@@ -318,15 +335,26 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
     Args:
         model, optimizer: the user's, before any DistributedDataParallel wrapping.
         loss_fn: ``loss_fn(dims)`` builds a batch at ``dims`` (variable order; synthetic data is
-            fine) and returns its summed loss, a scalar tensor.
+            fine) and returns its summed loss, a scalar tensor. With ``record_dims`` it gets the
+            probe's records instead: ``loss_fn(records)``, one dims list per record (batch-size
+            column 1), and builds a batch of exactly those records (each its own length).
         formula: the cost formula, or ``"auto"``: chosen from the probes (the variables are
-            ``variable_max``'s keys in order, or the first probe point's); the candidates and
-            the choice are in ``outcome.fit.formula_selection``.
+            ``variables``, else ``variable_max``'s keys in order, or the first probe point's);
+            the candidates and the choice are in ``outcome.fit.formula_selection``.
         meter: ``CpuMeter.install()`` (installed before the model was built: its CPU parameters
             must have been allocated under it) or ``CudaMeter()``.
         budget: default the meter's capacity, 90 %.
-        variable_max: the automatic design's upper end of every variable.
+        variable_max: the automatic design's upper end of every variable (with ``record_dims``,
+            of the batch size only: the records set the others).
         probe_points: explicit probe shapes instead of the automatic design (no adaptive one).
+        record_dims: records like the training data's (dims per record in variable order,
+            batch-size column 1; e.g. ``record_dims_from_lengths`` of a few thousand drawn from
+            the dataset). The design then probes mixes of them, near-equal ones (as a sorting
+            packer makes) and spread ones (as an unsorted batch is), at every fraction of
+            ``design_fractions`` of them: needed for a ``"sum"`` variable (real tokens) beside
+            the padded length it moves with, which equal records cannot tell apart.
+        variables: the formula's variables with ``formula="auto"`` (needed with
+            ``record_dims``, whose ``variable_max`` names the batch size only).
         design_fractions: the automatic design's fractions of each variable's max.
         batch_size_variable: the variable that counts records.
         aggregation: per variable, "max" (padded) or "sum" over a microbatch's records.
@@ -357,10 +385,13 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
     if automatic:
         if formula != "auto":
             raise ValueError(f"probe: formula must be a CostFormula or 'auto', got {formula!r}")
-        names = list(variable_max or {}) or list((probe_points or [{}])[0])
+        names = list(variables or []) or list(variable_max or {}) or list((probe_points or [{}])[0])
         if not names:
-            raise ValueError("probe: formula='auto' takes its variables from variable_max (or probe_points): give one")
+            raise ValueError("probe: formula='auto' takes its variables from variables=, variable_max or probe_points: "
+                             "give one")
         formula = CostFormula("xpm_constant", names)  # the variables; the formula is chosen from the probes
+    elif variables is not None:
+        raise ValueError("probe: variables= names the variables of formula='auto'; a CostFormula has its own")
     _check_variable_names(formula, variable_max, probe_points)
     _check_meter_saw_the_weights(model, meter)
     if budget is None:
@@ -372,6 +403,7 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
     args.aggregation = dict(aggregation or {})
     args.probe_points = [dict(point) for point in (probe_points or [])]
     args.variable_max = {name: float(value) for name, value in (variable_max or {}).items()}
+    args.record_dims_sample = [[float(d) for d in record] for record in (record_dims or [])]
     args.design_fractions = list(design_fractions)
     args.usable_max_rel_error = usable_max_rel_error
     args.automatic_formula = automatic
@@ -391,7 +423,7 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
             raise
         raise ValueError(f"probe: the steady state (gradients and optimizer state) does not fit under the "
                          f"meter's capacity of {meter.capacity_bytes} bytes: raise the capacity") from None
-    executor = _TorchExecutor(steady, loss_fn, meter, list(formula.variable_names))
+    executor = _TorchExecutor(steady, loss_fn, meter, list(formula.variable_names), batch_size_variable, aggregation)
     try:
         native, probes, summary, floor, adaptive, selection = _planner.probe_and_fit(executor, formula, budget, args)
     except RuntimeError as error:

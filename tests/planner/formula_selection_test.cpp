@@ -84,3 +84,23 @@ TEST_CASE("select_formula refuses a batch-size variable that is not a variable")
                        doctest::Contains("the batch-size variable 'n' is not one of the variables"),
                        std::invalid_argument);
 }
+
+TEST_CASE("select_formula treats a summed variable as growing with the records, without bs times it") {
+  // Padded embeddings per position (bs*l) and packed activations per real token (t, summed).
+  const auto bytes = [](const std::vector<double>& d) { return 300 * d[0] * d[1] + 2000 * d[2] + 1e6; };
+  std::vector<std::vector<double>> shapes;
+  for (double bs : {1.0, 2.0, 4.0, 8.0, 16.0}) {
+    for (double l : {32.0, 64.0, 96.0}) {
+      for (double fill : {1.0, 0.7, 0.4}) shapes.push_back({bs, l, std::max(l, std::floor(fill * bs * l))});
+    }
+  }
+  xpm::FormulaSelectionOptions options;
+  options.summed_variables = {"t"};
+  const xpm::FormulaSelection s = xpm::select_formula({"bs", "l", "t"}, measure(shapes, bytes), {}, options);
+  INFO(s.report());
+  CHECK(s.formula.canonical() == "a1*bs*l + a2*t + c");
+  CHECK(s.report().find("bs*t") == std::string::npos);
+  options.summed_variables = {"tokens"};
+  CHECK_THROWS_WITH_AS(xpm::select_formula({"bs", "l", "t"}, measure(shapes, bytes), {}, options),
+                       doctest::Contains("summed_variables names 'tokens'"), std::invalid_argument);
+}

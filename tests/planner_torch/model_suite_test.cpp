@@ -8,7 +8,9 @@
 // models can be run again under another fit configuration (SuiteCase::base).
 // Goal: every held-out shape within 1 % of its measured step peak. A case the planner does not
 // meet is marked may_fail, with the figure measured. One more case fits the
-// checkpointed char LM with the max() of pieces its fit suggests.
+// checkpointed char LM with the max() of pieces its fit suggests. A model of summed real tokens
+// (packed) is probed with a sample of record lengths (record_dims_sample: mixes of records) and
+// held out on random mixes of another sample.
 #include "../torch_doctest.hpp"
 
 #include <algorithm>
@@ -16,9 +18,11 @@
 #include <cmath>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <sstream>
 #include <string>
@@ -48,6 +52,9 @@ struct SuiteCase {
                                                 // probe points and budget are set from above
   int held_out_count = 16;                      // shapes measured after the fit
   unsigned seed = 20261202;                     // of the held-out shapes' generator
+  /// Records like the training data's (base.record_dims_sample is set from it): the design
+  /// probes mixes of them, and the held-out shapes are random mixes of another such sample.
+  std::function<std::vector<std::vector<double>>(unsigned seed)> record_sample;
 };
 
 /// One held-out shape: predicted and measured step peak (bytes), signed relative error.
@@ -138,12 +145,39 @@ std::vector<std::vector<double>> draw_held_out(const xpm::MemoryModel& model, co
   return shapes;
 }
 
+// Held-out mixes: 1 to variable_max[bs] records drawn at random (unsorted) from another sample.
+std::vector<std::vector<std::vector<double>>> draw_held_out_mixes(const SuiteCase& c) {
+  const std::vector<std::vector<double>> sample = c.record_sample(c.seed + 1000);
+  std::mt19937 rng(c.seed);
+  std::uniform_int_distribution<std::size_t> size(1, static_cast<std::size_t>(c.variable_max.at("bs")));
+  std::uniform_int_distribution<std::size_t> record(0, sample.size() - 1);
+  std::vector<std::vector<std::vector<double>>> mixes(static_cast<std::size_t>(c.held_out_count));
+  for (auto& mix : mixes) {
+    for (std::size_t n = size(rng); n > 0; --n) mix.push_back(sample[record(rng)]);
+  }
+  return mixes;
+}
+
 void measure_held_out(const xpm::MemoryModel& model, xpm::ProbeExecutor& executor, const SuiteCase& c,
                       SuiteFigures& f) {
   double sum = 0;
   f.held_out_max = 0;
-  for (const std::vector<double>& dims : draw_held_out(model, c)) {
-    const xpm::ProbeResult measured = executor.run_probe(dims);
+  std::vector<std::vector<std::vector<double>>> mixes;
+  std::vector<std::vector<double>> shapes;
+  if (c.record_sample) {
+    mixes = draw_held_out_mixes(c);
+    std::vector<std::size_t> all;
+    for (const auto& mix : mixes) {
+      all.resize(mix.size());
+      std::iota(all.begin(), all.end(), std::size_t{0});
+      shapes.push_back(xpm::aggregate_dims(mix, all, model));
+    }
+  } else {
+    shapes = draw_held_out(model, c);
+  }
+  for (std::size_t k = 0; k < shapes.size(); ++k) {
+    const std::vector<double>& dims = shapes[k];
+    const xpm::ProbeResult measured = c.record_sample ? executor.run_probe_records(mixes[k]) : executor.run_probe(dims);
     REQUIRE(measured.feasible);
     HeldOutShape s{dims, model.predict_bytes(dims), measured.step_peak_bytes(), 0};
     s.rel_error = (s.predicted - s.measured) / s.measured;
@@ -161,6 +195,7 @@ xpm::PredictiveBatcherOptions batcher_options(const SuiteCase& c) {
   xpm::PredictiveBatcherOptions options = c.base;
   options.formula = c.formula;
   options.variable_max = c.variable_max;
+  if (c.record_sample) options.record_dims_sample = c.record_sample(c.seed);
   options.probe_points.clear();                            // the automatic design
   options.budget.capacity_bytes = std::int64_t{1} << 40;  // never binds within variable_max
   return options;
@@ -267,6 +302,41 @@ TEST_CASE("a character LM with activation checkpointing fitted with a max() of t
 TEST_CASE("an LSTM over packed sequences has held-out peaks predicted within 1 % from the automatic design") {
   check_held_out_within_one_percent(
       TestModelKind::kPackedLstm, suite_case("a*bs*l + b*bs + c", {"bs", "l"}, {{"bs", 32}, {"l", 96}}));
+}
+
+namespace {
+
+// Records {1, l, t} (t = l, the real tokens) of lengths 2..96, skewed toward short ones as
+// sentence lengths are.
+std::vector<std::vector<double>> length_sample(unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::vector<std::vector<double>> records;
+  for (int i = 0; i < 2000; ++i) {
+    const double u = unit(rng), l = std::floor(2 + 94 * u * u);
+    records.push_back({1, l, l});
+  }
+  return records;
+}
+
+// Real mixes of lengths: the padded length (max) and the real tokens (summed) apart.
+SuiteCase packed_mix_case(SuiteCase c) {
+  c.base.aggregation = {{"t", xpm::DimAggregation::kSum}};
+  c.record_sample = length_sample;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("a tagger over packed real tokens has held-out mixes of real lengths predicted within 1 % from a record sample") {
+  check_held_out_within_one_percent(
+      TestModelKind::kPackedTokenTagger,
+      packed_mix_case(suite_case("a*bs*l + b*t + d*bs + c", {"bs", "l", "t"}, {{"bs", 32}})));
+}
+
+TEST_CASE("with no formula written, a tagger over packed real tokens has held-out mixes predicted within 1 %") {
+  check_held_out_within_one_percent(TestModelKind::kPackedTokenTagger,
+                                    packed_mix_case(auto_case({"bs", "l", "t"}, {{"bs", 32}})));
 }
 
 TEST_CASE("a pre-norm Transformer whose peak moves between operations has held-out peaks predicted within 1 % from the automatic design") {

@@ -1,10 +1,12 @@
 // test_models.cpp — the planner's test models (see test_models.hpp).
 #include "test_models.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -52,12 +54,21 @@ class StepModel : public TestModel {
       alive_.clear();
       optimizer_->zero_grad();
     };
+    steps.forward_backward_records = [this](const std::vector<std::vector<double>>& records) {
+      summed_loss_of_records(records).backward();
+    };
     return steps;
   }
 
  protected:
   /// Summed loss of a synthetic batch at `dims`.
   virtual torch::Tensor summed_loss(const Dims& dims) = 0;
+  /// Summed loss of a synthetic batch of these records (each its own dims); by default the
+  /// model builds batches from aggregated dims only.
+  virtual torch::Tensor summed_loss_of_records(const std::vector<std::vector<double>>& records) {
+    throw std::logic_error(name() + ": builds batches from dims only, not from " + std::to_string(records.size()) +
+                           " records");
+  }
 
   /// Sets the optimizer to learning rate 0 and runs one step (bs 2, every other dim 8) so
   /// gradients and optimizer state are allocated (the steady state).
@@ -434,9 +445,19 @@ class PackedLstm final : public StepModel {
 
  private:
   torch::Tensor summed_loss(const Dims& dims) override {
-    const std::int64_t bs = dims.at(0), l = dims.at(1);
+    return loss_of_lengths(spread_lengths(dims.at(0), dims.at(1)));
+  }
+  // Records {1, l, ...}: each its own length l (a mix of lengths, as real data has).
+  torch::Tensor summed_loss_of_records(const std::vector<std::vector<double>>& records) override {
+    std::vector<std::int64_t> lengths;
+    for (const std::vector<double>& record : records) lengths.push_back(static_cast<std::int64_t>(record.at(1)));
+    std::sort(lengths.rbegin(), lengths.rend());  // pack_padded_sequence wants them longest first
+    return loss_of_lengths(torch::tensor(lengths, torch::kLong));
+  }
+  torch::Tensor loss_of_lengths(const torch::Tensor& lengths) {
+    const std::int64_t bs = lengths.size(0), l = lengths.max().item<std::int64_t>();
     const torch::nn::utils::rnn::PackedSequence packed = torch::nn::utils::rnn::pack_padded_sequence(
-        embedding_(tokens(bs, l, kVocab)), spread_lengths(bs, l), /*batch_first=*/true);
+        embedding_(tokens(bs, l, kVocab)), lengths, /*batch_first=*/true);
     const torch::Tensor h =
         std::get<0>(lstm_->forward_with_packed_input(packed)).data();  // [tokens in the batch, 96]
     return summed_cross_entropy(out_(h));
@@ -447,6 +468,48 @@ class PackedLstm final : public StepModel {
   torch::nn::Embedding embedding_{kVocab, 64};
   torch::nn::LSTM lstm_{torch::nn::LSTMOptions(64, 96).num_layers(2)};
   torch::nn::Linear out_{96, kTags};
+};
+
+// Records {1, l, t, ...} of their own lengths l: a padded token batch [bs, longest l], the real
+// tokens first in each row.
+torch::Tensor padding_mask(const std::vector<std::vector<double>>& records) {
+  std::vector<std::int64_t> lengths;
+  for (const std::vector<double>& record : records) lengths.push_back(static_cast<std::int64_t>(record.at(1)));
+  const torch::Tensor l = torch::tensor(lengths, torch::kLong);
+  return torch::arange(l.max().item<std::int64_t>(), torch::kLong).unsqueeze(0) < l.unsqueeze(1);  // [bs, l]
+}
+
+class PackedTokenTagger final : public StepModel {
+ public:
+  PackedTokenTagger() {
+    net_->register_module("embedding", embedding_);
+    net_->register_module("up", up_);
+    net_->register_module("down", down_);
+    net_->register_module("out", out_);
+    start(std::make_unique<torch::optim::RMSprop>(net_->parameters(), torch::optim::RMSpropOptions(1e-3)));
+  }
+  std::string name() const override { return "token tagger over packed real tokens (MLP 48-384-48, RMSprop)"; }
+  std::vector<std::string> variable_names() const override { return {"bs", "l", "t"}; }
+
+ private:
+  torch::Tensor summed_loss(const Dims& dims) override {  // equal records: t = bs * l
+    const auto bs = static_cast<std::size_t>(dims.at(0));
+    const auto l = static_cast<double>(dims.at(1));
+    return summed_loss_of_records(std::vector<std::vector<double>>(bs, {1.0, l, l}));
+  }
+  torch::Tensor summed_loss_of_records(const std::vector<std::vector<double>>& records) override {
+    const torch::Tensor real = padding_mask(records);
+    const torch::Tensor packed = embedding_(tokens(real.size(0), real.size(1), kVocab)).index({real});  // [t, 48]
+    const torch::Tensor hidden = down_(torch::gelu(up_(packed)));                                      // [t, 48]
+    return summed_cross_entropy(out_(hidden));
+  }
+
+  Seeded seeded_;  // first: the layers below are initialized from the seeded generator
+  std::shared_ptr<torch::nn::Module> net_ = std::make_shared<torch::nn::Module>();
+  torch::nn::Embedding embedding_{kVocab, 48};
+  torch::nn::Linear up_{48, 384};
+  torch::nn::Linear down_{384, 48};
+  torch::nn::Linear out_{48, kTags};
 };
 
 }  // namespace
@@ -462,6 +525,7 @@ std::unique_ptr<TestModel> make_test_model(TestModelKind kind) {
     case TestModelKind::kVariableImageCnn: return std::make_unique<VariableImageCnn>();
     case TestModelKind::kCheckpointedCharLm: return std::make_unique<CheckpointedCharLm>();
     case TestModelKind::kPackedLstm: return std::make_unique<PackedLstm>();
+    case TestModelKind::kPackedTokenTagger: return std::make_unique<PackedTokenTagger>();
   }
   throw std::invalid_argument("make_test_model: unknown kind");
 }
@@ -471,7 +535,7 @@ std::vector<TestModelKind> all_test_model_kinds() {
           TestModelKind::kConvClassifier, TestModelKind::kPreNormTransformer,
           TestModelKind::kImageCnn, TestModelKind::kEncoderDecoder,
           TestModelKind::kVariableImageCnn, TestModelKind::kCheckpointedCharLm,
-          TestModelKind::kPackedLstm};
+          TestModelKind::kPackedLstm, TestModelKind::kPackedTokenTagger};
 }
 
 }  // namespace xpm::test

@@ -32,7 +32,14 @@
 //    clipped to norm 1 in the optimizer step, SGD with momentum (dims {bs, l}).
 //  - kPackedLstm: an LSTM tagger over packed sequences (pack_padded_sequence), lengths spread
 //    evenly from l down to about l/2 within the batch (the same lengths for the same dims),
-//    Adam (dims {bs, l}).
+//    Adam (dims {bs, l}); also a batch of given records (forward_backward_records: records
+//    {1, l, ...}, each of its own length l, e.g. {bs, l, t} with t its real tokens). On the CPU a
+//    batch whose lengths are all equal peaks far higher per token than one where any two
+//    differ, so no formula in (bs, longest l, summed t) holds for both.
+//  - kPackedTokenTagger: token embeddings of a padded batch, then only the real tokens, packed
+//    ([t, 48], padding-free), through an MLP 48-384-48 to per-token tags, RMSprop (dims {bs, l,
+//    t}: l the longest record, t the summed real tokens; records through
+//    forward_backward_records, or equal records of length l from dims).
 #pragma once
 
 #include <memory>
@@ -53,6 +60,7 @@ enum class TestModelKind {
   kVariableImageCnn,
   kCheckpointedCharLm,
   kPackedLstm,
+  kPackedTokenTagger,
 };
 
 class TestModel {

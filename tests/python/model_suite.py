@@ -12,6 +12,9 @@ user would write:
   the optimizer step, SGD with momentum;
 - ``packed_lstm``: an LSTM over ``pack_padded_sequence`` batches (``l`` the padded length),
   RMSprop;
+- ``packed_tokens``: embeddings of a padded batch, then only the real tokens, packed, through a
+  wide MLP (``l`` the longest record, ``t`` the summed real tokens), RMSprop; probed with a
+  sample of record lengths (``record_dims``: mixes of records) and held out on random mixes;
 - ``moving_peak``: a pre-norm Transformer whose peak moves between the attention scores
   (``bs*heads*l^2``), a wide feed-forward (``bs*l*ff``) and a large vocabulary's logits
   (``bs*l*V``) as the shapes grow; a ``max(...)`` formula; AdamW.
@@ -52,7 +55,12 @@ class ModelSpec:
             synthetic batch at ``dims`` and returns its summed loss (a scalar tensor).
         usable_max_rel_error: the fit's largest error at the probes that still makes it usable.
         formulas: the formulas to probe it with: "user" (``formula``) and "auto" (the planner
-            chooses; skipped by the suite until ``xpm.probe`` takes it).
+            chooses).
+        aggregation: ``xpm.probe``'s aggregation (``{"t": "sum"}`` for a summed variable).
+        record_sample: ``record_sample(seed)`` returns records like the model's training data
+            (dims per record, batch-size column 1); given, the model is probed with them
+            (``xpm.probe(record_dims=...)``, ``loss_fn(records)``) and held out on random mixes
+            of another sample.
     """
 
     name: str
@@ -62,6 +70,8 @@ class ModelSpec:
     build: Callable[[], Tuple[torch.nn.Module, torch.optim.Optimizer, Callable]]
     usable_max_rel_error: float = 0.05
     formulas: Tuple[str, ...] = ("user", "auto")
+    aggregation: Dict[str, str] = field(default_factory=dict)
+    record_sample: Optional[Callable[[int], List[List[float]]]] = None
 
 
 @dataclass
@@ -266,6 +276,15 @@ class PackedLstm(torch.nn.Module):
                                reduction="sum")
 
 
+def _packed_batch(lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random tokens and tags of records of these lengths, padded to the longest."""
+    bs, l = len(lengths), int(lengths.max())
+    padding = torch.arange(l).unsqueeze(0) >= lengths.unsqueeze(1)
+    tokens = torch.randint(1, PackedLstm.VOCAB, (bs, l)).masked_fill(padding, 0)
+    tags = torch.randint(0, PackedLstm.TAGS, (bs, l)).masked_fill(padding, -100)
+    return tokens, lengths, tags
+
+
 def _build_packed_lstm():
     model = PackedLstm()
     optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3)
@@ -276,14 +295,44 @@ def _build_packed_lstm():
         # lengths peak far lower per token (measured at bs 2, l 96: lengths 96 and 72, 1.12 MB
         # over the step's start; both 96, 2.26 MB), so a fit to mixed lengths under-predicts
         # microbatches of equal ones.
-        lengths = torch.full((bs,), l)
-        positions = torch.arange(l).unsqueeze(0)
-        padding = positions >= lengths.unsqueeze(1)
-        tokens = torch.randint(1, PackedLstm.VOCAB, (bs, l)).masked_fill(padding, 0)
-        tags = torch.randint(0, PackedLstm.TAGS, (bs, l)).masked_fill(padding, -100)
-        return model.loss_sum(tokens, lengths, tags)
+        return model.loss_sum(*_packed_batch(torch.full((bs,), l)))
 
     return model, optimizer, loss_fn
+
+
+class PackedTokenTagger(torch.nn.Module):
+    """Token ids -> embedding 48 (padded, [bs, l]) -> the real tokens only, packed ([t, 48], no
+    padding, as padding-free training runs them) -> a wide MLP (48 -> 384 -> 48) -> per-token tags."""
+
+    VOCAB, TAGS = 200, 12
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(self.VOCAB, 48, padding_idx=0)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(48, 384), torch.nn.GELU(), torch.nn.Linear(384, 48))
+        self.head = torch.nn.Linear(48, self.TAGS)
+
+    def loss_sum(self, tokens: torch.Tensor, lengths: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
+        real = torch.arange(tokens.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+        packed = self.embedding(tokens)[real]  # [t, 48]
+        return F.cross_entropy(self.head(self.mlp(packed)), tags[real], reduction="sum")
+
+
+def _build_packed_tokens():
+    model = PackedTokenTagger()
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+
+    def loss_fn(records):  # one [1, l, t] per record (t = l: its real tokens)
+        return model.loss_sum(*_packed_batch(torch.tensor([int(record[1]) for record in records])))
+
+    return model, optimizer, loss_fn
+
+
+def length_sample(seed: int, count: int = 2000) -> List[List[float]]:
+    """Records ``[1, l, t]`` (padded length l, real tokens t = l) of lengths 2..96, skewed toward
+    short ones as sentence lengths are."""
+    lengths = np.floor(2 + 94 * np.random.default_rng(seed).random(count) ** 2)
+    return [[1.0, float(l), float(l)] for l in lengths]
 
 
 class MovingPeakTransformer(torch.nn.Module):
@@ -343,6 +392,8 @@ SPECS: Dict[str, ModelSpec] = {spec.name: spec for spec in [
               {"bs": 16, "h": 64, "w": 96}, _build_cnn),
     ModelSpec("char_lm", ["bs", "l"], "a*bs*l^2 + b*bs*l + d*bs + c", {"bs": 16, "l": 128}, _build_char_lm),
     ModelSpec("packed_lstm", ["bs", "l"], "a*bs*l + b*bs + d*l + c", {"bs": 32, "l": 96}, _build_packed_lstm),
+    ModelSpec("packed_tokens", ["bs", "l", "t"], "a*bs*l + b*t + d*bs + c", {"bs": 32},
+              _build_packed_tokens, aggregation={"t": "sum"}, record_sample=length_sample),
     ModelSpec("moving_peak", ["bs", "l"], "max(a*bs*l^2 + b*bs*l + c, d*bs*l + e)", {"bs": 16, "l": 256},
               _build_moving_peak),
 ]}
@@ -366,6 +417,23 @@ def held_out_shapes(ranges: Dict[str, Tuple[float, float]], variables: List[str]
     rng = np.random.default_rng(seed)
     return [[int(rng.integers(int(np.ceil(ranges[v][0])), int(np.floor(ranges[v][1])) + 1)) for v in variables]
             for _ in range(count)]
+
+
+def held_out_mixes(spec: ModelSpec, count: int, seed: int) -> List[List[List[float]]]:
+    """``count`` microbatches of records drawn at random from another sample of ``spec``'s
+    records (unsorted, as an unsorted packer makes them), each of 1 to ``variable_max[bs]``."""
+    sample = spec.record_sample(seed + 1000)
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, int(spec.variable_max[spec.variables[0]]) + 1, count)
+    return [[sample[int(i)] for i in rng.integers(0, len(sample), int(size))] for size in sizes]
+
+
+def aggregate(spec: ModelSpec, records: List[List[float]]) -> List[float]:
+    """A microbatch's dims: the record count, each summed variable's sum, the others' max."""
+    columns = list(zip(*records))
+    return [float(len(records)) if k == 0 else
+            float(sum(columns[k]) if spec.aggregation.get(name) == "sum" else max(columns[k]))
+            for k, name in enumerate(spec.variables)]
 
 
 def probed_ranges(model: xpm.MemoryModel) -> Dict[str, Tuple[float, float]]:
@@ -414,7 +482,10 @@ def measure(spec: ModelSpec, meter, *, formula: str = "user", seed: int = 0,
         start = time.perf_counter()
         try:
             outcome = xpm.probe(module, optimizer, loss_fn, cost, meter=meter, variable_max=spec.variable_max,
-                                probe_points=probe_points, usable_max_rel_error=spec.usable_max_rel_error)
+                                probe_points=probe_points, usable_max_rel_error=spec.usable_max_rel_error,
+                                aggregation=spec.aggregation or None,
+                                record_dims=spec.record_sample(seed) if spec.record_sample else None,
+                                variables=spec.variables if formula == "auto" else None)
         except (RuntimeError, ValueError) as error:  # the planner refused the fit (probes or formula)
             result.probes = calls[0]
             result.probe_s = time.perf_counter() - start
@@ -425,12 +496,17 @@ def measure(spec: ModelSpec, meter, *, formula: str = "user", seed: int = 0,
         result.loo_max_rel_error = outcome.fit.leave_one_out_max_rel_error
         result.chosen_formula = outcome.model.formula.canonical
         result.adaptive = outcome.adaptive.report
-        shapes = held_out_shapes(probed_ranges(outcome.model), spec.variables, HELD_OUT_SHAPES, seed + 1)
+        if spec.record_sample:
+            mixes = held_out_mixes(spec, HELD_OUT_SHAPES, seed + 1)
+            shapes = [aggregate(spec, records) for records in mixes]
+        else:
+            shapes = held_out_shapes(probed_ranges(outcome.model), spec.variables, HELD_OUT_SHAPES, seed + 1)
         steady = _SteadyState(module, optimizer).__enter__()
         try:
             executor = _TorchExecutor(steady, loss_fn, meter, spec.variables)
-            for dims in shapes:
-                probe = executor.run_probe([float(d) for d in dims])
+            for k, dims in enumerate(shapes):
+                probe = (executor.run_probe_records(mixes[k]) if spec.record_sample
+                         else executor.run_probe([float(d) for d in dims]))
                 if not probe.feasible:
                     raise RuntimeError(f"{spec.name}: held-out shape {dims} ran out of memory under "
                                        f"{capacity_bytes} bytes: {probe.error}")

@@ -120,7 +120,7 @@ TEST_CASE("checkpointed layers recompute under the autocast state of their forwa
   };
   const auto expected = bf16_step(plain);
   const auto actual = bf16_step(checkpointed);
-  CHECK_FALSE(at::autocast::is_cpu_enabled());
+  CHECK_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
   for (std::size_t i = 0; i < expected.size(); ++i) {
     INFO("parameter " << i);
     CHECK(torch::allclose(actual[i], expected[i], 1e-5, 1e-7));

@@ -69,18 +69,18 @@ TEST_CASE("precision settings parse by name and 16-mixed is refused on CPU namin
 TEST_CASE("the bf16-mixed guard runs matmuls in bfloat16 inside and restores autocast after") {
   const torch::Tensor a = torch::randn({4, 8});
   const torch::Tensor b = torch::randn({8, 3});
-  REQUIRE_FALSE(at::autocast::is_cpu_enabled());
+  REQUIRE_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
   {
     xpm::AutocastGuard outer(xpm::Precision::kBf16Mixed, torch::kCPU);
-    CHECK(at::autocast::is_cpu_enabled());
+    CHECK(at::autocast::is_autocast_enabled(at::kCPU));
     CHECK((torch::mm(a, b).scalar_type() == torch::kBFloat16));
     {
       xpm::AutocastGuard fp32(xpm::Precision::k32True, torch::kCPU);  // does nothing
       CHECK((torch::mm(a, b).scalar_type() == torch::kBFloat16));
     }
-    CHECK(at::autocast::is_cpu_enabled());
+    CHECK(at::autocast::is_autocast_enabled(at::kCPU));
   }
-  CHECK_FALSE(at::autocast::is_cpu_enabled());
+  CHECK_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
   CHECK((torch::mm(a, b).scalar_type() == torch::kFloat32));
 }
 

@@ -41,6 +41,10 @@ namespace xpm {
 
 struct FormulaSelectionOptions {
   std::string batch_size_variable = "bs";  // a variable of the selection; it multiplies every term
+  /// Variables summed over a microbatch's records (DimAggregation::kSum, e.g. real tokens): a
+  /// sum grows with the records itself, so t and t times another variable join the terms that
+  /// grow with the records, and bs*t (quadratic in the records) is not a candidate.
+  std::vector<std::string> summed_variables;
   int max_pieces = 3;                      // max() of up to this many pieces; 1: linear only
   bool floor = true;                       // also try max(f, best linear formula)
   double size_penalty = 0.0005;            // added to the held-out rms error per coefficient

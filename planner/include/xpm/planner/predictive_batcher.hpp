@@ -106,6 +106,18 @@ struct PredictiveBatcherOptions {
   std::map<std::string, DimAggregation> aggregation;           // non-bs variables; default max
   std::vector<ProbePoint> probe_points;                        // empty: automatic design
   std::map<std::string, double> variable_max;                  // upper ends for the design
+  /// Records like the training data (each record's dims in formula variable order, its
+  /// batch-size column 1), e.g. a few thousand drawn from the dataset. Given, the automatic
+  /// design probes mixes of them rather than equal records (ProbeExecutor::run_probe_records):
+  /// for every design fraction f (of the records, ordered by their summed variables, then the
+  /// others), one sweep of the microbatch size over the m records just below the f-quantile
+  /// (the near-equal mixes a sorting packer makes) and one over m records spread evenly up to
+  /// it (an unsorted mix); the adaptive design probes such mixes too. A summed variable
+  /// (DimAggregation::kSum, e.g. real tokens) needs it beside the padded length it moves
+  /// with: equal records make the two proportional, so the fit cannot tell them apart, and a
+  /// formula of the sum alone under-predicts mixes. The sample sets every variable's range
+  /// but the batch size's (variable_max then names the batch size only).
+  std::vector<std::vector<double>> record_dims_sample;
   std::vector<double> design_fractions = {1.0, 0.75, 0.5};     // of each non-bs variable's max
   AdaptiveDesignOptions adaptive;                              // after the automatic design
   MemoryBudget budget;                                         // the plan's budget
@@ -126,7 +138,8 @@ class PredictiveBatcher {
   /// and the first miss; one sweep with every other variable at f * its max for each fraction
   /// f of design_fractions, and, with two or more other variables, one sweep per variable and
   /// fraction f < 1 with that variable at f * its max and the others at their max (so terms
-  /// in different variables can be told apart). Then the adaptive design
+  /// in different variables can be told apart); with record_dims_sample, sweeps over mixes of
+  /// its records instead (see there). Then the adaptive design
   /// (AdaptiveDesignOptions; adaptive_report() says what it added and why it stopped). Infeasible probes are kept in probes() (feasible = false), never dropped
   /// silently: each one bounds the fit from below at its dims (InfeasibleBound with
   /// exceeds_bytes = ProbeResult::capacity_bytes, or the budget's capacity_bytes when 0) and is
@@ -205,14 +218,23 @@ class PredictiveBatcher {
     std::vector<ProbedRange> probed_ranges;   // of the feasible probes
     std::vector<InfeasibleBound> infeasible;  // the probes that ran out of memory
   };
+  // What one probe runs: aggregated dims, and the records of a mix (empty: equal records).
+  struct ProbeShape {
+    std::vector<double> dims;
+    std::vector<std::vector<double>> records;
+  };
   std::vector<std::vector<double>> design_probe_dims(const CostFormula& formula) const;
   std::vector<std::vector<double>> design_sweep_shapes() const;
   void run_initial_design(ProbeExecutor& executor, double usable_bytes);
-  void sweep_batch_size(ProbeExecutor& executor, std::vector<double> dims, double usable_bytes);
+  void sweep_batch_size(ProbeExecutor& executor, const std::function<ProbeShape(double)>& shape_at,
+                        double usable_bytes);
+  ProbeResult run_shape(ProbeExecutor& executor, const ProbeShape& shape);
+  ProbeShape sample_mix(std::size_t records, double fraction, bool spread) const;
+  std::vector<double> aggregate_records(const std::vector<std::vector<double>>& records) const;
   FitCandidate fit_probes(double static_bytes, double usable_bytes);
   FitCandidate refine_design(ProbeExecutor& executor, FitCandidate chosen, double static_bytes,
                              double usable_bytes);
-  std::vector<std::vector<double>> adaptive_grid() const;
+  std::vector<ProbeShape> adaptive_grid() const;
   double candidate_prediction(const CostFormula& formula, const std::vector<double>& coefficients,
                               double floor_bytes, const std::vector<double>& dims) const;
   void fit_formula(FitCandidate& c, const std::vector<InfeasibleBound>& infeasible) const;
@@ -231,6 +253,7 @@ class PredictiveBatcher {
   std::string selection_report_;
   FloorFit floor_fit_;
   std::vector<ProbeResult> probes_;
+  std::vector<std::size_t> sample_order_;  // record_dims_sample, summed variables first, ascending
   std::vector<Measurement> fit_measurements_;  // what the current coefficients were fitted to
   std::int64_t corrections_ = 0;
 };

@@ -44,6 +44,13 @@ class ProbeExecutor {
   /// Runs one full training step at `dims` and measures it. An out-of-memory condition is
   /// reported as feasible = false, not thrown. Other errors are thrown.
   virtual ProbeResult run_probe(const std::vector<double>& dims) = 0;
+  /// Runs one full training step over a microbatch made of these records (each record's dims
+  /// in the formula's variable order, its batch-size column 1): a mix of lengths like the
+  /// training data's, probed when PredictiveBatcherOptions::record_dims_sample is given (the
+  /// batcher sets the result's dims to the records' aggregated dims). The default throws
+  /// std::logic_error: an executor that builds batches from aggregated dims alone cannot build
+  /// a mix.
+  virtual ProbeResult run_probe_records(const std::vector<std::vector<double>>& records);
   /// Allocated bytes with weights, gradients and optimizer state resident and no batch in
   /// flight (the static memory).
   virtual double static_bytes() = 0;

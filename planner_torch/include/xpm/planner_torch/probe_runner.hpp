@@ -29,6 +29,10 @@ struct TorchProbeSteps {
   std::function<void()> optimizer_step;
   /// Zeroes the gradients in place (keeps them allocated).
   std::function<void()> zero_grad;
+  /// Optional: builds a batch of exactly these records (dims per record, formula variable
+  /// order, batch-size column 1; each record its own length), runs forward and backward. Needed
+  /// to probe mixes (PredictiveBatcherOptions::record_dims_sample).
+  std::function<void(const std::vector<std::vector<double>>& records)> forward_backward_records;
 };
 
 class TorchProbeExecutor : public ProbeExecutor {
@@ -39,10 +43,14 @@ class TorchProbeExecutor : public ProbeExecutor {
   /// allocated bytes. c10::OutOfMemoryError in any phase gives feasible = false with the message.
   /// capacity_bytes is the meter's capacity (its cap; 0 when unlimited) at the time of the probe.
   ProbeResult run_probe(const std::vector<double>& dims) override;
+  /// The same over steps.forward_backward_records(records) (the result's dims left empty: the
+  /// batcher sets them); without it, ProbeExecutor's std::logic_error.
+  ProbeResult run_probe_records(const std::vector<std::vector<double>>& records) override;
   /// current_allocated_bytes() after zero_grad (nothing in flight).
   double static_bytes() override;
 
  private:
+  ProbeResult measure(const std::function<void()>& forward_backward);
   TorchProbeSteps steps_;
   MemoryMeter& meter_;
 };

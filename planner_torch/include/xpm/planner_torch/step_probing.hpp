@@ -51,11 +51,17 @@ namespace xpm {
 
 /// Forward and summed loss of a microbatch built at `dims` (the formula's variable order).
 using ProbeLossFn = std::function<torch::Tensor(const std::vector<double>& dims)>;
+/// Forward and summed loss of a microbatch of exactly these records (dims per record, the
+/// formula's variable order, batch-size column 1; each record its own length).
+using ProbeRecordsLossFn = std::function<torch::Tensor(const std::vector<std::vector<double>>& records)>;
 
 struct StepProbeOptions {
   /// Formula, budget, probe points or automatic design, fit options (predictive_batcher.hpp).
   /// A budget.capacity_bytes of 0 is the meter's capacity (meter_budget): give it once.
   PredictiveBatcherOptions batcher;
+  /// With batcher.record_dims_sample (required then): the loss of a mix of the sample's
+  /// records, what the design probes instead of loss_fn at aggregated dims.
+  ProbeRecordsLossFn records_loss_fn;
   /// The meter the peaks are read from; null: CpuMemoryMeter::instance() (installed first).
   MemoryMeter* meter = nullptr;
   /// Folder of the memory-model cache (memory_model_cache.hpp); empty: no cache.
@@ -94,8 +100,11 @@ StepProbeResult probe_and_fit(torch::nn::Module& module, torch::optim::Optimizer
 /// forward_backward runs loss_fn(dims).backward() and drains the autograd buffers after an
 /// out-of-memory error, optimizer_step calls optimizer.step(). Set the learning rates to 0
 /// first (ProbeStateGuard does).
+/// With records_loss_fn, forward_backward_records runs records_loss_fn(records).backward() the
+/// same way.
 TorchProbeSteps probe_steps_for(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
-                                ProbeLossFn loss_fn, MemoryMeter& meter);
+                                ProbeLossFn loss_fn, MemoryMeter& meter,
+                                ProbeRecordsLossFn records_loss_fn = {});
 
 /// Brings `module` and `optimizer` into the steady state of training (every trainable
 /// parameter's gradient allocated, zero; the optimizer's state allocated by a step at

@@ -1,0 +1,149 @@
+// The automatic probe design with a sample of the training data's records: probes are mixes of
+// real records, so a summed variable (real tokens) and the padded length it moves with can be
+// told apart.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "xpm/planner/predictive_batcher.hpp"
+
+namespace {
+
+// A packed-sequence step over records (bs = 1, l, t = l): padded buffers 300 bytes per padded
+// position (bs * l, l the longest record), packed ones 2000 bytes per real token (t, summed),
+// 500 bytes per record; the optimizer step peaks at the static bytes plus 5000.
+class PackedStepExecutor : public xpm::ProbeExecutor {
+ public:
+  static double activations_bytes(double bs, double l, double t) { return 300 * bs * l + 2000 * t + 500 * bs; }
+
+  xpm::ProbeResult run_probe(const std::vector<double>& dims) override {
+    xpm::ProbeResult r;
+    r.dims = dims;
+    r.forward_backward_peak_bytes = kStatic + activations_bytes(dims[0], dims[1], dims[2]);
+    r.optimizer_step_peak_bytes = kStatic + 5000;
+    return r;
+  }
+  xpm::ProbeResult run_probe_records(const std::vector<std::vector<double>>& records) override {
+    double l = 0, t = 0;
+    for (const auto& record : records) {
+      l = std::max(l, record[1]);
+      t += record[2];
+    }
+    ++mixes;
+    return run_probe({static_cast<double>(records.size()), l, t});
+  }
+  double static_bytes() override { return kStatic; }
+  static constexpr double kStatic = 1e6;
+  int mixes = 0;
+};
+
+// Record lengths 2..96 skewed toward short ones, as sentence lengths are.
+std::vector<std::vector<double>> length_sample(std::size_t count, std::uint32_t seed) {
+  std::mt19937 generator(seed);
+  std::vector<std::vector<double>> records;
+  for (std::size_t i = 0; i < count; ++i) {
+    const double u = static_cast<double>(generator()) / 4294967296.0;
+    const double l = std::floor(2 + 94 * u * u);
+    records.push_back({1, l, l});
+  }
+  return records;
+}
+
+xpm::PredictiveBatcherOptions packed_options() {
+  xpm::PredictiveBatcherOptions options;
+  options.formula = xpm::CostFormula::with_variables("a*bs*l + b*t + d*bs + c", {"bs", "l", "t"});
+  options.aggregation = {{"t", xpm::DimAggregation::kSum}};
+  options.variable_max = {{"bs", 32}};
+  options.record_dims_sample = length_sample(2000, 7);
+  options.budget = {4'000'000'000, 0.9, 0};
+  return options;
+}
+
+}  // namespace
+
+TEST_CASE("with a record sample, mixes tell a summed variable from the padded length, and mixes are predicted") {
+  PackedStepExecutor executor;
+  xpm::PredictiveBatcher batcher(packed_options(), std::make_shared<xpm::AdaptivePacker>());
+  const xpm::MemoryModel& model = batcher.probe_and_fit(executor);
+  CHECK(executor.mixes == static_cast<int>(batcher.probes().size()));  // every probe was a mix
+  CHECK(model.coefficients()[0] == doctest::Approx(300).epsilon(1e-6));
+  CHECK(model.coefficients()[1] == doctest::Approx(2000).epsilon(1e-6));
+  CHECK(model.coefficients()[2] == doctest::Approx(500).epsilon(1e-6));
+  // Held out: random microbatches of the sample, unsorted.
+  const std::vector<std::vector<double>> sample = length_sample(2000, 11);
+  std::mt19937 generator(3);
+  double worst = 0;
+  for (int k = 0; k < 50; ++k) {
+    const std::size_t bs = 1 + generator() % 32;
+    double l = 0, t = 0;
+    for (std::size_t i = 0; i < bs; ++i) {
+      const auto& record = sample[generator() % sample.size()];
+      l = std::max(l, record[1]);
+      t += record[2];
+    }
+    const double measured = executor.run_probe({static_cast<double>(bs), l, t}).step_peak_bytes();
+    worst = std::max(worst, std::abs(model.predict_bytes({static_cast<double>(bs), l, t}) - measured) / measured);
+  }
+  CHECK(worst < 1e-6);
+}
+
+TEST_CASE("the sample's mixes: near-equal records below a quantile, and records spread up to it") {
+  PackedStepExecutor executor;
+  xpm::PredictiveBatcherOptions options = packed_options();
+  options.record_dims_sample = {{1, 10, 10}, {1, 40, 40}, {1, 20, 20}, {1, 30, 30}};
+  options.design_fractions = {1.0};
+  options.variable_max = {{"bs", 4}};
+  options.adaptive.max_probes = 0;
+  xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
+  batcher.probe_and_fit(executor);
+  std::vector<std::vector<double>> dims;
+  for (const xpm::ProbeResult& probe : batcher.probes()) dims.push_back(probe.dims);
+  // Near-equal: the largest records first. Spread: evenly over the ranks (the median at bs 1).
+  const std::vector<std::vector<double>> expected = {
+      {1, 40, 40}, {2, 40, 70}, {4, 40, 100},   // 40; 40+30; all four
+      {1, 30, 30}, {2, 40, 60}, {4, 40, 100}};  // rank 2; ranks 1, 3; all four
+  CHECK(dims == expected);
+}
+
+TEST_CASE("an executor that cannot build a mix says so when a sample asks for one") {
+  class DimsOnly : public xpm::ProbeExecutor {
+   public:
+    xpm::ProbeResult run_probe(const std::vector<double>& dims) override { return PackedStepExecutor().run_probe(dims); }
+    double static_bytes() override { return PackedStepExecutor::kStatic; }
+  } executor;
+  xpm::PredictiveBatcher batcher(packed_options(), std::make_shared<xpm::AdaptivePacker>());
+  CHECK_THROWS_WITH_AS(batcher.probe_and_fit(executor),
+                       doctest::Contains("override run_probe_records"), std::logic_error);
+}
+
+TEST_CASE("a record sample is checked: width, batch-size column, values, and no second range") {
+  const auto refused = [](const std::function<void(xpm::PredictiveBatcherOptions&)>& change) {
+    xpm::PredictiveBatcherOptions options = packed_options();
+    change(options);
+    try {
+      xpm::PredictiveBatcher(options, std::make_shared<xpm::AdaptivePacker>());
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  CHECK(refused([](auto& o) { o.record_dims_sample[3] = {1, 5}; }) ==
+        "PredictiveBatcherOptions.record_dims_sample[3] has 2 dims; the formula has 3 variables (bs, l, t)");
+  CHECK(refused([](auto& o) { o.record_dims_sample[0][0] = 4; }) ==
+        "PredictiveBatcherOptions.record_dims_sample[0]: its bs column is 4, not 1 (one record)");
+  CHECK(refused([](auto& o) { o.record_dims_sample[1][2] = std::nan(""); }) ==
+        "PredictiveBatcherOptions.record_dims_sample[1]: t = nan is not a finite value >= 0");
+  CHECK(refused([](auto& o) { o.variable_max["l"] = 96; }).find("variable_max['l'] and record_dims_sample") !=
+        std::string::npos);
+  CHECK(refused([](auto& o) { o.probe_points = {{{{"bs", 1}, {"l", 4}, {"t", 4}}}}; }).find("probe_points") !=
+        std::string::npos);
+  CHECK(refused([](auto& o) { o.variable_max.clear(); }).find("variable 'bs'") != std::string::npos);
+}
