@@ -1,6 +1,6 @@
 // fit_regimes.cpp — fit_coefficients: the fit of every point, or of every point but the
-// single-record probes when they lie below the trend of the others (see fit.hpp,
-// FitOptions::single_record_regime).
+// single-record probes when they lie below the trend of the others, or above it (then scaled:
+// FitSummary::single_record_factor) (see fit.hpp, FitOptions::single_record_regime).
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -21,6 +21,8 @@ constexpr double kBelowTrend = 0.002;
 constexpr double kOnTrend = 0.001;
 // A fit of every point within this at every point explains them all: nothing is left out.
 constexpr double kExplained = 0.01;
+// A single-record probe under-predicted by more than this lies above the trend of the others.
+constexpr double kAboveTrend = 0.01;
 
 struct Split {
   std::vector<std::size_t> single;  // measurements at batch size 1
@@ -61,19 +63,35 @@ FitResult without_single_records(const CostFormula& formula,
     errors[split.rest[r]] = s.rel_errors[r];
     if (has_loo) loo[split.rest[r]] = s.leave_one_out_rel_errors[r];
   }
-  double lowest = HUGE_VAL, highest = 0;
+  double lowest = HUGE_VAL, highest = -HUGE_VAL, factor = 1;
   for (std::size_t i : split.single) {
     errors[i] = rel_error(formula, rest, measurements[i]);
-    if (has_loo) loo[i] = errors[i];
     lowest = std::min(lowest, errors[i]);
     highest = std::max(highest, errors[i]);
+    factor = std::max(factor, 1 / (1 + errors[i]));  // measured / predicted
+  }
+  const bool above = lowest < -kAboveTrend;
+  s.single_record_factor = above ? factor : 1.0;
+  for (std::size_t i : split.single) {
+    errors[i] = (1 + errors[i]) * s.single_record_factor - 1;  // as the model predicts them
+    if (has_loo) loo[i] = errors[i];
   }
   s.rel_errors = std::move(errors);
   if (has_loo) s.leave_one_out_rel_errors = std::move(loo);
   s.left_out = split.single;
+  const std::string probes = std::to_string(split.single.size()) + " probe" +
+                             (split.single.size() == 1 ? "" : "s") + " at " + s.batch_size_variable + " = 1";
+  if (above) {
+    s.left_out_note =
+        probes + " lie above the trend of the larger microbatches (the fit of the others under-predicts them by up "
+        "to " + detail::percent(-lowest) + "): a microbatch of one record can take other kernels (a convolution's "
+        "im2col path at batch 1, with a column buffer). They are left out of the fit, and predictions at " +
+        s.batch_size_variable + " = 1 are scaled by " + detail::short_double(factor) +
+        " (the largest measured / predicted), so they err on the safe side";
+    return rest;
+  }
   s.left_out_note =
-      std::to_string(split.single.size()) + " probe" + (split.single.size() == 1 ? "" : "s") +
-      " at " + s.batch_size_variable + " = 1 lie below the trend of the larger microbatches (the "
+      probes + " lie below the trend of the larger microbatches (the "
       "fit of the others over-predicts them by " + detail::percent(lowest) + " to " +
       detail::percent(highest) + "): a microbatch of one record often takes other kernels or "
       "skips copies (a transpose of a size-1 batch dimension is already contiguous). They are "
@@ -115,13 +133,17 @@ FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measure
     return all;  // the others cannot identify the coefficients alone
   }
   rest.summary.batch_size_variable = options.batch_size_variable;
-  bool below = true, notably = false;
+  // Every single record below the trend (or on it), or every one above it (or on it).
+  bool below = true, notably_below = false, above = true, notably_above = false;
   for (std::size_t i : split.single) {
     const double e = rel_error(formula, rest, measurements[i]);
     below = below && e >= -kOnTrend;
-    notably = notably || e >= kBelowTrend;
+    notably_below = notably_below || e >= kBelowTrend;
+    above = above && e <= kOnTrend;
+    notably_above = notably_above || e < -kAboveTrend;
   }
-  if (!below || !notably || !rest.summary.usable ||
+  const bool apart = (below && notably_below) || (above && notably_above);
+  if (!apart || !rest.summary.usable ||
       !(rest.summary.max_rel_error < all.summary.max_rel_error) || !lower_held_out(rest, all)) {
     return all;
   }

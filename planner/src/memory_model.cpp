@@ -199,7 +199,19 @@ MemoryModel::MemoryModel(CostFormula formula, std::vector<double> coefficients, 
 }
 
 double MemoryModel::predict_bytes(const std::vector<double>& dims) const {
-  return std::max(floor_bytes_at(dims), formula_.predict(coefficients_, dims));
+  double formula_bytes = formula_.predict(coefficients_, dims);
+  if (single_record_factor_ != 1 && dims.size() > batch_size_index_ && dims[batch_size_index_] == 1) {
+    formula_bytes *= single_record_factor_;
+  }
+  return std::max(floor_bytes_at(dims), formula_bytes);
+}
+
+void MemoryModel::set_single_record_factor(double factor) {
+  if (!(std::isfinite(factor) && factor >= 1)) {
+    throw std::invalid_argument("MemoryModel: single_record_factor must be finite and >= 1, got " +
+                                format_double(factor));
+  }
+  single_record_factor_ = factor;
 }
 
 double MemoryModel::floor_bytes_at(const std::vector<double>& dims) const {
@@ -441,6 +453,7 @@ nlohmann::json MemoryModel::to_json() const {
     }
     j["probed_ranges"] = std::move(ranges);
   }
+  if (single_record_factor_ != 1) j["single_record_factor"] = single_record_factor_;
   j["metadata"] = metadata_;
   return j;
 }
@@ -543,6 +556,10 @@ MemoryModel MemoryModel::from_json(const nlohmann::json& j) {
     model.set_floor_formula(floor_formula_from_json(*it, var_names));
   }
   model.set_probed_ranges(probed_ranges_from_json(j, metadata, var_names));
+  if (auto it = j.find("single_record_factor"); it != j.end()) {
+    if (!it->is_number()) bad_field("single_record_factor", "expected a number >= 1");
+    model.set_single_record_factor(it->get<double>());
+  }
   model.metadata_ = std::move(metadata);
   return model;
 }

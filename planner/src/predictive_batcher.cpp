@@ -17,6 +17,7 @@ namespace {
 void keep_floor_and_range(const MemoryModel& from, MemoryModel& to) {
   if (const FloorFormula* moving = from.floor_formula()) to.set_floor_formula(*moving);
   to.set_probed_ranges(from.probed_ranges());
+  to.set_single_record_factor(from.single_record_factor());
 }
 
 // The sample's records: the formula's width, batch-size column 1, finite and >= 0; with the
@@ -322,6 +323,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
   MemoryModel model(*c.formula, c.fit.coefficients, floor_bytes, options_.batch_size_variable,
                     options_.aggregation);
   model.set_infeasible_probes(infeasible);
+  model.set_single_record_factor(c.fit.summary.single_record_factor);
   if (floor_fit_.formula) model.set_floor_formula(*floor_fit_.formula);
   // Score: the largest relative error of the model over every feasible probe's step peak.
   for (const ProbeResult& probe : probes_) {

@@ -230,6 +230,12 @@ class MemoryModel:
         return self._native.batch_size_variable
 
     @property
+    def single_record_factor(self) -> float:
+        """Microbatches of one record peak above the trend of larger ones (another kernel at
+        batch 1): the formula's prediction at batch size 1 is scaled by this; 1.0 otherwise."""
+        return self._native.single_record_factor
+
+    @property
     def probed_ranges(self) -> Dict[str, Tuple[float, float]]:
         """``{variable: (min, max)}`` over the shapes the model was fitted to (its feasible probes,
         or the dims given to ``fit``); empty for a model file that does not record them."""

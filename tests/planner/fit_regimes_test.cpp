@@ -1,5 +1,6 @@
 // fit_regimes_test.cpp — what fit_coefficients does beyond one least-squares fit of every
-// point: single-record probes below the trend are left out (FitOptions::single_record_regime),
+// point: single-record probes below or above the trend are left out (FitOptions::
+// single_record_regime; above it, batch size 1 is scaled to cover them),
 // and residuals grouped along a variable are reported (FitSummary::residual_structure).
 #include <doctest/doctest.h>
 
@@ -10,6 +11,7 @@
 
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/formula.hpp"
+#include "xpm/planner/memory_model.hpp"
 
 using xpm::CostFormula;
 using xpm::FitOptions;
@@ -58,20 +60,35 @@ TEST_CASE("single-record probes below the trend are left out and over-predicted"
   CHECK(r.summary.usable);
 }
 
-TEST_CASE("single-record probes are fitted when asked, or when they lie above the trend") {
+TEST_CASE("single-record probes are fitted when asked") {
   FitOptions options = with_batch_size();
   options.single_record_regime = false;
   const FitResult all = xpm::fit_coefficients(kFormula, with_single_records(), options);
   CHECK(all.summary.left_out.empty());
   CHECK(all.summary.max_rel_error > 0.01);
-  // Above the trend: leaving them out would under-predict a microbatch of one record.
+  CHECK(all.summary.single_record_factor == 1);
+}
+
+TEST_CASE("single-record probes above the trend are left out, and batch size 1 is scaled to cover them") {
+  // A buffer at bs = 1 only (a convolution's im2col path): up to 1900 bytes more per token.
   std::vector<Measurement> above = with_single_records();
   for (Measurement& m : above) {
-    if (m.dims[0] == 1) m.bytes = 6000 * m.dims[1] + 2e6;
+    if (m.dims[0] == 1) m.bytes = (m.dims[1] == 64 ? 6900 : 6000) * m.dims[1] + 2e6;
   }
-  const FitResult kept = xpm::fit_coefficients(kFormula, above, with_batch_size());
-  CHECK(kept.summary.left_out.empty());
-  CHECK(kept.summary.left_out_note.empty());
+  const FitResult r = xpm::fit_coefficients(kFormula, above, with_batch_size());
+  INFO(r.summary.full_report());
+  CHECK(r.coefficients[0] == doctest::Approx(5000).epsilon(1e-9));
+  CHECK(r.summary.left_out == std::vector<std::size_t>{0, 1, 2});
+  CHECK(r.summary.single_record_factor == doctest::Approx((6000 * 256 + 2e6) / (5000 * 256 + 2e6)));  // the largest
+  CHECK(contains(r.summary.left_out_note, "3 probes at bs = 1 lie above the trend"));
+  for (std::size_t i : r.summary.left_out) CHECK(r.summary.rel_errors[i] >= -1e-12);  // never under
+  xpm::MemoryModel model(kFormula, r.coefficients, 0, "bs");
+  model.set_single_record_factor(r.summary.single_record_factor);
+  for (const Measurement& m : above) CHECK(model.predict_bytes(m.dims) >= m.bytes * (1 - 1e-12));
+  CHECK(model.predict_bytes({2, 64}) == doctest::Approx(5000 * 128 + 2e6));  // larger ones unscaled
+  CHECK(xpm::MemoryModel::from_json(model.to_json()).single_record_factor() == r.summary.single_record_factor);
+  CHECK_THROWS_WITH_AS(model.set_single_record_factor(0.5), doctest::Contains("single_record_factor must be"),
+                       std::invalid_argument);
 }
 
 TEST_CASE("residuals grouped by a variable are reported with a max() of pieces to try") {

@@ -118,6 +118,12 @@ class SuiteResult:
         return float(np.abs(self.errors).mean()) if self.held_out else float("nan")
 
     @property
+    def held_out_max_beyond_one_record(self) -> float:
+        """The largest absolute held-out relative error of the shapes of two records or more."""
+        errors = [abs(e) for (dims, _, _), e in zip(self.held_out, self.errors) if dims[0] > 1]
+        return max(errors) if errors else float("nan")
+
+    @property
     def worst(self) -> Tuple[List[int], float]:
         """The held-out shape of the largest absolute error and that error (signed)."""
         k = int(np.abs(self.errors).argmax())
@@ -131,7 +137,8 @@ class SuiteResult:
         dims, error = self.worst
         return (f"{head}, fit max {100 * self.fit_max_rel_error:.2f} %, leave-one-out "
                 f"{100 * self.loo_max_rel_error:.2f} %; held-out max {100 * self.held_out_max:.2f} % "
-                f"(worst {100 * error:+.2f} % at {dims}), mean {100 * self.held_out_mean:.2f} %; "
+                f"(worst {100 * error:+.2f} % at {dims}), mean {100 * self.held_out_mean:.2f} %, at bs >= 2 max "
+                f"{100 * self.held_out_max_beyond_one_record:.2f} %; "
                 f"formula {self.chosen_formula}; {self.adaptive}")
 
 
@@ -445,7 +452,8 @@ def probed_ranges(model: xpm.MemoryModel) -> Dict[str, Tuple[float, float]]:
 
 def measure(spec: ModelSpec, meter, *, formula: str = "user", seed: int = 0,
             capacity_bytes: int = 2_000_000_000,
-            probe_points: Optional[List[Dict[str, float]]] = None) -> SuiteResult:
+            probe_points: Optional[List[Dict[str, float]]] = None,
+            probe_options: Optional[Dict[str, object]] = None) -> SuiteResult:
     """Builds, probes and measures one model (see the module docstring).
 
     Args:
@@ -457,6 +465,8 @@ def measure(spec: ModelSpec, meter, *, formula: str = "user", seed: int = 0,
             design then doubles the batch size up to ``variable_max`` at every fraction).
         probe_points: explicit probe shapes instead of the automatic design (the suite uses the
             automatic design; these are for comparing designs by hand).
+        probe_options: more keyword arguments of ``xpm.probe`` (e.g. ``adaptive_tolerance``),
+            for comparing settings by hand.
 
     Returns:
         The ``SuiteResult``; ``refusal`` holds the planner's message when it refused the fit.
@@ -485,7 +495,8 @@ def measure(spec: ModelSpec, meter, *, formula: str = "user", seed: int = 0,
                                 probe_points=probe_points, usable_max_rel_error=spec.usable_max_rel_error,
                                 aggregation=spec.aggregation or None,
                                 record_dims=spec.record_sample(seed) if spec.record_sample else None,
-                                variables=spec.variables if formula == "auto" else None)
+                                variables=spec.variables if formula == "auto" else None,
+                                **(probe_options or {}))
         except (RuntimeError, ValueError) as error:  # the planner refused the fit (probes or formula)
             result.probes = calls[0]
             result.probe_s = time.perf_counter() - start

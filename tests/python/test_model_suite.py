@@ -19,11 +19,14 @@ GOAL = 0.01                     # the project's goal: held-out relative error wi
 
 # The cases that miss the goal, measured (torch 2.13.0+cpu, 1 thread); see each reason.
 XFAIL = {
-    ("cnn", "user"): "measured: refused, 'max relative error 15.5 % at point 42 (bs = 1, h = 41, w = 48) is above the "
-                     "limit 5 %' (43 probes): microbatches of one image peak above the trend of larger ones "
-                     "(oneDNN takes another path) and the formula has no term for it",
-    ("cnn", "auto"): "measured: refused, 'max relative error 19.1 % at point 36 (bs = 1, h = 32, w = 75)' (43 "
-                     "probes): no candidate formula explains the batch-of-one probes within 5 %",
+    ("cnn", "user"): "measured: every held-out shape of two images or more within 0.42 %, the one of a single "
+                     "image (1, 41, 72) over by 37.9 % (the safe side): at batch 1 PyTorch runs the last "
+                     "convolution through its im2col path while its input has at most 20 480 elements, 38-41 % "
+                     "above the trend of larger batches, and on the trend past that size; no formula that grows "
+                     "with the image follows the drop, so the fit leaves the bs = 1 probes out and scales every "
+                     "prediction at bs = 1 by the largest measured / predicted ratio (single_record_factor)",
+    ("cnn", "auto"): "measured: chose a1*bs*h*w + c; within 0.42 % at two images or more, the single image "
+                     "(1, 41, 72) over by 38.4 % (the safe side), as with the user's formula",
     ("packed_lstm", "user"): "measured: held-out max 1.17 % (+1.17 % at bs 2, l 55: over, the safe side), mean "
                              "0.32 %; fit max 0.54 %, leave-one-out 0.69 %, 18 probes",
     ("packed_lstm", "auto"): "measured: chose a1*bs*l + c, held-out max 1.14 % (+1.14 % at bs 2, l 55: over), "
@@ -49,6 +52,7 @@ def test_an_unseen_model_probes_fits_and_predicts_held_out_shapes_within_the_goa
     assert result.refusal is None, f"{name}: the planner refused the fit: {result.refusal}"
     assert result.probes > 0 and len(result.held_out) == HELD_OUT_SHAPES
     assert result.fit_max_rel_error <= 0.05
+    assert result.errors.min() >= -GOAL, f"under-predicted (the unsafe side): {result.line()}"
     assert result.held_out_max <= GOAL, result.line()
 
 

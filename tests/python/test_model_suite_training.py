@@ -16,7 +16,8 @@ process under the CPU meter:
    gradient accumulation through ``xpm.microbatch_loop``: each microbatch runs the model's loss on
    a batch at the microbatch's planned dims (records, and the largest value of each other
    variable: what the planner predicts for), backward, and one optimizer step per outer batch at
-   the optimizer's real learning rate;
+   the optimizer's real learning rate; for a model probed with a record sample (summed real
+   tokens), the dataset is another such sample and each microbatch runs on its own records;
 4. each microbatch's peak allocated bytes (the forward/backward, and for a step's last
    microbatch also the optimizer step) is compared with ``model.predict(dims)``.
 
@@ -39,7 +40,7 @@ import pytest
 import torch
 
 import xpm
-from model_suite import SPECS, ModelSpec, probed_ranges
+from model_suite import SPECS, ModelSpec, aggregate, probed_ranges
 from xpm.probing import _SteadyState, _TorchExecutor  # the probe step itself, for the calibration step
 
 torch.set_num_threads(1)
@@ -53,7 +54,8 @@ RECORDS = OUTER_BATCH * STEPS   # the dataset: exactly STEPS outer batches
 # (model, formula) -> the xfail reason (measured figures) where the planner misses the goal.
 XFAIL: Dict[Tuple[str, str], str] = {}
 
-CASES = [("seq2seq", "auto"), ("moving_peak", "user"), ("packed_lstm", "user"), ("char_lm", "user")]
+CASES = [("seq2seq", "auto"), ("moving_peak", "user"), ("packed_lstm", "user"), ("char_lm", "user"),
+         ("packed_tokens", "user")]
 
 
 @dataclass
@@ -130,16 +132,18 @@ def _is_out_of_memory(error: BaseException) -> bool:
 
 
 def _step_peak_at(module: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                  variables: List[str], dims: List[float]) -> Tuple[float, float]:
-    """One probe step at ``dims`` without a cap: (static bytes, the step's peak bytes); the
-    optimizer, learning rates and random generators are restored afterwards."""
+                  variables: List[str], dims: List[float],
+                  records: Optional[List[List[float]]] = None) -> Tuple[float, float]:
+    """One probe step at ``dims`` (of ``records``, for a model probed with a record sample)
+    without a cap: (static bytes, the step's peak bytes); the optimizer, learning rates and
+    random generators are restored afterwards."""
     previous = METER.capacity_bytes
     METER.capacity_bytes = 0
     steady = _SteadyState(module, optimizer).__enter__()
     try:
         executor = _TorchExecutor(steady, loss_fn, METER, variables)
         static = executor.static_bytes()
-        probe = executor.run_probe(dims)
+        probe = executor.run_probe_records(records) if records else executor.run_probe(dims)
         assert probe.feasible, f"the calibration step at {dims} failed: {probe.error}"
         return static, max(probe.forward_backward_peak_bytes, probe.optimizer_step_peak_bytes)
     finally:
@@ -169,9 +173,14 @@ def train_under_cap(spec: ModelSpec, formula: str, seed: int = 0) -> TrainingRes
     module.train()
     variables = list(spec.variables)
 
-    # The cap: static bytes plus CAP_FRACTION of the step's bytes above them at variable_max.
-    at_max = [float(spec.variable_max[v]) for v in variables]
-    result.static_bytes, result.peak_at_max_bytes = _step_peak_at(module, optimizer, loss_fn, variables, at_max)
+    # The cap: static bytes plus CAP_FRACTION of the step's bytes above them at variable_max
+    # (with a record sample: the variable_max[bs] largest records of the dataset).
+    rng = np.random.default_rng(seed + 1)
+    dataset = spec.record_sample(seed + 1)[:RECORDS] if spec.record_sample else None
+    largest = sorted(dataset, key=lambda r: r[1:])[-int(spec.variable_max["bs"]):] if dataset else None
+    at_max = aggregate(spec, largest) if dataset else [float(spec.variable_max[v]) for v in variables]
+    result.static_bytes, result.peak_at_max_bytes = _step_peak_at(module, optimizer, loss_fn, variables, at_max,
+                                                                  largest)
     result.capacity_bytes = int(result.static_bytes + CAP_FRACTION * (result.peak_at_max_bytes - result.static_bytes))
     budget = xpm.MemoryBudget(result.capacity_bytes)
     result.usable_bytes = int(budget.usable_bytes)
@@ -181,13 +190,16 @@ def train_under_cap(spec: ModelSpec, formula: str, seed: int = 0) -> TrainingRes
     try:
         cost = xpm.CostFormula(spec.formula, variables) if formula == "user" else "auto"
         outcome = xpm.probe(module, optimizer, loss_fn, cost, meter=METER, budget=budget,
-                            variable_max=spec.variable_max, usable_max_rel_error=spec.usable_max_rel_error)
+                            variable_max=spec.variable_max, usable_max_rel_error=spec.usable_max_rel_error,
+                            aggregation=spec.aggregation or None,
+                            record_dims=spec.record_sample(seed) if spec.record_sample else None,
+                            variables=variables if formula == "auto" else None)
         model = outcome.model
         result.probes, result.probe_s = len(outcome.probes), outcome.probe_s
         result.chosen_formula = model.formula.canonical
 
-        rng = np.random.default_rng(seed + 1)
-        records = _record_dims(probed_ranges(model), variables, RECORDS, rng)
+        records = (np.array(dataset) if dataset
+                   else _record_dims(probed_ranges(model), variables, RECORDS, rng))
         sampler = xpm.PredictiveBatchSampler(records, model, result.usable_bytes, outer_batch_size=OUTER_BATCH,
                                              seed=seed, drop_last=True)
         # NumPy copies: memory the meter does not count (a tensor copy would be unplanned memory).
@@ -205,7 +217,8 @@ def train_under_cap(spec: ModelSpec, formula: str, seed: int = 0) -> TrainingRes
                     METER.reset_peak()
                     # The loss averaged over the outer batch's records: the microbatch's summed
                     # loss / its records x its weight (its share of the outer batch's records).
-                    loss = loss_fn(dims) * (weight / records_in)
+                    batch = [list(records[i]) for i in microbatch] if dataset else dims
+                    loss = loss_fn(batch) * (weight / records_in)
                     loss.backward()
                     step_loss += float(loss.detach())
                     loss = None

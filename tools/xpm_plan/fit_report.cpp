@@ -259,10 +259,15 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
         "that point):\n";
   for (std::size_t i = 0; i < set.measurements.size(); ++i) {
     const auto& m = set.measurements[i];
-    const double predicted = formula.predict(coefficients, m.dims);
+    const bool left_out = std::find(s.left_out.begin(), s.left_out.end(), i) != s.left_out.end();
+    const double predicted = formula.predict(coefficients, m.dims) * (left_out ? s.single_record_factor : 1.0);
     os << "  " << dims_text(model, m.dims) << ": measured " << bytes_text(m.bytes)
        << ", predicted " << bytes_text(predicted) << ", " << percent((predicted - m.bytes) / m.bytes);
-    if (std::find(s.left_out.begin(), s.left_out.end(), i) != s.left_out.end()) {
+    if (left_out && s.single_record_factor > 1) {
+      char factor[32];
+      std::snprintf(factor, sizeof factor, "%.4g", s.single_record_factor);
+      os << ", not fitted (above the trend; scaled by " << factor << ")";
+    } else if (left_out) {
       os << ", not fitted (below the trend)";
     } else if (i < s.leave_one_out_rel_errors.size() && std::isfinite(s.leave_one_out_rel_errors[i])) {
       os << ", left out " << percent(s.leave_one_out_rel_errors[i]);

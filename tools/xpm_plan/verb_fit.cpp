@@ -282,6 +282,7 @@ int run_fit(const po::variables_map& vm) {
   xpm::MemoryModel model(automatic ? *outcome.chosen_formula : formula, outcome.result.coefficients,
                          floor_bytes, bs_variable, aggregation);
   model.set_infeasible_probes(bounds);
+  model.set_single_record_factor(s.single_record_factor);
   if (floor_fit && floor_fit->formula) model.set_floor_formula(*floor_fit->formula);
   model.set_probed_ranges(probed_ranges);
   nlohmann::json probes = nlohmann::json::array();

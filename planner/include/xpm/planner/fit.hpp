@@ -117,7 +117,11 @@ struct FitOptions {
   /// fit explains is never left out: it may be the only one where a max() piece wins. In PyTorch a
   /// microbatch of one record often peaks below the trend of larger ones (other kernels, copies
   /// of a transposed size-1 batch dimension skipped); fitted with them, a formula misses the
-  /// others. Predictions at batch size 1 then err on the safe side. false: fit every point.
+  /// others. Predictions at batch size 1 then err on the safe side. The same when every one
+  /// lies above the fit of the others or on it (over-predicted by at most 0.1 %), one of them
+  /// under-predicted by more than 1 % (a convolution's im2col path at batch 1): they are left
+  /// out and FitSummary::single_record_factor (> 1) scales every prediction at batch size 1 to
+  /// the largest measured / predicted ratio among them. false: fit every point.
   bool single_record_regime = true;
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;
@@ -161,6 +165,9 @@ struct FitSummary {
   /// rel_errors are the fit's errors there. max/mean_rel_error are over the fitted points.
   std::vector<std::size_t> left_out;
   std::string left_out_note;           // why they were left out ("" when none)
+  /// Batch size 1 above the trend (FitOptions::single_record_regime): the formula's prediction
+  /// at batch size 1 times this (MemoryModel::single_record_factor); 1 otherwise.
+  double single_record_factor = 1;
   /// Coefficients of a non-linear fit that have no effect at any measurement at the fitted point:
   /// a max() argument that never wins there, whose zeroing changes no prediction at the
   /// measurements, and which a sibling argument of the same shape covers (e.g. the second of two

@@ -94,9 +94,16 @@ class MemoryModel {
   std::size_t batch_size_index() const { return batch_size_index_; }
   const std::vector<DimAggregation>& aggregation() const { return aggregation_; }  // per variable
 
-  /// max(floor_bytes, floor formula(dims) when set, formula(dims)); dims in variable_names()
-  /// order.
+  /// max(floor_bytes, floor formula(dims) when set, formula(dims)), the formula's part times
+  /// single_record_factor() at batch size 1; dims in variable_names() order.
   double predict_bytes(const std::vector<double>& dims) const;
+
+  /// Microbatches of one record peak above the trend of larger ones (FitSummary::
+  /// single_record_factor): the formula's prediction at batch size 1 is scaled by this; 1 by
+  /// default.
+  double single_record_factor() const { return single_record_factor_; }
+  /// Sets it. Throws std::invalid_argument unless finite and >= 1.
+  void set_single_record_factor(double factor);
 
   /// The floor formula, or nullptr when the floor is the constant floor_bytes() alone.
   const FloorFormula* floor_formula() const { return floor_formula_ ? &*floor_formula_ : nullptr; }
@@ -150,7 +157,8 @@ class MemoryModel {
   /// variable_names order, exceeds_bytes}] (optional when reading: missing = none),
   /// floor_formula {text, canonical, coefficient_names, coefficients {name: bytes}} (optional),
   /// probed_ranges {variable: [min, max]} (optional; when missing, taken from the feasible
-  /// metadata.probes[].dims if there are any), metadata {...}.
+  /// metadata.probes[].dims if there are any), single_record_factor (optional, default 1),
+  /// metadata {...}.
   nlohmann::json to_json() const;
   /// Throws std::invalid_argument naming the missing or bad field (e.g. "coefficients.b").
   /// formula.text is re-parsed with the stored names; formula.canonical is informative only.
@@ -171,6 +179,7 @@ class MemoryModel {
   std::vector<InfeasibleBound> infeasible_probes_;
   std::optional<FloorFormula> floor_formula_;
   std::vector<ProbedRange> probed_ranges_;
+  double single_record_factor_ = 1;
   nlohmann::json metadata_ = nlohmann::json::object();
 };
 
