@@ -403,7 +403,7 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
     args.aggregation = dict(aggregation or {})
     args.probe_points = [dict(point) for point in (probe_points or [])]
     args.variable_max = {name: float(value) for name, value in (variable_max or {}).items()}
-    args.record_dims_sample = [[float(d) for d in record] for record in (record_dims or [])]
+    args.record_dims_sample = [[float(d) for d in record] for record in (record_dims if record_dims is not None else [])]
     args.design_fractions = list(design_fractions)
     args.usable_max_rel_error = usable_max_rel_error
     args.automatic_formula = automatic

@@ -284,3 +284,41 @@ def test_a_second_optimizer_created_after_probing_is_warned_about_once():
                         r"reserve it in MemoryBudget\(extra_overhead_bytes=\.\.\.\)", message)
     unplanned = int(message.split(": ")[2].split(" bytes")[0])
     assert 0.9 * 9_400_000 < unplanned < 1.3 * 9_400_000  # Adam's two moments of 1.18 M parameters
+
+
+def test_with_a_record_sample_the_loss_gets_each_probes_records_and_bad_records_are_refused():
+    torch.manual_seed(11)
+    model = CharGru()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    lengths = np.random.default_rng(2).integers(4, 48, 300)
+    sample = xpm.record_dims_from_lengths(lengths, ("bs", "l", "t"))
+    assert sample.shape == (300, 3) and (sample[:, 0] == 1).all() and (sample[:, 1] == sample[:, 2]).all()
+    seen = []
+
+    def loss_of_records(records):  # padded to the longest through the GRU; logits of the real tokens only
+        seen.append(records)
+        lengths = torch.tensor([int(r[1]) for r in records])
+        chars = random_chars([len(records), int(lengths.max()) + 1])
+        hidden, _ = model.gru(model.embedding(chars[:, :-1]))
+        real = torch.arange(chars.shape[1] - 1).unsqueeze(0) < lengths.unsqueeze(1)
+        return torch.nn.functional.cross_entropy(model.head(hidden[real]), chars[:, 1:][real], reduction="sum")
+
+    formula = xpm.CostFormula("a*bs*l + b*t + d*bs + c", ["bs", "l", "t"])
+    METER.capacity_bytes = 400_000_000
+    try:
+        outcome = xpm.probe(model, optimizer, loss_of_records, formula, meter=METER, aggregation={"t": "sum"},
+                            record_dims=sample, variable_max={"bs": 16}, usable_max_rel_error=0.2)
+        with pytest.raises(ValueError, match=r"record_dims_sample\[5\]: its bs column is 2, not 1"):
+            bad = sample.copy()
+            bad[5, 0] = 2
+            xpm.probe(model, optimizer, loss_of_records, formula, meter=METER, aggregation={"t": "sum"},
+                      record_dims=bad, variable_max={"bs": 16})
+        with pytest.raises(ValueError, match=r"variable_max\['l'\] and record_dims_sample"):
+            xpm.probe(model, optimizer, loss_of_records, formula, meter=METER, aggregation={"t": "sum"},
+                      record_dims=sample, variable_max={"bs": 16, "l": 47})
+    finally:
+        METER.capacity_bytes = 0
+    assert seen and all(isinstance(r, list) and len(r) == 3 and r[0] == 1 for records in seen for r in records)
+    for probe in outcome.probes:  # aggregated: the record count, the longest l, the summed t
+        assert probe.dims[2] >= probe.dims[1] and probe.dims[2] <= probe.dims[0] * probe.dims[1]
+    assert any(p.dims[2] < p.dims[0] * p.dims[1] for p in outcome.probes)  # mixes of unequal lengths
