@@ -114,6 +114,12 @@ void PredictiveBatcherOptions::validate() const {
                                   detail::comma_list(variable_names) + ")");
     }
   }
+  for (const auto& [name, how] : aggregation) {
+    if (!is_variable(name) || name == batch_size_variable) {
+      throw std::invalid_argument("PredictiveBatcherOptions.aggregation names '" + name + "', which is not a variable of "
+                                  "the formula other than the batch size (" + detail::comma_list(variable_names) + ")");
+    }
+  }
   validate_record_dims_sample(*this);
   if (probe_points.empty()) {
     for (const std::string& name : variable_names) {

@@ -181,6 +181,9 @@ py::tuple fit(const xpm::CostFormula& given, const DoubleArray& dims, const Doub
       xpm::FormulaSelectionOptions selection;
       selection.batch_size_variable = bs;
       selection.fit = options;
+      for (const auto& [name, how] : args.aggregation) {
+        if (how == "sum") selection.summed_variables.push_back(name);
+      }
       xpm::FormulaSelection chosen = xpm::select_formula(args.automatic_variables, measurements, bounds, selection);
       formula = chosen.formula;
       result = std::move(chosen.fit);

@@ -106,8 +106,12 @@ def record_dims_from_lengths(lengths, variables: Sequence[str] = ("bs", "l"),
         raise ValueError(f"record_dims_from_lengths: two variables or more, one of them '{batch_size_variable}', "
                          f"expected, got {variables}")
     lengths = np.asarray(lengths, dtype=np.float64)
-    if lengths.ndim != 1 or not np.isfinite(lengths).all() or (lengths < 0).any():
-        raise ValueError(f"lengths must be a 1-D array of finite values >= 0, got shape {list(lengths.shape)}")
+    if lengths.ndim != 1:
+        raise ValueError(f"record_dims_from_lengths: lengths must be a 1-D array, got shape {list(lengths.shape)}")
+    bad = np.flatnonzero(~np.isfinite(lengths) | (lengths < 0))
+    if len(bad):
+        raise ValueError(f"record_dims_from_lengths: lengths[{int(bad[0])}] is {lengths[bad[0]]}: every length must be "
+                         "finite and >= 0")
     columns = [np.ones_like(lengths) if name == batch_size_variable else lengths for name in variables]
     return np.ascontiguousarray(np.stack(columns, axis=1))
 

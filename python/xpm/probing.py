@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import io
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Literal, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from . import _planner
-from .planning import CostFormula, FitReport, MemoryBudget, MemoryModel, _report
+from .planning import CostFormula, FitReport, MemoryBudget, MemoryModel, _check_one_record_each, _matrix, _report
 
 
 class CpuMeter:
@@ -208,7 +210,10 @@ class _TorchExecutor(_planner.ProbeExecutor):
 
     def run_probe_records(self, records):
         records = [list(record) for record in records]
-        return self._run(records, self._aggregate(records), f"a mix of {len(records)} records")
+        dims = self._aggregate(records)
+        where = (f"a mix of {len(records)} records, " + " ".join(f"{n}={d:g}" for n, d in zip(self.names, dims)) +
+                 " (loss_fn gets the records: one dims list each)")
+        return self._run(records, dims, where)
 
     def _aggregate(self, records: List[List[float]]) -> List[float]:
         """A mix's dims (the planner's rule): the record count, sums of "sum" variables, else maxima."""
@@ -294,17 +299,42 @@ def _check_meter_saw_the_weights(model: torch.nn.Module, meter) -> None:
 
 
 def _check_variable_names(formula: CostFormula, variable_max: Optional[Dict[str, float]],
-                          probe_points: Optional[List[Dict[str, float]]]) -> None:
+                          probe_points: Optional[List[Dict[str, float]]],
+                          aggregation: Optional[Dict[str, str]] = None) -> None:
     if not hasattr(formula, "variable_names"):
         return  # not a CostFormula: refused with the planner's message
     variables = list(formula.variable_names)
-    named = [("variable_max", variable_max or {})] + [(f"probe_points[{k}]", point)
-                                                      for k, point in enumerate(probe_points or [])]
+    named = ([("variable_max", variable_max or {}), ("aggregation", aggregation or {})] +
+             [(f"probe_points[{k}]", point) for k, point in enumerate(probe_points or [])])
     for what, values in named:
         for key in values:
             if key not in variables:
                 raise ValueError(f"probe: {what} has '{key}', which is not a variable of the formula "
                                  f"'{formula.canonical}' (its variables: {', '.join(variables)})")
+
+
+def _check_record_dims(record_dims, formula: CostFormula, batch_size_variable: str,
+                       aggregation: Optional[Dict[str, str]]) -> np.ndarray:
+    """``record_dims`` as a float64 [n, variables] array, one record each; warns when two length
+    columns are equal on every record and neither is summed (``aggregation`` forgotten)."""
+    variables = list(formula.variable_names)
+    try:
+        array = np.asarray(record_dims, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"probe: record_dims must be numbers, one row of {len(variables)} per record "
+                         f"({', '.join(variables)})") from None
+    array = _matrix(array, len(variables), "record_dims")
+    if not len(array):
+        raise ValueError("probe: record_dims is empty: give records like the training data's")
+    _check_one_record_each(array, variables, batch_size_variable, "record_dims")
+    summed = {name for name, how in (aggregation or {}).items() if how == "sum"}
+    others = [k for k, name in enumerate(variables) if name != batch_size_variable]
+    for i, j in ((i, j) for i in others for j in others if i < j):
+        if variables[i] not in summed and variables[j] not in summed and np.array_equal(array[:, i], array[:, j]):
+            warnings.warn(f"probe: record_dims' columns '{variables[i]}' and '{variables[j]}' are equal on every record "
+                          f"and neither is summed: a count of real tokens needs aggregation={{'{variables[j]}': 'sum'}}, "
+                          "else every microbatch takes its largest value", RuntimeWarning, stacklevel=3)
+    return array
 
 
 @dataclass
@@ -390,9 +420,14 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
             raise ValueError("probe: formula='auto' takes its variables from variables=, variable_max or probe_points: "
                              "give one")
         formula = CostFormula("xpm_constant", names)  # the variables; the formula is chosen from the probes
+        if record_dims is not None and variables is None:
+            raise ValueError("probe: formula='auto' with record_dims needs variables=[...] (the batch size first, "
+                             "as the records' columns): variable_max names the batch size only")
     elif variables is not None:
         raise ValueError("probe: variables= names the variables of formula='auto'; a CostFormula has its own")
-    _check_variable_names(formula, variable_max, probe_points)
+    _check_variable_names(formula, variable_max, probe_points, aggregation)
+    if record_dims is not None:
+        record_dims = _check_record_dims(record_dims, formula, batch_size_variable, aggregation)
     _check_meter_saw_the_weights(model, meter)
     if budget is None:
         if meter.capacity_bytes <= 0:
@@ -403,7 +438,7 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
     args.aggregation = dict(aggregation or {})
     args.probe_points = [dict(point) for point in (probe_points or [])]
     args.variable_max = {name: float(value) for name, value in (variable_max or {}).items()}
-    args.record_dims_sample = [[float(d) for d in record] for record in (record_dims if record_dims is not None else [])]
+    args.record_dims_sample = record_dims.tolist() if record_dims is not None else []
     args.design_fractions = list(design_fractions)
     args.usable_max_rel_error = usable_max_rel_error
     args.automatic_formula = automatic

@@ -147,3 +147,14 @@ TEST_CASE("a record sample is checked: width, batch-size column, values, and no 
         std::string::npos);
   CHECK(refused([](auto& o) { o.variable_max.clear(); }).find("variable 'bs'") != std::string::npos);
 }
+
+TEST_CASE("an aggregation that names no variable, or the batch size, is refused") {
+  xpm::PredictiveBatcherOptions options = packed_options();
+  options.aggregation = {{"T", xpm::DimAggregation::kSum}};
+  CHECK_THROWS_WITH_AS(xpm::PredictiveBatcher(options, std::make_shared<xpm::AdaptivePacker>()),
+                       "PredictiveBatcherOptions.aggregation names 'T', which is not a variable of the formula "
+                       "other than the batch size (bs, l, t)",
+                       std::invalid_argument);
+  options.aggregation = {{"bs", xpm::DimAggregation::kSum}};
+  CHECK_THROWS_AS(xpm::PredictiveBatcher(options, std::make_shared<xpm::AdaptivePacker>()), std::invalid_argument);
+}

@@ -308,7 +308,7 @@ def test_with_a_record_sample_the_loss_gets_each_probes_records_and_bad_records_
     try:
         outcome = xpm.probe(model, optimizer, loss_of_records, formula, meter=METER, aggregation={"t": "sum"},
                             record_dims=sample, variable_max={"bs": 16}, usable_max_rel_error=0.2)
-        with pytest.raises(ValueError, match=r"record_dims_sample\[5\]: its bs column is 2, not 1"):
+        with pytest.raises(ValueError, match=r"record_dims\[5\] is \[2.0, .*\]: every record's 'bs' must be 1"):
             bad = sample.copy()
             bad[5, 0] = 2
             xpm.probe(model, optimizer, loss_of_records, formula, meter=METER, aggregation={"t": "sum"},
@@ -316,6 +316,18 @@ def test_with_a_record_sample_the_loss_gets_each_probes_records_and_bad_records_
         with pytest.raises(ValueError, match=r"variable_max\['l'\] and record_dims_sample"):
             xpm.probe(model, optimizer, loss_of_records, formula, meter=METER, aggregation={"t": "sum"},
                       record_dims=sample, variable_max={"bs": 16, "l": 47})
+        with pytest.raises(ValueError, match=r"probe: aggregation has 'T', which is not a variable"):
+            xpm.probe(model, optimizer, loss_of_records, formula, meter=METER, aggregation={"T": "sum"},
+                      record_dims=sample, variable_max={"bs": 16})
+        with pytest.raises(ValueError, match=r"formula='auto' with record_dims needs variables="):
+            xpm.probe(model, optimizer, loss_of_records, "auto", meter=METER, aggregation={"t": "sum"},
+                      record_dims=sample, variable_max={"bs": 16})
+        with pytest.warns(RuntimeWarning, match=r"columns 'l' and 't' are equal on every record and neither is summed"):
+            try:  # every microbatch then takes its largest t: the fit may or may not hold
+                xpm.probe(model, optimizer, loss_of_records, formula, meter=METER, record_dims=sample,
+                          variable_max={"bs": 16}, usable_max_rel_error=0.2)
+            except RuntimeError:
+                pass
     finally:
         METER.capacity_bytes = 0
     assert seen and all(isinstance(r, list) and len(r) == 3 and r[0] == 1 for records in seen for r in records)

@@ -78,10 +78,12 @@ void set_verdict(FitOutcome& outcome) {
 
 FitOutcome fit_automatic_formula(const std::vector<std::string>& variables, const MeasurementSet& set,
                                  const FitRequest& request, const std::string& batch_size_variable,
-                                 const std::vector<xpm::InfeasibleBound>& bounds, bool has_floor) {
+                                 const std::vector<xpm::InfeasibleBound>& bounds, bool has_floor,
+                                 const std::vector<std::string>& summed_variables) {
   if (!request.initial.empty()) throw InputError("--initial does not apply to --formula auto");
   xpm::FormulaSelectionOptions selection;
   selection.batch_size_variable = batch_size_variable;
+  selection.summed_variables = summed_variables;
   selection.fit = fit_options_of(request, batch_size_variable);
   selection.floor = !has_floor;
   FitOutcome outcome;

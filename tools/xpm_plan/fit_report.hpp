@@ -50,10 +50,12 @@ FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSe
                             const std::vector<xpm::InfeasibleBound>& bounds);
 
 /// --formula auto: chooses the formula over `variables` (xpm::select_formula; a floor piece
-/// among the candidates unless `has_floor`) and fits it; errors as fit_measurements.
+/// among the candidates unless `has_floor`; `summed_variables` as FormulaSelectionOptions has
+/// them) and fits it; errors as fit_measurements.
 FitOutcome fit_automatic_formula(const std::vector<std::string>& variables, const MeasurementSet& set,
                                  const FitRequest& request, const std::string& batch_size_variable,
-                                 const std::vector<xpm::InfeasibleBound>& bounds, bool has_floor);
+                                 const std::vector<xpm::InfeasibleBound>& bounds, bool has_floor,
+                                 const std::vector<std::string>& summed_variables);
 
 /// The fit summary as JSON (converged, iterations, errors, ...).
 nlohmann::json fit_summary_json(const xpm::FitSummary& summary, const FitOutcome& outcome);

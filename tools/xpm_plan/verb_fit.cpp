@@ -274,8 +274,12 @@ int run_fit(const po::variables_map& vm) {
     if (capacity > 0) bounds.push_back({set.infeasible[i], capacity});
   }
   const bool has_floor = floor_bytes > 0 || (floor_fit && floor_fit->formula);
+  std::vector<std::string> summed;
+  for (const auto& [name, how] : aggregation) {
+    if (how == xpm::DimAggregation::kSum) summed.push_back(name);
+  }
   const FitOutcome outcome =
-      automatic ? fit_automatic_formula(variables, set, fit_request, bs_variable, bounds, has_floor)
+      automatic ? fit_automatic_formula(variables, set, fit_request, bs_variable, bounds, has_floor, summed)
                 : fit_measurements(formula, set, fit_request, bs_variable, bounds);
   const xpm::FitSummary& s = outcome.result.summary;
 
