@@ -39,3 +39,27 @@ expect_match("fit auto text" "${OUT}" "candidates; ranked by root-mean-square he
 xpm_plan_run(2 "auto with --coefficients" fit "${csv}" --formula auto --coefficients a
              --variables bs,ls,lt --bytes-column peak)
 expect_match("auto with --coefficients" "${ERR}" "--coefficients does not apply to --formula auto")
+
+# A summed variable (--aggregation t=sum, real tokens): t grows with the records by itself, so
+# the chosen formula has a t term, never bs*t. peak = 300*bs*l + 2000*t + 1000000, mixes of
+# lengths (t below bs*l).
+set(mixes "${dir}/mixes.csv")
+file(WRITE "${mixes}" "bs,l,t,peak\n")
+foreach(bs 1 2 4 8 16)
+  foreach(l 32 64 96)
+    foreach(fill 10 7 4)
+      math(EXPR t "${bs} * ${l} * ${fill} / 10")
+      if(t LESS l)
+        set(t ${l})
+      endif()
+      math(EXPR peak "300*${bs}*${l} + 2000*${t} + 1000000")
+      file(APPEND "${mixes}" "${bs},${l},${t},${peak}\n")
+    endforeach()
+  endforeach()
+endforeach()
+xpm_plan_run(0 "fit auto summed" fit "${mixes}" --formula auto --variables bs,l,t --aggregation t=sum
+             --bytes-column peak --json)
+string(JSON canonical GET "${OUT}" canonical)
+if(NOT canonical STREQUAL "a1*bs*l + a2*t + c")
+  message(FATAL_ERROR "fit auto summed: chose '${canonical}', expected 'a1*bs*l + a2*t + c'")
+endif()

@@ -124,8 +124,8 @@ TEST_CASE("dims_by_name orders a record's fields as the formula's variables and 
 }
 
 TEST_CASE("the Learner trains a task of its own: steps, validations, metrics lines and a falling loss") {
-  std::filesystem::remove_all(kWork);
-  const Trained whole = train(options_in("whole"));
+  std::filesystem::remove_all(kWork + "/trains");
+  const Trained whole = train(options_in("trains/whole"));
   CHECK(whole.outcome.steps == 12);
   CHECK(whole.outcome.finished);
   CHECK(whole.outcome.counters.validations.size() == 3);  // steps 4, 8, 12
@@ -134,7 +134,7 @@ TEST_CASE("the Learner trains a task of its own: steps, validations, metrics lin
   CHECK(last.at("val_records").get<std::int64_t>() == 8);
   CHECK(last.at("val_loss").get<double>() < first.at("val_loss").get<double>());
   CHECK(whole.outcome.last_validation.at("loss") == doctest::Approx(last.at("val_loss").get<double>()));
-  std::ifstream metrics(kWork + "/whole/metrics.jsonl");
+  std::ifstream metrics(kWork + "/trains/whole/metrics.jsonl");
   int steps = 0, validations = 0;
   for (std::string line; std::getline(metrics, line);) {
     const nlohmann::json entry = nlohmann::json::parse(line);
@@ -148,18 +148,18 @@ TEST_CASE("the Learner trains a task of its own: steps, validations, metrics lin
   }
   CHECK(steps == 12);
   CHECK(validations == 3);
-  CHECK(std::filesystem::exists(kWork + "/whole/best_parameters.pt"));
+  CHECK(std::filesystem::exists(kWork + "/trains/whole/best_parameters.pt"));
 }
 
 TEST_CASE("a Learner run stopped after step 6 and resumed ends with bitwise the weights of an uninterrupted one") {
-  std::filesystem::remove_all(kWork);
-  const Trained whole = train(options_in("whole"));
-  xpm::LearnerOptions stopped = options_in("resumed");
+  std::filesystem::remove_all(kWork + "/stopped");
+  const Trained whole = train(options_in("stopped/whole"));
+  xpm::LearnerOptions stopped = options_in("stopped/resumed");
   stopped.stop_after_steps = 6;
   const Trained first = train(stopped);
   CHECK_FALSE(first.outcome.finished);
   CHECK(first.outcome.steps == 6);
-  xpm::LearnerOptions resumed = options_in("resumed");
+  xpm::LearnerOptions resumed = options_in("stopped/resumed");
   resumed.resume = true;
   const Trained second = train(resumed);
   CHECK(second.outcome.resumed_from_step == 6);
@@ -170,7 +170,7 @@ TEST_CASE("a Learner run stopped after step 6 and resumed ends with bitwise the 
 }
 
 TEST_CASE("the Learner refuses records whose units are negative or not a number, and an outer batch of 0 units") {
-  std::filesystem::remove_all(kWork);
+  std::filesystem::remove_all(kWork + "/units");
   struct BadUnits : RegressionTask {
     double units = -1;
     xpm::TrainingRecord train_record(std::size_t i) const override {
@@ -186,7 +186,7 @@ TEST_CASE("the Learner refuses records whose units are negative or not a number,
     xpm::FixedBatcher batcher(optimizer, nullptr, 3);
     xpm::LearnerComponents parts;
     parts.fixed_batcher = &batcher;
-    xpm::Learner learner(task, optimizer, options_in("units"), parts);
+    xpm::Learner learner(task, optimizer, options_in("units/units"), parts);
     CHECK_THROWS_AS(learner.run(), std::invalid_argument);
   }
 }
@@ -194,32 +194,32 @@ TEST_CASE("the Learner refuses records whose units are negative or not a number,
 TEST_CASE("the Learner refuses components that cannot work, naming them") {
   RegressionTask task;
   torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
-  CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("none"), {}),
+  CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("components/none"), {}),
                        "LearnerComponents: give exactly one of batcher (predictive) and fixed_batcher",
                        std::invalid_argument);
   xpm::FixedBatcher batcher(optimizer, nullptr, 3);
   xpm::LearnerComponents parts;
   parts.fixed_batcher = &batcher;
-  xpm::LearnerOptions options = options_in("bad");
+  xpm::LearnerOptions options = options_in("components/bad");
   options.outer_batch_size = 0;
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options, parts),
                        "LearnerOptions.outer_batch_size must be >= 1, got 0", std::invalid_argument);
-  options = options_in("bad");
+  options = options_in("components/bad");
   options.validation.mode = xpm::MetricMode::kMax;  // a loss is better when lower
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options, parts),
                        "LearnerOptions.validation.mode is max but the metric 'loss' is better when lower: set "
                        "validation.mode to MetricMode::kMin",
                        std::invalid_argument);
-  options = options_in("bad");
+  options = options_in("components/bad");
   options.stop_after_steps = 13;
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options, parts),
                        "LearnerOptions.stop_after_steps 13 is beyond the run's 12 steps", std::invalid_argument);
 }
 
 TEST_CASE("a signal stops the Learner after the step in progress, with a checkpoint a resume continues bit for bit") {
-  std::filesystem::remove_all(kWork);
-  const Trained whole = train(options_in("whole"));
-  xpm::LearnerOptions signalled = options_in("signalled");
+  std::filesystem::remove_all(kWork + "/signal");
+  const Trained whole = train(options_in("signal/whole"));
+  xpm::LearnerOptions signalled = options_in("signal/signalled");
   signalled.stop_signals = {SIGUSR2};
   signalled.checkpoints.every_steps = 0;  // the stop writes its checkpoint anyway
   const Trained first = train<SignalledTask>(signalled);
@@ -227,9 +227,9 @@ TEST_CASE("a signal stops the Learner after the step in progress, with a checkpo
   CHECK(first.outcome.stopped_by_signal);
   CHECK(first.outcome.stop_signal == SIGUSR2);
   CHECK(first.outcome.steps == 5);  // step 5 was finished, not abandoned
-  CHECK(std::filesystem::exists(kWork + "/signalled/checkpoints/step-00000005"));
+  CHECK(std::filesystem::exists(kWork + "/signal/signalled/checkpoints/step-00000005"));
   CHECK((std::signal(SIGUSR2, SIG_DFL) == SIG_DFL));  // run() put the previous handler back
-  xpm::LearnerOptions resumed = options_in("signalled");
+  xpm::LearnerOptions resumed = options_in("signal/signalled");
   resumed.checkpoints.every_steps = 0;
   resumed.resume = true;
   const Trained second = train(resumed);
