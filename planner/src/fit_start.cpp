@@ -89,12 +89,7 @@ void classify(const fa::Sum& sum, bool nonlinear, std::vector<Role>& roles) {
   }
 }
 
-double integer_power(double base, int exponent) {
-  if (exponent < 0) return 1.0 / integer_power(base, -exponent);
-  double out = 1.0;
-  for (int k = 0; k < exponent; ++k) out *= base;
-  return out;
-}
+using fa::integer_power;
 
 // Choices of a max() argument per resolvable max() factor, by the factor's canonical text.
 using MaxChoices = std::map<std::string, std::size_t>;

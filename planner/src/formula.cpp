@@ -96,11 +96,7 @@ void check_names(const std::vector<std::string>& coefficient_names,
   for (const std::string& name : variable_names) check(name, "variable");
 }
 
-double integer_power(double base, int exponent) {
-  double out = 1.0;
-  for (int k = 0; k < exponent; ++k) out *= base;
-  return out;
-}
+using formula_ast::integer_power;
 
 std::vector<std::string> sorted(std::vector<std::string> names) {
   std::sort(names.begin(), names.end());

@@ -1186,13 +1186,6 @@ bool term_is_linear(const Term& t) {
   return coefficients <= 1;
 }
 
-double integer_power(double base, int exponent) {
-  if (exponent < 0) return 1.0 / integer_power(base, -exponent);
-  double out = 1.0;
-  for (int k = 0; k < exponent; ++k) out *= base;
-  return out;
-}
-
 double factor_value(const Factor& f, const std::vector<double>& coefficients,
                     const std::vector<double>& dims) {
   switch (f.kind) {
@@ -1293,6 +1286,13 @@ double value(const Sum& terms, const std::vector<double>& coefficients,
     }
     out += v;
   }
+  return out;
+}
+
+double integer_power(double base, int exponent) {
+  if (exponent < 0) return 1.0 / integer_power(base, -exponent);
+  double out = 1.0;
+  for (int k = 0; k < exponent; ++k) out *= base;
   return out;
 }
 

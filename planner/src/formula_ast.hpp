@@ -122,6 +122,10 @@ std::string print(const Sum& terms, const std::vector<std::string>& coefficient_
 double value(const Sum& terms, const std::vector<double>& coefficients,
              const std::vector<double>& dims);
 
+/// base^exponent by repeated multiplication (exact for the small integer powers of terms);
+/// 1 / base^-exponent for a negative exponent.
+double integer_power(double base, int exponent);
+
 /// Shortest text that reads back as exactly `value` (finite, >= 0): integers below 1e15 in
 /// plain digits ("2", "1000000"), others the shortest of fixed or scientific ("0.5", "1e20",
 /// "1.5e-7").

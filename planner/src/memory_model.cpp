@@ -1,6 +1,8 @@
 // memory_model.cpp — MemoryModel: prediction, microbatch-size search, JSON file (see header).
 #include "xpm/planner/memory_model.hpp"
 
+#include "number_format.hpp"
+
 #include "xpm/planner/atomic_file.hpp"
 
 #include <algorithm>
@@ -20,12 +22,7 @@ namespace {
 
 constexpr int kFormatVersion = 1;
 
-std::string format_double(double v) {
-  std::ostringstream os;
-  os.precision(17);
-  os << v;
-  return os.str();
-}
+using detail::format_double;
 
 // A JSON value for an error message: compact, one line, at most ~60 characters.
 std::string brief(const nlohmann::json& v) {
