@@ -58,66 +58,84 @@ po::options_description show_options() {
   return desc;
 }
 
-int run_show(const po::variables_map& vm) {
-  const std::string path = vm["model"].as<std::string>();
-  const xpm::MemoryModel model = load_model(path);
+namespace {
+
+// What `show` prints: the model, its metadata without the probes, the probes and their dims.
+struct ShownModel {
+  std::string path;
+  xpm::MemoryModel model;
+  nlohmann::json metadata;
+  nlohmann::json probes = nlohmann::json::array();
+  std::vector<std::vector<double>> dims;  // of each probe, the model's variable order
+};
+
+ShownModel load_shown_model(const std::string& path) {
+  ShownModel shown{path, load_model(path), {}, nlohmann::json::array(), {}};
+  shown.metadata = shown.model.metadata();
+  if (shown.metadata.contains("probes")) {
+    if (!shown.metadata["probes"].is_array()) throw InputError(path + ": metadata.probes is not a list");
+    shown.probes = shown.metadata["probes"];
+    shown.metadata.erase("probes");
+  }
+  for (std::size_t i = 0; i < shown.probes.size(); ++i) {
+    shown.dims.push_back(
+        probe_dims(shown.probes[i], shown.model, path + ": metadata.probes[" + std::to_string(i) + "]"));
+  }
+  return shown;
+}
+
+nlohmann::json shown_json(ShownModel shown) {
+  const xpm::MemoryModel& model = shown.model;
   const xpm::CostFormula& formula = model.formula();
   const auto& names = formula.coefficient_names();
   const auto& vars = formula.variable_names();
   const auto terms = coefficient_terms(formula);
-  nlohmann::json metadata = model.metadata();
-  nlohmann::json probes = nlohmann::json::array();
-  if (metadata.contains("probes")) {
-    if (!metadata["probes"].is_array()) throw InputError(path + ": metadata.probes is not a list");
-    probes = metadata["probes"];
-    metadata.erase("probes");
+  nlohmann::json j;
+  j["path"] = shown.path;
+  j["formula"] = formula.text();
+  j["canonical"] = formula.canonical();
+  j["identity_hash"] = formula.identity_hash();
+  j["linear"] = formula.is_linear();
+  j["variables"] = vars;
+  j["batch_size_variable"] = model.batch_size_variable();
+  nlohmann::json agg = nlohmann::json::object();
+  for (std::size_t v = 0; v < vars.size(); ++v) agg[vars[v]] = xpm::to_string(model.aggregation()[v]);
+  j["aggregation"] = std::move(agg);
+  nlohmann::json coefs = nlohmann::json::array();
+  for (std::size_t k = 0; k < names.size(); ++k) {
+    coefs.push_back({{"name", names[k]},
+                     {"value", model.coefficients()[k]},
+                     {"term", terms[k]},
+                     {"unit", coefficient_unit(terms[k], formula.is_linear())}});
   }
-  std::vector<std::vector<double>> dims;
-  for (std::size_t i = 0; i < probes.size(); ++i) {
-    dims.push_back(probe_dims(probes[i], model, path + ": metadata.probes[" + std::to_string(i) + "]"));
+  j["coefficients"] = std::move(coefs);
+  j["floor_bytes"] = model.floor_bytes();
+  j["single_record_factor"] = model.single_record_factor();
+  const nlohmann::json file = model.to_json();
+  j["floor_formula"] = file.contains("floor_formula") ? file["floor_formula"] : nlohmann::json(nullptr);
+  j["probed_ranges"] = file.contains("probed_ranges") ? file["probed_ranges"] : nlohmann::json(nullptr);
+  nlohmann::json limits = nlohmann::json::array();
+  for (const xpm::InfeasibleBound& p : model.infeasible_probes()) {
+    limits.push_back({{"dims", dims_json(model, p.dims)}, {"exceeds_bytes", p.exceeds_bytes}});
   }
+  j["infeasible_probes"] = std::move(limits);
+  j["metadata"] = shown.metadata;
+  for (std::size_t i = 0; i < shown.probes.size(); ++i) {
+    shown.probes[i]["dims"] = dims_json(model, shown.dims[i]);
+    shown.probes[i]["predicted_bytes"] = model.predict_bytes(shown.dims[i]);
+  }
+  j["probes"] = std::move(shown.probes);
+  return j;
+}
 
-  if (vm["json"].as<bool>()) {
-    nlohmann::json j;
-    j["path"] = path;
-    j["formula"] = formula.text();
-    j["canonical"] = formula.canonical();
-    j["identity_hash"] = formula.identity_hash();
-    j["linear"] = formula.is_linear();
-    j["variables"] = vars;
-    j["batch_size_variable"] = model.batch_size_variable();
-    nlohmann::json agg = nlohmann::json::object();
-    for (std::size_t v = 0; v < vars.size(); ++v) agg[vars[v]] = xpm::to_string(model.aggregation()[v]);
-    j["aggregation"] = std::move(agg);
-    nlohmann::json coefs = nlohmann::json::array();
-    for (std::size_t k = 0; k < names.size(); ++k) {
-      coefs.push_back({{"name", names[k]},
-                       {"value", model.coefficients()[k]},
-                       {"term", terms[k]},
-                       {"unit", coefficient_unit(terms[k], formula.is_linear())}});
-    }
-    j["coefficients"] = std::move(coefs);
-    j["floor_bytes"] = model.floor_bytes();
-    const nlohmann::json file = model.to_json();
-    j["floor_formula"] = file.contains("floor_formula") ? file["floor_formula"] : nlohmann::json(nullptr);
-    j["probed_ranges"] = file.contains("probed_ranges") ? file["probed_ranges"] : nlohmann::json(nullptr);
-    nlohmann::json limits = nlohmann::json::array();
-    for (const xpm::InfeasibleBound& p : model.infeasible_probes()) {
-      limits.push_back({{"dims", dims_json(model, p.dims)}, {"exceeds_bytes", p.exceeds_bytes}});
-    }
-    j["infeasible_probes"] = std::move(limits);
-    j["metadata"] = metadata;
-    for (std::size_t i = 0; i < probes.size(); ++i) {
-      probes[i]["dims"] = dims_json(model, dims[i]);
-      probes[i]["predicted_bytes"] = model.predict_bytes(dims[i]);
-    }
-    j["probes"] = std::move(probes);
-    std::cout << j.dump() << "\n";
-    return 0;
-  }
-
-  std::ostream& os = std::cout;
-  os << "memory model  " << path << "\n"
+// Formula, variables, coefficients, floor, probed range and plan limits.
+void print_model_text(std::ostream& os, const ShownModel& shown) {
+  const xpm::MemoryModel& model = shown.model;
+  const xpm::CostFormula& formula = model.formula();
+  const auto& names = formula.coefficient_names();
+  const auto& vars = formula.variable_names();
+  const auto terms = coefficient_terms(formula);
+  os << "memory model  " << shown.path << "\n"
      << "formula       " << formula.text() << "\n"
      << "canonical     " << formula.canonical() << "\n"
      << "variables     ";
@@ -144,6 +162,10 @@ int run_show(const po::variables_map& vm) {
     }
     os << "); prediction = max(floor, floor formula, formula)\n";
   }
+  if (model.single_record_factor() != 1) {
+    os << "one record    the formula's prediction at " << model.batch_size_variable() << " = 1 times "
+       << number_text(model.single_record_factor()) << " (probes of one record peaked above the trend)\n";
+  }
   if (!model.probed_ranges().empty()) {
     os << "probed range  ";
     for (std::size_t v = 0; v < vars.size(); ++v) {
@@ -160,6 +182,10 @@ int run_show(const po::variables_map& vm) {
          << " bytes (" << mib_text(p.exceeds_bytes) << ")\n";
     }
   }
+}
+
+// One line per metadata entry: the fit's report, objects' scalar fields, scalars.
+void print_metadata_text(std::ostream& os, const nlohmann::json& metadata) {
   auto label = [](const std::string& key) {  // "key" padded to the value column
     return key + std::string(key.size() < 14 ? 14 - key.size() : 1, ' ');
   };
@@ -193,21 +219,23 @@ int run_show(const po::variables_map& vm) {
       os << "\n";
     }
   }
-  if (probes.empty()) {
-    os << "probes        none recorded\n";
-    return 0;
-  }
-  std::size_t infeasible = 0;
-  for (const auto& p : probes) infeasible += p.value("feasible", true) ? 0 : 1;
-  os << "probes        " << probes.size() << " (" << infeasible
-     << " out of memory); bytes, predicted = max(floor, formula)\n";
+}
+
+std::string metadata_string(const nlohmann::json& metadata, const std::string& key) {
+  return metadata.contains(key) && metadata[key].is_string() ? metadata[key].get<std::string>() : "";
+}
+
+// The probe table's byte columns: the known ones, other byte fields (a CSV fit's fitted column),
+// and the fitted and floor columns whatever their names (a CSV's "fb", "opt").
+std::vector<std::string> probe_columns(const nlohmann::json& probes, const std::string& fitted_to,
+                                       const std::string& floor_from) {
   std::vector<std::string> columns;
+  const auto present = [&](const std::string& c) {
+    return std::any_of(probes.begin(), probes.end(), [&](const nlohmann::json& p) { return p.contains(c); });
+  };
   for (const char* c : kProbeColumns) {
-    if (std::any_of(probes.begin(), probes.end(), [&](const nlohmann::json& p) { return p.contains(c); })) {
-      columns.push_back(c);
-    }
+    if (present(c)) columns.push_back(c);
   }
-  // Other numeric byte fields (e.g. the fitted column of a CSV fit).
   for (const auto& p : probes) {
     for (const auto& item : p.items()) {
       const std::string& k = item.key();
@@ -217,57 +245,63 @@ int run_show(const po::variables_map& vm) {
       }
     }
   }
-  std::string floor_from;  // the floor column of a per-phase fit (`fit --floor-column`)
-  if (metadata.contains("floor_from") && metadata["floor_from"].is_string()) {
-    floor_from = metadata["floor_from"].get<std::string>();
-  }
-  double capacity = 0;  // the probes' memory cap, when recorded
-  if (metadata.contains("capacity_bytes") && metadata["capacity_bytes"].is_number()) {
-    capacity = metadata["capacity_bytes"].get<double>();
-  }
-  std::string fitted_to;
-  if (metadata.contains("fit") && metadata["fit"].is_object() &&
-      metadata["fit"].contains("fitted_to") && metadata["fit"]["fitted_to"].is_string()) {
-    fitted_to = metadata["fit"]["fitted_to"].get<std::string>();
-  }
-  // The fitted and floor columns whatever their names (a CSV's "fb", "opt").
   for (const std::string& c : {fitted_to, floor_from}) {
-    if (!c.empty() && std::find(columns.begin(), columns.end(), c) == columns.end() &&
-        std::any_of(probes.begin(), probes.end(), [&](const nlohmann::json& p) { return p.contains(c); })) {
+    if (!c.empty() && std::find(columns.begin(), columns.end(), c) == columns.end() && present(c)) {
       columns.push_back(c);
     }
   }
-  auto short_name = [](std::string c) {
-    const std::string suffix = "_peak_bytes";
-    if (c.size() > suffix.size() && c.compare(c.size() - suffix.size(), suffix.size(), suffix) == 0) {
-      c = c.substr(0, c.size() - suffix.size());
-    }
-    return c;
-  };
+  return columns;
+}
+
+std::string short_column_name(std::string c) {
+  const std::string suffix = "_peak_bytes";
+  if (c.size() > suffix.size() && c.compare(c.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    c = c.substr(0, c.size() - suffix.size());
+  }
+  return c;
+}
+
+int column_width(const std::string& c) {
+  return std::max<int>(14, static_cast<int>(short_column_name(c).size()) + 2);
+}
+
+// The probes, each with its byte columns, the prediction and its error: against the step peak,
+// or the larger of the fitted and floor columns without one; for a probe that ran out of memory
+// under the recorded cap, whether the model predicts it above the cap ("> cap") or, wrongly,
+// under it ("UNDER cap").
+void print_probes_text(std::ostream& os, const ShownModel& shown) {
+  const xpm::MemoryModel& model = shown.model;
+  const nlohmann::json& probes = shown.probes;
+  if (probes.empty()) {
+    os << "probes        none recorded\n";
+    return;
+  }
+  std::size_t infeasible = 0;
+  for (const auto& p : probes) infeasible += p.value("feasible", true) ? 0 : 1;
+  os << "probes        " << probes.size() << " (" << infeasible
+     << " out of memory); bytes, predicted = max(floor, formula)\n";
+  const std::string floor_from = metadata_string(shown.metadata, "floor_from");  // `fit --floor-column`
+  const double capacity = shown.metadata.contains("capacity_bytes") && shown.metadata["capacity_bytes"].is_number()
+                              ? shown.metadata["capacity_bytes"].get<double>()
+                              : 0.0;
+  const std::string fitted_to =
+      shown.metadata.contains("fit") ? metadata_string(shown.metadata["fit"], "fitted_to") : "";
+  const std::vector<std::string> columns = probe_columns(probes, fitted_to, floor_from);
   os << " ";
-  for (const auto& v : vars) os << std::setw(7) << v;
-  for (const auto& c : columns) os << std::setw(std::max<int>(14, static_cast<int>(short_name(c).size()) + 2)) << short_name(c);
+  for (const auto& v : model.formula().variable_names()) os << std::setw(7) << v;
+  for (const auto& c : columns) os << std::setw(column_width(c)) << short_column_name(c);
   os << std::setw(14) << "predicted" << std::setw(10) << "error" << "  feasible\n";
-  // error: (predicted - step peak) / step peak, or against the fitted column without step peaks;
-  // for a probe that ran out of memory under the recorded cap, whether the model predicts it
-  // above the cap ("> cap") or, wrongly, under it ("UNDER cap").
   for (std::size_t i = 0; i < probes.size(); ++i) {
     const nlohmann::json& p = probes[i];
     os << " ";
-    for (double d : dims[i]) os << std::setw(7) << number_text(d);
-    const double predicted = model.predict_bytes(dims[i]);
+    for (double d : shown.dims[i]) os << std::setw(7) << number_text(d);
+    const double predicted = model.predict_bytes(shown.dims[i]);
     const bool feasible = p.value("feasible", true);
-    for (const auto& c : columns) {
-      const int w = std::max<int>(14, static_cast<int>(short_name(c).size()) + 2);
-      if (feasible && p.contains(c) && p[c].is_number()) {  // out of memory: no peak measured
-        os << std::setw(w) << bytes_text(p[c].get<double>());
-      } else {
-        os << std::setw(w) << "-";
-      }
+    for (const auto& c : columns) {  // out of memory: no peak measured
+      os << std::setw(column_width(c))
+         << (feasible && p.contains(c) && p[c].is_number() ? bytes_text(p[c].get<double>()) : std::string("-"));
     }
     os << std::setw(14) << bytes_text(predicted);
-    // Error against the step peak (what the budget must hold): the step column, else the
-    // larger of the fitted and floor columns, else the fitted column.
     const auto number_of = [&](const std::string& c) {
       return !c.empty() && p.contains(c) && p[c].is_number() ? p[c].get<double>() : 0.0;
     };
@@ -285,6 +319,19 @@ int run_show(const po::variables_map& vm) {
     }
     os << "  " << (feasible ? "yes" : "NO (out of memory)") << "\n";
   }
+}
+
+}  // namespace
+
+int run_show(const po::variables_map& vm) {
+  const ShownModel shown = load_shown_model(vm["model"].as<std::string>());
+  if (vm["json"].as<bool>()) {
+    std::cout << shown_json(shown).dump() << "\n";
+    return 0;
+  }
+  print_model_text(std::cout, shown);
+  print_metadata_text(std::cout, shown.metadata);
+  print_probes_text(std::cout, shown);
   return 0;
 }
 
