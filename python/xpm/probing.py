@@ -352,7 +352,8 @@ class ProbeOutcome:
     adaptive: AdaptiveReport
 
 
-def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[List[float]], torch.Tensor],
+def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          loss_fn: Callable[[Union[List[float], List[List[float]]]], torch.Tensor],
           formula: Union[CostFormula, Literal["auto"]], *, meter, budget: Optional[MemoryBudget] = None,
           variable_max: Optional[Dict[str, float]] = None, probe_points: Optional[List[Dict[str, float]]] = None,
           record_dims: Optional[Sequence[Sequence[float]]] = None, variables: Optional[Sequence[str]] = None,
@@ -399,12 +400,19 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
         ProbeOutcome: the model, every probe, the fit report, the floor, the adaptive report.
 
     Raises:
-        ValueError: bad options (a ``variable_max`` or ``probe_points`` key that is not a variable
-            of the formula, named with the formula's variables), a ``CpuMeter`` that counts fewer
-            bytes than the model's CPU parameters take (installed after the model was built), or
-            a budget the probes cannot work under; nothing is probed then.
+        ValueError: bad options (a ``variable_max``, ``aggregation`` or ``probe_points`` key that
+            is not a variable of the formula, named with the formula's variables; ``record_dims``
+            of the wrong width, with a batch-size column other than 1 or a NaN, infinite or
+            negative value, named by row; ``"auto"`` with ``record_dims`` but no ``variables``),
+            a ``CpuMeter`` that counts fewer bytes than the model's CPU parameters take
+            (installed after the model was built), or a budget the probes cannot work under;
+            nothing is probed then.
         RuntimeError: an unusable fit (its ``probes`` attribute holds the probes, so ``xpm.fit``
             can refit them); an error of ``loss_fn`` names the probe's dims.
+
+    Warns:
+        RuntimeWarning: two columns of ``record_dims`` are equal on every record and neither is
+            summed (a count of real tokens left at the default aggregation, max).
 
     Whatever is allocated after probing (a dataset made of tensors, caches, a second optimizer)
     is not in the model: build it before, or leave room for it in ``budget``
@@ -421,8 +429,8 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
                              "give one")
         formula = CostFormula("xpm_constant", names)  # the variables; the formula is chosen from the probes
         if record_dims is not None and variables is None:
-            raise ValueError("probe: formula='auto' with record_dims needs variables=[...] (the batch size first, "
-                             "as the records' columns): variable_max names the batch size only")
+            raise ValueError("probe: formula='auto' with record_dims needs variables=[...] (the records' columns, in "
+                             "order): variable_max names the batch size only")
     elif variables is not None:
         raise ValueError("probe: variables= names the variables of formula='auto'; a CostFormula has its own")
     _check_variable_names(formula, variable_max, probe_points, aggregation)
