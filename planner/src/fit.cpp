@@ -915,64 +915,59 @@ std::size_t worst_held_out_point(const FitSummary& s) {
 
 }  // namespace
 
-FitResult fit_points(const CostFormula& formula, const std::vector<Measurement>& measurements,
-                     const std::vector<InfeasibleBound>& bounds, const FitOptions& options) {
-  const auto& coefs = formula.coefficient_names();
-  const std::size_t k = coefs.size();
-  const std::size_t n = measurements.size();
+namespace {
 
-  std::vector<double> start(k, 1.0);
-  for (std::size_t j = 0; j < k; ++j) {
+// The solution from the start the options ask for: none (linear), the given one, or, by
+// default for a non-linear formula, the better of the automatic start and 1 for every
+// coefficient (by the objective); `start_note` says which.
+Solution solve_from_start(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                          const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
+                          std::string& start_note) {
+  const auto& coefs = formula.coefficient_names();
+  std::vector<double> start(coefs.size(), 1.0);
+  for (std::size_t j = 0; j < coefs.size(); ++j) {
     const auto it = options.initial_values.find(coefs[j]);
     if (it != options.initial_values.end()) start[j] = it->second;
   }
-
-  Solution solution;
-  std::string start_note;
-  if (formula.is_linear()) {
-    solution = solve(formula, measurements, bounds, options, nullptr);
-  } else if (!options.initial_values.empty() || !options.automatic_start) {
-    solution = solve(formula, measurements, bounds, options, &start);
+  if (formula.is_linear()) return solve(formula, measurements, bounds, options, nullptr);
+  if (!options.initial_values.empty() || !options.automatic_start) {
     start_note = options.initial_values.empty() ? "1 for every coefficient"
                                                 : "FitOptions::initial_values (1 where not given)";
-  } else {
-    // Ceres from the automatic start and from the plain one; the lower objective wins.
-    const detail::AutomaticStart automatic =
-        detail::automatic_start(formula, measurements, options, start);
-    Solution from_automatic = solve(formula, measurements, bounds, options, &automatic.coefficients);
-    Solution from_plain = solve(formula, measurements, bounds, options, &start);
-    const double automatic_objective =
-        objective(formula, measurements, bounds, options, from_automatic.coefficients);
-    const double plain_objective =
-        objective(formula, measurements, bounds, options, from_plain.coefficients);
-    if (plain_objective < automatic_objective) {
-      solution = std::move(from_plain);
-      start_note = "1 for every coefficient (it reached a lower cost than the " +
-                   automatic.description + " start)";
-    } else {
-      solution = std::move(from_automatic);
-      start_note = automatic.description;
-    }
+    return solve(formula, measurements, bounds, options, &start);
   }
-  FitResult result;
-  result.coefficients = solution.coefficients;
+  const detail::AutomaticStart automatic = detail::automatic_start(formula, measurements, options, start);
+  Solution from_automatic = solve(formula, measurements, bounds, options, &automatic.coefficients);
+  Solution from_plain = solve(formula, measurements, bounds, options, &start);
+  if (objective(formula, measurements, bounds, options, from_plain.coefficients) <
+      objective(formula, measurements, bounds, options, from_automatic.coefficients)) {
+    start_note = "1 for every coefficient (it reached a lower cost than the " + automatic.description + " start)";
+    return from_plain;
+  }
+  start_note = automatic.description;
+  return from_automatic;
+}
 
+// The solver's figures and the relative error at every point; returns the worst point and
+// the first whose prediction is not finite (if any).
+std::pair<std::size_t, std::optional<std::size_t>> fill_statistics(
+    const CostFormula& formula, const std::vector<Measurement>& measurements,
+    const std::vector<InfeasibleBound>& bounds, const FitOptions& options, const Solution& solution,
+    FitResult& result) {
   FitSummary& s = result.summary;
   s.linear = formula.is_linear();
-  s.coefficient_count = k;
+  s.coefficient_count = formula.coefficient_names().size();
   s.robust_loss = options.robust_loss;
   s.converged = solution.summary.termination_type == ceres::CONVERGENCE ||
                 solution.summary.termination_type == ceres::USER_SUCCESS;
   s.iterations = solution.summary.num_successful_steps + solution.summary.num_unsuccessful_steps;
-  s.start = start_note;
   s.infeasible_bound_weight = bounds.empty() ? 0.0 : solution.weight;
   s.solver_report = solution.summary.BriefReport();
   if (!solution.summary.message.empty()) s.solver_report += " (" + solution.summary.message + ")";
-  s.rel_errors.reserve(n);
+  s.rel_errors.reserve(measurements.size());
   double sum_abs = 0;
   std::size_t worst = 0;
   std::optional<std::size_t> not_finite;
-  for (std::size_t i = 0; i < n; ++i) {
+  for (std::size_t i = 0; i < measurements.size(); ++i) {
     const Measurement& m = measurements[i];
     const double rel = (formula.predict(result.coefficients, m.dims) - m.bytes) / m.bytes;
     if (!std::isfinite(rel) && !not_finite) not_finite = i;
@@ -983,12 +978,16 @@ FitResult fit_points(const CostFormula& formula, const std::vector<Measurement>&
     }
     sum_abs += std::abs(rel);
   }
-  s.mean_rel_error = sum_abs / static_cast<double>(n);
+  s.mean_rel_error = sum_abs / static_cast<double>(measurements.size());
   s.residual_structure = detail::residual_structure(formula, measurements, s.rel_errors);
+  return {worst, not_finite};
+}
 
-  leave_one_shape_out(formula, measurements, bounds, options, result);
-
-  // Usable?
+// Not converged, a prediction that is not finite, too large an error at the points or at
+// held-out shapes.
+void add_accuracy_reasons(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                          const FitOptions& options, const Solution& solution, std::size_t worst,
+                          std::optional<std::size_t> not_finite, FitSummary& s) {
   if (!s.converged) {
     s.reasons.push_back("the solver did not converge (" + termination(solution.summary) + ")");
   }
@@ -1010,6 +1009,11 @@ FitResult fit_points(const CostFormula& formula, const std::vector<Measurement>&
                         " (FitOptions::usable_max_rel_error): the fit does not predict shapes it "
                         "was not fitted to; probe more shapes or change the formula");
   }
+}
+
+// Every probe that ran out of memory must be predicted at or above the capacity it ran under.
+void add_bound_reasons(const CostFormula& formula, const std::vector<InfeasibleBound>& bounds, FitResult& result) {
+  FitSummary& s = result.summary;
   s.infeasible_bound_count = bounds.size();
   for (std::size_t b = 0; b < bounds.size(); ++b) {
     const double predicted = formula.predict(result.coefficients, bounds[b].dims);
@@ -1023,36 +1027,56 @@ FitResult fit_points(const CostFormula& formula, const std::vector<Measurement>&
                           short_double(predicted) + " bytes there");
     }
   }
-  if (!formula.is_linear()) check_identified_at_fit(formula, measurements, options, result);
-  if (!options.batch_size_variable.empty()) {
-    const std::size_t b = formula.variable_index(options.batch_size_variable);
-    std::size_t decreasing = 0;
-    std::string first;
-    for (const Measurement& m : measurements) {
-      const double at = formula.predict(result.coefficients, m.dims);
-      for (const double grown : {m.dims[b] + 1, 2 * m.dims[b]}) {
-        if (!(grown > m.dims[b])) continue;
-        std::vector<double> dims = m.dims;
-        dims[b] = grown;
-        const double after = formula.predict(result.coefficients, dims);
-        if (after < at - 1e-9 * std::abs(at)) {
-          if (decreasing == 0) {
-            first = short_double(at) + " bytes at " + describe_dims(formula, m.dims) + " but " +
-                    short_double(after) + " bytes at " + options.batch_size_variable + " = " +
-                    short_double(grown);
-          }
-          ++decreasing;
-          break;
+}
+
+// The prediction must not decrease as the batch size grows (by one, or doubled) at any point.
+void add_decreasing_reason(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                           const FitOptions& options, FitResult& result) {
+  if (options.batch_size_variable.empty()) return;
+  const std::size_t b = formula.variable_index(options.batch_size_variable);
+  std::size_t decreasing = 0;
+  std::string first;
+  for (const Measurement& m : measurements) {
+    const double at = formula.predict(result.coefficients, m.dims);
+    for (const double grown : {m.dims[b] + 1, 2 * m.dims[b]}) {
+      if (!(grown > m.dims[b])) continue;
+      std::vector<double> dims = m.dims;
+      dims[b] = grown;
+      const double after = formula.predict(result.coefficients, dims);
+      if (after < at - 1e-9 * std::abs(at)) {
+        if (decreasing == 0) {
+          first = short_double(at) + " bytes at " + describe_dims(formula, m.dims) + " but " +
+                  short_double(after) + " bytes at " + options.batch_size_variable + " = " +
+                  short_double(grown);
         }
+        ++decreasing;
+        break;
       }
     }
-    if (decreasing > 0) {
-      s.reasons.push_back("the prediction decreases as " + options.batch_size_variable +
-                          " grows at " + std::to_string(decreasing) + " of " +
-                          std::to_string(n) + " measured dims: " + first);
-    }
   }
-  s.usable = s.reasons.empty();
+  if (decreasing > 0) {
+    result.summary.reasons.push_back("the prediction decreases as " + options.batch_size_variable +
+                                     " grows at " + std::to_string(decreasing) + " of " +
+                                     std::to_string(measurements.size()) + " measured dims: " + first);
+  }
+}
+
+}  // namespace
+
+FitResult fit_points(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                     const std::vector<InfeasibleBound>& bounds, const FitOptions& options) {
+  std::string start_note;
+  const Solution solution = solve_from_start(formula, measurements, bounds, options, start_note);
+  FitResult result;
+  result.coefficients = solution.coefficients;
+  result.summary.start = start_note;
+  const auto [worst, not_finite] = fill_statistics(formula, measurements, bounds, options, solution, result);
+  leave_one_shape_out(formula, measurements, bounds, options, result);
+  add_accuracy_reasons(formula, measurements, options, solution, worst, not_finite, result.summary);
+  add_bound_reasons(formula, bounds, result);
+  if (!formula.is_linear()) check_identified_at_fit(formula, measurements, options, result);
+  add_decreasing_reason(formula, measurements, options, result);
+  result.summary.usable = result.summary.reasons.empty();
   return result;
 }
 
