@@ -1,5 +1,6 @@
-// formula.cpp — xpm::CostFormula and xpm::FormulaError. Parsing and canonical printing live in
-// formula_ast.cpp; evaluate() hands the canonical string to muparserx.
+// formula.cpp — xpm::CostFormula and xpm::FormulaError. Parsing and canonical printing live
+// behind formula_ast.hpp (lexer, parser, expander, evaluator); evaluate() hands the canonical
+// string to muparserx.
 #include <algorithm>
 #include "xpm/planner/formula.hpp"
 #include "xpm/planner/stable_hash.hpp"

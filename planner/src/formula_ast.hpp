@@ -1,6 +1,7 @@
 // formula_ast.hpp — private to xpm::planner: tokenizer, parser, AST, expansion into a canonical
-// sum of terms, canonical printing and evaluation behind xpm::CostFormula. Grammar and canonical
-// form: docs/formula.md.
+// sum of terms, canonical printing and evaluation behind xpm::CostFormula (formula_lexer.cpp,
+// formula_parser.cpp, formula_expander.cpp, formula_evaluator.cpp). Grammar and canonical form:
+// docs/formula.md.
 //
 //   auto root = formula_ast::parse("a*bs*(l-1)");                       // AST, spans into the text
 //   auto e = formula_ast::expand(root, "a*bs*(l-1)", {"a"}, {"bs", "l"}, false);
@@ -36,6 +37,9 @@ struct Token {
   std::string text;          // as written ("**" and "^" are both Kind::power)
   double value = 0.0;        // Kind::number only
 };
+
+/// Throws FormulaError(message, position, symbol): the error of every stage of reading a formula.
+[[noreturn]] void fail(const std::string& message, std::size_t position, std::string symbol);
 
 /// Splits `text` into tokens, the last one Kind::end at text.size(). Throws FormulaError for a
 /// bad number ("1e", "1.2.3", "2bs", "1e999") or a character outside the grammar.
