@@ -89,8 +89,6 @@ void classify(const fa::Sum& sum, bool nonlinear, std::vector<Role>& roles) {
   }
 }
 
-using fa::integer_power;
-
 // Choices of a max() argument per resolvable max() factor, by the factor's canonical text.
 using MaxChoices = std::map<std::string, std::size_t>;
 
@@ -108,23 +106,8 @@ class Resolver {
 
   double value(const fa::Sum& sum, const std::vector<double>& coefficients,
                const std::vector<double>& dims) const {
-    double out = 0.0;
-    for (const fa::Term& t : sum) {
-      double v = t.factor;
-      for (std::size_t c = 0; c < t.coefficient_powers.size(); ++c) {
-        if (t.coefficient_powers[c] != 0) {
-          v *= integer_power(coefficients[c], t.coefficient_powers[c]);
-        }
-      }
-      for (std::size_t d = 0; d < t.variable_powers.size(); ++d) {
-        if (t.variable_powers[d] != 0) v *= integer_power(dims[d], t.variable_powers[d]);
-      }
-      for (const auto& [factor, power] : t.factors) {
-        v *= integer_power(factor_value(*factor, coefficients, dims), power);
-      }
-      out += v;
-    }
-    return out;
+    return fa::sum_value(sum, coefficients, dims,
+                         [&](const fa::Factor& factor) { return factor_value(factor, coefficients, dims); });
   }
 
   bool resolves(const fa::Factor& f) const {

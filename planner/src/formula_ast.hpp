@@ -128,7 +128,32 @@ double value(const Sum& terms, const std::vector<double>& coefficients,
 
 /// base^exponent by repeated multiplication (exact for the small integer powers of terms);
 /// 1 / base^-exponent for a negative exponent.
-double integer_power(double base, int exponent);
+inline double integer_power(double base, int exponent) {
+  if (exponent < 0) return 1.0 / integer_power(base, -exponent);
+  double out = 1.0;
+  for (int k = 0; k < exponent; ++k) out *= base;
+  return out;
+}
+
+/// The value of a sum with every opaque factor valued by `factor_value(factor)`: value() values
+/// them as written; the fit's start resolves some max() factors to one argument.
+template <class FactorValue>
+double sum_value(const Sum& terms, const std::vector<double>& coefficients, const std::vector<double>& dims,
+                 FactorValue&& factor_value) {
+  double out = 0.0;
+  for (const Term& t : terms) {
+    double v = t.factor;
+    for (std::size_t c = 0; c < t.coefficient_powers.size(); ++c) {
+      if (t.coefficient_powers[c] != 0) v *= integer_power(coefficients[c], t.coefficient_powers[c]);
+    }
+    for (std::size_t d = 0; d < t.variable_powers.size(); ++d) {
+      if (t.variable_powers[d] != 0) v *= integer_power(dims[d], t.variable_powers[d]);
+    }
+    for (const auto& [factor, power] : t.factors) v *= integer_power(factor_value(*factor), power);
+    out += v;
+  }
+  return out;
+}
 
 /// Shortest text that reads back as exactly `value` (finite, >= 0): integers below 1e15 in
 /// plain digits ("2", "1000000"), others the shortest of fixed or scientific ("0.5", "1e20",

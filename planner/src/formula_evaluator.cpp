@@ -41,28 +41,8 @@ double factor_value(const Factor& f, const std::vector<double>& coefficients,
 
 double value(const Sum& terms, const std::vector<double>& coefficients,
              const std::vector<double>& dims) {
-  double out = 0.0;
-  for (const Term& t : terms) {
-    double v = t.factor;
-    for (std::size_t c = 0; c < t.coefficient_powers.size(); ++c) {
-      if (t.coefficient_powers[c] != 0) v *= integer_power(coefficients[c], t.coefficient_powers[c]);
-    }
-    for (std::size_t d = 0; d < t.variable_powers.size(); ++d) {
-      if (t.variable_powers[d] != 0) v *= integer_power(dims[d], t.variable_powers[d]);
-    }
-    for (const auto& [factor, power] : t.factors) {
-      v *= integer_power(factor_value(*factor, coefficients, dims), power);
-    }
-    out += v;
-  }
-  return out;
-}
-
-double integer_power(double base, int exponent) {
-  if (exponent < 0) return 1.0 / integer_power(base, -exponent);
-  double out = 1.0;
-  for (int k = 0; k < exponent; ++k) out *= base;
-  return out;
+  return sum_value(terms, coefficients, dims,
+                   [&](const Factor& factor) { return factor_value(factor, coefficients, dims); });
 }
 
 }  // namespace xpm::formula_ast
