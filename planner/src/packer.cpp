@@ -400,12 +400,16 @@ thread_local const MicrobatchPacker* AdaptationGuard::adapting_ = nullptr;
 
 std::vector<double> aggregate_dims(RecordDimsView record_dims, const std::vector<std::size_t>& indices,
                                    const MemoryModel& model) {
-  const std::size_t nv = model.formula().variable_names().size();
+  return aggregate_dims(record_dims, indices, model.aggregation());
+}
+
+std::vector<double> aggregate_dims(RecordDimsView record_dims, const std::vector<std::size_t>& indices,
+                                   const std::vector<DimAggregation>& agg) {
+  const std::size_t nv = agg.size();
   if (record_dims.variables != nv) {
     throw std::invalid_argument("aggregate_dims: record dims have " + std::to_string(record_dims.variables) +
                                 " value(s) per record, expected " + std::to_string(nv));
   }
-  const auto& agg = model.aggregation();
   std::vector<double> dims(nv, 0.0);
   for (std::size_t v = 0; v < nv; ++v) {
     if (agg[v] == DimAggregation::kCount) dims[v] = static_cast<double>(indices.size());

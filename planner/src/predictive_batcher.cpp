@@ -151,6 +151,16 @@ PredictiveBatcher::PredictiveBatcher(PredictiveBatcherOptions options,
   }
   options_.validate();
   sample_order_ = sample_order(options_);
+  for (const std::vector<double>& record : options_.record_dims_sample) {
+    sample_rows_.insert(sample_rows_.end(), record.begin(), record.end());
+  }
+  const std::vector<std::string>& names = options_.formula.variable_names();
+  for (const std::string& name : names) {
+    const auto it = options_.aggregation.find(name);
+    aggregation_.push_back(name == options_.batch_size_variable ? DimAggregation::kCount
+                           : it != options_.aggregation.end()   ? it->second
+                                                                : DimAggregation::kMax);
+  }
 }
 
 std::vector<std::vector<double>> PredictiveBatcher::design_probe_dims(

@@ -144,20 +144,6 @@ ProbeResult PredictiveBatcher::run_shape(ProbeExecutor& executor, const ProbeSha
   return result;
 }
 
-std::vector<double> PredictiveBatcher::aggregate_records(const std::vector<std::vector<double>>& records) const {
-  const std::vector<std::string>& names = options_.formula.variable_names();
-  std::vector<double> dims(names.size(), 0.0);
-  for (std::size_t v = 0; v < names.size(); ++v) {
-    const auto it = options_.aggregation.find(names[v]);
-    const bool summed = it != options_.aggregation.end() && it->second == DimAggregation::kSum;
-    for (const std::vector<double>& record : records) {
-      dims[v] = summed ? dims[v] + record[v] : std::max(dims[v], record[v]);
-    }
-  }
-  dims[options_.formula.variable_index(options_.batch_size_variable)] = static_cast<double>(records.size());
-  return dims;
-}
-
 // `records` of the sample up to its `fraction`-quantile (record_dims_sample's order): the
 // ones just below it (spread false; repeated when fewer), or ones spread evenly up to it.
 PredictiveBatcher::ProbeShape PredictiveBatcher::sample_mix(std::size_t records, double fraction,
@@ -165,11 +151,14 @@ PredictiveBatcher::ProbeShape PredictiveBatcher::sample_mix(std::size_t records,
   const std::size_t n = sample_order_.size();
   const auto top = std::clamp<std::size_t>(static_cast<std::size_t>(std::ceil(fraction * n)), 1, n);
   ProbeShape shape;
+  std::vector<std::size_t> indices;
   for (std::size_t i = 0; i < records; ++i) {
     const std::size_t rank = spread ? (2 * i + 1) * top / (2 * records) : top - 1 - i % top;
-    shape.records.push_back(options_.record_dims_sample[sample_order_[rank]]);
+    indices.push_back(sample_order_[rank]);
+    shape.records.push_back(options_.record_dims_sample[indices.back()]);
   }
-  shape.dims = aggregate_records(shape.records);
+  const RecordDimsView sample(sample_rows_.data(), n, aggregation_.size());
+  shape.dims = aggregate_dims(sample, indices, aggregation_);
   return shape;
 }
 

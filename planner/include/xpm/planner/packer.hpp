@@ -49,6 +49,10 @@ struct MicrobatchPlan {
 /// view whose width is not the formula's variable count.
 std::vector<double> aggregate_dims(RecordDimsView record_dims, const std::vector<std::size_t>& indices,
                                    const MemoryModel& model);
+/// The same under per-variable rules (variable order, the batch size's kCount), for dims
+/// aggregated before any model exists (the probe design's mixes of records).
+std::vector<double> aggregate_dims(RecordDimsView record_dims, const std::vector<std::size_t>& indices,
+                                   const std::vector<DimAggregation>& aggregation);
 /// The same over one vector per record; also throws when a listed record has the wrong width.
 std::vector<double> aggregate_dims(const std::vector<std::vector<double>>& record_dims,
                                    const std::vector<std::size_t>& indices,

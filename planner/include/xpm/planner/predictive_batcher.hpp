@@ -230,7 +230,6 @@ class PredictiveBatcher {
                         double usable_bytes);
   ProbeResult run_shape(ProbeExecutor& executor, const ProbeShape& shape);
   ProbeShape sample_mix(std::size_t records, double fraction, bool spread) const;
-  std::vector<double> aggregate_records(const std::vector<std::vector<double>>& records) const;
   FitCandidate fit_probes(double static_bytes, double usable_bytes);
   FitCandidate refine_design(ProbeExecutor& executor, FitCandidate chosen, double static_bytes,
                              double usable_bytes);
@@ -254,6 +253,8 @@ class PredictiveBatcher {
   FloorFit floor_fit_;
   std::vector<ProbeResult> probes_;
   std::vector<std::size_t> sample_order_;  // record_dims_sample, summed variables first, ascending
+  std::vector<double> sample_rows_;        // record_dims_sample, row-major (aggregate_dims' view)
+  std::vector<DimAggregation> aggregation_;  // per variable: the batch size's kCount, the options'
   std::vector<Measurement> fit_measurements_;  // what the current coefficients were fitted to
   std::int64_t corrections_ = 0;
 };
