@@ -4,26 +4,26 @@ A cost formula (``a*bs*l^2 + b*bs*l + c`` bytes) is fitted to a few probe steps;
 outer batch is split into microbatches predicted to fit the memory budget, the same plan on
 every rank. ``docs/python.md`` has the guide.
 
-- ``CostFormula``, ``fit``, ``MemoryModel``, ``MemoryBudget``, ``plan`` (no torch needed);
-- ``probe``, ``CpuMeter``, ``CudaMeter`` (need torch);
+- ``CostFormula``, ``fit``, ``MemoryModel``, ``MemoryBudget``, ``plan`` (the planner core);
+- ``probe``, ``CpuMeter``, ``CudaMeter`` (the CPU meter's extension loads on first
+  ``CpuMeter.install()``);
 - ``PredictiveBatchSampler``, ``microbatch_loop`` (a ``torch.utils.data`` batch sampler),
   ``check_unplanned_memory`` (memory allocated after probing);
-- ``StepDataset``, ``accumulate`` (one item per optimizer step, for the HF Trainer, Lightning).
+- ``StepDataset``, ``accumulate`` (one item per optimizer step, for the HF Trainer, Lightning);
+- the closed sets of string arguments, as ``typing.Literal`` aliases for type checkers (each
+  also checked at run time, a one-line ``ValueError`` naming the value): ``PackerName``
+  (``plan``'s and the sampler's ``packer``), ``Aggregation`` (``fit``'s ``aggregation`` values),
+  ``RecordAggregation`` (``probe``'s), ``DeviceKind`` (``probe``'s ``device``), ``AdaptiveStop``
+  (``AdaptiveReport.stop``); ``Meter``, the meters ``probe`` takes.
 """
-from .planning import (PACKERS, CostFormula, FitReport, FormulaError, MemoryBudget, MemoryModel, Plan, fit,
-                       plan, record_dims_from_lengths)
+from .planning import (PACKERS, Aggregation, CostFormula, FitReport, FormulaError, MemoryBudget, MemoryModel,
+                       PackerName, Plan, RecordAggregation, fit, plan, record_dims_from_lengths)
+from .probing import AdaptiveReport, AdaptiveStop, CpuMeter, CudaMeter, DeviceKind, Meter, ProbeOutcome, probe
 from .adapters import StepDataset, accumulate
 from .sampler import Microbatch, PredictiveBatchSampler, Step, check_unplanned_memory, microbatch_loop
 
 __all__ = ["PACKERS", "CostFormula", "FitReport", "FormulaError", "MemoryBudget", "MemoryModel", "Plan", "fit",
            "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop",
            "check_unplanned_memory", "StepDataset", "accumulate",
-           "probe", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport"]
-
-
-def __getattr__(name):
-    # The torch side loads on first use, so the planner core imports without torch.
-    if name in ("probe", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport"):
-        from . import probing
-        return getattr(probing, name)
-    raise AttributeError(f"module 'xpm' has no attribute {name!r}")
+           "probe", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport",
+           "PackerName", "Aggregation", "RecordAggregation", "DeviceKind", "AdaptiveStop", "Meter"]

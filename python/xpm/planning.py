@@ -4,29 +4,93 @@ Units: bytes for memory, dims in the formula's variable order (e.g. ``bs`` recor
 length). Errors are Python exceptions with the messages of the C++ library and the CLI:
 ``FormulaError`` (a ``ValueError`` with ``position``, ``column``, ``symbol``) for a bad
 formula, ``ValueError`` for bad arguments, ``RuntimeError`` for an unusable fit.
+
+The closed sets of string arguments are ``typing.Literal`` aliases (``PackerName``,
+``Aggregation``, ``RecordAggregation``), each with its tuple of values for the run-time check,
+whose one-line ``ValueError`` names the argument and the value, as the C++ library's do.
 """
 from __future__ import annotations
 
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Dict, List, Literal, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import _planner
 
 FormulaError = _planner.FormulaError
 
+# ---- closed sets of string arguments: a Literal for type checkers, a tuple for the runtime check
+PackerName = Literal["adaptive", "ffd", "uniform"]
+"""A packer of ``plan`` and ``PredictiveBatchSampler``: "adaptive", "ffd" or "uniform"."""
+PACKERS: Tuple[PackerName, ...] = ("adaptive", "ffd", "uniform")
+
+Aggregation = Literal["count", "max", "sum"]
+"""How a variable combines over a microbatch's records in a fitted model (``fit``): "count"
+(the number of records: the batch size's rule), "max" (padded) or "sum"."""
+AGGREGATIONS: Tuple[Aggregation, ...] = ("count", "max", "sum")
+
+RecordAggregation = Literal["max", "sum"]
+"""How a variable other than the batch size combines over a probe's records (``probe``): "max"
+(padded to the longest) or "sum" (real tokens)."""
+RECORD_AGGREGATIONS: Tuple[RecordAggregation, ...] = ("max", "sum")
+
+
+def _name_list(choices: Sequence[str]) -> str:
+    """``'a', 'b' or 'c'``, as the C++ library's messages list a closed set."""
+    names = [f"'{c}'" for c in choices]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _check_choice(value: Any, choices: Sequence[str], what: str) -> None:
+    """ValueError, one line, when ``value`` is not one of ``choices`` (case-sensitive): ``what``
+    names where it came from (``"plan: packer"``, ``"probe: aggregation['t']"``), as in
+    ``plan: packer must be 'adaptive', 'ffd' or 'uniform', got 'FFD'``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{what} must be {_name_list(choices)}, got {value!r}")
+
+
+def _check_aggregation(aggregation: Optional[Mapping[str, str]], choices: Sequence[str], where: str) -> None:
+    """Every value of ``aggregation`` one of ``choices`` (ValueError naming its variable)."""
+    if aggregation is None:
+        return
+    if not isinstance(aggregation, Mapping):
+        raise ValueError(f"{where}: aggregation must be a dict {{variable: {_name_list(choices)}}}, "
+                         f"got {aggregation!r}")
+    for name, how in aggregation.items():
+        _check_choice(how, choices, f"{where}: aggregation[{name!r}]")
+
 
 class MemoryBudget(_planner.MemoryBudget):
     """The budget a microbatch's predicted peak must fit: ``capacity_bytes`` (the device's
     memory or the CPU cap) x ``memory_fraction`` - ``extra_overhead_bytes`` = ``usable_bytes``.
-    The fraction is the margin for what the model misses (fit error, allocator rounding);
-    ValueError naming a value out of range."""
+    The fraction is the margin for what the model misses (fit error, allocator rounding).
 
-    def __init__(self, capacity_bytes, memory_fraction: float = 0.9, extra_overhead_bytes=0):
+    Args:
+        capacity_bytes: the device's memory or the CPU meter's cap, bytes (a whole number; a
+            float with a whole value is taken).
+        memory_fraction: the share of the capacity the predictions may fill, in (0, 1].
+        extra_overhead_bytes: bytes reserved besides (DDP's gradient buckets, a cache made after
+            probing).
+
+    Attributes:
+        capacity_bytes: as given, bytes.
+        memory_fraction: as given.
+        extra_overhead_bytes: as given, bytes.
+        usable_bytes: ``capacity_bytes * memory_fraction - extra_overhead_bytes``, bytes: what
+            ``plan`` and ``PredictiveBatchSampler`` fill.
+
+    Raises:
+        ValueError: a value that is not a whole number of bytes, or out of range (named).
+    """
+
+    def __init__(self, capacity_bytes: Union[int, float], memory_fraction: float = 0.9,
+                 extra_overhead_bytes: Union[int, float] = 0) -> None:
         super().__init__(_whole_bytes(capacity_bytes, "capacity_bytes"), float(memory_fraction),
                          _whole_bytes(extra_overhead_bytes, "extra_overhead_bytes"))
 
@@ -44,10 +108,35 @@ class CostFormula(_planner.CostFormula):
 
     ``CostFormula("a*bs*l + b*bs + c", ["bs", "l"])`` declares the variables; every other name
     is a coefficient (fitted, bytes per unit of its term), or give ``coefficients=[...]``.
-    ``allow_nonlinear=True`` admits terms such as ``l^p``. Properties: ``canonical`` (one
-    spelling for equivalent formulas), ``identity_hash`` (16 hex digits), ``coefficient_names``,
-    ``variable_names``, ``is_linear``. Raises ``FormulaError`` with the column of the error.
+
+    Args:
+        text: the formula (``docs/formula.md`` has its grammar).
+        variables: the variable names, in the order of every dims row (a list, not a string).
+        coefficients: the coefficient names; default every name of ``text`` that is not a variable.
+        allow_nonlinear: admit terms nonlinear in a coefficient, such as ``l^p``.
+
+    Attributes:
+        text: the formula as given.
+        canonical: one spelling for equivalent formulas.
+        identity_hash: 16 hex digits of the canonical formula.
+        coefficient_names: the coefficients, in order.
+        variable_names: the variables, in order.
+        is_linear: whether the formula is linear in its coefficients.
+
+    Raises:
+        FormulaError: a formula that does not parse or is not allowed (its ``position``,
+            ``column`` and ``symbol``).
+        TypeError: ``variables`` or ``coefficients`` not a sequence of strings (a string alone:
+            one line naming it).
     """
+
+    def __init__(self, text: str, variables: Sequence[str], coefficients: Optional[Sequence[str]] = None,
+                 allow_nonlinear: bool = False) -> None:
+        for what, names in (("variables", variables), ("coefficients", coefficients)):
+            if isinstance(names, str):
+                raise TypeError(f"CostFormula: {what} must be a list of names, e.g. [{names!r}], got the string "
+                                f"{names!r}")
+        super().__init__(text, variables, coefficients, allow_nonlinear)
 
 
 def _matrix(values, width: int, what: str) -> np.ndarray:
@@ -82,7 +171,7 @@ def _batch_size_variable(variables: Sequence[str], given: Optional[str]) -> str:
                      "one that counts records")
 
 
-def record_dims_from_lengths(lengths, variables: Sequence[str] = ("bs", "l"),
+def record_dims_from_lengths(lengths: ArrayLike, variables: Sequence[str] = ("bs", "l"),
                              batch_size_variable: str = "bs") -> np.ndarray:
     """Record dims from record lengths: the batch-size variable 1, every other variable the length.
 
@@ -179,10 +268,14 @@ def _warn_far_beyond_probed(array: np.ndarray, variables: List[str], model: "Mem
 class MemoryModel:
     """A fitted memory model: ``predict(dims)`` in bytes, ``max_batch``, JSON ``load``/``save``.
 
-    The files are those ``xpm-plan`` and ``xpm-train`` read and write (memory_model.json).
+    The files are those ``xpm-plan`` and ``xpm-train`` read and write (memory_model.json). Made
+    by ``fit``, ``probe``, ``load`` or ``from_json``, not by hand.
+
+    Args:
+        native: the planner core's model.
     """
 
-    def __init__(self, native: _planner.MemoryModel):
+    def __init__(self, native: _planner.MemoryModel) -> None:
         self._native = native
         self._json: Optional[dict] = None  # to_json() parsed, on first use
 
@@ -192,9 +285,19 @@ class MemoryModel:
         return self._json
 
     @classmethod
-    def load(cls, path: str) -> "MemoryModel":
-        """Reads a memory model JSON file; ``FileNotFoundError`` for a missing one,
-        ``ValueError``/``RuntimeError`` naming the file when it is not a memory model."""
+    def load(cls, path: Union[str, os.PathLike]) -> "MemoryModel":
+        """Reads a memory model JSON file (``save``'s, ``xpm-plan``'s, ``xpm-train``'s).
+
+        Args:
+            path: the file.
+
+        Returns:
+            The model.
+
+        Raises:
+            FileNotFoundError: no such file, or a directory.
+            ValueError, RuntimeError: the file is not a memory model (named).
+        """
         path = str(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"memory model '{path}': no such file" +
@@ -203,21 +306,44 @@ class MemoryModel:
 
     @classmethod
     def from_json(cls, text: str) -> "MemoryModel":
-        """The model of ``to_json()`` text (e.g. sent from rank 0); ValueError when it is not one."""
+        """The model of ``to_json()`` text (e.g. sent from rank 0).
+
+        Args:
+            text: ``to_json()``'s JSON.
+
+        Returns:
+            The model.
+
+        Raises:
+            ValueError: ``text`` is not a memory model's JSON (one line, the parser's reason).
+        """
         try:
             return cls(_planner.MemoryModel.from_json(text))
         except (ValueError, RuntimeError) as error:
             raise ValueError(f"memory model JSON: {error}") from None
 
-    def save(self, path: str) -> None:
-        """Writes the model (temporary file, then rename: never half-written)."""
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Writes the model (temporary file, then rename: never half-written).
+
+        Args:
+            path: the file, replaced when it exists.
+
+        Raises:
+            RuntimeError: the file cannot be written (named).
+        """
         self._native.save(str(path))
 
     def to_json(self) -> str:
+        """The model as JSON text (the file ``save`` writes; ``from_json`` reads it back).
+
+        Returns:
+            The JSON text.
+        """
         return self._native.to_json()
 
     @property
     def formula(self) -> _planner.CostFormula:
+        """The fitted cost formula (bytes)."""
         return self._native.formula
 
     @property
@@ -227,10 +353,12 @@ class MemoryModel:
 
     @property
     def floor_bytes(self) -> float:
+        """The prediction's floor, bytes: no prediction is below it."""
         return self._native.floor_bytes
 
     @property
     def batch_size_variable(self) -> str:
+        """The variable that counts records (its aggregation is "count")."""
         return self._native.batch_size_variable
 
     @property
@@ -253,8 +381,20 @@ class MemoryModel:
         value = self._parsed().get("metadata", {}).get("static_bytes")
         return None if value is None else float(value)
 
-    def predict(self, dims) -> np.ndarray:
-        """Predicted peak bytes: ``dims`` one row per microbatch ([n, variables]) or one row."""
+    def predict(self, dims: ArrayLike) -> Union[float, np.ndarray]:
+        """Predicted peak bytes.
+
+        Args:
+            dims: one row of the formula's variables (in its order), or one row per microbatch
+                ([n, variables]); finite and >= 0.
+
+        Returns:
+            The predicted peak in bytes: a ``float`` for one row, a float64 [n] array for rows.
+
+        Raises:
+            ValueError: dims of the wrong width or shape, or a NaN, infinite or negative value
+                (named with its row).
+        """
         width = len(self.formula.variable_names)
         array = np.asarray(dims, dtype=np.float64)
         single = array.ndim == 1
@@ -262,21 +402,46 @@ class MemoryModel:
         return float(out[0]) if single else out
 
     def max_batch(self, dims: Sequence[float], usable_bytes: int, max_size: int = 1 << 40) -> int:
-        """Largest microbatch size that fits ``usable_bytes`` at ``dims`` (its batch-size entry
-        is ignored); ``ValueError`` when even one record does not fit."""
+        """Largest microbatch size that fits ``usable_bytes`` at ``dims``.
+
+        Args:
+            dims: the formula's variables for one record (its batch-size entry is ignored).
+            usable_bytes: the budget, bytes (> 0).
+            max_size: the largest size searched.
+
+        Returns:
+            The number of records, in [1, ``max_size``].
+
+        Raises:
+            ValueError: ``usable_bytes`` <= 0, or even one record does not fit.
+        """
         if int(usable_bytes) <= 0:
             raise ValueError(f"max_batch: usable_bytes must be > 0, got {usable_bytes}")
         return self._native.max_microbatch_size(list(map(float, dims)), int(usable_bytes), int(max_size))
 
     def __repr__(self) -> str:
+        """``MemoryModel('<canonical formula>', floor_bytes=...)``."""
         return f"MemoryModel('{self.formula.canonical}', floor_bytes={self.floor_bytes:.0f})"
 
 
 @dataclass
 class FitReport:
-    """What ``fit`` measured: ``usable`` (and ``reasons`` when not), relative errors (signed,
-    (predicted - measured) / measured, one per measurement), the held-out (leave-one-shape-out)
-    max error, on which ``usable`` rests with the fit error."""
+    """What ``fit`` measured; ``usable`` rests on the fit error and the held-out error.
+
+    Attributes:
+        usable: whether the fit can be planned with (its error and held-out error within
+            ``usable_max_rel_error``, among the checks ``reasons`` lists).
+        reasons: why it is not usable (empty when it is).
+        max_rel_error: the largest relative error, signed, ``(predicted - measured) / measured``.
+        mean_rel_error: the mean relative error, signed.
+        rel_errors: one relative error per measurement, signed.
+        leave_one_out_max_rel_error: the largest held-out error (each distinct shape predicted by
+            a refit without it).
+        converged: whether the solver converged.
+        brief_report: one line.
+        full_report: the report, several lines.
+        formula_selection: with ``formula="auto"``, the candidates tried and the one chosen; else "".
+    """
 
     usable: bool
     reasons: List[str]
@@ -295,11 +460,11 @@ def _report(summary: dict, formula_selection: str = "") -> FitReport:
     return FitReport(**fields, formula_selection=formula_selection)
 
 
-def fit(formula: "CostFormula | Literal['auto']", dims, peak_bytes, *, variables: Optional[Sequence[str]] = None,
-        infeasible_dims=None, infeasible_bytes=None,
-        floor_bytes: float = 0.0, batch_size_variable: Optional[str] = None,
-        aggregation: Optional[Dict[str, str]] = None, non_negative: bool = True,
-        usable_max_rel_error: float = 0.05):
+def fit(formula: Union[CostFormula, Literal["auto"]], dims: ArrayLike, peak_bytes: ArrayLike, *,
+        variables: Optional[Sequence[str]] = None, infeasible_dims: Optional[ArrayLike] = None,
+        infeasible_bytes: Optional[ArrayLike] = None, floor_bytes: float = 0.0,
+        batch_size_variable: Optional[str] = None, aggregation: Optional[Dict[str, Aggregation]] = None,
+        non_negative: bool = True, usable_max_rel_error: float = 0.05) -> Tuple["MemoryModel", FitReport]:
     """Fits ``formula``'s coefficients to measured peaks (Ceres, relative residuals).
 
     Args:
@@ -314,8 +479,8 @@ def fit(formula: "CostFormula | Literal['auto']", dims, peak_bytes, *, variables
             ran under, lower bounds of the prediction.
         floor_bytes: a constant floor of the prediction.
         batch_size_variable: the variable that counts records (default "bs").
-        aggregation: how records combine per variable in a microbatch ("max", "sum", "count";
-            default max).
+        aggregation: how records combine per variable in a microbatch (``xpm.Aggregation``:
+            "count", "max" or "sum"; default "max", the batch size's "count").
         non_negative: coefficients >= 0.
         usable_max_rel_error: the largest fit error and held-out (leave-one-shape-out) error
             that keep the fit usable.
@@ -324,12 +489,15 @@ def fit(formula: "CostFormula | Literal['auto']", dims, peak_bytes, *, variables
         ``(MemoryModel, FitReport)``; the report says whether the fit is usable.
 
     Raises:
-        ValueError: bad arguments (``variables`` missing with "auto" or given without it), a
-            formula the shapes cannot identify.
+        ValueError: bad arguments (``variables`` missing with "auto" or given without it; an
+            ``aggregation`` value that is not "count", "max" or "sum", named with its variable;
+            arrays of the wrong shape or with a NaN, infinite or negative value), a formula the
+            shapes cannot identify.
     """
     automatic = isinstance(formula, str)
     if automatic and formula != "auto":
-        raise ValueError(f"formula must be a CostFormula or 'auto', got {formula!r}")
+        raise ValueError(f"fit: formula must be a CostFormula or 'auto', got {formula!r}")
+    _check_aggregation(aggregation, AGGREGATIONS, "fit")
     if automatic != (variables is not None):
         raise ValueError("fit: give variables=[...] with formula='auto', and only then")
     if automatic:
@@ -353,9 +521,15 @@ def fit(formula: "CostFormula | Literal['auto']", dims, peak_bytes, *, variables
 
 @dataclass
 class Plan:
-    """Microbatches of one list of records: ``microbatches[k]`` the record indices (int64
-    array) of microbatch k, ``dims`` [m, variables] its aggregated dims, ``predicted_bytes`` [m],
-    ``over_budget`` [m] (a record that does not fit even alone)."""
+    """Microbatches of one list of records (``plan``'s result); ``len(plan)``: the microbatches.
+
+    Attributes:
+        indices: the record indices of every microbatch, one after the other (int64 [n]).
+        offsets: microbatch k is ``indices[offsets[k]:offsets[k + 1]]`` (int64 [m + 1]).
+        dims: each microbatch's aggregated dims ([m, variables], the formula's order).
+        predicted_bytes: each microbatch's predicted peak, bytes ([m]).
+        over_budget: per microbatch, a record that does not fit even alone (bool [m]).
+    """
 
     indices: np.ndarray
     offsets: np.ndarray
@@ -364,18 +538,16 @@ class Plan:
     over_budget: np.ndarray
 
     def __len__(self) -> int:
+        """The number of microbatches."""
         return len(self.offsets) - 1
 
     @property
     def microbatches(self) -> List[np.ndarray]:
+        """The record indices (int64 array) of each microbatch."""
         return [self.indices[self.offsets[k]:self.offsets[k + 1]] for k in range(len(self))]
 
 
-PackerName = Literal["adaptive", "ffd", "uniform"]
-PACKERS: Tuple[PackerName, ...] = ("adaptive", "ffd", "uniform")
-
-
-def plan(record_dims, model: MemoryModel, usable_bytes: int, *, packer: PackerName = "adaptive",
+def plan(record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, packer: PackerName = "adaptive",
          sort_by: Optional[str] = None) -> Plan:
     """Splits records into microbatches predicted to fit ``usable_bytes``.
 
@@ -388,8 +560,8 @@ def plan(record_dims, model: MemoryModel, usable_bytes: int, *, packer: PackerNa
             (``record_dims_from_lengths``).
         model: the fitted memory model.
         usable_bytes: the budget every microbatch's predicted peak must fit, bytes.
-        packer: "adaptive" (grow while it fits, heaviest first by ``sort_by``), "ffd" (first
-            fit decreasing) or "uniform" (equal slices).
+        packer: ``xpm.PackerName``: "adaptive" (grow while it fits, heaviest first by
+            ``sort_by``), "ffd" (first fit decreasing) or "uniform" (equal slices).
         sort_by: the variable the adaptive packer sorts by, heaviest first; default the first
             variable that is not the batch size; "" keeps record order.
 
@@ -398,7 +570,8 @@ def plan(record_dims, model: MemoryModel, usable_bytes: int, *, packer: PackerNa
         same model file. Deterministic: every rank gets the same plan.
 
     Raises:
-        ValueError: an unknown packer, dims of the wrong shape, a negative or non-finite dim (named
+        ValueError: an unknown packer (``plan: packer must be 'adaptive', 'ffd' or 'uniform', got
+            'FFD'``), dims of the wrong shape, a negative or non-finite dim (named
             with its record's index), a record whose batch-size entry is not 1 (dims in the wrong
             order), ``usable_bytes`` <= 0, or ``sort_by`` not a record variable of the formula.
 
@@ -406,8 +579,7 @@ def plan(record_dims, model: MemoryModel, usable_bytes: int, *, packer: PackerNa
         RuntimeWarning: a column reaches more than 4 times the largest value its variable was
             probed at (likely columns in the wrong order).
     """
-    if packer not in PACKERS:
-        raise ValueError(f"packer must be one of {', '.join(PACKERS)}, got '{packer}'")
+    _check_choice(packer, PACKERS, "plan: packer")
     return _pack(_record_dims(record_dims, model, "record_dims"), model, usable_bytes, packer, sort_by)
 
 

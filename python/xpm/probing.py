@@ -20,39 +20,59 @@ that runs out of memory is an upper bound of what fits, never dropped. The autom
 fraction of their max, the batch size doubling from 1 to ``variable_max[bs]`` until the budget
 or the first out-of-memory probe, then one bisection. Call it on rank 0 before wrapping the
 model in DistributedDataParallel, and share ``result.model.to_json()`` with the other ranks.
+
+On a GPU: ``xpm.probe(..., meter=None, device="cuda")`` (or ``meter=xpm.CudaMeter()``) with the
+model and the loss's batches on that device. ``device=`` is checked first, against the meter
+and the model's parameters: a mismatch, or ``"cuda"`` where torch sees no GPU, is a one-line
+``ValueError`` before anything is probed.
 """
 from __future__ import annotations
 
 import io
+import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from . import _planner
-from .planning import CostFormula, FitReport, MemoryBudget, MemoryModel, _check_one_record_each, _matrix, _report
+from .planning import (RECORD_AGGREGATIONS, CostFormula, FitReport, MemoryBudget, MemoryModel, RecordAggregation,
+                       _check_aggregation, _check_one_record_each, _matrix, _report)
 
 
 class CpuMeter:
     """Peak allocated bytes of CPU tensors (c10's CPU allocator, wrapped), with a hard cap
     that raises PyTorch's out-of-memory error. One per process; ``install()`` it before the
-    model is built."""
+    model is built (a second ``install()`` returns the same meter).
 
-    def __init__(self, native):
+    Args:
+        native: the extension's meter; use ``CpuMeter.install()``.
+    """
+
+    def __init__(self, native: Any) -> None:
         self._native = native
 
     @classmethod
     def install(cls) -> "CpuMeter":
+        """Installs the meter into c10's CPU allocator (once per process), or returns it.
+
+        Returns:
+            The process's CPU meter (no cap until ``capacity_bytes`` is set).
+
+        Raises:
+            ImportError: the running torch is not the one xpm was built against (one line naming
+                both versions), or the extension cannot be loaded.
+        """
         from .torch_extension import load_torch_extension  # the torch xpm was built against
 
         return cls(load_torch_extension().CpuMemoryMeter.install())
 
     @property
     def capacity_bytes(self) -> int:
-        """Cap on allocated bytes (0: none)."""
+        """Cap on allocated bytes (0: none); an allocation past it raises out of memory."""
         return self._native.capacity_bytes
 
     @capacity_bytes.setter
@@ -61,10 +81,12 @@ class CpuMeter:
 
     @property
     def current_allocated_bytes(self) -> int:
+        """Bytes of CPU tensors allocated now (since the meter was installed)."""
         return self._native.current_allocated_bytes
 
     @property
     def peak_allocated_bytes(self) -> int:
+        """Peak allocated bytes since the last ``reset_peak()``."""
         return self._native.peak_allocated_bytes
 
     @property
@@ -74,46 +96,102 @@ class CpuMeter:
         return self._native.oom_count
 
     def reset_peak(self) -> None:
+        """Starts a new peak at the bytes allocated now."""
         self._native.reset_peak()
+
+
+def _no_cuda_reason() -> str:
+    """Why ``torch.cuda.is_available()`` is False, in a few words, for one-line errors."""
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"torch {torch.__version__} is a build without CUDA"
+    built = f"CUDA {torch.version.cuda}" if torch.version.cuda is not None else f"ROCm {torch.version.hip}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"torch {torch.__version__} is built with {built} but sees no GPU" +
+            (f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""))
+
+
+def _cuda_device(device: Union[torch.device, str, int, None], where: str, shown: str, on_cpu: str) -> torch.device:
+    """``device`` as ``torch.device("cuda", index)`` of a GPU this process sees (None: the
+    current one); otherwise a one-line ValueError that starts with ``where``, names the argument
+    as ``shown`` (``"device='cuda:1'"``, or "" when there is none) and, when torch sees no GPU,
+    ends with ``on_cpu``, what to do instead. Nothing is allocated on a GPU."""
+    given = f"{shown} but " if shown else ""
+    if not torch.cuda.is_available():
+        raise ValueError(f"{where}: {given}torch.cuda.is_available() is False ({_no_cuda_reason()}); {on_cpu}")
+    try:
+        parsed = torch.device("cuda") if device is None else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{where}: {shown} is not a device: give 'cuda', 'cuda:N' or a torch.device") from None
+    if parsed.type != "cuda":
+        raise ValueError(f"{where}: {shown} is not a CUDA device: give 'cuda', 'cuda:N' or a torch.device of type "
+                         f"'cuda' (for CPU tensors use xpm.CpuMeter.install())")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if parsed.index is None else parsed.index
+    if not 0 <= index < count:
+        raise ValueError(f"{where}: {given}torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return torch.device("cuda", index)
 
 
 class CudaMeter:
     """Peak allocated bytes of one CUDA device through ``torch.cuda`` (reset per probe phase);
-    the capacity is the device's total memory. ``reserved_peak_bytes`` is the caching
-    allocator's reserved peak, for reports."""
+    the capacity is the device's total memory.
 
-    def __init__(self, device: Optional[torch.device] = None):
-        if not torch.cuda.is_available():
-            raise ValueError("CudaMeter: this torch has no CUDA device (torch.cuda.is_available() is False); "
-                             "on CPU use xpm.CpuMeter.install()")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    Args:
+        device: the GPU, ``torch.device("cuda", N)``, ``"cuda:N"`` or N; default (None or
+            ``"cuda"``) the current one.
+
+    Attributes:
+        device: the GPU measured, ``torch.device("cuda", index)`` (index always set).
+
+    Raises:
+        ValueError: one line, before anything is done on a GPU: torch sees no CUDA device
+            (``torch.cuda.is_available()`` is False, with the reason: a build without CUDA, or no
+            GPU visible), ``device`` is not a CUDA device, or its index is not one torch sees.
+    """
+
+    def __init__(self, device: Union[torch.device, str, int, None] = None) -> None:
+        shown = "" if device is None else f"device='{device}'"
+        on_cpu = "on CPU use xpm.CpuMeter.install(), installed before the model is built"
+        self.device: torch.device = _cuda_device(device, "CudaMeter", shown, on_cpu)
 
     @property
     def capacity_bytes(self) -> int:
+        """The device's total memory, bytes."""
         return torch.cuda.get_device_properties(self.device).total_memory
 
     @property
     def current_allocated_bytes(self) -> int:
+        """Bytes of tensors allocated on the device now (``torch.cuda.memory_allocated``)."""
         return torch.cuda.memory_allocated(self.device)
 
     @property
     def peak_allocated_bytes(self) -> int:
+        """Peak allocated bytes since the last ``reset_peak()`` (``torch.cuda.max_memory_allocated``)."""
         return torch.cuda.max_memory_allocated(self.device)
 
     @property
     def reserved_peak_bytes(self) -> int:
+        """The caching allocator's reserved peak since the last ``reset_peak()``, bytes (for reports)."""
         return torch.cuda.max_memory_reserved(self.device)
 
     def reset_peak(self) -> None:
+        """Waits for the device's work, then starts new peaks (``torch.cuda.reset_peak_memory_stats``)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+
+
+Meter = Union[CpuMeter, CudaMeter]
+"""A meter ``probe`` measures with: ``CpuMeter.install()`` or ``CudaMeter(...)``."""
+
+DeviceKind = Literal["cpu", "cuda"]
+"""The kinds of device ``probe(device=...)`` names (with ``"cuda:N"`` and ``torch.device``)."""
 
 
 def _is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(error).lower()
 
 
-def _drain_autograd_buffers(meter) -> None:
+def _drain_autograd_buffers(meter: Meter) -> None:
     """The autograd engine keeps the gradients of a backward that ran out of memory until the
     next backward on the thread; a tiny one, with a CPU cap lifted for its bytes, frees them,
     so the next probe measures only itself."""
@@ -195,8 +273,8 @@ class _SteadyState:
 class _TorchExecutor(_planner.ProbeExecutor):
     """The probe steps over the user's model, optimizer and loss function."""
 
-    def __init__(self, steady: _SteadyState, loss_fn, meter, names: List[str], batch_size_variable: str = "bs",
-                 aggregation: Optional[Dict[str, str]] = None):
+    def __init__(self, steady: _SteadyState, loss_fn, meter: Meter, names: List[str], batch_size_variable: str = "bs",
+                 aggregation: Optional[Dict[str, RecordAggregation]] = None):
         super().__init__()
         self.steady, self.loss_fn, self.meter, self.names = steady, loss_fn, meter, names
         self.batch_size_variable, self.aggregation = batch_size_variable, dict(aggregation or {})
@@ -256,13 +334,23 @@ class _TorchExecutor(_planner.ProbeExecutor):
 
 
 AdaptiveStop = Literal["not run", "agreed", "probe count", "probe time", "no candidates"]
+"""Why the adaptive probe design stopped (``AdaptiveReport.stop``)."""
 
 
 @dataclass
 class AdaptiveReport:
-    """What the adaptive probe design did: ``added_probes``, ``stop`` (why it stopped),
-    ``disagreement`` (largest relative disagreement of the candidate models at the last check,
-    NaN when never computed) at ``disagreement_dims``, ``elapsed_s``, and ``report``, a sentence."""
+    """What the adaptive probe design did.
+
+    Attributes:
+        stop: why it stopped (``xpm.AdaptiveStop``): "not run", "agreed", "probe count",
+            "probe time" or "no candidates".
+        added_probes: the probes it added to the initial design.
+        elapsed_s: its time, seconds.
+        disagreement: the largest relative disagreement of the candidate models at the last
+            check (NaN when never computed).
+        disagreement_dims: where that disagreement was (the formula's variables).
+        report: a sentence.
+    """
 
     stop: AdaptiveStop
     added_probes: int
@@ -286,7 +374,7 @@ def _cpu_parameter_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-def _check_meter_saw_the_weights(model: torch.nn.Module, meter) -> None:
+def _check_meter_saw_the_weights(model: torch.nn.Module, meter: Meter) -> None:
     """ValueError when a ``CpuMeter`` counts fewer bytes than the model's CPU parameters take:
     it was installed after they were allocated, so every probe (and the floor) would miss them."""
     if not isinstance(meter, CpuMeter):
@@ -300,7 +388,7 @@ def _check_meter_saw_the_weights(model: torch.nn.Module, meter) -> None:
 
 def _check_variable_names(formula: CostFormula, variable_max: Optional[Dict[str, float]],
                           probe_points: Optional[List[Dict[str, float]]],
-                          aggregation: Optional[Dict[str, str]] = None) -> None:
+                          aggregation: Optional[Dict[str, RecordAggregation]] = None) -> None:
     if not hasattr(formula, "variable_names"):
         return  # not a CostFormula: refused with the planner's message
     variables = list(formula.variable_names)
@@ -314,7 +402,7 @@ def _check_variable_names(formula: CostFormula, variable_max: Optional[Dict[str,
 
 
 def _check_record_dims(record_dims, formula: CostFormula, batch_size_variable: str,
-                       aggregation: Optional[Dict[str, str]]) -> np.ndarray:
+                       aggregation: Optional[Dict[str, RecordAggregation]]) -> np.ndarray:
     """``record_dims`` as a float64 [n, variables] array, one record each; warns when two length
     columns are equal on every record and neither is summed (``aggregation`` forgotten)."""
     variables = list(formula.variable_names)
@@ -337,34 +425,101 @@ def _check_record_dims(record_dims, formula: CostFormula, batch_size_variable: s
     return array
 
 
+def _shown_meter(meter: Any) -> str:
+    """``meter`` in a few words: its class, and a CudaMeter's device."""
+    return f"a CudaMeter of {meter.device}" if isinstance(meter, CudaMeter) else f"a {type(meter).__name__}"
+
+
+def _probe_meter(model: torch.nn.Module, meter: Optional[Meter],
+                 device: Union[DeviceKind, torch.device, str, None]) -> Meter:
+    """The meter ``probe`` measures with: ``meter`` when ``device`` is None (today's behaviour:
+    the device follows the meter), else ``meter`` checked against ``device`` (a ``CudaMeter`` of
+    it made when ``meter`` is None) and against the model's parameters. One-line ValueErrors,
+    before anything is allocated or run."""
+    if device is None:
+        if meter is None:
+            raise ValueError("probe: meter=None without device=: give meter=xpm.CpuMeter.install() (installed before "
+                             "the model was built) or meter=xpm.CudaMeter(), or device='cuda' to measure a GPU")
+        return meter
+    shown = f"device='{device}'"
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"probe: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r} "
+                         f"({type(device).__name__})")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"probe: {shown} is not a device: give 'cpu', 'cuda', 'cuda:N' or a torch.device") from None
+    if kind == "cpu":
+        target = torch.device("cpu")
+        if meter is None:
+            raise ValueError(f"probe: {shown} needs meter=, a CpuMeter that probe cannot make: it must count the "
+                             f"weights as they are allocated, so call xpm.CpuMeter.install() before building the "
+                             f"model and pass it as meter=")
+        if not isinstance(meter, CpuMeter):
+            raise ValueError(f"probe: {shown} but meter is {_shown_meter(meter)}: give the xpm.CpuMeter installed "
+                             f"before the model was built")
+    elif kind == "cuda":
+        target = _cuda_device(device, "probe", shown, "on CPU use device='cpu' with meter=xpm.CpuMeter.install(), "
+                                                      "installed before the model is built")
+        if meter is not None and not isinstance(meter, CudaMeter):
+            raise ValueError(f"probe: {shown} but meter is {_shown_meter(meter)}: give meter=xpm.CudaMeter"
+                             f"(torch.device('{target}')) or meter=None")
+        if meter is not None and meter.device != target:
+            resolved = "" if str(device) == str(target) else f" ({target})"
+            raise ValueError(f"probe: {shown}{resolved} but meter is {_shown_meter(meter)}: give "
+                             f"meter=xpm.CudaMeter(torch.device('{target}')) or meter=None")
+    else:
+        raise ValueError(f"probe: {shown}: xpm measures CPU memory (xpm.CpuMeter) and CUDA memory "
+                         f"(xpm.CudaMeter) only")
+    devices = {p.device for p in model.parameters()}
+    if devices - {target}:
+        raise ValueError(f"probe: {shown} but the model's parameters are on {', '.join(sorted(map(str, devices)))}: "
+                         f"move the model with model.to('{target}') before building its optimizer, or give the "
+                         f"parameters' device")
+    return CudaMeter(target) if meter is None else meter
+
+
 @dataclass
 class ProbeOutcome:
-    """``model``: the fitted memory model; ``probes``: every probe (``feasible`` False: ran out
-    of memory); ``fit``: the fit report (``fit.formula_selection`` lists the candidates with
-    ``formula="auto"``); ``floor``: how the floor was chosen; ``adaptive``: what the adaptive
-    design added and why it stopped; ``probe_s``."""
+    """What ``probe`` returns.
+
+    Attributes:
+        model: the fitted memory model.
+        probes: every probe (``dims``, ``feasible`` False: ran out of memory,
+            ``forward_backward_peak_bytes``, ``optimizer_step_peak_bytes``, ``step_peak_bytes``,
+            ``capacity_bytes``, ``duration_s``, ``error``).
+        fit: the fit report (``fit.formula_selection`` lists the candidates with ``formula="auto"``).
+        floor: how the floor was chosen, a sentence.
+        probe_s: the probing and fitting time, seconds.
+        adaptive: what the adaptive design added and why it stopped.
+        meter: the meter the probes ran under (the ``CudaMeter`` ``probe`` made for
+            ``device="cuda"`` without a meter): give it to ``microbatch_loop(..., meter=)``.
+    """
 
     model: MemoryModel
-    probes: list
+    probes: List[_planner.ProbeResult]
     fit: FitReport
     floor: str
     probe_s: float
     adaptive: AdaptiveReport
+    meter: Optional[Meter] = None
 
 
 def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
           loss_fn: Callable[[Union[List[float], List[List[float]]]], torch.Tensor],
-          formula: Union[CostFormula, Literal["auto"]], *, meter, budget: Optional[MemoryBudget] = None,
-          variable_max: Optional[Dict[str, float]] = None, probe_points: Optional[List[Dict[str, float]]] = None,
+          formula: Union[CostFormula, Literal["auto"]], *, meter: Optional[Meter],
+          budget: Optional[MemoryBudget] = None, variable_max: Optional[Dict[str, float]] = None,
+          probe_points: Optional[List[Dict[str, float]]] = None,
           record_dims: Optional[Sequence[Sequence[float]]] = None, variables: Optional[Sequence[str]] = None,
           design_fractions: Sequence[float] = (1.0, 0.75, 0.5), batch_size_variable: str = "bs",
-          aggregation: Optional[Dict[str, str]] = None, usable_max_rel_error: float = 0.05,
-          adaptive_max_probes: int = 8, adaptive_max_s: float = 120.0,
-          adaptive_tolerance: float = 0.01) -> ProbeOutcome:
+          aggregation: Optional[Dict[str, RecordAggregation]] = None, usable_max_rel_error: float = 0.05,
+          adaptive_max_probes: int = 8, adaptive_max_s: float = 120.0, adaptive_tolerance: float = 0.01,
+          device: Union[DeviceKind, torch.device, str, None] = None) -> ProbeOutcome:
     """Probes the step (see the module docstring) and fits ``formula``; rank 0 only.
 
     Args:
-        model, optimizer: the user's, before any DistributedDataParallel wrapping.
+        model: the user's module, before any DistributedDataParallel wrapping.
+        optimizer: its optimizer, the one training steps (its state is probed too).
         loss_fn: ``loss_fn(dims)`` builds a batch at ``dims`` (variable order; synthetic data is
             fine) and returns its summed loss, a scalar tensor. With ``record_dims`` it gets the
             probe's records instead: ``loss_fn(records)``, one dims list per record (batch-size
@@ -373,7 +528,8 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             ``variables``, else ``variable_max``'s keys in order, or the first probe point's);
             the candidates and the choice are in ``outcome.fit.formula_selection``.
         meter: ``CpuMeter.install()`` (installed before the model was built: its CPU parameters
-            must have been allocated under it) or ``CudaMeter()``.
+            must have been allocated under it) or ``CudaMeter()``; required, None only with
+            ``device="cuda"`` (a ``CudaMeter`` of that device is made).
         budget: default the meter's capacity, 90 %.
         variable_max: the automatic design's upper end of every variable (with ``record_dims``,
             of the batch size only: the records set the others).
@@ -388,25 +544,39 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             ``record_dims``, whose ``variable_max`` names the batch size only).
         design_fractions: the automatic design's fractions of each variable's max.
         batch_size_variable: the variable that counts records.
-        aggregation: per variable, "max" (padded) or "sum" over a microbatch's records.
+        aggregation: per variable other than the batch size, how a microbatch's records combine
+            (``xpm.RecordAggregation``): "max" (padded, the default) or "sum" (real tokens).
         usable_max_rel_error: the largest fit error and held-out (leave-one-shape-out) error
             that keep the fit usable (5 %).
-        adaptive_max_probes, adaptive_max_s: the adaptive design's budget, probes and seconds
-            (``adaptive_max_probes=0``: none). After the initial design it probes where the fit
-            and its held-out refits (and, with "auto", the other formulas that explain the
-            probes) disagree most, until they agree within ``adaptive_tolerance``.
+        adaptive_max_probes: the adaptive design's budget of probes (0: no adaptive design).
+            After the initial design it probes where the fit and its held-out refits (and, with
+            "auto", the other formulas that explain the probes) disagree most, until they agree
+            within ``adaptive_tolerance``.
+        adaptive_max_s: the adaptive design's budget of time, seconds.
+        adaptive_tolerance: the relative disagreement the adaptive design stops at (1 %).
+        device: where the model is probed (``xpm.DeviceKind``, ``"cuda:N"`` or a
+            ``torch.device``). None (the default): wherever ``meter`` measures. ``"cpu"``: needs
+            ``meter`` a ``CpuMeter`` (it cannot be made here: it must be installed before the
+            model is built). ``"cuda"`` or ``"cuda:N"``: ``meter`` a ``CudaMeter`` of that device,
+            or None to have one made. The model's parameters must be on that device.
 
     Returns:
-        ProbeOutcome: the model, every probe, the fit report, the floor, the adaptive report.
+        ProbeOutcome: the model, every probe, the fit report, the floor, the adaptive report and
+        the meter.
 
     Raises:
         ValueError: bad options (a ``variable_max``, ``aggregation`` or ``probe_points`` key that
             is not a variable of the formula, named with the formula's variables; ``record_dims``
             of the wrong width, with a batch-size column other than 1 or a NaN, infinite or
             negative value, named by row; ``"auto"`` with ``record_dims`` but no ``variables``),
-            a ``CpuMeter`` that counts fewer bytes than the model's CPU parameters take
-            (installed after the model was built), or a budget the probes cannot work under;
-            nothing is probed then.
+            an ``aggregation`` value other than "max" or "sum" (named with its variable), a
+            ``CpuMeter`` that counts fewer bytes than the model's CPU parameters take (installed
+            after the model was built), or a budget the probes cannot work under; nothing is
+            probed then. ``device`` errors come first, one line each, before anything is
+            touched: ``"cuda"`` where ``torch.cuda.is_available()`` is False (with the reason: a
+            torch build without CUDA, or no GPU visible), a CUDA index torch does not see, a
+            device that is not CPU or CUDA, a ``meter`` of another device (or None with
+            ``"cpu"``, or with no ``device``), the model's parameters on another device.
         RuntimeError: an unusable fit (its ``probes`` attribute holds the probes, so ``xpm.fit``
             can refit them); an error of ``loss_fn`` names the probe's dims.
 
@@ -419,6 +589,7 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     (``xpm.check_unplanned_memory`` warns about it during training). The model records the
     bytes allocated before every probe (``result.model.static_bytes``).
     """
+    meter = _probe_meter(model, meter, device)
     automatic = isinstance(formula, str)
     if automatic:
         if formula != "auto":
@@ -433,6 +604,7 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              "order): variable_max names the batch size only")
     elif variables is not None:
         raise ValueError("probe: variables= names the variables of formula='auto'; a CostFormula has its own")
+    _check_aggregation(aggregation, RECORD_AGGREGATIONS, "probe")
     _check_variable_names(formula, variable_max, probe_points, aggregation)
     if record_dims is not None:
         record_dims = _check_record_dims(record_dims, formula, batch_size_variable, aggregation)
@@ -477,4 +649,4 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     finally:
         steady.__exit__(None, None, None)
     return ProbeOutcome(MemoryModel(native), list(probes), _report(summary, selection), floor,
-                        time.perf_counter() - start, AdaptiveReport(**adaptive))
+                        time.perf_counter() - start, AdaptiveReport(**adaptive), meter)

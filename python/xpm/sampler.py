@@ -39,15 +39,17 @@ import hashlib
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed
+from numpy.typing import ArrayLike
 from torch.utils.data import Sampler
 
 from . import _planner
-from .planning import PACKERS, MemoryModel, _pack, _record_dims
+from .planning import PACKERS, MemoryModel, PackerName, _check_choice, _pack, _record_dims
+from .probing import Meter
 
 
 class Microbatch(list):
@@ -62,6 +64,14 @@ class Microbatch(list):
             units(outer batch)``; 0 for an empty microbatch).
         last: whether the microbatch ends its optimizer step.
         step: the index of its optimizer step in the epoch.
+
+    Args:
+        indices: the record indices.
+        dims: see Attributes.
+        predicted_bytes: see Attributes.
+        weight: see Attributes.
+        last: see Attributes.
+        step: see Attributes.
     """
 
     dims: np.ndarray
@@ -70,13 +80,14 @@ class Microbatch(list):
     last: bool
     step: int
 
-    def __init__(self, indices, *, dims: np.ndarray, predicted_bytes: float, weight: float, last: bool,
-                 step: int):
+    def __init__(self, indices: Iterable[int], *, dims: np.ndarray, predicted_bytes: float, weight: float,
+                 last: bool, step: int) -> None:
         super().__init__(indices)
         self.dims, self.predicted_bytes = dims, predicted_bytes
         self.weight, self.last, self.step = weight, last, step
 
     def __repr__(self) -> str:
+        """The indices and the plan's figures, one line."""
         return (f"Microbatch({list.__repr__(self)}, step={self.step}, weight={self.weight:.6g}, last={self.last}, "
                 f"dims={self.dims.tolist()}, predicted_bytes={self.predicted_bytes:.0f})")
 
@@ -159,11 +170,12 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         units: [n] loss units per record (tokens, characters); default 1 each.
         shuffle: shuffle the records every epoch (else they go in order).
         drop_last: leave out the last outer batch when it is short.
-        packer: "adaptive", "ffd" or "uniform" (see ``xpm.plan``).
+        packer: ``xpm.PackerName``: "adaptive", "ffd" or "uniform" (see ``xpm.plan``).
         sort_by: the variable the packer sorts by (default: the non-batch-size one).
 
     Raises:
-        ValueError: a bad argument (named, with its value); a NaN, infinite or negative entry of
+        ValueError: a bad argument (named, with its value: ``PredictiveBatchSampler: packer must
+            be 'adaptive', 'ffd' or 'uniform', got 'FFD'``); a NaN, infinite or negative entry of
             ``record_dims`` or ``units`` (named with the first bad index); a record whose
             batch-size entry is not 1 (dims in the wrong order or the wrong batch-size variable;
             named with its index, its dims and the formula's variable order); a rank or world
@@ -174,10 +186,10 @@ class PredictiveBatchSampler(Sampler[List[int]]):
             its variable was probed at (likely columns in the wrong order), once.
     """
 
-    def __init__(self, record_dims, model: MemoryModel, usable_bytes: int, *, outer_batch_size: int,
-                 rank: Optional[int] = None, world_size: Optional[int] = None, seed: int = 0, units=None,
-                 shuffle: bool = True, drop_last: bool = False, packer: str = "adaptive",
-                 sort_by: Optional[str] = None):
+    def __init__(self, record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, outer_batch_size: int,
+                 rank: Optional[int] = None, world_size: Optional[int] = None, seed: int = 0,
+                 units: Optional[ArrayLike] = None, shuffle: bool = True, drop_last: bool = False,
+                 packer: PackerName = "adaptive", sort_by: Optional[str] = None) -> None:
         super().__init__()
         dims = _record_dims(_checked_record_dims(record_dims), model, "record_dims")
         if len(dims) == 0:
@@ -190,8 +202,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
             raise ValueError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
         if int(usable_bytes) <= 0:
             raise ValueError(f"usable_bytes must be > 0, got {usable_bytes}")
-        if packer not in PACKERS:
-            raise ValueError(f"packer must be one of {', '.join(PACKERS)}, got '{packer}'")
+        _check_choice(packer, PACKERS, "PredictiveBatchSampler: packer")
         self._dims = dims
         self._units = np.ones(len(dims)) if units is None else np.asarray(units, dtype=np.float64)
         if self._units.shape != (len(dims),):
@@ -249,7 +260,14 @@ class PredictiveBatchSampler(Sampler[List[int]]):
 
     # ---- epochs and resume
     def set_epoch(self, epoch: int) -> None:
-        """Starts epoch ``epoch`` (a new permutation) from its first step."""
+        """Starts epoch ``epoch`` (a new permutation) from its first step.
+
+        Args:
+            epoch: the epoch; its permutation uses ``seed + epoch``.
+
+        Raises:
+            ValueError: ``epoch`` is not a whole number.
+        """
         self._enter_epoch(_whole_number("epoch", epoch))
         self._steps_done, self._start = 0, (0, 0)
 
@@ -273,11 +291,19 @@ class PredictiveBatchSampler(Sampler[List[int]]):
 
     def state_dict(self) -> Dict[str, Any]:
         """Where the epoch is, in optimizer steps: ``load_state_dict`` of it yields exactly the
-        remaining steps. Returns the epoch, ``steps_done`` and the settings it must be loaded with."""
+        remaining steps.
+
+        Returns:
+            The epoch, ``steps_done`` and the settings it must be loaded with (plain values, for
+            JSON or ``torch.save``).
+        """
         return {"epoch": self._epoch, "steps_done": self._steps_done, **self._settings()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resumes at ``state``'s step.
+
+        Args:
+            state: a ``state_dict()`` of a sampler with the same settings.
 
         Raises:
             ValueError: ``state`` was written by a sampler with other settings (seed, outer batch
@@ -385,24 +411,40 @@ class PredictiveBatchSampler(Sampler[List[int]]):
                           RuntimeWarning, stacklevel=4)
 
     def steps_per_epoch(self) -> int:
-        """Optimizer steps per epoch (the same on every rank)."""
+        """Optimizer steps per epoch (the same on every rank).
+
+        Returns:
+            The outer batches of an epoch (the last short one left out with ``drop_last``).
+        """
         n = len(self._dims)
         return n // self._outer if self._drop_last else -(-n // self._outer)
 
-    def __iter__(self) -> Iterator[List[int]]:
-        """The remaining microbatches of the epoch, each a ``Microbatch`` (for
-        ``DataLoader(batch_sampler=...)``). The iterator has ``state_dict``/``load_state_dict``,
-        which ``StatefulDataLoader`` saves and restores: it resumes at the exact microbatch."""
+    def __iter__(self) -> Iterator[Microbatch]:
+        """The remaining microbatches of the epoch (for ``DataLoader(batch_sampler=...)``).
+
+        Returns:
+            An iterator of ``Microbatch``, with ``state_dict``/``load_state_dict``, which
+            ``StatefulDataLoader`` saves and restores: it resumes at the exact microbatch.
+        """
         self._current = _MicrobatchIterator(self, self._start_position(begin_pass=True))
         return self._current
 
     def __len__(self) -> int:
         """The number of microbatches the next pass (``iter(sampler)``) yields: the whole epoch
-        after ``set_epoch``, the rest after a resume."""
+        after ``set_epoch``, the rest after a resume.
+
+        Returns:
+            The number of microbatches.
+        """
         return self._plan()[1][-1] - self._start_position()
 
-    def weights(self) -> Iterator[tuple]:
-        """(weight, last of its step) of every microbatch the next pass yields, in the same order."""
+    def weights(self) -> Iterator[Tuple[float, bool]]:
+        """The weights of the microbatches the next pass yields, in the same order.
+
+        Returns:
+            An iterator of ``(weight, last)``: the factor of the microbatch's mean loss, and
+            whether it ends its optimizer step.
+        """
         steps, offsets = self._plan()
         for position in range(self._start_position(), offsets[-1]):
             k = bisect.bisect_right(offsets, position) - 1
@@ -499,7 +541,7 @@ class _MicrobatchIterator(Iterator[List[int]]):
 UNPLANNED_SHARE_WITHOUT_CAPACITY = 0.10
 
 
-def check_unplanned_memory(meter, model: MemoryModel, usable_bytes: int,
+def check_unplanned_memory(meter: Meter, model: MemoryModel, usable_bytes: int,
                            module: Optional[torch.nn.Module] = None) -> float:
     """Compares the bytes allocated now, at the start of an optimizer step, with what the
     model's probes had allocated before every probe (``model.static_bytes``: weights, gradients,
@@ -533,7 +575,7 @@ def check_unplanned_memory(meter, model: MemoryModel, usable_bytes: int,
     return unplanned
 
 
-def _unplanned_memory(meter, model: MemoryModel, usable_bytes: int,
+def _unplanned_memory(meter: Meter, model: MemoryModel, usable_bytes: int,
                       module: Optional[torch.nn.Module]) -> Tuple[float, Optional[str]]:
     """``check_unplanned_memory``'s unplanned bytes and its warning (None when there is none)."""
     static = model.static_bytes
@@ -556,7 +598,7 @@ def _unplanned_memory(meter, model: MemoryModel, usable_bytes: int,
                        f"MemoryBudget(extra_overhead_bytes=...)")
 
 
-def microbatch_loop(loader, sampler: PredictiveBatchSampler, *, meter=None,
+def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, meter: Optional[Meter] = None,
                     module: Optional[torch.nn.Module] = None) -> Iterator[Tuple[Any, float, bool]]:
     """Yields ``(batch, weight, last)`` for every microbatch of ``loader``.
 
