@@ -1,10 +1,13 @@
 """The planner core from Python: formulas, fit, models, budgets, plans equal to the C++ plans."""
 import concurrent.futures
+import inspect
 import json
 import subprocess
+import typing
 
 import numpy as np
 import pytest
+import torch
 
 import xpm
 
@@ -25,6 +28,9 @@ def test_formula_errors_are_exceptions_with_the_column():
     assert isinstance(caught.value, ValueError)
     assert caught.value.column == caught.value.position + 1
     assert "formula error at column" in caught.value.brief
+    with pytest.raises(TypeError) as caught:
+        xpm.CostFormula("a*bs + c", "bs")
+    assert str(caught.value) == "CostFormula: variables must be a list of names, e.g. ['bs'], got the string 'bs'"
     with pytest.raises(xpm.FormulaError) as undeclared:
         xpm.CostFormula("a*bs + x", ["bs"], coefficients=["a"])
     assert undeclared.value.symbol == "x" and undeclared.value.column == 8
@@ -199,3 +205,84 @@ def test_plans_made_in_threads_at_once_equal_the_plan_made_alone():
                    for packer in ("adaptive", "ffd") * 2]
         for packer, future in futures:
             assert _plan_arrays(future.result()) == alone[packer]
+
+
+def test_closed_sets_are_literals_in_the_signatures_and_checked_at_run_time():
+    hints = typing.get_type_hints
+    assert typing.get_args(xpm.PackerName) == xpm.PACKERS == ("adaptive", "ffd", "uniform")
+    assert hints(xpm.plan)["packer"] == xpm.PackerName
+    assert hints(xpm.PredictiveBatchSampler.__init__)["packer"] == xpm.PackerName
+    assert typing.get_args(xpm.Aggregation) == ("count", "max", "sum")
+    assert hints(xpm.fit)["aggregation"] == typing.Optional[typing.Dict[str, xpm.Aggregation]]
+    assert hints(xpm.fit)["formula"] == typing.Union[xpm.CostFormula, typing.Literal["auto"]]
+    assert typing.get_args(xpm.RecordAggregation) == ("max", "sum")
+    assert hints(xpm.probe)["aggregation"] == typing.Optional[typing.Dict[str, xpm.RecordAggregation]]
+    assert typing.get_args(xpm.DeviceKind) == ("cpu", "cuda")
+    assert hints(xpm.probe)["device"] == typing.Union[xpm.DeviceKind, torch.device, str, None]
+    assert hints(xpm.probe)["meter"] == typing.Optional[xpm.Meter]
+    assert hints(xpm.AdaptiveReport)["stop"] == xpm.AdaptiveStop
+    assert set(typing.get_args(xpm.AdaptiveStop)) == {"not run", "agreed", "probe count", "probe time", "no candidates"}
+
+    formula = xpm.CostFormula("a*bs*l + b*bs + c", ["bs", "l"])
+    dims = np.array([[1, 10], [2, 10], [4, 20], [8, 40]], dtype=float)
+    peaks = 100 * dims[:, 0] * dims[:, 1] + 30 * dims[:, 0] + 1000
+    model, _ = xpm.fit(formula, dims, peaks)
+    with pytest.raises(ValueError) as caught:
+        xpm.plan(np.ones((5, 2)), model, 10**6, packer="FFD")
+    assert str(caught.value) == "plan: packer must be 'adaptive', 'ffd' or 'uniform', got 'FFD'"
+    for bad in ("avg", "MAX", None):
+        with pytest.raises(ValueError) as caught:
+            xpm.fit(formula, dims, peaks, aggregation={"l": bad})
+        assert str(caught.value) == f"fit: aggregation['l'] must be 'count', 'max' or 'sum', got {bad!r}"
+    with pytest.raises(ValueError) as caught:
+        xpm.fit(formula, dims, peaks, aggregation="max")
+    assert str(caught.value) == "fit: aggregation must be a dict {variable: 'count', 'max' or 'sum'}, got 'max'"
+    with pytest.raises(ValueError) as caught:
+        xpm.fit("Auto", dims, peaks, variables=["bs", "l"])
+    assert str(caught.value) == "fit: formula must be a CostFormula or 'auto', got 'Auto'"
+    summed, _ = xpm.fit(formula, dims, peaks, aggregation={"l": "sum"})  # every value of the Literal is taken
+    assert json.loads(summed.to_json())["aggregation"] == {"bs": "count", "l": "sum"}
+
+
+def _public_callables():
+    """(name, function, whether a property getter) of every public function, method and
+    property of the package."""
+    for name in xpm.__all__:
+        obj = getattr(xpm, name)
+        if inspect.isfunction(obj):
+            yield name, obj, False
+        elif inspect.isclass(obj) and obj.__module__.startswith("xpm."):
+            for member, value in vars(obj).items():
+                if member.startswith("_") and member not in ("__init__", "__len__", "__iter__", "__getitem__"):
+                    continue
+                if isinstance(value, (classmethod, staticmethod)):
+                    value = value.__func__
+                getter = isinstance(value, property)
+                if getter:
+                    value = value.fget
+                if inspect.isfunction(value):
+                    yield f"{name}.{member}", value, getter
+
+
+def test_every_public_signature_is_typed_and_documented_with_google_style_sections():
+    missing = []
+    for name, function, getter in _public_callables():
+        hints = typing.get_type_hints(function)  # resolvable at run time (Python 3.9 too: no X | Y)
+        parameters = [p for p in inspect.signature(function).parameters if p not in ("self", "cls")]
+        missing += [f"{name}: no type of {p}" for p in parameters if p not in hints]
+        if "return" not in hints:
+            missing.append(f"{name}: no return type")
+        if name.endswith(".__init__"):  # documented by its class
+            owner = getattr(xpm, name.split(".")[0])
+            if parameters and "Args:" not in (owner.__doc__ or "") and "Attributes:" not in (owner.__doc__ or ""):
+                missing.append(f"{name}: its class's docstring has no Args:")
+            continue
+        doc = inspect.getdoc(function) or ""
+        if not doc:
+            missing.append(f"{name}: no docstring")
+        elif not getter and "\n" in doc.strip():  # one line: a plain method (a property: its unit named)
+            if parameters and "Args:" not in doc:
+                missing.append(f"{name}: no Args:")
+            if hints.get("return") not in (None, type(None)) and "Returns:" not in doc:
+                missing.append(f"{name}: no Returns:")
+    assert missing == []

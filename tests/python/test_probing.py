@@ -3,6 +3,8 @@ the restored optimizer and generators, held-out error, a short training run with
 gradient accumulation over planned microbatches equal to one big batch; the plain mistakes
 (a meter installed after the model, a variable_max key that is no variable, a second optimizer
 created after probing) get a one-line error or warning."""
+import gc
+import json
 import re
 import subprocess
 import sys
@@ -334,3 +336,203 @@ def test_with_a_record_sample_the_loss_gets_each_probes_records_and_bad_records_
     for probe in outcome.probes:  # aggregated: the record count, the longest l, the summed t
         assert probe.dims[2] >= probe.dims[1] and probe.dims[2] <= probe.dims[0] * probe.dims[1]
     assert any(p.dims[2] < p.dims[0] * p.dims[1] for p in outcome.probes)  # mixes of unequal lengths
+
+
+# ---- device=: where the probes run, checked against the meter and the parameters first
+
+def _counting(model):
+    """A loss function over ``model`` that counts its calls (a probe that ran calls it)."""
+    calls = []
+
+    def loss_fn(dims):
+        calls.append(list(dims))
+        return model.loss_sum(random_chars(dims))
+    return loss_fn, calls
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no CUDA device")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda")])
+@pytest.mark.parametrize("with_meter", [False, True])
+def test_device_cuda_without_cuda_fails_in_one_line_before_anything_is_probed(device, with_meter):
+    torch.manual_seed(12)
+    model = CharGru()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss_fn, calls = _counting(model)
+    METER.capacity_bytes = 400_000_000
+    try:
+        with pytest.raises(ValueError) as error:
+            xpm.probe(model, optimizer, loss_fn, FORMULA, meter=METER if with_meter else None, device=device,
+                      variable_max={"bs": 16, "l": 48})
+        assert METER.capacity_bytes == 400_000_000
+    finally:
+        METER.capacity_bytes = 0
+    message = str(error.value)
+    torch_version = re.escape(torch.__version__)
+    reason = (f"torch {torch_version} is a build without CUDA" if torch.version.cuda is None else
+              f"torch {torch_version} is built with CUDA {re.escape(torch.version.cuda)} but sees no GPU.*")
+    assert re.fullmatch(rf"probe: device='{device}' but torch\.cuda\.is_available\(\) is False \({reason}\); on CPU "
+                        rf"use device='cpu' with meter=xpm\.CpuMeter\.install\(\), installed before the model is built",
+                        message), message
+    assert "\n" not in message and error.value.__context__ is None and error.value.__cause__ is None
+    assert calls == [] and _untouched(model, optimizer, 1e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no CUDA device")
+def test_a_cuda_meter_without_cuda_is_refused_in_one_line():
+    for args, given in (((), ""), (("cuda:1",), "device='cuda:1' but "),
+                        ((torch.device("cuda"),), "device='cuda' but ")):
+        with pytest.raises(ValueError) as error:
+            xpm.CudaMeter(*args)
+        message = str(error.value)
+        assert message.startswith(f"CudaMeter: {given}torch.cuda.is_available() is False (torch {torch.__version__} ")
+        assert message.endswith("); on CPU use xpm.CpuMeter.install(), installed before the model is built")
+        assert "\n" not in message and error.value.__context__ is None
+
+
+def _untimed(model):
+    """The model's JSON without the seconds it records (probe durations, the adaptive design's time)."""
+    data = json.loads(model.to_json())
+    adaptive = data["metadata"]["adaptive_design"]
+    del adaptive["elapsed_s"], adaptive["report"]
+    for probe in data["metadata"]["probes"]:
+        del probe["duration_s"]
+    return data
+
+
+def test_device_cpu_probes_as_the_default_does():
+    torch.manual_seed(13)
+    model = CharGru()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    METER.capacity_bytes = 400_000_000
+    outcomes = []
+    try:
+        for device in (None, "cpu", torch.device("cpu")):
+            gc.collect()  # no object of an earlier test freed in the middle of a probe
+            torch.manual_seed(14)
+            outcomes.append(xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)), FORMULA,
+                                      meter=METER, variable_max={"bs": 16, "l": 48}, device=device))
+    finally:
+        METER.capacity_bytes = 0
+    default = outcomes[0]
+    assert default.fit.usable and len(default.probes) >= 6 and default.meter is METER
+    for outcome in outcomes[1:]:  # the same probes, the same peaks, the same model
+        assert outcome.meter is METER
+        assert [(list(p.dims), p.forward_backward_peak_bytes, p.optimizer_step_peak_bytes) for p in outcome.probes] \
+            == [(list(p.dims), p.forward_backward_peak_bytes, p.optimizer_step_peak_bytes) for p in default.probes]
+        assert _untimed(outcome.model) == _untimed(default.model)
+        assert outcome.floor == default.floor and outcome.adaptive.stop == default.adaptive.stop
+    assert optimizer.param_groups[0]["lr"] == 1e-2 and len(optimizer.state) == 0
+
+
+class DelegatingMeter:
+    """A meter of the user's own: METER's figures, counting its resets (duck-typed; without
+    ``device=`` probe takes it as it always did)."""
+
+    def __init__(self):
+        self.resets = 0
+
+    capacity_bytes = property(lambda self: METER.capacity_bytes)
+    current_allocated_bytes = property(lambda self: METER.current_allocated_bytes)
+    peak_allocated_bytes = property(lambda self: METER.peak_allocated_bytes)
+
+    def reset_peak(self):
+        self.resets += 1
+        METER.reset_peak()
+
+
+def test_a_device_that_does_not_match_the_meter_or_the_parameters_is_refused_in_one_line():
+    torch.manual_seed(15)
+    model = CharGru()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss_fn, calls = _counting(model)
+    with torch.device("meta"):
+        on_meta = CharGru()  # parameters without storage: on no device a meter measures
+    meta_optimizer = torch.optim.Adam(on_meta.parameters(), lr=1e-2)
+    own = DelegatingMeter()
+    cases = [
+        (model, optimizer, dict(meter=None, device="cpu"),
+         "probe: device='cpu' needs meter=, a CpuMeter that probe cannot make: it must count the weights as they are "
+         "allocated, so call xpm.CpuMeter.install() before building the model and pass it as meter="),
+        (model, optimizer, dict(meter=None),
+         "probe: meter=None without device=: give meter=xpm.CpuMeter.install() (installed before the model was "
+         "built) or meter=xpm.CudaMeter(), or device='cuda' to measure a GPU"),
+        (model, optimizer, dict(meter=own, device="cpu"),
+         "probe: device='cpu' but meter is a DelegatingMeter: give the xpm.CpuMeter installed before the model was "
+         "built"),
+        (on_meta, meta_optimizer, dict(meter=METER, device="cpu"),
+         "probe: device='cpu' but the model's parameters are on meta: move the model with model.to('cpu') before "
+         "building its optimizer, or give the parameters' device"),
+        (model, optimizer, dict(meter=METER, device="mps"),
+         "probe: device='mps': xpm measures CPU memory (xpm.CpuMeter) and CUDA memory (xpm.CudaMeter) only"),
+        (model, optimizer, dict(meter=METER, device="gpu"),
+         "probe: device='gpu' is not a device: give 'cpu', 'cuda', 'cuda:N' or a torch.device"),
+        (model, optimizer, dict(meter=METER, device=0),
+         "probe: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got 0 (int)"),
+    ]
+    METER.capacity_bytes = 400_000_000
+    try:
+        for module, module_optimizer, kwargs, expected in cases:
+            with pytest.raises(ValueError) as error:
+                xpm.probe(module, module_optimizer, loss_fn, FORMULA, variable_max={"bs": 16, "l": 48}, **kwargs)
+            assert str(error.value) == expected
+            assert error.value.__cause__ is None  # one line: no chained error in the traceback
+            assert error.value.__context__ is None or error.value.__suppress_context__
+            assert _untouched(module, module_optimizer, 1e-2)
+        assert calls == [] and own.resets == 0 and METER.capacity_bytes == 400_000_000
+        # The same meter of the user's own without device=: taken as before.
+        outcome = xpm.probe(model, optimizer, loss_fn, FORMULA, meter=own, variable_max={"bs": 16, "l": 48})
+    finally:
+        METER.capacity_bytes = 0
+    assert outcome.fit.usable and outcome.meter is own and own.resets >= 2 * len(outcome.probes) and calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_device_meter_and_parameters_must_agree():
+    index = torch.cuda.current_device()
+    torch.manual_seed(16)
+    on_cpu = CharGru()
+    cpu_optimizer = torch.optim.Adam(on_cpu.parameters(), lr=1e-2)
+    on_gpu = CharGru().to(f"cuda:{index}")
+    gpu_optimizer = torch.optim.Adam(on_gpu.parameters(), lr=1e-2)
+    count = torch.cuda.device_count()
+    cases = [
+        (on_gpu, gpu_optimizer, dict(meter=METER, device="cuda"),
+         f"probe: device='cuda' but meter is a CpuMeter: give meter=xpm.CudaMeter(torch.device('cuda:{index}')) or "
+         f"meter=None"),
+        (on_cpu, cpu_optimizer, dict(meter=None, device="cuda"),
+         f"probe: device='cuda' but the model's parameters are on cpu: move the model with model.to('cuda:{index}') "
+         f"before building its optimizer, or give the parameters' device"),
+        (on_gpu, gpu_optimizer, dict(meter=xpm.CudaMeter(), device="cpu"),
+         f"probe: device='cpu' but meter is a CudaMeter of cuda:{index}: give the xpm.CpuMeter installed before the "
+         f"model was built"),
+        (on_gpu, gpu_optimizer, dict(meter=None, device=f"cuda:{count}"),
+         f"probe: device='cuda:{count}' but torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}"),
+    ]
+    for module, module_optimizer, kwargs, expected in cases:
+        with pytest.raises(ValueError) as error:
+            xpm.probe(module, module_optimizer, lambda dims: module.loss_sum(random_chars(dims)), FORMULA,
+                      variable_max={"bs": 16, "l": 48}, **kwargs)
+        assert str(error.value) == expected
+        assert _untouched(module, module_optimizer, 1e-2)
+    with pytest.raises(ValueError, match=r"^CudaMeter: device='cpu' is not a CUDA device"):
+        xpm.CudaMeter("cpu")
+    assert xpm.CudaMeter("cuda").device == torch.device("cuda", index)
+
+
+def test_an_aggregation_other_than_max_or_sum_is_refused_in_one_line():
+    torch.manual_seed(17)
+    model = CharGru()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss_fn, calls = _counting(model)
+    formula = xpm.CostFormula("a*bs*l + b*t + c", ["bs", "l", "t"])
+    METER.capacity_bytes = 400_000_000
+    try:
+        for how in ("SUM", "count", "mean", None):
+            with pytest.raises(ValueError) as error:
+                xpm.probe(model, optimizer, loss_fn, formula, meter=METER, aggregation={"l": "max", "t": how},
+                          variable_max={"bs": 16, "l": 48, "t": 48})
+            assert str(error.value) == f"probe: aggregation['t'] must be 'max' or 'sum', got {how!r}"
+            assert _untouched(model, optimizer, 1e-2)
+    finally:
+        METER.capacity_bytes = 0
+    assert calls == []

@@ -363,6 +363,11 @@ def test_a_finished_epoch_starts_over_and_bad_states_are_refused(model, lengths)
         sampler_for(model, lengths, shuffle=False).load_state_dict(state)
     with pytest.raises(ValueError, match="packer must be"):
         sampler_for(model, lengths, packer="nope")
+    for packer in ("FFD", "Adaptive", None):  # the Literal's values only, spelt as they are
+        with pytest.raises(ValueError) as caught:
+            sampler_for(model, lengths, packer=packer)
+        assert str(caught.value) == ("PredictiveBatchSampler: packer must be 'adaptive', 'ffd' or 'uniform', "
+                                     f"got {packer!r}")
     with pytest.raises(ValueError, match="outer_batch_size must be a whole number"):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=2.5)
     with pytest.warns(RuntimeWarning, match="over the budget"):
