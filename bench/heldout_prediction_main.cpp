@@ -224,6 +224,7 @@ int main(int argc, char** argv) {
       "cost formula (default: the architecture's bundled formula)")(
       "lengths", po::value(&lengths_text)->default_value(lengths_text), "held-out padded lengths")(
       "threads", po::value(&config.threads)->default_value(config.threads), "intra-op threads")(
+      "device", po::value(&config.device)->default_value(config.device), "cpu (the bundled task runs on the CPU)")(
       "json", po::value(&json_path)->default_value(""), "also write the results as JSON here");
   std::vector<double> lengths;
   try {

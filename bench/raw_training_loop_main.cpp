@@ -47,7 +47,7 @@
 
 #include "bench_options.hpp"
 #include "xpm/planner/atomic_file.hpp"
-#include "xpm/planner/ffd_packer.hpp"
+#include "xpm/planner/packer_kind.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/planner_torch/probe_runner.hpp"
@@ -126,10 +126,8 @@ xpm::TaggingJobConfig config_from_run(const nlohmann::json& j) {
 
 std::shared_ptr<const xpm::MicrobatchPacker> packer_named(const std::string& name,
                                                           const std::string& sort_by) {
-  if (name == "uniform") return std::make_shared<xpm::UniformPacker>();
-  if (name == "ffd") return std::make_shared<xpm::FirstFitDecreasingPacker>();
-  if (name == "adaptive") return std::make_shared<xpm::AdaptivePacker>(xpm::AdaptivePackerOptions{sort_by});
-  throw std::invalid_argument("config.json: unknown packer '" + name + "'");
+  const xpm::PackerKind kind = xpm::parse_packer_kind(name, "config.json packer");
+  return xpm::make_packer(kind, kind == xpm::PackerKind::kAdaptive ? sort_by : "");
 }
 
 // The outer batches of a run: tagging_job.cpp's sampler.

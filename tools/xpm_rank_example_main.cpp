@@ -122,11 +122,7 @@ int main(int argc, char** argv) {
                                   std::to_string(heldout_every));
     }
     if (threads < 0) throw std::invalid_argument("--threads must be >= 0, got " + std::to_string(threads));
-    try {
-      model_options.output_type = xpm::parse_scorer_output_type(output_type_name);
-    } catch (const std::invalid_argument& error) {
-      throw std::invalid_argument(std::string("--output-type: ") + error.what());
-    }
+    model_options.output_type = xpm::parse_scorer_output_type(output_type_name, "--output-type");
     try {
       loss = xpm::pairwise::make_pairwise_loss(loss_name, model_options.output_type,
                                                xpm::pairwise::HingeLossOptions{margin});

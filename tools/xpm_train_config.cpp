@@ -83,10 +83,10 @@ struct ChoiceTexts {
   explicit ChoiceTexts(const xpm::TaggingJobConfig& c)
       : architecture(xpm::to_string(c.architecture)), lr_schedule(xpm::to_string(c.lr_schedule)),
         precision(xpm::to_string(c.precision)), sharding(xpm::to_string(c.sharding)),
-        optimizer_checkpoint(xpm::optimizer_checkpoint_name(c.optimizer_checkpoint)),
+        optimizer_checkpoint(xpm::to_string(c.optimizer_checkpoint)),
         batcher(xpm::to_string(c.batcher)), packer(xpm::to_string(c.packer)),
         validation_metric(xpm::to_string(c.validation_metric)),
-        validation_mode(xpm::validation_mode_name(c.validation_mode)), backend(xpm::to_string(c.backend)),
+        validation_mode(xpm::to_string(c.validation_mode)), backend(xpm::to_string(c.backend)),
         preemption_signal(c.preemption_signal == 0 ? "none" : xpm::signal_name(c.preemption_signal)) {}
 
   void parse_into(xpm::TaggingJobConfig& c) const {
@@ -257,6 +257,8 @@ TrainSettings parse_train_settings(int argc, char** argv) {
        "random seed (>= 0)")
       ("threads", po::value(&config.threads)->default_value(config.threads),
        "intra-op threads per worker (0: hardware threads / workers on this host)")
+      ("device", po::value(&config.device)->default_value(config.device),
+       "cpu (the bundled task runs on the CPU; cuda fails in one line)")
       ("vocab-size", po::value(&config.vocab_size)->default_value(config.vocab_size),
        "vocabulary entries including pad and unknown")
       ("architecture", po::value(&choices.architecture)->default_value(choices.architecture),

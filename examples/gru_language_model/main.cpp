@@ -8,51 +8,18 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <map>
-#include <regex>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include <torch/torch.h>
 
-#include "xpm/planner/predictive_batcher.hpp"
-#include "xpm/planner_torch/cpu_memory_meter.hpp"
+#include "brown_sentences.hpp"
+#include "xpm/planner/record_dims_view.hpp"
+#include "xpm/planner_torch/device_meter.hpp"
 #include "xpm/planner_torch/step_probing.hpp"
 
 namespace {
-
-// ---- The data: Brown sentences as text (the words of "word/tag" tokens), cut after 256
-// characters (4 % of them are longer; median 92), every 10th file held out.
-constexpr std::size_t kMaxCharacters = 256;
-
-struct Corpus {
-  std::vector<std::string> train, held_out;
-};
-
-Corpus read_brown_text(const std::string& dir) {
-  std::vector<std::filesystem::path> files;
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    if (std::regex_match(entry.path().filename().string(), std::regex("c[a-r][0-9][0-9]"))) files.push_back(entry);
-  }
-  if (files.empty()) throw std::invalid_argument("--data-dir '" + dir + "' holds no Brown files (ca01, ...)");
-  std::sort(files.begin(), files.end());
-  Corpus corpus;
-  for (std::size_t i = 0; i < files.size(); ++i) {
-    std::ifstream in(files[i]);
-    for (std::string line; std::getline(in, line);) {
-      std::istringstream tokens(line);
-      std::string token, text;
-      while (tokens >> token) text += (text.empty() ? "" : " ") + token.substr(0, token.rfind('/'));
-      if (text.size() < 2) continue;
-      (i % 10 == 9 ? corpus.held_out : corpus.train).push_back(text.substr(0, kMaxCharacters));
-    }
-  }
-  return corpus;
-}
 
 // ---- The model: characters -> embedding 32 -> GRU 128 -> next-character logits.
 constexpr std::int64_t kVocab = 128;  // bytes below 128; others map to 0, which is also padding
@@ -71,7 +38,7 @@ struct CharGru : torch::nn::Module {
   }
 };
 
-torch::Tensor encode(const std::vector<const std::string*>& sentences, std::int64_t l) {
+torch::Tensor encode(const std::vector<const std::string*>& sentences, std::int64_t l) {  // [n, l] ids
   torch::Tensor chars = torch::zeros({static_cast<std::int64_t>(sentences.size()), l}, torch::kLong);
   auto a = chars.accessor<std::int64_t, 2>();
   for (std::size_t i = 0; i < sentences.size(); ++i) {
@@ -116,20 +83,19 @@ int main(int argc, char** argv) try {
       return 2;
     }
   }
-  const Corpus corpus = read_brown_text(option(argc, argv, "data-dir", "data/brown"));
+  const brown::Corpus corpus = brown::read_sentences(option(argc, argv, "data-dir", "data/brown"), 256);  // 4 % are longer
   const std::int64_t steps = positive_option(argc, argv, "steps", "60");
   const std::int64_t cap_bytes = positive_option(argc, argv, "memory-cap-bytes", "16000000");
   constexpr std::size_t kOuterBatch = 64;
   std::size_t max_length = 0;
-  for (const auto& s : corpus.train) max_length = std::max(max_length, s.size());
+  for (const auto& s : corpus.train) max_length = std::max(max_length, s.text.size());
 
   // 1. Meter first (it must see the weights), then the model, the optimizer and the cap.
   torch::set_num_threads(static_cast<int>(positive_option(argc, argv, "threads", "2")));
   torch::manual_seed(1);
-  xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
+  const std::shared_ptr<xpm::MemoryMeter> meter = xpm::make_device_meter(torch::kCPU, cap_bytes);
   auto model = std::make_shared<CharGru>();
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(3e-3));
-  meter.set_capacity_bytes(cap_bytes);
 
   // 2. Probe the step on random characters and fit the memory model. Two regimes (measured):
   //    small microbatches peak in backward, larger ones with a steeper cost per character.
@@ -137,12 +103,12 @@ int main(int argc, char** argv) try {
   probe.batcher.formula = xpm::CostFormula::with_variables("max(a*bs*l + b*bs + c, d*bs*l + e)", {"bs", "l"});
   probe.batcher.variable_max = {{"bs", double(kOuterBatch)}, {"l", double(max_length)}};
   probe.batcher.design_fractions = {1.0, 0.5, 0.25};  // most sentences are short: probe short l too
+  probe.meter = meter.get();
   probe.log = [](const std::string& line) { std::cout << line << "\n"; };
   const xpm::StepProbeResult probed = xpm::probe_and_fit(*model, optimizer, [&](const std::vector<double>& dims) {
     return model->loss_sum(torch::randint(1, kVocab, {std::int64_t(dims[0]), std::int64_t(dims[1])}));
   }, probe);
-  xpm::PredictiveBatcher batcher(probed.batcher_options, std::make_shared<xpm::AdaptivePacker>());
-  batcher.set_model(probed.model);
+  const xpm::PredictiveBatcher& batcher = *probed.batcher;  // the model set
   std::cout << "model: " << probed.model.formula().canonical() << ", floor " << probed.model.floor_bytes()
             << " bytes, usable " << probed.batcher_options.budget.usable_bytes() << " of " << cap_bytes << " bytes\n";
 
@@ -152,26 +118,27 @@ int main(int argc, char** argv) try {
   double worst_under = 0, max_abs_error = 0;
   const auto start = std::chrono::steady_clock::now();
   for (std::int64_t step = 0; step < steps; ++step) {
-    std::vector<std::vector<double>> dims;
     std::vector<const std::string*> outer;
+    std::vector<double> lengths;
     double targets = 0;
     for (std::size_t i = 0; i < kOuterBatch; ++i) {
-      outer.push_back(&corpus.train[(std::size_t(step) * kOuterBatch + i) % corpus.train.size()]);
-      dims.push_back({1, double(outer.back()->size())});
+      outer.push_back(&corpus.train[(std::size_t(step) * kOuterBatch + i) % corpus.train.size()].text);
+      lengths.push_back(double(outer.back()->size()));
       targets += double(outer.back()->size() - 1);
     }
+    const auto dims = xpm::record_dims_from_lengths(lengths, {"bs", "l"});  // {1, length} per sentence
     optimizer.zero_grad(/*set_to_none=*/false);  // keep the gradients the probes measured
     for (const xpm::Microbatch& mb : batcher.plan(dims).microbatches) {
       std::vector<const std::string*> sentences;
       for (std::size_t index : mb.record_indices) sentences.push_back(outer[index]);
-      meter.reset_peak();
+      meter->reset_peak();
       try {
         (model->loss_sum(encode(sentences, std::int64_t(mb.dims[1]))) / targets).backward();
       } catch (const c10::OutOfMemoryError&) {
         ++ooms;
         continue;
       }
-      const double measured = double(meter.peak_allocated_bytes());
+      const double measured = double(meter->peak_allocated_bytes());
       if (measured > probed.model.floor_bytes()) {  // where the formula, not the floor, binds
         const double error = (mb.predicted_bytes - measured) / measured;
         worst_under = std::min(worst_under, error);
@@ -191,9 +158,9 @@ int main(int argc, char** argv) try {
     std::vector<const std::string*> sentences;
     std::size_t l = 0;
     for (std::size_t j = i; j < i + 16; ++j) {
-      sentences.push_back(&corpus.held_out[j]);
-      l = std::max(l, corpus.held_out[j].size());
-      count += double(corpus.held_out[j].size() - 1);
+      sentences.push_back(&corpus.held_out[j].text);
+      l = std::max(l, corpus.held_out[j].text.size());
+      count += double(corpus.held_out[j].text.size() - 1);
     }
     loss += model->loss_sum(encode(sentences, std::int64_t(l))).item<double>();
   }

@@ -251,8 +251,8 @@ void validate_inputs(const CostFormula& formula, const std::vector<Measurement>&
 }
 
 ceres::LossFunction* make_loss(const FitOptions& options) {
-  if (options.robust_loss == "huber") return new ceres::HuberLoss(options.robust_loss_scale);
-  if (options.robust_loss == "cauchy") return new ceres::CauchyLoss(options.robust_loss_scale);
+  if (options.robust_loss == RobustLoss::kHuber) return new ceres::HuberLoss(options.robust_loss_scale);
+  if (options.robust_loss == RobustLoss::kCauchy) return new ceres::CauchyLoss(options.robust_loss_scale);
   return nullptr;
 }
 
@@ -448,7 +448,7 @@ Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>
   // Newton step can be zero and Ceres stops at a point that is not the constrained minimum.
   Eigen::VectorXd x0 = options.non_negative ? detail::non_negative_least_squares(jacobian, -r0)
                                             : jacobian.colPivHouseholderQr().solve(-r0);
-  if (exact_is_enough && bounds.empty() && options.robust_loss == "none" && x0.allFinite()) {
+  if (exact_is_enough && bounds.empty() && options.robust_loss == RobustLoss::kNone && x0.allFinite()) {
     // Nothing for Ceres to add: the (non-negative) least-squares solution is the optimum.
     Solution s;
     s.summary.termination_type = ceres::CONVERGENCE;
@@ -797,7 +797,7 @@ std::vector<std::vector<double>> held_out_refits(const CostFormula& formula,
                                                  const std::vector<Measurement>& rest,
                                                  const std::vector<InfeasibleBound>& bounds,
                                                  const FitOptions& options, const FitResult& full) {
-  if (formula.is_linear() && bounds.empty() && options.robust_loss == "none") {
+  if (formula.is_linear() && bounds.empty() && options.robust_loss == RobustLoss::kNone) {
     return {solve_linear(formula, rest, bounds, options, 0.0, nullptr, true).coefficients};
   }
   const Solution from_full = solve(formula, rest, bounds, options, &full.coefficients);

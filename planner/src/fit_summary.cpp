@@ -10,8 +10,20 @@
 #include "xpm/planner/fit.hpp"
 
 #include "number_format.hpp"
+#include "xpm/planner/enum_names.hpp"
 
 namespace xpm {
+
+namespace {
+constexpr EnumNames<RobustLoss, 3> kRobustLossNames{
+    {{RobustLoss::kNone, "none"}, {RobustLoss::kHuber, "huber"}, {RobustLoss::kCauchy, "cauchy"}}};
+}  // namespace
+
+std::string to_string(RobustLoss loss) { return enum_name(kRobustLossNames, loss); }
+
+RobustLoss parse_robust_loss(const std::string& text, const std::string& source) {
+  return parse_enum(kRobustLossNames, text, source);
+}
 namespace {
 
 using detail::format_double;
@@ -35,10 +47,6 @@ void FitOptions::validate() const {
       throw std::invalid_argument(std::string("FitOptions: ") + name +
                                   " must be finite and >= 0, got " + format_double(value));
     }
-  }
-  if (robust_loss != "none" && robust_loss != "huber" && robust_loss != "cauchy") {
-    throw std::invalid_argument("FitOptions: robust_loss must be \"none\", \"huber\" or "
-                                "\"cauchy\", got \"" + robust_loss + "\"");
   }
   if (!(std::isfinite(robust_loss_scale) && robust_loss_scale > 0)) {
     throw std::invalid_argument("FitOptions: robust_loss_scale must be finite and > 0, got " +
@@ -72,7 +80,7 @@ std::string FitSummary::brief_report() const {
   os << " ("
      << (linear ? "linear" : "non-linear") << " least squares, " << coefficient_count
      << (coefficient_count == 1 ? " coefficient" : " coefficients") << ", robust loss "
-     << robust_loss << "): max relative error " << percent(max_rel_error) << ", mean "
+     << to_string(robust_loss) << "): max relative error " << percent(max_rel_error) << ", mean "
      << percent(mean_rel_error) << ", ";
   if (leave_one_out_note.empty() && !leave_one_out_rel_errors.empty()) {
     os << "held-out (leave-one-out) max relative error " << percent(leave_one_out_max_rel_error);

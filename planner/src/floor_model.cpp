@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "number_format.hpp"
+#include "xpm/planner/enum_names.hpp"
 #include "residual_structure.hpp"
 
 namespace xpm {
@@ -119,20 +120,15 @@ FloorFit fit_floor(const CostFormula& formula, const std::vector<Measurement>& o
   return out;
 }
 
-std::string to_string(FloorMode mode) {
-  switch (mode) {
-    case FloorMode::kAutomatic: return "auto";
-    case FloorMode::kConstant: return "constant";
-    case FloorMode::kFormula: return "formula";
-  }
-  throw std::invalid_argument("unknown FloorMode " + std::to_string(static_cast<int>(mode)));
-}
+namespace {
+constexpr EnumNames<FloorMode, 3> kFloorModeNames{
+    {{FloorMode::kAutomatic, "auto"}, {FloorMode::kConstant, "constant"}, {FloorMode::kFormula, "formula"}}};
+}  // namespace
 
-FloorMode floor_mode_from_string(const std::string& s) {
-  if (s == "auto") return FloorMode::kAutomatic;
-  if (s == "constant") return FloorMode::kConstant;
-  if (s == "formula") return FloorMode::kFormula;
-  throw std::invalid_argument("unknown floor mode '" + s + "'; expected auto, constant or formula");
+std::string to_string(FloorMode mode) { return enum_name(kFloorModeNames, mode); }
+
+FloorMode parse_floor_mode(const std::string& text, const std::string& source) {
+  return parse_enum(kFloorModeNames, text, source);
 }
 
 }  // namespace xpm

@@ -4,6 +4,7 @@
 #include "number_format.hpp"
 
 #include "xpm/planner/atomic_file.hpp"
+#include "xpm/planner/enum_names.hpp"
 
 #include <algorithm>
 #include <cerrno>
@@ -128,22 +129,15 @@ std::vector<ProbedRange> probed_ranges_from_json(const nlohmann::json& j,
 
 }  // namespace
 
-std::string to_string(DimAggregation a) {
-  switch (a) {
-    case DimAggregation::kCount: return "count";
-    case DimAggregation::kMax: return "max";
-    case DimAggregation::kSum: return "sum";
-  }
-  throw std::invalid_argument("unknown DimAggregation value " +
-                              std::to_string(static_cast<int>(a)));
-}
+namespace {
+constexpr EnumNames<DimAggregation, 3> kDimAggregationNames{
+    {{DimAggregation::kCount, "count"}, {DimAggregation::kMax, "max"}, {DimAggregation::kSum, "sum"}}};
+}  // namespace
 
-DimAggregation dim_aggregation_from_string(const std::string& s) {
-  if (s == "count") return DimAggregation::kCount;
-  if (s == "max") return DimAggregation::kMax;
-  if (s == "sum") return DimAggregation::kSum;
-  throw std::invalid_argument("unknown dim aggregation '" + s +
-                              "'; expected \"count\", \"max\" or \"sum\"");
+std::string to_string(DimAggregation a) { return enum_name(kDimAggregationNames, a); }
+
+DimAggregation parse_dim_aggregation(const std::string& text, const std::string& source) {
+  return parse_enum(kDimAggregationNames, text, source);
 }
 
 MemoryModel::MemoryModel(CostFormula formula, std::vector<double> coefficients, double floor_bytes,
@@ -508,7 +502,7 @@ MemoryModel MemoryModel::from_json(const nlohmann::json& j) {
     const std::string field = "aggregation." + item.key();
     if (!item.value().is_string()) bad_field(field, "expected a string, got " + brief(item.value()));
     try {
-      aggregation[item.key()] = dim_aggregation_from_string(item.value().get<std::string>());
+      aggregation[item.key()] = parse_dim_aggregation(item.value().get<std::string>(), "the value");
     } catch (const std::invalid_argument& e) {
       bad_field(field, e.what());
     }

@@ -638,3 +638,29 @@ MicrobatchPlan AdaptivePacker::pack(RecordDimsView record_dims, const MemoryMode
 }
 
 }  // namespace xpm
+
+namespace xpm {
+
+std::vector<std::vector<double>> record_dims_from_lengths(const std::vector<double>& lengths, const std::vector<std::string>& variables,
+                                             const std::string& batch_size_variable) {
+  const auto bs = std::find(variables.begin(), variables.end(), batch_size_variable);
+  if (bs == variables.end()) {
+    throw std::invalid_argument("record_dims_from_lengths: the variables lack the batch size '" + batch_size_variable + "'");
+  }
+  if (variables.size() < 2) {
+    throw std::invalid_argument("record_dims_from_lengths: no variable besides the batch size '" + batch_size_variable + "'");
+  }
+  std::vector<std::vector<double>> dims;
+  dims.reserve(lengths.size());
+  for (std::size_t i = 0; i < lengths.size(); ++i) {
+    if (!(std::isfinite(lengths[i]) && lengths[i] >= 0)) {
+      throw std::invalid_argument("record_dims_from_lengths: length " + std::to_string(i) + " is " +
+                                  std::to_string(lengths[i]) + ", expected a finite value >= 0");
+    }
+    std::vector<double>& record = dims.emplace_back();
+    for (const std::string& variable : variables) record.push_back(variable == batch_size_variable ? 1.0 : lengths[i]);
+  }
+  return dims;
+}
+
+}  // namespace xpm

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "number_format.hpp"
+#include "xpm/planner/enum_names.hpp"
 
 namespace xpm {
 namespace {
@@ -84,7 +85,8 @@ std::vector<std::size_t> sample_order(const PredictiveBatcherOptions& options) {
 }  // namespace
 
 std::string to_string(FormulaChoice choice) {
-  return choice == FormulaChoice::kAutomatic ? "auto" : "given";
+  constexpr EnumNames<FormulaChoice, 2> kNames{{{FormulaChoice::kGiven, "given"}, {FormulaChoice::kAutomatic, "auto"}}};
+  return enum_name(kNames, choice);
 }
 
 std::string not_usable_message(const FitSummary& summary) {

@@ -15,6 +15,7 @@
 #include "xpm/planner/predictive_batcher.hpp"
 
 #include "xpm/planner/dims_text.hpp"
+#include "xpm/planner/enum_names.hpp"
 
 #include "number_format.hpp"
 
@@ -53,16 +54,15 @@ void AdaptiveDesignOptions::validate() const {
   }
 }
 
-std::string to_string(AdaptiveStop stop) {
-  switch (stop) {
-    case AdaptiveStop::kNotRun: return "not run";
-    case AdaptiveStop::kAgreed: return "agreed";
-    case AdaptiveStop::kProbeCount: return "probe count";
-    case AdaptiveStop::kProbeTime: return "probe time";
-    case AdaptiveStop::kNoCandidates: return "no candidates";
-  }
-  return "unknown";
-}
+namespace {
+constexpr EnumNames<AdaptiveStop, 5> kAdaptiveStopNames{{{AdaptiveStop::kNotRun, "not run"},
+                                                          {AdaptiveStop::kAgreed, "agreed"},
+                                                          {AdaptiveStop::kProbeCount, "probe count"},
+                                                          {AdaptiveStop::kProbeTime, "probe time"},
+                                                          {AdaptiveStop::kNoCandidates, "no candidates"}}};
+}  // namespace
+
+std::string to_string(AdaptiveStop stop) { return enum_name(kAdaptiveStopNames, stop); }
 
 std::string AdaptiveDesignReport::describe(const CostFormula& formula) const {
   std::ostringstream os;

@@ -161,7 +161,7 @@ StepProbeResult look_up_or_probe(torch::nn::Module& module, torch::optim::Optimi
     if (!warning.empty()) say(options, "xpm: warning: " + warning);
     if (cached) {
       say(options, "xpm: memory model from the cache (" + cache->path_for(identity) + "), no probing");
-      return {std::move(*cached), {}, true, 0, {}};
+      return {std::move(*cached), {}, true, 0, {}, nullptr};
     }
   }
   PredictiveBatcher batcher(options.batcher, std::make_shared<AdaptivePacker>());
@@ -180,7 +180,7 @@ StepProbeResult look_up_or_probe(torch::nn::Module& module, torch::optim::Optimi
     batcher.probe_and_fit(executor);
   }
   StepProbeResult result{batcher.model(), batcher.probes(), false,
-                         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), {}};
+                         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), {}, nullptr};
   result.model.metadata()["model_signature"] = identity.at("model_signature");
   result.model.metadata()["optimizer"] = identity.at("optimizer");
   result.model.metadata()["torch_version"] = TORCH_VERSION;
@@ -233,7 +233,7 @@ StepProbeResult share_or_probe(torch::nn::Module& module, torch::optim::Optimize
   }
   if (result) return std::move(*result);
   return {MemoryModel::from_json(shared.at("model")), {}, shared.at("from_cache").get<bool>(),
-          shared.at("probe_s").get<double>(), {}};
+          shared.at("probe_s").get<double>(), {}, nullptr};
 }
 
 }  // namespace
@@ -326,9 +326,12 @@ StepProbeResult probe_and_fit(torch::nn::Module& module, torch::optim::Optimizer
     budget = meter_budget(meter, budget.memory_fraction, budget.extra_overhead_bytes);
   }
   options.batcher.validate();
+  const std::shared_ptr<const MicrobatchPacker> packer = make_packer(options.packer, options.sort_by);
   check_meter_sees_weights(module, options.meter != nullptr ? *options.meter : CpuMemoryMeter::instance());
   StepProbeResult result = share_or_probe(module, optimizer, loss_fn, options);
   result.batcher_options = options.batcher;
+  result.batcher = std::make_shared<PredictiveBatcher>(result.batcher_options, packer);
+  result.batcher->set_model(result.model);
   return result;
 }
 

@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "xpm/planner/budget.hpp"
-#include "xpm/planner/ffd_packer.hpp"
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/formula.hpp"
 #include "xpm/planner/formula_selection.hpp"
 #include "xpm/planner/memory_model.hpp"
 #include "xpm/planner/packer.hpp"
+#include "xpm/planner/packer_kind.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner/rank_assignment.hpp"
 #include "xpm/planner/record_dims_view.hpp"
@@ -51,10 +51,8 @@ std::vector<std::vector<double>> rows_of(const DoubleArray& array, std::size_t v
 }
 
 std::shared_ptr<const xpm::MicrobatchPacker> packer_named(const std::string& name, const std::string& sort_by) {
-  if (name == "adaptive") return std::make_shared<xpm::AdaptivePacker>(xpm::AdaptivePackerOptions{sort_by});
-  if (name == "ffd") return std::make_shared<xpm::FirstFitDecreasingPacker>();
-  if (name == "uniform") return std::make_shared<xpm::UniformPacker>();
-  throw std::invalid_argument("packer must be 'adaptive', 'ffd' or 'uniform', got '" + name + "'");
+  const xpm::PackerKind kind = xpm::parse_packer_kind(name, "packer");
+  return xpm::make_packer(kind, kind == xpm::PackerKind::kAdaptive ? sort_by : "");
 }
 
 // A plan as flat arrays: record indices of every microbatch one after the other, offsets
@@ -121,7 +119,7 @@ py::array_t<double> record_costs(const xpm::MemoryModel& model, const DoubleArra
 
 std::map<std::string, xpm::DimAggregation> aggregation_of(const std::map<std::string, std::string>& names) {
   std::map<std::string, xpm::DimAggregation> out;
-  for (const auto& [variable, name] : names) out[variable] = xpm::dim_aggregation_from_string(name);
+  for (const auto& [variable, name] : names) out[variable] = xpm::parse_dim_aggregation(name, "aggregation['" + variable + "']");
   return out;
 }
 

@@ -21,6 +21,10 @@ endfunction()
 
 expect_refuses_stray_word(xpm-rank-example XPM_RANK_EXAMPLE)
 expect_refuses_stray_word(heldout-prediction HELDOUT_PREDICTION)
+if(DEFINED HELDOUT_PREDICTION)  # --device cuda: one line before any work
+  cli_expect_error("heldout-prediction --device cuda" 2 "^heldout-prediction: error: [^\n]*--device 'cuda': [^\n]*$"
+                   "${HELDOUT_PREDICTION}" --data-dir "${DATA_DIR}" --device cuda)
+endif()
 expect_refuses_stray_word(raw-training-loop RAW_TRAINING_LOOP)
 expect_refuses_stray_word(bench-report BENCH_REPORT)
 expect_refuses_stray_word(batcher-comparison BATCHER_COMPARISON)

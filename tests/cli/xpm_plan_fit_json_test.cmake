@@ -128,7 +128,7 @@ xpm_plan_run(2 "bad formula" fit "${dir}/list.json" --formula "a*bs*zz + c" --va
 expect_match("bad formula" "${ERR}" "--formula 'a[*]bs[*]zz [+] c': .*zz")
 xpm_plan_run(2 "bad robust loss" fit "${dir}/list.json" --formula "a*bs*l^2 + c" --variables bs,l
              --bytes-column peak --robust-loss l1)
-expect_match("bad robust loss" "${ERR}" "--robust-loss: expected none, huber or cauchy, got 'l1'")
+expect_match("bad robust loss" "${ERR}" "--robust-loss must be 'none', 'huber' or 'cauchy', got 'l1'")
 xpm_plan_run(2 "floor twice" fit "${dir}/list.json" --formula "a*bs*l^2 + c" --variables bs,l
              --bytes-column peak --floor-bytes 5 --floor-column peak)
 xpm_plan_run(2 "no measurements" fit --formula "a*bs*l^2 + c" --variables bs,l --bytes-column peak)

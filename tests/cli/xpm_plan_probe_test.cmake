@@ -77,6 +77,8 @@ endif()
 # Bad input: exit 2, nothing written.
 xpm_plan_run(2 "bad probe point" probe --data-dir "${DATA_DIR}" --probe-points 8y64 --output "${dir}/bad.csv")
 expect_match("bad probe point" "${ERR}" "'8y64' is not of the form BSxL")
+xpm_plan_run(2 "cuda device" probe --data-dir "${DATA_DIR}" --probe-points 2x16 --device cuda)
+expect_match("cuda device" "${ERR}" "--device 'cuda': ")
 xpm_plan_run(2 "no corpus" probe --data-dir "${dir}/nowhere" --probe-points 2x16)
 expect_match("no corpus" "${ERR}" "nowhere' has no cats.txt")
 xpm_plan_run(2 "bad cap factor" probe --data-dir "${DATA_DIR}" --probe-points 2x16 --memory-cap-factor 0.5)

@@ -24,8 +24,12 @@ expect_input_error("bad packer" "packer must be 'adaptive', 'uniform' or 'ffd', 
 expect_input_error("bad precision" "precision '16-mixed' needs a CUDA device" --data-dir "${DATA_DIR}" --precision 16-mixed)
 expect_input_error("bad lr schedule" "--lr-schedule" --data-dir "${DATA_DIR}" --lr-schedule step)
 expect_input_error("checkpointing without encoder layers" "--activation-checkpointing recomputes the Transformer" --data-dir "${DATA_DIR}" --architecture bilstm --activation-checkpointing)
-expect_input_error("bad sharding" "--sharding: sharding must be no_shard or shard_grad_op, got 'zero3'" --data-dir "${DATA_DIR}" --sharding zero3)
+expect_input_error("bad sharding" "--sharding must be 'no_shard' or 'shard_grad_op', got 'zero3'" --data-dir "${DATA_DIR}" --sharding zero3)
 expect_input_error("sharding with the fixed batcher" "sharding 'shard_grad_op' runs in the predictive batcher" --data-dir "${DATA_DIR}" --sharding shard_grad_op --batcher fixed)
+# On a machine without a GPU (CI), --device cuda fails before any work; with one, the bundled
+# task says it runs on the CPU. Either way one line and exit code 2.
+expect_input_error("cuda device" "--device 'cuda': " --data-dir "${DATA_DIR}" --device cuda)
+expect_input_error("bad device" "--device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'" --data-dir "${DATA_DIR}" --device tpu)
 expect_input_error("bad optimizer checkpoint" "--optimizer-checkpoint must be 'sharded'" --data-dir "${DATA_DIR}" --optimizer-checkpoint zip)
 # Refused after the job started (the static memory alone exceeds the cap): still no run folder.
 expect_input_error("static memory above the cap" "the static memory .* takes [0-9]+ bytes" --data-dir "${DATA_DIR}" --memory-cap-bytes 1000 --max-steps 1)

@@ -284,16 +284,16 @@ TEST_CASE("robust loss downweights one outlier") {
   };
   const FitResult plain = xpm::fit_coefficients(quadratic(), m);
   FitOptions huber;
-  huber.robust_loss = "huber";
+  huber.robust_loss = xpm::RobustLoss::kHuber;
   const FitResult robust = xpm::fit_coefficients(quadratic(), m, huber);
   FitOptions cauchy;
-  cauchy.robust_loss = "cauchy";
+  cauchy.robust_loss = xpm::RobustLoss::kCauchy;
   const FitResult robust_cauchy = xpm::fit_coefficients(quadratic(), m, cauchy);
   CHECK(distance(robust) < distance(plain));
   CHECK(distance(robust_cauchy) < distance(plain));
   CHECK(distance(plain) > 1.0);          // the outlier drives a to 0 and b far off
   CHECK(distance(robust_cauchy) < 0.2);  // a, b, c each within 10 % or so
-  CHECK(robust.summary.robust_loss == "huber");
+  CHECK(robust.summary.robust_loss == xpm::RobustLoss::kHuber);
   CHECK(contains(robust.summary.brief_report(), "robust loss huber"));
   // The outlier shows in the per-point errors, the other points fit.
   CHECK(std::abs(robust_cauchy.summary.rel_errors[13]) > 0.2);
@@ -425,10 +425,10 @@ TEST_CASE("non-linear fit sets a max() argument that never wins to 0 when a sibl
 }
 
 TEST_CASE("fit options reject an unknown robust loss, a bad scale and bad initial values") {
+  CHECK_THROWS_WITH_AS(xpm::parse_robust_loss("tukey", "--robust-loss"),
+                       "--robust-loss must be 'none', 'huber' or 'cauchy', got 'tukey'", std::invalid_argument);
+  CHECK(xpm::parse_robust_loss(xpm::to_string(xpm::RobustLoss::kCauchy), "x") == xpm::RobustLoss::kCauchy);
   FitOptions o;
-  o.robust_loss = "tukey";
-  CHECK_THROWS_WITH_AS(o.validate(), doctest::Contains("robust_loss"), std::invalid_argument);
-  o = FitOptions{};
   o.robust_loss_scale = 0;
   CHECK_THROWS_WITH_AS(o.validate(), doctest::Contains("robust_loss_scale"),
                        std::invalid_argument);

@@ -90,8 +90,9 @@ TEST_CASE("floor options and modes reject bad values") {
   FloorOptions options;
   options.constant_spread = -1;
   CHECK_THROWS_AS(options.validate(), std::invalid_argument);
-  CHECK_THROWS_AS(xpm::floor_mode_from_string("moving"), std::invalid_argument);
-  CHECK(xpm::floor_mode_from_string("auto") == xpm::FloorMode::kAutomatic);
+  CHECK_THROWS_WITH_AS(xpm::parse_floor_mode("moving", "--floor-model"),
+                       "--floor-model must be 'auto', 'constant' or 'formula', got 'moving'", std::invalid_argument);
+  CHECK(xpm::parse_floor_mode("auto", "--floor-model") == xpm::FloorMode::kAutomatic);
   CHECK(xpm::to_string(xpm::FloorMode::kFormula) == "formula");
   CHECK_THROWS_AS(xpm::fit_floor(kFormula, {}, 0), std::invalid_argument);
 }

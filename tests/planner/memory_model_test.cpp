@@ -129,10 +129,10 @@ TEST_CASE("model aggregates variables by max unless told otherwise") {
 
 TEST_CASE("dim aggregations convert to and from their names") {
   for (DimAggregation a : {DimAggregation::kCount, DimAggregation::kMax, DimAggregation::kSum}) {
-    CHECK(xpm::dim_aggregation_from_string(xpm::to_string(a)) == a);
+    CHECK(xpm::parse_dim_aggregation(xpm::to_string(a), "aggregation") == a);
   }
-  CHECK_THROWS_WITH_AS(xpm::dim_aggregation_from_string("mean"), doctest::Contains("mean"),
-                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(xpm::parse_dim_aggregation("mean", "aggregation of 'l'"),
+                       "aggregation of 'l' must be 'count', 'max' or 'sum', got 'mean'", std::invalid_argument);
 }
 
 TEST_CASE("model round-trips through JSON") {

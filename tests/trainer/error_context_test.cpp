@@ -103,7 +103,7 @@ TEST_CASE("describe_error gives the kind, the first line without the backtrace a
 TEST_CASE("throw_error_of_kind rethrows another process's error as its kind") {
   for (xpm::ErrorKind kind : {xpm::ErrorKind::kBadInput, xpm::ErrorKind::kOutOfMemory,
                               xpm::ErrorKind::kFailure, xpm::ErrorKind::kInternal}) {
-    CHECK(xpm::error_kind_from_string(xpm::to_string(kind)) == kind);
+    CHECK(xpm::parse_error_kind(xpm::to_string(kind)) == kind);
     try {
       xpm::throw_error_of_kind(kind, "rank 0's line");
     } catch (...) {
@@ -112,5 +112,5 @@ TEST_CASE("throw_error_of_kind rethrows another process's error as its kind") {
       CHECK(error.line == "rank 0's line");
     }
   }
-  CHECK(xpm::error_kind_from_string("no such kind") == xpm::ErrorKind::kInternal);
+  CHECK(xpm::parse_error_kind("no such kind") == xpm::ErrorKind::kInternal);
 }

@@ -169,7 +169,7 @@ TEST_CASE("xpm-rank-example exits 2 on bad options, naming them") {
   check_bad("--loss cross-entropy --output-type probability",
             "output type probability is not supported");
   check_bad("--loss hinge --output-type probability --margin 2", "margin 2 > 1");
-  check_bad("--output-type logit", "--output-type: unknown scorer output type 'logit'");
+  check_bad("--output-type logit", "--output-type must be 'real', 'probability' or 'log-probability', got 'logit'");
   check_bad("--steps 0", "--steps must be >= 1, got 0");
   check_bad("--steps many", "steps");
   check_bad("--data-dir /nonexistent/brown", "has no cats.txt");

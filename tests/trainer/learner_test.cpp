@@ -255,3 +255,77 @@ TEST_CASE("StopSignals: one instance at a time, signals that can be caught, name
                        "--preemption-signal must be a signal name (SIGUSR1, SIGUSR2, SIGTERM, ...) or none, got 'SIGFOO'",
                        std::invalid_argument);
 }
+
+namespace {
+
+// The regression task validated by the Learner itself: the 8 held-out records, one unit each,
+// their summed squared error.
+struct RecordValidatedTask : RegressionTask {
+  std::size_t validation_record_count() const override { return 8; }
+  xpm::TrainingRecord validation_record(std::size_t i) const override { return {{1.0, double(lengths_.at(32 + i))}, 1, 1}; }
+  xpm::NamedMetrics validation_sums(const std::vector<std::size_t>& records) override {
+    CHECK_FALSE(torch::GradMode::is_enabled());
+    CHECK_FALSE(linear_->is_training());
+    double sum = 0;
+    for (std::size_t j : records) {
+      const auto i = static_cast<std::int64_t>(32 + j);
+      sum += (linear_->forward(x_[i].unsqueeze(0)).squeeze() - y_[i]).pow(2).item<double>();
+    }
+    return {{"loss", sum}};
+  }
+};
+
+xpm::MemoryPlanOptions small_memory_plan() {
+  return xpm::MemoryPlanOptions(xpm::CostFormula::with_variables("a*bs + c", {"bs", "l"}))
+      .set_variable_max({{"bs", 8}, {"l", 5}})
+      .set_design_fractions({1.0, 0.5});
+}
+
+}  // namespace
+
+TEST_CASE("the Learner builds its plan from MemoryPlanOptions, validates the task's records itself and reports") {
+  xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();  // before the task's model
+  const std::int64_t cap_before = meter.capacity_bytes();
+  meter.set_capacity_bytes(64'000'000);
+  RecordValidatedTask task;
+  torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
+  xpm::LearnerOptions options = options_in("memory_plan/run").set_memory_plan(small_memory_plan()).set_epochs(1);
+  xpm::LearnerComponents parts;
+  parts.meter = &meter;
+  xpm::Learner learner(task, optimizer, options, parts);
+  const xpm::LearnerOutcome outcome = learner.run();
+  meter.set_capacity_bytes(cap_before);
+  CHECK(outcome.probes > 0);
+  CHECK(outcome.memory_formula == "a*bs + c");
+  CHECK(outcome.counters.ooms == 0);
+  double expected = 0;  // the last validation: the mean squared error of the final weights
+  {
+    torch::NoGradGuard no_grad;
+    for (std::int64_t i = 32; i < 40; ++i) expected += (task.linear_->forward(task.x_[i].unsqueeze(0)).squeeze() - task.y_[i]).pow(2).item<double>();
+  }
+  CHECK(outcome.last_validation.at("loss") == doctest::Approx(expected / 8).epsilon(1e-6));
+  CHECK(outcome.last_validation.at("records") == 8);
+  CHECK(task.linear_->is_training());
+  const std::string brief = outcome.brief_report();
+  CHECK(brief.rfind("steps 4 of 4, microbatches ", 0) == 0);
+  CHECK(brief.find(", OOM 0, ") != std::string::npos);
+  CHECK(brief.find("; validation: loss ") != std::string::npos);
+  CHECK(brief.find("; finished") != std::string::npos);
+  CHECK(outcome.full_report().find("\nmemory model: a*bs + c, floor ") != std::string::npos);
+}
+
+TEST_CASE("the Learner refuses a memory plan beside a batcher, one without a meter, and a model on another device") {
+  RegressionTask task;
+  torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
+  xpm::FixedBatcher batcher(optimizer, nullptr, 3);
+  xpm::LearnerComponents with_batcher;
+  with_batcher.fixed_batcher = &batcher;
+  CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("refused").set_memory_plan(small_memory_plan()), with_batcher),
+                       doctest::Contains("give no batcher in LearnerComponents with it"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("refused").set_memory_plan(small_memory_plan())),
+                       doctest::Contains("memory_plan needs LearnerComponents.meter"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("refused").set_device(torch::Device("cuda:0")), with_batcher),
+                       "LearnerOptions.device is cuda:0 but the model's parameter 'weight' is on cpu: build the model "
+                       "on the device (module.to(device))",
+                       std::invalid_argument);
+}

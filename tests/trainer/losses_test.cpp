@@ -44,12 +44,11 @@ const double kInf = std::numeric_limits<double>::infinity();
 TEST_CASE("scorer output types print and parse by their reference names") {
   for (ScorerOutputType type : {ScorerOutputType::real, ScorerOutputType::probability,
                                 ScorerOutputType::log_probability}) {
-    CHECK(xpm::parse_scorer_output_type(xpm::to_string(type)) == type);
+    CHECK(xpm::parse_scorer_output_type(xpm::to_string(type), "output type") == type);
   }
   CHECK(xpm::to_string(ScorerOutputType::log_probability) == "log-probability");
-  CHECK_THROWS_WITH_AS(xpm::parse_scorer_output_type("logit"),
-                       "unknown scorer output type 'logit' (expected real, probability or "
-                       "log-probability)",
+  CHECK_THROWS_WITH_AS(xpm::parse_scorer_output_type("logit", "--output-type"),
+                       "--output-type must be 'real', 'probability' or 'log-probability', got 'logit'",
                        std::invalid_argument);
 }
 

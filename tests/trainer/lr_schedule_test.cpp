@@ -85,7 +85,7 @@ TEST_CASE("schedule kinds parse by name and bad options are refused with the val
   CHECK(xpm::to_string(xpm::parse_lr_schedule_kind("linear", "x")) == "linear");
   CHECK(xpm::to_string(xpm::LrScheduleKind::kConstant) == "constant");
   CHECK_THROWS_WITH_AS(xpm::parse_lr_schedule_kind("step", "--lr-schedule"),
-                       doctest::Contains("--lr-schedule: learning-rate schedule must be constant, linear or cosine, got 'step'"),
+                       doctest::Contains("--lr-schedule must be 'constant', 'linear' or 'cosine', got 'step'"),
                        std::invalid_argument);
   xpm::LrScheduleOptions options;
   options.final_fraction = 1.5;

@@ -55,7 +55,7 @@ TEST_CASE("precision settings parse by name and 16-mixed is refused on CPU namin
     CHECK(xpm::to_string(xpm::parse_precision(name, "--precision")) == name);
   }
   CHECK_THROWS_WITH_AS(xpm::parse_precision("bf16", "--precision"),
-                       doctest::Contains("--precision: precision must be 32-true, bf16-mixed or 16-mixed, got 'bf16'"),
+                       doctest::Contains("--precision must be '32-true', 'bf16-mixed' or '16-mixed', got 'bf16'"),
                        std::invalid_argument);
   CHECK_THROWS_WITH_AS(xpm::check_precision_supported(xpm::Precision::k16Mixed, torch::Device(torch::kCPU)),
                        doctest::Contains("precision '16-mixed' needs a CUDA device"), std::invalid_argument);

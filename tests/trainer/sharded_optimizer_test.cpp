@@ -122,7 +122,7 @@ TEST_CASE("sharding strategies parse by FSDP's names and full_shard is refused w
   CHECK_THROWS_WITH_AS(xpm::parse_sharding_strategy("full_shard", "--sharding"),
                        doctest::Contains("depend on how many microbatches each rank runs"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(xpm::parse_sharding_strategy("zero3", "--sharding"),
-                       doctest::Contains("must be no_shard or shard_grad_op, got 'zero3'"), std::invalid_argument);
+                       doctest::Contains("--sharding must be 'no_shard' or 'shard_grad_op', got 'zero3'"), std::invalid_argument);
   xpm::ShardedAdamWOptions options;
   options.rank = 2;
   options.world_size = 2;

@@ -337,12 +337,12 @@ TEST_CASE("precision and activation checkpointing errors name the setting; enum 
         xpm::PackerKind::kFirstFitDecreasing);
   CHECK(xpm::parse_batcher_kind("power", "batcher") == xpm::BatcherKind::kPower);
   CHECK(xpm::to_string(xpm::TaggingMetric::kTokenAccuracy) == "token_accuracy");
-  CHECK(xpm::optimizer_checkpoint_name(xpm::parse_optimizer_checkpoint_layout("full", "x")) == "full");
+  CHECK(xpm::to_string(xpm::parse_optimizer_checkpoint_layout("full", "x")) == "full");
   CHECK_FALSE(xpm::parse_validation_mode("auto", "x").has_value());
-  CHECK(xpm::validation_mode_name(xpm::parse_validation_mode("min", "x")) == "min");
+  CHECK(xpm::to_string(xpm::parse_validation_mode("min", "x")) == "min");
   CHECK(xpm::parse_collective_backend("gloo", "x") == xpm::CollectiveBackend::kGloo);
   CHECK_THROWS_WITH_AS(xpm::parse_collective_backend("mpi", "--backend"),
-                       "--backend must be auto, gloo or nccl, got 'mpi'", std::invalid_argument);
+                       "--backend must be 'auto', 'gloo' or 'nccl', got 'mpi'", std::invalid_argument);
   config.architecture = xpm::TaggingArchitecture::kBilstm;
   config.model.activation_checkpointing = true;
   CHECK(message_of(config).find("activation_checkpointing") != std::string::npos);

@@ -17,7 +17,11 @@ FitRequest fit_request_from(const boost::program_options::variables_map& vm) {
   if (vm.count("initial")) {
     r.initial = parse_assignments(vm["initial"].as<std::vector<std::string>>(), "initial");
   }
-  r.robust_loss = vm["robust-loss"].as<std::string>();
+  try {
+    r.robust_loss = xpm::parse_robust_loss(vm["robust-loss"].as<std::string>(), "--robust-loss");
+  } catch (const std::invalid_argument& e) {
+    throw InputError(e.what());
+  }
   r.robust_scale = vm["robust-scale"].as<double>();
   r.usable_max_rel_error = vm["usable-max-rel-error"].as<double>();
   if (!(r.robust_scale > 0) || !std::isfinite(r.robust_scale)) {
@@ -25,9 +29,6 @@ FitRequest fit_request_from(const boost::program_options::variables_map& vm) {
   }
   if (!(r.usable_max_rel_error > 0) || !std::isfinite(r.usable_max_rel_error)) {
     throw InputError("--usable-max-rel-error must be > 0, got " + number_text(r.usable_max_rel_error));
-  }
-  if (r.robust_loss != "none" && r.robust_loss != "huber" && r.robust_loss != "cauchy") {
-    throw InputError("--robust-loss: expected none, huber or cauchy, got '" + r.robust_loss + "'");
   }
   return r;
 }
@@ -134,7 +135,7 @@ nlohmann::json fit_summary_json(const xpm::FitSummary& s, const FitOutcome& outc
           {"usable", outcome.usable},
           {"reasons", s.reasons},
           {"linear", s.linear},
-          {"robust_loss", s.robust_loss},
+          {"robust_loss", xpm::to_string(s.robust_loss)},
           {"iterations", s.iterations},
           {"max_rel_error", s.max_rel_error},
           {"mean_rel_error", s.mean_rel_error},

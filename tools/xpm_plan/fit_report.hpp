@@ -22,7 +22,7 @@ struct FitRequest {
   bool allow_negative = false;             // --allow-negative
   bool nonlinear = false;                  // --nonlinear
   std::map<std::string, double> initial;   // --initial NAME=VALUE
-  std::string robust_loss = "none";        // --robust-loss none|huber|cauchy
+  xpm::RobustLoss robust_loss = xpm::RobustLoss::kNone;  // --robust-loss none|huber|cauchy
   double robust_scale = 0.01;              // --robust-scale: relative residual where it bends
   double usable_max_rel_error = 0.05;      // --usable-max-rel-error
 };

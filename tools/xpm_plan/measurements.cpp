@@ -6,6 +6,7 @@
 
 #include "common.hpp"
 #include "csv_table.hpp"
+#include "xpm/planner/enum_names.hpp"
 
 namespace xpm_plan {
 namespace {
@@ -35,7 +36,7 @@ MeasurementSet read_csv_measurements(const MeasurementRequest& req, const std::s
   const CsvTable table = parse_csv(text, req.path);
   MeasurementSet set;
   set.path = req.path;
-  set.format = "csv";
+  set.format = MeasurementFormat::kCsv;
   set.variables = req.variables;
   std::vector<std::size_t> var_columns;
   for (const auto& v : req.variables) var_columns.push_back(table.column(v));
@@ -162,7 +163,7 @@ MeasurementSet read_json_measurements(const MeasurementRequest& req, const std::
 
   MeasurementSet set;
   set.path = p;
-  set.format = "json";
+  set.format = MeasurementFormat::kJson;
   // What the probes ran on, kept in the fitted model's metadata.
   const char* const kSetupKeys[] = {"task",      "device",        "capacity_bytes", "static_bytes",
                                     "precision", "optimizer",     "torch_version",  "signature",
@@ -302,15 +303,20 @@ void MeasurementSet::keep_above_floor(const xpm::MemoryModel& floor) {
 
 MeasurementSet read_measurements(const MeasurementRequest& request) {
   const std::string text = read_file(request.path, "measurements");
-  std::string format = request.format;
-  if (format == "auto") {
+  MeasurementFormat format = request.format;
+  if (format == MeasurementFormat::kAuto) {
     const auto first = text.find_first_not_of(" \t\r\n");
-    format = first != std::string::npos && (text[first] == '[' || text[first] == '{') ? "json"
-                                                                                        : "csv";
+    const bool json = first != std::string::npos && (text[first] == '[' || text[first] == '{');
+    format = json ? MeasurementFormat::kJson : MeasurementFormat::kCsv;
   }
-  if (format == "csv") return read_csv_measurements(request, text);
-  if (format == "json") return read_json_measurements(request, text);
-  throw InputError("--format: expected csv, json or auto, got '" + request.format + "'");
+  return format == MeasurementFormat::kCsv ? read_csv_measurements(request, text)
+                                           : read_json_measurements(request, text);
+}
+
+std::string to_string(MeasurementFormat format) {
+  constexpr xpm::EnumNames<MeasurementFormat, 3> kNames{
+      {{MeasurementFormat::kAuto, "auto"}, {MeasurementFormat::kCsv, "csv"}, {MeasurementFormat::kJson, "json"}}};
+  return xpm::enum_name(kNames, format);
 }
 
 }  // namespace xpm_plan

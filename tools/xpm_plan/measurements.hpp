@@ -33,9 +33,13 @@
 
 namespace xpm_plan {
 
+/// How a measurements file is written: kAuto reads JSON when the text starts with [ or {.
+enum class MeasurementFormat { kAuto, kCsv, kJson };
+std::string to_string(MeasurementFormat format);  // "auto" | "csv" | "json"
+
 struct MeasurementRequest {
   std::string path;                   // file to read
-  std::string format = "auto";        // csv | json | auto (JSON when it starts with [ or {)
+  MeasurementFormat format = MeasurementFormat::kAuto;
   std::vector<std::string> variables; // formula variable order; empty: from the JSON file
   std::string bytes_column;           // the measured peak to fit
   std::string floor_column;           // optional: floor = max of this column over feasible rows
@@ -45,7 +49,7 @@ struct MeasurementRequest {
 
 struct MeasurementSet {
   std::string path;
-  std::string format;                         // "csv" or "json"
+  MeasurementFormat format = MeasurementFormat::kCsv;  // as read: kCsv or kJson
   std::vector<std::string> variables;         // order of every dims vector below
   std::vector<xpm::Measurement> measurements; // feasible ones, fitted
   std::vector<std::string> labels;            // where each came from: "line 3", "probes[2]"

@@ -43,7 +43,7 @@ std::map<std::string, xpm::DimAggregation> parse_aggregation(const std::vector<s
         throw InputError("--aggregation: expected VAR=count|max|sum, got '" + item + "'");
       }
       try {
-        out[trim(item.substr(0, eq))] = xpm::dim_aggregation_from_string(trim(item.substr(eq + 1)));
+        out[trim(item.substr(0, eq))] = xpm::parse_dim_aggregation(trim(item.substr(eq + 1)), "the aggregation");
       } catch (const std::invalid_argument& e) {
         throw InputError("--aggregation " + item + ": " + first_line(e.what()));
       }
@@ -65,7 +65,7 @@ std::optional<xpm::FloorFit> fit_floor_column(const po::variables_map& vm,
                                               const MeasurementSet& set) {
   xpm::FloorOptions options;
   try {
-    options.mode = xpm::floor_mode_from_string(vm["floor-model"].as<std::string>());
+    options.mode = xpm::parse_floor_mode(vm["floor-model"].as<std::string>(), "--floor-model");
   } catch (const std::invalid_argument& e) {
     throw InputError("--floor-model: " + first_line(e.what()));
   }
@@ -177,7 +177,7 @@ int run_fit(const po::variables_map& vm) {
   }
   if (vm.count("csv")) {
     request.path = vm["csv"].as<std::string>();
-    request.format = "csv";
+    request.format = MeasurementFormat::kCsv;
   } else if (vm.count("measurements")) {
     request.path = vm["measurements"].as<std::string>();
   } else {

@@ -10,7 +10,7 @@
 #include "csv_table.hpp"
 #include "figures.hpp"
 #include "verbs.hpp"
-#include "xpm/planner/ffd_packer.hpp"
+#include "xpm/planner/packer_kind.hpp"
 #include "xpm/planner/packer.hpp"
 
 namespace xpm_plan {
@@ -88,8 +88,13 @@ int run_plan(const po::variables_map& vm) {
   const std::string packer_name = vm["packer"].as<std::string>();
   const std::string sort_by = vm["sort-by"].as<std::string>();
   const xpm::MemoryModel model = load_model(vm["model"].as<std::string>());
-  std::unique_ptr<xpm::MicrobatchPacker> packer;
-  if (packer_name == "adaptive") {
+  xpm::PackerKind kind{};
+  try {
+    kind = xpm::parse_packer_kind(packer_name, "--packer");
+  } catch (const std::invalid_argument& e) {
+    throw InputError(e.what());
+  }
+  if (kind == xpm::PackerKind::kAdaptive) {
     const auto& vars = model.formula().variable_names();
     if (!sort_by.empty() && std::find(vars.begin(), vars.end(), sort_by) == vars.end()) {
       std::string names;
@@ -97,19 +102,10 @@ int run_plan(const po::variables_map& vm) {
       throw InputError("--sort-by: '" + sort_by + "' is not a variable of the model (" + names +
                        ")");
     }
-    xpm::AdaptivePackerOptions options;
-    options.sort_by = sort_by;
-    packer = std::make_unique<xpm::AdaptivePacker>(options);
-  } else if (packer_name == "uniform" || packer_name == "ffd") {
-    if (!sort_by.empty()) throw InputError("--sort-by applies to the adaptive packer only");
-    if (packer_name == "uniform") {
-      packer = std::make_unique<xpm::UniformPacker>();
-    } else {
-      packer = std::make_unique<xpm::FirstFitDecreasingPacker>();
-    }
-  } else {
-    throw InputError("--packer: unknown packer '" + packer_name + "' (adaptive, uniform or ffd)");
+  } else if (!sort_by.empty()) {
+    throw InputError("--sort-by applies to the adaptive packer only");
   }
+  const std::shared_ptr<const xpm::MicrobatchPacker> packer = xpm::make_packer(kind, sort_by);
 
   const std::string source = vm["csv"].as<std::string>();
   const std::vector<std::vector<double>> records = read_records(source, model);

@@ -96,6 +96,7 @@ po::options_description probe_options() {
       ("memory-cap-factor", po::value<double>()->default_value(0.0),
        "cap = factor x static memory (weights, gradients, AdamW state), > 1; 0: no cap")
       ("threads", po::value<int>()->default_value(2), "intra-op threads")
+      ("device", po::value<std::string>()->default_value("cpu"), "cpu (the bundled task runs on the CPU)")
       ("seed", po::value<std::uint64_t>()->default_value(1), "random seed")
       ("vocab-size", po::value<std::size_t>()->default_value(20000), "vocabulary entries")
       ("architecture", po::value<std::string>()->default_value("transformer"),
@@ -145,6 +146,7 @@ int run_probe(const po::variables_map& vm) {
   config.memory_cap_bytes = vm["memory-cap-bytes"].as<std::int64_t>();
   config.memory_cap_factor = vm["memory-cap-factor"].as<double>();
   config.threads = vm["threads"].as<int>();
+  config.device = vm["device"].as<std::string>();
   config.seed = vm["seed"].as<std::uint64_t>();
   config.vocab_size = vm["vocab-size"].as<std::size_t>();
   config.architecture = xpm::parse_tagging_architecture(vm["architecture"].as<std::string>(), "--architecture");

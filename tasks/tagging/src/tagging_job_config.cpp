@@ -6,6 +6,7 @@
 #include <string>
 
 #include "xpm/planner/formula.hpp"
+#include "xpm/planner_torch/device_meter.hpp"
 #include "xpm/trainer/loop/hook_library.hpp"
 #include "xpm/trainer/options/lr_schedule.hpp"
 #include "xpm/trainer/options/precision.hpp"
@@ -29,6 +30,7 @@ void TaggingJobConfig::validate() const {
   require(outer_batch_size >= 1, "outer_batch_size must be >= 1, got " +
                                      std::to_string(outer_batch_size));
   require(threads >= 0, "threads must be >= 0 (0: automatic), got " + std::to_string(threads));
+  tagging_device(device, "--device");
   require(bucket_cap_bytes >= 1, "bucket_cap_bytes must be >= 1, got " + std::to_string(bucket_cap_bytes));
   require(collective_timeout_s > 0, "collective_timeout_s must be > 0, got " +
                                         std::to_string(collective_timeout_s));
@@ -141,6 +143,7 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"outer_batch_size", outer_batch_size},
           {"seed", seed},
           {"threads", threads},
+          {"device", device},
           {"validation_every_files", validation_every_files},
           {"vocab_size", vocab_size},
           {"min_word_count", min_word_count},
@@ -176,14 +179,14 @@ nlohmann::json TaggingJobConfig::to_json() const {
           {"lr_schedule", to_string(lr_schedule)},
           {"precision", to_string(precision)},
           {"sharding", to_string(sharding)},
-          {"optimizer_checkpoint", optimizer_checkpoint_name(optimizer_checkpoint)},
+          {"optimizer_checkpoint", to_string(optimizer_checkpoint)},
           {"sort_by", sort_by},
           {"log_every", log_every},
           {"validate_every", validate_every},
           {"validate_every_epochs", validate_every_epochs},
           {"max_validation_sentences", max_validation_sentences},
           {"validation_metric", to_string(validation_metric)},
-          {"validation_mode", validation_mode_name(validation_mode)},
+          {"validation_mode", to_string(validation_mode)},
           {"validation_warmup", validation_warmup},
           {"early_stopping_patience", early_stopping_patience},
           {"checkpoint_every_steps", checkpoint_every_steps},
@@ -233,6 +236,15 @@ DistributedOptions TaggingJobConfig::distributed_options() const {
   options.collective_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(collective_timeout_s * 1000));
   options.rendezvous_timeout = rendezvous_timeout();
   return options;
+}
+
+torch::Device tagging_device(const std::string& text, const std::string& source) {
+  const torch::Device device = training_device(text, source);
+  if (!device.is_cpu()) {
+    throw std::invalid_argument(source + " '" + text + "': the bundled tagging task runs on the CPU only (its batches and "
+                                "memory meter); train your own model on CUDA with the Learner (LearnerOptions::device)");
+  }
+  return device;
 }
 
 }  // namespace xpm

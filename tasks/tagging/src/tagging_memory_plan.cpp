@@ -8,7 +8,6 @@
 
 #include <torch/torch.h>
 
-#include "xpm/planner/ffd_packer.hpp"
 #include "xpm/planner/memory_model_cache.hpp"
 #include "xpm/trainer/loop/error_context.hpp"
 #include "xpm/tasks/tagging_probe.hpp"
@@ -26,12 +25,6 @@ PredictiveBatcherOptions tagging_batcher_options(const TaggingJobConfig& config,
                           {"l", static_cast<double>(max_length)}};
   options.budget = {capacity_bytes, config.memory_fraction, config.extra_overhead_bytes};
   return options;
-}
-
-std::shared_ptr<const MicrobatchPacker> tagging_packer(const TaggingJobConfig& config) {
-  if (config.packer == PackerKind::kUniform) return std::make_shared<UniformPacker>();
-  if (config.packer == PackerKind::kFirstFitDecreasing) return std::make_shared<FirstFitDecreasingPacker>();
-  return std::make_shared<AdaptivePacker>(AdaptivePackerOptions{config.sort_by});
 }
 
 nlohmann::json memory_model_identity(const TaggingJobConfig& config,
@@ -143,7 +136,7 @@ MemoryModelOrigin obtain_memory_model(const TaggingJobConfig& config, TaggingMod
       nlohmann::json::parse(dist.share_from(0, shared_model.dump(), config.rendezvous_timeout()));
   if (failure) std::rethrow_exception(failure);
   if (shared_model.contains("error")) {  // the other ranks: the same line, the same kind
-    throw_error_of_kind(error_kind_from_string(shared_model.at("kind").get<std::string>()),
+    throw_error_of_kind(parse_error_kind(shared_model.at("kind").get<std::string>()),
                         shared_model.at("error").get<std::string>());
   }
   batcher.set_model(MemoryModel::from_json(shared_model.at("model")));

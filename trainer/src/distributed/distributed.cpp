@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include "xpm/planner/enum_names.hpp"
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -125,21 +126,16 @@ std::optional<WorkerEnvironment> WorkerEnvironment::from_environment() {
   return out;
 }
 
+namespace {
+constexpr EnumNames<CollectiveBackend, 3> kBackendNames{
+    {{CollectiveBackend::kAuto, "auto"}, {CollectiveBackend::kGloo, "gloo"}, {CollectiveBackend::kNccl, "nccl"}}};
+}  // namespace
+
 CollectiveBackend parse_collective_backend(const std::string& text, const std::string& source) {
-  if (text == "auto") return CollectiveBackend::kAuto;
-  if (text == "gloo") return CollectiveBackend::kGloo;
-  if (text == "nccl") return CollectiveBackend::kNccl;
-  throw std::invalid_argument(source + " must be auto, gloo or nccl, got '" + text + "'");
+  return parse_enum(kBackendNames, text, source);
 }
 
-std::string to_string(CollectiveBackend backend) {
-  switch (backend) {
-    case CollectiveBackend::kGloo: return "gloo";
-    case CollectiveBackend::kNccl: return "nccl";
-    case CollectiveBackend::kAuto: break;
-  }
-  return "auto";
-}
+std::string to_string(CollectiveBackend backend) { return enum_name(kBackendNames, backend); }
 
 void DistributedOptions::validate() const {
 #ifndef USE_C10D_NCCL

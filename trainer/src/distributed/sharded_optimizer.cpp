@@ -8,6 +8,7 @@
 
 #include "xpm/planner/atomic_file.hpp"
 #include "xpm/trainer/options/gradient_clipping.hpp"
+#include "xpm/planner/enum_names.hpp"
 
 namespace xpm {
 
@@ -45,9 +46,12 @@ void write_archive_atomically(torch::serialize::OutputArchive& archive, const st
 
 }  // namespace
 
+namespace {
+constexpr EnumNames<ShardingStrategy, 2> kShardingNames{
+    {{ShardingStrategy::kNoShard, "no_shard"}, {ShardingStrategy::kShardGradOp, "shard_grad_op"}}};
+}  // namespace
+
 ShardingStrategy parse_sharding_strategy(const std::string& text, const std::string& source) {
-  if (text == "no_shard") return ShardingStrategy::kNoShard;
-  if (text == "shard_grad_op") return ShardingStrategy::kShardGradOp;
   if (text == "full_shard") {
     throw std::invalid_argument(
         source + ": 'full_shard' (parameters sharded too) is not supported: it needs an all-gather "
@@ -55,12 +59,10 @@ ShardingStrategy parse_sharding_strategy(const std::string& text, const std::str
         "collectives would depend on how many microbatches each rank runs, which differs between "
         "ranks (xpm's collectives are fixed per step, docs/design.md section 4); use shard_grad_op");
   }
-  throw std::invalid_argument(source + ": sharding must be no_shard or shard_grad_op, got '" + text + "'");
+  return parse_enum(kShardingNames, text, source);
 }
 
-std::string to_string(ShardingStrategy strategy) {
-  return strategy == ShardingStrategy::kNoShard ? "no_shard" : "shard_grad_op";
-}
+std::string to_string(ShardingStrategy strategy) { return enum_name(kShardingNames, strategy); }
 
 ShardLayout::ShardLayout(std::int64_t total, int world) : total_numel(total), world_size(world) {
   if (total < 0) throw std::invalid_argument("ShardLayout: total_numel must be >= 0, got " + std::to_string(total));

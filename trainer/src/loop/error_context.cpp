@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "xpm/trainer/distributed/distributed.hpp"
+#include "xpm/planner/enum_names.hpp"
 
 namespace xpm {
 namespace {
@@ -67,23 +68,18 @@ int exit_code_of(ErrorKind kind) {
   return 3;
 }
 
-const char* to_string(ErrorKind kind) {
-  switch (kind) {
-    case ErrorKind::kBadInput:
-      return "bad_input";
-    case ErrorKind::kOutOfMemory:
-      return "out_of_memory";
-    case ErrorKind::kFailure:
-      return "failure";
-    case ErrorKind::kInternal:
-      break;
-  }
-  return "internal";
-}
+namespace {
+constexpr EnumNames<ErrorKind, 4> kErrorKindNames{{{ErrorKind::kBadInput, "bad_input"},
+                                                    {ErrorKind::kOutOfMemory, "out_of_memory"},
+                                                    {ErrorKind::kFailure, "failure"},
+                                                    {ErrorKind::kInternal, "internal"}}};
+}  // namespace
 
-ErrorKind error_kind_from_string(const std::string& text) {
-  for (ErrorKind kind : {ErrorKind::kBadInput, ErrorKind::kOutOfMemory, ErrorKind::kFailure}) {
-    if (text == to_string(kind)) return kind;
+const char* to_string(ErrorKind kind) { return enum_name(kErrorKindNames, kind); }
+
+ErrorKind parse_error_kind(const std::string& text) {
+  for (const auto& [kind, name] : kErrorKindNames) {
+    if (text == name) return kind;
   }
   return ErrorKind::kInternal;
 }

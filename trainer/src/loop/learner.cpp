@@ -13,10 +13,14 @@
 #include "learner_impl.hpp"
 #include "xpm/planner/atomic_file.hpp"
 #include "xpm/planner/dims_text.hpp"
+#include "xpm/planner/enum_names.hpp"
 #include "xpm/trainer/loop/error_context.hpp"
 
 namespace xpm {
 namespace {
+
+constexpr EnumNames<OptimizerCheckpointLayout, 2> kLayoutNames{
+    {{OptimizerCheckpointLayout::kPerRankShards, "sharded"}, {OptimizerCheckpointLayout::kConsolidated, "full"}}};
 
 // Steps in a row skipped by out-of-memory errors after which the run stops: it trains nothing.
 constexpr std::int64_t kMaxConsecutiveOomSteps = 10;
@@ -64,6 +68,12 @@ nlohmann::json metric_json(double value) {
 }
 
 }  // namespace
+
+std::string to_string(OptimizerCheckpointLayout layout) { return enum_name(kLayoutNames, layout); }
+
+OptimizerCheckpointLayout parse_optimizer_checkpoint_layout(const std::string& text, const std::string& source) {
+  return parse_enum(kLayoutNames, text, source);
+}
 
 void LearnerOptions::validate() const {
   const auto fail = [](const std::string& what) { throw std::invalid_argument("LearnerOptions." + what); };
@@ -401,7 +411,8 @@ bool Learner::Impl::run_validation(std::int64_t epoch) {
     return validation_planner ? validation_planner->plan(dims) : fixed_size_plan(dims.size(), microbatch_size);
   };
   const auto start = std::chrono::steady_clock::now();
-  const NamedMetrics metrics = task.validate(plan_of);
+  const NamedMetrics metrics =
+      task.validation_record_count() > 0 ? validate_records(task, plan_of, dist) : task.validate(plan_of);
   outcome.last_validation_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   outcome.last_validation = metrics;
   last_validation_step = state.step;
@@ -501,6 +512,10 @@ void Learner::Impl::finish() {
   outcome.counters.earlier_online_corrections += batcher != nullptr && batcher->has_model() ? batcher->corrections() : 0;
   outcome.steps = state.step;
   outcome.total_steps = state.total_steps;
+  if (batcher != nullptr && batcher->has_model()) {
+    outcome.memory_formula = batcher->model().formula().canonical();
+    outcome.floor_bytes = batcher->model().floor_bytes();
+  }
 }
 
 LearnerOutcome Learner::Impl::run() {

@@ -40,6 +40,8 @@ struct Learner::Impl {
   bool predictive() const { return fixed_batcher == nullptr; }
 
   // learner_state.cpp
+  void build_memory_plan();
+  void check_model_device() const;
   void set_up_data_parallel();
   void find_checkpoint_to_resume();
   void obtain_memory_model();
@@ -63,6 +65,7 @@ struct Learner::Impl {
   TrainerContext& context;
   HookList no_hooks;
   HookList& hooks;
+  std::optional<PredictiveBatcher> own_batcher;  // built from options.memory_plan
   PredictiveBatcher* batcher;
   FixedBatcher* fixed_batcher;
   std::optional<GradientBuckets> own_buckets;

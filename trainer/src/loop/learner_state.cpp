@@ -48,7 +48,9 @@ Learner::Impl::Impl(TrainingTask& task_, torch::optim::Optimizer& optimizer_, Le
       early_stopping(options.validation),
       sampler(options.sampler_seed),
       order(task.train_record_count()) {
+  build_memory_plan();
   check_components(parts, dist);
+  check_model_device();
   if (order.empty()) throw std::invalid_argument("Learner: the task has no training record");
   state.model = &task.module();
   state.optimizer = &optimizer;
@@ -66,6 +68,32 @@ Learner::Impl::Impl(TrainingTask& task_, torch::optim::Optimizer& optimizer_, Le
   steps_per_epoch = static_cast<std::int64_t>((order.size() + outer - 1) / outer);
   if (dist.is_main()) std::filesystem::create_directories(options.run_dir);
   set_up_data_parallel();
+}
+
+void Learner::Impl::build_memory_plan() {
+  if (!options.memory_plan) return;
+  if (parts.batcher != nullptr || parts.fixed_batcher != nullptr) {
+    throw std::invalid_argument("LearnerOptions.memory_plan builds the Learner's batcher: give no batcher in LearnerComponents with it");
+  }
+  if (parts.meter == nullptr) {
+    throw std::invalid_argument("LearnerOptions.memory_plan needs LearnerComponents.meter (make_device_meter, before the model is built)");
+  }
+  const MemoryPlanOptions& plan = *options.memory_plan;
+  own_batcher.emplace(plan.batcher_options(*parts.meter), make_packer(plan.packer, plan.sort_by));
+  parts.batcher = batcher = &*own_batcher;
+}
+
+void Learner::Impl::check_model_device() const {
+  for (const auto& item : task.module().named_parameters()) {
+    const std::string& name = item.key();
+    const torch::Device where = item.value().device();
+    const bool same = where.type() == options.device.type() &&
+                      (!options.device.has_index() || where.index() == options.device.index());
+    if (!same) {
+      throw std::invalid_argument("LearnerOptions.device is " + options.device.str() + " but the model's parameter '" +
+                                  name + "' is on " + where.str() + ": build the model on the device (module.to(device))");
+    }
+  }
 }
 
 void Learner::Impl::set_up_data_parallel() {

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include "xpm/planner/enum_names.hpp"
 
 namespace xpm {
 namespace {
@@ -33,7 +34,10 @@ MetricMode parse_metric_mode(const std::string& text, const std::string& metric)
   throw std::invalid_argument("validation mode must be 'min', 'max' or 'auto', got '" + text + "'");
 }
 
-std::string to_string(MetricMode mode) { return mode == MetricMode::kMin ? "min" : "max"; }
+std::string to_string(MetricMode mode) {
+  constexpr EnumNames<MetricMode, 2> kNames{{{MetricMode::kMin, "min"}, {MetricMode::kMax, "max"}}};
+  return enum_name(kNames, mode);
+}
 
 void ValidationSettings::validate() const {
   require(every_steps >= 0, "every_steps must be >= 0, got " + std::to_string(every_steps));

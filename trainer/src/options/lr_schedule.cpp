@@ -3,25 +3,20 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include "xpm/planner/enum_names.hpp"
 
 namespace xpm {
 
+namespace {
+constexpr EnumNames<LrScheduleKind, 3> kLrScheduleNames{
+    {{LrScheduleKind::kConstant, "constant"}, {LrScheduleKind::kLinear, "linear"}, {LrScheduleKind::kCosine, "cosine"}}};
+}  // namespace
+
 LrScheduleKind parse_lr_schedule_kind(const std::string& text, const std::string& source) {
-  if (text == "constant") return LrScheduleKind::kConstant;
-  if (text == "linear") return LrScheduleKind::kLinear;
-  if (text == "cosine") return LrScheduleKind::kCosine;
-  throw std::invalid_argument(source + ": learning-rate schedule must be constant, linear or cosine, got '" +
-                              text + "'");
+  return parse_enum(kLrScheduleNames, text, source);
 }
 
-std::string to_string(LrScheduleKind kind) {
-  switch (kind) {
-    case LrScheduleKind::kConstant: return "constant";
-    case LrScheduleKind::kLinear: return "linear";
-    case LrScheduleKind::kCosine: return "cosine";
-  }
-  return "unknown";
-}
+std::string to_string(LrScheduleKind kind) { return enum_name(kLrScheduleNames, kind); }
 
 void LrScheduleOptions::validate() const {
   if (!(std::isfinite(peak_learning_rate) && peak_learning_rate >= 0)) {

@@ -4,24 +4,20 @@
 #include <stdexcept>
 
 #include <ATen/autocast_mode.h>
+#include "xpm/planner/enum_names.hpp"
 
 namespace xpm {
 
+namespace {
+constexpr EnumNames<Precision, 3> kPrecisionNames{
+    {{Precision::k32True, "32-true"}, {Precision::kBf16Mixed, "bf16-mixed"}, {Precision::k16Mixed, "16-mixed"}}};
+}  // namespace
+
 Precision parse_precision(const std::string& text, const std::string& source) {
-  if (text == "32-true") return Precision::k32True;
-  if (text == "bf16-mixed") return Precision::kBf16Mixed;
-  if (text == "16-mixed") return Precision::k16Mixed;
-  throw std::invalid_argument(source + ": precision must be 32-true, bf16-mixed or 16-mixed, got '" + text + "'");
+  return parse_enum(kPrecisionNames, text, source);
 }
 
-std::string to_string(Precision precision) {
-  switch (precision) {
-    case Precision::k32True: return "32-true";
-    case Precision::kBf16Mixed: return "bf16-mixed";
-    case Precision::k16Mixed: return "16-mixed";
-  }
-  return "unknown";
-}
+std::string to_string(Precision precision) { return enum_name(kPrecisionNames, precision); }
 
 void check_precision_supported(Precision precision, const torch::Device& device) {
   if (!device.is_cpu() && !device.is_cuda()) {

@@ -5,6 +5,7 @@
 #include <limits>
 #include <sstream>
 #include <stdexcept>
+#include "xpm/planner/enum_names.hpp"
 
 namespace xpm {
 
@@ -99,25 +100,16 @@ torch::Tensor mean_of(const torch::Tensor& per_record, const std::string& who) {
 
 }  // namespace
 
-std::string to_string(ScorerOutputType type) {
-  switch (type) {
-    case ScorerOutputType::real:
-      return "real";
-    case ScorerOutputType::probability:
-      return "probability";
-    case ScorerOutputType::log_probability:
-      return "log-probability";
-  }
-  throw std::logic_error("unknown ScorerOutputType");
-}
+namespace {
+constexpr EnumNames<ScorerOutputType, 3> kScorerOutputNames{{{ScorerOutputType::real, "real"},
+                                                             {ScorerOutputType::probability, "probability"},
+                                                             {ScorerOutputType::log_probability, "log-probability"}}};
+}  // namespace
 
-ScorerOutputType parse_scorer_output_type(const std::string& text) {
-  for (ScorerOutputType type : {ScorerOutputType::real, ScorerOutputType::probability,
-                                ScorerOutputType::log_probability}) {
-    if (text == to_string(type)) return type;
-  }
-  throw std::invalid_argument("unknown scorer output type '" + text +
-                              "' (expected real, probability or log-probability)");
+std::string to_string(ScorerOutputType type) { return enum_name(kScorerOutputNames, type); }
+
+ScorerOutputType parse_scorer_output_type(const std::string& text, const std::string& source) {
+  return parse_enum(kScorerOutputNames, text, source);
 }
 
 namespace pairwise {

@@ -85,6 +85,13 @@ class IdentifiabilityError : public std::invalid_argument {
   std::string dependent_;
 };
 
+/// The loss on each relative residual: squared, or one that bends at robust_loss_scale so that
+/// one bad probe weighs less (Ceres's HuberLoss, CauchyLoss).
+enum class RobustLoss { kNone, kHuber, kCauchy };
+std::string to_string(RobustLoss loss);  // "none" | "huber" | "cauchy"
+/// Throws std::invalid_argument "<source> must be 'none', 'huber' or 'cauchy', got '<text>'".
+RobustLoss parse_robust_loss(const std::string& text, const std::string& source);
+
 /// Options of fit_coefficients (Ceres-style plain struct).
 struct FitOptions {
   bool non_negative = true;            // lower bound 0 on every coefficient (false: any sign)
@@ -92,7 +99,7 @@ struct FitOptions {
   double function_tolerance = 1e-14;   // Ceres function_tolerance
   double gradient_tolerance = 1e-16;   // Ceres gradient_tolerance
   double parameter_tolerance = 1e-14;  // Ceres parameter_tolerance
-  std::string robust_loss = "none";    // "none" | "huber" | "cauchy", on the relative residuals
+  RobustLoss robust_loss = RobustLoss::kNone;  // on the relative residuals
   double robust_loss_scale = 0.01;     // relative residual where the robust loss bends (0.01: 1 %)
   std::map<std::string, double> initial_values;  // non-linear fit start, bytes per unit; default 1
   bool automatic_start = true;         // non-linear fit without initial_values: search a start
@@ -133,7 +140,7 @@ struct FitSummary {
   int iterations = 0;                  // Ceres iterations
   bool linear = true;                  // linear least squares (else non-linear)
   std::size_t coefficient_count = 0;   // fitted coefficients
-  std::string robust_loss = "none";    // FitOptions::robust_loss used
+  RobustLoss robust_loss = RobustLoss::kNone;  // FitOptions::robust_loss used
   double max_rel_error = 0;            // max_i |pred_i - meas_i| / meas_i
   double mean_rel_error = 0;           // mean of the same
   std::vector<double> rel_errors;      // signed (pred - meas) / meas, one per measurement

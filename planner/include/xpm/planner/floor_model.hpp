@@ -75,7 +75,8 @@ CostFormula floor_formula_for(const CostFormula& formula, const FloorOptions& op
 FloorFit fit_floor(const CostFormula& formula, const std::vector<Measurement>& optimizer_step_peaks,
                    double static_bytes, const FloorOptions& options = {});
 
-std::string to_string(FloorMode mode);                  // "auto" | "constant" | "formula"
-FloorMode floor_mode_from_string(const std::string& s);  // throws std::invalid_argument
+std::string to_string(FloorMode mode);  // "auto" | "constant" | "formula"
+/// Throws std::invalid_argument "<source> must be 'auto', 'constant' or 'formula', got '<text>'".
+FloorMode parse_floor_mode(const std::string& text, const std::string& source);
 
 }  // namespace xpm

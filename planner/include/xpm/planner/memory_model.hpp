@@ -183,7 +183,8 @@ class MemoryModel {
   nlohmann::json metadata_ = nlohmann::json::object();
 };
 
-std::string to_string(DimAggregation a);             // "count" | "max" | "sum"
-DimAggregation dim_aggregation_from_string(const std::string& s);  // throws std::invalid_argument
+std::string to_string(DimAggregation a);  // "count" | "max" | "sum"
+/// Throws std::invalid_argument "<source> must be 'count', 'max' or 'sum', got '<text>'".
+DimAggregation parse_dim_aggregation(const std::string& text, const std::string& source);
 
 }  // namespace xpm

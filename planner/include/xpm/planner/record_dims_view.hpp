@@ -21,6 +21,8 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
+#include <vector>
 
 namespace xpm {
 
@@ -43,5 +45,15 @@ struct RecordDimsView {
   constexpr std::size_t size() const noexcept { return records; }
   constexpr bool empty() const noexcept { return records == 0; }
 };
+
+/// Records' dims from their lengths, one vector per record in `variables` order (what
+/// PredictiveBatcher::plan and the packers take): the batch-size variable 1, every other
+/// variable the record's length (a padded length and a summed token count are both the length
+/// of one record):
+///   record_dims_from_lengths({12, 40}, {"bs", "l"}) == {{1, 12}, {1, 40}}
+/// Throws std::invalid_argument when `variables` lacks `batch_size_variable`, holds nothing
+/// else, or a length is negative or not finite (naming its index).
+std::vector<std::vector<double>> record_dims_from_lengths(const std::vector<double>& lengths, const std::vector<std::string>& variables,
+                                             const std::string& batch_size_variable = "bs");
 
 }  // namespace xpm

@@ -14,8 +14,7 @@
 //       [&](const std::vector<double>& dims) {                    // dims in variable order
 //         return loss_sum_of_random_batch(dims[0], dims[1]);       // forward + summed loss
 //       }, options);                                               // budget: the meter's capacity
-//   xpm::PredictiveBatcher batcher(probed.batcher_options, std::make_shared<xpm::AdaptivePacker>());
-//   batcher.set_model(probed.model);                               // plan every outer batch
+//   xpm::PredictiveBatcher& batcher = *probed.batcher;              // the model set: plan every outer batch
 //
 // What a probe runs: gradients zeroed in place, `loss_fn(dims)` then backward() of its result
 // (forward/backward peak), optimizer.step() at learning rate 0 (optimizer-step peak), each
@@ -42,6 +41,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "xpm/planner/packer_kind.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner/probe.hpp"
 #include "xpm/planner_torch/memory_meter.hpp"
@@ -77,6 +77,9 @@ struct StepProbeOptions {
   std::function<std::string(const std::string& payload)> share_from_rank0;
   /// Progress lines (rank 0); empty: silent.
   std::function<void(const std::string& line)> log;
+  /// The packer of the result's batcher (make_packer, packer_kind.hpp) and its sort variables.
+  PackerKind packer = PackerKind::kAdaptive;
+  std::string sort_by;
 };
 
 struct StepProbeResult {
@@ -85,6 +88,8 @@ struct StepProbeResult {
   bool from_cache = false;
   double probe_s = 0;               // rank 0's probing wall time (s); 0 from the cache
   PredictiveBatcherOptions batcher_options;  // options.batcher with the capacity resolved
+  /// Ready to plan: batcher_options, options.packer, the model set.
+  std::shared_ptr<PredictiveBatcher> batcher;
 };
 
 /// Probes `module` trained by `optimizer` (see the header comment) and fits the model.

@@ -3,7 +3,7 @@
 // rank-0 lookup / probe / fit whose result every rank takes.
 //
 //   PredictiveBatcher batcher(tagging_batcher_options(config, data.max_length, capacity_bytes),
-//                             tagging_packer(config));
+//                             make_packer(config.packer));
 //   MemoryModelOrigin origin = obtain_memory_model(config, setup, meter, capacity_bytes, batcher,
 //                                                  dist, log);   // every rank; rank 0 probes
 //
@@ -32,9 +32,6 @@ namespace xpm {
 /// extra_overhead_bytes}.
 PredictiveBatcherOptions tagging_batcher_options(const TaggingJobConfig& config,
                                                  std::size_t max_length, std::int64_t capacity_bytes);
-
-/// The config's packer: AdaptivePacker sorting by config.sort_by, or UniformPacker.
-std::shared_ptr<const MicrobatchPacker> tagging_packer(const TaggingJobConfig& config);
 
 /// What the memory model depends on (the cache key): formula, model signature, architecture
 /// options that change memory, optimizer, precision, device, world size, torch version,

@@ -40,7 +40,7 @@ int exit_code_of(ErrorKind kind);
 /// "bad_input", "out_of_memory", "failure", "internal".
 const char* to_string(ErrorKind kind);
 /// The inverse of to_string; kInternal for any other text.
-ErrorKind error_kind_from_string(const std::string& text);
+ErrorKind parse_error_kind(const std::string& text);
 
 struct ErrorDescription {
   ErrorKind kind = ErrorKind::kInternal;

@@ -76,6 +76,8 @@
 #include "xpm/trainer/loop/hooks.hpp"
 #include "xpm/trainer/state/learner_checkpoint.hpp"
 #include "xpm/trainer/loop/learner_listener.hpp"
+#include "xpm/trainer/loop/memory_plan.hpp"
+#include "xpm/trainer/options/option_setters.hpp"
 #include "xpm/trainer/options/lr_schedule.hpp"
 #include "xpm/planner_torch/step_probing.hpp"
 #include "xpm/trainer/options/precision.hpp"
@@ -92,6 +94,9 @@ enum class OptimizerCheckpointLayout {
   kPerRankShards,  // optimizer-rank<r>.pt, loadable at the same world size only
   kConsolidated,   // one optimizer.pt, loadable at any world size and sharding
 };
+std::string to_string(OptimizerCheckpointLayout layout);  // "sharded" | "full"
+/// Throws std::invalid_argument "<source> must be 'sharded' or 'full', got '<text>'".
+OptimizerCheckpointLayout parse_optimizer_checkpoint_layout(const std::string& text, const std::string& source);
 
 struct LearnerOptions {
   std::string run_dir = "runs/latest";   // metrics.jsonl, best_parameters.pt, checkpoints/
@@ -128,6 +133,48 @@ struct LearnerOptions {
   std::function<void(const std::string& line)> log;
   /// Appended to the error that stops a run after consecutive out-of-memory steps.
   std::string oom_advice = "probe larger shapes, or plan with a lower memory fraction";
+  /// The memory plan the Learner builds (budget from the meter's capacity, PredictiveBatcher,
+  /// packer) when LearnerComponents gives no batcher; run() probes and fits it first.
+  std::optional<MemoryPlanOptions> memory_plan;
+  /// Where the task's model lives (torch::kCPU, or a CUDA device: "cuda:LOCAL_RANK" under a
+  /// launcher). The constructor refuses a model whose parameters are elsewhere.
+  torch::Device device = torch::kCPU;
+
+  XPM_OPTION_SETTER(LearnerOptions, std::string, run_dir)
+  XPM_OPTION_SETTER(LearnerOptions, std::int64_t, epochs)
+  XPM_OPTION_SETTER(LearnerOptions, std::int64_t, max_steps)
+  XPM_OPTION_SETTER(LearnerOptions, std::int64_t, outer_batch_size)
+  XPM_OPTION_SETTER(LearnerOptions, std::uint64_t, sampler_seed)
+  XPM_OPTION_SETTER(LearnerOptions, LrScheduleOptions, lr_schedule)
+  XPM_OPTION_SETTER(LearnerOptions, ValidationSettings, validation)
+  XPM_OPTION_SETTER(LearnerOptions, CheckpointSettings, checkpoints)
+  XPM_OPTION_SETTER(LearnerOptions, std::int64_t, stop_after_steps)
+  XPM_OPTION_SETTER(LearnerOptions, bool, resume)
+  XPM_OPTION_SETTER(LearnerOptions, std::int64_t, log_every)
+  XPM_OPTION_SETTER(LearnerOptions, std::string, log_prefix)
+  XPM_OPTION_SETTER(LearnerOptions, std::string, size_name)
+  XPM_OPTION_SETTER(LearnerOptions, nlohmann::json, config)
+  XPM_OPTION_SETTER(LearnerOptions, std::optional<MemoryPlanOptions>, memory_plan)
+  XPM_OPTION_SETTER(LearnerOptions, torch::Device, device)
+  /// The peak learning rate and its warmup (lr_schedule's fields).
+  LearnerOptions& set_learning_rate(double peak, std::int64_t warmup_steps = 0) {
+    lr_schedule.peak_learning_rate = peak;
+    lr_schedule.warmup_steps = warmup_steps;
+    return *this;
+  }
+  /// Validation every `every_steps` steps deciding by `metric`, its direction from its name
+  /// ("...loss": min, "...accuracy": max; default_metric_mode).
+  LearnerOptions& set_validation_every(std::int64_t every_steps, const std::string& metric) {
+    validation.every_steps = every_steps;
+    validation.metric = metric;
+    validation.mode = default_metric_mode(metric);
+    return *this;
+  }
+  /// A checkpoint every `every_steps` steps.
+  LearnerOptions& set_checkpoint_every(std::int64_t every_steps) {
+    checkpoints.every_steps = every_steps;
+    return *this;
+  }
 
   /// Throws std::invalid_argument naming the field and its value, and for a validation metric
   /// whose name says its direction ("...loss": min, "...accuracy": max) under the other mode.
@@ -144,7 +191,9 @@ struct LearnerOptions {
 /// What the Learner works with besides the task and the optimizer (not owned; all outlive it).
 struct LearnerComponents {
   DistributedContext* dist = nullptr;     // null: a single process
-  PredictiveBatcher* batcher = nullptr;   // predictive; without a model run() probes first
+  /// Predictive; without a model run() probes first. Null with LearnerOptions::memory_plan:
+  /// the Learner builds its own.
+  PredictiveBatcher* batcher = nullptr;
   FixedBatcher* fixed_batcher = nullptr;  // instead of `batcher`: fixed or power (single process)
   PowerAdaptativeBatcher* power_batcher = nullptr;  // the same object when power
   MemoryMeter* meter = nullptr;           // peaks per step; null: none measured
@@ -179,6 +228,15 @@ struct LearnerOutcome {
   bool memory_model_from_checkpoint = false;  // run() took it from the resumed checkpoint
   double probe_s = 0;                   // rank 0's probing wall time (s)
   std::int64_t total_steps = 0;         // of the run
+  std::string memory_formula;           // the memory model's formula at the end (predictive)
+  double floor_bytes = 0;               // its floor (bytes)
+
+  /// One line: steps, microbatches, OOMs, the largest step prediction error, the last
+  /// validation's metrics and how the run ended ("finished", "stopped after step 4: resume").
+  std::string brief_report() const;
+  /// Several lines: the brief report, then the memory model, probing, resume, checkpoints,
+  /// best validation, rank balance and throughput counters.
+  std::string full_report() const;
 };
 
 class Learner {

@@ -35,6 +35,7 @@
 #include <torch/torch.h>
 
 #include "xpm/planner/packer.hpp"
+#include "xpm/trainer/distributed/distributed.hpp"
 
 namespace xpm {
 
@@ -69,10 +70,22 @@ class TrainingTask {
   /// over the records' units: a scalar tensor with a gradient. May throw
   /// c10::OutOfMemoryError (the Learner handles it).
   virtual torch::Tensor loss_sum(const std::vector<std::size_t>& records) = 0;
+  /// Validation records for the Learner's own validation (validate_records): their count
+  /// (default 0: the Learner calls validate() instead).
+  virtual std::size_t validation_record_count() const { return 0; }
+  /// Validation record `index`: its dims and units (what validation_sums' sums are per).
+  virtual TrainingRecord validation_record(std::size_t index) const;
+  /// Named sums over a microbatch of validation records (indices into them), under no-grad and
+  /// eval mode: {"loss": summed loss, "accuracy": correct records}. Every call returns the
+  /// same names. The Learner sums them over every microbatch and rank and divides each by the
+  /// records' total units.
+  virtual NamedMetrics validation_sums(const std::vector<std::size_t>& records);
   /// Evaluates the model (eval mode, no gradient, back to train mode afterwards) and returns
   /// its metrics, the same on every rank. Collective: every rank calls it and may split the
   /// validation records among ranks and all-reduce. `plan_of` gives microbatches that fit.
-  virtual NamedMetrics validate(const ValidationPlanFn& plan_of) = 0;
+  /// Called only when validation_record_count() is 0; the default throws std::logic_error
+  /// (override either this or the three above).
+  virtual NamedMetrics validate(const ValidationPlanFn& plan_of);
   /// Summed loss of a synthetic microbatch of `dims` (formula order), for probing the memory
   /// cost of a training step. Only rank 0 calls it, before training.
   virtual torch::Tensor probe_loss_sum(const std::vector<double>& dims) = 0;
@@ -84,6 +97,14 @@ class TrainingTask {
   /// Restores what extra_state() returned. Default: nothing.
   virtual void restore_extra_state(const nlohmann::json& /*state*/) {}
 };
+
+/// The Learner's validation of a task with validation records: rank r takes records r, r + W,
+/// ... (W the world size), plans them with `plan_of`, sums validation_sums() over its
+/// microbatches under torch::NoGradGuard in eval mode (train mode restored, also on error),
+/// all-reduces the sums and the units, and returns each sum / total units plus "records", the
+/// record count. Collective: every rank calls it. Throws std::invalid_argument when there are
+/// fewer validation records than ranks or their units sum to 0.
+NamedMetrics validate_records(TrainingTask& task, const ValidationPlanFn& plan_of, DistributedContext& dist);
 
 /// Positional dims from a record's named fields, in `variable_names` order (a cost formula's
 /// variable_names()): dims_by_name({"bs", "l"}, {{"l", 12}, {"bs", 1}}) == {1, 12}. Throws

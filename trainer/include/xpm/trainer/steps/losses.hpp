@@ -72,7 +72,7 @@ std::string to_string(ScorerOutputType type);
 
 /// Parses the names to_string() writes. Throws std::invalid_argument naming the text and the
 /// accepted names.
-ScorerOutputType parse_scorer_output_type(const std::string& text);
+ScorerOutputType parse_scorer_output_type(const std::string& text, const std::string& source);
 
 /// Probabilities (and 1 - p) below this are raised to it before a log: -log(1e-12) = 27.63 is
 /// the largest per-term loss a probability can give (torch's BCELoss clamps the log at -100).

@@ -1,0 +1,30 @@
+// xpm/planner/packer_kind.hpp — the packers by name, and the one factory that builds them.
+//
+//   const xpm::PackerKind kind = xpm::parse_packer_kind("ffd", "--packer");
+//   std::shared_ptr<const xpm::MicrobatchPacker> packer = xpm::make_packer(kind);
+//   xpm::make_packer(xpm::PackerKind::kAdaptive, "l");  // sorted by l, longest first
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "xpm/planner/packer.hpp"
+
+namespace xpm {
+
+enum class PackerKind {
+  kAdaptive,            // AdaptivePacker (packer.hpp): grows each microbatch record by record
+  kUniform,             // UniformPacker (packer.hpp): one size for the whole outer batch
+  kFirstFitDecreasing,  // FirstFitDecreasingPacker (ffd_packer.hpp): best with a summed dim
+};
+
+std::string to_string(PackerKind kind);  // "adaptive" | "uniform" | "ffd"
+/// Throws std::invalid_argument "<source> must be 'adaptive', 'uniform' or 'ffd', got '<text>'".
+PackerKind parse_packer_kind(const std::string& text, const std::string& source);
+
+/// The packer of `kind`. `sort_by` (AdaptivePackerOptions::sort_by: variables, comma-separated,
+/// heaviest first) applies to kAdaptive only; throws std::invalid_argument for a non-empty
+/// sort_by with another kind. Thread-safe; the packers are stateless.
+std::shared_ptr<const MicrobatchPacker> make_packer(PackerKind kind, const std::string& sort_by = "");
+
+}  // namespace xpm

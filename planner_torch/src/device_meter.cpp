@@ -1,0 +1,73 @@
+// device_meter.cpp — training_device and make_device_meter (see device_meter.hpp).
+#include "xpm/planner_torch/device_meter.hpp"
+
+#include <stdexcept>
+
+#include "xpm/planner_torch/cpu_memory_meter.hpp"
+#include "xpm/planner_torch/cuda_memory_meter.hpp"
+
+namespace xpm {
+namespace {
+
+int visible_gpus() { return cuda_memory_meter_available() ? CudaMemoryMeter::device_count() : 0; }
+
+void check_gpu_visible(const std::string& text, const std::string& source) {
+  if (!cuda_memory_meter_available()) {
+    throw std::invalid_argument(source + " '" + text + "': this xpm was built against a LibTorch without CUDA; use cpu");
+  }
+  if (visible_gpus() == 0) {
+    throw std::invalid_argument(source + " '" + text + "': no CUDA device is visible (CUDA_VISIBLE_DEVICES, driver); use cpu");
+  }
+}
+
+}  // namespace
+
+torch::Device training_device(const std::string& text, const std::string& source, int local_rank) {
+  if (text == "cpu") return torch::Device(torch::kCPU);
+  if (text != "cuda" && text.rfind("cuda:", 0) != 0) {
+    throw std::invalid_argument(source + " must be 'cpu', 'cuda' or 'cuda:N', got '" + text + "'");
+  }
+  int index = local_rank;
+  if (text != "cuda") {
+    std::size_t used = 0;
+    const std::string digits = text.substr(5);
+    try {
+      index = std::stoi(digits, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (digits.empty() || used != digits.size() || index < 0) {
+      throw std::invalid_argument(source + " must be 'cpu', 'cuda' or 'cuda:N', got '" + text + "'");
+    }
+  }
+  check_gpu_visible(text, source);
+  if (index >= visible_gpus()) {
+    throw std::invalid_argument(source + " '" + text + "': GPU " + std::to_string(index) + " of " +
+                                std::to_string(visible_gpus()) + " visible");
+  }
+  return torch::Device(torch::kCUDA, static_cast<torch::DeviceIndex>(index));
+}
+
+std::shared_ptr<MemoryMeter> make_device_meter(const torch::Device& device, std::int64_t capacity_bytes) {
+  if (capacity_bytes < 0) {
+    throw std::invalid_argument("memory cap must be >= 0 bytes (0: none), got " + std::to_string(capacity_bytes));
+  }
+  if (device.is_cpu()) {
+    CpuMemoryMeter& meter = CpuMemoryMeter::install();
+    meter.set_capacity_bytes(capacity_bytes);
+    return std::shared_ptr<MemoryMeter>(&meter, [](MemoryMeter*) {});  // the process-wide meter
+  }
+  if (!device.is_cuda()) throw std::invalid_argument("device '" + device.str() + "': only cpu and cuda are supported");
+  auto meter = std::make_shared<CudaMemoryMeter>(device.has_index() ? device.index() : 0);
+  if (capacity_bytes > 0) {
+    const auto total = static_cast<double>(meter->total_device_bytes());
+    if (static_cast<double>(capacity_bytes) > total) {
+      throw std::invalid_argument("memory cap of " + std::to_string(capacity_bytes) + " bytes is above " +
+                                  device.str() + "'s " + std::to_string(meter->total_device_bytes()) + " bytes");
+    }
+    meter->set_memory_fraction(static_cast<double>(capacity_bytes) / total);
+  }
+  return meter;
+}
+
+}  // namespace xpm
