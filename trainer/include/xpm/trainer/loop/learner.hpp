@@ -4,25 +4,19 @@
 // and early stopping, listeners' votes, checkpoints with exact resume, single process or data
 // parallel.
 //
-//   xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();  // before the model is built
-//   MyTask task;                                     // a TrainingTask: records, loss_sum, validate
+//   auto meter = xpm::make_device_meter(torch::kCPU, 200'000'000);  // the cap, given once; before the model
+//   MyTask task;                                     // a TrainingTask: records, loss_sum, validation
 //   torch::optim::Adam optimizer(task.module().parameters(), 1e-3);
-//   meter.set_capacity_bytes(200'000'000);
-//   xpm::PredictiveBatcherOptions plan;              // formula, variables, budget, design range
-//   plan.budget.capacity_bytes = 200'000'000;
-//   xpm::PredictiveBatcher batcher(plan, std::make_shared<xpm::AdaptivePacker>());
-//   xpm::LearnerOptions options;
-//   options.run_dir = "runs/mine";
-//   options.epochs = 2;
-//   options.validation.every_steps = 50;
-//   options.validation.metric = "loss";
-//   options.validation.mode = xpm::MetricMode::kMin;
-//   options.checkpoints.every_steps = 50;
+//   auto options = xpm::LearnerOptions().set_run_dir("runs/mine").set_epochs(2)
+//                      .set_validation_every(50, "loss").set_checkpoint_every(50);
+//   options.memory_plan = xpm::MemoryPlanOptions(formula).set_variable_max({{"bs", 64}, {"l", 256}});
 //   xpm::LearnerComponents parts;
-//   parts.batcher = &batcher;                        // no model yet: run() probes first
-//   parts.meter = &meter;
+//   parts.meter = meter.get();                       // the Learner builds the batcher; run() probes first
 //   xpm::Learner learner(task, optimizer, options, parts);
 //   xpm::LearnerOutcome outcome = learner.run();     // every rank
+//   std::cout << outcome.brief_report() << "\n";
+//
+// A whole program around it (flags, --nproc, --device, report, exit codes): learner_main.hpp.
 //
 // Per step (every rank): the LR of the schedule; hooks.before_step; the batcher's step (gradients
 // accumulated over the microbatches, divided by the outer batch's units, all-reduced; then
