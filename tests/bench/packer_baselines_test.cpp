@@ -1,6 +1,6 @@
 // packer_baselines_test.cpp — the benchmark's baselines: fairseq's max_tokens batcher by hand,
-// the reference's AdaptivePacker algorithm against our AdaptivePacker (two implementations, one
-// answer), and the max_tokens that keeps every microbatch within budget.
+// ReferenceAdaptivePacker (packer_baselines.hpp) against our AdaptivePacker (two implementations,
+// one answer), and the max_tokens that keeps every microbatch within budget.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -35,7 +35,7 @@ TEST_CASE("max_tokens batcher cuts lengths 3 9 4 7 2 under 20 tokens into {2, 3,
   CHECK(plan.microbatches[1].dims == std::vector<double>{2, 9});
 }
 
-TEST_CASE("the reference algorithm and our AdaptivePacker make the same plans, sorted or not") {
+TEST_CASE("ReferenceAdaptivePacker and our AdaptivePacker make the same plans, sorted or not") {
   const xpm_bench::BenchModel model = xpm_bench::bench_model(xpm_bench::BenchFormula::kQuadratic);
   for (unsigned seed = 0; seed < 40; ++seed) {
     std::mt19937 rng(seed);

@@ -1,5 +1,5 @@
 // FixedBatcher and PowerAdaptativeBatcher (fixed_batchers.hpp): fixed slices in sampler order,
-// exact gradients against one big batch, the reference's `batch_size // n` shrink sequence
+// exact gradients against one big batch, the `outer_batch_size // n` shrink sequence
 // (16, 8, 5, 4, 3, 2, 1, then the size-1 error rethrown), the size kept across steps, one size
 // per attempt (no split of a split), the refusal of world_size > 1, and on a real model under
 // the CPU memory cap: an out-of-memory error in backward, a retry that starts from the

@@ -41,7 +41,7 @@ const double kInf = std::numeric_limits<double>::infinity();
 
 // ---------------------------------------------------------------- output types
 
-TEST_CASE("scorer output types print and parse by their reference names") {
+TEST_CASE("scorer output types print and parse as real, probability and log-probability") {
   for (ScorerOutputType type : {ScorerOutputType::real, ScorerOutputType::probability,
                                 ScorerOutputType::log_probability}) {
     CHECK(xpm::parse_scorer_output_type(xpm::to_string(type), "output type") == type);
@@ -67,7 +67,7 @@ TEST_CASE("pairwise cross-entropy on real scores is -log sigmoid(s+ - s-) per pa
   CHECK(loss.name() == "cross-entropy");
 }
 
-TEST_CASE("pairwise cross-entropy equals the reference's cross_entropy(scores, target 0)") {
+TEST_CASE("pairwise cross-entropy on real scores equals torch's cross_entropy(scores, target 0)") {
   const pairwise::CrossEntropyLoss loss(ScorerOutputType::real);
   const torch::Tensor scores = torch::randn({16, 2}, torch::kDouble) * 3;
   const torch::Tensor reference =
@@ -158,7 +158,7 @@ TEST_CASE("pointwise cross-entropy on real scores: BCE with logits, positive 1, 
   // = (0.126928 + 0.313262) / 2 = 0.220095
   CHECK(value(loss.mean(matrix({{2, -1}}))) == near(0.220095));
   CHECK(value(loss.mean(matrix({{0, 0}}))) == near(0.693147));  // (log 2 + log 2) / 2
-  // The reference: BCEWithLogitsLoss over the 2N documents (positives first), mean.
+  // Equal to torch's BCE with logits over the 2N documents (positives first), mean.
   const torch::Tensor scores = torch::randn({8, 2}, torch::kDouble) * 2;
   const torch::Tensor targets = torch::cat({torch::ones({8}), torch::zeros({8})}).to(torch::kDouble);
   const torch::Tensor reference = torch::nn::functional::binary_cross_entropy_with_logits(
@@ -260,7 +260,7 @@ TEST_CASE("the sum is the mean times the number of pairs, for every loss and out
   }
 }
 
-TEST_CASE("make_pairwise_loss builds by reference name and rejects others") {
+TEST_CASE("make_pairwise_loss builds a loss by its name and rejects other names") {
   CHECK(pairwise::make_pairwise_loss("hinge", ScorerOutputType::real, {0.25})->name() == "hinge");
   CHECK(dynamic_cast<pairwise::HingeLoss&>(
             *pairwise::make_pairwise_loss("hinge", ScorerOutputType::real, {0.25}))
@@ -291,7 +291,7 @@ TEST_CASE("batchwise cross-entropy on probabilities is the mean BCE over each qu
   CHECK(entry(per_query, 1) == near(0.693147));  // (-log 0.5 - log 0.5) / 2 = log 2
   CHECK(value(loss.sum(scores, relevances)) == near(1.060132));   // 0.366985 + 0.693147
   CHECK(value(loss.mean(scores, relevances)) == near(0.530066));  // 1.060132 / 2
-  // The reference: binary_cross_entropy(scores, relevances), mean over all Q * D entries.
+  // Equal to torch's binary_cross_entropy(scores, relevances): the mean over all Q * D entries.
   CHECK(value(loss.mean(scores, relevances)) ==
         near(value(torch::nn::functional::binary_cross_entropy(scores, relevances))));
   CHECK(loss.name() == "bce");
@@ -371,7 +371,7 @@ TEST_CASE("softmax cross-entropy on probabilities and log-probabilities of a dis
   CHECK(value(on_log.mean(matrix({{std::log(0.5), std::log(0.3), std::log(0.2)}}),
                           matrix({{0, 1, 0}}))) == near(1.203973));
   // A row that does not sum to 1 is renormalized: [0.2, 0.2] -> [0.5, 0.5]: -log 0.5 = log 2
-  // (the reference would give -log 0.2 = 1.609438).
+  // (not -log 0.2 = 1.609438, the value without renormalizing).
   CHECK(value(on_probabilities.mean(matrix({{0.2, 0.2}}), matrix({{1, 0}}))) == near(0.693147));
 }
 

@@ -62,7 +62,7 @@ TEST_CASE("early stopping in max mode stops after `patience` validations without
   CHECK(early_stopping.state().validations_since_best == 3);
 }
 
-TEST_CASE("early stopping in min mode treats a LOWER loss as better (not the reference's higher)") {
+TEST_CASE("early stopping in min mode treats a LOWER loss as better and stops when losses rise") {
   xpm::ValidationSettings settings;
   settings.metric = "loss";
   settings.mode = xpm::MetricMode::kMin;
@@ -76,7 +76,8 @@ TEST_CASE("early stopping in min mode treats a LOWER loss as better (not the ref
   CHECK(early_stopping.state().best_value == doctest::Approx(0.7));
   CHECK(early_stopping.state().best_step == 400);
 
-  // The same rising losses in max mode would keep "improving" and never stop: the defect.
+  // The same rising losses in max mode would keep "improving" and never stop (a higher loss
+  // taken as better); min mode stops on them.
   xpm::ValidationSettings wrong = settings;
   wrong.mode = xpm::MetricMode::kMax;
   xpm::EarlyStopping higher_is_better(wrong);

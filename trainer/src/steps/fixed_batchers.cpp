@@ -232,7 +232,7 @@ BatcherStepResult PowerAdaptativeBatcher::train_step(const std::vector<double>& 
     out.max_bytes_above_baseline_after_oom =
         std::max(out.max_bytes_above_baseline_after_oom, last_oom_bytes_above_baseline_);
     const std::int64_t next = next_microbatch_size();
-    if (next < 1) {  // 1 record per microbatch still ran out of memory: the reference re-raises
+    if (next < 1) {  // 1 record per microbatch still ran out of memory: rethrow, no step
       ++failed_steps_;
       if (out.attempts > 1) ++retried_steps_;
       std::rethrow_exception(last_oom_);  // the size-1 attempt's own error object

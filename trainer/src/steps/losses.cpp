@@ -1,4 +1,4 @@
-// Ranking losses (losses.hpp). Formulas and the reference's behavior are in the header.
+// Ranking losses (losses.hpp). Formulas, output types and errors are in the header.
 #include "xpm/trainer/steps/losses.hpp"
 
 #include <cmath>

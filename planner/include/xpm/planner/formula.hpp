@@ -134,7 +134,8 @@ class CostFormula {
   double offset(const std::vector<double>& dims) const;
   /// Fast evaluation from the expanded form (used on hot paths such as packers); any formula.
   double predict(const std::vector<double>& coefficients, const std::vector<double>& dims) const;
-  /// Evaluation of the canonical string by muparserx (the reference evaluation); any formula.
+  /// Evaluation of the canonical string by muparserx (the authoritative value, which predict()
+  /// is tested against); any formula.
   double evaluate(const std::vector<double>& coefficients, const std::vector<double>& dims) const;
 
   /// Orders a name->value map by variable_names(). Throws std::invalid_argument naming the

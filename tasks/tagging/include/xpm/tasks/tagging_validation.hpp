@@ -1,6 +1,6 @@
-// xpm/tasks/tagging_validation.hpp — the tagging job's validation (the reference's
-// TrainerValidationLoss): token accuracy and token cross-entropy of the model on the validation
-// sentences, forward only, under its own memory plan.
+// xpm/tasks/tagging_validation.hpp — the tagging job's validation (TrainerValidationLoss): token
+// accuracy and token cross-entropy of the model on the validation sentences, forward only, under
+// its own memory plan.
 //
 //   TrainerValidationLoss validation(data.validation, dist);
 //   ValidationMetrics m = validation.run(setup, plan_of);   // eval mode, no gradients

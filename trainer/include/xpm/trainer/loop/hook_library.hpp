@@ -13,9 +13,8 @@
 //   AdamW optimizer(model->parameters(), ...);   // built AFTER: sees one tensor per tie and no
 //                                                // gradient for a frozen parameter
 //
-// Order guarantee (unlike the reference, whose freezer and sharer act on a model whose
-// optimizer, and possibly DDP wrapper, already exist): both act before the optimizer is built,
-// before probes measure the model, and before gradient buckets are laid out, so
+// Order guarantee: the freezer and the sharer both act before the optimizer (and any DDP wrapper)
+// is built, before probes measure the model, and before gradient buckets are laid out, so
 //   - a frozen parameter never gets a gradient, so LibTorch's optimizers skip it and keep no
 //     state for it (no exp_avg / exp_avg_sq under AdamW, no weight decay), the probes measure
 //     the memory of the frozen model, and GradientBuckets leave it out;
@@ -110,9 +109,9 @@ struct LayerSharerOptions {
   void validate() const;
 };
 
-/// Ties target parameters to source parameters (the reference's LayerSharer): after the tie
-/// the model computes with the source's values wherever it used the target, the target's
-/// gradient contributions go to the source, and model.parameters() lists the source once.
+/// Ties target parameters to source parameters: after the tie the model computes with the
+/// source's values wherever it used the target, the target's gradient contributions go to the
+/// source, and model.parameters() lists the source once.
 ///
 /// How, in LibTorch (where a module's forward reads its C++ member, e.g. LinearImpl::weight,
 /// not its parameter registry, so replacing the registry entry alone would change nothing the

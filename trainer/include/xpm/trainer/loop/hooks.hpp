@@ -1,4 +1,4 @@
-// xpm/trainer/loop/hooks.hpp — training hooks as in the reference (xpm_torch.trainers.context):
+// xpm/trainer/loop/hooks.hpp — training hooks:
 // a hook implements one or more of the interfaces below and is registered in a HookList, which
 // the training loop calls at the documented points. Implementations: hook_library.hpp
 // (LayerFreezer, LayerSharer, GradientClipper).

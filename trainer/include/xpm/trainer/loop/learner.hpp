@@ -1,4 +1,4 @@
-// xpm/trainer/loop/learner.hpp — the training loop of any model (the reference's Learner): epochs or
+// xpm/trainer/loop/learner.hpp — the training loop of any model: epochs or
 // a step budget over a TrainingTask (training_task.hpp), one optimizer step per outer batch with
 // the microbatches the predictive batcher plans, LR schedule, hooks, validation with best model
 // and early stopping, listeners' votes, checkpoints with exact resume, single process or data

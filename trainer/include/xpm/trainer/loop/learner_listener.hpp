@@ -1,10 +1,9 @@
-// xpm/trainer/loop/learner_listener.hpp — listeners that vote on stopping after each validation, as
-// the reference's LearnerListener (xpm_torch.learner). Early stopping (validation.hpp) is one.
+// xpm/trainer/loop/learner_listener.hpp — listeners that vote on stopping after each validation.
+// Early stopping (validation.hpp) is one.
 //
 // The rule for combining votes (combine_votes): any kContinue wins (a listener may insist on
 // training on, e.g. a minimum number of steps); otherwise any kStop stops; otherwise (all
-// kNoDecision, or no listener) training continues. The reference's DONT_STOP > STOP >
-// NO_DECISION order.
+// kNoDecision, or no listener) training continues: kContinue > kStop > kNoDecision.
 #pragma once
 
 #include <string>

@@ -1,6 +1,5 @@
 // xpm/trainer/loop/train_context.hpp — what a training loop knows at a point in time (TrainState) and
-// what it hands to hooks and listeners (TrainerContext: state, metrics, metric-name scopes), as
-// the reference's xpm_torch.trainers.context, in C++ idiom.
+// what it hands to hooks and listeners (TrainerContext: state, metrics, metric-name scopes).
 //
 //   TrainState state;                      // epoch, step, position in the epoch's order
 //   state.model = &module; state.optimizer = &optimizer;

@@ -1,6 +1,5 @@
-// xpm/trainer/loop/validation.hpp — when to validate, which metric decides, and early stopping, as
-// the reference's ValidationListener (xpm_torch.validation) without its "a higher loss is
-// better" defect (docs/design.md section 5): the direction is explicit (min or max).
+// xpm/trainer/loop/validation.hpp — when to validate, which metric decides, and early stopping.
+// The metric's direction is explicit (min or max): a lower loss is better in min mode.
 //
 //   ValidationSettings settings;
 //   settings.every_steps = 100;           // validate every 100 optimizer steps

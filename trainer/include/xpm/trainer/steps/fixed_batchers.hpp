@@ -1,8 +1,8 @@
-// xpm/trainer/steps/fixed_batchers.hpp — the two batchers without a memory model that the reference
-// (xpm-torch) ships next to the PredictiveBatcher, so runs can compare them with it:
+// xpm/trainer/steps/fixed_batchers.hpp — two batchers without a memory model, so runs can compare
+// them with the PredictiveBatcher:
 //
-//   FixedBatcher (the reference's `Batcher`): one microbatch size chosen by hand, no fallback;
-//     an out-of-memory error skips the step.
+//   FixedBatcher: one microbatch size chosen by hand, no fallback; an out-of-memory error skips
+//     the step.
 //   PowerAdaptativeBatcher: starts with the whole outer batch (or a given size); on an
 //     out-of-memory error it cleans up (gradients zeroed, memory back to the pre-step
 //     baseline), shrinks the microbatch to outer_batch_size // n for n = 2, 3, 4, ... and redoes
@@ -30,13 +30,12 @@
 // and those the failed attempt created are freed; so the allocated bytes are back to those
 // before the step (BatcherStepResult::max_bytes_above_baseline_after_oom, 0 in the tests).
 //
-// Why the adaptive one refuses world_size > 1 (the reference docs say the same): when one rank
-// catches an out-of-memory error and shrinks its microbatch while the others don't, the ranks
-// no longer issue the same collectives and the job hangs at the next one
-// (https://github.com/pytorch/pytorch/issues/50820). The PredictiveBatcher avoids that by
-// construction (data_parallel_trainer.hpp). FixedBatcher is single process here as well: the
-// data-parallel step (one status all-reduce, bucketed gradients) exists for the
-// PredictiveBatcher only.
+// Why the adaptive one refuses world_size > 1: when one rank catches an out-of-memory error and
+// shrinks its microbatch while the others don't, the ranks no longer issue the same collectives
+// and the job hangs at the next one (https://github.com/pytorch/pytorch/issues/50820). The
+// PredictiveBatcher avoids that by construction (data_parallel_trainer.hpp). FixedBatcher is
+// single process here as well: the data-parallel step (one status all-reduce, bucketed
+// gradients) exists for the PredictiveBatcher only.
 //
 // Errors caught: c10::OutOfMemoryError during forward/backward (the CPU cap of CpuMemoryMeter
 // raises it, as CUDA's allocator does). One in the optimizer step is not caught: a smaller
@@ -80,7 +79,7 @@ struct BatcherStepResult {
   std::int64_t max_bytes_above_baseline_after_oom = 0;
 };
 
-/// The reference's `Batcher`: a fixed microbatch size, no fallback. Single process.
+/// A fixed microbatch size, no fallback. Single process.
 class FixedBatcher {
  public:
   /// `meter` may be null (no peaks). The optimizer and meter must outlive the batcher. Throws
@@ -137,8 +136,8 @@ struct PowerAdaptativeBatcherOptions {
   void validate() const;
 };
 
-/// The reference's `PowerAdaptativeBatcher`: catch an out-of-memory error, shrink, redo the
-/// step. Single process only (see the file comment).
+/// Catches an out-of-memory error, shrinks the microbatch, redoes the step. Single process only
+/// (see the file comment).
 class PowerAdaptativeBatcher : public FixedBatcher {
  public:
   /// Throws std::invalid_argument for bad options, and for world_size > 1 (check_single_process),
@@ -156,10 +155,10 @@ class PowerAdaptativeBatcher : public FixedBatcher {
   /// first record, cut into microbatches of the new size (one size per attempt: a split is
   /// never split again), until an attempt completes. With outer_batch_size 16 the sizes tried
   /// are 16, 8, 5, 4, 3, 2, 1. When 1 record per microbatch still runs out of memory, rethrows
-  /// that attempt's c10::OutOfMemoryError object itself (as the reference re-raises), with the
-  /// state clean, parameters and optimizer state unchanged, and no optimizer step. The size
-  /// reached is kept for later steps (and for the rest of the run: it never grows back, so a
-  /// rare long outer batch costs the run its throughput; restore_size() sets it on resume).
+  /// that attempt's c10::OutOfMemoryError object itself, with the state clean, parameters and
+  /// optimizer state unchanged, and no optimizer step. The size reached is kept for later steps
+  /// (and for the rest of the run: it never grows back, so a rare long outer batch costs the
+  /// run its throughput; restore_size() sets it on resume).
   /// Dropout masks of a redone step differ from the failed attempt's (the RNG moved on).
   BatcherStepResult train_step(const std::vector<double>& record_units,
                                const MicrobatchLossFn& loss_sum_fn,
@@ -171,8 +170,7 @@ class PowerAdaptativeBatcher : public FixedBatcher {
   void restore_size(std::int64_t microbatch_size, std::int64_t divisor);
 
   /// The size after the next shrink: outer_batch_size // n for the smallest n > divisor() with
-  /// outer_batch_size // n < microbatch_size() (the reference's rule, `batch_size // n` for
-  /// increasing n, from its docs and source); 0 when microbatch_size() is 1.
+  /// outer_batch_size // n < microbatch_size(); 0 when microbatch_size() is 1.
   std::int64_t next_microbatch_size() const;
   /// n of the current size: 1 until the first shrink.
   std::int64_t divisor() const { return divisor_; }

@@ -55,7 +55,7 @@ using MicrobatchLossFn = std::function<torch::Tensor(const std::vector<std::size
 using NamedLossSumsFn =
     std::function<std::map<std::string, torch::Tensor>(const std::vector<std::size_t>& records)>;
 
-/// A weighted sum of named losses (the reference LossTrainer's sum of weighted losses).
+/// A weighted sum of named losses: sum_k w_k * (loss k's sum) / (its units U_k).
 struct WeightedLosses {
   std::map<std::string, double> weights;  // loss name -> weight w_k >= 0 (finite), one at least
   /// Loss name -> units of each record of the outer batch for that loss (tokens for a token

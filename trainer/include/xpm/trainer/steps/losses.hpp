@@ -1,13 +1,12 @@
-// xpm/trainer/steps/losses.hpp — the reference's (xpm-torch) ranking losses: batchwise
-// CrossEntropyLoss and SoftmaxCrossEntropy, pairwise CrossEntropyLoss, HingeLoss and
-// PointwiseCrossEntropyLoss, each aware of what the model outputs (real scores, probabilities or
-// log-probabilities).
+// xpm/trainer/steps/losses.hpp — ranking losses: batchwise CrossEntropyLoss and
+// SoftmaxCrossEntropy, pairwise CrossEntropyLoss, HingeLoss and PointwiseCrossEntropyLoss, each
+// aware of what the model outputs (real scores, probabilities or log-probabilities).
 //
 //   // A ranker returns one real score per (query, document); a batch of 64 pairs:
 //   torch::Tensor scores = ranker(...);                          // [64, 2]: positive, negative
 //   xpm::pairwise::CrossEntropyLoss loss(xpm::ScorerOutputType::real);
 //   torch::Tensor loss_sum = loss.sum(scores);                   // what LossTrainer wants
-//   torch::Tensor loss_mean = loss.mean(scores);                 // the reference's value
+//   torch::Tensor loss_mean = loss.mean(scores);                 // sum / pairs
 //   torch::Tensor per_pair = loss.per_record(scores);            // [64]
 //
 // Records and reductions. Every loss first computes one value per record (a pair for the
@@ -16,11 +15,11 @@
 //   sum(...)         scalar, sum over records; 0 for an empty batch. LossTrainer divides the sum
 //                    of each microbatch by the outer (or global) batch's record count, so the
 //                    gradient is exact under microbatching (loss_trainer.hpp).
-//   mean(...)        scalar, sum / records: equal to the reference's `compute()` value. An empty
-//                    batch is an error (the mean of nothing is undefined).
+//   mean(...)        scalar, sum / records. An empty batch is an error (the mean of nothing is
+//                    undefined).
 //
-// Output types (ScorerOutputType, the reference's ScorerOutputType REAL / PROBABILITY /
-// LOG_PROBABILITY). Let s be a real score (a logit), p a probability in [0, 1], l = log p <= 0.
+// Output types (ScorerOutputType: real, probability, log_probability). Let s be a real score (a
+// logit), p a probability in [0, 1], l = log p <= 0.
 // Losses never take log(sigmoid(s)) or log(softmax(s)) in two steps: they use log_sigmoid and
 // log_softmax. Probabilities are floored at kProbabilityFloor before a log, with the gradient of
 // the unfloored log kept (1 / max(p, floor)), as torch's BCELoss does; log(1 - p) for a
@@ -33,16 +32,15 @@
 //   pairwise PointwiseCE          yes   yes          yes
 //   batchwise CrossEntropyLoss    yes   yes          yes (d)
 //   batchwise SoftmaxCE           yes   yes (e)      yes (e)
-// (a) Its logit is s+ - s-; the reference assumes logits and refuses probabilities in its
-//     sibling LogSoftmaxLoss. Output log-probabilities instead: (b) then s+ - s- = log(p+/p-),
-//     and the loss is -log(p+ / (p+ + p-)).
+// (a) Its logit is s+ - s-, which needs scores that are logits; probabilities are refused.
+//     Output log-probabilities instead: (b) then s+ - s- = log(p+/p-), and the loss is
+//     -log(p+ / (p+ + p-)).
 // (c) The margin is in the scores' units: with probabilities s+ - s- <= 1, so a margin > 1
 //     could never be met and is refused.
-// (d) The reference's batchwise CrossEntropyLoss is torch's binary_cross_entropy whatever the
-//     model outputs (real scores would be out of its domain); here each type gets its own form.
-// (e) The reference takes log p (or l) as is, which is the softmax cross-entropy only when each
-//     row already sums to 1; here the row is renormalized (log_softmax of log p), which gives
-//     the same value for a proper distribution and a proper one otherwise.
+// (d) Each type gets its own p: sigmoid(s) for real scores (via log_sigmoid), p as given, exp(l);
+//     real scores are outside the [0, 1] domain of a plain binary_cross_entropy.
+// (e) The row is renormalized (log_softmax of log p, or of l): the loss is unchanged for a row
+//     that sums to 1, and a proper softmax cross-entropy for one that does not.
 //
 // Errors: std::invalid_argument, with the loss's name and the offending shape or value, for a
 // scores tensor of the wrong shape or a non-floating dtype, relevances of another shape or
@@ -60,7 +58,7 @@
 
 namespace xpm {
 
-/// What a scorer's output means (the reference's ScorerOutputType).
+/// What a scorer's output means.
 enum class ScorerOutputType {
   real,             // any real number; a logit where a probability is needed (sigmoid/softmax)
   probability,      // p in [0, 1]
@@ -86,7 +84,7 @@ class PairwiseLoss {
  public:
   virtual ~PairwiseLoss() = default;
 
-  /// The reference's loss name, e.g. "cross-entropy" (its metrics are "pair-" + name()).
+  /// The loss name, e.g. "cross-entropy" (the name make_pairwise_loss takes).
   virtual std::string name() const = 0;
   ScorerOutputType output_type() const { return output_type_; }
 
@@ -96,7 +94,7 @@ class PairwiseLoss {
   torch::Tensor per_record(const torch::Tensor& scores) const;
   /// Sum over pairs: a scalar (0 for an empty batch).
   torch::Tensor sum(const torch::Tensor& scores) const;
-  /// Mean over pairs: a scalar equal to the reference's value. Also throws for an empty batch.
+  /// Mean over pairs: a scalar, sum / pairs. Also throws for an empty batch.
   torch::Tensor mean(const torch::Tensor& scores) const;
 
  protected:
@@ -154,7 +152,7 @@ class HingeLoss : public PairwiseLoss {
 ///   loss(pair) = ( -log p(s+) - log(1 - p(s-)) ) / 2
 /// where p(s) = sigmoid(s) for real scores (-log p = -log_sigmoid(s), -log(1 - p) =
 /// -log_sigmoid(-s)), p for probabilities, exp(l) for log-probabilities. The mean over pairs
-/// is the reference's mean over the 2 * batch documents.
+/// equals the mean over the 2 * batch documents (torch's BCE with logits on real scores).
 /// e.g. real s+ = 2, s- = -1: (log(1 + e^-2) + log(1 + e^-1)) / 2 = (0.126928 + 0.313262) / 2
 /// = 0.220095.
 class PointwiseCrossEntropyLoss : public PairwiseLoss {
@@ -167,7 +165,7 @@ class PointwiseCrossEntropyLoss : public PairwiseLoss {
                             const torch::Tensor& negative) const override;
 };
 
-/// Builds a pairwise loss from its reference name: "cross-entropy", "hinge" (with `margin`),
+/// Builds a pairwise loss from its name(): "cross-entropy", "hinge" (with `margin`),
 /// "pointwise-cross-entropy". Throws std::invalid_argument for another name, and whatever the
 /// loss's constructor throws.
 std::unique_ptr<PairwiseLoss> make_pairwise_loss(const std::string& name,
@@ -190,7 +188,7 @@ class BatchwiseLoss {
  public:
   virtual ~BatchwiseLoss() = default;
 
-  /// The reference's loss name ("bce", "ce"; its metrics are "batch-" + name()).
+  /// The loss name: "bce", "ce".
   virtual std::string name() const = 0;
   ScorerOutputType output_type() const { return output_type_; }
 
@@ -199,7 +197,7 @@ class BatchwiseLoss {
   torch::Tensor per_record(const torch::Tensor& scores, const torch::Tensor& relevances) const;
   /// Sum over queries (0 for no query).
   torch::Tensor sum(const torch::Tensor& scores, const torch::Tensor& relevances) const;
-  /// Mean over queries: the reference's value. Also throws for zero queries.
+  /// Mean over queries: a scalar, sum / queries. Also throws for zero queries.
   torch::Tensor mean(const torch::Tensor& scores, const torch::Tensor& relevances) const;
 
  protected:
@@ -219,7 +217,8 @@ class BatchwiseLoss {
 ///   loss(query) = (1/D) sum_d -( r_d log p_d + (1 - r_d) log(1 - p_d) )
 /// with p_d = sigmoid(s_d) (real; via log_sigmoid), p_d (probability), exp(l_d)
 /// (log-probability). A term whose weight r_d or 1 - r_d is 0 contributes 0 even where its log
-/// is -inf. The mean over queries is the reference's mean over all Q * D entries.
+/// is -inf. The mean over queries equals the mean over all Q * D entries (for probabilities,
+/// torch's binary_cross_entropy with its mean reduction).
 /// e.g. probabilities [0.8, 0.4], relevances [1, 0]: (-log 0.8 - log 0.6) / 2
 /// = (0.223144 + 0.510826) / 2 = 0.366985.
 /// Throws std::invalid_argument (in per_record) for a relevance outside [0, 1] or NaN.
@@ -241,7 +240,7 @@ class CrossEntropyLoss : public BatchwiseLoss {
 /// document this is the usual cross-entropy -log_softmax(z)_{relevant}.
 /// e.g. real [2, 1, 0], relevances [1, 0, 0]: -log(e^2 / (e^2 + e + 1)) = 0.407606.
 /// Throws std::invalid_argument (in per_record) for a relevance other than 0 or 1, or a query
-/// without a relevant document (the reference returns +inf there).
+/// without a relevant document (its loss would be +inf).
 class SoftmaxCrossEntropy : public BatchwiseLoss {
  public:
   explicit SoftmaxCrossEntropy(ScorerOutputType output_type);

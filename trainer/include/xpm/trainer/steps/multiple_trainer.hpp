@@ -1,6 +1,6 @@
 // xpm/trainer/steps/multiple_trainer.hpp — several named sub-trainers, each with its own data, its own
 // PredictiveBatcher (own formula, own memory model) and its own loss, accumulating gradients
-// into the same parameters, with ONE optimizer step (the reference's MultipleTrainer).
+// into the same parameters, with ONE optimizer step.
 //
 //   SubTrainer tagging{"tagging", 1.0, &tagging_batcher, &tagging_probes,
 //                      [&] { return next_tagging_batch(); }};
@@ -20,9 +20,9 @@
 // state included), so each plan under its own budget holds while others' gradients accumulate
 // (the gradients are allocated once, whoever fills them).
 //
-// Probing is forwarded to every sub-trainer (the reference's MultipleTrainer did not, so its
-// sub-trainers' predictive batchers never had a model). Single process: the data-parallel step
-// (rank assignment, bucketed all-reduce) is DataParallelTrainer's, for one task.
+// Probing is forwarded to every sub-trainer (probe_and_fit), so each sub-trainer's predictive
+// batcher gets its own memory model. Single process: the data-parallel step (rank assignment,
+// bucketed all-reduce) is DataParallelTrainer's, for one task.
 #pragma once
 
 #include <cstdint>
