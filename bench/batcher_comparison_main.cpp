@@ -42,6 +42,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench_options.hpp"
+#include "metrics_lines.hpp"
 #include "xpm/planner/atomic_file.hpp"
 
 namespace po = boost::program_options;
@@ -77,19 +78,6 @@ nlohmann::json read_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error("cannot read '" + path + "'");
   return nlohmann::json::parse(in);
-}
-
-// The optimizer-step lines of a run's metrics.jsonl (it also holds validation lines).
-std::vector<nlohmann::json> read_step_lines(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> lines;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("real_tokens")) lines.push_back(std::move(j));
-  }
-  return lines;
 }
 
 // Copies the corpus keeping only sentences (non-blank lines) of lo..hi tokens.
@@ -175,10 +163,11 @@ class Driver {
   std::string train_, raw_;
 };
 
-// Per-step (predicted, measured) peaks of a run.
+// Per-step (predicted, measured) peaks of a run; none when it wrote no metrics (it failed).
 nlohmann::json step_peaks(const std::string& run_dir) {
   nlohmann::json out = nlohmann::json::array();
-  for (const nlohmann::json& line : read_step_lines(run_dir + "/metrics.jsonl")) {
+  if (!fs::exists(run_dir + "/metrics.jsonl")) return out;
+  for (const nlohmann::json& line : xpm_bench::read_step_lines(run_dir + "/metrics.jsonl")) {
     out.push_back({line.at("predicted_peak_bytes"), line.at("peak_allocated_bytes")});
   }
   return out;
@@ -187,7 +176,7 @@ nlohmann::json step_peaks(const std::string& run_dir) {
 // Microbatch sizes the power batcher used, per step (the size of the attempt that completed).
 nlohmann::json power_sizes(const std::string& run_dir) {
   nlohmann::json out = nlohmann::json::array();
-  for (const nlohmann::json& line : read_step_lines(run_dir + "/metrics.jsonl")) {
+  for (const nlohmann::json& line : xpm_bench::read_step_lines(run_dir + "/metrics.jsonl")) {
     out.push_back({{"microbatch_size", line.value("microbatch_size", 0)}, {"ooms", line.value("ooms", 0)},
                    {"microbatches", line.at("microbatches")}});
   }

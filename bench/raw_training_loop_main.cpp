@@ -46,6 +46,7 @@
 #include <torch/torch.h>
 
 #include "bench_options.hpp"
+#include "metrics_lines.hpp"
 #include "xpm/planner/atomic_file.hpp"
 #include "xpm/planner/packer_kind.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
@@ -70,20 +71,6 @@ nlohmann::json read_json(const std::string& path) {
   } catch (const nlohmann::json::exception& error) {
     throw std::runtime_error("'" + path + "' is not JSON: " + error.what());
   }
-}
-
-// The optimizer-step lines of a run's metrics.jsonl (it also holds validation lines).
-std::vector<nlohmann::json> read_step_lines(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot read '" + path + "'");
-  std::vector<nlohmann::json> lines;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("real_tokens")) lines.push_back(std::move(j));
-  }
-  return lines;
 }
 
 // The fields of xpm-train's config.json that decide data, model, batches and plans.
@@ -158,7 +145,7 @@ struct Run {
 
 Run read_run(const std::string& run_dir) {
   Run run{config_from_run(read_json(run_dir + "/config.json")), read_json(run_dir + "/summary.json"),
-          read_step_lines(run_dir + "/metrics.jsonl")};
+          xpm_bench::read_step_lines(run_dir + "/metrics.jsonl")};
   if (run.config.batcher == xpm::BatcherKind::kPower) {
     throw std::invalid_argument("--replay/--plans: run '" + run_dir +
                                 "' used the power batcher, whose sizes depend on out-of-memory errors");

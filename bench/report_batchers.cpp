@@ -14,14 +14,6 @@ namespace xpm_bench {
 namespace {
 
 // A series with its label, kind and colour; data filled in afterwards.
-xpm_plan::Series make_series(std::string label, xpm_plan::SeriesKind kind, std::string color) {
-  xpm_plan::Series s;
-  s.label = std::move(label);
-  s.kind = kind;
-  s.color = std::move(color);
-  return s;
-}
-
 constexpr double kMiB = 1024.0 * 1024.0;
 const std::map<std::string, std::string> kColors = {
     {"fixed", "#7f7f7f"}, {"power", "#ff7f0e"}, {"uniform", "#1f77b4"}, {"adaptive", "#2ca02c"}, {"ffd", "#9467bd"}};
@@ -214,7 +206,7 @@ Section batchers_section(const nlohmann::json& b) {
     for (const nlohmann::json& r : runs) {
       const std::string key = r.at("key");
       if (succeeded(r)) {
-        xpm_plan::Series bar = make_series(r.at("label"), xpm_plan::SeriesKind::kBars, kColors.at(key));
+        xpm_plan::Series bar = xpm_plan::make_series(r.at("label"), xpm_plan::SeriesKind::kBars, kColors.at(key));
         bar.x = {x};
         bar.y = {r.at("tokens_per_s").get<double>()};
         bar.labels = {thousands(r.at("tokens_per_s").get<double>()) +
@@ -240,7 +232,7 @@ Section batchers_section(const nlohmann::json& b) {
         bins[static_cast<int>(std::floor(50.0 * bytes.get<double>() / cap))] += 1;
       }
       xpm_plan::Panel& p = fig.add_panel("predicted step peak, % of the cap", "microbatches");
-      xpm_plan::Series bars = make_series(r.at("label"), xpm_plan::SeriesKind::kBars, kColors.at(r.at("key")));
+      xpm_plan::Series bars = xpm_plan::make_series(r.at("label"), xpm_plan::SeriesKind::kBars, kColors.at(r.at("key")));
       for (const auto& [bin, count] : bins) {
         bars.x.push_back(2.0 * bin + 1.0);
         bars.y.push_back(count);
@@ -260,7 +252,7 @@ Section batchers_section(const nlohmann::json& b) {
     double cap = 0, usable = 0;
     for (const nlohmann::json& r : runs) {
       if (!succeeded(r) || !r.contains("step_peaks")) continue;
-      xpm_plan::Series points = make_series(r.at("label"), xpm_plan::SeriesKind::kPoints, kColors.at(r.at("key")));
+      xpm_plan::Series points = xpm_plan::make_series(r.at("label"), xpm_plan::SeriesKind::kPoints, kColors.at(r.at("key")));
       for (const auto& pair : r.at("step_peaks")) {
         points.x.push_back(pair[0].get<double>() / kMiB);
         points.y.push_back(pair[1].get<double>() / kMiB);

@@ -11,14 +11,6 @@ namespace xpm_bench {
 namespace {
 
 // A series with its label, kind and colour; data filled in afterwards.
-xpm_plan::Series make_series(std::string label, xpm_plan::SeriesKind kind, std::string color) {
-  xpm_plan::Series s;
-  s.label = std::move(label);
-  s.kind = kind;
-  s.color = std::move(color);
-  return s;
-}
-
 struct PackerRow {
   std::string packer, distribution, formula;
   double records = 0;
@@ -215,9 +207,9 @@ Section packers_section(const std::vector<BenchmarkRow>& benchmark_rows) {
   xpm_plan::Panel& top = fig.panels[0];  // references taken after both panels exist
   xpm_plan::Panel& bottom = fig.panels[1];
   for (const std::string& packer : kPackers) {
-    xpm_plan::Series line = make_series(kPackerNames.at(packer), xpm_plan::SeriesKind::kLine, kColors.at(packer));
-    xpm_plan::Series points = make_series("", xpm_plan::SeriesKind::kPoints, kColors.at(packer));
-    xpm_plan::Series per_record_line = make_series("", xpm_plan::SeriesKind::kLine, kColors.at(packer));
+    xpm_plan::Series line = xpm_plan::make_series(kPackerNames.at(packer), xpm_plan::SeriesKind::kLine, kColors.at(packer));
+    xpm_plan::Series points = xpm_plan::make_series("", xpm_plan::SeriesKind::kPoints, kColors.at(packer));
+    xpm_plan::Series per_record_line = xpm_plan::make_series("", xpm_plan::SeriesKind::kLine, kColors.at(packer));
     std::vector<const PackerRow*> mine;
     for (const PackerRow& r : rows) {
       if (r.packer == packer && r.distribution == "brown" && r.formula == "quadratic") mine.push_back(&r);

@@ -25,6 +25,7 @@ using xpm_plan::Figure;
 using xpm_plan::Panel;
 using xpm_plan::Series;
 using xpm_plan::SeriesKind;
+using xpm_plan::make_series;
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
@@ -37,14 +38,6 @@ std::optional<double> optional_number(const nlohmann::json& object, const char* 
     throw std::invalid_argument(std::string("\"") + key + "\" is not a number: " + it->dump());
   }
   return it->get<double>();
-}
-
-Series make_series(std::string label, SeriesKind kind, std::string color) {
-  Series s;
-  s.label = std::move(label);
-  s.kind = kind;
-  s.color = std::move(color);
-  return s;
 }
 
 /// Dots with tooltips on a line's points (the SVG writer draws a line without tooltips), so a

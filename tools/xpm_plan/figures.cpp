@@ -13,14 +13,6 @@ namespace {
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
-Series make_series(std::string label, SeriesKind kind, std::string color) {
-  Series s;
-  s.label = std::move(label);
-  s.kind = kind;
-  s.color = std::move(color);
-  return s;
-}
-
 std::string significant(double v) {  // 3 significant digits, no exponent for |v| >= 1e-4
   char buf[64];
   std::snprintf(buf, sizeof buf, std::fabs(v) >= 1e-4 || v == 0 ? "%.3g" : "%.2e", v);

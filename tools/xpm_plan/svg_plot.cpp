@@ -373,4 +373,12 @@ std::string Figure::render() const {
   return svg.str();
 }
 
+Series make_series(std::string label, SeriesKind kind, std::string color) {
+  Series s;
+  s.label = std::move(label);
+  s.kind = kind;
+  s.color = std::move(color);
+  return s;
+}
+
 }  // namespace xpm_plan

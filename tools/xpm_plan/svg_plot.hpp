@@ -27,6 +27,9 @@ struct Series {
   std::vector<std::string> labels;   // optional, one per point/bar: small text beside it
 };
 
+/// A series with its legend label, kind and colour, no points yet.
+Series make_series(std::string label, SeriesKind kind, std::string color);
+
 struct ReferenceLine {
   double y = 0;                 // horizontal line at this y
   std::string label;            // printed at the right end

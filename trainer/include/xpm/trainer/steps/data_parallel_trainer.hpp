@@ -108,6 +108,14 @@ class DataParallelTrainer {
                               const BeforeOptimizerStepFn& before_optimizer_step = {});
 
  private:
+  struct LocalShare;  // this rank's records and what running them gave (data_parallel_trainer.cpp)
+  void split_among_ranks(const std::vector<std::vector<double>>& record_dims, const std::vector<double>& record_units,
+                         LocalShare& share, GlobalStepResult& result) const;
+  void run_local_share(LocalShare& share, const MicrobatchLossFn& loss_sum_fn);
+  void exchange_status(const LocalShare& share, GlobalStepResult& result);  // collective 1
+  void exchange_peaks(const LocalShare& share, GlobalStepResult& result);   // collective 2
+  double apply_gradients(double global_units, const BeforeOptimizerStepFn& before_optimizer_step,
+                         GlobalStepResult& result);  // collective 3; the optimizer step's peak
   void zero_grad();  // every .grad to zero in place (through ShardedAdamW when sharded)
   // With a loss scaler: unscale `gradients` (collective over `owners`), update the scaler, record
   // scale and overflow in `result`; true when the step must be skipped. Without: false.
