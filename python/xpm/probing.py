@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from . import _planner
+from .lockstep import Lockstep
 from .planning import (RECORD_AGGREGATIONS, CostFormula, FitReport, MemoryBudget, MemoryModel, RecordAggregation,
                        _check_aggregation, _check_one_record_each, _matrix, _report)
 
@@ -274,14 +275,16 @@ class _TorchExecutor(_planner.ProbeExecutor):
     """The probe steps over the user's model, optimizer and loss function."""
 
     def __init__(self, steady: _SteadyState, loss_fn, meter: Meter, names: List[str], batch_size_variable: str = "bs",
-                 aggregation: Optional[Dict[str, RecordAggregation]] = None):
+                 aggregation: Optional[Dict[str, RecordAggregation]] = None, lockstep: Optional[Lockstep] = None):
         super().__init__()
         self.steady, self.loss_fn, self.meter, self.names = steady, loss_fn, meter, names
+        self.lockstep = lockstep
         self.batch_size_variable, self.aggregation = batch_size_variable, dict(aggregation or {})
         self.results = []  # every probe run, for an error that must carry them
 
     def static_bytes(self) -> float:
-        return float(self.meter.current_allocated_bytes)
+        allocated = float(self.meter.current_allocated_bytes)
+        return allocated if self.lockstep is None else self.lockstep.max([allocated])[0]
 
     def run_probe(self, dims):
         return self._run(list(dims), list(dims), " ".join(f"{n}={d:g}" for n, d in zip(self.names, dims)))
@@ -300,6 +303,26 @@ class _TorchExecutor(_planner.ProbeExecutor):
                 float(sum(columns[k]) if self.aggregation.get(name) == "sum" else max(columns[k]))
                 for k, name in enumerate(self.names)]
 
+    def _combine_ranks(self, result, failure, where: str) -> None:
+        """Lockstep: every rank's peaks (max), out-of-memory and error flags in one all-reduce;
+        an error on another rank raises here, one out of memory anywhere makes the probe
+        infeasible on every rank."""
+        world = self.lockstep.world_size
+        mine = [0.0] * (2 + 2 * world)
+        mine[0], mine[1] = result.forward_backward_peak_bytes, result.optimizer_step_peak_bytes
+        mine[2 + self.lockstep.rank] = 0.0 if result.feasible else 1.0
+        mine[2 + world + self.lockstep.rank] = 0.0 if failure is None else 1.0
+        combined = self.lockstep.max(mine)
+        failed = [r for r in range(world) if combined[2 + world + r] > 0]
+        if failed and failure is None:
+            raise RuntimeError(f"probing at {where}: rank {', '.join(map(str, failed))} failed (its own error says "
+                               f"why); every rank stops")
+        result.forward_backward_peak_bytes, result.optimizer_step_peak_bytes = combined[0], combined[1]
+        out_of_memory = [r for r in range(world) if combined[2 + r] > 0]
+        if out_of_memory:
+            result.feasible = False
+            result.error = f"out of memory on rank {', '.join(map(str, out_of_memory))}"
+
     def _run(self, batch, dims, where):
         """One probe step: ``loss_fn(batch)``, ``batch`` the dims or a mix's records."""
         result = _planner.ProbeResult()
@@ -308,6 +331,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
         start = time.perf_counter()
         _zero_gradients_in_place(self.steady.parameters)
         loss = None
+        failure = None  # (the error to raise, its cause): not out of memory
         try:
             self.meter.reset_peak()
             loss = self.loss_fn(batch)
@@ -321,13 +345,19 @@ class _TorchExecutor(_planner.ProbeExecutor):
             result.optimizer_step_peak_bytes = float(self.meter.peak_allocated_bytes)
         except Exception as error:  # noqa: BLE001 - out of memory is a result, the rest named
             if not _is_out_of_memory(error):
-                raise type(error)(f"probing at {where}: {error}") from error
-            result.feasible = False
-            result.error = str(error).splitlines()[0]
+                failure = (type(error)(f"probing at {where}: {error}"), error)
+            else:
+                result.feasible = False
+                result.error = str(error).splitlines()[0]
             loss = None  # the graph of a forward that ran out of memory goes now, not later
-            _drain_autograd_buffers(self.meter)
+            if not result.feasible:
+                _drain_autograd_buffers(self.meter)
         finally:
             _zero_gradients_in_place(self.steady.parameters)
+        if self.lockstep is not None:
+            self._combine_ranks(result, failure, where)
+        if failure is not None:
+            raise failure[0] from failure[1]
         result.duration_s = time.perf_counter() - start
         self.results.append(result)
         return result
@@ -360,6 +390,12 @@ class AdaptiveReport:
     report: str
 
 
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2's parameters), else the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def _cpu_parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of the storages of ``model``'s CPU parameters that c10's CPU allocator made (the
     resizable ones: what a module's constructor allocates), each storage once (tied weights).
@@ -367,6 +403,7 @@ def _cpu_parameter_bytes(model: torch.nn.Module) -> int:
     left out: no meter ever counts them, whenever it was installed."""
     storages = {}
     for p in model.parameters():
+        p = _local_tensor(p)
         if p.device.type == "cpu":
             storage = p.untyped_storage()
             if storage.resizable():
@@ -505,6 +542,82 @@ class ProbeOutcome:
     meter: Optional[Meter] = None
 
 
+def _enter_steady_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, meter: Meter,
+                        ranks: Optional[Lockstep]) -> _SteadyState:
+    """The steady state entered (on every rank in lockstep, or on none)."""
+    steady, failure = None, None
+    try:
+        steady = _SteadyState(model, optimizer).__enter__()
+    except Exception as error:  # noqa: BLE001 - only out of memory is translated
+        failure = error
+        if _is_out_of_memory(error):
+            failure = ValueError(f"probe: the steady state (gradients and optimizer state) does not fit under the "
+                                 f"meter's capacity of {meter.capacity_bytes} bytes: raise the capacity")
+    if ranks is not None:
+        try:
+            ranks.agree(failure, "probe: the steady state")
+        except BaseException:
+            if steady is not None:
+                steady.__exit__(None, None, None)
+            raise
+    if failure is not None:
+        raise failure
+    return steady
+
+
+def _probe_setup(model, meter, device, formula, variables, variable_max, probe_points, record_dims, aggregation,
+                 batch_size_variable, budget, design_fractions, usable_max_rel_error, adaptive_max_probes,
+                 adaptive_max_s, adaptive_tolerance, lockstep):
+    """``probe``'s checks and the planner's arguments: (meter, formula, budget, args). One-line
+    ValueErrors before anything is run."""
+    meter = _probe_meter(model, meter, device)
+    automatic = isinstance(formula, str)
+    if automatic:
+        if formula != "auto":
+            raise ValueError(f"probe: formula must be a CostFormula or 'auto', got {formula!r}")
+        names = list(variables or []) or list(variable_max or {}) or list((probe_points or [{}])[0])
+        if not names:
+            raise ValueError("probe: formula='auto' takes its variables from variables=, variable_max or probe_points: "
+                             "give one")
+        formula = CostFormula("xpm_constant", names)  # the variables; the formula is chosen from the probes
+        if record_dims is not None and variables is None:
+            raise ValueError("probe: formula='auto' with record_dims needs variables=[...] (the records' columns, in "
+                             "order): variable_max names the batch size only")
+    elif variables is not None:
+        raise ValueError("probe: variables= names the variables of formula='auto'; a CostFormula has its own")
+    _check_aggregation(aggregation, RECORD_AGGREGATIONS, "probe")
+    _check_variable_names(formula, variable_max, probe_points, aggregation)
+    if record_dims is not None:
+        record_dims = _check_record_dims(record_dims, formula, batch_size_variable, aggregation)
+    _check_meter_saw_the_weights(model, meter)
+    if budget is None:
+        if meter.capacity_bytes <= 0:
+            raise ValueError("probe: the meter has no capacity (0 bytes): set meter.capacity_bytes or give budget")
+        budget = MemoryBudget(meter.capacity_bytes)
+    args = _planner.ProbeArguments()
+    args.batch_size_variable = batch_size_variable
+    args.aggregation = dict(aggregation or {})
+    args.probe_points = [dict(point) for point in (probe_points or [])]
+    args.variable_max = {name: float(value) for name, value in (variable_max or {}).items()}
+    args.record_dims_sample = record_dims.tolist() if record_dims is not None else []
+    args.design_fractions = list(design_fractions)
+    args.usable_max_rel_error = usable_max_rel_error
+    args.automatic_formula = automatic
+    args.adaptive.max_probes = int(adaptive_max_probes)
+    if adaptive_max_s is not None and lockstep:
+        raise ValueError("probe: adaptive_max_s with lockstep=True: each rank's clock would stop the adaptive design "
+                         "at a different probe and the ranks would wait on each other; bound it with "
+                         "adaptive_max_probes")
+    args.adaptive.max_s = float("inf") if lockstep else float(120.0 if adaptive_max_s is None else adaptive_max_s)
+    args.adaptive.tolerance = float(adaptive_tolerance)
+    if not probe_points and not design_fractions:
+        raise ValueError("probe: design_fractions is empty and no probe_points are given: nothing to probe")
+    if probe_points and not automatic and len(probe_points) < len(formula.coefficient_names):
+        raise ValueError(f"probe: {len(probe_points)} probe point(s) for {len(formula.coefficient_names)} "
+                         f"coefficients ({', '.join(formula.coefficient_names)}); give at least one per coefficient")
+    return meter, formula, budget, args
+
+
 def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
           loss_fn: Callable[[Union[List[float], List[List[float]]]], torch.Tensor],
           formula: Union[CostFormula, Literal["auto"]], *, meter: Optional[Meter],
@@ -513,9 +626,11 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
           record_dims: Optional[Sequence[Sequence[float]]] = None, variables: Optional[Sequence[str]] = None,
           design_fractions: Sequence[float] = (1.0, 0.75, 0.5), batch_size_variable: str = "bs",
           aggregation: Optional[Dict[str, RecordAggregation]] = None, usable_max_rel_error: float = 0.05,
-          adaptive_max_probes: int = 8, adaptive_max_s: float = 120.0, adaptive_tolerance: float = 0.01,
-          device: Union[DeviceKind, torch.device, str, None] = None) -> ProbeOutcome:
-    """Probes the step (see the module docstring) and fits ``formula``; rank 0 only.
+          adaptive_max_probes: int = 8, adaptive_max_s: Optional[float] = None, adaptive_tolerance: float = 0.01,
+          device: Union[DeviceKind, torch.device, str, None] = None, lockstep: bool = False,
+          process_group: Optional[Any] = None) -> ProbeOutcome:
+    """Probes the step (see the module docstring) and fits ``formula``: on rank 0 alone, or on
+    every rank in lockstep (an FSDP2 model, ``xpm.lockstep``).
 
     Args:
         model: the user's module, before any DistributedDataParallel wrapping.
@@ -552,13 +667,21 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             After the initial design it probes where the fit and its held-out refits (and, with
             "auto", the other formulas that explain the probes) disagree most, until they agree
             within ``adaptive_tolerance``.
-        adaptive_max_s: the adaptive design's budget of time, seconds.
+        adaptive_max_s: the adaptive design's budget of time, seconds (default 120; refused with
+            ``lockstep``, where each rank's clock would stop it at a different probe).
         adaptive_tolerance: the relative disagreement the adaptive design stops at (1 %).
         device: where the model is probed (``xpm.DeviceKind``, ``"cuda:N"`` or a
             ``torch.device``). None (the default): wherever ``meter`` measures. ``"cpu"``: needs
             ``meter`` a ``CpuMeter`` (it cannot be made here: it must be installed before the
             model is built). ``"cuda"`` or ``"cuda:N"``: ``meter`` a ``CudaMeter`` of that device,
             or None to have one made. The model's parameters must be on that device.
+        lockstep: probe on every rank of ``process_group`` at once (an FSDP2 model, whose
+            forward and backward are collectives; ``xpm.lockstep``): every rank calls ``probe``
+            with the same arguments, runs the same probes in the same order, and each probe's
+            peaks are the maximum over ranks, its out of memory the union, in one all-reduce;
+            every rank returns the same model. False (the default): this process alone (rank 0
+            of a data-parallel job, before wrapping the model).
+        process_group: the ranks of ``lockstep`` (None: torch.distributed's default group).
 
     Returns:
         ProbeOutcome: the model, every probe, the fit report, the floor, the adaptive report and
@@ -578,7 +701,9 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             device that is not CPU or CUDA, a ``meter`` of another device (or None with
             ``"cpu"``, or with no ``device``), the model's parameters on another device.
         RuntimeError: an unusable fit (its ``probes`` attribute holds the probes, so ``xpm.fit``
-            can refit them); an error of ``loss_fn`` names the probe's dims.
+            can refit them); an error of ``loss_fn`` names the probe's dims. With ``lockstep``,
+            every rank raises when one does: that rank its own error, the others a RuntimeError
+            naming it.
 
     Warns:
         RuntimeWarning: two columns of ``record_dims`` are equal on every record and neither is
@@ -589,56 +714,25 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     (``xpm.check_unplanned_memory`` warns about it during training). The model records the
     bytes allocated before every probe (``result.model.static_bytes``).
     """
-    meter = _probe_meter(model, meter, device)
-    automatic = isinstance(formula, str)
-    if automatic:
-        if formula != "auto":
-            raise ValueError(f"probe: formula must be a CostFormula or 'auto', got {formula!r}")
-        names = list(variables or []) or list(variable_max or {}) or list((probe_points or [{}])[0])
-        if not names:
-            raise ValueError("probe: formula='auto' takes its variables from variables=, variable_max or probe_points: "
-                             "give one")
-        formula = CostFormula("xpm_constant", names)  # the variables; the formula is chosen from the probes
-        if record_dims is not None and variables is None:
-            raise ValueError("probe: formula='auto' with record_dims needs variables=[...] (the records' columns, in "
-                             "order): variable_max names the batch size only")
-    elif variables is not None:
-        raise ValueError("probe: variables= names the variables of formula='auto'; a CostFormula has its own")
-    _check_aggregation(aggregation, RECORD_AGGREGATIONS, "probe")
-    _check_variable_names(formula, variable_max, probe_points, aggregation)
-    if record_dims is not None:
-        record_dims = _check_record_dims(record_dims, formula, batch_size_variable, aggregation)
-    _check_meter_saw_the_weights(model, meter)
-    if budget is None:
-        if meter.capacity_bytes <= 0:
-            raise ValueError("probe: the meter has no capacity (0 bytes): set meter.capacity_bytes or give budget")
-        budget = MemoryBudget(meter.capacity_bytes)
-    args = _planner.ProbeArguments()
-    args.batch_size_variable = batch_size_variable
-    args.aggregation = dict(aggregation or {})
-    args.probe_points = [dict(point) for point in (probe_points or [])]
-    args.variable_max = {name: float(value) for name, value in (variable_max or {}).items()}
-    args.record_dims_sample = record_dims.tolist() if record_dims is not None else []
-    args.design_fractions = list(design_fractions)
-    args.usable_max_rel_error = usable_max_rel_error
-    args.automatic_formula = automatic
-    args.adaptive.max_probes = int(adaptive_max_probes)
-    args.adaptive.max_s = float(adaptive_max_s)
-    args.adaptive.tolerance = float(adaptive_tolerance)
-    if not probe_points and not design_fractions:
-        raise ValueError("probe: design_fractions is empty and no probe_points are given: nothing to probe")
-    if probe_points and not automatic and len(probe_points) < len(formula.coefficient_names):
-        raise ValueError(f"probe: {len(probe_points)} probe point(s) for {len(formula.coefficient_names)} "
-                         f"coefficients ({', '.join(formula.coefficient_names)}); give at least one per coefficient")
-    start = time.perf_counter()
+    ranks = Lockstep(process_group) if lockstep else None
+    if ranks is None and process_group is not None:
+        raise ValueError("probe: process_group names the ranks of lockstep=True probing; give lockstep=True")
+    setup_error = None
     try:
-        steady = _SteadyState(model, optimizer).__enter__()
-    except Exception as error:  # noqa: BLE001 - only out of memory is translated
-        if not _is_out_of_memory(error):
-            raise
-        raise ValueError(f"probe: the steady state (gradients and optimizer state) does not fit under the "
-                         f"meter's capacity of {meter.capacity_bytes} bytes: raise the capacity") from None
-    executor = _TorchExecutor(steady, loss_fn, meter, list(formula.variable_names), batch_size_variable, aggregation)
+        meter, formula, budget, args = _probe_setup(
+            model, meter, device, formula, variables, variable_max, probe_points, record_dims, aggregation,
+            batch_size_variable, budget, design_fractions, usable_max_rel_error, adaptive_max_probes, adaptive_max_s,
+            adaptive_tolerance, lockstep)
+    except Exception as error:  # noqa: BLE001 - raised below, on every rank in lockstep
+        setup_error = error
+    if ranks is not None:
+        ranks.agree(setup_error, "probe: checking the options")
+    elif setup_error is not None:
+        raise setup_error
+    start = time.perf_counter()
+    steady = _enter_steady_state(model, optimizer, meter, ranks)
+    executor = _TorchExecutor(steady, loss_fn, meter, list(formula.variable_names), batch_size_variable, aggregation,
+                              ranks)
     try:
         native, probes, summary, floor, adaptive, selection = _planner.probe_and_fit(executor, formula, budget, args)
     except RuntimeError as error:

@@ -172,6 +172,12 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         drop_last: leave out the last outer batch when it is short.
         packer: ``xpm.PackerName``: "adaptive", "ffd" or "uniform" (see ``xpm.plan``).
         sort_by: the variable the packer sorts by (default: the non-batch-size one).
+        lockstep: every rank yields the same number of microbatches in every step, the most
+            any rank's share packs into (a share that packs into fewer is split further: its
+            largest microbatches halved, which fits as well). Needed when every microbatch's
+            forward and backward are collectives (FSDP2's ``fully_shard``); a rank whose share
+            has fewer records than that count yields empty microbatches (weight 0), on which the
+            training loop must still run its forward and backward.
 
     Raises:
         ValueError: a bad argument (named, with its value: ``PredictiveBatchSampler: packer must
@@ -189,7 +195,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
     def __init__(self, record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, outer_batch_size: int,
                  rank: Optional[int] = None, world_size: Optional[int] = None, seed: int = 0,
                  units: Optional[ArrayLike] = None, shuffle: bool = True, drop_last: bool = False,
-                 packer: PackerName = "adaptive", sort_by: Optional[str] = None) -> None:
+                 packer: PackerName = "adaptive", sort_by: Optional[str] = None, lockstep: bool = False) -> None:
         super().__init__()
         dims = _record_dims(_checked_record_dims(record_dims), model, "record_dims")
         if len(dims) == 0:
@@ -214,6 +220,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         self._outer, self._rank, self._world = outer_batch_size, rank, world_size
         self._seed, self._shuffle, self._drop_last = _whole_number("seed", seed), bool(shuffle), bool(drop_last)
         self._packer, self._sort_by = packer, sort_by
+        self._lockstep = bool(lockstep)
         self._costs = _planner.record_costs(model._native, dims)
         self._epoch = 0
         self._steps_done = 0                  # steps counted done (microbatch_loop, mark_step_done)
@@ -340,16 +347,45 @@ class PredictiveBatchSampler(Sampler[List[int]]):
 
     def _step(self, records: np.ndarray, rank: int) -> Step:
         shares = _planner.assign_records_to_ranks(self._costs[records].tolist(), self._world)
-        mine = records[np.asarray(shares[rank], dtype=np.int64)]
+        share_of = [records[np.asarray(share, dtype=np.int64)] for share in shares]
         total_units = float(self._units[records].sum())
-        if len(mine) == 0:
-            empty = np.zeros(len(self._model.formula.variable_names))
-            return Step([np.zeros(0, dtype=np.int64)], [0.0], total_units, [empty], [self._model.predict(empty)])
-        planned = _pack(self._dims[mine], self._model, self._usable_bytes, self._packer, self._sort_by)
-        microbatches = [mine[k] for k in planned.microbatches]
+        microbatches, dims, predicted = self._packed(share_of[rank])
+        if self._lockstep:
+            target = max(max(len(self._packed(share)[0]) for share in share_of), 1)
+            microbatches, dims, predicted = self._split_to(target, microbatches, dims, predicted)
         scale = self._world / total_units if total_units > 0 else 0.0
         return Step(microbatches, [scale * float(self._units[mb].sum()) for mb in microbatches], total_units,
-                    [row.copy() for row in planned.dims], [float(b) for b in planned.predicted_bytes])
+                    dims, predicted)
+
+    def _packed(self, share: np.ndarray) -> Tuple[List[np.ndarray], List[np.ndarray], List[float]]:
+        """A share's microbatches (one empty microbatch for an empty share), their dims and
+        predicted bytes."""
+        if len(share) == 0:
+            empty = np.zeros(len(self._model.formula.variable_names))
+            return [np.zeros(0, dtype=np.int64)], [empty], [self._model.predict(empty)]
+        planned = _pack(self._dims[share], self._model, self._usable_bytes, self._packer, self._sort_by)
+        return ([share[k] for k in planned.microbatches], [row.copy() for row in planned.dims],
+                [float(b) for b in planned.predicted_bytes])
+
+    def _split_to(self, target: int, microbatches: List[np.ndarray], dims: List[np.ndarray],
+                  predicted: List[float]) -> Tuple[List[np.ndarray], List[np.ndarray], List[float]]:
+        """``target`` microbatches: the one with the most records halved (in record order) until
+        there are enough, then empty ones when every microbatch holds one record."""
+        microbatches, dims, predicted = list(microbatches), list(dims), list(predicted)
+        while len(microbatches) < target:
+            k = max(range(len(microbatches)), key=lambda i: len(microbatches[i]))
+            if len(microbatches[k]) < 2:
+                empty = np.zeros(len(self._model.formula.variable_names))
+                microbatches.append(np.zeros(0, dtype=np.int64))
+                dims.append(empty)
+                predicted.append(self._model.predict(empty))
+                continue
+            halves = np.array_split(microbatches[k], 2)
+            whole = [_pack(self._dims[half], self._model, 1 << 62, "uniform", "") for half in halves]
+            microbatches[k:k + 1] = halves
+            dims[k:k + 1] = [plan.dims[0].copy() for plan in whole]
+            predicted[k:k + 1] = [float(plan.predicted_bytes[0]) for plan in whole]
+        return microbatches, dims, predicted
 
     def _plan(self) -> Tuple[List[Step], List[int]]:
         """This epoch's steps and ``offsets`` (``offsets[k]``: microbatches before step k;

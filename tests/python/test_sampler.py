@@ -415,3 +415,31 @@ def test_plan_names_the_first_record_with_a_nan_an_infinity_or_a_negative_dim(mo
         with pytest.raises(ValueError) as error:
             xpm.plan([[1, 10], [1, 20], [1, bad]], model, BUDGET)
         assert str(error.value) == f"record_dims[2] is [1.0, {bad}]: record_dims must be finite and >= 0"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lockstep_gives_every_rank_the_same_microbatch_count_in_every_step(model, lengths, world):
+    """FSDP2's forward and backward are collectives: with lockstep=True every rank runs as many
+    microbatches as the rank that needs the most, each still within the budget, every record
+    once, and the weights still sum to the outer batch's."""
+    def steps(rank, **kwargs):  # a tight budget: the ranks' shares pack into different counts
+        return list(xpm.PredictiveBatchSampler(lengths, model, 2_000_000, outer_batch_size=64, rank=rank,
+                                               world_size=world, seed=7, units=lengths, **kwargs).steps())
+
+    free = [steps(rank) for rank in range(world)]
+    lock = [steps(rank, lockstep=True) for rank in range(world)]
+    assert any(len({len(s[k].microbatches) for s in free}) > 1 for k in range(len(free[0]))), "nothing to equalize"
+    seen = []
+    for k in range(len(lock[0])):
+        counts = [len(ranks[k].microbatches) for ranks in lock]
+        assert len(set(counts)) == 1
+        assert counts[0] == max(len(ranks[k].microbatches) for ranks in free)
+        for ranks in lock:
+            step = ranks[k]
+            for microbatch, dims, predicted in zip(step.microbatches, step.dims, step.predicted_bytes):
+                seen.extend(microbatch.tolist())
+                if len(microbatch):
+                    assert dims.tolist() == [len(microbatch), float(lengths[microbatch].max())]
+                    assert predicted == pytest.approx(model.predict(dims)) and predicted <= 2_000_000
+        assert sum(sum(ranks[k].weights) for ranks in lock) == pytest.approx(world)
+    assert sorted(seen) == list(range(len(lengths)))

@@ -1,0 +1,90 @@
+"""Probing on every rank in lockstep, for models whose forward and backward are collectives
+(FSDP2's ``fully_shard``: each layer's parameters are all-gathered in forward and backward, its
+gradients reduce-scattered), where a probe cannot run on rank 0 alone.
+
+``xpm.probe(..., lockstep=True)`` runs on every rank of the process group: the same probe
+shapes in the same order (the design is computed from the probes' results, which every rank
+shares), so the collectives inside forward and backward match. After each probe one all-reduce
+(max) combines the ranks: each phase's peak is the largest over ranks, a probe that ran out of
+memory on any rank is out of memory for all, and an error on any rank stops every rank, naming
+the rank. Every rank fits the same probes and returns the same model.
+
+What lockstep cannot prevent: a rank that fails in the middle of a forward leaves the others
+waiting in that forward's collective until the process group's timeout
+(``torch.distributed.init_process_group(timeout=...)``). Under a symmetric memory cap the ranks
+run out of memory at the same allocation, so this is rare; keep the timeout short while
+probing.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class Lockstep:
+    """The ranks of ``group`` combined by all-reduces (max), one per call.
+
+    Args:
+        group: the process group (None: the default one).
+
+    Raises:
+        ValueError: torch.distributed is not initialised.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("probe: lockstep=True probes on every rank of a process group, but torch.distributed is "
+                             "not initialised: call torch.distributed.init_process_group first (torchrun sets its "
+                             "environment)")
+        self.group = group
+        self.rank: int = dist.get_rank(group)
+        self.world_size: int = dist.get_world_size(group)
+        backend = dist.get_backend(group)
+        self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def max(self, values: Sequence[float]) -> List[float]:
+        """Each value's maximum over the ranks (one all-reduce).
+
+        Args:
+            values: this rank's values, the same count on every rank.
+
+        Returns:
+            The maxima, in order.
+        """
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor.cpu().tolist()
+
+    def flags(self, mine: bool) -> List[int]:
+        """The ranks whose flag is set (one all-reduce).
+
+        Args:
+            mine: this rank's flag.
+
+        Returns:
+            The ranks, ascending.
+        """
+        values = [0.0] * self.world_size
+        values[self.rank] = 1.0 if mine else 0.0
+        return [r for r, flag in enumerate(self.max(values)) if flag > 0]
+
+    def agree(self, error: Optional[BaseException], what: str) -> None:
+        """Raises on every rank when ``error`` is set on some rank: this rank's own error, or a
+        RuntimeError naming the ranks that failed (one all-reduce).
+
+        Args:
+            error: this rank's error, or None.
+            what: what failed, for the other ranks' message ("probe: checking the options").
+
+        Raises:
+            BaseException: ``error`` on the rank that had it.
+            RuntimeError: on the others, when some rank had one.
+        """
+        failed = self.flags(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"{what} failed on rank {', '.join(map(str, failed))} (its own error says why); every "
+                               f"rank stops")

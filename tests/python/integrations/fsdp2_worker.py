@@ -1,0 +1,187 @@
+"""One rank of the FSDP2 tests (test_fsdp2.py), started by torchrun on 2 CPU processes (gloo).
+
+A token tagger (embedding 128 -> 256 -> 512 logits per token) sharded with
+``torch.distributed.fsdp.fully_shard`` per layer and at the root, under a CPU memory cap:
+
+- ``probe``: ``xpm.probe(..., lockstep=True)`` on both ranks; then the held-out shapes measured
+  in lockstep too (peaks the maximum over ranks); writes rank<r>.json.
+- ``train``: the probed model planned by ``PredictiveBatchSampler(lockstep=True)``, two steps
+  under the cap with ``set_requires_gradient_sync(False)`` on all but each step's last
+  microbatch; the first step's full gradient against one unsharded batch of the whole outer
+  batch; writes rank<r>.json.
+
+    torchrun --standalone --nproc-per-node 2 fsdp2_worker.py probe OUT_DIR
+"""
+import json
+import pathlib
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import xpm
+
+VOCAB, WIDTH, HIDDEN, CAP_BYTES = 512, 128, 256, 96_000_000
+# Each layer's gathered parameters and the activations: a floor, then linear in the tokens.
+FORMULA = xpm.CostFormula("max(a*bs*l + c, d)", ["bs", "l"])
+
+
+class Tagger(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(VOCAB, WIDTH)
+        self.hidden = torch.nn.Linear(WIDTH, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, tokens):  # [bs, l] -> [bs, l, VOCAB]
+        return self.head(torch.relu(self.hidden(self.embedding(tokens))))
+
+
+def loss_sum(model, tokens, mask):
+    """Summed cross-entropy of predicting each token itself, over the real tokens."""
+    logits = model(tokens)
+    losses = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens.reshape(-1), reduction="none")
+    return (losses * mask.reshape(-1)).sum()
+
+
+def records(count=256, seed=5):
+    """Lengths and token ids of the records (the same on every rank)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(4, 129, count)
+    return lengths, [rng.integers(1, VOCAB, n) for n in lengths]
+
+
+def batch(tokens_of, indices):
+    l = max((len(tokens_of[i]) for i in indices), default=1)
+    tokens = torch.zeros(len(indices), l, dtype=torch.long)
+    mask = torch.zeros(len(indices), l)
+    for k, i in enumerate(indices):
+        tokens[k, :len(tokens_of[i])] = torch.as_tensor(tokens_of[i])
+        mask[k, :len(tokens_of[i])] = 1
+    return tokens, mask
+
+
+def sharded_tagger():
+    torch.manual_seed(0)
+    model = Tagger()
+    reference = Tagger()
+    reference.load_state_dict(model.state_dict())
+    for layer in (model.embedding, model.hidden, model.head):
+        fully_shard(layer)
+    fully_shard(model)
+    return model, reference
+
+
+def random_loss(model):
+    def loss_fn(dims):
+        bs, l = int(dims[0]), int(dims[1])
+        tokens = torch.randint(1, VOCAB, (bs, l))
+        return loss_sum(model, tokens, torch.ones(bs, l))
+    return loss_fn
+
+
+def probe(model, optimizer, meter):
+    start = time.perf_counter()
+    outcome = xpm.probe(model, optimizer, random_loss(model), FORMULA, meter=meter,
+                        variable_max={"bs": 64, "l": 128}, lockstep=True, adaptive_max_probes=4,
+                        usable_max_rel_error=0.10)  # single records below 0.5 MB of activations vary 6 %
+    return outcome, time.perf_counter() - start
+
+
+def lockstep_peak(model, meter, dims):
+    """A forward/backward at dims on every rank; the peak is the largest over ranks."""
+    model.zero_grad(set_to_none=False)
+    meter.reset_peak()
+    random_loss(model)(dims).backward()
+    peak = torch.tensor([float(meter.peak_allocated_bytes)], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
+
+
+def run_probe(out):
+    meter = xpm.CpuMeter.install()
+    meter.capacity_bytes = CAP_BYTES
+    model, _ = sharded_tagger()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    outcome, probe_s = probe(model, optimizer, meter)
+    held_out = [[3, 100], [7, 120], [12, 61], [20, 90], [40, 70], [50, 110]]
+    errors = []
+    for dims in held_out:
+        measured = lockstep_peak(model, meter, dims)
+        errors.append((outcome.model.predict(dims) - measured) / measured)
+    return {"model": json.loads(outcome.model.to_json()), "probes": len(outcome.probes), "probe_s": probe_s,
+            "floor_bytes": outcome.model.floor_bytes, "held_out_rel_errors": errors,
+            "local_parameter_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters())}
+
+
+def full_gradients(model):
+    return [p.grad.full_tensor().clone() for p in model.parameters()]
+
+
+def run_train(out):
+    meter = xpm.CpuMeter.install()
+    meter.capacity_bytes = CAP_BYTES
+    model, reference = sharded_tagger()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    outcome, _ = probe(model, optimizer, meter)
+    lengths, tokens_of = records()
+    usable = outcome.model.floor_bytes + 0.1 * (meter.capacity_bytes - outcome.model.floor_bytes)
+    sampler = xpm.PredictiveBatchSampler(lengths, outcome.model, int(usable), outer_batch_size=96, seed=3,
+                                         units=lengths, lockstep=True)
+    ooms, microbatches, worst_under, first_gradient_error = 0, [], 0.0, None
+    for step in list(sampler.steps())[:2]:
+        optimizer.zero_grad(set_to_none=False)
+        for k, (indices, weight, dims) in enumerate(zip(step.microbatches, step.weights, step.dims)):
+            model.set_requires_gradient_sync(k == len(step.microbatches) - 1)
+            tokens, mask = batch(tokens_of, indices.tolist())
+            meter.reset_peak()
+            try:
+                loss = loss_sum(model, tokens, mask)
+                units = float(mask.sum())
+                (loss * (weight / units if units > 0 else 0.0)).backward()
+            except Exception as error:  # noqa: BLE001 - counted, then raised: no OOM is the goal
+                ooms += "out of memory" in str(error).lower()
+                raise
+            measured = float(meter.peak_allocated_bytes)
+            if len(indices):
+                worst_under = min(worst_under, (outcome.model.predict(dims) - measured) / measured)
+        microbatches.append(len(step.microbatches))
+        if first_gradient_error is None:
+            cap, meter.capacity_bytes = meter.capacity_bytes, 0  # the unsharded reference batch is not planned
+            first_gradient_error = gradient_error(model, reference, step, lengths, tokens_of)
+            meter.capacity_bytes = cap
+        optimizer.step()
+    return {"ooms": ooms, "microbatches_per_step": microbatches, "worst_under": worst_under,
+            "gradient_max_abs_error": first_gradient_error}
+
+
+def gradient_error(model, reference, step, lengths, tokens_of):
+    """The accumulated, reduce-scattered gradient against the unsharded model's gradient of the
+    whole outer batch's mean loss (every rank's records)."""
+    mine = [int(i) for mb in step.microbatches for i in mb]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    everything = sorted(i for part in gathered for i in part)
+    reference.zero_grad()
+    tokens, mask = batch(tokens_of, everything)
+    (loss_sum(reference, tokens, mask) / mask.sum()).backward()
+    sharded = full_gradients(model)
+    error = max(float((g - p.grad).abs().max()) for g, p in zip(sharded, reference.parameters()))
+    reference.zero_grad(set_to_none=True)  # the check's memory goes before the next step
+    return error
+
+
+def main():
+    mode, out = sys.argv[1], pathlib.Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    result = {"probe": run_probe, "train": run_train}[mode](out)
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
