@@ -1,6 +1,6 @@
 // ValidationSettings and EarlyStopping on scripted metric sequences, independent of any job:
 // the votes and best validations are derived by hand from the sequences below.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <ostream>
 #include <stdexcept>

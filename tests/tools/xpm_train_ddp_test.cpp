@@ -3,8 +3,8 @@
 // same global batches while the ranks run different numbers of microbatches; a probe failure
 // on rank 0 stops every rank with the same message; a rank that dies stops the others within
 // the collective timeout, and the failure names the rank.
-#include "../torch_doctest.hpp"
-#include "xpm_train_runs.hpp"
+#include "torch_doctest.hpp"
+#include "tools/xpm_train_runs.hpp"
 
 #include <chrono>
 #include <cstdio>

@@ -1,7 +1,7 @@
 // Ranking losses (losses.hpp) against values computed by hand: each expected value is written
 // out as arithmetic in a comment (natural logs, e = 2.718281828). Tensors are double so the
 // comparisons can be tight (1e-6).
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <cmath>
 #include <limits>

@@ -4,8 +4,8 @@
 // out-of-memory); per-rank checkpoints resume bit for bit at world 2; a consolidated checkpoint
 // of world 2 resumes at world 1; per-rank shards refuse another world size before anything is
 // written; bad settings exit 2.
-#include "../torch_doctest.hpp"
-#include "xpm_train_runs.hpp"
+#include "torch_doctest.hpp"
+#include "tools/xpm_train_runs.hpp"
 
 #include <filesystem>
 #include <fstream>

@@ -25,7 +25,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include "sharding_fixture.hpp"
+#include "trainer/distributed/sharding_fixture.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/distributed/distributed.hpp"
 #include "xpm/trainer/options/gradient_clipping.hpp"
@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
     if (arguments != argc) {
       throw std::invalid_argument("scenario '" + scenario + "' with " + std::to_string(argc - 3) +
                                   " argument(s) after OUT_DIR is not one of those at the top of "
-                                  "tests/trainer/sharding_worker_main.cpp");
+                                  "tests/trainer/distributed/sharding_worker_main.cpp");
     }
     torch::set_num_threads(1);  // bit-identical gradients in every process
     const auto env = xpm::WorkerEnvironment::from_environment();

@@ -1,6 +1,6 @@
 // The generic Learner on a task of its own (a linear regression over variable-size records,
 // nothing of the tagging job): steps, validation, the task's extra state, exact resume, errors.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <cmath>
 #include <csignal>

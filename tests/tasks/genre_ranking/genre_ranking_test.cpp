@@ -3,7 +3,7 @@
 // through the xpm-rank-example program (exit codes, bad options).
 #include <unistd.h>
 
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <cmath>
 #include <cstdlib>

@@ -1,6 +1,6 @@
 // Clipping by the global norm: whole gradients against LibTorch's clip_grad_norm_, and at world 2
 // (two xpm-sharding-worker processes over gloo) each rank's shards against the unsharded clip.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <cmath>
 #include <filesystem>
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "sharding_fixture.hpp"
+#include "trainer/distributed/sharding_fixture.hpp"
 #include "xpm/trainer/options/gradient_clipping.hpp"
 #include "xpm/trainer/distributed/sharded_optimizer.hpp"
 

@@ -1,14 +1,14 @@
 // Activation checkpointing of the Transformer tagger's encoder layers: the same loss and
 // gradients as an ordinary backward with dropout on (the recompute replays forward's dropout
 // masks), the RNG left where an ordinary step leaves it, and a lower peak on a real batch.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <string>
 #include <vector>
 
 #include <ATen/autocast_mode.h>
 
-#include "sharding_fixture.hpp"
+#include "trainer/distributed/sharding_fixture.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/options/activation_checkpoint.hpp"
 #include "xpm/trainer/options/precision.hpp"

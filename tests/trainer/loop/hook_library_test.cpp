@@ -4,7 +4,7 @@
 // state for them; until_step unfreezes; tied parameters stay equal, their gradient is the one
 // of a single shared matrix (computed functionally as a second method) and AdamW holds one
 // copy; clipping matches a hand computation of the global norm; hooks run in order.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <cmath>
 #include <memory>

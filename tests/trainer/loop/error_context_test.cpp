@@ -2,7 +2,7 @@
 // message, the class stays (c10::OutOfMemoryError is still caught as one, LibTorch's
 // backtrace is kept), contexts nest outermost first, a DistributedError passes unchanged; each
 // class has its kind and exit code; a LibTorch error is described by its first line.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <new>
 #include <stdexcept>

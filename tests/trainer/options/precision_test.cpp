@@ -1,7 +1,7 @@
 // Precision settings: names and refusals, the autocast guard, dynamic loss scaling with injected
 // infinities, and bf16-mixed on the real model and corpus: logits close to float32, training
 // that converges.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -14,7 +14,7 @@
 
 #include <ATen/autocast_mode.h>
 
-#include "sharding_fixture.hpp"
+#include "trainer/distributed/sharding_fixture.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/options/precision.hpp"
 #include "xpm/tasks/tagging_task.hpp"

@@ -3,7 +3,7 @@
 // the fit must find the global optimum over which argument wins at each probe. Exact CPU peaks
 // of full steps (learning rate 0) on the real corpus's model at 6 x 5 shapes; 14 probed, the
 // other 16 held out, every one predicted within 1 %.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <algorithm>
 #include <cmath>

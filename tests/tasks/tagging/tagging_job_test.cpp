@@ -1,8 +1,8 @@
 // run_tagging_job as a Learner loop on the real corpus, a few steps each: hooks called at the
 // documented points and counts, listeners' votes stopping the job, exact resume from a
 // checkpoint (torch::equal on every parameter) and the fallback past a corrupt checkpoint.
-#include "../torch_doctest.hpp"
-#include "xpm_train_runs.hpp"
+#include "torch_doctest.hpp"
+#include "tools/xpm_train_runs.hpp"
 
 #include <filesystem>
 #include <fstream>

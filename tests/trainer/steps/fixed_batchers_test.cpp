@@ -4,7 +4,7 @@
 // per attempt (no split of a split), the refusal of world_size > 1, and on a real model under
 // the CPU memory cap: an out-of-memory error in backward, a retry that starts from the
 // pre-step allocated bytes (gradients allocated or not), and the gradient without a cap.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -19,7 +19,7 @@
 #include "xpm/trainer/steps/fixed_batchers.hpp"
 #include "xpm/tasks/tagging_batch.hpp"
 #include "xpm/tasks/transformer_tagger.hpp"
-#include "gradient_snapshot.hpp"
+#include "trainer/steps/gradient_snapshot.hpp"
 
 namespace {
 

@@ -4,7 +4,7 @@
 // same-step checkpoint, leftover temporary folders; and kill -9 of a process writing checkpoints
 // (xpm-checkpoint-writer) at varied moments, after which the newest valid checkpoint loads and
 // holds exactly what the writer wrote for its step.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <fcntl.h>
 #include <poll.h>

@@ -4,7 +4,7 @@
 // every sub-trainer (each batcher fitted, each executor ran its probes); one step's gradient
 // equals the weighted sum of each sub-task's gradient computed separately on its whole outer
 // batch; one optimizer step; an out-of-memory error in one sub-trainer skips the step.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <cstdint>
 #include <map>
@@ -23,7 +23,7 @@
 #include "xpm/trainer/steps/multiple_trainer.hpp"
 #include "xpm/tasks/tagging_batch.hpp"
 #include "xpm/tasks/transformer_tagger.hpp"
-#include "gradient_snapshot.hpp"
+#include "trainer/steps/gradient_snapshot.hpp"
 
 namespace {
 

@@ -1,7 +1,7 @@
 // ShardedAdamW: layout and options; a simulated rank (the probe's view); and at world 2 (two
 // xpm-sharding-worker processes over gloo): the same parameters as unsharded AdamW, state bytes
 // halved (CpuMemoryMeter), per-rank shard files, and a consolidated state resumed at world 1.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <filesystem>
 #include <fstream>
@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "sharding_fixture.hpp"
+#include "trainer/distributed/sharding_fixture.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/options/lr_schedule.hpp"
 #include "xpm/trainer/distributed/sharded_optimizer.hpp"

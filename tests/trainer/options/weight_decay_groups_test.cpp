@@ -1,4 +1,4 @@
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <algorithm>
 #include <map>

@@ -3,7 +3,7 @@
 // computed directly), each named loss's per-unit mean is reported and combines across halves
 // weighted by units; and after an out-of-memory error in backward the buffers LibTorch's
 // autograd engine keeps are released, so allocated memory is back to its pre-step value.
-#include "../torch_doctest.hpp"
+#include "torch_doctest.hpp"
 
 #include <cstdint>
 #include <map>
@@ -20,7 +20,7 @@
 #include "xpm/trainer/steps/loss_trainer.hpp"
 #include "xpm/tasks/tagging_batch.hpp"
 #include "xpm/tasks/transformer_tagger.hpp"
-#include "gradient_snapshot.hpp"
+#include "trainer/steps/gradient_snapshot.hpp"
 
 namespace {
 
