@@ -231,6 +231,7 @@ class _SteadyState:
     learning rates and the random generators on exit."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer
 
@@ -279,6 +280,12 @@ class _TorchExecutor(_planner.ProbeExecutor):
         super().__init__()
         self.steady, self.loss_fn, self.meter, self.names = steady, loss_fn, meter, names
         self.lockstep = lockstep
+        # FSDP2 in lockstep: probed as its microbatches accumulate, without gradient sync and
+        # with the unsharded gradient FSDP2 keeps meanwhile already held (accumulation_batch:
+        # the first probe's batch, run once unmeasured to allocate it, and again at the end,
+        # synchronised, to release it).
+        self.accumulating = lockstep is not None and callable(getattr(steady.model, "set_requires_gradient_sync", None))
+        self.accumulation_batch = None
         self.batch_size_variable, self.aggregation = batch_size_variable, dict(aggregation or {})
         self.results = []  # every probe run, for an error that must carry them
 
@@ -302,6 +309,16 @@ class _TorchExecutor(_planner.ProbeExecutor):
         return [float(len(records)) if name == self.batch_size_variable else
                 float(sum(columns[k]) if self.aggregation.get(name) == "sum" else max(columns[k]))
                 for k, name in enumerate(self.names)]
+
+    def end_accumulation(self) -> None:
+        """FSDP2 in lockstep: one synchronised backward of the first probe's batch, which
+        reduce-scatters and so frees the unsharded gradient the probes held; gradient sync back
+        on. Collective: every rank calls it."""
+        if self.accumulation_batch is None:
+            return
+        self.steady.model.set_requires_gradient_sync(True)
+        self.loss_fn(self.accumulation_batch).backward()
+        self.accumulation_batch = None
 
     def _combine_ranks(self, result, failure, where: str) -> None:
         """Lockstep: every rank's peaks (max), out-of-memory and error flags in one all-reduce;
@@ -333,6 +350,11 @@ class _TorchExecutor(_planner.ProbeExecutor):
         loss = None
         failure = None  # (the error to raise, its cause): not out of memory
         try:
+            if self.accumulating and self.accumulation_batch is None:
+                self.steady.model.set_requires_gradient_sync(False)
+                self.loss_fn(batch).backward()
+                self.accumulation_batch = batch
+                _zero_gradients_in_place(self.steady.parameters)
             self.meter.reset_peak()
             loss = self.loss_fn(batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -679,8 +701,10 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             forward and backward are collectives; ``xpm.lockstep``): every rank calls ``probe``
             with the same arguments, runs the same probes in the same order, and each probe's
             peaks are the maximum over ranks, its out of memory the union, in one all-reduce;
-            every rank returns the same model. False (the default): this process alone (rank 0
-            of a data-parallel job, before wrapping the model).
+            every rank returns the same model. An FSDP2 model is probed as its microbatches
+            accumulate (``set_requires_gradient_sync(False)``, its unsharded gradient held),
+            the state of every microbatch of a step but the first. False (the default): this
+            process alone (rank 0 of a data-parallel job, before wrapping the model).
         process_group: the ranks of ``lockstep`` (None: torch.distributed's default group).
 
     Returns:
@@ -741,6 +765,9 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         failure.probes = list(executor.results)
         raise failure from None
     finally:
-        steady.__exit__(None, None, None)
+        try:
+            executor.end_accumulation()
+        finally:
+            steady.__exit__(None, None, None)
     return ProbeOutcome(MemoryModel(native), list(probes), _report(summary, selection), floor,
                         time.perf_counter() - start, AdaptiveReport(**adaptive), meter)

@@ -92,10 +92,16 @@ def probe(model, optimizer, meter):
 
 
 def lockstep_peak(model, meter, dims):
-    """A forward/backward at dims on every rank; the peak is the largest over ranks."""
+    """A microbatch at dims after the first of a step (gradient sync off, the unsharded gradient
+    of the first held), on every rank; the peak is the largest over ranks. The step is then
+    ended by a synchronised microbatch."""
     model.zero_grad(set_to_none=False)
+    model.set_requires_gradient_sync(False)
+    random_loss(model)(dims).backward()
     meter.reset_peak()
     random_loss(model)(dims).backward()
+    model.set_requires_gradient_sync(True)
+    random_loss(model)([1, 4]).backward()
     peak = torch.tensor([float(meter.peak_allocated_bytes)], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return peak.item()
