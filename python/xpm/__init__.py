@@ -20,10 +20,11 @@ from .planning import (PACKERS, Aggregation, CostFormula, FitReport, FormulaErro
                        PackerName, Plan, RecordAggregation, fit, plan, record_dims_from_lengths)
 from .probing import AdaptiveReport, AdaptiveStop, CpuMeter, CudaMeter, DeviceKind, Meter, ProbeOutcome, probe
 from .adapters import StepDataset, accumulate
+from .lockstep import stop_together
 from .sampler import Microbatch, PredictiveBatchSampler, Step, check_unplanned_memory, microbatch_loop
 
 __all__ = ["PACKERS", "CostFormula", "FitReport", "FormulaError", "MemoryBudget", "MemoryModel", "Plan", "fit",
            "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop",
            "check_unplanned_memory", "StepDataset", "accumulate",
            "probe", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport",
-           "PackerName", "Aggregation", "RecordAggregation", "DeviceKind", "AdaptiveStop", "Meter"]
+           "PackerName", "Aggregation", "RecordAggregation", "DeviceKind", "AdaptiveStop", "Meter", "stop_together"]

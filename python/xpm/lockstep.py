@@ -17,7 +17,8 @@ probing.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import contextlib
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -88,3 +89,58 @@ class Lockstep:
         if failed:
             raise RuntimeError(f"{what} failed on rank {', '.join(map(str, failed))} (its own error says why); every "
                                f"rank stops")
+
+
+_FAILURE_KEY = "xpm/lockstep/failure"
+
+
+@contextlib.contextmanager
+def stop_together(wait_s: float = 5.0) -> Iterator[None]:
+    """Every rank stops with the same message when one rank's step fails.
+
+    Inside the block (a training step of an FSDP2 model), an exception on one rank is posted to
+    the default process group's store before it propagates; that rank's process then ends, and
+    the other ranks' collectives fail ("Connection closed by peer"). Their error is replaced by
+    the posted one, so every rank reports the rank that failed first and why:
+    ``RuntimeError: rank 1 failed: OutOfMemoryError: CPU memory cap exceeded: ...``.
+
+        with xpm.stop_together():
+            for indices, weight in zip(step.microbatches, step.weights):
+                ...forward, backward...
+
+    Args:
+        wait_s: how long a rank whose collective failed waits for the failing rank's message
+            (seconds).
+
+    Yields:
+        Nothing.
+
+    Raises:
+        RuntimeError: on a rank whose collective failed because another rank failed first,
+            naming that rank and its error.
+        BaseException: the first failure, unchanged, on the rank it happened on.
+    """
+    store = _default_store()
+    try:
+        yield
+    except BaseException as error:  # noqa: BLE001 - posted, or replaced by the first failure, then raised
+        if store is None:
+            raise
+        rank = dist.get_rank()
+        line = (str(error).splitlines() or [""])[0]
+        mine = f"rank {rank} failed: {type(error).__name__}: {line}"
+        # The first to post wins (compare_set from the empty value); the others read it.
+        first = store.compare_set(_FAILURE_KEY, "", mine).decode()
+        if first == mine:
+            raise
+        raise RuntimeError(first) from error
+
+
+def _default_store() -> Optional[dist.Store]:
+    """The default process group's store, or None when there is none to post to."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None

@@ -7,6 +7,8 @@ A token tagger (embedding 128 -> 256 -> 512 logits per token) sharded with
   in lockstep too (peaks the maximum over ranks); writes rank<r>.json.
 - ``resume``: 4 steps against 2, a sharded checkpoint with the sampler's state, 2 more on fresh
   objects loaded from it; writes rank<r>.json.
+- ``oom``: rank 1 runs out of memory in a step inside ``xpm.stop_together()``; each rank writes
+  the error it stopped with.
 - ``train``: the probed model planned by ``PredictiveBatchSampler(lockstep=True)``, two steps
   under the cap with ``set_requires_gradient_sync(False)`` on all but each step's last
   microbatch; the first step's full gradient against one unsharded batch of the whole outer
@@ -241,11 +243,41 @@ def run_resume(out):
     return {"max_parameter_difference": max(differences), "parameters_moved_by": moved}
 
 
+def run_oom(out):
+    """Rank 1 runs out of memory in the second microbatch of the first step (its cap lowered);
+    inside xpm.stop_together both ranks stop, each with rank 1's error."""
+    meter = xpm.CpuMeter.install()
+    meter.capacity_bytes = CAP_BYTES
+    model, _ = sharded_tagger()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    outcome, _ = probe(model, optimizer, meter)
+    lengths, tokens_of = records()
+    usable = int(outcome.model.floor_bytes + 0.1 * (meter.capacity_bytes - outcome.model.floor_bytes))
+    sampler = xpm.PredictiveBatchSampler(lengths, outcome.model, usable, outer_batch_size=96, seed=3, units=lengths,
+                                         lockstep=True)
+    step = next(iter(sampler.steps()))
+    start = time.perf_counter()
+    try:
+        with xpm.stop_together():
+            for k, (indices, weight) in enumerate(zip(step.microbatches, step.weights)):
+                if k == 1 and dist.get_rank() == 1:
+                    meter.capacity_bytes = meter.current_allocated_bytes + 100_000
+                model.set_requires_gradient_sync(k == len(step.microbatches) - 1)
+                tokens, mask = batch(tokens_of, indices.tolist())
+                (loss_sum(model, tokens, mask) * weight / float(mask.sum())).backward()
+    except Exception as error:  # noqa: BLE001 - what each rank reports is the result
+        (out / f"rank{dist.get_rank()}.json").write_text(
+            json.dumps({"error": f"{type(error).__name__}: {error}", "stopped_after_s": time.perf_counter() - start}))
+        sys.stdout.flush()
+        os._exit(1)
+    return {"error": None}
+
+
 def main():
     mode, out = sys.argv[1], pathlib.Path(sys.argv[2])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    result = {"probe": run_probe, "train": run_train, "resume": run_resume}[mode](out)
+    result = {"probe": run_probe, "train": run_train, "resume": run_resume, "oom": run_oom}[mode](out)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

@@ -10,7 +10,9 @@ torchrun: lockstep probing on every rank and the lockstep batch sampler (fsdp2_w
   reduce-scattered gradient equals the unsharded gradient of the whole outer batch to 1e-5.
 - a sharded checkpoint (``torch.distributed.checkpoint``: model and optimizer) with the sampler's
   ``state_dict`` beside it, loaded into fresh objects, ends 2 more steps with the parameters of
-  an uninterrupted 4-step run, exactly.
+  an uninterrupted 4-step run, exactly;
+- an out-of-memory error on rank 1 inside ``xpm.stop_together()`` stops both ranks within
+  seconds, rank 0 with rank 1's message.
 """
 import json
 import os
@@ -32,13 +34,14 @@ LAUNCH_VARIABLES = re.compile(r"RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROU
                               r"MASTER_PORT|TORCHELASTIC_.*")
 
 
-def run_ranks(mode, out):
+def run_ranks(mode, out, expected_exit_code=0):
     script = pathlib.Path(sys.executable).parent / "torchrun"
     launcher = [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
     env = {k: v for k, v in os.environ.items() if not LAUNCH_VARIABLES.fullmatch(k)}
     done = subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", str(WORKER), mode, str(out)],
                           capture_output=True, text=True, timeout=600, env=dict(env, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, f"{mode}: exit code {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == expected_exit_code, (f"{mode}: exit code {done.returncode}\n{done.stdout[-3000:]}\n"
+                                                   f"{done.stderr[-6000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -78,3 +81,12 @@ def test_a_sharded_checkpoint_with_the_samplers_state_resumes_exactly(tmp_path):
     for rank in ranks:
         assert rank["parameters_moved_by"] > 1e-3
         assert rank["max_parameter_difference"] == 0.0
+
+
+def test_an_out_of_memory_error_on_one_rank_stops_both_with_its_message(tmp_path):
+    ranks = run_ranks("oom", tmp_path, expected_exit_code=1)
+    print(f"\nFSDP2 forced OOM on rank 1: rank 0 stopped after {ranks[0]['stopped_after_s']:.2f} s with: "
+          f"{ranks[0]['error'][:120]}")
+    assert ranks[1]["error"].startswith("OutOfMemoryError: CPU memory cap exceeded")
+    assert ranks[0]["error"] == "RuntimeError: rank 1 failed: " + ranks[1]["error"]
+    assert ranks[0]["stopped_after_s"] < 60
