@@ -95,7 +95,7 @@ _FAILURE_KEY = "xpm/lockstep/failure"
 
 
 @contextlib.contextmanager
-def stop_together(wait_s: float = 5.0) -> Iterator[None]:
+def stop_together() -> Iterator[None]:
     """Every rank stops with the same message when one rank's step fails.
 
     Inside the block (a training step of an FSDP2 model), an exception on one rank is posted to
@@ -108,16 +108,15 @@ def stop_together(wait_s: float = 5.0) -> Iterator[None]:
             for indices, weight in zip(step.microbatches, step.weights):
                 ...forward, backward...
 
-    Args:
-        wait_s: how long a rank whose collective failed waits for the failing rank's message
-            (seconds).
+    The failing rank must let the error end its process (a rank that catches it and goes on
+    leaves the others waiting until the process group's timeout).
 
     Yields:
         Nothing.
 
     Raises:
         RuntimeError: on a rank whose collective failed because another rank failed first,
-            naming that rank and its error.
+            naming that rank and its error (the first failure posted, whichever rank it was).
         BaseException: the first failure, unchanged, on the rank it happened on.
     """
     store = _default_store()

@@ -82,7 +82,6 @@ void apply_flags(LearnerOptions& options, const SharedFlags& shared, const std::
   for (const auto& [name, value] : flags) {
     if (!options.config.contains(name)) options.config[name] = value;
   }
-  options.resume_free_keys.insert({"run-dir", "resume", "stop-after-steps", "nproc", "threads", "device", "backend"});
 }
 
 int train(const LearnerProgram& program, const SharedFlags& shared, const std::map<std::string, std::string>& flags) {

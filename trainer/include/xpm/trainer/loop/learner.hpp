@@ -4,6 +4,7 @@
 // and early stopping, listeners' votes, checkpoints with exact resume, single process or data
 // parallel.
 //
+//   #include "xpm/planner_torch/device_meter.hpp"
 //   auto meter = xpm::make_device_meter(torch::kCPU, 200'000'000);  // the cap, given once; before the model
 //   MyTask task;                                     // a TrainingTask: records, loss_sum, validation
 //   torch::optim::Adam optimizer(task.module().parameters(), 1e-3);

@@ -17,12 +17,15 @@
 //     return xpm::run_learner_main(argc, argv, program);
 //   }
 //
-// Flags (each overrides the job's LearnerOptions): --run-dir, --steps (max_steps),
-// --stop-after-steps, --resume, --memory-cap-bytes (the meter's cap; 0: none, the device's
-// memory), --device cpu|cuda|cuda:N ("cuda" is cuda:LOCAL_RANK), --backend auto|gloo|nccl
-// (auto: nccl on CUDA, gloo on the CPU), --nproc, --threads (torch::set_num_threads), --seed
+// Flags (each overrides the job's LearnerOptions): --run-dir, --steps (max_steps; the epochs
+// still bound the run: set epochs high for a step budget), --stop-after-steps, --resume,
+// --memory-cap-bytes (the meter's cap; on the CPU a memory plan needs one, else the budget is
+// refused; on CUDA 0 is the device's memory), --device cpu|cuda|cuda:N ("cuda" is
+// cuda:LOCAL_RANK; it decides LearnerOptions::device), --backend auto|gloo|nccl (auto: nccl on
+// CUDA, gloo on the CPU), --nproc, --threads (torch::set_num_threads), --seed
 // (torch::manual_seed before make_job), --help; plus the program's extra_flags, all taking a
-// value. A worker started again by a launcher (TORCHELASTIC_RESTART_COUNT > 0) resumes.
+// value, which also go into LearnerOptions::config (what a resume compares). A worker started
+// again by a launcher (TORCHELASTIC_RESTART_COUNT > 0) resumes.
 //
 // Exit codes: 0 done (also stopped by --stop-after-steps), 2 bad input (one line on stderr:
 // "<name>: error: ..."), 3 any other error, 4 stopped by a signal (SIGINT, SIGTERM; a
@@ -45,8 +48,9 @@ namespace xpm {
 struct LearnerRun {
   torch::Device device = torch::kCPU;
   DistributedContext* dist = nullptr;         // world size 1 without a launcher
-  std::map<std::string, std::string> flags;   // every flag's value, by name without "--"
-  /// The value of flag `name`; throws std::invalid_argument for a flag the program lacks.
+  std::map<std::string, std::string> flags;   // the program's extra_flags' values, by name without "--"
+  /// The value of the program's flag `name`; throws std::invalid_argument for a name that is
+  /// not one of its extra_flags.
   const std::string& flag(const std::string& name) const;
 };
 
