@@ -111,8 +111,8 @@ def stop_together() -> Iterator[None]:
     The failing rank must let the error end its process (a rank that catches it and goes on
     leaves the others waiting until the process group's timeout).
 
-    Yields:
-        Nothing.
+    Returns:
+        A context manager around the step (it yields nothing).
 
     Raises:
         RuntimeError: on a rank whose collective failed because another rank failed first,
