@@ -349,10 +349,13 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         shares = _planner.assign_records_to_ranks(self._costs[records].tolist(), self._world)
         share_of = [records[np.asarray(share, dtype=np.int64)] for share in shares]
         total_units = float(self._units[records].sum())
-        microbatches, dims, predicted = self._packed(share_of[rank])
-        if self._lockstep:
-            target = max(max(len(self._packed(share)[0]) for share in share_of), 1)
+        if self._lockstep:  # every share packed once: this rank's plan and the others' counts
+            packed = [self._packed(share) for share in share_of]
+            microbatches, dims, predicted = packed[rank]
+            target = max(len(plan[0]) for plan in packed)
             microbatches, dims, predicted = self._split_to(target, microbatches, dims, predicted)
+        else:
+            microbatches, dims, predicted = self._packed(share_of[rank])
         scale = self._world / total_units if total_units > 0 else 0.0
         return Step(microbatches, [scale * float(self._units[mb].sum()) for mb in microbatches], total_units,
                     dims, predicted)
