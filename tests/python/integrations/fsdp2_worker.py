@@ -102,6 +102,18 @@ def probe(model, optimizer, meter):
     return outcome, time.perf_counter() - start
 
 
+def probed_tagger():
+    """The meter under the cap, the sharded tagger (and its unsharded twin), its optimizer, the
+    lockstep probe's outcome and time, and the training budget: the floor plus 10 % of the rest."""
+    meter = xpm.CpuMeter.install()
+    meter.capacity_bytes = CAP_BYTES
+    model, reference = sharded_tagger()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    outcome, probe_s = probe(model, optimizer, meter)
+    usable = int(outcome.model.floor_bytes + 0.1 * (meter.capacity_bytes - outcome.model.floor_bytes))
+    return meter, model, reference, optimizer, outcome, probe_s, usable
+
+
 def lockstep_peak(model, meter, dims):
     """A microbatch at dims after the first of a step (gradient sync off, the unsharded gradient
     of the first held), on every rank; the peak is the largest over ranks. The step is then
@@ -119,11 +131,7 @@ def lockstep_peak(model, meter, dims):
 
 
 def run_probe(out):
-    meter = xpm.CpuMeter.install()
-    meter.capacity_bytes = CAP_BYTES
-    model, _ = sharded_tagger()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    outcome, probe_s = probe(model, optimizer, meter)
+    meter, model, _, _, outcome, probe_s, _ = probed_tagger()
     held_out = [[3, 100], [7, 120], [12, 61], [20, 90], [40, 70], [50, 110]]
     errors = []
     for dims in held_out:
@@ -139,14 +147,9 @@ def full_gradients(model):
 
 
 def run_train(out):
-    meter = xpm.CpuMeter.install()
-    meter.capacity_bytes = CAP_BYTES
-    model, reference = sharded_tagger()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    outcome, _ = probe(model, optimizer, meter)
+    meter, model, reference, optimizer, outcome, _, usable = probed_tagger()
     lengths, tokens_of = records()
-    usable = outcome.model.floor_bytes + 0.1 * (meter.capacity_bytes - outcome.model.floor_bytes)
-    sampler = xpm.PredictiveBatchSampler(lengths, outcome.model, int(usable), outer_batch_size=96, seed=3,
+    sampler = xpm.PredictiveBatchSampler(lengths, outcome.model, usable, outer_batch_size=96, seed=3,
                                          units=lengths, lockstep=True)
     ooms, microbatches, worst_under, first_gradient_error = 0, [], 0.0, None
     for step in list(sampler.steps())[:2]:
@@ -216,12 +219,8 @@ def fresh_run(memory_model, usable_bytes, lengths):
 def run_resume(out):
     """4 steps uninterrupted against 2 steps, a sharded checkpoint (torch.distributed.checkpoint:
     model, optimizer; the sampler's state beside it), fresh objects loaded from it, 2 more."""
-    meter = xpm.CpuMeter.install()
-    meter.capacity_bytes = CAP_BYTES
-    model, _ = sharded_tagger()
-    outcome, _ = probe(model, torch.optim.AdamW(model.parameters(), lr=1e-3), meter)
+    _, _, _, _, outcome, _, usable = probed_tagger()
     lengths, tokens_of = records()
-    usable = int(outcome.model.floor_bytes + 0.1 * (meter.capacity_bytes - outcome.model.floor_bytes))
     whole = fresh_run(outcome.model, usable, lengths)
     train_steps(*whole, tokens_of, 4)
     first = fresh_run(outcome.model, usable, lengths)
@@ -246,13 +245,8 @@ def run_resume(out):
 def run_oom(out):
     """Rank 1 runs out of memory in the second microbatch of the first step (its cap lowered);
     inside xpm.stop_together both ranks stop, each with rank 1's error."""
-    meter = xpm.CpuMeter.install()
-    meter.capacity_bytes = CAP_BYTES
-    model, _ = sharded_tagger()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    outcome, _ = probe(model, optimizer, meter)
+    meter, model, _, _, outcome, _, usable = probed_tagger()
     lengths, tokens_of = records()
-    usable = int(outcome.model.floor_bytes + 0.1 * (meter.capacity_bytes - outcome.model.floor_bytes))
     sampler = xpm.PredictiveBatchSampler(lengths, outcome.model, usable, outer_batch_size=96, seed=3, units=lengths,
                                          lockstep=True)
     step = next(iter(sampler.steps()))
