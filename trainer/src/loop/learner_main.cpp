@@ -95,6 +95,10 @@ int train(const LearnerProgram& program, const SharedFlags& shared, const std::m
   LearnerJob job = program.make_job(run);
   if (!job.task || !job.optimizer) throw std::logic_error(program.name + ": make_job returned no task or no optimizer");
   apply_flags(job.options, shared, flags, worker, device);
+  if (job.options.memory_plan && device.is_cpu() && shared.memory_cap_bytes == 0) {
+    throw std::invalid_argument("--memory-cap-bytes is 0: on the CPU the memory plan needs a cap, the bytes the "
+                                "probes and the steps run under (e.g. --memory-cap-bytes 200000000)");
+  }
   LearnerComponents parts;
   parts.dist = &dist;
   parts.meter = meter.get();
