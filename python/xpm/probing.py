@@ -31,6 +31,7 @@ from __future__ import annotations
 import io
 import os
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
@@ -288,6 +289,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
         self.accumulation_batch = None
         self.batch_size_variable, self.aggregation = batch_size_variable, dict(aggregation or {})
         self.results = []  # every probe run, for an error that must carry them
+        self.raised: Optional[BaseException] = None  # the error a probe raised (the loss function's), if any
 
     def static_bytes(self) -> float:
         allocated = float(self.meter.current_allocated_bytes)
@@ -379,6 +381,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
         if self.lockstep is not None:
             self._combine_ranks(result, failure, where)
         if failure is not None:
+            self.raised = failure[0]
             raise failure[0] from failure[1]
         result.duration_s = time.perf_counter() - start
         self.results.append(result)
@@ -458,6 +461,29 @@ def _check_variable_names(formula: CostFormula, variable_max: Optional[Dict[str,
             if key not in variables:
                 raise ValueError(f"probe: {what} has '{key}', which is not a variable of the formula "
                                  f"'{formula.canonical}' (its variables: {', '.join(variables)})")
+
+
+def _check_batch_size_variable(formula: CostFormula, batch_size_variable: str) -> None:
+    """Refuses a ``batch_size_variable`` in which the formula grows faster than linearly (a
+    length named by mistake: the design would double it as a batch size)."""
+    variables = list(formula.variable_names)
+    if batch_size_variable not in variables:
+        return  # the planner names it
+    k = variables.index(batch_size_variable)
+    ones = [1.0] * len(formula.coefficient_names)
+
+    def at(value: float) -> float:
+        dims = [8.0] * len(variables)
+        dims[k] = value
+        return float(formula.predict(ones, dims))
+
+    before, after = at(1024.0), at(2048.0)
+    if before > 0 and after > 2.2 * before:
+        raise ValueError(f"probe: batch_size_variable '{batch_size_variable}' makes the formula "
+                         f"'{formula.canonical}' grow {after / before:.1f}x when it doubles, but a microbatch's memory "
+                         f"grows in proportion to its batch size: '{batch_size_variable}' looks like a length, and the "
+                         f"probe design would double it as a batch size; name the batch size's variable (the "
+                         f"formula's: {', '.join(variables)})")
 
 
 def _check_record_dims(record_dims, formula: CostFormula, batch_size_variable: str,
@@ -609,6 +635,8 @@ def _probe_setup(model, meter, device, formula, variables, variable_max, probe_p
         raise ValueError("probe: variables= names the variables of formula='auto'; a CostFormula has its own")
     _check_aggregation(aggregation, RECORD_AGGREGATIONS, "probe")
     _check_variable_names(formula, variable_max, probe_points, aggregation)
+    if not automatic:
+        _check_batch_size_variable(formula, batch_size_variable)
     if record_dims is not None:
         record_dims = _check_record_dims(record_dims, formula, batch_size_variable, aggregation)
     _check_meter_saw_the_weights(model, meter)
@@ -723,11 +751,18 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             touched: ``"cuda"`` where ``torch.cuda.is_available()`` is False (with the reason: a
             torch build without CUDA, or no GPU visible), a CUDA index torch does not see, a
             device that is not CPU or CUDA, a ``meter`` of another device (or None with
-            ``"cpu"``, or with no ``device``), the model's parameters on another device.
+            ``"cpu"``, or with no ``device``), the model's parameters on another device, a
+            ``batch_size_variable`` in which the formula grows faster than linearly (a length
+            named as the batch size).
         RuntimeError: an unusable fit (its ``probes`` attribute holds the probes, so ``xpm.fit``
-            can refit them); an error of ``loss_fn`` names the probe's dims. With ``lockstep``,
-            every rank raises when one does: that rank its own error, the others a RuntimeError
-            naming it.
+            can refit them; the note on ``usable_max_rel_error`` only where a reason is that
+            limit). With ``lockstep``, every rank raises when one does: that rank its own error,
+            the others a RuntimeError naming it.
+        Exception: an error of ``loss_fn``, of its own type, its message prefixed with the
+            probe's dims ("probing at bs=16 l=48: ...").
+
+    After any error the frames the error passed through hold no locals (the probe's batches,
+    graphs and saved optimizer state are freed), so keeping the exception keeps no memory.
 
     Warns:
         RuntimeWarning: two columns of ``record_dims`` are equal on every record and neither is
@@ -753,6 +788,17 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         ranks.agree(setup_error, "probe: checking the options")
     elif setup_error is not None:
         raise setup_error
+    try:
+        return _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, ranks, batch_size_variable,
+                              aggregation)
+    except BaseException as error:
+        _release_frames(error)  # the probe's batches, graphs and saved state go with the frames' locals
+        raise
+
+
+def _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, ranks, batch_size_variable,
+                   aggregation) -> ProbeOutcome:
+    """``probe``'s steps once its options are checked: the steady state, the probes, the fit."""
     start = time.perf_counter()
     steady = _enter_steady_state(model, optimizer, meter, ranks)
     executor = _TorchExecutor(steady, loss_fn, meter, list(formula.variable_names), batch_size_variable, aggregation,
@@ -760,8 +806,11 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     try:
         native, probes, summary, floor, adaptive, selection = _planner.probe_and_fit(executor, formula, budget, args)
     except RuntimeError as error:
+        if error is executor.raised:  # a probe's own error (the loss function's): as it was raised
+            raise
         failure = RuntimeError(f"{error} (xpm.probe(..., usable_max_rel_error=...) sets that limit; this error's "
-                               f".probes holds the {len(executor.results)} probes, for xpm.fit)")
+                               f".probes holds the {len(executor.results)} probes, for xpm.fit)"
+                               if "usable_max_rel_error" in str(error) else str(error))
         failure.probes = list(executor.results)
         raise failure from None
     finally:
@@ -771,3 +820,17 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             steady.__exit__(None, None, None)
     return ProbeOutcome(MemoryModel(native), list(probes), _report(summary, selection), floor,
                         time.perf_counter() - start, AdaptiveReport(**adaptive), meter)
+
+
+def _release_frames(error: BaseException) -> None:
+    """Clears the local variables of the finished frames in ``error``'s traceback and in those of
+    its cause and context (tensors of a failed forward, the probe's state), keeping the
+    tracebacks' lines: an exception kept by the caller then holds no memory of the probe."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        for linked in (error.__cause__, error.__context__):
+            if linked is not None and id(linked) not in seen:
+                traceback.clear_frames(linked.__traceback__)
+        error = error.__cause__ or error.__context__

@@ -536,3 +536,60 @@ def test_an_aggregation_other_than_max_or_sum_is_refused_in_one_line():
     finally:
         METER.capacity_bytes = 0
     assert calls == []
+
+
+def test_a_refused_fit_leaves_no_memory_behind_and_its_error_names_the_limit(trained):
+    """A fit refused for its error: the exception, kept by the caller, holds none of the probe's
+    memory (the CPU meter's allocated bytes are those before the call)."""
+    model, optimizer = trained
+    METER.capacity_bytes = 400_000_000
+    gc.collect()
+    before = METER.current_allocated_bytes
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)),
+                      xpm.CostFormula("a*bs + c", ["bs", "l"]), meter=METER, variable_max={"bs": 16, "l": 48},
+                      usable_max_rel_error=0.001)
+    finally:
+        METER.capacity_bytes = 0
+    kept = caught.value
+    gc.collect()
+    assert METER.current_allocated_bytes == before, "the kept exception holds memory of the probe"
+    assert "usable_max_rel_error=...) sets that limit" in str(kept) and len(kept.probes) >= 3
+
+
+def test_a_loss_function_error_is_raised_as_it_is_without_the_fit_limit_note(trained):
+    model, optimizer = trained
+    METER.capacity_bytes = 400_000_000
+    gc.collect()
+    before = METER.current_allocated_bytes
+
+    def failing(dims):
+        hidden = model.loss_sum(random_chars(dims))  # a graph of the forward, alive in this frame
+        raise KeyError(f"no such column at {hidden.shape}")
+
+    try:
+        with pytest.raises(KeyError) as caught:
+            xpm.probe(model, optimizer, failing, FORMULA, meter=METER, variable_max={"bs": 16, "l": 48})
+    finally:
+        METER.capacity_bytes = 0
+    kept = caught.value
+    gc.collect()
+    assert re.match(r"'?probing at bs=\d+ l=\d+: ", str(kept).strip("\"")) and "usable_max_rel_error" not in str(kept)
+    assert METER.current_allocated_bytes == before, "the loss function's frame still holds its graph"
+
+
+def test_a_length_named_as_the_batch_size_variable_is_refused_in_one_line(trained):
+    model, optimizer = trained
+    METER.capacity_bytes = 400_000_000
+    try:
+        with pytest.raises(ValueError) as caught:
+            xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)),
+                      xpm.CostFormula("a*bs*l^2 + b*bs*l + c", ["bs", "l"]), meter=METER,
+                      variable_max={"bs": 16, "l": 48}, batch_size_variable="l")
+    finally:
+        METER.capacity_bytes = 0
+    message = str(caught.value)
+    assert message.startswith("probe: batch_size_variable 'l' makes the formula") and "\n" not in message
+    assert "'l' looks like a length" in message
+
