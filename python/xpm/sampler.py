@@ -174,10 +174,15 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         sort_by: the variable the packer sorts by (default: the non-batch-size one).
         lockstep: every rank yields the same number of microbatches in every step, the most
             any rank's share packs into (a share that packs into fewer is split further: its
-            largest microbatches halved, which fits as well). Needed when every microbatch's
-            forward and backward are collectives (FSDP2's ``fully_shard``); a rank whose share
-            has fewer records than that count yields empty microbatches (weight 0), on which the
-            training loop must still run its forward and backward.
+            largest microbatches halved, which fits as well). A rank whose share has fewer
+            records than that count yields empty microbatches (weight 0), on which the training
+            loop must still run its forward and backward. The default, None, is True at a world
+            size above 1: every rank's loader then yields the same number of batches per epoch,
+            so a consumer that takes one collective per batch (a framework stepping the
+            optimizer per batch, FSDP2's ``fully_shard``, whose forward and backward are
+            collectives) cannot leave a rank waiting for the others. False: each share packs
+            into as few microbatches as fit (only for loops such as ``microbatch_loop`` that
+            all-reduce once per step).
 
     Raises:
         ValueError: a bad argument (named, with its value: ``PredictiveBatchSampler: packer must
@@ -195,7 +200,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
     def __init__(self, record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, outer_batch_size: int,
                  rank: Optional[int] = None, world_size: Optional[int] = None, seed: int = 0,
                  units: Optional[ArrayLike] = None, shuffle: bool = True, drop_last: bool = False,
-                 packer: PackerName = "adaptive", sort_by: Optional[str] = None, lockstep: bool = False) -> None:
+                 packer: PackerName = "adaptive", sort_by: Optional[str] = None, lockstep: Optional[bool] = None) -> None:
         super().__init__()
         dims = _record_dims(_checked_record_dims(record_dims), model, "record_dims")
         if len(dims) == 0:
@@ -220,7 +225,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         self._outer, self._rank, self._world = outer_batch_size, rank, world_size
         self._seed, self._shuffle, self._drop_last = _whole_number("seed", seed), bool(shuffle), bool(drop_last)
         self._packer, self._sort_by = packer, sort_by
-        self._lockstep = bool(lockstep)
+        self._lockstep = world_size > 1 if lockstep is None else bool(lockstep)
         self._costs = _planner.record_costs(model._native, dims)
         self._epoch = 0
         self._steps_done = 0                  # steps counted done (microbatch_loop, mark_step_done)
@@ -465,6 +470,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
             An iterator of ``Microbatch``, with ``state_dict``/``load_state_dict``, which
             ``StatefulDataLoader`` saves and restores: it resumes at the exact microbatch.
         """
+        _refuse_lightning_fit_loop()
         self._current = _MicrobatchIterator(self, self._start_position(begin_pass=True))
         return self._current
 
@@ -475,6 +481,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         Returns:
             The number of microbatches.
         """
+        _refuse_lightning_fit_loop()  # Lightning asks the length first, before it iterates
         return self._plan()[1][-1] - self._start_position()
 
     def weights(self) -> Iterator[Tuple[float, bool]]:
@@ -493,6 +500,24 @@ class PredictiveBatchSampler(Sampler[List[int]]):
     def _plan_fingerprint(self) -> dict:
         model = hashlib.sha256(self._model.to_json().encode()).hexdigest()[:16]
         return {"rank": self._rank, "usable_bytes": self._usable_bytes, "sort_by": self._sort_by, "model": model}
+
+
+def _refuse_lightning_fit_loop() -> None:
+    """Raises when Lightning's training loop sizes or iterates the sampler through a plain DataLoader:
+    Lightning would take one optimizer step per microbatch with the weights ignored, and the
+    ranks' loaders end their epochs apart. It is detected by the loop's module on the stack
+    (nothing of Lightning is imported here: a process without it pays one dict look-up)."""
+    if "lightning.pytorch" not in sys.modules and "pytorch_lightning" not in sys.modules:
+        return
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(("lightning.pytorch.loops.", "pytorch_lightning.loops.")):
+            raise ValueError("xpm: Lightning's training loop iterates a DataLoader over PredictiveBatchSampler: it "
+                             "would step the optimizer once per microbatch and ignore their weights; return "
+                             "xpm.integrations.lightning.planned_dataloader(self.trainer, dataset, sampler, "
+                             "collate_fn) from train_dataloader()")
+        frame = frame.f_back
 
 
 class _MicrobatchIterator(Iterator[List[int]]):

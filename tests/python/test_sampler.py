@@ -426,8 +426,11 @@ def test_lockstep_gives_every_rank_the_same_microbatch_count_in_every_step(model
         return list(xpm.PredictiveBatchSampler(lengths, model, 2_000_000, outer_batch_size=64, rank=rank,
                                                world_size=world, seed=7, units=lengths, **kwargs).steps())
 
-    free = [steps(rank) for rank in range(world)]
+    free = [steps(rank, lockstep=False) for rank in range(world)]
     lock = [steps(rank, lockstep=True) for rank in range(world)]
+    for rank in range(world):  # lockstep is the default at a world size above 1
+        assert [[m.tolist() for m in step.microbatches] for step in steps(rank)] == \
+            [[m.tolist() for m in step.microbatches] for step in lock[rank]]
     assert any(len({len(s[k].microbatches) for s in free}) > 1 for k in range(len(free[0]))), "nothing to equalize"
     seen = []
     for k in range(len(lock[0])):

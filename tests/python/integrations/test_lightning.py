@@ -139,6 +139,8 @@ WORKER = textwrap.dedent(r'''
         def train_dataloader(self):
             if MODE == "stepdataset":  # the map-style adapter, as Lightning re-shards it under DDP
                 return torch.utils.data.DataLoader(xpm.StepDataset(self.texts, self.sampler, collate), batch_size=None)
+            if MODE == "plain":  # what Lightning's own error about batch samplers leads a user to
+                return torch.utils.data.DataLoader(self.texts, batch_sampler=self.sampler, collate_fn=collate)
             return xpm_lightning.planned_dataloader(self.trainer, self.texts, self.sampler, collate)
 
         def on_train_start(self):
@@ -206,7 +208,7 @@ WORKER = textwrap.dedent(r'''
         module = Recorder(texts)
         trainer = lightning.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_epochs=EPOCHS, logger=False,
                                     enable_checkpointing=False, enable_progress_bar=False,
-                                    enable_model_summary=False, use_distributed_sampler=True)
+                                    enable_model_summary=False, use_distributed_sampler=MODE != "plain")
         try:
             trainer.fit(module)
         except Exception as error:  # written down for the test, then the run fails
@@ -306,6 +308,20 @@ def test_ddp_map_style_step_dataset_is_refused_with_the_fix(tmp_path):
         assert seen["error"].startswith("TypeError: xpm: training_step got a list, not a PlannedStep"), seen["error"]
         assert "use_distributed_sampler=False" in seen["error"] and "\n" not in seen["error"]
         assert seen["optimizer_steps"] == 0
+
+
+def test_ddp_plain_dataloader_over_the_sampler_stops_every_rank_in_one_line(tmp_path):
+    # DataLoader(batch_sampler=sampler) with use_distributed_sampler=False: Lightning would step
+    # once per microbatch, weights ignored; every rank refuses it before its first step.
+    start = time.perf_counter()
+    ranks, code, output = _run_ranks(tmp_path, "plain", timeout_s=100)
+    assert code != 0
+    for seen in ranks:
+        assert seen["error"].startswith("ValueError: xpm: Lightning's training loop iterates a DataLoader over "
+                                        "PredictiveBatchSampler"), seen["error"]
+        assert "planned_dataloader" in seen["error"] and "\n" not in seen["error"]
+        assert seen["optimizer_steps"] == 0
+    print(f"\nlightning plain DataLoader: both ranks stopped in {time.perf_counter() - start:.0f} s, probe included")
 
 
 # ---- one process, one device: the same recipe without DDP, and its errors
