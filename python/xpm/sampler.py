@@ -48,6 +48,7 @@ from numpy.typing import ArrayLike
 from torch.utils.data import Sampler
 
 from . import _planner
+from .calibration import Calibration
 from .planning import PACKERS, MemoryModel, PackerName, _check_choice, _pack, _record_dims
 from .probing import Meter
 
@@ -183,6 +184,11 @@ class PredictiveBatchSampler(Sampler[List[int]]):
             collectives) cannot leave a rank waiting for the others. False: each share packs
             into as few microbatches as fit (only for loops such as ``microbatch_loop`` that
             all-reduce once per step).
+        calibrate: correct the model's predictions from the peaks training measures
+            (``xpm.Calibration``): ``record_peak`` and ``end_step`` (which ``microbatch_loop(...,
+            meter=...)`` calls) raise the correction at once after an under-prediction, and the
+            steps not yet handed out are planned anew with it, the same on every rank. False:
+            the plans follow the model alone.
 
     Raises:
         ValueError: a bad argument (named, with its value: ``PredictiveBatchSampler: packer must
@@ -200,7 +206,8 @@ class PredictiveBatchSampler(Sampler[List[int]]):
     def __init__(self, record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, outer_batch_size: int,
                  rank: Optional[int] = None, world_size: Optional[int] = None, seed: int = 0,
                  units: Optional[ArrayLike] = None, shuffle: bool = True, drop_last: bool = False,
-                 packer: PackerName = "adaptive", sort_by: Optional[str] = None, lockstep: Optional[bool] = None) -> None:
+                 packer: PackerName = "adaptive", sort_by: Optional[str] = None, lockstep: Optional[bool] = None,
+                 calibrate: bool = True) -> None:
         super().__init__()
         dims = _record_dims(_checked_record_dims(record_dims), model, "record_dims")
         if len(dims) == 0:
@@ -226,6 +233,9 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         self._seed, self._shuffle, self._drop_last = _whole_number("seed", seed), bool(shuffle), bool(drop_last)
         self._packer, self._sort_by = packer, sort_by
         self._lockstep = world_size > 1 if lockstep is None else bool(lockstep)
+        self._calibration = Calibration(self._usable_bytes) if calibrate else None
+        # The correction each step of this epoch is planned with: (first step, correction_bytes), ...
+        self._corrections: List[Tuple[int, float]] = [(0, 0.0)]
         self._costs = _planner.record_costs(model._native, dims)
         self._epoch = 0
         self._steps_done = 0                  # steps counted done (microbatch_loop, mark_step_done)
@@ -286,6 +296,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
     def _enter_epoch(self, epoch: int) -> None:
         if epoch != self._epoch:
             self._steps_cache = self._offsets_cache = None
+            self._corrections = [(0, self.correction_bytes)]
         self._epoch = epoch
         self._generation += 1
 
@@ -309,7 +320,23 @@ class PredictiveBatchSampler(Sampler[List[int]]):
             The epoch, ``steps_done`` and the settings it must be loaded with (plain values, for
             JSON or ``torch.save``).
         """
-        return {"epoch": self._epoch, "steps_done": self._steps_done, **self._settings()}
+        return {"epoch": self._epoch, "steps_done": self._steps_done, **self._settings(), **self._calibration_state()}
+
+    def _calibration_state(self) -> Dict[str, Any]:
+        return {"corrections": [list(c) for c in self._corrections],
+                "calibration": None if self._calibration is None else self._calibration.state_dict()}
+
+    def _load_calibration_state(self, state: Dict[str, Any], what: str) -> None:
+        """The corrections each step was planned with, and the calibration's window (states
+        written before calibration existed have neither: the plan of the model alone)."""
+        corrections = state.get("corrections", [[0, 0.0]])
+        try:
+            self._corrections = [(int(first), float(c)) for first, c in corrections]
+        except (TypeError, ValueError):
+            raise ValueError(f"{what} corrections must be [[step, bytes], ...], got {corrections!r}") from None
+        if self._calibration is not None and state.get("calibration") is not None:
+            self._calibration.load_state_dict(state["calibration"])
+        self._steps_cache = self._offsets_cache = None
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resumes at ``state``'s step.
@@ -330,6 +357,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         epoch = _whole_number("state_dict epoch", state.get("epoch"))
         before = (self._epoch, self._steps_done, self._start)
         self._enter_epoch(epoch)
+        self._load_calibration_state(state, "state_dict")
         self._steps_done, self._start = steps_done, (steps_done, 0)
         self._before_load = (self._generation, before)
 
@@ -350,28 +378,35 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         cut = n - n % self._outer if self._drop_last else n
         return [order[i:i + self._outer] for i in range(0, cut, self._outer)]
 
-    def _step(self, records: np.ndarray, rank: int) -> Step:
+    def _step(self, records: np.ndarray, rank: int, index: int) -> Step:
         shares = _planner.assign_records_to_ranks(self._costs[records].tolist(), self._world)
         share_of = [records[np.asarray(share, dtype=np.int64)] for share in shares]
         total_units = float(self._units[records].sum())
+        budget = self._planning_bytes(index)
         if self._lockstep:  # every share packed once: this rank's plan and the others' counts
-            packed = [self._packed(share) for share in share_of]
+            packed = [self._packed(share, budget) for share in share_of]
             microbatches, dims, predicted = packed[rank]
             target = max(len(plan[0]) for plan in packed)
             microbatches, dims, predicted = self._split_to(target, microbatches, dims, predicted)
         else:
-            microbatches, dims, predicted = self._packed(share_of[rank])
+            microbatches, dims, predicted = self._packed(share_of[rank], budget)
         scale = self._world / total_units if total_units > 0 else 0.0
         return Step(microbatches, [scale * float(self._units[mb].sum()) for mb in microbatches], total_units,
                     dims, predicted)
 
-    def _packed(self, share: np.ndarray) -> Tuple[List[np.ndarray], List[np.ndarray], List[float]]:
+    def _planning_bytes(self, index: int) -> int:
+        """What step ``index``'s predictions must fit: the budget less the correction in force
+        from that step on (at least 1 byte)."""
+        correction = [c for first, c in self._corrections if first <= index][-1]
+        return max(1, int(self._usable_bytes - correction))
+
+    def _packed(self, share: np.ndarray, budget: int) -> Tuple[List[np.ndarray], List[np.ndarray], List[float]]:
         """A share's microbatches (one empty microbatch for an empty share), their dims and
         predicted bytes."""
         if len(share) == 0:
             empty = np.zeros(len(self._model.formula.variable_names))
             return [np.zeros(0, dtype=np.int64)], [empty], [self._model.predict(empty)]
-        planned = _pack(self._dims[share], self._model, self._usable_bytes, self._packer, self._sort_by)
+        planned = _pack(self._dims[share], self._model, budget, self._packer, self._sort_by)
         return ([share[k] for k in planned.microbatches], [row.copy() for row in planned.dims],
                 [float(b) for b in planned.predicted_bytes])
 
@@ -399,11 +434,76 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         """This epoch's steps and ``offsets`` (``offsets[k]``: microbatches before step k;
         ``offsets[-1]``: the epoch's microbatches)."""
         if self._steps_cache is None:
-            self._steps_cache = [self._step(records, self._rank) for records in self._outer_batches()]
-            self._offsets_cache = np.concatenate(
-                [[0], np.cumsum([len(s.microbatches) for s in self._steps_cache], dtype=np.int64)]).astype(int).tolist()
+            self._steps_cache = [self._step(records, self._rank, k) for k, records in enumerate(self._outer_batches())]
+            self._offsets_cache = self._offsets(self._steps_cache)
             self._warn_over_budget()
         return self._steps_cache, self._offsets_cache
+
+    @staticmethod
+    def _offsets(steps: List[Step]) -> List[int]:
+        return np.concatenate([[0], np.cumsum([len(s.microbatches) for s in steps], dtype=np.int64)]).astype(int).tolist()
+
+    # ---- calibration from training
+    @property
+    def calibration(self) -> Optional[Calibration]:
+        """The calibration (``calibrate=True``), or None."""
+        return self._calibration
+
+    @property
+    def correction_bytes(self) -> float:
+        """The correction the next steps are planned with: bytes added to every prediction."""
+        return 0.0 if self._calibration is None else self._calibration.correction_bytes
+
+    def record_peak(self, microbatch: Microbatch, peak_allocated_bytes: float) -> None:
+        """Records a microbatch's measured peak (this rank; no communication). ``microbatch_loop(...,
+        meter=...)`` calls it for every microbatch.
+
+        Args:
+            microbatch: the ``Microbatch`` the sampler yielded (its ``predicted_bytes``).
+            peak_allocated_bytes: the meter's peak over its forward and backward (and the
+                optimizer step after the step's last microbatch).
+        """
+        if self._calibration is not None and len(microbatch) > 0:
+            self._calibration.record_peak(microbatch.predicted_bytes, peak_allocated_bytes)
+
+    def end_step(self, step: int) -> Optional[str]:
+        """Ends optimizer step ``step`` for calibration: the ranks agree on the correction (one
+        all-reduce of two numbers when torch.distributed runs more than one rank; every rank
+        calls it once per step), and when it changed, the steps of the epoch not yet handed out
+        are planned anew with it (``len(sampler)`` may change). ``microbatch_loop(...,
+        meter=...)`` calls it after each step's last microbatch.
+
+        Args:
+            step: the step's index in the epoch (``Microbatch.step``).
+
+        Returns:
+            The calibration's log line when the correction changed, else None.
+        """
+        if self._calibration is None:
+            return None
+        line = self._calibration.end_step(step, replan_from=self._first_step_not_handed_out(step))
+        if line is not None:
+            self._replan_from(self._calibration.replan_from, self._calibration.correction_bytes)
+        return line
+
+    def _first_step_not_handed_out(self, step: int) -> int:
+        steps, offsets = self._plan()
+        current = self._current
+        first = step + 1
+        if current is not None and current._is_current() and current.position < offsets[-1]:
+            k, j = current.locate(current.position)
+            first = max(first, k if j == 0 else k + 1)
+        return first
+
+    def _replan_from(self, first: int, correction_bytes: float) -> None:
+        """Steps ``first`` on planned with ``correction_bytes``, in place (a pass under way reads them)."""
+        self._corrections = [c for c in self._corrections if c[0] < first] + [(first, float(correction_bytes))]
+        if self._steps_cache is None:
+            return
+        steps, offsets = self._steps_cache, self._offsets_cache
+        outer = self._outer_batches()
+        steps[first:] = [self._step(outer[k], self._rank, k) for k in range(first, len(outer))]
+        offsets[:] = self._offsets(steps)
 
     def _start_position(self, begin_pass: bool = False) -> int:
         """The microbatch (in the epoch) the next pass begins at; a finished epoch starts over
@@ -441,10 +541,11 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         steps, offsets = self._plan()
         first = bisect.bisect_right(offsets, self._start_position(begin_pass=True)) - 1
         if rank == self._rank:
-            yield from steps[first:]
+            for k in range(first, len(steps)):  # by index: steps planned anew after a correction
+                yield steps[k]
         else:
-            for records in self._outer_batches()[first:]:
-                yield self._step(records, rank)
+            for k, records in enumerate(self._outer_batches()[first:], start=first):
+                yield self._step(records, rank, k)
 
     def _warn_over_budget(self) -> None:
         alone = self._model.predict(self._dims)
@@ -562,7 +663,8 @@ class _MicrobatchIterator(Iterator[List[int]]):
         pass began, and the settings (the sampler's and the plan's) it must be loaded with."""
         sampler = self._sampler
         return {"epoch": self._epoch, "position": self.position, "pass_start": self.pass_start,
-                "microbatches": self._offsets[-1], **sampler._settings(), **sampler._plan_fingerprint()}
+                "microbatches": self._offsets[-1], **sampler._settings(), **sampler._plan_fingerprint(),
+                **sampler._calibration_state()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continues at ``state``'s microbatch of ``state``'s epoch. A state whose pass had
@@ -579,6 +681,7 @@ class _MicrobatchIterator(Iterator[List[int]]):
         epoch = _whole_number("sampler iterator state_dict epoch", state.get("epoch"))
         before, generation = sampler._before_load, sampler._generation
         sampler._enter_epoch(epoch)
+        sampler._load_calibration_state(state, "sampler iterator state_dict")
         self._generation, self._epoch = sampler._generation, epoch
         self._steps, self._offsets = sampler._plan()
         total = self._offsets[-1]
@@ -671,7 +774,10 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
             ``batch_sampler=sampler``, or ``iter(sampler)`` itself.
         sampler: the loader's ``PredictiveBatchSampler``.
         meter: the meter the model was probed under; given, ``check_unplanned_memory`` runs
-            before each step's first batch is fetched, and warns at most once per loop.
+            before each step's first batch is fetched, and warns at most once per loop, and
+            every microbatch's peak is measured (the meter's peak reset before it is handed out,
+            read when the loop is resumed) for the sampler's calibration: ``record_peak`` each
+            microbatch, ``end_step`` after each step's last (on every rank: one all-reduce).
         module: the trained module, for ``check_unplanned_memory`` (gradients set to None).
 
     Returns:
@@ -689,7 +795,14 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
     iterator = iter(loader)
     position: Optional[int] = None
     check, step_starts = meter is not None, True
+    measuring = meter is not None and sampler.calibration is not None
+    handed_out: Optional[Microbatch] = None  # the microbatch being trained on, when measuring
     while True:
+        if handed_out is not None:
+            sampler.record_peak(handed_out, meter.peak_allocated_bytes)
+            if handed_out.last:
+                sampler.end_step(handed_out.step)
+            handed_out = None
         if check and step_starts:
             message = _unplanned_memory(meter, sampler._model, sampler._usable_bytes, module)[1]
             if message is not None:
@@ -720,4 +833,7 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
         step_starts = last
         if last:
             sampler._step_finished(step, current._generation)
+        if measuring:
+            handed_out = current.microbatch(position)
+            meter.reset_peak()
         yield batch, current._steps[step].weights[j], last
