@@ -830,8 +830,117 @@ bool surrounded(const std::vector<Measurement>& measurements, const std::vector<
   return true;
 }
 
+// What the prediction at a left-out shape rests on in a refit of the other points: the
+// coefficients that act on it there, the other shapes on which any of them acts, and whether
+// those shapes determine it (its gradient in the coefficients lies in the span of theirs).
+struct HeldOutSupport {
+  bool determined = true;
+  std::vector<std::string> acting;  // coefficients with an effect on the left-out prediction
+  std::size_t shapes = 0;           // distinct other shapes on which one of them acts
+};
+
+HeldOutSupport held_out_support(const CostFormula& formula, const std::vector<Measurement>& rest,
+                                const Measurement& left_out, const std::vector<double>& coefficients) {
+  Eigen::MatrixXd others = numeric_jacobian(formula, rest, coefficients);
+  Eigen::RowVectorXd gradient = numeric_jacobian(formula, {left_out}, coefficients).row(0);
+  for (Eigen::Index j = 0; j < gradient.size(); ++j) {  // the same scale for both, per coefficient
+    const double norm = std::sqrt(others.col(j).squaredNorm() + gradient(j) * gradient(j));
+    if (norm > 0) others.col(j) /= norm, gradient(j) /= norm;
+  }
+  HeldOutSupport support;
+  const double length = gradient.norm();
+  if (!(length > 0)) return support;  // nothing fitted acts on it: no coefficient to determine
+  std::vector<Eigen::Index> acting;
+  for (Eigen::Index j = 0; j < gradient.size(); ++j) {
+    if (std::abs(gradient(j)) > 1e-9 * length) {
+      acting.push_back(j);
+      support.acting.push_back(formula.coefficient_names()[static_cast<std::size_t>(j)]);
+    }
+  }
+  std::vector<const std::vector<double>*> shapes;
+  for (Eigen::Index i = 0; i < others.rows(); ++i) {
+    const auto& dims = rest[static_cast<std::size_t>(i)].dims;
+    const bool touched = std::any_of(acting.begin(), acting.end(), [&](Eigen::Index j) {
+      return std::abs(others(i, j)) > 1e-9;
+    });
+    const bool seen = std::any_of(shapes.begin(), shapes.end(), [&](const auto* d) { return *d == dims; });
+    if (touched && !seen) shapes.push_back(&dims);
+  }
+  support.shapes = shapes.size();
+  Eigen::JacobiSVD<Eigen::MatrixXd> svd(others, Eigen::ComputeThinV);
+  svd.setThreshold(1e-8);
+  const Eigen::MatrixXd span = svd.matrixV().leftCols(svd.rank());
+  const Eigen::VectorXd g = gradient.transpose();
+  support.determined = (g - span * (span.transpose() * g)).norm() <= 1e-6 * length;
+  return support;
+}
+
+// One sentence on a shape the others do not determine.
+std::string undetermined_reason(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                                std::size_t point, const HeldOutSupport& support) {
+  const std::string what =
+      "without point " + std::to_string(point) + " (" + describe_dims(formula, measurements[point].dims) + ") ";
+  if (support.shapes < support.acting.size()) {
+    return what + "the fit rests on " + std::to_string(support.shapes) + " other shape" +
+           (support.shapes == 1 ? "" : "s") + " where " + and_list(support.acting) + " act and needs " +
+           std::to_string(support.acting.size());
+  }
+  return what + "the " + std::to_string(support.shapes) + " other shapes where " + and_list(support.acting) +
+         " act do not determine the prediction there";
+}
+
+// The held-out error of one left-out shape: the worst of its refits' errors at each of its
+// points, or NaN for every point when some refit leaves its prediction undetermined (`why`).
+std::vector<double> held_out_errors(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                                    const std::vector<std::size_t>& group, const std::vector<Measurement>& rest,
+                                    const std::vector<std::vector<double>>& refits, std::string& why) {
+  const Measurement& first = measurements[group.front()];
+  for (const std::vector<double>& refit : refits) {
+    const HeldOutSupport support = held_out_support(formula, rest, first, refit);
+    if (!support.determined) {
+      why = undetermined_reason(formula, measurements, group.front(), support);
+      return std::vector<double>(group.size(), std::nan(""));
+    }
+  }
+  std::vector<double> errors;
+  for (std::size_t i : group) {
+    const Measurement& m = measurements[i];
+    double worst = 0;
+    for (const std::vector<double>& refit : refits) {  // equally good refits: the worst
+      const double rel = (formula.predict(refit, m.dims) - m.bytes) / m.bytes;
+      if (&refit == &refits.front() || !(std::abs(rel) <= std::abs(worst))) worst = rel;
+    }
+    errors.push_back(worst);
+  }
+  return errors;
+}
+
+// The largest |error| over `points` that have a figure (NaN when none has).
+double max_abs_with_figure(const std::vector<double>& errors, const std::vector<std::size_t>& points) {
+  double out = std::nan("");
+  for (std::size_t i : points) {
+    const double e = std::abs(errors[i]);
+    if (!std::isnan(e) && (std::isnan(out) || e > out)) out = e;
+  }
+  return out;
+}
+
+// The points of each distinct dims, in order of first appearance.
+std::vector<std::vector<std::size_t>> shape_groups(const std::vector<Measurement>& measurements) {
+  std::vector<std::vector<std::size_t>> shapes;
+  for (std::size_t i = 0; i < measurements.size(); ++i) {
+    auto same = std::find_if(shapes.begin(), shapes.end(), [&](const auto& group) {
+      return measurements[group.front()].dims == measurements[i].dims;
+    });
+    if (same == shapes.end()) shapes.push_back({i}); else same->push_back(i);
+  }
+  return shapes;
+}
+
 // Leave-one-shape-out: every group of points with the same dims is left out in turn, the others
-// refitted (non-linear fits start from the full solution), and the group predicted.
+// refitted (non-linear fits start from the full solution), and the group predicted. A shape
+// whose prediction the others do not determine gets no figure (NaN; held_out_note says what
+// it rests on); one outside the others' range is extrapolation, reported apart.
 void leave_one_shape_out(const CostFormula& formula, const std::vector<Measurement>& measurements,
                          const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
                          FitResult& result) {
@@ -842,13 +951,7 @@ void leave_one_shape_out(const CostFormula& formula, const std::vector<Measureme
     s.leave_one_out_note = "not computed (FitOptions::leave_one_out is off)";
     return;
   }
-  std::vector<std::vector<std::size_t>> shapes;  // indices of the points of each distinct dims
-  for (std::size_t i = 0; i < n; ++i) {
-    auto same = std::find_if(shapes.begin(), shapes.end(), [&](const auto& group) {
-      return measurements[group.front()].dims == measurements[i].dims;
-    });
-    if (same == shapes.end()) shapes.push_back({i}); else same->push_back(i);
-  }
+  const std::vector<std::vector<std::size_t>> shapes = shape_groups(measurements);
   std::size_t largest = 0;
   for (const auto& group : shapes) largest = std::max(largest, group.size());
   if (n - largest < k) {
@@ -858,45 +961,48 @@ void leave_one_shape_out(const CostFormula& formula, const std::vector<Measureme
                            "any one shape";
     return;
   }
-  std::vector<double> loo(n, 0.0);
-  double loo_max = 0;
-  std::vector<std::vector<double>> refits;
+  std::vector<double> loo(n, std::nan(""));
+  std::vector<std::size_t> surrounded_points, edge_points;
+  std::vector<std::string> undetermined;
   for (const auto& group : shapes) {
     std::vector<Measurement> rest;
     for (std::size_t j = 0; j < n; ++j) {
       if (std::find(group.begin(), group.end(), j) == group.end()) rest.push_back(measurements[j]);
     }
+    std::string why;
+    std::vector<double> errors(group.size(), std::nan(""));
     try {
       const std::vector<std::vector<double>> found = held_out_refits(formula, rest, bounds, options, result);
-      refits.insert(refits.end(), found.begin(), found.end());
-      for (std::size_t i : group) {
-        const Measurement& m = measurements[i];
-        for (const std::vector<double>& refit : found) {  // equally good refits: the worst
-          const double rel = (formula.predict(refit, m.dims) - m.bytes) / m.bytes;
-          if (&refit == &found.front() || !(std::abs(rel) <= std::abs(loo[i]))) loo[i] = rel;
-        }
-        loo_max = std::isnan(loo[i]) || std::isnan(loo_max) ? std::nan("")
-                                                            : std::max(loo_max, std::abs(loo[i]));
-      }
+      s.leave_one_out_coefficients.insert(s.leave_one_out_coefficients.end(), found.begin(), found.end());
+      errors = held_out_errors(formula, measurements, group, rest, found, why);
     } catch (const IdentifiabilityError& e) {
-      s.leave_one_out_note = "not computed: without point " + std::to_string(group.front()) +
-                             " (" + describe_dims(formula, measurements[group.front()].dims) + ")" +
-                             " the coefficients " + and_list(e.coefficients()) +
-                             " cannot be separated";
-      return;
+      why = "without point " + std::to_string(group.front()) + " (" +
+            describe_dims(formula, measurements[group.front()].dims) + ") the coefficients " +
+            and_list(e.coefficients()) + " cannot be separated";
     }
+    for (std::size_t g = 0; g < group.size(); ++g) loo[group[g]] = errors[g];
+    if (!why.empty()) {
+      undetermined.push_back(why);
+      s.held_out_undetermined.insert(s.held_out_undetermined.end(), group.begin(), group.end());
+      continue;
+    }
+    auto& into = surrounded(measurements, group) ? surrounded_points : edge_points;
+    into.insert(into.end(), group.begin(), group.end());
   }
+  std::sort(s.held_out_undetermined.begin(), s.held_out_undetermined.end());
+  std::sort(edge_points.begin(), edge_points.end());
   s.leave_one_out_rel_errors = std::move(loo);
-  s.leave_one_out_max_rel_error = loo_max;
-  s.leave_one_out_coefficients = std::move(refits);
-  for (const auto& group : shapes) {
-    if (!surrounded(measurements, group)) continue;
-    for (std::size_t i : group) {
-      const double e = std::abs(s.leave_one_out_rel_errors[i]);
-      if (std::isnan(s.surrounded_held_out_max_rel_error) || !(e <= s.surrounded_held_out_max_rel_error)) {
-        s.surrounded_held_out_max_rel_error = e;
-      }
-    }
+  std::vector<std::size_t> all(n);
+  for (std::size_t i = 0; i < n; ++i) all[i] = i;
+  s.leave_one_out_max_rel_error = max_abs_with_figure(s.leave_one_out_rel_errors, all);
+  s.surrounded_held_out_max_rel_error = max_abs_with_figure(s.leave_one_out_rel_errors, surrounded_points);
+  s.extrapolated_held_out_max_rel_error = max_abs_with_figure(s.leave_one_out_rel_errors, edge_points);
+  s.held_out_extrapolated = std::move(edge_points);
+  s.surrounded_held_out_count = surrounded_points.size();
+  if (!undetermined.empty()) {
+    s.held_out_note = "no held-out figure at " + std::to_string(undetermined.size()) + " of " +
+                      std::to_string(shapes.size()) + " shapes: " + undetermined.front();
+    if (undetermined.size() > 1) s.held_out_note += " (and alike at the others)";
   }
 }
 

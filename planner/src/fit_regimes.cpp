@@ -78,6 +78,8 @@ FitResult without_single_records(const CostFormula& formula,
   }
   s.rel_errors = std::move(errors);
   if (has_loo) s.leave_one_out_rel_errors = std::move(loo);
+  for (std::size_t& i : s.held_out_undetermined) i = split.rest[i];
+  for (std::size_t& i : s.held_out_extrapolated) i = split.rest[i];
   s.left_out = split.single;
   const std::string probes = std::to_string(split.single.size()) + " probe" +
                              (split.single.size() == 1 ? "" : "s") + " at " + s.batch_size_variable + " = 1";

@@ -68,6 +68,24 @@ void FitOptions::validate() const {
   }
 }
 
+std::string FitSummary::held_out_sentence() const {
+  std::ostringstream os;
+  os << "held-out (leave-one-out) max relative error ";
+  if (std::isnan(surrounded_held_out_max_rel_error)) {
+    os << "none where the other shapes surround it";
+  } else {
+    os << percent(surrounded_held_out_max_rel_error) << " where the other shapes surround it ("
+       << surrounded_held_out_count << (surrounded_held_out_count == 1 ? " point)" : " points)");
+  }
+  if (!held_out_extrapolated.empty()) {
+    os << ", " << percent(extrapolated_held_out_max_rel_error) << " by extrapolation at "
+       << held_out_extrapolated.size() << (held_out_extrapolated.size() == 1 ? " point" : " points")
+       << " outside the others' range";
+  }
+  if (!held_out_note.empty()) os << "; " << held_out_note;
+  return os.str();
+}
+
 std::string FitSummary::brief_report() const {
   std::ostringstream os;
   const std::size_t fitted = rel_errors.size() - left_out.size();
@@ -83,11 +101,7 @@ std::string FitSummary::brief_report() const {
      << to_string(robust_loss) << "): max relative error " << percent(max_rel_error) << ", mean "
      << percent(mean_rel_error) << ", ";
   if (leave_one_out_note.empty() && !leave_one_out_rel_errors.empty()) {
-    os << "held-out (leave-one-out) max relative error " << percent(leave_one_out_max_rel_error);
-    if (!std::isnan(surrounded_held_out_max_rel_error)) {
-      os << " (" << percent(surrounded_held_out_max_rel_error) << " where the other shapes surround it)";
-    }
-    os << ".";
+    os << held_out_sentence() << ".";
   } else {
     os << "held-out (leave-one-out) " << (leave_one_out_note.empty() ? "not computed" : leave_one_out_note)
        << ".";
@@ -120,8 +134,13 @@ std::string FitSummary::full_report() const {
       os << " (left out of the fit)\n";
       continue;
     }
-    if (i < leave_one_out_rel_errors.size()) {
+    if (std::find(held_out_undetermined.begin(), held_out_undetermined.end(), i) != held_out_undetermined.end()) {
+      os << ", leave-one-out: no figure (the other shapes do not determine it)";
+    } else if (i < leave_one_out_rel_errors.size()) {
       os << ", leave-one-out " << percent(leave_one_out_rel_errors[i]);
+      if (std::find(held_out_extrapolated.begin(), held_out_extrapolated.end(), i) != held_out_extrapolated.end()) {
+        os << " (extrapolation)";
+      }
     }
     os << "\n";
   }

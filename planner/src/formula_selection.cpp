@@ -115,11 +115,15 @@ std::string piece_text(const std::vector<Term>& pool, const TermSet& set, const 
   return out + name(constant);
 }
 
+// The root mean square of the values that are not NaN (held-out errors: a shape the others do
+// not determine has none); NaN when there are none.
 double rms(const std::vector<double>& values) {
-  if (values.empty()) return std::nan("");
   double sum = 0;
-  for (double v : values) sum += v * v;
-  return std::sqrt(sum / static_cast<double>(values.size()));
+  std::size_t count = 0;
+  for (double v : values) {
+    if (!std::isnan(v)) sum += v * v, ++count;
+  }
+  return count == 0 ? std::nan("") : std::sqrt(sum / static_cast<double>(count));
 }
 
 struct Tried {
@@ -164,8 +168,8 @@ class Selector {
       t.candidate.held_out_max_rel_error = s.leave_one_out_max_rel_error;
       t.candidate.held_out_rms_rel_error = rms(s.leave_one_out_rel_errors);
       t.candidate.usable = s.usable;
-      const double error = s.leave_one_out_rel_errors.empty() ? rms(s.rel_errors) + 1
-                                                              : t.candidate.held_out_rms_rel_error;
+      const double error = std::isnan(t.candidate.held_out_rms_rel_error) ? rms(s.rel_errors) + 1
+                                                                          : t.candidate.held_out_rms_rel_error;
       t.candidate.score = std::isnan(error) ? HUGE_VAL
                                             : error + options_.size_penalty * static_cast<double>(coefficient_count);
     } catch (const std::invalid_argument& e) {  // the shapes cannot separate its terms

@@ -133,6 +133,11 @@ py::dict summary_dict(const xpm::FitSummary& s) {
   d["rel_errors"] = s.rel_errors;
   d["leave_one_out_max_rel_error"] = s.leave_one_out_max_rel_error;
   d["leave_one_out_rel_errors"] = s.leave_one_out_rel_errors;
+  d["surrounded_held_out_max_rel_error"] = s.surrounded_held_out_max_rel_error;
+  d["extrapolated_held_out_max_rel_error"] = s.extrapolated_held_out_max_rel_error;
+  d["held_out_extrapolated"] = s.held_out_extrapolated;
+  d["held_out_undetermined"] = s.held_out_undetermined;
+  d["held_out_note"] = s.held_out_note;
   d["iterations"] = s.iterations;
   d["linear"] = s.linear;
   d["brief_report"] = s.brief_report();

@@ -436,7 +436,15 @@ class FitReport:
         mean_rel_error: the mean relative error, signed.
         rel_errors: one relative error per measurement, signed.
         leave_one_out_max_rel_error: the largest held-out error (each distinct shape predicted by
-            a refit without it).
+            a refit without it), over the shapes that have a figure; NaN when none has.
+        surrounded_held_out_max_rel_error: the same over the shapes inside the others' range
+            (interpolation): the figure ``usable`` rests on; NaN when there is none.
+        extrapolated_held_out_max_rel_error: the same over the shapes outside the others' range
+            (extrapolation, reported apart); NaN when there is none.
+        held_out_extrapolated: the measurements whose held-out figure is extrapolation.
+        held_out_undetermined: the measurements with no held-out figure: without their shape
+            the others do not determine the prediction there (NaN in the errors).
+        held_out_note: what those rest on and what they need ("" when every shape has a figure).
         converged: whether the solver converged.
         brief_report: one line.
         full_report: the report, several lines.
@@ -449,6 +457,11 @@ class FitReport:
     mean_rel_error: float
     rel_errors: List[float]
     leave_one_out_max_rel_error: float
+    surrounded_held_out_max_rel_error: float
+    extrapolated_held_out_max_rel_error: float
+    held_out_extrapolated: List[int]
+    held_out_undetermined: List[int]
+    held_out_note: str
     converged: bool
     brief_report: str
     full_report: str

@@ -112,3 +112,28 @@ file(WRITE "${dir}/one_l.csv" "bs,l,peak\n1,64,1015488\n2,64,1030976\n4,64,10619
 xpm_plan_run(2 "unidentifiable" fit "${dir}/one_l.csv" --formula "a*bs*l^2 + b*bs*l + c"
              --variables bs,l --bytes-column peak)
 expect_match("unidentifiable" "${ERR}" "one_l[.]csv: .*cannot be separated")
+
+# A floor and a quadratic piece that wins at 3 of 12 shapes: without one of the three, the
+# piece's three coefficients rest on two shapes, so those refits give no held-out figure; the
+# fit is usable (exit 0), and the report says what each rests on and needs.
+set(floored "${dir}/floored.csv")
+file(WRITE "${floored}" "bs,l,peak\n")
+foreach(shape "1;16" "2;16" "4;16" "1;32" "2;32" "4;32" "1;64" "2;64" "4;64" "16;128" "4;256" "8;512")
+  list(GET shape 0 bs)
+  list(GET shape 1 l)
+  math(EXPR piece "100 * ${bs} * ${l} * ${l} + 20000 * ${bs} * ${l} + 40000000")
+  if(piece LESS 60000000)
+    set(piece 60000000)
+  endif()
+  file(APPEND "${floored}" "${bs},${l},${piece}\n")
+endforeach()
+xpm_plan_run(0 "floor with 3 shapes above" fit "${floored}" --formula "max(f, a*bs*l^2 + b*bs*l + c)"
+             --variables bs,l --bytes-column peak --json)
+string(JSON usable GET "${OUT}" usable)
+string(JSON undetermined LENGTH "${OUT}" held_out_undetermined)
+string(JSON note GET "${OUT}" held_out_note)
+if(NOT usable OR NOT undetermined EQUAL 3)
+  message(FATAL_ERROR "floor with 3 shapes above: usable ${usable}, ${undetermined} shapes without a figure: ${OUT}")
+endif()
+expect_match("floor with 3 shapes above" "${note}"
+             "no held-out figure at 3 of 12 shapes: without point 9 [(]bs = 16, l = 128[)] the fit rests on 2 other shapes where a, b and c act and needs 3")

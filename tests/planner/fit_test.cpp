@@ -326,14 +326,22 @@ TEST_CASE("leave-one-out is skipped and says so when points do not outnumber coe
   CHECK(contains(r.summary.brief_report(), "3 points for 3 coefficients"));
 }
 
-TEST_CASE("leave-one-out is skipped and says so when a point is needed to identify the fit") {
+TEST_CASE("a shape needed to identify the fit gets no held-out figure; the others get theirs") {
   // Only the probe at l = 128 separates a from b.
   std::vector<Measurement> m;
   for (double bs : {1.0, 2.0, 4.0}) m.push_back({{bs, 64.0}, 3.0 * bs * 64 * 64 + 7.0 * bs * 64 + 1e6});
   m.push_back({{2.0, 128.0}, 3.0 * 2 * 128 * 128 + 7.0 * 2 * 128 + 1e6});
   const FitResult r = xpm::fit_coefficients(quadratic(), m);
-  CHECK(contains(r.summary.leave_one_out_note, "without point 3"));
-  CHECK(std::isnan(r.summary.leave_one_out_max_rel_error));
+  CHECK(r.summary.leave_one_out_note.empty());
+  CHECK(r.summary.held_out_undetermined == std::vector<std::size_t>{3});
+  CHECK(std::isnan(r.summary.leave_one_out_rel_errors[3]));
+  CHECK(contains(r.summary.held_out_note, "without point 3 (bs = 2, l = 128) the coefficients"));
+  CHECK(r.summary.leave_one_out_max_rel_error < 1e-8);  // the three at l = 64
+  CHECK(r.summary.usable);
+  // bs = 1 and bs = 4 lie outside the other shapes: their figures are extrapolation, reported apart.
+  CHECK(r.summary.held_out_extrapolated == std::vector<std::size_t>{0, 2});
+  CHECK(contains(r.summary.full_report(), "(extrapolation)"));
+  CHECK(contains(r.summary.brief_report(), "by extrapolation at 2 points outside the others' range"));
 }
 
 TEST_CASE("a fit whose prediction decreases as the batch size grows is not usable") {

@@ -70,10 +70,13 @@ TEST_CASE("max(f, polynomial) is fitted exactly with 1, 2 or 3 of 7 points at th
     check_coefficients(r, {kA, kB, kC, kF}, 1e-4);
     CHECK(contains(r.summary.start, "max() resolved globally"));
     CHECK(r.summary.usable);
-    // A floor seen at a single shape, the smallest, predicts nothing once that shape is held
-    // out: reported, but an edge shape (extrapolated from the others) does not decide usability.
+    // A floor seen at a single shape, the smallest, is not determined once that shape is held
+    // out: no figure there, and none is made up to decide usability.
     if (on_floor == 1) {
-      CHECK(r.summary.leave_one_out_max_rel_error > 0.05);
+      CHECK(r.summary.held_out_undetermined == std::vector<std::size_t>{0});
+      CHECK(std::isnan(r.summary.leave_one_out_rel_errors[0]));
+      CHECK(contains(r.summary.held_out_note, "without point 0 (bs = 1, l = 16) the fit rests on 0 other shapes "
+                                              "where f act and needs 1"));
       CHECK(r.summary.surrounded_held_out_max_rel_error < 1e-6);
     }
   }
@@ -88,6 +91,34 @@ TEST_CASE("max(f, polynomial) is fitted exactly with 8 points, 3 at the floor") 
   INFO(r.summary.full_report());
   CHECK(r.summary.usable);
   check_coefficients(r, {kA, kB, kC, kF}, 1e-4);
+}
+
+TEST_CASE("max(f, polynomial) with 3 of 12 shapes above the floor is usable; their refits give no figure") {
+  const CostFormula formula("max(f, a*bs*l^2 + b*bs*l + c)", {"a", "b", "c", "f"}, {"bs", "l"});
+  std::vector<std::vector<double>> shapes;
+  for (double l : {16.0, 32.0, 64.0}) {
+    for (double bs : {1.0, 2.0, 4.0}) shapes.push_back({bs, l});
+  }
+  shapes.insert(shapes.end(), {{16, 128}, {4, 256}, {8, 512}});
+  const FitResult r = xpm::fit_coefficients(formula, measure(shapes, floored));
+  INFO(r.summary.full_report());
+  REQUIRE(r.summary.usable);
+  check_coefficients(r, {kA, kB, kC, kF}, 1e-4);
+  // Without one of the three, the piece's three coefficients rest on two shapes: no figure.
+  CHECK(r.summary.held_out_undetermined == std::vector<std::size_t>{9, 10, 11});
+  for (std::size_t i : {9, 10, 11}) CHECK(std::isnan(r.summary.leave_one_out_rel_errors[i]));
+  CHECK(contains(r.summary.held_out_note, "no held-out figure at 3 of 12 shapes: without point 9 (bs = 16, "
+                                          "l = 128) the fit rests on 2 other shapes where a, b and c act and "
+                                          "needs 3"));
+  CHECK(contains(r.summary.brief_report(), "no held-out figure at 3 of 12 shapes"));
+  // The floor's shapes have figures, inside the others' range.
+  CHECK(r.summary.surrounded_held_out_max_rel_error < 1e-6);
+  CHECK(r.summary.surrounded_held_out_count == 9);
+  // The usable fit predicts shapes it never saw.
+  for (const std::vector<double>& other : std::vector<std::vector<double>>{{2, 128}, {32, 64}, {2, 512}, {8, 16}}) {
+    const double predicted = formula.predict(r.coefficients, other);
+    CHECK(std::abs(predicted - floored(other[0], other[1])) <= 1e-4 * floored(other[0], other[1]));
+  }
 }
 
 TEST_CASE("max(polynomial, polynomial) + c is fitted exactly where each piece wins somewhere") {

@@ -145,8 +145,9 @@ struct FitSummary {
   double mean_rel_error = 0;           // mean of the same
   std::vector<double> rel_errors;      // signed (pred - meas) / meas, one per measurement
   /// Held-out error: max_i |pred_{-i}(dims_i) - meas_i| / meas_i, with pred_{-i} fitted without
-  /// every point of the same dims as point i (leave-one-shape-out); NaN when not computed (see
-  /// leave_one_out_note). `usable` rests on it (FitOptions::usable_max_rel_error).
+  /// every point of the same dims as point i (leave-one-shape-out), over the points that have a
+  /// figure (held_out_undetermined have none); NaN when not computed (see leave_one_out_note) or
+  /// no point has one. `usable` rests on its surrounded part (surrounded_held_out_max_rel_error).
   double leave_one_out_max_rel_error = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> leave_one_out_rel_errors;  // signed, one per measurement; empty: not computed
   /// The same max over the points whose dims lie within the range of the other shapes' in every
@@ -154,6 +155,21 @@ struct FitSummary {
   /// does or not computed. `usable` rests on it: a shape at the edge, predicted from the others
   /// by extrapolation, is reported but does not make the fit unusable.
   double surrounded_held_out_max_rel_error = std::numeric_limits<double>::quiet_NaN();
+  std::size_t surrounded_held_out_count = 0;  // points with a figure where the others surround them
+  /// Points with a held-out figure outside the range of the other shapes in some variable:
+  /// their figure is extrapolation, reported apart (extrapolated_held_out_max_rel_error, the
+  /// largest |error| among them; NaN when none) and not deciding `usable`.
+  std::vector<std::size_t> held_out_extrapolated;
+  double extrapolated_held_out_max_rel_error = std::numeric_limits<double>::quiet_NaN();
+  /// Points with no held-out figure (NaN in leave_one_out_rel_errors): without their shape the
+  /// other shapes do not determine the prediction there (its gradient in the coefficients is
+  /// not a combination of theirs), e.g. a max() piece left with fewer shapes where it wins than
+  /// it has coefficients. The refit's value there is arbitrary, so no figure decides `usable`;
+  /// held_out_note says how many shapes the prediction rests on and how many it needs
+  /// ("no held-out figure at 3 of 12 shapes: without point (bs = 8, l = 128) the fit rests on
+  /// 2 other shapes where a, b and c act and needs 3"); "" when every shape has a figure.
+  std::vector<std::size_t> held_out_undetermined;
+  std::string held_out_note;
   std::string leave_one_out_note;      // why leave-one-out was not computed; "" when it was
   /// The coefficients of each leave-one-shape-out refit (per distinct dims, in order of first
   /// appearance; two for a non-linear fit whose refits from the full solution and from the
@@ -193,6 +209,9 @@ struct FitSummary {
   /// error, leave-one-out error (or why not computed), infeasible bounds (when any), usable or
   /// the reasons.
   std::string brief_report() const;
+  /// The held-out part of brief_report(): the error where the other shapes surround the one
+  /// left out, by extrapolation, and held_out_note.
+  std::string held_out_sentence() const;
   /// brief_report() and then one line per point (relative error and leave-one-out error), one
   /// per infeasible bound (predicted bytes, satisfied or not), the start and the residual
   /// structure note.
