@@ -160,6 +160,9 @@ class Calibration:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores a ``state_dict()``.
 
+        Args:
+            state: a ``state_dict()`` of a calibration.
+
         Raises:
             ValueError: ``state`` is not a calibration state.
         """
