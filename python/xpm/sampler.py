@@ -331,12 +331,14 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         written before calibration existed have neither: the plan of the model alone)."""
         corrections = state.get("corrections", [[0, 0.0]])
         try:
-            self._corrections = [(int(first), float(c)) for first, c in corrections]
+            loaded = [(int(first), float(c)) for first, c in corrections]
         except (TypeError, ValueError):
             raise ValueError(f"{what} corrections must be [[step, bytes], ...], got {corrections!r}") from None
         if self._calibration is not None and state.get("calibration") is not None:
             self._calibration.load_state_dict(state["calibration"])
-        self._steps_cache = self._offsets_cache = None
+        if loaded != self._corrections:  # another plan: made anew on first use
+            self._corrections = loaded
+            self._steps_cache = self._offsets_cache = None
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resumes at ``state``'s step.

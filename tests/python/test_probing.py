@@ -616,7 +616,9 @@ def test_calibration_from_training_covers_what_the_probes_missed_from_the_next_s
     try:
         outcome = xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)), FORMULA,
                             meter=METER, variable_max={"bs": 32, "l": 100})
+        unwrapped_bytes = METER.current_allocated_bytes
         wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+        bucket_bytes = METER.current_allocated_bytes - unwrapped_bytes  # allocated after the probes
         lengths = np.random.default_rng(3).integers(4, 100, 640)
         budget = xpm.MemoryBudget(cap)
         sampler = xpm.PredictiveBatchSampler(lengths, outcome.model, budget.usable_bytes, outer_batch_size=64,
@@ -640,9 +642,9 @@ def test_calibration_from_training_covers_what_the_probes_missed_from_the_next_s
     finally:
         METER.capacity_bytes = 0
         torch.distributed.destroy_process_group()
-    # Step 0 has no Adam state yet; from step 1 on the buckets show as under-prediction.
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert bucket_bytes >= parameter_bytes, f"DDP allocated {bucket_bytes} bytes of buckets, not a gradient's copy"
     first = [r for r in rows if r[0] == 1]
-    assert min((p - m) / m for _, m, p, _ in first) < -0.01, "the buckets were in the probes after all"
     log = sampler.calibration.log
     assert log and log[0].startswith("step ") and " correction +0.0 % -> +" in log[0], log
     later = [r for r in rows if r[0] >= 2]
@@ -651,5 +653,5 @@ def test_calibration_from_training_covers_what_the_probes_missed_from_the_next_s
     assert sampler.correction_bytes > 0
     print(f"\ncalibration: step 1 worst {100 * min((p - m) / m for _, m, p, _ in first):+.2f} %, from step 2 "
           f"{100 * min(errors):+.2f} % to {100 * max(errors):+.2f} % over {len(later)} microbatches; {log}; "
-          f"{elapsed_s:.1f} s")
+          f"buckets {bucket_bytes} bytes, correction {sampler.correction_bytes:.0f}; {elapsed_s:.1f} s")
 

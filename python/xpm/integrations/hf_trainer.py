@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -60,6 +61,8 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
 from ..sampler import PredictiveBatchSampler, _unplanned_memory
+
+logger = logging.getLogger(__name__)
 
 SAMPLER_STATE_NAME = "xpm_sampler_state.json"
 """File in each checkpoint folder holding the sampler's ``state_dict()``."""
@@ -76,6 +79,8 @@ class _StepKey:
     microbatches: Tuple[Tuple[int, ...], ...]
     weights: Tuple[float, ...]
     placeholder: bool
+    predicted_bytes: Tuple[float, ...] = ()
+    correction_bytes: float = 0.0
 
 
 @dataclass
@@ -91,6 +96,10 @@ class PlannedStep:
         placeholder: True when this rank's share of the outer batch is empty: ``microbatches``
             then holds one batch of record 0 whose loss is multiplied by 0, so the rank still
             joins the step's gradient all-reduce.
+        predicted_bytes: each microbatch's predicted peak (``Step.predicted_bytes``; empty for
+            a placeholder), for the sampler's calibration.
+        correction_bytes: the calibration's correction the step was planned with (each
+            ``predicted_bytes + correction_bytes`` is within the budget).
     """
 
     epoch: int
@@ -99,6 +108,8 @@ class PlannedStep:
     records: List[Tuple[int, ...]]
     weights: List[float]
     placeholder: bool = False
+    predicted_bytes: List[float] = field(default_factory=list)
+    correction_bytes: float = 0.0
 
     def pin_memory(self) -> "PlannedStep":
         """Pins every microbatch's tensors (called by a DataLoader with ``pin_memory=True``)."""
@@ -118,6 +129,8 @@ class MicrobatchRecord:
         records: the dataset indices of its records.
         peak_allocated_bytes: the meter's peak over its forward and backward (None without a meter).
         placeholder: True for the zero-weight batch of a rank whose share is empty.
+        predicted_bytes: the memory model's prediction of its peak (None for a placeholder).
+        correction_bytes: the calibration's correction its step was planned with.
     """
 
     step: int
@@ -125,6 +138,8 @@ class MicrobatchRecord:
     records: Tuple[int, ...]
     peak_allocated_bytes: Optional[int]
     placeholder: bool
+    predicted_bytes: Optional[float] = None
+    correction_bytes: float = 0.0
 
 
 class _StepDataset(torch.utils.data.Dataset):
@@ -138,7 +153,8 @@ class _StepDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key: _StepKey) -> PlannedStep:
         batches = [self.collate_fn([self.dataset[i] for i in microbatch]) for microbatch in key.microbatches]
-        return PlannedStep(key.epoch, key.index, batches, list(key.microbatches), list(key.weights), key.placeholder)
+        return PlannedStep(key.epoch, key.index, batches, list(key.microbatches), list(key.weights), key.placeholder,
+                           list(key.predicted_bytes), key.correction_bytes)
 
 
 def _only_item(items: List[PlannedStep]) -> PlannedStep:
@@ -164,9 +180,11 @@ class _StepBatchSampler(torch.utils.data.Sampler):
             microbatches = tuple(tuple(int(i) for i in np.asarray(mb, dtype=np.int64).reshape(-1))
                                  for mb in step.microbatches)
             weights = tuple(float(w) for w in step.weights)
-            kept = [(mb, w) for mb, w in zip(microbatches, weights) if len(mb) > 0]
+            kept = [(mb, w, float(p)) for mb, w, p in zip(microbatches, weights, step.predicted_bytes) if len(mb) > 0]
+            correction = float(self.sampler._usable_bytes - self.sampler._planning_bytes(index))
             if kept:
-                yield [_StepKey(self.epoch, index, tuple(mb for mb, _ in kept), tuple(w for _, w in kept), False)]
+                yield [_StepKey(self.epoch, index, tuple(mb for mb, _, _ in kept), tuple(w for _, w, _ in kept), False,
+                                tuple(p for _, _, p in kept), correction)]
             else:  # this rank's share is empty: one zero-weight batch of record 0 joins the all-reduce
                 yield [_StepKey(self.epoch, index, ((0,),), (0.0,), True)]
 
@@ -199,7 +217,10 @@ class PlannedTrainer(transformers.Trainer):
         meter: optional ``xpm.CpuMeter`` / ``xpm.CudaMeter``: its peak is reset before each
             microbatch and reported in ``MicrobatchRecord.peak_allocated_bytes``; at each step's
             start ``xpm.check_unplanned_memory`` compares what is allocated with what the probes
-            saw and warns once (e.g. an optimizer the Trainer made instead of the probed one).
+            saw and warns once (e.g. an optimizer the Trainer made instead of the probed one);
+            and each microbatch's peak feeds the sampler's calibration (``record_peak``, then
+            ``end_step`` once per step on every rank: the plans of later steps are corrected by
+            what the Trainer's own step measured; each change logged by ``logging`` at INFO).
         on_microbatch: optional callable given a ``MicrobatchRecord`` after each microbatch's
             backward (on every rank).
         **kwargs: as ``transformers.Trainer``; ``data_collator`` collates one microbatch (a
@@ -384,10 +405,18 @@ class PlannedTrainer(transformers.Trainer):
                     losses.append(super().training_step(model, batch, num_items_in_batch))
             finally:
                 self._microbatch_loss_scale = 1.0
+            peak = None if self.xpm_meter is None else int(self.xpm_meter.peak_allocated_bytes)
+            calibration = self.xpm_sampler.calibration
+            if peak is not None and calibration is not None and not inputs.placeholder and inputs.predicted_bytes:
+                calibration.record_peak(inputs.predicted_bytes[k], peak)
             if self.on_microbatch is not None:
-                peak = None if self.xpm_meter is None else int(self.xpm_meter.peak_allocated_bytes)
+                predicted = None if inputs.placeholder or not inputs.predicted_bytes else inputs.predicted_bytes[k]
                 self.on_microbatch(MicrobatchRecord(self.state.global_step + 1, inputs.epoch, tuple(records), peak,
-                                                    inputs.placeholder))
+                                                    inputs.placeholder, predicted, inputs.correction_bytes))
+        if self.xpm_meter is not None:  # every rank, once per step: the correction agreed
+            line = self.xpm_sampler.end_step(inputs.index)
+            if line is not None:
+                logger.info("xpm calibration: %s", line)
         state = self.xpm_sampler.state_dict()
         state.update(epoch=inputs.epoch, steps_done=inputs.index + 1)
         self.xpm_sampler.load_state_dict(state)
