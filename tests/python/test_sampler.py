@@ -446,3 +446,35 @@ def test_lockstep_gives_every_rank_the_same_microbatch_count_in_every_step(model
                     assert predicted == pytest.approx(model.predict(dims)) and predicted <= 2_000_000
         assert sum(sum(ranks[k].weights) for ranks in lock) == pytest.approx(world)
     assert sorted(seen) == list(range(len(lengths)))
+
+
+def test_calibration_plans_the_steps_not_handed_out_with_the_correction_and_resumes_them_exactly(model, lengths):
+    """Peaks 20 % of the budget above their predictions in step 0: from step 1 on every
+    microbatch is planned with the correction, and a sampler loaded with the state taken then
+    yields the same remaining microbatches."""
+    sampler = xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, seed=3, units=lengths)
+    plain = xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, seed=3, units=lengths,
+                                       calibrate=False)
+    passing = iter(sampler)
+    microbatch = next(passing)
+    while True:
+        sampler.record_peak(microbatch, microbatch.predicted_bytes + 0.2 * BUDGET)
+        if microbatch.last:
+            break
+        microbatch = next(passing)
+    sampler.mark_step_done()
+    line = sampler.end_step(0)
+    assert line == "step 0: correction +0.0 % -> +20.2 % of the budget (+1,215,000 bytes)"
+    assert sampler.correction_bytes == pytest.approx(0.2025 * BUDGET)
+    state = sampler.state_dict()
+    rest = list(passing)
+    assert all(m.predicted_bytes + sampler.correction_bytes <= BUDGET for m in rest if len(m))
+    assert sorted(i for m in rest for i in m) == sorted(i for step in list(plain.steps())[1:]
+                                                          for m in step.microbatches for i in m.tolist())
+    assert len(rest) > sum(len(step.microbatches) for step in list(plain.steps())[1:])  # smaller microbatches
+    resumed = xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, seed=3, units=lengths)
+    resumed.load_state_dict(state)
+    assert [list(m) for m in resumed] == [list(m) for m in rest]
+    assert resumed.calibration.log == [line]
+    # A step with nothing measured changes nothing.
+    assert sampler.end_step(1) is None and sampler.correction_bytes == pytest.approx(0.2025 * BUDGET)
