@@ -7,7 +7,7 @@ training measures, the same correction on every rank.
             meter.reset_peak()
             ...forward, backward (and the optimizer step after the last)...
             calibration.record_peak(predicted_bytes, meter.peak_allocated_bytes)
-        line = calibration.end_step(step_index)   # every rank: one all-reduce of two numbers
+        line = calibration.end_step(step_index)   # every rank: one all-reduce of four numbers
         if line: print(line)                      # "step 40: correction +4.1 % -> +0.3 % ..."
 
 ``PredictiveBatchSampler`` holds one (``calibrate=True``, the default) and ``microbatch_loop(...,
@@ -94,7 +94,7 @@ class Calibration:
 
     def end_step(self, step: int, *, replan_from: int = 0) -> Optional[str]:
         """Ends an optimizer step: agrees the step's largest difference over the ranks (one
-        all-reduce of two numbers under an initialised process group of more than one rank;
+        all-reduce of four numbers under an initialised process group of more than one rank;
         every rank must call it, once per step) and updates the correction.
 
         Args:
@@ -106,6 +106,9 @@ class Calibration:
         Returns:
             The log line when the correction changed ("step 40: correction +4.1 % -> +0.3 % of
             the budget (+25,600 bytes)"), else None.
+
+        Raises:
+            ValueError: on every rank, when the ranks' ``usable_bytes`` differ (their plans would).
 
         Warns:
             RuntimeWarning: once, when the model under-predicts by more than half the budget.
@@ -140,15 +143,20 @@ class Calibration:
         return line
 
     def _agreed(self, worst: float, replan_from: int) -> Tuple[float, int]:
-        """The largest of each over the ranks (one all-reduce; none at one rank)."""
+        """The largest of each over the ranks (one all-reduce; none at one rank); raises
+        ValueError on every rank when the ranks' budgets differ."""
         group_size = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
         if group_size == 1:
             return worst, replan_from
         device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        values = torch.tensor([worst if math.isfinite(worst) else -1e300, float(replan_from)], dtype=torch.float64,
-                              device=device)
+        values = torch.tensor([worst if math.isfinite(worst) else -1e300, float(replan_from),
+                               float(self.usable_bytes), -float(self.usable_bytes)], dtype=torch.float64, device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        if float(values[2]) != -float(values[3]):
+            raise ValueError(f"xpm: the ranks plan under different budgets ({-float(values[3]):.0f} to "
+                             f"{float(values[2]):.0f} usable bytes; this rank {self.usable_bytes}): give every rank "
+                             "the same usable_bytes, else their plans and corrections differ")
         agreed = float(values[0])
         return (agreed if agreed > -1e299 else -math.inf), int(values[1])
 

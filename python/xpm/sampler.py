@@ -470,7 +470,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
 
     def end_step(self, step: int) -> Optional[str]:
         """Ends optimizer step ``step`` for calibration: the ranks agree on the correction (one
-        all-reduce of two numbers when torch.distributed runs more than one rank; every rank
+        all-reduce of four numbers when torch.distributed runs more than one rank; every rank
         calls it once per step), and when it changed, the steps of the epoch not yet handed out
         are planned anew with it (``len(sampler)`` may change). ``microbatch_loop(...,
         meter=...)`` calls it after each step's last microbatch.
