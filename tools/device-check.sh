@@ -13,6 +13,9 @@
 #   5. the bundled task for a fixed number of steps under a memory cap, fixed vs predictive
 #      batching: OOM count, peak vs cap, real tokens/s (from each run's summary.json)
 # Budget: about 8 minutes of device time; XPM_DEVICE_STEPS (default 150) sets the steps per run.
+# Rehearsal on a machine without a GPU: XPM_DEVICE_KIND=cpu runs the same stages with
+# --device cpu (no nvidia-smi, no CUDA LibTorch required; the CUDA meter's tests skip
+# themselves), e.g. XPM_DEVICE_KIND=cpu XPM_DEVICE_STEPS=10 tools/device-check.sh.
 set -uo pipefail
 if [ $# -gt 0 ]; then
   echo "device-check.sh: error: unexpected argument '$1' (it takes no arguments; see the top of tools/device-check.sh)" >&2
@@ -24,6 +27,11 @@ OUT=${OUT:-/tmp/xpm-device-out}
 mkdir -p "$OUT"
 log_file="$OUT/device-check.log"
 steps=${XPM_DEVICE_STEPS:-150}
+kind=${XPM_DEVICE_KIND:-cuda}
+case "$kind" in
+  cuda|cpu) ;;
+  *) echo "device-check.sh: error: XPM_DEVICE_KIND must be cuda or cpu, got '$kind'" >&2; exit 2 ;;
+esac
 prefix=/tmp/xpm-prefix
 build=/tmp/xpm-build-cuda
 start_s=$(date +%s)
@@ -45,33 +53,37 @@ export PKG_CONFIG_SYSROOT_DIR="$prefix"
 python=${PYTHON:-python3}
 "$python" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if (2, 11) <= v < (2, 15) else 1)' ||
   fail "$python's torch $("$python" -c 'import torch; print(torch.__version__)' 2>&1) is not one xpm supports (2.11 to 2.14)"
-"$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
-  "devices", torch.cuda.device_count(), torch.cuda.get_device_name(0))' | tee -a "$log_file"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log_file"
+if [ "$kind" = cuda ]; then
+  "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+    "devices", torch.cuda.device_count(), torch.cuda.get_device_name(0))' | tee -a "$log_file"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log_file"
+else
+  "$python" -c 'import torch; print("torch", torch.__version__, "(rehearsal on the CPU)")' | tee -a "$log_file"
+fi
 
 stage "2. configure and build (the LibTorch inside $python's torch)"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DXPM_PYTHON_EXECUTABLE="$(command -v "$python")" -DCMAKE_PREFIX_PATH="$prefix/usr;$multiarch/cmake" \
-  -DXPM_GLOO_INCLUDE_DIR="$prefix/usr/include" -DXPM_BUILD_BENCHMARKS=OFF >>"$log_file" 2>&1 ||
+  -DXPM_GLOO_INCLUDE_DIR="$prefix/usr/include" >>"$log_file" 2>&1 ||
   fail "configure failed (see the log)"
-grep -q "xpm: CUDA LibTorch" "$log_file" || fail "CMake did not find a CUDA LibTorch"
+[ "$kind" = cpu ] || grep -q "xpm: CUDA LibTorch" "$log_file" || fail "CMake did not find a CUDA LibTorch"
 cmake --build "$build" -j "$(nproc)" --target planner_torch_tests xpm-train heldout-prediction xpm-plan \
   >>"$log_file" 2>&1 || { tail -40 "$log_file"; fail "build failed"; }
 
-stage "3. CUDA tests"
+stage "3. CUDA tests (on the CPU: the CUDA meter's skip themselves)"
 "$build/bin/planner_torch_tests" 2>&1 | tee -a "$log_file" | tail -5
 [ "${PIPESTATUS[0]}" -eq 0 ] || fail "planner_torch_tests failed"
 
 stage "4. held-out prediction error on the GPU"
-"$build/bin/heldout-prediction" --data-dir .device/brown --device cuda \
-  --out "$OUT/heldout.json" 2>&1 | tee -a "$log_file" | tail -25
+"$build/bin/heldout-prediction" --data-dir .device/brown --device "$kind" \
+  --json "$OUT/heldout.json" 2>&1 | tee -a "$log_file" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || fail "heldout-prediction failed"
 
 stage "5. the bundled task, $steps steps under a memory cap: fixed vs predictive"
 run_job() {  # name, extra options...
   local name=$1
   shift
-  "$build/bin/xpm-train" --data-dir .device/brown --device cuda --run-dir "/tmp/xpm-runs/$name" \
+  "$build/bin/xpm-train" --data-dir .device/brown --device "$kind" --run-dir "/tmp/xpm-runs/$name" \
     --max-steps "$steps" --memory-cap-factor 2 --memory-fraction 0.9 \
     --max-validation-sentences 2000 --memory-model-cache "" --log-every 50 "$@" \
     >>"$log_file" 2>&1 || fail "xpm-train ($name) failed"

@@ -3,7 +3,8 @@
 # machine, which reaches no registry. Puts into .device/ (git-ignored; the device tool's `carry`
 # takes it along, 64 MiB at most with the working tree):
 #   .device/debs/   the Debian packages xpm builds with that the GPU image lacks (Ceres and its
-#                   libraries, muparserx, Boost.Program_options, nlohmann-json, doctest), as
+#                   libraries, muparserx, Boost.Program_options, nlohmann-json, doctest, Google
+#                   Benchmark), as
 #                   downloaded .deb files; device-check.sh unpacks them into a prefix (dpkg -x).
 #   .device/brown/  the Brown corpus (tools/setup.sh --data-only fetches it into data/brown).
 # LibTorch is NOT carried: the GPU image's PyTorch (2.11) holds a CUDA LibTorch, which the build
@@ -26,6 +27,8 @@ packages=(
   libboost-program-options-dev libboost-program-options1.74-dev libboost-program-options1.74.0
   libboost1.74-dev
   nlohmann-json3-dev doctest-dev
+  # heldout-prediction sits with the benchmarks, which configure only with Google Benchmark
+  libbenchmark-dev "$(apt-cache pkgnames libbenchmark1 | head -1)"
   libgloo-dev  # headers only: c10d's ProcessGroupGloo.hpp includes them (torch holds gloo itself)
   libprotobuf-dev "$(apt-cache pkgnames libprotobuf3 | grep -E '^libprotobuf3[0-9]+(t64)?$' | head -1)"
 )
