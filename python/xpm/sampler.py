@@ -65,6 +65,8 @@ class Microbatch(list):
             units(outer batch)``; 0 for an empty microbatch).
         last: whether the microbatch ends its optimizer step.
         step: the index of its optimizer step in the epoch.
+        correction_bytes: the calibration's correction its step was planned with
+            (``predicted_bytes + correction_bytes <= usable_bytes``; 0 without calibration).
 
     Args:
         indices: the record indices.
@@ -73,6 +75,7 @@ class Microbatch(list):
         weight: see Attributes.
         last: see Attributes.
         step: see Attributes.
+        correction_bytes: see Attributes.
     """
 
     dims: np.ndarray
@@ -80,12 +83,14 @@ class Microbatch(list):
     weight: float
     last: bool
     step: int
+    correction_bytes: float
 
     def __init__(self, indices: Iterable[int], *, dims: np.ndarray, predicted_bytes: float, weight: float,
-                 last: bool, step: int) -> None:
+                 last: bool, step: int, correction_bytes: float = 0.0) -> None:
         super().__init__(indices)
         self.dims, self.predicted_bytes = dims, predicted_bytes
         self.weight, self.last, self.step = weight, last, step
+        self.correction_bytes = correction_bytes
 
     def __repr__(self) -> str:
         """The indices and the plan's figures, one line."""
@@ -644,9 +649,11 @@ class _MicrobatchIterator(Iterator[List[int]]):
     def microbatch(self, position: int) -> Microbatch:
         k, j = self.locate(position)
         step = self._steps[k]
+        sampler = self._sampler
         return Microbatch(step.microbatches[j].tolist(), dims=step.dims[j].copy(),
                           predicted_bytes=step.predicted_bytes[j], weight=step.weights[j],
-                          last=j == len(step.microbatches) - 1, step=k)
+                          last=j == len(step.microbatches) - 1, step=k,
+                          correction_bytes=float(sampler._usable_bytes - sampler._planning_bytes(k)))
 
     def _is_current(self) -> bool:
         return self._sampler._current is self and self._sampler._generation == self._generation

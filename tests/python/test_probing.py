@@ -627,8 +627,7 @@ def test_calibration_from_training_covers_what_the_probes_missed_from_the_next_s
         rows = []  # (step, measured, raw prediction, correction it was planned with)
         start = time.perf_counter()
         for indices, weight, last in xpm.microbatch_loop(iter(sampler), sampler, meter=METER):
-            microbatch = sampler._current.microbatch(sampler._current.position - 1)
-            planned_with = sampler._planning_bytes(microbatch.step)
+            microbatch = indices  # iter(sampler) yields the Microbatch itself
             batch = torch.zeros(len(indices), max(len(texts[i]) for i in indices), dtype=torch.long)
             for row, i in enumerate(indices):
                 batch[row, :len(texts[i])] = texts[i]
@@ -637,7 +636,7 @@ def test_calibration_from_training_covers_what_the_probes_missed_from_the_next_s
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=False)
             rows.append((microbatch.step, METER.peak_allocated_bytes, microbatch.predicted_bytes,
-                         budget.usable_bytes - planned_with))
+                         microbatch.correction_bytes))
         elapsed_s = time.perf_counter() - start
     finally:
         METER.capacity_bytes = 0

@@ -74,8 +74,7 @@ def main(out: pathlib.Path) -> None:
     ooms = METER.oom_count
     clock = time.perf_counter()
     for indices, weight, last in xpm.microbatch_loop(iter(sampler), sampler, meter=METER):
-        microbatch = sampler._current.microbatch(sampler._current.position - 1)
-        correction = budget.usable_bytes - sampler._planning_bytes(microbatch.step)
+        microbatch = indices  # iter(sampler) yields the Microbatch itself
         with contextlib.nullcontext() if last else wrapped.no_sync():
             if len(indices):
                 units = float(sum(len(texts[i]) - 1 for i in indices))
@@ -86,7 +85,8 @@ def main(out: pathlib.Path) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
         if len(indices):
-            rows.append([microbatch.step, METER.peak_allocated_bytes, microbatch.predicted_bytes, correction])
+            rows.append([microbatch.step, METER.peak_allocated_bytes, microbatch.predicted_bytes,
+                         microbatch.correction_bytes])
         if last:
             step_s.append(time.perf_counter() - clock)
             clock = time.perf_counter()
