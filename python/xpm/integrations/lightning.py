@@ -90,14 +90,19 @@ class PlannedStep:
             weight of its mean loss; empty when this rank's share of the outer batch is empty.
         indices: each microbatch's record indices into the dataset.
         records: records of this rank's share.
+        predicted_bytes: each microbatch's predicted peak (for the sampler's calibration).
+        correction_bytes: the calibration's correction the step was planned with.
     """
 
-    __slots__ = ("epoch", "index", "rank", "world_size", "batches", "indices")
+    __slots__ = ("epoch", "index", "rank", "world_size", "batches", "indices", "predicted_bytes", "correction_bytes")
 
     def __init__(self, epoch: int, index: int, rank: int, world_size: int, batches: List[Tuple[Any, float]],
-                 indices: List[List[int]]):
+                 indices: List[List[int]], predicted_bytes: Optional[List[float]] = None,
+                 correction_bytes: float = 0.0):
         self.epoch, self.index, self.rank, self.world_size = epoch, index, rank, world_size
         self.batches, self.indices = batches, indices
+        self.predicted_bytes = list(predicted_bytes or [])
+        self.correction_bytes = float(correction_bytes)
 
     @property
     def records(self) -> int:
@@ -146,17 +151,21 @@ class PlannedSteps(IterableDataset):
     def _steps(self, epoch: int, worker_id: int, workers: int) -> Iterator[PlannedStep]:
         rank, world = _sampler_rank_and_world(self.sampler)
         self.sampler.set_epoch(epoch)
-        for index, step in enumerate(list(self.sampler.steps())):
+        # Lazily, step by step: a step planned anew by the calibration (in this process) is
+        # collated as planned anew.
+        for index, step in enumerate(self.sampler.steps()):
             if index % workers != worker_id:
                 continue
-            batches, indices = [], []
-            for microbatch, weight in zip(step.microbatches, step.weights):
+            batches, indices, predicted = [], [], []
+            for microbatch, weight, bytes_ in zip(step.microbatches, step.weights, step.predicted_bytes):
                 if len(microbatch) == 0:
                     continue
                 records = [int(i) for i in microbatch]
                 batches.append((self.collate_fn([self.dataset[i] for i in records]), float(weight)))
                 indices.append(records)
-            yield PlannedStep(epoch, index, rank, world, batches, indices)
+                predicted.append(float(bytes_))
+            correction = float(self.sampler._usable_bytes - self.sampler._planning_bytes(index))  # planned with
+            yield PlannedStep(epoch, index, rank, world, batches, indices, predicted, correction)
 
 
 class _PlannedStepLoader(DataLoader):
@@ -243,7 +252,8 @@ def _zero_loss(module: "pl.LightningModule") -> torch.Tensor:
     return torch.stack([p.reshape(-1)[0] for p in parameters]).sum() * 0.0
 
 
-def microbatches(module: "pl.LightningModule", step: PlannedStep) -> Iterator[Tuple[Any, float, bool]]:
+def microbatches(module: "pl.LightningModule", step: PlannedStep, *, sampler: Optional[PredictiveBatchSampler] = None,
+                 meter: Any = None) -> Iterator[Tuple[Any, float, bool]]:
     """Yields ``(batch, weight, last)`` for each microbatch of ``step``; call
     ``module.manual_backward(weight * mean_loss(batch))`` for every one, and step the optimizer after.
 
@@ -253,9 +263,18 @@ def microbatches(module: "pl.LightningModule", step: PlannedStep) -> Iterator[Tu
     loss over every parameter itself, so this rank joins the step's all-reduce. Every yielded
     microbatch must be backwarded (else the ranks' collectives no longer match).
 
+    With ``sampler`` and ``meter`` (the one the model was probed under), every microbatch's peak
+    is measured (reset before it is yielded, read when the generator resumes) for the sampler's
+    calibration, and the step ends with ``sampler.end_step`` on every rank (one all-reduce), so
+    later steps are planned with what training measured (with ``num_workers=0``; worker
+    processes collate from their own copy of the sampler, which takes the correction at the next
+    epoch).
+
     Args:
         module: the LightningModule (``automatic_optimization = False``).
         step: the ``training_step`` batch, from ``planned_dataloader``.
+        sampler: the ``PredictiveBatchSampler`` the loader plans with, for calibration.
+        meter: the meter, for calibration.
 
     Yields:
         The microbatch (through the module's batch transfer hooks, on its device), the weight of
@@ -267,21 +286,29 @@ def microbatches(module: "pl.LightningModule", step: PlannedStep) -> Iterator[Tu
         RuntimeError: the step was planned for another rank or world size.
     """
     _check_step(module, step)
+    calibrating = sampler is not None and meter is not None and sampler.calibration is not None
     if not step.batches:
         module.manual_backward(_zero_loss(module))
-        return
     block = getattr(module.trainer.strategy, "block_backward_sync", contextlib.nullcontext)
     last = len(step.batches) - 1
     for k, (batch, weight) in enumerate(step.batches):
+        moved = _transfer(module, batch)
+        if calibrating:
+            meter.reset_peak()
         if k < last:
             with block():
-                yield _transfer(module, batch), weight, False
+                yield moved, weight, False
         else:
-            yield _transfer(module, batch), weight, True
+            yield moved, weight, True
+        if calibrating and k < len(step.predicted_bytes):
+            sampler.calibration.record_peak(step.predicted_bytes[k], meter.peak_allocated_bytes)
+    if calibrating:
+        sampler.end_step(step.index)
 
 
 def backward_microbatches(module: "pl.LightningModule", step: PlannedStep,
-                          mean_loss: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+                          mean_loss: Callable[[Any], torch.Tensor], *, sampler: Optional[PredictiveBatchSampler] = None,
+                          meter: Any = None) -> torch.Tensor:
     """Runs ``module.manual_backward(weight * mean_loss(batch))`` over ``step``'s microbatches
     (see ``microbatches``); the optimizer step is the caller's.
 
@@ -289,6 +316,8 @@ def backward_microbatches(module: "pl.LightningModule", step: PlannedStep,
         module: the LightningModule (``automatic_optimization = False``).
         step: the ``training_step`` batch, from ``planned_dataloader``.
         mean_loss: a microbatch's loss averaged over its units (the sampler's ``units``).
+        sampler: the ``PredictiveBatchSampler``, for calibration (see ``microbatches``).
+        meter: the meter, for calibration.
 
     Returns:
         This rank's weighted loss sum, detached: averaged over the ranks (``self.log(...,
@@ -298,7 +327,7 @@ def backward_microbatches(module: "pl.LightningModule", step: PlannedStep,
         ValueError, TypeError, RuntimeError: as ``microbatches``.
     """
     total = torch.zeros((), device=module.device)
-    for batch, weight, _ in microbatches(module, step):
+    for batch, weight, _ in microbatches(module, step, sampler=sampler, meter=meter):
         loss = weight * mean_loss(batch)
         module.manual_backward(loss)
         total += loss.detach()

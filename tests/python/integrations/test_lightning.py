@@ -114,7 +114,7 @@ WORKER = textwrap.dedent(r'''
             self.net = CharTransformer()
             self.texts, self.lengths = texts, np.array([len(t) for t in texts])
             self.seen = {"steps": [], "optimizer_steps": 0, "ooms": 0, "max_abs_error": 0.0, "worst_under": 0.0,
-                         "measured": 0, "allreduces": [], "gradient_checks": []}
+                         "measured": 0, "allreduces": [], "gradient_checks": [], "calibrated": []}
             self.hook_calls = 0
 
         def configure_optimizers(self):
@@ -155,7 +155,8 @@ WORKER = textwrap.dedent(r'''
         def training_step(self, step, index):
             calls, step_start = [], self.hook_calls
 
-            for batch, weight, last in xpm_lightning.microbatches(self, step):
+            for k, (batch, weight, last) in enumerate(xpm_lightning.microbatches(self, step, sampler=self.sampler,
+                                                                                  meter=meter)):
                 before = self.hook_calls
                 meter.reset_peak()
                 try:
@@ -171,6 +172,8 @@ WORKER = textwrap.dedent(r'''
                     self.seen["measured"] += 1
                     self.seen["max_abs_error"] = max(self.seen["max_abs_error"], abs(relative))
                     self.seen["worst_under"] = min(self.seen["worst_under"], relative)
+                    planned = step.predicted_bytes[k] + step.correction_bytes  # what the calibrated plan fits
+                    self.seen["calibrated"].append([self.seen["optimizer_steps"], (planned - measured) / measured])
                 calls.append(self.hook_calls - before)
             if not step.batches:  # the zero loss's backward ran inside microbatches()
                 calls.append(self.hook_calls - step_start)
@@ -280,6 +283,11 @@ def test_ddp_two_ranks_every_record_once_one_allreduce_per_step(tmp_path):
     assert min(seen["worst_under"] for seen in ranks) > -0.05
     assert max(seen["max_abs_error"] for seen in ranks) < 0.25
 
+    # The calibration (microbatches(..., sampler=, meter=)): from the third optimizer step on, no
+    # microbatch above the floor is under-predicted by more than 1 % of what its plan fits.
+    calibrated = [error for seen in ranks for step, error in seen["calibrated"] if step >= 2]
+    assert calibrated and min(calibrated) > -0.01, f"under-predicted by {-100 * min(calibrated):.2f} %"
+
     # Gradients all-reduced once per step on every rank, at its last microbatch only.
     assert [len(seen["allreduces"]) for seen in ranks] == [EPOCHS * steps_per_epoch] * 2
     per_step = [[sum(calls) for calls in seen["allreduces"]] for seen in ranks]
@@ -295,7 +303,8 @@ def test_ddp_two_ranks_every_record_once_one_allreduce_per_step(tmp_path):
     assert max(check["max_rel_diff"] for check in checks) < 1e-4, checks
     print(f"\nlightning ddp: {ranks[0]['source']} records {RECORDS}, {EPOCHS} epochs x {steps_per_epoch} steps, "
           f"{microbatches} microbatches, all-reduces/step {per_step[0][0]}, OOM 0, max |prediction error| "
-          f"{100 * max(s['max_abs_error'] for s in ranks):.2f} %, gradient rel diff "
+          f"{100 * max(s['max_abs_error'] for s in ranks):.2f} %, calibrated from step 3 "
+          f"{100 * min(calibrated):+.2f} % to {100 * max(calibrated):+.2f} %, gradient rel diff "
           f"{max(c['max_rel_diff'] for c in checks):.1e}, {time.perf_counter() - start:.0f} s")
 
 
