@@ -16,32 +16,10 @@ import pytest
 import torch
 
 import xpm
+from char_gru import VOCAB, CharGru
 
 torch.set_num_threads(1)
 METER = xpm.CpuMeter.install()  # before any model: the meter must see the weights
-VOCAB = 60
-
-
-class CharGru(torch.nn.Module):
-    """Characters -> embedding 24 -> GRU 64 -> next-character logits; memory grows with bs*l."""
-
-    def __init__(self):
-        super().__init__()
-        self.embedding = torch.nn.Embedding(VOCAB, 24)
-        self.gru = torch.nn.GRU(24, 64, batch_first=True)
-        self.head = torch.nn.Linear(64, VOCAB)
-
-    def loss_sum(self, chars):
-        hidden, _ = self.gru(self.embedding(chars[:, :-1]))
-        return torch.nn.functional.cross_entropy(self.head(hidden).reshape(-1, VOCAB), chars[:, 1:].reshape(-1),
-                                                 reduction="sum")
-
-
-class CharGruLoss(CharGru):
-    """CharGru whose forward is the summed loss, for DistributedDataParallel's forward."""
-
-    def forward(self, chars):
-        return self.loss_sum(chars)
 
 
 def random_chars(dims):
@@ -607,7 +585,7 @@ def test_calibration_from_training_covers_what_the_probes_missed_from_the_next_s
     gradient buckets are not in the probes, so the first step is under-predicted; the sampler's
     calibration, fed by microbatch_loop(meter=...), plans the next steps with the difference."""
     torch.manual_seed(6)
-    model = CharGruLoss()
+    model = CharGru()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     cap = METER.current_allocated_bytes + 12_000_000
     METER.capacity_bytes = cap

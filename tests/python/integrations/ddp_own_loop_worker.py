@@ -23,22 +23,8 @@ torch.set_num_threads(1)
 import xpm  # noqa: E402
 
 METER = xpm.CpuMeter.install()  # before the model: the meter must see the weights
-VOCAB = 60
-
-
-class CharGru(torch.nn.Module):
-    """Characters -> embedding 24 -> GRU 64 -> next-character logits; forward is the summed loss."""
-
-    def __init__(self):
-        super().__init__()
-        self.embedding = torch.nn.Embedding(VOCAB, 24)
-        self.gru = torch.nn.GRU(24, 64, batch_first=True)
-        self.head = torch.nn.Linear(64, VOCAB)
-
-    def forward(self, chars):
-        hidden, _ = self.gru(self.embedding(chars[:, :-1]))
-        return torch.nn.functional.cross_entropy(self.head(hidden).reshape(-1, VOCAB), chars[:, 1:].reshape(-1),
-                                                 reduction="sum")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from char_gru import VOCAB, CharGru  # noqa: E402
 
 
 def padded(texts, indices):
