@@ -401,11 +401,22 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         return Step(microbatches, [scale * float(self._units[mb].sum()) for mb in microbatches], total_units,
                     dims, predicted)
 
+    def planned_correction_bytes(self, step: int) -> float:
+        """The calibration's correction step ``step`` of this epoch is planned with (its
+        microbatches' ``predicted_bytes + correction`` fit ``usable_bytes``).
+
+        Args:
+            step: the step's index in the epoch.
+
+        Returns:
+            The correction in bytes (0 without calibration, or before any).
+        """
+        return [c for first, c in self._corrections if first <= step][-1]
+
     def _planning_bytes(self, index: int) -> int:
-        """What step ``index``'s predictions must fit: the budget less the correction in force
-        from that step on (at least 1 byte)."""
-        correction = [c for first, c in self._corrections if first <= index][-1]
-        return max(1, int(self._usable_bytes - correction))
+        """What step ``index``'s predictions must fit: the budget less its correction (at
+        least 1 byte)."""
+        return max(1, int(self._usable_bytes - self.planned_correction_bytes(index)))
 
     def _packed(self, share: np.ndarray, budget: int) -> Tuple[List[np.ndarray], List[np.ndarray], List[float]]:
         """A share's microbatches (one empty microbatch for an empty share), their dims and
@@ -653,7 +664,7 @@ class _MicrobatchIterator(Iterator[List[int]]):
         return Microbatch(step.microbatches[j].tolist(), dims=step.dims[j].copy(),
                           predicted_bytes=step.predicted_bytes[j], weight=step.weights[j],
                           last=j == len(step.microbatches) - 1, step=k,
-                          correction_bytes=float(sampler._usable_bytes - sampler._planning_bytes(k)))
+                          correction_bytes=sampler.planned_correction_bytes(k))
 
     def _is_current(self) -> bool:
         return self._sampler._current is self and self._sampler._generation == self._generation

@@ -181,7 +181,7 @@ class _StepBatchSampler(torch.utils.data.Sampler):
                                  for mb in step.microbatches)
             weights = tuple(float(w) for w in step.weights)
             kept = [(mb, w, float(p)) for mb, w, p in zip(microbatches, weights, step.predicted_bytes) if len(mb) > 0]
-            correction = float(self.sampler._usable_bytes - self.sampler._planning_bytes(index))  # planned with
+            correction = self.sampler.planned_correction_bytes(index)
             if kept:
                 yield [_StepKey(self.epoch, index, tuple(mb for mb, _, _ in kept), tuple(w for _, w, _ in kept), False,
                                 tuple(p for _, _, p in kept), correction)]

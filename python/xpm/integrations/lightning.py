@@ -164,7 +164,7 @@ class PlannedSteps(IterableDataset):
                 batches.append((self.collate_fn([self.dataset[i] for i in records]), float(weight)))
                 indices.append(records)
                 predicted.append(float(bytes_))
-            correction = float(self.sampler._usable_bytes - self.sampler._planning_bytes(index))  # planned with
+            correction = self.sampler.planned_correction_bytes(index)
             yield PlannedStep(epoch, index, rank, world, batches, indices, predicted, correction)
 
 
