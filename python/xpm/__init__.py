@@ -14,11 +14,14 @@ every rank. ``docs/python.md`` has the guide.
 - the closed sets of string arguments, as ``typing.Literal`` aliases for type checkers (each
   also checked at run time, a one-line ``ValueError`` naming the value): ``PackerName``
   (``plan``'s and the sampler's ``packer``), ``Aggregation`` (``fit``'s ``aggregation`` values),
-  ``RecordAggregation`` (``probe``'s), ``DeviceKind`` (``probe``'s ``device``), ``AdaptiveStop``
+  ``RecordAggregation`` (``probe``'s), ``GradientPhase`` (``MemoryModel.predict``'s ``phase``:
+  a step's first microbatch after ``zero_grad(set_to_none=True)`` runs without gradients),
+  ``DeviceKind`` (``probe``'s ``device``), ``AdaptiveStop``
   (``AdaptiveReport.stop``); ``Meter``, the meters ``probe`` takes.
 """
-from .planning import (PACKERS, Aggregation, CostFormula, FitReport, FormulaError, MemoryBudget, MemoryModel,
-                       PackerName, Plan, RecordAggregation, fit, plan, record_dims_from_lengths)
+from .planning import (GRADIENT_PHASES, PACKERS, Aggregation, CostFormula, FitReport, FormulaError, GradientPhase,
+                       MemoryBudget, MemoryModel, PackerName, Plan, RecordAggregation, fit, plan,
+                       record_dims_from_lengths)
 from .probing import AdaptiveReport, AdaptiveStop, CpuMeter, CudaMeter, DeviceKind, Meter, ProbeOutcome, probe
 from .adapters import StepDataset, accumulate
 from .lockstep import stop_together
@@ -29,4 +32,5 @@ __all__ = ["PACKERS", "CostFormula", "FitReport", "FormulaError", "MemoryBudget"
            "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop",
            "check_unplanned_memory", "Calibration", "StepDataset", "accumulate",
            "probe", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport",
-           "PackerName", "Aggregation", "RecordAggregation", "DeviceKind", "AdaptiveStop", "Meter", "stop_together"]
+           "PackerName", "Aggregation", "RecordAggregation", "DeviceKind", "AdaptiveStop", "Meter", "stop_together",
+           "GradientPhase", "GRADIENT_PHASES"]

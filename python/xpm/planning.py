@@ -40,6 +40,14 @@ RecordAggregation = Literal["max", "sum"]
 (padded to the longest) or "sum" (real tokens)."""
 RECORD_AGGREGATIONS: Tuple[RecordAggregation, ...] = ("max", "sum")
 
+GradientPhase = Literal["with_gradients", "without_gradients"]
+"""Whether a microbatch's forward and backward run with every parameter's gradient already
+allocated (``MemoryModel.predict(phase=...)``): "with_gradients", a step's later microbatches
+(and every microbatch of a loop that zeroes gradients in place); "without_gradients", the first
+microbatch of a step after ``zero_grad(set_to_none=True)``, the default of torch 2.x, the HF
+Trainer, Lightning and accelerate, whose backward allocates the gradients as it goes."""
+GRADIENT_PHASES: Tuple[GradientPhase, ...] = ("with_gradients", "without_gradients")
+
 
 def _name_list(choices: Sequence[str]) -> str:
     """``'a', 'b' or 'c'``, as the C++ library's messages list a closed set."""
@@ -278,6 +286,7 @@ class MemoryModel:
     def __init__(self, native: _planner.MemoryModel) -> None:
         self._native = native
         self._json: Optional[dict] = None  # to_json() parsed, on first use
+        self._without_gradients: Optional[_planner.MemoryModel] = None  # built on first use
 
     def _parsed(self) -> dict:
         if self._json is None:
@@ -381,24 +390,92 @@ class MemoryModel:
         value = self._parsed().get("metadata", {}).get("static_bytes")
         return None if value is None else float(value)
 
-    def predict(self, dims: ArrayLike) -> Union[float, np.ndarray]:
+    @property
+    def phases(self) -> List[GradientPhase]:
+        """The gradient phases the model predicts apart: always "with_gradients" (the
+        coefficients above); "without_gradients" too when ``xpm.probe`` measured that phase and
+        fitted it (``phase_report``)."""
+        return ["with_gradients"] + [p for p in GRADIENT_PHASES[1:] if p in self._phase_records()]
+
+    def _phase_records(self) -> Dict[str, Dict[str, Any]]:
+        return self._parsed().get("metadata", {}).get("phases", {})
+
+    def phase_report(self, phase: GradientPhase) -> Dict[str, Any]:
+        """What the fit of a phase measured: ``coefficients`` {name: bytes}, ``max_rel_error``
+        (signed, over its fitted shapes), ``fitted_points``.
+
+        Args:
+            phase: one of ``phases``.
+
+        Returns:
+            The phase's record (for "with_gradients": the model's own coefficients and fit).
+
+        Raises:
+            ValueError: ``phase`` is not a ``GradientPhase``, or the model has no fit of it.
+        """
+        _check_choice(phase, GRADIENT_PHASES, "phase")
+        if phase == "with_gradients":
+            fit_record = self._parsed().get("metadata", {}).get("fit", {})
+            return {"coefficients": self.coefficients, "max_rel_error": fit_record.get("max_rel_error"),
+                    "fitted_points": fit_record.get("fitted_points")}
+        if phase not in self.phases:
+            raise ValueError(f"phase: this model has no fit of '{phase}' (its phases: {', '.join(self.phases)})")
+        return dict(self._phase_records()[phase])
+
+    def _with_phase(self, phase: GradientPhase, coefficients: Sequence[float], single_record_factor: float,
+                    max_rel_error: float, fitted_points: int) -> "MemoryModel":
+        """This model with a fit of ``phase``: the same formula and floor, its own coefficients
+        (kept in the JSON, so the phase travels with ``to_json`` and ``save``)."""
+        parsed = json.loads(self.to_json())
+        parsed.setdefault("metadata", {}).setdefault("phases", {})[phase] = {
+            "coefficients": dict(zip(self.formula.coefficient_names, map(float, coefficients))),
+            "single_record_factor": float(single_record_factor), "max_rel_error": float(max_rel_error),
+            "fitted_points": int(fitted_points)}
+        return MemoryModel.from_json(json.dumps(parsed))
+
+    def _phase_native(self) -> Optional[_planner.MemoryModel]:
+        """The "without_gradients" phase as a model of its own (this model's JSON with the
+        phase's coefficients), or None without one."""
+        record = self._phase_records().get("without_gradients")
+        if record is None:
+            return None
+        if self._without_gradients is None:
+            parsed = dict(self._parsed())
+            parsed["coefficients"] = record["coefficients"]
+            parsed.pop("single_record_factor", None)
+            if record.get("single_record_factor", 1.0) != 1.0:
+                parsed["single_record_factor"] = record["single_record_factor"]
+            self._without_gradients = _planner.MemoryModel.from_json(json.dumps(parsed))
+        return self._without_gradients
+
+    def predict(self, dims: ArrayLike, phase: GradientPhase = "with_gradients") -> Union[float, np.ndarray]:
         """Predicted peak bytes.
 
         Args:
             dims: one row of the formula's variables (in its order), or one row per microbatch
                 ([n, variables]); finite and >= 0.
+            phase: ``xpm.GradientPhase``: "with_gradients" (the default, the steady state the
+                probes measure) or "without_gradients" (a step's first microbatch after
+                ``zero_grad(set_to_none=True)``): the phase's own fit, never above the
+                "with_gradients" prediction; the "with_gradients" prediction when the model has
+                no fit of it (``phases``).
 
         Returns:
             The predicted peak in bytes: a ``float`` for one row, a float64 [n] array for rows.
 
         Raises:
             ValueError: dims of the wrong width or shape, or a NaN, infinite or negative value
-                (named with its row).
+                (named with its row); a ``phase`` that is not a ``GradientPhase``.
         """
+        _check_choice(phase, GRADIENT_PHASES, "phase")
         width = len(self.formula.variable_names)
         array = np.asarray(dims, dtype=np.float64)
         single = array.ndim == 1
-        out = _planner.predict(self._native, _matrix(array.reshape(1, -1) if single else array, width, "dims"))
+        rows = _matrix(array.reshape(1, -1) if single else array, width, "dims")
+        out = _planner.predict(self._native, rows)
+        phase_native = self._phase_native() if phase == "without_gradients" else None
+        if phase_native is not None:
+            out = np.minimum(out, _planner.predict(phase_native, rows))
         return float(out[0]) if single else out
 
     def max_batch(self, dims: Sequence[float], usable_bytes: int, max_size: int = 1 << 40) -> int:

@@ -10,7 +10,11 @@
 
 What a probe runs, as the C++ probe does: gradients zeroed in place (allocated when missing),
 ``loss_fn(dims).backward()`` (the forward/backward peak), ``optimizer.step()`` at learning rate
-0 (the optimizer-step peak), each phase's peak allocated bytes read from the meter. Before the
+0 (the optimizer-step peak), each phase's peak allocated bytes read from the meter. Before
+those, with ``measure_phases`` (the default), one more ``loss_fn(dims).backward()`` with every
+gradient set to None: the peak of a step's first microbatch after ``zero_grad()``, fitted as the
+model's "without_gradients" phase (``xpm.GradientPhase``), which the sampler predicts each
+step's first microbatch with. Before the
 first probe every trainable parameter has a gradient and the optimizer its state (one step at
 learning rate 0): the steady state of training. Afterwards the optimizer's state, its learning
 rates and the CPU (and CUDA) random generators are as they were; the parameters are unchanged
@@ -277,7 +281,8 @@ class _TorchExecutor(_planner.ProbeExecutor):
     """The probe steps over the user's model, optimizer and loss function."""
 
     def __init__(self, steady: _SteadyState, loss_fn, meter: Meter, names: List[str], batch_size_variable: str = "bs",
-                 aggregation: Optional[Dict[str, RecordAggregation]] = None, lockstep: Optional[Lockstep] = None):
+                 aggregation: Optional[Dict[str, RecordAggregation]] = None, lockstep: Optional[Lockstep] = None,
+                 measure_phases: bool = True):
         super().__init__()
         self.steady, self.loss_fn, self.meter, self.names = steady, loss_fn, meter, names
         self.lockstep = lockstep
@@ -288,6 +293,11 @@ class _TorchExecutor(_planner.ProbeExecutor):
         self.accumulating = lockstep is not None and callable(getattr(steady.model, "set_requires_gradient_sync", None))
         self.accumulation_batch = None
         self.batch_size_variable, self.aggregation = batch_size_variable, dict(aggregation or {})
+        # Each probe's forward/backward also measured with the gradients set to None first (a
+        # step's first microbatch after zero_grad(set_to_none=True)); not for FSDP2's
+        # accumulation, whose unsharded gradient is held on purpose.
+        self.measure_without_gradients = measure_phases and not self.accumulating
+        self.without_gradients_peaks: List[float] = []  # one per entry of results (0: not measured)
         self.results = []  # every probe run, for an error that must carry them
         self.raised: Optional[BaseException] = None  # the error a probe raised (the loss function's), if any
 
@@ -322,25 +332,27 @@ class _TorchExecutor(_planner.ProbeExecutor):
         self.loss_fn(self.accumulation_batch).backward()
         self.accumulation_batch = None
 
-    def _combine_ranks(self, result, failure, where: str) -> None:
+    def _combine_ranks(self, result, without_gradients_peak: float, failure, where: str) -> float:
         """Lockstep: every rank's peaks (max), out-of-memory and error flags in one all-reduce;
         an error on another rank raises here, one out of memory anywhere makes the probe
-        infeasible on every rank."""
-        world = self.lockstep.world_size
-        mine = [0.0] * (2 + 2 * world)
+        infeasible on every rank. Returns the ranks' largest peak without gradients."""
+        world, peaks = self.lockstep.world_size, 3
+        mine = [0.0] * (peaks + 2 * world)
         mine[0], mine[1] = result.forward_backward_peak_bytes, result.optimizer_step_peak_bytes
-        mine[2 + self.lockstep.rank] = 0.0 if result.feasible else 1.0
-        mine[2 + world + self.lockstep.rank] = 0.0 if failure is None else 1.0
+        mine[2] = without_gradients_peak
+        mine[peaks + self.lockstep.rank] = 0.0 if result.feasible else 1.0
+        mine[peaks + world + self.lockstep.rank] = 0.0 if failure is None else 1.0
         combined = self.lockstep.max(mine)
-        failed = [r for r in range(world) if combined[2 + world + r] > 0]
+        failed = [r for r in range(world) if combined[peaks + world + r] > 0]
         if failed and failure is None:
             raise RuntimeError(f"probing at {where}: rank {', '.join(map(str, failed))} failed (its own error says "
                                f"why); every rank stops")
         result.forward_backward_peak_bytes, result.optimizer_step_peak_bytes = combined[0], combined[1]
-        out_of_memory = [r for r in range(world) if combined[2 + r] > 0]
+        out_of_memory = [r for r in range(world) if combined[peaks + r] > 0]
         if out_of_memory:
             result.feasible = False
             result.error = f"out of memory on rank {', '.join(map(str, out_of_memory))}"
+        return combined[2]
 
     def _run(self, batch, dims, where):
         """One probe step: ``loss_fn(batch)``, ``batch`` the dims or a mix's records."""
@@ -349,7 +361,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
         result.capacity_bytes = float(self.meter.capacity_bytes)
         start = time.perf_counter()
         _zero_gradients_in_place(self.steady.parameters)
-        loss = None
+        without_gradients_peak = 0.0
         failure = None  # (the error to raise, its cause): not out of memory
         try:
             if self.accumulating and self.accumulation_batch is None:
@@ -357,35 +369,47 @@ class _TorchExecutor(_planner.ProbeExecutor):
                 self.loss_fn(batch).backward()
                 self.accumulation_batch = batch
                 _zero_gradients_in_place(self.steady.parameters)
-            self.meter.reset_peak()
-            loss = self.loss_fn(batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError("the loss function must return a scalar tensor")
-            loss.backward()
-            loss = None
-            result.forward_backward_peak_bytes = float(self.meter.peak_allocated_bytes)
+            if self.measure_without_gradients:
+                for parameter in self.steady.parameters:
+                    parameter.grad = None
+                without_gradients_peak = self._forward_backward_peak(batch)
+                _zero_gradients_in_place(self.steady.parameters)
+            result.forward_backward_peak_bytes = self._forward_backward_peak(batch)
             self.meter.reset_peak()
             self.steady.optimizer.step()
             result.optimizer_step_peak_bytes = float(self.meter.peak_allocated_bytes)
         except Exception as error:  # noqa: BLE001 - out of memory is a result, the rest named
+            # The graph of a forward that failed goes now, not with the exception.
+            traceback.clear_frames(error.__traceback__)
             if not _is_out_of_memory(error):
                 failure = (type(error)(f"probing at {where}: {error}"), error)
             else:
                 result.feasible = False
                 result.error = str(error).splitlines()[0]
-            loss = None  # the graph of a forward that ran out of memory goes now, not later
             if not result.feasible:
                 _drain_autograd_buffers(self.meter)
         finally:
             _zero_gradients_in_place(self.steady.parameters)
         if self.lockstep is not None:
-            self._combine_ranks(result, failure, where)
+            without_gradients_peak = self._combine_ranks(result, without_gradients_peak, failure, where)
         if failure is not None:
             self.raised = failure[0]
             raise failure[0] from failure[1]
         result.duration_s = time.perf_counter() - start
         self.results.append(result)
+        self.without_gradients_peaks.append(without_gradients_peak if result.feasible else 0.0)
         return result
+
+    def _forward_backward_peak(self, batch) -> float:
+        """The meter's peak over ``loss_fn(batch).backward()``, bytes; the graph freed on return
+        (also when it raises: the frame's locals go with it)."""
+        self.meter.reset_peak()
+        loss = self.loss_fn(batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("the loss function must return a scalar tensor")
+        loss.backward()
+        del loss
+        return float(self.meter.peak_allocated_bytes)
 
 
 AdaptiveStop = Literal["not run", "agreed", "probe count", "probe time", "no candidates"]
@@ -678,7 +702,7 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
           aggregation: Optional[Dict[str, RecordAggregation]] = None, usable_max_rel_error: float = 0.05,
           adaptive_max_probes: int = 8, adaptive_max_s: Optional[float] = None, adaptive_tolerance: float = 0.01,
           device: Union[DeviceKind, torch.device, str, None] = None, lockstep: bool = False,
-          process_group: Optional[Any] = None) -> ProbeOutcome:
+          process_group: Optional[Any] = None, measure_phases: bool = True) -> ProbeOutcome:
     """Probes the step (see the module docstring) and fits ``formula``: on rank 0 alone, or on
     every rank in lockstep (an FSDP2 model, ``xpm.lockstep``).
 
@@ -734,6 +758,14 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             the state of every microbatch of a step but the first. False (the default): this
             process alone (rank 0 of a data-parallel job, before wrapping the model).
         process_group: the ranks of ``lockstep`` (None: torch.distributed's default group).
+        measure_phases: also measure every probe's forward and backward with the gradients set
+            to None first (one more forward and backward per probe) and fit the
+            "without_gradients" phase (``xpm.GradientPhase``): a step's first microbatch after
+            ``zero_grad(set_to_none=True)`` peaks lower, by up to the gradients' bytes, and the
+            sampler predicts it apart (``model.phases``; the phase's fit in
+            ``model.phase_report``). Kept only when that fit is within
+            ``usable_max_rel_error``. Not done for an FSDP2 model in lockstep, whose probes hold
+            the unsharded gradient of accumulation on purpose.
 
     Returns:
         ProbeOutcome: the model, every probe, the fit report, the floor, the adaptive report and
@@ -790,19 +822,19 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         raise setup_error
     try:
         return _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, ranks, batch_size_variable,
-                              aggregation)
+                              aggregation, measure_phases)
     except BaseException as error:
         _release_frames(error)  # the probe's batches, graphs and saved state go with the frames' locals
         raise
 
 
 def _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, ranks, batch_size_variable,
-                   aggregation) -> ProbeOutcome:
+                   aggregation, measure_phases) -> ProbeOutcome:
     """``probe``'s steps once its options are checked: the steady state, the probes, the fit."""
     start = time.perf_counter()
     steady = _enter_steady_state(model, optimizer, meter, ranks)
     executor = _TorchExecutor(steady, loss_fn, meter, list(formula.variable_names), batch_size_variable, aggregation,
-                              ranks)
+                              ranks, measure_phases)
     try:
         native, probes, summary, floor, adaptive, selection = _planner.probe_and_fit(executor, formula, budget, args)
     except RuntimeError as error:
@@ -818,8 +850,42 @@ def _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, rank
             executor.end_accumulation()
         finally:
             steady.__exit__(None, None, None)
-    return ProbeOutcome(MemoryModel(native), list(probes), _report(summary, selection), floor,
+    memory_model = _with_without_gradients_phase(MemoryModel(native), executor, aggregation,
+                                                 args.usable_max_rel_error)
+    return ProbeOutcome(memory_model, list(probes), _report(summary, selection), floor,
                         time.perf_counter() - start, AdaptiveReport(**adaptive), meter)
+
+
+def _with_without_gradients_phase(model: MemoryModel, executor: _TorchExecutor,
+                                  aggregation: Optional[Dict[str, RecordAggregation]],
+                                  usable_max_rel_error: float) -> MemoryModel:
+    """``model`` with its "without_gradients" phase: the model's formula fitted to the peaks
+    measured without gradients at the shapes the model itself was fitted to; ``model`` as it is
+    when that phase was not measured, or its fit is not identifiable or not within
+    ``usable_max_rel_error``. Deterministic from the probes, so every rank in lockstep agrees."""
+    peaks_at: Dict[tuple, float] = {}
+    for result, peak in zip(executor.results, executor.without_gradients_peaks):
+        if result.feasible and peak > 0:
+            key = tuple(result.dims)
+            peaks_at[key] = max(peaks_at.get(key, 0.0), peak)
+    shapes = [m["dims"] for m in model._parsed().get("metadata", {}).get("fit_measurements", [])]
+    if not shapes or any(tuple(dims) not in peaks_at for dims in shapes):
+        return model
+    args = _planner.FitArguments()
+    args.batch_size_variable = model.batch_size_variable
+    args.aggregation = dict(aggregation or {})
+    args.usable_max_rel_error = usable_max_rel_error
+    width = len(model.formula.variable_names)
+    try:
+        native, summary, _ = _planner.fit(model.formula, _matrix(shapes, width, "dims"),
+                                          np.array([peaks_at[tuple(dims)] for dims in shapes]),
+                                          np.zeros((0, width)), np.zeros(0), args)
+    except (ValueError, RuntimeError):
+        return model  # not identifiable from these shapes: the first microbatch is predicted as the others
+    if not np.isfinite(summary["max_rel_error"]) or abs(summary["max_rel_error"]) > usable_max_rel_error:
+        return model
+    return model._with_phase("without_gradients", native.coefficients, native.single_record_factor,
+                             summary["max_rel_error"], len(shapes))
 
 
 def _release_frames(error: BaseException) -> None:

@@ -49,7 +49,7 @@ from torch.utils.data import Sampler
 
 from . import _planner
 from .calibration import Calibration
-from .planning import PACKERS, MemoryModel, PackerName, _check_choice, _pack, _record_dims
+from .planning import PACKERS, GradientPhase, MemoryModel, PackerName, _check_choice, _pack, _record_dims
 from .probing import Meter
 
 
@@ -60,7 +60,9 @@ class Microbatch(list):
     Attributes:
         dims: the formula's variables for the padded microbatch (``np.ndarray`` [variables],
             in the formula's order; zeros for an empty microbatch).
-        predicted_bytes: ``model.predict(dims)``, the predicted peak in bytes.
+        predicted_bytes: ``model.predict(dims)``, the predicted peak in bytes (a step's first
+            microbatch: the model's "without_gradients" phase, with the sampler's
+            ``gradients_set_to_none``).
         weight: the factor of the microbatch's mean loss (``world_size * units(microbatch) /
             units(outer batch)``; 0 for an empty microbatch).
         last: whether the microbatch ends its optimizer step.
@@ -194,6 +196,13 @@ class PredictiveBatchSampler(Sampler[List[int]]):
             meter=...)`` calls) raise the correction at once after an under-prediction, and the
             steps not yet handed out are planned anew with it, the same on every rank. False:
             the plans follow the model alone.
+        gradients_set_to_none: the training loop frees the gradients between steps
+            (``zero_grad(set_to_none=True)``, the default of torch 2.x, the HF Trainer, Lightning
+            and accelerate), so each step's first microbatch runs without them: its
+            ``predicted_bytes`` is the model's "without_gradients" phase (``xpm.GradientPhase``;
+            the same as the others' when the model has no fit of that phase). False: a loop
+            that zeroes them in place (``set_to_none=False``). The packing is the same either
+            way (every microbatch fits with gradients held).
 
     Raises:
         ValueError: a bad argument (named, with its value: ``PredictiveBatchSampler: packer must
@@ -212,7 +221,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
                  rank: Optional[int] = None, world_size: Optional[int] = None, seed: int = 0,
                  units: Optional[ArrayLike] = None, shuffle: bool = True, drop_last: bool = False,
                  packer: PackerName = "adaptive", sort_by: Optional[str] = None, lockstep: Optional[bool] = None,
-                 calibrate: bool = True) -> None:
+                 calibrate: bool = True, gradients_set_to_none: bool = True) -> None:
         super().__init__()
         dims = _record_dims(_checked_record_dims(record_dims), model, "record_dims")
         if len(dims) == 0:
@@ -239,6 +248,8 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         self._packer, self._sort_by = packer, sort_by
         self._lockstep = world_size > 1 if lockstep is None else bool(lockstep)
         self._calibration = Calibration(self._usable_bytes) if calibrate else None
+        # The phase of each step's first microbatch (xpm.GradientPhase).
+        self._first_phase: GradientPhase = "without_gradients" if gradients_set_to_none else "with_gradients"
         # The correction each step of this epoch is planned with: (first step, correction_bytes), ...
         self._corrections: List[Tuple[int, float]] = [(0, 0.0)]
         self._costs = _planner.record_costs(model._native, dims)
@@ -397,6 +408,8 @@ class PredictiveBatchSampler(Sampler[List[int]]):
             microbatches, dims, predicted = self._split_to(target, microbatches, dims, predicted)
         else:
             microbatches, dims, predicted = self._packed(share_of[rank], budget)
+        if self._first_phase != "with_gradients" and len(microbatches[0]):
+            predicted[0] = float(self._model.predict(dims[0], self._first_phase))
         scale = self._world / total_units if total_units > 0 else 0.0
         return Step(microbatches, [scale * float(self._units[mb].sum()) for mb in microbatches], total_units,
                     dims, predicted)
