@@ -112,10 +112,10 @@ def test_a_signal_stops_every_rank_at_one_step_with_a_checkpoint(uninterrupted, 
 def test_a_second_signal_ends_the_process_at_once():
     run_dir = WORK / "twice"
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    # Outer batches of 1,024 sentences under the cap: a step takes seconds, so the second signal
+    # Outer batches of 4,096 sentences under the cap: a step takes seconds, so the second signal
     # (1.2 s after the first, past the 1 s in which a repeat counts as the same delivery) comes
     # while the step the first one let finish is still running.
-    process = subprocess.Popen(command(run_dir, steps=40, outer_batch_size=1024), stdout=subprocess.DEVNULL,
+    process = subprocess.Popen(command(run_dir, steps=40, outer_batch_size=4096), stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     while steps_written(run_dir) < 1:
         assert process.poll() is None, process.stderr.read()

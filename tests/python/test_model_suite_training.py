@@ -19,7 +19,10 @@ process under the CPU meter:
    the optimizer's real learning rate; for a model probed with a record sample (summed real
    tokens), the dataset is another such sample and each microbatch runs on its own records;
 4. each microbatch's peak allocated bytes (the forward/backward, and for a step's last
-   microbatch also the optimizer step) is compared with ``model.predict(dims)``.
+   microbatch also the optimizer step) is compared with the sampler's prediction of it
+   (``Microbatch.predicted_bytes``: ``model.predict(dims)``, in the "without_gradients" phase
+   for a step's first microbatch, which runs after ``zero_grad()`` has set the gradients to
+   None).
 
 Asserted: the meter's ``oom_count`` unchanged over training (no out-of-memory error), several
 microbatches per step (the cap binds), and every microbatch after the first step
@@ -235,7 +238,7 @@ def train_under_cap(spec: ModelSpec, formula: str, seed: int = 0) -> TrainingRes
                     measured = float("nan")
                 if not np.isnan(measured):
                     result.microbatches.append(MicrobatchRecord(microbatch.step, dims, measured,
-                                                                float(model.predict(dims))))
+                                                                float(microbatch.predicted_bytes)))
                 if last:
                     optimizer.zero_grad()
                     result.losses.append(step_loss)

@@ -131,6 +131,17 @@ def test_trainer_runs_planned_outer_batches_under_the_cap_without_oom(setup, tmp
                   for r in measured if r.step >= 3 and r.peak_allocated_bytes > memory_model.floor_bytes]
     assert all(r.predicted_bytes is not None for r in measured)
     assert calibrated and min(calibrated) > -0.01, f"under-predicted by {-100 * min(calibrated):.2f} %"
+    # Each step's first microbatch runs after the Trainer's zero_grad (gradients None): the
+    # sampler predicts it without gradients; the with-gradients model alone, for comparison.
+    firsts = [next(r for r in measured if r.step == k) for k in sorted(steps) if k >= 3]
+    firsts = [r for r in firsts if r.peak_allocated_bytes > memory_model.floor_bytes]
+    phase = [(r.predicted_bytes - r.peak_allocated_bytes) / r.peak_allocated_bytes for r in firsts]
+    steady = [(memory_model.predict([len(r.records), int(lengths[list(r.records)].max())]) - r.peak_allocated_bytes)
+              / r.peak_allocated_bytes for r in firsts]
+    assert memory_model.phases == ["with_gradients", "without_gradients"]
+    print(f"first microbatches from step 3: predicted without gradients {100 * min(phase, default=0):+.2f} % to "
+          f"{100 * max(phase, default=0):+.2f} %, with the with-gradients model {100 * min(steady, default=0):+.2f} % "
+          f"to {100 * max(steady, default=0):+.2f} %")
     print(f"6 steps, microbatches per step {per_step}, OOM 0, largest microbatch peak {peak} of {CAP_BYTES} bytes, "
           f"max |prediction error| {100 * max(abs(e) for e in errors):.2f} % (worst under-prediction "
           f"{100 * min(errors + [0.0]):.2f} %, {len(errors)} microbatches above the floor); from step 3 with the "
