@@ -8,7 +8,7 @@ every rank. ``docs/python.md`` has the guide.
 - ``probe``, ``CpuMeter``, ``CudaMeter`` (the CPU meter's extension loads on first
   ``CpuMeter.install()``);
 - ``PredictiveBatchSampler``, ``microbatch_loop`` (a ``torch.utils.data`` batch sampler),
-  ``check_unplanned_memory`` (memory allocated after probing), ``Calibration`` (predictions
+  ``check_unplanned_memory`` (memory allocated after probing), ``Calibration`` and ``Correction`` (predictions
   corrected by the peaks training measures, the same on every rank);
 - ``StepDataset``, ``accumulate`` (one item per optimizer step, for the HF Trainer, Lightning);
 - the closed sets of string arguments, as ``typing.Literal`` aliases for type checkers (each
@@ -25,12 +25,12 @@ from .planning import (GRADIENT_PHASES, PACKERS, Aggregation, CostFormula, FitRe
 from .probing import AdaptiveReport, AdaptiveStop, CpuMeter, CudaMeter, DeviceKind, Meter, ProbeOutcome, probe
 from .adapters import StepDataset, accumulate
 from .lockstep import stop_together
-from .calibration import Calibration
+from .calibration import Calibration, Correction
 from .sampler import Microbatch, PredictiveBatchSampler, Step, check_unplanned_memory, microbatch_loop
 
 __all__ = ["PACKERS", "CostFormula", "FitReport", "FormulaError", "MemoryBudget", "MemoryModel", "Plan", "fit",
            "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop",
-           "check_unplanned_memory", "Calibration", "StepDataset", "accumulate",
+           "check_unplanned_memory", "Calibration", "Correction", "StepDataset", "accumulate",
            "probe", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport",
            "PackerName", "Aggregation", "RecordAggregation", "DeviceKind", "AdaptiveStop", "Meter", "stop_together",
            "GradientPhase", "GRADIENT_PHASES"]

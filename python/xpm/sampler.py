@@ -48,7 +48,7 @@ from numpy.typing import ArrayLike
 from torch.utils.data import Sampler
 
 from . import _planner
-from .calibration import Calibration
+from .calibration import Calibration, Correction
 from .planning import PACKERS, GradientPhase, MemoryModel, PackerName, _check_choice, _pack, _record_dims
 from .probing import Meter
 
@@ -67,8 +67,9 @@ class Microbatch(list):
             units(outer batch)``; 0 for an empty microbatch).
         last: whether the microbatch ends its optimizer step.
         step: the index of its optimizer step in the epoch.
-        correction_bytes: the calibration's correction its step was planned with
-            (``predicted_bytes + correction_bytes <= usable_bytes``; 0 without calibration).
+        correction_bytes: the calibration's correction of its prediction, as its step was
+            planned (``predicted_bytes + correction_bytes <= usable_bytes``; 0 without
+            calibration).
 
     Args:
         indices: the record indices.
@@ -110,6 +111,8 @@ class Step:
         units: the whole outer batch's units (all ranks).
         dims: each microbatch's planned dims (``np.ndarray`` [variables]).
         predicted_bytes: each microbatch's predicted peak bytes (``model.predict(dims)``).
+        correction_bytes: each microbatch's correction, as the step was planned with the
+            calibration (``predicted_bytes + correction_bytes <= usable_bytes``).
     """
 
     microbatches: List[np.ndarray]
@@ -117,6 +120,7 @@ class Step:
     units: float
     dims: List[np.ndarray] = field(default_factory=list)
     predicted_bytes: List[float] = field(default_factory=list)
+    correction_bytes: List[float] = field(default_factory=list)
 
 
 def _whole_number(name: str, value) -> int:
@@ -250,8 +254,8 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         self._calibration = Calibration(self._usable_bytes) if calibrate else None
         # The phase of each step's first microbatch (xpm.GradientPhase).
         self._first_phase: GradientPhase = "without_gradients" if gradients_set_to_none else "with_gradients"
-        # The correction each step of this epoch is planned with: (first step, correction_bytes), ...
-        self._corrections: List[Tuple[int, float]] = [(0, 0.0)]
+        # The correction each step of this epoch is planned with: (first step, correction), ...
+        self._corrections: List[Tuple[int, Correction]] = [(0, Correction())]
         self._costs = _planner.record_costs(model._native, dims)
         self._epoch = 0
         self._steps_done = 0                  # steps counted done (microbatch_loop, mark_step_done)
@@ -312,7 +316,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
     def _enter_epoch(self, epoch: int) -> None:
         if epoch != self._epoch:
             self._steps_cache = self._offsets_cache = None
-            self._corrections = [(0, self.correction_bytes)]
+            self._corrections = [(0, self.correction)]
         self._epoch = epoch
         self._generation += 1
 
@@ -339,17 +343,20 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         return {"epoch": self._epoch, "steps_done": self._steps_done, **self._settings(), **self._calibration_state()}
 
     def _calibration_state(self) -> Dict[str, Any]:
-        return {"corrections": [list(c) for c in self._corrections],
+        return {"corrections": [[first, c.intercept_bytes, c.slope] for first, c in self._corrections],
                 "calibration": None if self._calibration is None else self._calibration.state_dict()}
 
     def _load_calibration_state(self, state: Dict[str, Any], what: str) -> None:
         """The corrections each step was planned with, and the calibration's window (states
         written before calibration existed have neither: the plan of the model alone)."""
-        corrections = state.get("corrections", [[0, 0.0]])
-        try:
-            loaded = [(int(first), float(c)) for first, c in corrections]
+        corrections = state.get("corrections", [[0, 0.0, 0.0]])
+        try:  # [step, intercept bytes, slope], or [step, bytes] of a constant correction
+            loaded = [(int(entry[0]), Correction(*(float(v) for v in entry[1:]))) for entry in corrections]
+            if any(not 2 <= len(entry) <= 3 for entry in corrections):
+                raise ValueError
         except (TypeError, ValueError):
-            raise ValueError(f"{what} corrections must be [[step, bytes], ...], got {corrections!r}") from None
+            raise ValueError(f"{what} corrections must be [[step, intercept_bytes, slope], ...], got "
+                             f"{corrections!r}") from None
         if self._calibration is not None and state.get("calibration") is not None:
             self._calibration.load_state_dict(state["calibration"])
         if loaded != self._corrections:  # another plan: made anew on first use
@@ -411,25 +418,28 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         if self._first_phase != "with_gradients" and len(microbatches[0]):
             predicted[0] = float(self._model.predict(dims[0], self._first_phase))
         scale = self._world / total_units if total_units > 0 else 0.0
+        correction = self.planned_correction(index)
         return Step(microbatches, [scale * float(self._units[mb].sum()) for mb in microbatches], total_units,
-                    dims, predicted)
+                    dims, predicted, [correction.bytes_for(p) if len(mb) else 0.0
+                                      for mb, p in zip(microbatches, predicted)])
 
-    def planned_correction_bytes(self, step: int) -> float:
-        """The calibration's correction step ``step`` of this epoch is planned with (its
-        microbatches' ``predicted_bytes + correction`` fit ``usable_bytes``).
+    def planned_correction(self, step: int) -> Correction:
+        """The calibration's correction step ``step`` of this epoch is planned with (each of its
+        microbatches' ``predicted_bytes + correction.bytes_for(predicted_bytes)`` fits
+        ``usable_bytes``; ``Step.correction_bytes`` holds those).
 
         Args:
             step: the step's index in the epoch.
 
         Returns:
-            The correction in bytes (0 without calibration, or before any).
+            The correction (zero without calibration, or before any).
         """
         return [c for first, c in self._corrections if first <= step][-1]
 
     def _planning_bytes(self, index: int) -> int:
         """What step ``index``'s predictions must fit: the budget less its correction (at
         least 1 byte)."""
-        return max(1, int(self._usable_bytes - self.planned_correction_bytes(index)))
+        return max(1, int(self.planned_correction(index).planning_bytes(self._usable_bytes)))
 
     def _packed(self, share: np.ndarray, budget: int) -> Tuple[List[np.ndarray], List[np.ndarray], List[float]]:
         """A share's microbatches (one empty microbatch for an empty share), their dims and
@@ -481,8 +491,14 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         return self._calibration
 
     @property
+    def correction(self) -> Correction:
+        """The correction the next steps are planned with (``xpm.Correction``: bytes added to a
+        prediction, a constant and a share of it)."""
+        return Correction() if self._calibration is None else self._calibration.correction
+
+    @property
     def correction_bytes(self) -> float:
-        """The correction the next steps are planned with: bytes added to every prediction."""
+        """How much the correction the next steps are planned with shrinks their budget, bytes."""
         return 0.0 if self._calibration is None else self._calibration.correction_bytes
 
     def record_peak(self, microbatch: Microbatch, peak_allocated_bytes: float) -> None:
@@ -499,7 +515,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
 
     def end_step(self, step: int) -> Optional[str]:
         """Ends optimizer step ``step`` for calibration: the ranks agree on the correction (one
-        all-reduce of four numbers when torch.distributed runs more than one rank; every rank
+        all-reduce of 106 numbers when torch.distributed runs more than one rank; every rank
         calls it once per step), and when it changed, the steps of the epoch not yet handed out
         are planned anew with it (``len(sampler)`` may change). ``microbatch_loop(...,
         meter=...)`` calls it after each step's last microbatch.
@@ -514,7 +530,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
             return None
         line = self._calibration.end_step(step, replan_from=self._first_step_not_handed_out(step))
         if line is not None:
-            self._replan_from(self._calibration.replan_from, self._calibration.correction_bytes)
+            self._replan_from(self._calibration.replan_from, self._calibration.correction)
         return line
 
     def _first_step_not_handed_out(self, step: int) -> int:
@@ -526,9 +542,9 @@ class PredictiveBatchSampler(Sampler[List[int]]):
             first = max(first, k if j == 0 else k + 1)
         return first
 
-    def _replan_from(self, first: int, correction_bytes: float) -> None:
-        """Steps ``first`` on planned with ``correction_bytes``, in place (a pass under way reads them)."""
-        self._corrections = [c for c in self._corrections if c[0] < first] + [(first, float(correction_bytes))]
+    def _replan_from(self, first: int, correction: Correction) -> None:
+        """Steps ``first`` on planned with ``correction``, in place (a pass under way reads them)."""
+        self._corrections = [c for c in self._corrections if c[0] < first] + [(first, correction)]
         if self._steps_cache is None:
             return
         steps, offsets = self._steps_cache, self._offsets_cache
@@ -673,11 +689,10 @@ class _MicrobatchIterator(Iterator[List[int]]):
     def microbatch(self, position: int) -> Microbatch:
         k, j = self.locate(position)
         step = self._steps[k]
-        sampler = self._sampler
         return Microbatch(step.microbatches[j].tolist(), dims=step.dims[j].copy(),
                           predicted_bytes=step.predicted_bytes[j], weight=step.weights[j],
                           last=j == len(step.microbatches) - 1, step=k,
-                          correction_bytes=sampler.planned_correction_bytes(k))
+                          correction_bytes=step.correction_bytes[j])
 
     def _is_current(self) -> bool:
         return self._sampler._current is self and self._sampler._generation == self._generation

@@ -107,7 +107,9 @@ def test_every_microbatch_from_the_third_step_is_predicted_within_1_percent_and_
     planned = [(predicted + correction - measured) / measured for _, _, measured, predicted, correction, _, _ in later]
     assert ooms == 0 and len(later) > 20
     assert min(raw) > -0.015 and max(raw) < 0.015, (min(raw), max(raw))
-    assert min(planned) > -0.01, (min(planned), sampler.calibration.log)
+    # As planned: none under by more than 1 %; over by the spread of the model's own errors at
+    # most (this model's convolutions change kernels with the batch size: -2 % to +1 % raw).
+    assert min(planned) > -0.01 and max(planned) < 0.04, (min(planned), max(planned), sampler.calibration.log)
     # The first microbatches, which the with-gradients model alone over-predicts by more than 3 %.
     firsts = [(row[5] - row[2]) / row[2] for row in later if row[1] == 0 and not row[6]]
     firsts_phase = [(row[3] - row[2]) / row[2] for row in later if row[1] == 0 and not row[6]]

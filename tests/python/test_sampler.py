@@ -464,11 +464,14 @@ def test_calibration_plans_the_steps_not_handed_out_with_the_correction_and_resu
         microbatch = next(passing)
     sampler.mark_step_done()
     line = sampler.end_step(0)
-    assert line == "step 0: correction +0.0 % -> +20.2 % of the budget (+1,215,000 bytes)"
-    assert sampler.correction_bytes == pytest.approx(0.2025 * BUDGET)
+    # A constant: the line of slope 0 through the points, then the headroom (0.25 % of each prediction).
+    assert line == "step 0: correction +0.0 % -> +20.2 % of the budget (+1,200,000 bytes + 0.25 % of the prediction)"
+    assert sampler.correction == xpm.Correction(0.2 * BUDGET, 0.0025)
+    assert sampler.correction_bytes == pytest.approx(BUDGET - 0.8 * BUDGET / 1.0025)
     state = sampler.state_dict()
     rest = list(passing)
-    assert all(m.predicted_bytes + sampler.correction_bytes <= BUDGET for m in rest if len(m))
+    assert all(m.correction_bytes == pytest.approx(0.2 * BUDGET + 0.0025 * m.predicted_bytes) for m in rest if len(m))
+    assert all(m.predicted_bytes + m.correction_bytes <= BUDGET for m in rest if len(m))
     assert sorted(i for m in rest for i in m) == sorted(i for step in list(plain.steps())[1:]
                                                           for m in step.microbatches for i in m.tolist())
     assert len(rest) > sum(len(step.microbatches) for step in list(plain.steps())[1:])  # smaller microbatches
@@ -477,4 +480,54 @@ def test_calibration_plans_the_steps_not_handed_out_with_the_correction_and_resu
     assert [list(m) for m in resumed] == [list(m) for m in rest]
     assert resumed.calibration.log == [line]
     # A step with nothing measured changes nothing.
-    assert sampler.end_step(1) is None and sampler.correction_bytes == pytest.approx(0.2025 * BUDGET)
+    assert sampler.end_step(1) is None and sampler.correction == xpm.Correction(0.2 * BUDGET, 0.0025)
+
+
+@pytest.mark.parametrize("missed, intercept_bytes, slope", [
+    (lambda p: 0.02 * p, 0.0, 0.0225),            # the formula 2 % low: a share of each prediction
+    (lambda p: 150_000.0, 150_000.0, 0.0025),     # a buffer the probes did not see: a constant
+    (lambda p: 50_000.0 + 0.01 * p, 50_000.0, 0.0125),
+])
+def test_calibration_fits_a_line_over_the_peaks_constant_or_proportional(missed, intercept_bytes, slope):
+    """What the probes missed, a constant or a share of the prediction, is corrected by the line
+    through the measured points (its slope 0.25 % above, the headroom): no microbatch of the
+    next step is under-predicted, and the smallest is not over-predicted by the largest's miss."""
+    calibration = xpm.Calibration(BUDGET)
+    predictions = [500_000.0, 1_200_000.0, 2_500_000.0, 4_000_000.0]
+    for step in range(3):
+        for p in predictions:
+            calibration.record_peak(p, p + missed(p))
+        calibration.end_step(step)
+    correction = calibration.correction
+    assert correction.slope == pytest.approx(slope)
+    assert correction.intercept_bytes == pytest.approx(intercept_bytes, abs=1.0)
+    for p in predictions:
+        corrected, peak = p + correction.bytes_for(p), p + missed(p)
+        assert 0 <= (corrected - peak) / peak < 0.003
+
+
+def test_calibration_raises_at_once_and_lowers_only_after_a_full_window():
+    calibration = xpm.Calibration(BUDGET, window_steps=4)
+    calibration.record_peak(1_000_000, 1_000_000)
+    calibration.end_step(0)                                       # the run's first step
+    calibration.record_peak(1_000_000, 1_100_000)
+    assert calibration.end_step(1) is not None                    # 100,000 bytes over: at once
+    raised = calibration.correction
+    assert raised.bytes_for(1_000_000) >= 100_000
+    lines = []
+    for step in range(2, 6):
+        calibration.record_peak(1_000_000, 1_010_000)
+        lines.append(calibration.end_step(step))
+    # The window of 4 steps still holds step 1 until step 5: lower only then.
+    assert lines[:3] == [None, None, None] and lines[3] is not None
+    assert calibration.correction.bytes_for(1_000_000) < raised.bytes_for(1_000_000)
+    assert calibration.correction.bytes_for(1_000_000) >= 10_000
+
+
+def test_a_calibration_state_of_a_constant_correction_still_loads():
+    calibration = xpm.Calibration(BUDGET)
+    calibration.load_state_dict({"correction_bytes": 120_000.0, "window": [130_000.0], "steps_seen": 3,
+                                 "log": ["step 1: correction +0.0 % -> +2.0 % of the budget (+120,000 bytes)"]})
+    assert calibration.correction == xpm.Correction(120_000.0, 0.0)
+    with pytest.raises(ValueError, match="calibration state_dict"):
+        calibration.load_state_dict({"correction": [1.0], "window": [], "steps_seen": 0, "log": []})

@@ -80,7 +80,7 @@ class _StepKey:
     weights: Tuple[float, ...]
     placeholder: bool
     predicted_bytes: Tuple[float, ...] = ()
-    correction_bytes: float = 0.0
+    correction_bytes: Tuple[float, ...] = ()
 
 
 @dataclass
@@ -98,8 +98,9 @@ class PlannedStep:
             joins the step's gradient all-reduce.
         predicted_bytes: each microbatch's predicted peak (``Step.predicted_bytes``; empty for
             a placeholder), for the sampler's calibration.
-        correction_bytes: the calibration's correction the step was planned with (each
-            ``predicted_bytes + correction_bytes`` is within the budget).
+        correction_bytes: each microbatch's correction, as the calibration planned the step
+            (``predicted_bytes[k] + correction_bytes[k]`` is within the budget; empty for a
+            placeholder).
     """
 
     epoch: int
@@ -109,7 +110,7 @@ class PlannedStep:
     weights: List[float]
     placeholder: bool = False
     predicted_bytes: List[float] = field(default_factory=list)
-    correction_bytes: float = 0.0
+    correction_bytes: List[float] = field(default_factory=list)
 
     def pin_memory(self) -> "PlannedStep":
         """Pins every microbatch's tensors (called by a DataLoader with ``pin_memory=True``)."""
@@ -130,7 +131,7 @@ class MicrobatchRecord:
         peak_allocated_bytes: the meter's peak over its forward and backward (None without a meter).
         placeholder: True for the zero-weight batch of a rank whose share is empty.
         predicted_bytes: the memory model's prediction of its peak (None for a placeholder).
-        correction_bytes: the calibration's correction its step was planned with.
+        correction_bytes: the calibration's correction of its prediction, as its step was planned.
     """
 
     step: int
@@ -154,7 +155,7 @@ class _StepDataset(torch.utils.data.Dataset):
     def __getitem__(self, key: _StepKey) -> PlannedStep:
         batches = [self.collate_fn([self.dataset[i] for i in microbatch]) for microbatch in key.microbatches]
         return PlannedStep(key.epoch, key.index, batches, list(key.microbatches), list(key.weights), key.placeholder,
-                           list(key.predicted_bytes), key.correction_bytes)
+                           list(key.predicted_bytes), list(key.correction_bytes))
 
 
 def _only_item(items: List[PlannedStep]) -> PlannedStep:
@@ -180,11 +181,11 @@ class _StepBatchSampler(torch.utils.data.Sampler):
             microbatches = tuple(tuple(int(i) for i in np.asarray(mb, dtype=np.int64).reshape(-1))
                                  for mb in step.microbatches)
             weights = tuple(float(w) for w in step.weights)
-            kept = [(mb, w, float(p)) for mb, w, p in zip(microbatches, weights, step.predicted_bytes) if len(mb) > 0]
-            correction = self.sampler.planned_correction_bytes(index)
+            kept = [(mb, w, float(p), float(c)) for mb, w, p, c in
+                    zip(microbatches, weights, step.predicted_bytes, step.correction_bytes) if len(mb) > 0]
             if kept:
-                yield [_StepKey(self.epoch, index, tuple(mb for mb, _, _ in kept), tuple(w for _, w, _ in kept), False,
-                                tuple(p for _, _, p in kept), correction)]
+                yield [_StepKey(self.epoch, index, tuple(k[0] for k in kept), tuple(k[1] for k in kept), False,
+                                tuple(k[2] for k in kept), tuple(k[3] for k in kept))]
             else:  # this rank's share is empty: one zero-weight batch of record 0 joins the all-reduce
                 yield [_StepKey(self.epoch, index, ((0,),), (0.0,), True)]
 
@@ -412,7 +413,8 @@ class PlannedTrainer(transformers.Trainer):
             if self.on_microbatch is not None:
                 predicted = None if inputs.placeholder or not inputs.predicted_bytes else inputs.predicted_bytes[k]
                 self.on_microbatch(MicrobatchRecord(self.state.global_step + 1, inputs.epoch, tuple(records), peak,
-                                                    inputs.placeholder, predicted, inputs.correction_bytes))
+                                                    inputs.placeholder, predicted,
+                                                    inputs.correction_bytes[k] if inputs.correction_bytes else 0.0))
         if self.xpm_meter is not None:  # every rank, once per step: the correction agreed
             line = self.xpm_sampler.end_step(inputs.index)
             if line is not None:

@@ -91,18 +91,19 @@ class PlannedStep:
         indices: each microbatch's record indices into the dataset.
         records: records of this rank's share.
         predicted_bytes: each microbatch's predicted peak (for the sampler's calibration).
-        correction_bytes: the calibration's correction the step was planned with.
+        correction_bytes: each microbatch's correction, as the calibration planned the step
+            (``predicted_bytes[k] + correction_bytes[k]`` is within the budget).
     """
 
     __slots__ = ("epoch", "index", "rank", "world_size", "batches", "indices", "predicted_bytes", "correction_bytes")
 
     def __init__(self, epoch: int, index: int, rank: int, world_size: int, batches: List[Tuple[Any, float]],
                  indices: List[List[int]], predicted_bytes: Optional[List[float]] = None,
-                 correction_bytes: float = 0.0):
+                 correction_bytes: Optional[List[float]] = None):
         self.epoch, self.index, self.rank, self.world_size = epoch, index, rank, world_size
         self.batches, self.indices = batches, indices
         self.predicted_bytes = list(predicted_bytes or [])
-        self.correction_bytes = float(correction_bytes)
+        self.correction_bytes = list(correction_bytes or [0.0] * len(self.predicted_bytes))
 
     @property
     def records(self) -> int:
@@ -156,16 +157,17 @@ class PlannedSteps(IterableDataset):
         for index, step in enumerate(self.sampler.steps()):
             if index % workers != worker_id:
                 continue
-            batches, indices, predicted = [], [], []
-            for microbatch, weight, bytes_ in zip(step.microbatches, step.weights, step.predicted_bytes):
+            batches, indices, predicted, corrections = [], [], [], []
+            for microbatch, weight, bytes_, correction in zip(step.microbatches, step.weights, step.predicted_bytes,
+                                                              step.correction_bytes):
                 if len(microbatch) == 0:
                     continue
                 records = [int(i) for i in microbatch]
                 batches.append((self.collate_fn([self.dataset[i] for i in records]), float(weight)))
                 indices.append(records)
                 predicted.append(float(bytes_))
-            correction = self.sampler.planned_correction_bytes(index)
-            yield PlannedStep(epoch, index, rank, world, batches, indices, predicted, correction)
+                corrections.append(float(correction))
+            yield PlannedStep(epoch, index, rank, world, batches, indices, predicted, corrections)
 
 
 class _PlannedStepLoader(DataLoader):
