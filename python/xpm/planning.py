@@ -287,6 +287,7 @@ class MemoryModel:
         self._native = native
         self._json: Optional[dict] = None  # to_json() parsed, on first use
         self._without_gradients: Optional[_planner.MemoryModel] = None  # built on first use
+        self._floor: Optional[_planner.MemoryModel] = None  # the model with its formula at 0, on first use
 
     def _parsed(self) -> dict:
         if self._json is None:
@@ -447,6 +448,25 @@ class MemoryModel:
                 parsed["single_record_factor"] = record["single_record_factor"]
             self._without_gradients = _planner.MemoryModel.from_json(json.dumps(parsed))
         return self._without_gradients
+
+    def floor_at(self, dims: ArrayLike) -> np.ndarray:
+        """The prediction's floor at each row of ``dims`` (the constant floor, or the floor
+        formula where the optimizer step's peak grows with the dims), bytes.
+
+        Args:
+            dims: [n, variables] rows in the formula's variable order.
+
+        Returns:
+            A float64 [n] array.
+
+        Raises:
+            ValueError: dims of the wrong width, or a NaN, infinite or negative value.
+        """
+        if self._floor is None:
+            parsed = dict(self._parsed())
+            parsed["coefficients"] = {name: 0.0 for name in self.formula.coefficient_names}
+            self._floor = _planner.MemoryModel.from_json(json.dumps(parsed))
+        return _planner.predict(self._floor, _matrix(dims, len(self.formula.variable_names), "dims"))
 
     def predict(self, dims: ArrayLike, phase: GradientPhase = "with_gradients") -> Union[float, np.ndarray]:
         """Predicted peak bytes.

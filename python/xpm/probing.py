@@ -871,11 +871,17 @@ def _with_without_gradients_phase(model: MemoryModel, executor: _TorchExecutor,
     shapes = [m["dims"] for m in model._parsed().get("metadata", {}).get("fit_measurements", [])]
     if not shapes or any(tuple(dims) not in peaks_at for dims in shapes):
         return model
+    # As the model's own fit: the shapes where the phase peaks above the floor (below it, the
+    # floor predicts; the prediction is the larger of the two).
+    width = len(model.formula.variable_names)
+    floor_at = model.floor_at(_matrix(shapes, width, "dims"))
+    shapes = [dims for dims, floor in zip(shapes, floor_at) if peaks_at[tuple(dims)] > floor]
+    if len(shapes) < len(model.formula.coefficient_names):
+        return model
     args = _planner.FitArguments()
     args.batch_size_variable = model.batch_size_variable
     args.aggregation = dict(aggregation or {})
     args.usable_max_rel_error = usable_max_rel_error
-    width = len(model.formula.variable_names)
     try:
         native, summary, _ = _planner.fit(model.formula, _matrix(shapes, width, "dims"),
                                           np.array([peaks_at[tuple(dims)] for dims in shapes]),

@@ -296,6 +296,11 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         return None
 
     @property
+    def lockstep(self) -> bool:
+        """Whether every rank gets the same number of microbatches in every step."""
+        return self._lockstep
+
+    @property
     def epoch(self) -> int:
         """The epoch being planned (``set_epoch``)."""
         return self._epoch
@@ -513,7 +518,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         if self._calibration is not None and len(microbatch) > 0:
             self._calibration.record_peak(microbatch.predicted_bytes, peak_allocated_bytes)
 
-    def end_step(self, step: int) -> Optional[str]:
+    def end_step(self, step: int, *, replan_from: Optional[int] = None) -> Optional[str]:
         """Ends optimizer step ``step`` for calibration: the ranks agree on the correction (one
         all-reduce of 106 numbers when torch.distributed runs more than one rank; every rank
         calls it once per step), and when it changed, the steps of the epoch not yet handed out
@@ -522,13 +527,17 @@ class PredictiveBatchSampler(Sampler[List[int]]):
 
         Args:
             step: the step's index in the epoch (``Microbatch.step``).
+            replan_from: the first step the caller has not yet taken any microbatch of (a loader
+                that reads ahead: the step after the one it is in); default, the sampler's own
+                pass's.
 
         Returns:
             The calibration's log line when the correction changed, else None.
         """
         if self._calibration is None:
             return None
-        line = self._calibration.end_step(step, replan_from=self._first_step_not_handed_out(step))
+        first = self._first_step_not_handed_out(step) if replan_from is None else max(step + 1, int(replan_from))
+        line = self._calibration.end_step(step, replan_from=first)
         if line is not None:
             self._replan_from(self._calibration.replan_from, self._calibration.correction)
         return line
@@ -583,6 +592,29 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         if not 0 <= rank < self._world:
             raise ValueError(f"rank must be in [0, {self._world}), got {rank}")
         return self._steps_from_start(rank)
+
+    def planned_step(self, index: int, rank: Optional[int] = None) -> Step:
+        """Step ``index`` of the epoch as planned now (with the corrections in force for it).
+
+        Args:
+            index: the step's index in the epoch.
+            rank: whose share: this rank's by default (computed here for another, no
+                communication).
+
+        Returns:
+            The ``Step``.
+
+        Raises:
+            ValueError: ``index`` or ``rank`` out of range.
+        """
+        rank = self._rank if rank is None else _whole_number("rank", rank)
+        index = _whole_number("index", index)
+        if not 0 <= rank < self._world or not 0 <= index < self.steps_per_epoch():
+            raise ValueError(f"planned_step: index must be in [0, {self.steps_per_epoch()}) and rank in "
+                             f"[0, {self._world}), got index {index}, rank {rank}")
+        if rank == self._rank:
+            return self._plan()[0][index]
+        return self._step(self._outer_batches()[index], rank, index)
 
     def _steps_from_start(self, rank: int) -> Iterator[Step]:
         steps, offsets = self._plan()

@@ -43,6 +43,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
+from ..probing import Meter
 from ..sampler import PredictiveBatchSampler, Step
 
 __all__ = ["PlannedMicrobatch", "RoundRobinMicrobatches", "data_loader", "prepare_data_loader", "check_prepared",
@@ -61,7 +62,9 @@ class PlannedMicrobatch(NamedTuple):
     ``rank``: the rank it was planned for; ``step``: the optimizer step of the epoch it belongs to;
     ``predicted_bytes``: the memory model's peak for it (0 for padding); ``padding``: one of the
     empty microbatches that even out the ranks' counts at the end of an epoch (no forward, no
-    backward: ``microbatch_loop`` skips them).
+    backward: ``microbatch_loop`` skips them); ``correction_bytes``: the calibration's correction
+    of ``predicted_bytes`` as its step was planned (``predicted_bytes + correction_bytes`` fits
+    the budget).
     """
 
     batch: Any
@@ -72,6 +75,7 @@ class PlannedMicrobatch(NamedTuple):
     step: int
     predicted_bytes: float
     padding: bool
+    correction_bytes: float = 0.0
 
 
 class _PlannedIndices(list):
@@ -79,10 +83,11 @@ class _PlannedIndices(list):
     ``BatchSamplerShard`` and ``DataLoader`` pass it through unchanged (and pickle it to workers)."""
 
     def __init__(self, indices: Sequence[int], *, weight: float, last: bool, rank: int, step: int,
-                 predicted_bytes: float, padding: bool):
+                 predicted_bytes: float, padding: bool, correction_bytes: float = 0.0):
         super().__init__(int(i) for i in indices)
         self.weight, self.last, self.rank, self.step = float(weight), bool(last), int(rank), int(step)
         self.predicted_bytes, self.padding = float(predicted_bytes), bool(padding)
+        self.correction_bytes = float(correction_bytes)
 
 
 def _rank_and_world(sampler: PredictiveBatchSampler) -> Tuple[int, int]:
@@ -98,7 +103,11 @@ class RoundRobinMicrobatches:
     Slot ``k * world_size + r`` holds rank ``r``'s ``k``-th microbatch of the rest of the epoch;
     ranks with fewer microbatches than the most get padding (empty, weight 0) at the end, so the
     length is a multiple of ``world_size`` and accelerate neither holds back nor repeats any.
-    Without a ``batch_size`` (the sizes vary), as ``BatchSamplerShard`` needs.
+    Without a ``batch_size`` (the sizes vary), as ``BatchSamplerShard`` needs. With a lockstep
+    sampler (the default at world size > 1: every rank the same count in every step) the slots
+    are made a step at a time, as accelerate reads them, so steps planned anew by the
+    calibration (``microbatch_loop(..., meter=...)``) are dealt as planned anew; ``taken_step``
+    is the last step whose slots were read.
 
     Args:
         sampler: this process's ``xpm.PredictiveBatchSampler``; its epoch and position
@@ -113,6 +122,7 @@ class RoundRobinMicrobatches:
         self.predictive_sampler = sampler
         self._cache_key: Optional[tuple] = None
         self._cache: List[List[Step]] = []
+        self.taken_step = -1
 
     def set_epoch(self, epoch: int) -> None:
         """Starts epoch ``epoch`` unless the sampler is in it already (then a resumed position
@@ -132,25 +142,37 @@ class RoundRobinMicrobatches:
             one list of ``xpm.Step`` per rank, all of the same length.
         """
         state = self.predictive_sampler.state_dict()
-        key = (state["epoch"], state["steps_done"])
+        key = (state["epoch"], state["steps_done"], tuple(map(tuple, state["corrections"])))
         if key != self._cache_key:
             self._cache = [list(self.predictive_sampler.steps(rank=r)) for r in range(self.world_size)]
             self._cache_key = key
         return self._cache
 
-    def _order(self) -> List[_PlannedIndices]:
+    def _start_step(self) -> int:
         state = self.predictive_sampler.state_dict()
-        start = state["steps_done"] if state["steps_done"] < self.predictive_sampler.steps_per_epoch() else 0
-        per_rank = []
-        for rank, steps in enumerate(self.steps_of_ranks()):
-            mine = []
-            for k, step in enumerate(steps):
-                for j, (microbatch, weight) in enumerate(zip(step.microbatches, step.weights)):
-                    last = j == len(step.microbatches) - 1
-                    mine.append(_PlannedIndices(microbatch.tolist(), weight=weight, last=last, rank=rank,
-                                                step=start + k, predicted_bytes=step.predicted_bytes[j],
-                                                padding=False))
-            per_rank.append(mine)
+        return state["steps_done"] if state["steps_done"] < self.predictive_sampler.steps_per_epoch() else 0
+
+    @staticmethod
+    def _planned(step: Step, rank: int, index: int) -> List[_PlannedIndices]:
+        return [_PlannedIndices(microbatch.tolist(), weight=weight, last=j == len(step.microbatches) - 1, rank=rank,
+                                step=index, predicted_bytes=step.predicted_bytes[j], padding=False,
+                                correction_bytes=step.correction_bytes[j])
+                for j, (microbatch, weight) in enumerate(zip(step.microbatches, step.weights))]
+
+    def _lockstep_order(self) -> Iterator[_PlannedIndices]:
+        """Step by step, each planned when accelerate reads its first slot (every rank's step
+        has the same count)."""
+        sampler = self.predictive_sampler
+        for index in range(self._start_step(), sampler.steps_per_epoch()):
+            self.taken_step = index
+            per_rank = [self._planned(sampler.planned_step(index, r), r, index) for r in range(self.world_size)]
+            for slot in zip(*per_rank):
+                yield from slot
+
+    def _order(self) -> List[_PlannedIndices]:
+        start = self._start_step()
+        per_rank = [[planned for k, step in enumerate(steps) for planned in self._planned(step, rank, start + k)]
+                    for rank, steps in enumerate(self.steps_of_ranks())]
         slots = max(len(mine) for mine in per_rank)
         order = []
         for k in range(slots):
@@ -166,7 +188,8 @@ class RoundRobinMicrobatches:
         state = self.predictive_sampler.state_dict()
         if state["steps_done"] >= self.predictive_sampler.steps_per_epoch():
             self.predictive_sampler.set_epoch(state["epoch"])  # done: iterating again starts the epoch over
-        yield from self._order()
+        self.taken_step = -1
+        yield from self._lockstep_order() if self.predictive_sampler.lockstep else self._order()
 
     def __len__(self) -> int:
         """Slots of the rest of the epoch: ``world_size`` x the most microbatches of any rank."""
@@ -218,7 +241,7 @@ class _PlannedCollate:
         records, planned = fetched
         batch = None if planned.padding else self.collate_fn(records)
         return PlannedMicrobatch(batch, planned.weight, planned.last, tuple(planned), planned.rank, planned.step,
-                                 planned.predicted_bytes, planned.padding)
+                                 planned.predicted_bytes, planned.padding, planned.correction_bytes)
 
 
 def data_loader(dataset, sampler: PredictiveBatchSampler, collate_fn: Optional[Callable] = None,
@@ -351,32 +374,64 @@ def prepare_data_loader(accelerator: "accelerate.Accelerator", dataset, sampler:
     return prepared
 
 
-def microbatch_loop(loader) -> Iterator[PlannedMicrobatch]:
+def microbatch_loop(loader, *, meter: Optional[Meter] = None) -> Iterator[PlannedMicrobatch]:
     """This process's microbatches of the prepared ``loader``, padding skipped; checks that each
     was planned for this process, and marks the sampler's step done when it hands out the step's
     last microbatch (so the sampler's ``state_dict()`` after that optimizer step resumes at the next).
 
     Args:
         loader: ``prepare_data_loader``'s loader (or ``Accelerator.prepare`` of ``data_loader``).
+        meter: the meter the model was probed under; given, with the sampler's calibration on
+            and its lockstep packing (the default at world size > 1, or one process), every
+            microbatch's peak is measured (the meter's peak reset before it is handed out, read
+            when the loop resumes) and fed to the calibration, which after each step's last
+            microbatch agrees the correction over the ranks (one all-reduce; every process) and
+            plans the steps accelerate has not yet read anew.
 
     Yields:
         ``PlannedMicrobatch`` items, in the plan's order.
 
     Raises:
-        ValueError: ``loader`` is not one of this module's loaders.
+        ValueError: ``loader`` is not one of this module's loaders; ``meter`` with a sampler
+            that packs without lockstep at more than one process (its steps are dealt from a
+            plan made at the start of the epoch, which the calibration would change under it).
         RuntimeError: accelerate dealt this process a microbatch planned for another rank.
     """
     round_robin = _round_robin_of(loader)
+    sampler = round_robin.predictive_sampler
+    measuring = meter is not None and sampler.calibration is not None
+    if measuring and not sampler.lockstep and sampler.world_size > 1:
+        raise ValueError("microbatch_loop(..., meter=...) calibrates the plans, which needs the sampler's lockstep "
+                         "packing at more than one process: build it with lockstep=True (the default) or "
+                         "calibrate=False")
     process_index = accelerate.PartialState().process_index
+    handed_out: Optional[PlannedMicrobatch] = None
     for microbatch in loader:
+        if handed_out is not None:
+            _measured(sampler, round_robin, handed_out, meter)
+            handed_out = None
         if microbatch.rank != process_index:
             raise RuntimeError(f"process {process_index} was dealt rank {microbatch.rank}'s microbatch (step "
                                f"{microbatch.step}): the loader was re-sharded after preparation; {_HOW_TO}")
         if microbatch.padding:
             continue
         if microbatch.last:
-            round_robin.predictive_sampler.mark_step_done()
+            sampler.mark_step_done()
+        if measuring:
+            handed_out = microbatch
+            meter.reset_peak()
         yield microbatch
+    if handed_out is not None:
+        _measured(sampler, round_robin, handed_out, meter)
+
+
+def _measured(sampler: PredictiveBatchSampler, round_robin: RoundRobinMicrobatches, microbatch: PlannedMicrobatch,
+              meter: Meter) -> None:
+    """Feeds a trained microbatch's peak to the calibration; after a step's last, ends the step
+    (collective) with the steps accelerate has read kept as they were planned."""
+    sampler.calibration.record_peak(microbatch.predicted_bytes, meter.peak_allocated_bytes)
+    if microbatch.last:
+        sampler.end_step(microbatch.step, replan_from=round_robin.taken_step + 1)
 
 
 @contextlib.contextmanager

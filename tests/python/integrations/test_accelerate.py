@@ -130,6 +130,55 @@ accelerator.end_training()
 '''
 
 
+# Run on each process by torch.distributed.run: the model prepared (wrapped in DDP) before it is
+# probed, every rank probing in lockstep (DDP's buckets and all-reduce in the probes), the
+# sampler's calibration fed by microbatch_loop(meter=...); argv = example dir, data dir, records,
+# outer batch size, cap, output file pattern.
+CALIBRATED_SCRIPT = r'''
+import json, sys
+import numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+import accelerate, xpm
+from xpm.integrations import accelerate as xpm_accelerate
+import train
+
+data_dir, records, outer, cap, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+torch.manual_seed(1)
+accelerator = accelerate.Accelerator(cpu=True)
+rank = accelerator.process_index
+sentences = train.synthetic_sentences(records) if data_dir == "synthetic" else train.read_brown(data_dir, records)
+lengths = np.array([len(s) for s in sentences])
+meter = xpm.CpuMeter.install()
+model = train.CharTransformer()
+optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+model, optimizer = accelerator.prepare(model, optimizer)
+meter.capacity_bytes = cap
+probed = xpm.probe(model, optimizer, lambda dims: model(torch.randint(1, train.VOCAB, (int(dims[0]), int(dims[1])))),
+                   xpm.CostFormula("a*bs*l^2 + b*bs*l + d*bs + c", ["bs", "l"]), meter=meter,
+                   variable_max={"bs": 64, "l": int(lengths.max())}, design_fractions=(1.0, 0.5, 0.25, 0.125),
+                   lockstep=True)
+sampler = xpm.PredictiveBatchSampler(lengths, probed.model, xpm.MemoryBudget(cap).usable_bytes, outer_batch_size=outer,
+                                     rank=rank, world_size=accelerator.num_processes, seed=1, units=lengths - 1)
+loader = xpm_accelerate.prepare_data_loader(accelerator, sentences, sampler, collate_fn=train.collate)
+rows, records_seen, ooms = [], [], meter.oom_count
+for microbatch in xpm_accelerate.microbatch_loop(loader, meter=meter):
+    with xpm_accelerate.accumulate(accelerator, model, microbatch):
+        accelerator.backward(microbatch.weight * train.mean_loss(model, microbatch.batch))
+        optimizer.step()        # a no-op until microbatch.last (accelerator.sync_gradients)
+        optimizer.zero_grad()
+    records_seen += list(microbatch.indices)
+    if microbatch.indices:
+        rows.append([microbatch.step, meter.peak_allocated_bytes, microbatch.predicted_bytes,
+                     microbatch.correction_bytes])
+result = {"rank": rank, "rows": rows, "records": records_seen, "ooms": meter.oom_count - ooms,
+          "floor_bytes": probed.model.floor_bytes, "phases": probed.model.phases, "log": sampler.calibration.log,
+          "steps_done": sampler.state_dict()["steps_done"]}
+with open(out.format(rank=rank), "w") as f:
+    json.dump(result, f)
+accelerator.end_training()
+'''
+
+
 def _data_dir() -> str:
     """The Brown corpus when the checkout has it, else generated sentences of varied lengths."""
     has_brown = BROWN.is_dir() and any(p.name.startswith("ca") for p in BROWN.iterdir())
@@ -159,6 +208,33 @@ def epoch_on_two_processes(tmp_path_factory):
           f"{results[0]['cap_bytes']} bytes, "
           f"max gradient error {max(results[0]['grad_rel_errors']):.2e}; plain prepare: {results[0]['mistake_error']}")
     return results
+
+
+def test_probed_after_prepare_and_calibrated_every_microbatch_from_step_3_is_predicted_within_the_goal(tmp_path):
+    """Prepared (DDP), probed in lockstep, calibrated from training: from the third optimizer step
+    on no microbatch is under-predicted by more than 1 % of what its plan fits nor over-predicted
+    by more than 3 %; every record once; 0 OOM; both ranks keep the same corrections."""
+    script = tmp_path / "calibrated_under_accelerate.py"
+    script.write_text(CALIBRATED_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore::UserWarning")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+               str(EXAMPLE), _data_dir(), str(RECORDS), str(OUTER_BATCH), "6000000", str(tmp_path / "rank{rank}.json")]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150)
+    assert run.returncode == 0, f"the 2-process run failed ({run.returncode}):\n{run.stderr[-6000:]}"
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["ooms"] for r in ranks] == [0, 0]
+    assert ranks[0]["log"] == ranks[1]["log"] and ranks[0]["phases"] == ["with_gradients", "without_gradients"]
+    assert sorted(ranks[0]["records"] + ranks[1]["records"]) == list(range(RECORDS))
+    assert [r["steps_done"] for r in ranks] == [RECORDS // OUTER_BATCH] * 2
+    raw = [(predicted - peak) / peak for r in ranks for _, peak, predicted, _ in r["rows"] if peak > r["floor_bytes"]]
+    calibrated = [(predicted + correction - peak) / peak for r in ranks for step, peak, predicted, correction in r["rows"]
+                  if step >= 2 and peak > r["floor_bytes"]]
+    assert len(calibrated) > 10
+    print(f"\naccelerate 2 processes, probed after prepare: raw {100 * min(raw):+.2f} % to {100 * max(raw):+.2f} %; "
+          f"from step 3 calibrated {100 * min(calibrated):+.2f} % to {100 * max(calibrated):+.2f} % over "
+          f"{len(calibrated)} microbatches; {ranks[0]['log']}")
+    assert min(calibrated) > -0.01, f"under-predicted by {-100 * min(calibrated):.2f} %"
+    assert max(calibrated) < 0.03, f"over-predicted by {100 * max(calibrated):.2f} %"
 
 
 def test_every_record_once_on_one_rank_over_the_epoch(epoch_on_two_processes):
