@@ -119,11 +119,22 @@ def probe_on_main_process(accelerator: accelerate.Accelerator, model: torch.nn.M
     return xpm.MemoryModel.from_json(payload[0])
 
 
+def probe_prepared(model: torch.nn.Module, optimizer, meter, max_length: int) -> xpm.MemoryModel:
+    """Every process probes the prepared (DDP-wrapped) model in lockstep under the meter's cap, so
+    DDP's gradient buckets and all-reduce are in the probes, and gets the same fitted model. Call
+    after ``Accelerator.prepare`` of the model and optimizer, on every process."""
+    formula = xpm.CostFormula("a*bs*l^2 + b*bs*l + d*bs + c", ["bs", "l"])
+    return xpm.probe(model, optimizer, lambda dims: model(torch.randint(1, VOCAB, (int(dims[0]), int(dims[1])))),
+                     formula, meter=meter, variable_max={"bs": 64, "l": max_length},
+                     design_fractions=(1.0, 0.5, 0.25, 0.125), lockstep=True).model
+
+
 def run_epoch(accelerator: accelerate.Accelerator, model: torch.nn.Module, optimizer, loader,
-              after_backward: Optional[Callable] = None) -> Dict[str, object]:
+              after_backward: Optional[Callable] = None, meter=None) -> Dict[str, object]:
     """One epoch of the prepared ``loader``: each microbatch's weighted mean loss backward inside
     ``xpm_accelerate.accumulate`` (no all-reduce until the step's last microbatch), the optimizer
-    stepped by accelerate at the end of each step. An out-of-memory backward is counted.
+    stepped by accelerate at the end of each step. An out-of-memory backward is counted. With
+    ``meter``, every microbatch's peak calibrates the sampler's plans.
 
     Returns:
         ``steps`` (list of the record indices of each step), ``microbatches``, ``ooms``,
@@ -132,7 +143,7 @@ def run_epoch(accelerator: accelerate.Accelerator, model: torch.nn.Module, optim
     steps: List[List[int]] = [[]]
     microbatches = ooms = characters = 0
     start = time.perf_counter()
-    for microbatch in xpm_accelerate.microbatch_loop(loader):
+    for microbatch in xpm_accelerate.microbatch_loop(loader, meter=meter):
         with xpm_accelerate.accumulate(accelerator, model, microbatch):
             try:
                 accelerator.backward(microbatch.weight * mean_loss(model, microbatch.batch))
@@ -176,24 +187,26 @@ def main() -> int:
     meter = xpm.CpuMeter.install()  # before the model: it must see the weights
     model = CharTransformer()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
     meter.capacity_bytes = args.memory_cap_bytes
-    memory_model = probe_on_main_process(accelerator, model, optimizer, meter, int(lengths.max()))
+    memory_model = probe_prepared(model, optimizer, meter, int(lengths.max()))
     budget = xpm.MemoryBudget(args.memory_cap_bytes)
 
     sampler = xpm.PredictiveBatchSampler(lengths, memory_model, budget.usable_bytes,
                                          outer_batch_size=args.outer_batch_size, rank=accelerator.process_index,
                                          world_size=accelerator.num_processes, seed=1, units=lengths - 1)
     loader = xpm_accelerate.prepare_data_loader(accelerator, sentences, sampler, collate_fn=collate)
-    model, optimizer = accelerator.prepare(model, optimizer)
     totals = {"steps": [], "microbatches": 0, "ooms": 0, "characters": 0, "seconds": 0.0}
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)
-        result = run_epoch(accelerator, model, optimizer, loader)
+        result = run_epoch(accelerator, model, optimizer, loader, meter=meter)
         for key in totals:
             totals[key] += result[key]
     print(f"process {accelerator.process_index}/{accelerator.num_processes}: steps {len(totals['steps'])}, "
           f"microbatches {totals['microbatches']}, records {sum(len(s) for s in totals['steps'])}, "
           f"OOM {totals['ooms']}, {totals['characters'] / totals['seconds']:.0f} real characters/s", flush=True)
+    if sampler.calibration.log:
+        print(f"process {accelerator.process_index}: calibration {sampler.calibration.log[-1]}", flush=True)
     if args.record_file:
         path = pathlib.Path(args.record_file.format(rank=accelerator.process_index))
         path.write_text(json.dumps({"rank": accelerator.process_index, **totals}))

@@ -153,11 +153,8 @@ model = train.CharTransformer()
 optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 meter.capacity_bytes = cap
-probed = xpm.probe(model, optimizer, lambda dims: model(torch.randint(1, train.VOCAB, (int(dims[0]), int(dims[1])))),
-                   xpm.CostFormula("a*bs*l^2 + b*bs*l + d*bs + c", ["bs", "l"]), meter=meter,
-                   variable_max={"bs": 64, "l": int(lengths.max())}, design_fractions=(1.0, 0.5, 0.25, 0.125),
-                   lockstep=True)
-sampler = xpm.PredictiveBatchSampler(lengths, probed.model, xpm.MemoryBudget(cap).usable_bytes, outer_batch_size=outer,
+memory_model = train.probe_prepared(model, optimizer, meter, int(lengths.max()))
+sampler = xpm.PredictiveBatchSampler(lengths, memory_model, xpm.MemoryBudget(cap).usable_bytes, outer_batch_size=outer,
                                      rank=rank, world_size=accelerator.num_processes, seed=1, units=lengths - 1)
 loader = xpm_accelerate.prepare_data_loader(accelerator, sentences, sampler, collate_fn=train.collate)
 rows, records_seen, ooms = [], [], meter.oom_count
@@ -171,7 +168,7 @@ for microbatch in xpm_accelerate.microbatch_loop(loader, meter=meter):
         rows.append([microbatch.step, meter.peak_allocated_bytes, microbatch.predicted_bytes,
                      microbatch.correction_bytes])
 result = {"rank": rank, "rows": rows, "records": records_seen, "ooms": meter.oom_count - ooms,
-          "floor_bytes": probed.model.floor_bytes, "phases": probed.model.phases, "log": sampler.calibration.log,
+          "floor_bytes": memory_model.floor_bytes, "phases": memory_model.phases, "log": sampler.calibration.log,
           "steps_done": sampler.state_dict()["steps_done"]}
 with open(out.format(rank=rank), "w") as f:
     json.dump(result, f)
