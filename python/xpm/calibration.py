@@ -25,8 +25,9 @@ agree on those in one all-reduce (max). Of the lines that cover the recent steps
 the smallest and the largest prediction measured, and no intercept below the constant line's;
 a headroom of 0.25 % of the prediction is added to its slope. An under-prediction (a point
 above the line in force) changes the line at once (the next step is planned with it); a line
-lower over the whole range measured is taken only when a full window of steps measured under
-it, and never because of the run's first step (no optimizer state yet, so lower than the rest).
+lower over the whole range measured is taken once ``settle_steps`` steps (2) are in the window,
+every point of the window under it, and never because of the run's first step (no optimizer
+state yet, so lower than the rest).
 The correction at the budget is bounded to half the budget either way; an under-prediction
 beyond that is warned about once (the model is wrong: probe again).
 """
@@ -90,18 +91,24 @@ class Calibration:
         usable_bytes: the budget the plans fill (``MemoryBudget.usable_bytes``); the log states
             corrections as shares of it.
         window_steps: the steps whose measurements the correction covers.
+        settle_steps: the steps measured (besides the run's first) before a lower correction is
+            taken (a higher one is taken at once).
         group: the process group whose ranks agree on the correction (None: the default group,
             when torch.distributed is initialised with more than one rank; else no collective).
 
     Raises:
-        ValueError: ``usable_bytes`` or ``window_steps`` is not positive.
+        ValueError: ``usable_bytes``, ``window_steps`` or ``settle_steps`` is not positive.
     """
 
-    def __init__(self, usable_bytes: int, *, window_steps: int = 32, group: Optional[Any] = None) -> None:
+    def __init__(self, usable_bytes: int, *, window_steps: int = 32, settle_steps: int = 2,
+                 group: Optional[Any] = None) -> None:
         if int(usable_bytes) <= 0:
             raise ValueError(f"Calibration: usable_bytes must be > 0, got {usable_bytes}")
         if int(window_steps) < 1:
             raise ValueError(f"Calibration: window_steps must be >= 1, got {window_steps}")
+        if int(settle_steps) < 1:
+            raise ValueError(f"Calibration: settle_steps must be >= 1, got {settle_steps}")
+        self.settle_steps = int(settle_steps)
         self.usable_bytes = int(usable_bytes)
         self.window_steps = int(window_steps)
         self.group = group
@@ -202,7 +209,7 @@ class Calibration:
     def _updated(self, measured: np.ndarray, window: np.ndarray) -> Correction:
         """The correction after a step that measured ``measured`` (a row), the window's rows
         given: the best line over the window when a point lies above the line in force, or when
-        a full window lies under a lower one; else as it is."""
+        ``settle_steps`` steps of the window lie under a lower one; else as it is."""
         current = self.correction
         seen = window[np.isfinite(window[:, -1])]
         if not len(seen):
@@ -211,7 +218,7 @@ class Calibration:
         index = int(np.argmin(np.abs(SLOPES - current.slope)))
         above = np.isfinite(measured[-1]) and measured[index] > current.intercept_bytes
         span = (float(seen[:, -2].min()), float(seen[:, -1].max()))
-        lower = (len(self._window) >= self.window_steps and
+        lower = (len(self._window) >= min(self.settle_steps, self.window_steps) and
                  all(target.bytes_for(p) < current.bytes_for(p) for p in span))
         return target if above or lower else current
 

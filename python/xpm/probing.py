@@ -294,9 +294,9 @@ class _TorchExecutor(_planner.ProbeExecutor):
         self.accumulation_batch = None
         self.batch_size_variable, self.aggregation = batch_size_variable, dict(aggregation or {})
         # Each probe's forward/backward also measured with the gradients set to None first (a
-        # step's first microbatch after zero_grad(set_to_none=True)); not for FSDP2's
-        # accumulation, whose unsharded gradient is held on purpose.
-        self.measure_without_gradients = measure_phases and not self.accumulating
+        # step's first microbatch after zero_grad(set_to_none=True)); under FSDP2's accumulation
+        # also without the unsharded gradient it holds (released first by a synchronised backward).
+        self.measure_without_gradients = measure_phases
         self.without_gradients_peaks: List[float] = []  # one per entry of results (0: not measured)
         self.results = []  # every probe run, for an error that must carry them
         self.raised: Optional[BaseException] = None  # the error a probe raised (the loss function's), if any
@@ -364,7 +364,9 @@ class _TorchExecutor(_planner.ProbeExecutor):
         without_gradients_peak = 0.0
         failure = None  # (the error to raise, its cause): not out of memory
         try:
-            if self.accumulating and self.accumulation_batch is None:
+            if self.accumulating and self.measure_without_gradients:
+                self._release_accumulated_gradient(batch)
+            elif self.accumulating and self.accumulation_batch is None:
                 self.steady.model.set_requires_gradient_sync(False)
                 self.loss_fn(batch).backward()
                 self.accumulation_batch = batch
@@ -399,6 +401,17 @@ class _TorchExecutor(_planner.ProbeExecutor):
         self.results.append(result)
         self.without_gradients_peaks.append(without_gradients_peak if result.feasible else 0.0)
         return result
+
+    def _release_accumulated_gradient(self, batch) -> None:
+        """FSDP2: a synchronised backward of ``batch`` (reduce-scatter, collective), which frees
+        the unsharded gradient accumulation holds, then gradient sync off again: the state of a
+        step's first microbatch, measured next; its backward allocates the held gradient anew
+        for the steady measurement after it."""
+        self.steady.model.set_requires_gradient_sync(True)
+        self.loss_fn(batch).backward()
+        self.steady.model.set_requires_gradient_sync(False)
+        if self.accumulation_batch is None:
+            self.accumulation_batch = batch  # released once more at the end (end_accumulation)
 
     def _forward_backward_peak(self, batch) -> float:
         """The meter's peak over ``loss_fn(batch).backward()``, bytes; the graph freed on return
@@ -764,8 +777,9 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             ``zero_grad(set_to_none=True)`` peaks lower, by up to the gradients' bytes, and the
             sampler predicts it apart (``model.phases``; the phase's fit in
             ``model.phase_report``). Kept only when that fit is within
-            ``usable_max_rel_error``. Not done for an FSDP2 model in lockstep, whose probes hold
-            the unsharded gradient of accumulation on purpose.
+            ``usable_max_rel_error``. An FSDP2 model in lockstep is measured in that phase
+            without the unsharded gradient its accumulation holds too (released first by a
+            synchronised backward of the probe's batch: two more backwards per probe).
 
     Returns:
         ProbeOutcome: the model, every probe, the fit report, the floor, the adaptive report and

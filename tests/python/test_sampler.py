@@ -506,8 +506,8 @@ def test_calibration_fits_a_line_over_the_peaks_constant_or_proportional(missed,
         assert 0 <= (corrected - peak) / peak < 0.003
 
 
-def test_calibration_raises_at_once_and_lowers_only_after_a_full_window():
-    calibration = xpm.Calibration(BUDGET, window_steps=4)
+def test_calibration_raises_at_once_and_lowers_once_the_window_settles_under_a_lower_line():
+    calibration = xpm.Calibration(BUDGET, window_steps=4, settle_steps=3)
     calibration.record_peak(1_000_000, 1_000_000)
     calibration.end_step(0)                                       # the run's first step
     calibration.record_peak(1_000_000, 1_100_000)
@@ -515,13 +515,26 @@ def test_calibration_raises_at_once_and_lowers_only_after_a_full_window():
     raised = calibration.correction
     assert raised.bytes_for(1_000_000) >= 100_000
     lines = []
-    for step in range(2, 6):
+    for step in range(2, 7):
         calibration.record_peak(1_000_000, 1_010_000)
         lines.append(calibration.end_step(step))
-    # The window of 4 steps still holds step 1 until step 5: lower only then.
-    assert lines[:3] == [None, None, None] and lines[3] is not None
-    assert calibration.correction.bytes_for(1_000_000) < raised.bytes_for(1_000_000)
-    assert calibration.correction.bytes_for(1_000_000) >= 10_000
+    # Settled (3 steps in the window) only at step 3, but the window of 4 holds step 1 until
+    # step 5: lower then, to the line over steps 2 to 5, and no change after.
+    assert lines == [None, None, None, lines[3], None] and lines[3] is not None
+    assert 10_000 <= calibration.correction.bytes_for(1_000_000) < raised.bytes_for(1_000_000)
+
+
+def test_calibration_lowers_an_over_prediction_once_settled():
+    calibration = xpm.Calibration(BUDGET)                         # settle_steps=2
+    calibration.record_peak(2_000_000, 2_000_000)
+    calibration.end_step(0)
+    assert calibration.correction == xpm.Correction()
+    for step in (1, 2):
+        calibration.record_peak(2_000_000, 1_700_000)             # 15 % over-predicted
+        line = calibration.end_step(step)
+    assert line is not None and calibration.correction.bytes_for(2_000_000) == pytest.approx(-300_000, rel=0.02)
+    with pytest.raises(ValueError, match="settle_steps must be >= 1"):
+        xpm.Calibration(BUDGET, settle_steps=0)
 
 
 def test_a_calibration_state_of_a_constant_correction_still_loads():

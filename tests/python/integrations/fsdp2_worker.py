@@ -142,6 +142,30 @@ def run_probe(out):
             "local_parameter_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters())}
 
 
+def run_calibrated(out):
+    """An epoch of 8 steps through microbatch_loop(meter=...): each microbatch's peak measured
+    and fed to the sampler's calibration; gradients set to None between steps (zero_grad's
+    default). Rows of (step, peak, predicted, correction, last) for the non-empty microbatches."""
+    meter, model, _, optimizer, outcome, _, usable = probed_tagger()
+    lengths, tokens_of = records()
+    sampler = xpm.PredictiveBatchSampler(lengths, outcome.model, usable, outer_batch_size=32, seed=3, units=lengths)
+    rows, ooms = [], meter.oom_count
+    for microbatch, weight, last in xpm.microbatch_loop(iter(sampler), sampler, meter=meter):
+        model.set_requires_gradient_sync(last)
+        tokens, mask = batch(tokens_of, list(microbatch))
+        units = float(mask.sum())
+        (loss_sum(model, tokens, mask) * (weight / units if units > 0 else 0.0)).backward()
+        if last:
+            optimizer.step()
+            optimizer.zero_grad()
+        if len(microbatch):
+            rows.append([microbatch.step, meter.peak_allocated_bytes, microbatch.predicted_bytes,
+                         microbatch.correction_bytes, last])
+    return {"rows": rows, "ooms": meter.oom_count - ooms, "log": sampler.calibration.log, "usable_bytes": usable,
+            "floor_bytes": outcome.model.floor_bytes, "steps": sampler.steps_per_epoch(),
+            "phases": outcome.model.phases}
+
+
 def full_gradients(model):
     return [p.grad.full_tensor().clone() for p in model.parameters()]
 
@@ -271,7 +295,8 @@ def main():
     mode, out = sys.argv[1], pathlib.Path(sys.argv[2])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    result = {"probe": run_probe, "train": run_train, "resume": run_resume, "oom": run_oom}[mode](out)
+    result = {"probe": run_probe, "train": run_train, "calibrated": run_calibrated, "resume": run_resume,
+              "oom": run_oom}[mode](out)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

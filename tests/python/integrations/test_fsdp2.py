@@ -63,6 +63,31 @@ def test_lockstep_probing_fits_the_same_model_on_every_rank(tmp_path):
     assert min(errors) > -0.01, f"a held-out shape was under-predicted: {errors}"
 
 
+def test_calibrated_from_training_no_microbatch_is_under_planned(tmp_path):
+    """An epoch of 8 steps through microbatch_loop(meter=...), gradients set to None between
+    steps: the probe fitted the first microbatch's phase (no gradient, no unsharded gradient
+    held); the calibration agrees the same corrections on both ranks, 0 OOM, and from the third
+    step on no microbatch peaks more than 1 % of the budget above what its plan fits. This
+    tagger's peaks at the same shape differ by up to 6 % from one run to the next (gathered
+    parameters and buffers beside small activations), so the over-prediction is printed, not
+    held to the 3 % goal."""
+    ranks = run_ranks("calibrated", tmp_path)
+    assert [r["ooms"] for r in ranks] == [0, 0] and ranks[0]["log"] == ranks[1]["log"]
+    assert ranks[0]["phases"] == ["with_gradients", "without_gradients"]
+    usable = ranks[0]["usable_bytes"]
+    later = [(peak, predicted + correction, last) for r in ranks for step, peak, predicted, correction, last in r["rows"]
+             if step >= 2]
+    large = [(planned - peak) / peak for peak, planned, _ in later if peak > usable / 2]
+    small = [(planned - peak) / peak for peak, planned, _ in later if peak <= usable / 2]
+    raw = [(predicted - peak) / peak for r in ranks for _, peak, predicted, _, _ in r["rows"]]
+    print(f"\nFSDP2 calibrated at world 2: raw {100 * min(raw):+.2f} % to {100 * max(raw):+.2f} %; from step 3, "
+          f"{len(large)} microbatches over half the budget {100 * min(large):+.2f} % to {100 * max(large):+.2f} %, "
+          f"{len(small)} others {100 * min(small, default=0):+.2f} % to {100 * max(small, default=0):+.2f} %; "
+          f"{ranks[0]['log']}")
+    assert len(large) >= 8
+    assert min(planned - peak for peak, planned, _ in later) > -0.01 * usable
+
+
 def test_the_lockstep_sampler_trains_fsdp2_without_oom_and_accumulates_exactly(tmp_path):
     ranks = run_ranks("train", tmp_path)
     print(f"\nFSDP2 training at world 2: microbatches per step {ranks[0]['microbatches_per_step']}, worst "
