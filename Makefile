@@ -44,7 +44,9 @@ clean:
 # `make bench` regenerates every table and figure of docs/benchmarks.md (the sections between
 # bench-report markers, docs/figures/bench-*.svg): packers and fit (Google Benchmark), held-out
 # prediction of both bundled models, the end-to-end batcher comparison (bench/*.cpp say what
-# each measures). Raw outputs go to $(BENCH_DIR). About 15 minutes on the 2-core machine.
+# each measures), and Python's predictive batching against a fixed microbatch and a hand-set token
+# budget (bench/python_batching_throughput.py). Raw outputs go to $(BENCH_DIR). About 10 minutes
+# on the 2-core machine.
 BENCH_DIR ?= runs/bench
 BENCH_STEPS ?= 150
 BENCH_MIN_TIME ?= 0.2
@@ -81,3 +83,8 @@ bench: setup configure
 	  $(BENCH_SHARDING_CAP_BYTES) > $(BENCH_DIR)/sharding-modes.md
 	bench/splice_section.sh sharding-modes $(BENCH_DIR)/sharding-modes.md docs/benchmarks.md \
 	  "make bench (bench/sharding_modes.sh, $(BENCH_PRECISION_STEPS) steps per mode, 1 thread per rank)"
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target xpm_python_planner xpm_python_torch
+	PYTHONPATH=$(BUILD_DIR)/python OMP_NUM_THREADS=1 $(PYTHON) bench/python_batching_throughput.py \
+	  --data-dir data/brown --records 1024 --json $(BENCH_DIR)/python-batching.json > $(BENCH_DIR)/python-batching.md
+	bench/splice_section.sh python-batching $(BENCH_DIR)/python-batching.md docs/benchmarks.md \
+	  "make bench (bench/python_batching_throughput.py, 1,024 Brown sentences, 1 thread)"
