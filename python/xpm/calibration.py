@@ -97,17 +97,17 @@ class Calibration:
             when torch.distributed is initialised with more than one rank; else no collective).
 
     Raises:
-        ValueError: ``usable_bytes``, ``window_steps`` or ``settle_steps`` is not positive.
+        ValueError: ``usable_bytes`` is not positive, or ``window_steps`` or ``settle_steps`` is
+            not a whole number >= 1.
     """
 
     def __init__(self, usable_bytes: int, *, window_steps: int = 32, settle_steps: int = 2,
                  group: Optional[Any] = None) -> None:
         if int(usable_bytes) <= 0:
             raise ValueError(f"Calibration: usable_bytes must be > 0, got {usable_bytes}")
-        if int(window_steps) < 1:
-            raise ValueError(f"Calibration: window_steps must be >= 1, got {window_steps}")
-        if int(settle_steps) < 1:
-            raise ValueError(f"Calibration: settle_steps must be >= 1, got {settle_steps}")
+        for name, value in (("window_steps", window_steps), ("settle_steps", settle_steps)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"Calibration: {name} must be a whole number >= 1, got {value!r}")
         self.settle_steps = int(settle_steps)
         self.usable_bytes = int(usable_bytes)
         self.window_steps = int(window_steps)

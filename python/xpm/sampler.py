@@ -334,6 +334,8 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         if not isinstance(state, dict):
             raise ValueError(f"{what} must be a dict, got {type(state).__name__}")
         for key, mine in settings.items():
+            if key not in state:
+                raise ValueError(f"{what} has no '{key}': not the state_dict() of a PredictiveBatchSampler")
             if state.get(key) != mine:
                 raise ValueError(f"{what} {key} {state.get(key)!r} differs from this sampler's {mine!r}")
 
@@ -554,6 +556,19 @@ class PredictiveBatchSampler(Sampler[List[int]]):
     def _replan_from(self, first: int, correction: Correction) -> None:
         """Steps ``first`` on planned with ``correction``, in place (a pass under way reads them)."""
         self._corrections = [c for c in self._corrections if c[0] < first] + [(first, correction)]
+        self._replan_steps(first)
+
+    def _gradients_held_from(self, step: int) -> None:
+        """The loop keeps the gradients between steps: from ``step`` on, each step's first
+        microbatch is predicted with them (the same packing), with a warning."""
+        self._first_phase = "with_gradients"
+        warnings.warn(f"xpm: the gradients are allocated when step {step} starts (zero_grad(set_to_none=False)?), but "
+                      "the sampler predicted each step's first microbatch without them; it predicts it with them from "
+                      "this step on: build the sampler with gradients_set_to_none=False", RuntimeWarning, stacklevel=3)
+        self._replan_steps(step)
+
+    def _replan_steps(self, first: int) -> None:
+        """Steps ``first`` on planned anew, in place."""
         if self._steps_cache is None:
             return
         steps, offsets = self._steps_cache, self._offsets_cache
@@ -845,6 +860,10 @@ def _unplanned_memory(meter: Meter, model: MemoryModel, usable_bytes: int,
                        f"MemoryBudget(extra_overhead_bytes=...)")
 
 
+def _holds_gradients(module: torch.nn.Module) -> bool:
+    return any(p.grad is not None for p in module.parameters())
+
+
 def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, meter: Optional[Meter] = None,
                     module: Optional[torch.nn.Module] = None) -> Iterator[Tuple[Any, float, bool]]:
     """Yields ``(batch, weight, last)`` for every microbatch of ``loader``.
@@ -858,7 +877,10 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
             every microbatch's peak is measured (the meter's peak reset before it is handed out,
             read when the loop is resumed) for the sampler's calibration: ``record_peak`` each
             microbatch, ``end_step`` after each step's last (on every rank: one all-reduce).
-        module: the trained module, for ``check_unplanned_memory`` (gradients set to None).
+        module: the trained module, for ``check_unplanned_memory`` (gradients set to None);
+            given, a step that starts with gradients allocated (a loop that zeroes them in
+            place) while the sampler predicts its first microbatch without them switches the
+            sampler to predicting it with them, with a warning.
 
     Returns:
         An iterator of ``(batch, weight, last)``: ``weight`` multiplies the microbatch's mean
@@ -870,7 +892,9 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
         RuntimeError: ``loader`` does not draw its batches from ``sampler``.
 
     Warns:
-        RuntimeWarning: from ``check_unplanned_memory``, once per loop, when ``meter`` is given.
+        RuntimeWarning: from ``check_unplanned_memory``, once per loop, when ``meter`` is given;
+            once, when ``module`` holds gradients at a step's start while the sampler predicted
+            the first microbatch without them.
     """
     iterator = iter(loader)
     position: Optional[int] = None
@@ -908,6 +932,8 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
             raise RuntimeError(f"microbatch_loop: the loader's batch would be microbatch {position + 1} of an epoch "
                                f"of {current._offsets[-1]}; its batches must be the sampler's, in order")
         step, j = current.locate(position)
+        if j == 0 and module is not None and sampler._first_phase != "with_gradients" and _holds_gradients(module):
+            sampler._gradients_held_from(step)
         microbatches = current._steps[step].microbatches
         last = j == len(microbatches) - 1
         step_starts = last

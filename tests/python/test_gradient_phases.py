@@ -159,3 +159,36 @@ def test_a_phase_that_is_no_gradient_phase_is_refused_in_one_line(trained):
     with pytest.raises(ValueError) as error:
         trained[0].model.predict([8, 40], "first")
     assert "phase" in str(error.value) and "'first'" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_loop_that_keeps_its_gradients_is_detected_and_its_first_microbatches_predicted_with_them(trained):
+    """The sampler's default assumes zero_grad(set_to_none=True); a loop that zeroes in place,
+    given to microbatch_loop as module=, is caught at the first step that starts with gradients:
+    one warning, and from that step on each first microbatch is predicted with gradients."""
+    outcome = trained[0]
+    torch.manual_seed(2)
+    model = ConvLm()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    lengths = np.random.default_rng(6).integers(4, 64, 192)
+    texts = [torch.randint(1, VOCAB, (int(n),)) for n in lengths]
+    sampler = xpm.PredictiveBatchSampler(lengths, outcome.model, 20_000_000, outer_batch_size=64, calibrate=False)
+    firsts = []
+    with pytest.warns(RuntimeWarning, match="gradients_set_to_none=False") as caught:
+        position = 0
+        for microbatch, weight, last in xpm.microbatch_loop(iter(sampler), sampler, module=model):
+            if position == 0:
+                firsts.append((microbatch.step, microbatch.predicted_bytes, outcome.model.predict(microbatch.dims)))
+            batch = torch.zeros(len(microbatch), max(len(texts[i]) for i in microbatch), dtype=torch.long)
+            for row, i in enumerate(microbatch):
+                batch[row, :len(texts[i])] = texts[i]
+            (weight * model.loss_sum(batch)).backward()
+            if last:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+            position = 0 if last else position + 1
+    assert sum("gradients_set_to_none=False" in str(w.message) for w in caught) == 1
+    assert firsts[0][1] < firsts[0][2]  # step 0 starts without gradients: the phase's prediction
+    # Step 1 starts with them: planned anew from it (its first microbatch, already fetched by the
+    # loader, carries the old figure; the calibration reads the new one), the later as planned.
+    assert sampler.planned_step(1).predicted_bytes[0] == outcome.model.predict(sampler.planned_step(1).dims[0])
+    assert len(firsts) > 2 and all(predicted == steady for _, predicted, steady in firsts[2:])

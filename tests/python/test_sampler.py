@@ -533,7 +533,7 @@ def test_calibration_lowers_an_over_prediction_once_settled():
         calibration.record_peak(2_000_000, 1_700_000)             # 15 % over-predicted
         line = calibration.end_step(step)
     assert line is not None and calibration.correction.bytes_for(2_000_000) == pytest.approx(-300_000, rel=0.02)
-    with pytest.raises(ValueError, match="settle_steps must be >= 1"):
+    with pytest.raises(ValueError, match="settle_steps must be a whole number >= 1, got 0"):
         xpm.Calibration(BUDGET, settle_steps=0)
 
 
