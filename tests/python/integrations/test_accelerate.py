@@ -31,19 +31,18 @@ RECORDS, OUTER_BATCH = 512, 64
 # dealing gets wrong. The probe runs under the largest.
 CAPS_BYTES = (6_000_000, 4_000_000, 4_500_000, 3_000_000, 5_000_000, 7_000_000)
 
-# Run on each process by torch.distributed.run: argv = example dir, data dir, records, outer
-# batch size, caps (comma-separated), output file pattern.
-EPOCH_SCRIPT = r'''
+# The start of both scripts run on each process by torch.distributed.run: argv = example dir,
+# data dir, records, outer batch size, cap(s), output file pattern. The meter, the example's
+# model and optimizer, not yet prepared.
+SCRIPT_START = r'''
 import json, sys
 import numpy as np, torch, torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 sys.path.insert(0, sys.argv[1])
 import accelerate, xpm
 from xpm.integrations import accelerate as xpm_accelerate
 import train
 
 data_dir, records, outer, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
-caps = [int(c) for c in sys.argv[5].split(",")]
 torch.manual_seed(1)
 accelerator = accelerate.Accelerator(cpu=True)
 rank = accelerator.process_index
@@ -52,6 +51,12 @@ lengths = np.array([len(s) for s in sentences])
 meter = xpm.CpuMeter.install()
 model = train.CharTransformer()
 optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+'''
+
+# argv[5]: the caps, comma-separated.
+EPOCH_SCRIPT = SCRIPT_START + r'''
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+caps = [int(c) for c in sys.argv[5].split(",")]
 meter.capacity_bytes = max(caps)
 memory_model = train.probe_on_main_process(accelerator, model, optimizer, meter, int(lengths.max()))
 
@@ -130,27 +135,11 @@ accelerator.end_training()
 '''
 
 
-# Run on each process by torch.distributed.run: the model prepared (wrapped in DDP) before it is
-# probed, every rank probing in lockstep (DDP's buckets and all-reduce in the probes), the
-# sampler's calibration fed by microbatch_loop(meter=...); argv = example dir, data dir, records,
-# outer batch size, cap, output file pattern.
-CALIBRATED_SCRIPT = r'''
-import json, sys
-import numpy as np, torch
-sys.path.insert(0, sys.argv[1])
-import accelerate, xpm
-from xpm.integrations import accelerate as xpm_accelerate
-import train
-
-data_dir, records, outer, cap, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-torch.manual_seed(1)
-accelerator = accelerate.Accelerator(cpu=True)
-rank = accelerator.process_index
-sentences = train.synthetic_sentences(records) if data_dir == "synthetic" else train.read_brown(data_dir, records)
-lengths = np.array([len(s) for s in sentences])
-meter = xpm.CpuMeter.install()
-model = train.CharTransformer()
-optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+# The model prepared (wrapped in DDP) before it is probed, every rank probing in lockstep (DDP's
+# buckets and all-reduce in the probes), the sampler's calibration fed by
+# microbatch_loop(meter=...); argv[5]: the cap.
+CALIBRATED_SCRIPT = SCRIPT_START + r'''
+cap = int(sys.argv[5])
 model, optimizer = accelerator.prepare(model, optimizer)
 meter.capacity_bytes = cap
 memory_model = train.probe_prepared(model, optimizer, meter, int(lengths.max()))
