@@ -525,7 +525,7 @@ def test_calibration_raises_at_once_and_lowers_once_the_window_settles_under_a_l
 
 
 def test_calibration_lowers_an_over_prediction_once_settled():
-    calibration = xpm.Calibration(BUDGET)                         # settle_steps=2
+    calibration = xpm.Calibration(BUDGET, settle_steps=2)
     calibration.record_peak(2_000_000, 2_000_000)
     calibration.end_step(0)
     assert calibration.correction == xpm.Correction()
