@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """A character-level causal Transformer language model trained by Lightning's Trainer with DDP
-over CPU processes, each under a CPU memory cap, with xpm's planning: rank 0 probes the step and
-fits ``a*bs*l^2 + b*bs*l + d*bs + c``, every rank gets the same model, and every outer batch of
-sentences is shared among the ranks and split into microbatches predicted to fit.
+over CPU processes, each under a CPU memory cap, with xpm's planning: once DDP has wrapped the
+model, every rank probes the step in lockstep and fits the same ``a*bs*l^2 + b*bs*l + d*bs + c``,
+and every outer batch of sentences is shared among the ranks and split into microbatches
+predicted to fit, the plans calibrated from the peaks training measures.
 
     PYTHONPATH=build/python python examples/lightning_ddp/train.py --data-dir data/brown --devices 2
 
@@ -95,26 +96,25 @@ class CharLanguageModel(lightning.LightningModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.net.parameters(), lr=2e-3)
 
-    def setup(self, stage: str) -> None:
-        # The process group is up, the model not yet wrapped in DDP: probe on rank 0, share the model.
+    def on_fit_start(self) -> None:
+        # DDP has wrapped the module (its gradient buckets allocated) and the optimizer is built:
+        # every rank probes in lockstep, the buckets in the probes, and fits the same model.
         METER.capacity_bytes = self.args.memory_cap_bytes
         formula = xpm.CostFormula("a*bs*l^2 + b*bs*l + d*bs + c", ["bs", "l"])
-        self.memory_model = xpm_lightning.probe_and_share(
-            self.net, self.configure_optimizers(),
+        self.memory_model = xpm.probe(
+            self.net, self.trainer.optimizers[0],
             lambda dims: self.net.loss_sum(torch.randint(1, VOCAB, (int(dims[0]), int(dims[1])))), formula,
             meter=METER, variable_max={"bs": self.args.outer_batch_size, "l": int(self.lengths.max())},
-            design_fractions=(1.0, 0.5, 0.25, 0.125))  # most sentences are short
-        # DDP's gradient buckets come after the probe: reserve them in the budget.
-        self.reserve = xpm_lightning.ddp_bucket_bytes(self.net) if self.trainer.world_size > 1 else 0
-        budget = xpm.MemoryBudget(self.args.memory_cap_bytes, extra_overhead_bytes=self.reserve)
+            design_fractions=(1.0, 0.5, 0.25, 0.125),  # most sentences are short
+            lockstep=self.trainer.world_size > 1).model
+        budget = xpm.MemoryBudget(self.args.memory_cap_bytes)
         self.sampler = xpm.PredictiveBatchSampler(self.lengths, self.memory_model, budget.usable_bytes,
                                                   outer_batch_size=self.args.outer_batch_size, seed=1,
                                                   units=self.lengths - 1, rank=self.trainer.global_rank,
                                                   world_size=self.trainer.world_size)
         if self.trainer.global_rank == 0:
             print(f"model: {self.memory_model.formula.canonical}, floor {self.memory_model.floor_bytes:.0f} bytes; "
-                  f"usable {budget.usable_bytes} of {self.args.memory_cap_bytes} bytes per rank "
-                  f"({self.reserve} reserved for DDP's buckets)", flush=True)
+                  f"usable {budget.usable_bytes} of {self.args.memory_cap_bytes} bytes per rank", flush=True)
 
     def train_dataloader(self):
         return xpm_lightning.planned_dataloader(self.trainer, self.sentences, self.sampler, collate)
@@ -124,7 +124,8 @@ class CharLanguageModel(lightning.LightningModule):
 
     def training_step(self, step: xpm_lightning.PlannedStep, index: int) -> None:
         loss = torch.zeros(())
-        for batch, weight, last in xpm_lightning.microbatches(self, step):
+        for k, (batch, weight, last) in enumerate(xpm_lightning.microbatches(self, step, sampler=self.sampler,
+                                                                              meter=METER)):
             METER.reset_peak()
             try:
                 microbatch_loss = weight * self.net.loss_sum(batch["chars"]) / batch["units"]
@@ -135,7 +136,7 @@ class CharLanguageModel(lightning.LightningModule):
                 raise  # a planned microbatch out of memory: stop (the other ranks stop at the all-reduce)
             loss += microbatch_loss.detach()
             measured = METER.peak_allocated_bytes
-            predicted = self.memory_model.predict(list(batch["chars"].shape)) + self.reserve
+            predicted = step.predicted_bytes[k] + step.correction_bytes[k]  # as planned, calibrated
             if measured > self.memory_model.floor_bytes:  # where the formula, not the floor, binds
                 error = (predicted - measured) / measured
                 self.stats["worst_under"] = min(self.stats["worst_under"], error)

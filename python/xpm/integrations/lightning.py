@@ -10,18 +10,18 @@ optimizer step, manual optimization, one gradient all-reduce per step.
             super().__init__()
             self.automatic_optimization = False    # the microbatches decide the step, not Lightning
             self.net = Net()
-        def setup(self, stage):                    # process group up, model not yet wrapped in DDP
+        def on_fit_start(self):                    # DDP has wrapped the model, the optimizer is built
             meter.capacity_bytes = CAP
-            memory_model = xpm_lightning.probe_and_share(self.net, self.configure_optimizers(), loss_fn,
-                                                         formula, meter=meter, variable_max={...})
-            budget = xpm.MemoryBudget(CAP, extra_overhead_bytes=xpm_lightning.ddp_bucket_bytes(self.net))
+            memory_model = xpm.probe(self.net, self.trainer.optimizers[0], loss_fn, formula, meter=meter,
+                                     variable_max={...}, lockstep=self.trainer.world_size > 1).model
+            budget = xpm.MemoryBudget(CAP)         # DDP's buckets are in the probes
             self.sampler = xpm.PredictiveBatchSampler(lengths, memory_model, budget.usable_bytes,
                                                       outer_batch_size=64, rank=self.global_rank,
                                                       world_size=self.trainer.world_size, units=units)
         def train_dataloader(self):
             return xpm_lightning.planned_dataloader(self.trainer, dataset, self.sampler, collate_fn)
         def training_step(self, step, index):
-            loss = xpm_lightning.backward_microbatches(self, step, self.mean_loss)
+            loss = xpm_lightning.backward_microbatches(self, step, self.mean_loss, sampler=self.sampler, meter=meter)
             optimizer = self.optimizers()
             optimizer.step()
             optimizer.zero_grad()
@@ -42,8 +42,10 @@ Why this shape:
   may stay at its default. A map-style ``xpm.StepDataset`` loader under DDP would be re-sharded
   by that sampler (each rank taking every other step of its own share); ``backward_microbatches``
   refuses its items with the fix in the message.
-- DDP allocates its gradient buckets (a copy of the gradients) when it wraps the model, after
-  the probe: reserve ``ddp_bucket_bytes(model)`` in the budget.
+- DDP allocates its gradient buckets (a copy of the gradients) when it wraps the model: probe in
+  ``on_fit_start`` (after the wrapping, before Lightning asks for the train dataloader), every
+  rank in lockstep, and the buckets are in the probes. Probed earlier (``probe_and_share`` in
+  ``setup``), reserve ``ddp_bucket_bytes(model)`` in the budget instead.
 - The epoch: ``planned_dataloader`` re-plans at every ``iter()`` with ``trainer.current_epoch``
   (Lightning calls ``set_epoch`` only on samplers, and an ``IterableDataset`` loader has none).
 """

@@ -120,16 +120,19 @@ WORKER = textwrap.dedent(r'''
         def configure_optimizers(self):
             return torch.optim.AdamW(self.net.parameters(), lr=1e-3)
 
-        def setup(self, stage):
+        def on_fit_start(self):
+            # DDP has wrapped the module (its gradient buckets allocated) and the optimizer is
+            # built: every rank probes in lockstep, the buckets in the probes, the same model.
             torch.manual_seed(1)
             meter.capacity_bytes = CAP
-            self.memory_model = xpm_lightning.probe_and_share(
-                self.net, self.configure_optimizers(),
+            self.memory_model = xpm.probe(
+                self.net, self.trainer.optimizers[0],
                 lambda dims: self.net.loss_sum(torch.randint(1, VOCAB, (int(dims[0]), int(dims[1])))),
                 xpm.CostFormula("a*bs*l^2 + b*bs*l + d*bs + c", ["bs", "l"]), meter=meter,
-                variable_max={"bs": OUTER_BATCH, "l": int(self.lengths.max())}, design_fractions=(1.0, 0.5, 0.25))
-            self.reserve = xpm_lightning.ddp_bucket_bytes(self.net)  # allocated by DDP, after the probe
-            self.usable = xpm.MemoryBudget(CAP, extra_overhead_bytes=self.reserve).usable_bytes
+                variable_max={"bs": OUTER_BATCH, "l": int(self.lengths.max())}, design_fractions=(1.0, 0.5, 0.25),
+                lockstep=True).model
+            self.reserve = 0  # nothing to reserve: the probes saw the buckets
+            self.usable = xpm.MemoryBudget(CAP).usable_bytes
             self.seen["model_json"] = self.memory_model.to_json()
             self.sampler = xpm.PredictiveBatchSampler(self.lengths, self.memory_model, self.usable,
                                                       outer_batch_size=OUTER_BATCH, seed=3, units=self.lengths - 1,
@@ -252,8 +255,10 @@ def test_ddp_two_ranks_every_record_once_one_allreduce_per_step(tmp_path):
         assert "error" not in seen, seen["error"]
     assert code == 0, output[-3000:]
     assert [seen["rank"] for seen in ranks] == [0, 1] and {seen["world_size"] for seen in ranks} == {2}
-    # The plans are the same on both ranks: rank 0 probed and sent its model.
-    assert ranks[0]["model_json"] == ranks[1]["model_json"]
+    # The plans are the same on both ranks: both probed the wrapped step in lockstep.
+    models = [json.loads(seen["model_json"]) for seen in ranks]
+    assert [m["coefficients"] for m in models] == [models[0]["coefficients"]] * 2
+    assert models[0]["metadata"]["phases"] == models[1]["metadata"]["phases"]
 
     steps_per_epoch = ranks[0]["steps_per_epoch"]
     assert steps_per_epoch == -(-RECORDS // OUTER_BATCH)
