@@ -879,8 +879,9 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
             microbatch, ``end_step`` after each step's last (on every rank: one all-reduce).
         module: the trained module, for ``check_unplanned_memory`` (gradients set to None);
             given, a step that starts with gradients allocated (a loop that zeroes them in
-            place) while the sampler predicts its first microbatch without them switches the
-            sampler to predicting it with them, with a warning.
+            place; the loop's first step is not looked at, since ``xpm.probe`` leaves the
+            gradients allocated) while the sampler predicts its first microbatch without them
+            switches the sampler to predicting it with them, with a warning.
 
     Returns:
         An iterator of ``(batch, weight, last)``: ``weight`` multiplies the microbatch's mean
@@ -901,6 +902,7 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
     check, step_starts = meter is not None, True
     measuring = meter is not None and sampler.calibration is not None
     handed_out: Optional[Microbatch] = None  # the microbatch being trained on, when measuring
+    started_steps = 0                         # steps whose first microbatch this loop handed out
     while True:
         if handed_out is not None:
             sampler.record_peak(handed_out, meter.peak_allocated_bytes)
@@ -932,8 +934,10 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
             raise RuntimeError(f"microbatch_loop: the loader's batch would be microbatch {position + 1} of an epoch "
                                f"of {current._offsets[-1]}; its batches must be the sampler's, in order")
         step, j = current.locate(position)
-        if j == 0 and module is not None and sampler._first_phase != "with_gradients" and _holds_gradients(module):
+        if j == 0 and started_steps and module is not None and sampler._first_phase != "with_gradients" and \
+                _holds_gradients(module):  # not at the loop's first step: the probe leaves gradients allocated
             sampler._gradients_held_from(step)
+        started_steps += j == 0
         microbatches = current._steps[step].microbatches
         last = j == len(microbatches) - 1
         step_starts = last

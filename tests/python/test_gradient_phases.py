@@ -188,7 +188,8 @@ def test_a_loop_that_keeps_its_gradients_is_detected_and_its_first_microbatches_
             position = 0 if last else position + 1
     assert sum("gradients_set_to_none=False" in str(w.message) for w in caught) == 1
     assert firsts[0][1] < firsts[0][2]  # step 0 starts without gradients: the phase's prediction
-    # Step 1 starts with them: planned anew from it (its first microbatch, already fetched by the
-    # loader, carries the old figure; the calibration reads the new one), the later as planned.
+    # Step 1 starts with them (the loop's first step is not looked at): planned anew from it (its
+    # first microbatch, already fetched by the loader, carries the old figure; the calibration
+    # reads the new one), the later as planned.
     assert sampler.planned_step(1).predicted_bytes[0] == outcome.model.predict(sampler.planned_step(1).dims[0])
     assert len(firsts) > 2 and all(predicted == steady for _, predicted, steady in firsts[2:])
