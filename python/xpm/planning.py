@@ -441,13 +441,17 @@ class MemoryModel:
         if record is None:
             return None
         if self._without_gradients is None:
-            parsed = dict(self._parsed())
-            parsed["coefficients"] = record["coefficients"]
-            parsed.pop("single_record_factor", None)
-            if record.get("single_record_factor", 1.0) != 1.0:
-                parsed["single_record_factor"] = record["single_record_factor"]
-            self._without_gradients = _planner.MemoryModel.from_json(json.dumps(parsed))
+            self._without_gradients = self._native_with(record["coefficients"], record.get("single_record_factor", 1.0))
         return self._without_gradients
+
+    def _native_with(self, coefficients: Dict[str, float], single_record_factor: float) -> _planner.MemoryModel:
+        """This model (formula, floor, ranges) with other coefficients and single-record factor."""
+        parsed = dict(self._parsed())
+        parsed["coefficients"] = coefficients
+        parsed.pop("single_record_factor", None)
+        if single_record_factor != 1.0:
+            parsed["single_record_factor"] = single_record_factor
+        return _planner.MemoryModel.from_json(json.dumps(parsed))
 
     def floor_at(self, dims: ArrayLike) -> np.ndarray:
         """The prediction's floor at each row of ``dims`` (the constant floor, or the floor
@@ -463,9 +467,7 @@ class MemoryModel:
             ValueError: dims of the wrong width, or a NaN, infinite or negative value.
         """
         if self._floor is None:
-            parsed = dict(self._parsed())
-            parsed["coefficients"] = {name: 0.0 for name in self.formula.coefficient_names}
-            self._floor = _planner.MemoryModel.from_json(json.dumps(parsed))
+            self._floor = self._native_with({name: 0.0 for name in self.formula.coefficient_names}, 1.0)
         return _planner.predict(self._floor, _matrix(dims, len(self.formula.variable_names), "dims"))
 
     def predict(self, dims: ArrayLike, phase: GradientPhase = "with_gradients") -> Union[float, np.ndarray]:

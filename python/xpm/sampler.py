@@ -39,7 +39,7 @@ import hashlib
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -263,6 +263,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         self._generation = 0                  # bumped by set_epoch / load_state_dict
         self._current: Optional[_MicrobatchIterator] = None  # the latest pass
         self._steps_cache: Optional[List[Step]] = None
+        self._outer_cache: Optional[Tuple[int, List[np.ndarray]]] = None  # (epoch, its outer batches)
         self._offsets_cache: Optional[List[int]] = None
         # (generation, (epoch, steps_done, start)) of the last load_state_dict: what it replaced
         self._before_load: Optional[Tuple[int, Tuple[int, int, Tuple[int, int]]]] = None
@@ -405,23 +406,37 @@ class PredictiveBatchSampler(Sampler[List[int]]):
 
     # ---- the plan
     def _outer_batches(self) -> List[np.ndarray]:
-        n = len(self._dims)
-        order = np.random.default_rng(self._seed + self._epoch).permutation(n) if self._shuffle else np.arange(n)
-        cut = n - n % self._outer if self._drop_last else n
-        return [order[i:i + self._outer] for i in range(0, cut, self._outer)]
+        """The epoch's outer batches (its permutation cut), made once per epoch."""
+        if self._outer_cache is None or self._outer_cache[0] != self._epoch:
+            n = len(self._dims)
+            order = np.random.default_rng(self._seed + self._epoch).permutation(n) if self._shuffle else np.arange(n)
+            cut = n - n % self._outer if self._drop_last else n
+            self._outer_cache = (self._epoch, [order[i:i + self._outer] for i in range(0, cut, self._outer)])
+        return self._outer_cache[1]
 
     def _step(self, records: np.ndarray, rank: int, index: int) -> Step:
+        return self._steps_of(records, index, [rank])[0]
+
+    def _steps_of(self, records: np.ndarray, index: int, ranks: Sequence[int]) -> List[Step]:
+        """Step ``index`` (an outer batch's ``records``) of each of ``ranks``; with lockstep
+        every share is packed once, for the counts and for the ranks asked."""
         shares = _planner.assign_records_to_ranks(self._costs[records].tolist(), self._world)
         share_of = [records[np.asarray(share, dtype=np.int64)] for share in shares]
         total_units = float(self._units[records].sum())
         budget = self._planning_bytes(index)
-        if self._lockstep:  # every share packed once: this rank's plan and the others' counts
+        if self._lockstep:
             packed = [self._packed(share, budget) for share in share_of]
-            microbatches, dims, predicted = packed[rank]
             target = max(len(plan[0]) for plan in packed)
-            microbatches, dims, predicted = self._split_to(target, microbatches, dims, predicted)
+            plans = [self._split_to(target, *packed[rank]) for rank in ranks]
         else:
-            microbatches, dims, predicted = self._packed(share_of[rank], budget)
+            plans = [self._packed(share_of[rank], budget) for rank in ranks]
+        return [self._step_of(plan, total_units, index) for plan in plans]
+
+    def _step_of(self, plan: Tuple[List[np.ndarray], List[np.ndarray], List[float]], total_units: float,
+                 index: int) -> Step:
+        """A ``Step`` of a share's packed microbatches: their weights, the first microbatch's
+        phase, each prediction's correction."""
+        microbatches, dims, predicted = plan
         if self._first_phase != "with_gradients" and len(microbatches[0]):
             predicted[0] = float(self._model.predict(dims[0], self._first_phase))
         scale = self._world / total_units if total_units > 0 else 0.0
@@ -630,6 +645,25 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         if rank == self._rank:
             return self._plan()[0][index]
         return self._step(self._outer_batches()[index], rank, index)
+
+    def planned_steps(self, index: int) -> List[Step]:
+        """Step ``index`` of the epoch of every rank, as planned now (each share packed once;
+        this rank's is its own plan's).
+
+        Args:
+            index: the step's index in the epoch.
+
+        Returns:
+            One ``Step`` per rank, in rank order.
+
+        Raises:
+            ValueError: ``index`` out of range.
+        """
+        mine = self.planned_step(index)  # checks index
+        others = [r for r in range(self._world) if r != self._rank]
+        steps = dict(zip(others, self._steps_of(self._outer_batches()[index], index, others) if others else []))
+        steps[self._rank] = mine
+        return [steps[r] for r in range(self._world)]
 
     def _steps_from_start(self, rank: int) -> Iterator[Step]:
         steps, offsets = self._plan()

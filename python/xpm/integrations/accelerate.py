@@ -165,7 +165,7 @@ class RoundRobinMicrobatches:
         sampler = self.predictive_sampler
         for index in range(self._start_step(), sampler.steps_per_epoch()):
             self.taken_step = index
-            per_rank = [self._planned(sampler.planned_step(index, r), r, index) for r in range(self.world_size)]
+            per_rank = [self._planned(step, r, index) for r, step in enumerate(sampler.planned_steps(index))]
             for slot in zip(*per_rank):
                 yield from slot
 
