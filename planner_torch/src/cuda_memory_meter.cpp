@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -38,6 +39,9 @@ CudaMemoryMeter::CudaMemoryMeter(int device_index) : device_index_(device_index)
                                 " is not one of the " + std::to_string(count) +
                                 " visible CUDA devices (CUDA_VISIBLE_DEVICES applies)");
   }
+  // The caching allocator keeps no statistics of a device before CUDA's lazy initialisation
+  // (the first CUDA tensor): getDeviceStats would throw "Invalid device argument".
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
 }
 
 std::int64_t CudaMemoryMeter::current_allocated_bytes() const {

@@ -140,7 +140,8 @@ def _cuda_device(device: Union[torch.device, str, int, None], where: str, shown:
 
 class CudaMeter:
     """Peak allocated bytes of one CUDA device through ``torch.cuda`` (reset per probe phase);
-    the capacity is the device's total memory.
+    the capacity is the device's total memory, or the share of it ``set_memory_fraction`` caps
+    the process at.
 
     Args:
         device: the GPU, ``torch.device("cuda", N)``, ``"cuda:N"`` or N; default (None or
@@ -148,6 +149,8 @@ class CudaMeter:
 
     Attributes:
         device: the GPU measured, ``torch.device("cuda", index)`` (index always set).
+        memory_fraction: the share of the device's memory the process may use (1.0 unless
+            ``set_memory_fraction`` set it).
 
     Raises:
         ValueError: one line, before anything is done on a GPU: torch sees no CUDA device
@@ -159,11 +162,29 @@ class CudaMeter:
         shown = "" if device is None else f"device='{device}'"
         on_cpu = "on CPU use xpm.CpuMeter.install(), installed before the model is built"
         self.device: torch.device = _cuda_device(device, "CudaMeter", shown, on_cpu)
+        self.memory_fraction = 1.0
 
     @property
     def capacity_bytes(self) -> int:
-        """The device's total memory, bytes."""
-        return torch.cuda.get_device_properties(self.device).total_memory
+        """The device's total memory times ``memory_fraction``, bytes."""
+        return int(torch.cuda.get_device_properties(self.device).total_memory * self.memory_fraction)
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        """Caps the process's allocations on the device at ``fraction`` of its memory
+        (``torch.cuda.set_per_process_memory_fraction``: beyond it the caching allocator raises
+        ``torch.OutOfMemoryError``); ``capacity_bytes`` follows. Set it here rather than through
+        torch, so that the probes' out-of-memory bounds name the capacity they ran under.
+
+        Args:
+            fraction: in (0, 1].
+
+        Raises:
+            ValueError: ``fraction`` is not in (0, 1].
+        """
+        if not 0.0 < float(fraction) <= 1.0:
+            raise ValueError(f"CudaMeter.set_memory_fraction: fraction must be in (0, 1], got {fraction!r}")
+        torch.cuda.set_per_process_memory_fraction(float(fraction), self.device)
+        self.memory_fraction = float(fraction)
 
     @property
     def current_allocated_bytes(self) -> int:
