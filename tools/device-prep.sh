@@ -22,7 +22,7 @@ cd "$root"
 packages=(
   libceres-dev libceres3 libgoogle-glog-dev libgoogle-glog0v6 libgflags-dev libgflags2.2
   libeigen3-dev libsuitesparse-dev libcholmod3 libspqr2 libcxsparse3 libamd2 libcamd2 libccolamd2
-  libcolamd2 libsuitesparseconfig5 libmetis5 libatlas3-base libunwind8
+  libcolamd2 libsuitesparseconfig5 libmetis5 libatlas3-base libunwind8 libunwind-dev
   libmuparserx-dev libmuparserx4.0.11
   libboost-program-options-dev libboost-program-options1.74-dev libboost-program-options1.74.0
   libboost1.74-dev

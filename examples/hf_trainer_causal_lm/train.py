@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
 """A byte-level Llama causal language model (2 layers, width 64, built from a config: nothing is
-downloaded) trained by the Hugging Face ``transformers.Trainer`` under a CPU memory cap, every
+downloaded) trained by the Hugging Face ``transformers.Trainer`` under a memory cap, every
 optimizer step one outer batch of sentences that xpm splits into microbatches predicted to fit.
 
     PYTHONPATH=build/python python examples/hf_trainer_causal_lm/train.py \\
         --data-dir data/brown --steps 20 --output-dir /tmp/hf-planned
+    ... --device cuda --memory-cap-bytes 200000000      # on a GPU: the cap is enforced by torch
+
+On the CPU the cap is ``xpm.CpuMeter``'s; on a GPU, ``CudaMeter.set_memory_fraction`` of the
+device's memory (torch's per-process fraction), so a microbatch over it raises
+``torch.OutOfMemoryError`` for real.
 
 Text: the sentences of the Brown corpus in ``--data-dir`` (cut after 256 bytes), or, without
 one, generated sentences of varied lengths. Prints the fitted memory model, then one line:
 steps, microbatches, OOM count, the worst prediction error of the microbatch peaks where the
-formula (not the floor) binds; exit code 1 if any allocation ran over the cap.
+formula (not the floor) binds, and from the third step the error of the calibrated plan (the
+prediction plus the sampler's correction); exit code 1 if any allocation ran over the cap.
 """
 import argparse
 import pathlib
@@ -96,13 +102,15 @@ def build_model(seed=0):
 
 
 def probe_memory(model, optimizer, meter, max_length, max_batch=64):
-    """Probes the model's training step on random bytes and fits ``a*bs*l^2 + b*bs*l + c``
-    (``bs`` sentences, ``l`` the longest one's bytes)."""
+    """Probes the model's training step on random bytes, on the device of the model's parameters,
+    and fits ``a*bs*l^2 + b*bs*l + c`` (``bs`` sentences, ``l`` the longest one's bytes)."""
+    device = next(model.parameters()).device
+
     def loss_of(dims):
         # Random bytes with one padded position, as real microbatches have: a mask of all ones
         # lets the attention skip the mask (another, smaller kernel) and the probes would miss it.
         bs, l = int(dims[0]), int(dims[1])
-        ids = torch.randint(1, 256, (bs, l))
+        ids = torch.randint(1, 256, (bs, l), device=device)
         mask = torch.ones_like(ids)
         mask[0, -1] = 0
         return model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask.eq(0), -100)).loss
@@ -113,8 +121,35 @@ def probe_memory(model, optimizer, meter, max_length, max_batch=64):
 
 
 def oom_count(meter):
-    """Allocations the meter refused over its cap so far."""
-    return meter.oom_count
+    """Allocations refused over the cap so far: the ``CpuMeter``'s count, or on a GPU the caching
+    allocator's (``num_ooms``)."""
+    if isinstance(meter, xpm.CpuMeter):
+        return meter.oom_count
+    return int(torch.cuda.memory_stats(meter.device).get("num_ooms", 0))
+
+
+def install_meter(device, cap_bytes):
+    """The meter of ``device`` under a cap of ``cap_bytes``: on the CPU ``xpm.CpuMeter``
+    (installed now, before the model is built, its cap set after the model is built), on a GPU
+    ``xpm.CudaMeter`` with torch's caching allocator limited to the cap."""
+    if device == "cpu":
+        meter = xpm.CpuMeter.install()
+        meter.capacity_bytes = 0
+        return meter
+    meter = xpm.CudaMeter(device)
+    total_bytes = meter.capacity_bytes
+    if cap_bytes > total_bytes:
+        raise SystemExit(f"--memory-cap-bytes {cap_bytes}: more than {meter.device}'s {total_bytes} bytes")
+    meter.set_memory_fraction(cap_bytes / total_bytes)
+    return meter
+
+
+def calibrated_errors(measured, floor_bytes, from_step=3):
+    """(planned - measured) / measured of every microbatch from ``from_step`` whose peak is above
+    ``floor_bytes``, planned being the prediction plus the calibration's correction."""
+    return [(r.predicted_bytes + r.correction_bytes - r.peak_allocated_bytes) / r.peak_allocated_bytes
+            for r in measured if r.step >= from_step and r.predicted_bytes is not None
+            and r.peak_allocated_bytes > floor_bytes]
 
 
 def main():
@@ -122,7 +157,8 @@ def main():
     parser.add_argument("--data-dir", default="data/brown", help="Brown corpus folder (generated text without it)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (outer batches)")
     parser.add_argument("--outer-batch-size", type=int, default=32, help="sentences per optimizer step")
-    parser.add_argument("--memory-cap-bytes", type=int, default=24_000_000, help="CPU memory cap")
+    parser.add_argument("--memory-cap-bytes", type=int, default=24_000_000, help="memory cap, bytes")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model trains")
     parser.add_argument("--output-dir", default="hf_trainer_causal_lm_output", help="the Trainer's output_dir")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -140,11 +176,12 @@ def main():
     from xpm.integrations.hf_trainer import PlannedTrainer
 
     # 1. The meter before the model (it must see the weights); the probes and the run under the cap.
-    meter = xpm.CpuMeter.install()
-    model = build_model()
+    meter = install_meter(args.device, args.memory_cap_bytes)
+    model = build_model().to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    meter.capacity_bytes = args.memory_cap_bytes
-    probed = probe_memory(model, optimizer, meter, int(lengths.max()))
+    if args.device == "cpu":
+        meter.capacity_bytes = args.memory_cap_bytes
+    probed = probe_memory(model, optimizer, meter, int(lengths.max()), max_batch=args.outer_batch_size)
     budget = xpm.MemoryBudget(args.memory_cap_bytes)
     print(f"model: {probed.model.formula.canonical}, floor {probed.model.floor_bytes:.0f} bytes; "
           f"{len(probed.probes)} probes ({sum(not p.feasible for p in probed.probes)} out of memory) in "
@@ -156,7 +193,7 @@ def main():
     measured = []
     training = TrainingArguments(output_dir=args.output_dir, max_steps=args.steps, gradient_accumulation_steps=1,
                                  learning_rate=2e-3, lr_scheduler_type="constant", logging_steps=max(1, args.steps // 4),
-                                 save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
+                                 save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=args.device == "cpu",
                                  dataloader_pin_memory=False, seed=1)
     trainer = PlannedTrainer(model=model, args=training, train_dataset=ByteRecords(sentences), data_collator=pad_collate,
                              optimizers=(optimizer, None), batch_sampler=sampler, meter=meter,
@@ -180,6 +217,13 @@ def main():
             errors.append((predicted - record.peak_allocated_bytes) / record.peak_allocated_bytes)
     worst = max(errors, key=abs) if errors else 0.0
     under = min(errors + [0.0])
+    calibrated = calibrated_errors(measured, probed.model.floor_bytes)
+    if calibrated:
+        print(f"from step 3, calibrated plan: {100 * min(calibrated):+.2f} % to {100 * max(calibrated):+.2f} % over "
+              f"{len(calibrated)} microbatches; calibration: {'; '.join(sampler.calibration.log[-3:]) or 'unchanged'}")
+    if args.device == "cuda":
+        print(f"largest microbatch peak {max(r.peak_allocated_bytes for r in measured)} bytes allocated, "
+              f"{torch.cuda.max_memory_reserved(meter.device)} reserved, of {args.memory_cap_bytes}")
     steps = trainer.state.global_step
     tokens = int(sum(lengths[list(r.records)].sum() for r in measured))
     loss = f", training loss {result.training_loss:.3f} nats/byte" if result is not None else ""
