@@ -17,8 +17,10 @@ every rank. ``docs/python.md`` has the guide.
   ``RecordAggregation`` (``probe``'s), ``GradientPhase`` (``MemoryModel.predict``'s ``phase``:
   a step's first microbatch after ``zero_grad(set_to_none=True)`` runs without gradients),
   ``DeviceKind`` (``probe``'s ``device``), ``AdaptiveStop``
-  (``AdaptiveReport.stop``); ``Meter``, the meters ``probe`` takes.
+  (``AdaptiveReport.stop``); ``Meter``, the meters ``probe`` takes;
+- ``__version__``, the version of this copy (the same as the installed distribution's).
 """
+from ._build_info import VERSION as __version__
 from .planning import (GRADIENT_PHASES, PACKERS, Aggregation, CostFormula, FitReport, FormulaError, GradientPhase,
                        MemoryBudget, MemoryModel, PackerName, Plan, RecordAggregation, fit, plan,
                        record_dims_from_lengths)

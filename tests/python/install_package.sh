@@ -6,20 +6,26 @@
 # second copy of torch; xpm itself is installed only into the new environment, so the Python
 # suites that run with it test the installed copy.
 #
-# Usage: tests/python/install_package.sh PYTHON_WITH_TORCH SOURCE_DIR NEW_VENV_DIR
+# Usage: tests/python/install_package.sh PYTHON_WITH_TORCH SOURCE_DIR NEW_VENV_DIR [PIP_BUILD_DIR]
+# PIP_BUILD_DIR: scikit-build-core's build folder, kept between installs (only what changed is
+# rebuilt); without it pip builds in a temporary folder, as a user's install does.
 set -euo pipefail
-python=$1 source=$2 venv=$3
+python=$1 source=$2 venv=$3 build_dir=${4:-}
+settings=()
+[ -z "$build_dir" ] || settings=("--config-settings=build-dir=$build_dir")
 
 rm -rf "$venv"
 "$python" -m venv "$venv"
 purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 purelib "$python" > "$(purelib "$venv/bin/python")/xpm-project-environment.pth"
-if ! output=$("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation "$source" 2>&1); then
+if ! output=$("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation \
+                 "${settings[@]}" "$source" 2>&1); then
   echo "$output" >&2
   echo "install_package.sh: pip install --no-build-isolation $source failed" >&2
   exit 1
 fi
 "$venv/bin/python" - <<'PY'
+import importlib.metadata
 import pathlib
 
 import torch
@@ -28,6 +34,7 @@ import xpm
 
 location = pathlib.Path(xpm.__file__).resolve().parent
 assert "site-packages" in location.parts, f"xpm imported from {location}, not an installed copy"
+assert xpm.__version__ == importlib.metadata.version("xpm"), (xpm.__version__, importlib.metadata.version("xpm"))
 meter = xpm.CpuMeter.install()  # before the model: the meter must see the weights
 model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -36,6 +43,6 @@ meter.capacity_bytes = 128 << 20
 probed = xpm.probe(model, optimizer, lambda dims: model(torch.randn(int(dims[0]), 256)).square().sum(),
                    xpm.CostFormula("a*bs + c", ["bs"]), meter=meter,
                    probe_points=[{"bs": bs} for bs in (512, 1024, 2048, 4096)])
-print(f"installed xpm in {location} with torch {torch.__version__}: {len(probed.probes)} probes, "
+print(f"installed xpm {xpm.__version__} in {location} with torch {torch.__version__}: {len(probed.probes)} probes, "
       f"{probed.model.formula.canonical}, predicts {float(probed.model.predict([3000])):.0f} bytes at bs 3000")
 PY
