@@ -4,7 +4,8 @@ A cost formula (``a*bs*l^2 + b*bs*l + c`` bytes) is fitted to a few probe steps;
 outer batch is split into microbatches predicted to fit the memory budget, the same plan on
 every rank. ``docs/python.md`` has the guide.
 
-- ``CostFormula``, ``fit``, ``MemoryModel``, ``MemoryBudget``, ``plan`` (the planner core);
+- ``CostFormula``, ``fit``, ``MemoryModel``, ``MemoryBudget``, ``plan`` (the planner core;
+  it imports without torch, and the names below import torch on first use);
 - ``probe``, ``CpuMeter``, ``CudaMeter`` (the CPU meter's extension loads on first
   ``CpuMeter.install()``);
 - ``PredictiveBatchSampler``, ``microbatch_loop`` (a ``torch.utils.data`` batch sampler),
@@ -20,18 +21,58 @@ every rank. ``docs/python.md`` has the guide.
   (``AdaptiveReport.stop``); ``Meter``, the meters ``probe`` takes;
 - ``__version__``, the version of this copy (the same as the installed distribution's).
 """
+from typing import TYPE_CHECKING, Any, List
+
 from ._build_info import VERSION as __version__
 from .planning import (GRADIENT_PHASES, PACKERS, Aggregation, CostFormula, FitReport, FormulaError, GradientPhase,
                        MemoryBudget, MemoryModel, PackerName, Plan, RecordAggregation, fit, plan,
                        record_dims_from_lengths)
-from .probing import AdaptiveReport, AdaptiveStop, CpuMeter, CudaMeter, DeviceKind, Meter, ProbeOutcome, probe
-from .adapters import StepDataset, accumulate
-from .lockstep import stop_together
-from .calibration import Calibration, Correction
-from .sampler import Microbatch, PredictiveBatchSampler, Step, check_unplanned_memory, microbatch_loop
 
-__all__ = ["PACKERS", "CostFormula", "FitReport", "FormulaError", "MemoryBudget", "MemoryModel", "Plan", "fit",
-           "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop",
+# The torch side, imported on first use: the planner core above imports without torch.
+_TORCH_SIDE = {
+    "probing": ["AdaptiveReport", "AdaptiveStop", "CpuMeter", "CudaMeter", "DeviceKind", "Meter", "ProbeOutcome",
+                "probe"],
+    "adapters": ["StepDataset", "accumulate"],
+    "lockstep": ["stop_together"],
+    "calibration": ["Calibration", "Correction"],
+    "sampler": ["Microbatch", "PredictiveBatchSampler", "Step", "check_unplanned_memory", "microbatch_loop"],
+}
+_MODULE_OF = {name: module for module, names in _TORCH_SIDE.items() for name in names}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see at once
+    from .adapters import StepDataset, accumulate
+    from .calibration import Calibration, Correction
+    from .lockstep import stop_together
+    from .probing import AdaptiveReport, AdaptiveStop, CpuMeter, CudaMeter, DeviceKind, Meter, ProbeOutcome, probe
+    from .sampler import Microbatch, PredictiveBatchSampler, Step, check_unplanned_memory, microbatch_loop
+
+
+def __getattr__(name: str) -> Any:
+    """The torch side's names (``xpm.probe``, ``xpm.PredictiveBatchSampler``, ...), imported
+    on first use; ``ModuleNotFoundError`` in one line without torch."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'xpm' has no attribute {name!r}")
+    import importlib
+
+    try:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+    except ModuleNotFoundError as error:
+        if error.name != "torch":
+            raise
+        raise ModuleNotFoundError(f"xpm.{name} needs torch (2.11 to 2.14), which this Python cannot import; the "
+                                  "planner core (CostFormula, fit, MemoryModel, plan) works without it",
+                                  name="torch") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))
+
+
+__all__ = ["__version__", "PACKERS", "CostFormula", "FitReport", "FormulaError", "MemoryBudget", "MemoryModel", "Plan",
+           "fit", "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop",
            "check_unplanned_memory", "Calibration", "Correction", "StepDataset", "accumulate",
            "probe", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport",
            "PackerName", "Aggregation", "RecordAggregation", "DeviceKind", "AdaptiveStop", "Meter", "stop_together",

@@ -3,6 +3,7 @@ import concurrent.futures
 import inspect
 import json
 import subprocess
+import sys
 import typing
 
 import numpy as np
@@ -20,6 +21,32 @@ def test_formula_canonical_form_and_identity():
     g = xpm.CostFormula("c + b*bs*l - b*bs + a*l^2*bs", ["bs", "l"], coefficients=["a", "b", "c"])
     assert g.identity_hash == f.identity_hash and len(f.identity_hash) == 16
     assert f.predict([2.0, 3.0, 1e6], [4, 128]) == pytest.approx(2 * 4 * 128**2 + 3 * (4 * 128 - 4) + 1e6)
+
+
+def test_the_planner_core_imports_and_fits_without_torch():
+    """In a process where torch cannot be imported: the version, a formula, a fit and a plan
+    work; the torch side's names fail in one line that says what they need."""
+    code = """
+import sys
+sys.modules["torch"] = None  # import torch now fails, as without torch installed
+import numpy as np
+import xpm
+model, report = xpm.fit(xpm.CostFormula("a*bs*l + c", ["bs", "l"]), [[1, 8], [2, 8], [4, 16], [8, 32]],
+                        [1064, 1128, 1512, 3048])
+planned = xpm.plan(np.array([[1, 30], [1, 20], [1, 10]], dtype=float), model, 1500)
+print(xpm.__version__, report.usable, round(model.predict([2, 10])), sorted(len(m) for m in planned.microbatches))
+try:
+    xpm.PredictiveBatchSampler
+except ModuleNotFoundError as error:
+    print(error)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"{xpm.__version__} True 1160 [1, 2]"
+    assert lines[1] == ("xpm.PredictiveBatchSampler needs torch (2.11 to 2.14), which this Python cannot import; "
+                        "the planner core (CostFormula, fit, MemoryModel, plan) works without it")
+    assert "torch" not in done.stderr
 
 
 def test_formula_errors_are_exceptions_with_the_column():
