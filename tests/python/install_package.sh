@@ -46,3 +46,17 @@ probed = xpm.probe(model, optimizer, lambda dims: model(torch.randn(int(dims[0])
 print(f"installed xpm {xpm.__version__} in {location} with torch {torch.__version__}: {len(probed.probes)} probes, "
       f"{probed.model.formula.canonical}, predicts {float(probed.model.predict([3000])):.0f} bytes at bs 3000")
 PY
+# The command line the package installs: xpm-plan fit of a CSV, and bad input refused (exit 2).
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+printf 'bs,l,peak_bytes\n1,8,1064\n2,8,1128\n4,16,1512\n8,32,3048\n2,32,1512\n' > "$work/measured.csv"
+"$venv/bin/xpm-plan" fit "$work/measured.csv" --formula 'a*bs*l + c' --variables bs,l --bytes-column peak_bytes \
+  --output "$work/model.json" > "$work/fit.txt"
+grep -q "Usable" "$work/fit.txt" || { cat "$work/fit.txt"; echo "install_package.sh: xpm-plan fit: no usable fit" >&2; exit 1; }
+"$venv/bin/xpm-plan" predict --model "$work/model.json" --dims bs=4,l=100 | tee "$work/predict.txt"
+set +e
+"$venv/bin/xpm-plan" fit "$work/measured.csv" --formula 'a*bs*l + c' --variables bs,l --bytes-column nope 2>"$work/bad.txt"
+code=$?
+set -e
+[ "$code" -eq 2 ] || { cat "$work/bad.txt"; echo "install_package.sh: bad input exited $code, not 2" >&2; exit 1; }
+echo "installed xpm-plan: fit, predict, and exit code 2 on bad input: $(head -1 "$work/bad.txt")"
