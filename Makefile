@@ -14,7 +14,7 @@ RUN_DIR ?= runs/demo
 # small enough that long outer batches must be split into several microbatches.
 DEMO_CAP_FACTOR ?= 2.0
 
-.PHONY: demo test setup build configure clean
+.PHONY: demo test setup build configure clean wheel
 
 # The demo builds only what it runs; `make test` builds everything.
 demo: setup configure
@@ -40,6 +40,11 @@ build: setup configure
 
 clean:
 	rm -rf $(BUILD_DIR)
+
+# A manylinux wheel of the Python package in dist/, its libraries inside it (tools/make_wheel.sh):
+# pip install dist/xpm-*.whl next to the same torch, without a compiler or Debian's libraries.
+wheel: setup
+	tools/make_wheel.sh $(PYTHON) dist '$(BUILD_DIR)/pip/{wheel_tag}'
 
 # `make bench` regenerates every table and figure of docs/benchmarks.md (the sections between
 # bench-report markers, docs/figures/bench-*.svg): packers and fit (Google Benchmark), held-out

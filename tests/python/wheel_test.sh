@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The wheel as a user without a compiler or the Debian libraries gets it: tools/make_wheel.sh
+# builds it, pip installs it into a fresh virtual environment that sees only torch and numpy
+# (the project environment's, through a .pth file), and then, in a mount namespace where every
+# system copy of a library the wheel bundles reads as an empty file (a /dev/null bind mount, so
+# loading it fails), xpm probes and plans a PyTorch step, `xpm-plan fit` fits a CSV, and the
+# planner and sampler suites run.
+#
+# Usage: tests/python/wheel_test.sh PYTHON_WITH_TORCH WORK_DIR PIP_BUILD_DIR
+# Needs root (unshare -m, mount); exit code 77 (CTest: skipped) without it.
+set -euo pipefail
+python=$1 work=$2 build_dir=$3
+tests=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$tests/../.." && pwd)
+if [ "$(id -u)" -ne 0 ] || ! unshare -m true 2>/dev/null; then
+  echo "wheel_test.sh: skipped: hiding the system libraries needs root (unshare -m, mount --bind)"
+  exit 77
+fi
+rm -rf "$work"
+mkdir -p "$work"
+"$root/tools/make_wheel.sh" "$python" "$work/dist" "$build_dir"
+wheel=$(ls "$work"/dist/xpm-*.whl)
+venv=$work/venv
+"$python" -m venv "$venv"
+purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+purelib "$python" > "$(purelib "$venv/bin/python")/xpm-project-environment.pth"
+start=$(date +%s.%N)
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$wheel"
+echo "installed $(basename "$wheel") in $(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $start}") s"
+
+# The system files of the libraries the wheel carries in xpm.libs/ (name before the hash).
+"$venv/bin/python" - "$wheel" > "$work/hidden.txt" <<'PY'
+import glob, os, re, sys, zipfile
+names = {re.sub(r"-[0-9a-f]{8}(?=\.)", "", os.path.basename(n)) for n in zipfile.ZipFile(sys.argv[1]).namelist()
+         if n.startswith("xpm.libs/")}
+stems = {name.split(".so")[0] for name in names}
+hidden = set()
+for folder in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/usr/lib"):
+    for path in glob.glob(f"{folder}/*.so*") + glob.glob(f"{folder}/*/*.so*"):
+        if os.path.basename(path).split(".so")[0] in stems and os.path.isfile(path):
+            hidden.add(os.path.realpath(path))
+print("\n".join(sorted(hidden)))
+PY
+echo "hiding $(wc -l < "$work/hidden.txt") system library files: $(xargs -n1 basename < "$work/hidden.txt" | tr '\n' ' ')"
+
+csv=$work/measured.csv
+printf 'bs,l,peak_bytes\n1,8,1064\n2,8,1128\n4,16,1512\n8,32,3048\n2,32,1512\n' > "$csv"
+cp "$tests/test_planning.py" "$tests/test_sampler.py" "$tests/conftest.py" "$work/"
+unshare -m --propagation private bash -euo pipefail -s "$venv/bin/python" "$work" <<'INNER'
+python=$1 work=$2
+while read -r path; do mount --bind /dev/null "$path"; done < "$work/hidden.txt"
+# The hiding holds: the system's copy of the first hidden library cannot be loaded.
+first=$(head -1 "$work/hidden.txt")
+if "$python" -c "import ctypes, sys; ctypes.CDLL(sys.argv[1])" "$first" 2>/dev/null; then
+  echo "wheel_test.sh: $first still loads: the libraries are not hidden" >&2
+  exit 1
+fi
+"$python" - <<'PY'
+import pathlib
+
+import torch
+
+import xpm
+
+assert "site-packages" in pathlib.Path(xpm.__file__).parts, xpm.__file__
+meter = xpm.CpuMeter.install()
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+meter.capacity_bytes = 128 << 20
+probed = xpm.probe(model, optimizer, lambda dims: model(torch.randn(int(dims[0]), 256)).square().sum(),
+                   xpm.CostFormula("a*bs + c", ["bs"]), meter=meter,
+                   probe_points=[{"bs": bs} for bs in (512, 1024, 2048, 4096)])
+sampler = xpm.PredictiveBatchSampler([[1.0]] * 9000, probed.model, int(probed.model.predict([3000])),
+                                     outer_batch_size=9000)
+sizes = [len(m) for m in next(iter(sampler.steps())).microbatches]
+print(f"xpm {xpm.__version__} from the wheel, torch {torch.__version__}: {len(probed.probes)} probes, "
+      f"{probed.model.formula.canonical}; 9000 records in microbatches of {sizes}")
+PY
+"$work/venv/bin/xpm-plan" fit "$work/measured.csv" --formula 'a*bs*l + c' --variables bs,l \
+  --bytes-column peak_bytes --output "$work/model.json" | tail -1
+"$work/venv/bin/xpm-plan" predict --model "$work/model.json" --dims bs=4,l=16
+cd "$work"
+XPM_BIN_DIR="$work/venv/bin" "$python" -m pytest -q -p no:cacheprovider test_planning.py test_sampler.py 2>&1 | tail -2
+INNER
