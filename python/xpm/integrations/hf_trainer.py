@@ -206,10 +206,16 @@ def _masked_labels(batch: Mapping) -> dict:
     return masked
 
 
-class PlannedTrainer(transformers.Trainer):
-    """A ``transformers.Trainer`` whose every optimizer step is one outer batch of
-    ``batch_sampler``, run as the sampler's microbatches with exact gradient accumulation
-    (module docstring).
+_MIXIN_ORDER = ("{name}: PlannedTrainerMixin goes before a transformers.Trainer class in the bases, e.g. "
+                "class MyTrainer(PlannedTrainerMixin, Seq2SeqTrainer)")
+
+
+class PlannedTrainerMixin:
+    """Makes a ``transformers.Trainer`` (or any subclass: ``Seq2SeqTrainer``, TRL's trainers, your
+    own) run every optimizer step as one outer batch of ``batch_sampler``, the sampler's
+    microbatches with exact gradient accumulation (module docstring). List it first:
+    ``class PlannedSeq2SeqTrainer(PlannedTrainerMixin, Seq2SeqTrainer): pass``, or
+    ``planned_trainer_class(Seq2SeqTrainer)``; ``PlannedTrainer`` is the plain Trainer's.
 
     Args:
         *args: as ``transformers.Trainer``.
@@ -228,12 +234,22 @@ class PlannedTrainer(transformers.Trainer):
             list of records) into the model's inputs.
 
     Raises:
+        TypeError: the class is not a ``transformers.Trainer`` (the mixin listed without one; a
+            class that lists it after one is refused where it is defined).
         ValueError: ``batch_sampler`` is not a ``PredictiveBatchSampler``, or a setting named in
             the module docstring would break the step accounting.
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if transformers.Trainer in mro and mro.index(PlannedTrainerMixin) > mro.index(transformers.Trainer):
+            raise TypeError(_MIXIN_ORDER.format(name=cls.__name__))
+
     def __init__(self, *args, batch_sampler: PredictiveBatchSampler, meter=None,
                  on_microbatch: Optional[Callable[[MicrobatchRecord], None]] = None, **kwargs):
+        if not isinstance(self, transformers.Trainer):
+            raise TypeError(_MIXIN_ORDER.format(name=type(self).__name__))
         if not isinstance(batch_sampler, PredictiveBatchSampler):
             raise ValueError(f"PlannedTrainer: batch_sampler must be an xpm.PredictiveBatchSampler, "
                              f"got {type(batch_sampler).__name__}")
@@ -426,10 +442,10 @@ class PlannedTrainer(transformers.Trainer):
 
     def floating_point_ops(self, inputs) -> int:
         """The step's floating point operations: the sum over its microbatches."""
+        of_batch = super().floating_point_ops
         if isinstance(inputs, PlannedStep):
-            return 0 if inputs.placeholder else sum(super(PlannedTrainer, self).floating_point_ops(batch)
-                                                    for batch in inputs.microbatches)
-        return super().floating_point_ops(inputs)
+            return 0 if inputs.placeholder else sum(of_batch(batch) for batch in inputs.microbatches)
+        return of_batch(inputs)
 
     def _track_num_input_tokens(self, inputs) -> None:
         """Input tokens seen, counted over the step's microbatches and gathered once per step."""
@@ -502,4 +518,28 @@ class PlannedTrainer(transformers.Trainer):
                              f"sampler state is at step {done} (epoch {saved['epoch']}, step {saved['steps_done']})")
 
 
-__all__ = ["PlannedTrainer", "PlannedStep", "MicrobatchRecord", "SAMPLER_STATE_NAME"]
+class PlannedTrainer(PlannedTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with ``PlannedTrainerMixin``: the planned steps (its Args)."""
+
+
+def planned_trainer_class(base: type) -> type:
+    """A subclass of a Trainer class with ``PlannedTrainerMixin`` first in its bases.
+
+    Args:
+        base: ``transformers.Trainer`` or a subclass (``transformers.Seq2SeqTrainer``,
+            ``trl.SFTTrainer``, ...).
+
+    Returns:
+        ``Planned<base name>``: built as ``base`` with the mixin's ``batch_sampler``, ``meter``
+        and ``on_microbatch`` keywords.
+
+    Raises:
+        TypeError: ``base`` is not a subclass of ``transformers.Trainer``.
+    """
+    if not (isinstance(base, type) and issubclass(base, transformers.Trainer)):
+        raise TypeError(f"planned_trainer_class: base must be transformers.Trainer or a subclass, got {base!r}")
+    return type(f"Planned{base.__name__}", (PlannedTrainerMixin, base), {"__module__": base.__module__})
+
+
+__all__ = ["PlannedTrainer", "PlannedTrainerMixin", "planned_trainer_class", "PlannedStep", "MicrobatchRecord",
+           "SAMPLER_STATE_NAME"]

@@ -25,7 +25,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import xpm  # noqa: E402
-from xpm.integrations.hf_trainer import SAMPLER_STATE_NAME, PlannedStep, PlannedTrainer  # noqa: E402
+from xpm.integrations.hf_trainer import (SAMPLER_STATE_NAME, PlannedStep, PlannedTrainer, PlannedTrainerMixin,  # noqa: E402
+                                        planned_trainer_class)
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 DATA_DIR = pathlib.Path(os.environ.get("XPM_DATA_DIR", ROOT / "data" / "brown"))
@@ -76,17 +77,17 @@ def _sampler(setup, count=None, seed=1):
 
 
 def _trainer(setup, output_dir, *, max_steps, sampler, model_seed=0, save_steps=None, on_microbatch=None,
-             callbacks=None, count=None, **extra):
+             callbacks=None, count=None, trainer_class=PlannedTrainer, arguments_class=None, **extra):
     model = example.build_model(model_seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     extra.setdefault("gradient_accumulation_steps", 1)
-    args = transformers.TrainingArguments(
+    args = (arguments_class or transformers.TrainingArguments)(
         output_dir=str(output_dir), max_steps=max_steps, learning_rate=LEARNING_RATE,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, logging_strategy="no",
         report_to="none", disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False, seed=1, **extra)
-    return PlannedTrainer(model=model, args=args, train_dataset=example.ByteRecords(setup["sentences"][:count]),
-                          data_collator=example.pad_collate, optimizers=(optimizer, None), batch_sampler=sampler,
-                          meter=setup["meter"], on_microbatch=on_microbatch, callbacks=callbacks)
+    return trainer_class(model=model, args=args, train_dataset=example.ByteRecords(setup["sentences"][:count]),
+                         data_collator=example.pad_collate, optimizers=(optimizer, None), batch_sampler=sampler,
+                         meter=setup["meter"], on_microbatch=on_microbatch, callbacks=callbacks)
 
 
 def _steps_of(records):
@@ -95,6 +96,34 @@ def _steps_of(records):
     for record in records:
         steps.setdefault(record.step, []).append(list(record.records))
     return steps
+
+
+def test_any_trainer_subclass_runs_planned_steps_without_oom(setup, tmp_path):
+    """The mixin on transformers' own Trainer subclass (Seq2SeqTrainer), by the factory and by a
+    class of the user's; the mixin after the Trainer, or without one, is refused in one line."""
+    class MySeq2SeqTrainer(PlannedTrainerMixin, transformers.Seq2SeqTrainer):
+        pass
+
+    measured = []
+    trainer = _trainer(setup, tmp_path, max_steps=3, sampler=_sampler(setup), trainer_class=MySeq2SeqTrainer,
+                       arguments_class=transformers.Seq2SeqTrainingArguments, on_microbatch=measured.append)
+    ooms = example.oom_count(setup["meter"])
+    trainer.train()
+    assert example.oom_count(setup["meter"]) == ooms and trainer.state.global_step == 3
+    assert sorted(_steps_of(measured)) == [1, 2, 3] and len(measured) > 3
+    assert planned_trainer_class(transformers.Seq2SeqTrainer).__name__ == "PlannedSeq2SeqTrainer"
+
+    with pytest.raises(TypeError, match=r"^Backwards: PlannedTrainerMixin goes before a transformers.Trainer class"):
+        class Backwards(transformers.Trainer, PlannedTrainerMixin):
+            pass
+
+    class Alone(PlannedTrainerMixin):
+        pass
+
+    with pytest.raises(TypeError, match=r"^Alone: PlannedTrainerMixin goes before a transformers.Trainer class"):
+        Alone(batch_sampler=_sampler(setup))
+    with pytest.raises(TypeError, match=r"^planned_trainer_class: base must be transformers.Trainer or a subclass"):
+        planned_trainer_class(torch.nn.Module)
 
 
 def test_trainer_runs_planned_outer_batches_under_the_cap_without_oom(setup, tmp_path):
@@ -150,9 +179,15 @@ def test_trainer_runs_planned_outer_batches_under_the_cap_without_oom(setup, tmp
           f"calibration {100 * min(calibrated):+.2f} % to {100 * max(calibrated):+.2f} %; {sampler.calibration.log}")
 
 
-def test_accumulated_gradient_of_a_planned_outer_batch_equals_one_big_batch(setup, tmp_path):
+@pytest.mark.parametrize("trainer_class, arguments_class", [
+    (PlannedTrainer, transformers.TrainingArguments),
+    (planned_trainer_class(transformers.Seq2SeqTrainer), transformers.Seq2SeqTrainingArguments)],
+    ids=["Trainer", "Seq2SeqTrainer"])
+def test_accumulated_gradient_of_a_planned_outer_batch_equals_one_big_batch(setup, tmp_path, trainer_class,
+                                                                            arguments_class):
     meter = setup["meter"]
-    trainer = _trainer(setup, tmp_path, max_steps=1, sampler=_sampler(setup))
+    trainer = _trainer(setup, tmp_path, max_steps=1, sampler=_sampler(setup), trainer_class=trainer_class,
+                       arguments_class=arguments_class)
     model = trainer.model
     loader = trainer.get_train_dataloader()
     assert len(loader) == trainer.xpm_sampler.steps_per_epoch() == -(-len(setup["sentences"]) // OUTER)
@@ -194,7 +229,8 @@ def test_accumulated_gradient_of_a_planned_outer_batch_equals_one_big_batch(setu
         for (name, _), a, b in zip(model.named_parameters(), gradients, whole):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"{name}: max difference {float((a - b).abs().max())}"
             worst = max(worst, float((a - b).abs().max()))
-    print(f"{len(step.microbatches)} microbatches of {len(records)} sentences ({label_tokens} label tokens): "
+    print(f"{type(trainer).__name__}: {len(step.microbatches)} microbatches of {len(records)} sentences "
+          f"({label_tokens} label tokens): "
           f"loss {float(loss):.6f} vs {float(reference):.6f}, max gradient difference {worst:.2e} "
           f"(num_items_in_batch and sampler weights)")
 
