@@ -173,7 +173,7 @@ def run_calibrated(out):
                          microbatch.correction_bytes, last])
     return {"rows": rows, "ooms": meter.oom_count - ooms, "log": sampler.calibration.log, "usable_bytes": usable,
             "floor_bytes": outcome.model.floor_bytes, "steps": sampler.steps_per_epoch(),
-            "phases": outcome.model.phases}
+            "phases": outcome.model.phases, "fit_max_rel_error": outcome.fit.max_rel_error}
 
 
 def full_gradients(model):
