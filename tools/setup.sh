@@ -33,6 +33,7 @@ packages=(
   # The Python environment (LibTorch comes from the torch that pip installs into it).
   python3-dev python3-venv python3-pip
   iproute2  # the separate-host tests: network namespaces, veth pairs, tc netem
+  debootstrap  # make test's Debian 13 check builds in a trixie chroot
 )
 
 log() { echo "setup: $*"; }

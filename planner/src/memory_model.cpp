@@ -36,8 +36,16 @@ std::string brief(const nlohmann::json& v) {
   throw std::invalid_argument("memory model: field '" + field + "': " + why);
 }
 
-const nlohmann::json& required(const nlohmann::json& j, const std::string& key,
-                               const std::string& field) {
+// GCC 14's -Wdangling-reference takes the field names' temporaries for what the result refers
+// to; it refers into `j`.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 14
+#define XPM_REFERS_INTO_ARGUMENT [[gnu::no_dangling]]
+#else
+#define XPM_REFERS_INTO_ARGUMENT
+#endif
+
+XPM_REFERS_INTO_ARGUMENT const nlohmann::json& required(const nlohmann::json& j, const std::string& key,
+                                                        const std::string& field) {
   auto it = j.find(key);
   if (it == j.end()) bad_field(field, "missing");
   return *it;
