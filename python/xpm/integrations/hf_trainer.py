@@ -52,7 +52,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -220,7 +220,9 @@ class PlannedTrainerMixin:
     Args:
         *args: as ``transformers.Trainer``.
         batch_sampler: the ``xpm.PredictiveBatchSampler`` over ``train_dataset`` (one record per
-            dataset index; its ``world_size`` must be the run's).
+            dataset index; its ``world_size`` must be the run's); or None, and
+            ``set_batch_sampler`` before ``train()``, to probe through this trainer's own step
+            first (``probe_loss``).
         meter: optional ``xpm.CpuMeter`` / ``xpm.CudaMeter``: its peak is reset before each
             microbatch and reported in ``MicrobatchRecord.peak_allocated_bytes``; at each step's
             start ``xpm.check_unplanned_memory`` compares what is allocated with what the probes
@@ -246,20 +248,68 @@ class PlannedTrainerMixin:
         if transformers.Trainer in mro and mro.index(PlannedTrainerMixin) > mro.index(transformers.Trainer):
             raise TypeError(_MIXIN_ORDER.format(name=cls.__name__))
 
-    def __init__(self, *args, batch_sampler: PredictiveBatchSampler, meter=None,
+    def __init__(self, *args, batch_sampler: Optional[PredictiveBatchSampler] = None, meter=None,
                  on_microbatch: Optional[Callable[[MicrobatchRecord], None]] = None, **kwargs):
         if not isinstance(self, transformers.Trainer):
             raise TypeError(_MIXIN_ORDER.format(name=type(self).__name__))
-        if not isinstance(batch_sampler, PredictiveBatchSampler):
-            raise ValueError(f"PlannedTrainer: batch_sampler must be an xpm.PredictiveBatchSampler, "
-                             f"got {type(batch_sampler).__name__}")
         super().__init__(*args, **kwargs)
-        self.xpm_sampler = batch_sampler
+        self.xpm_sampler: Optional[PredictiveBatchSampler] = None
         self.xpm_meter = meter
         self.on_microbatch = on_microbatch
         self._microbatch_loss_scale = 1.0
         self._unplanned_warned = False
         self._check_settings()
+        if batch_sampler is not None:
+            self.set_batch_sampler(batch_sampler)
+
+    def set_batch_sampler(self, batch_sampler: PredictiveBatchSampler) -> None:
+        """The sampler whose outer batches the training steps are (the ``batch_sampler`` keyword,
+        given later: after probing through this trainer's own step with ``probe_loss``).
+
+        Args:
+            batch_sampler: an ``xpm.PredictiveBatchSampler`` over ``train_dataset``, planned for
+                this run's world size.
+
+        Raises:
+            ValueError: not a ``PredictiveBatchSampler``, or planned for another world size.
+        """
+        if not isinstance(batch_sampler, PredictiveBatchSampler):
+            raise ValueError(f"PlannedTrainer: batch_sampler must be an xpm.PredictiveBatchSampler, "
+                             f"got {type(batch_sampler).__name__}")
+        args = self.args
+        sampler_world = batch_sampler.state_dict()["world_size"]
+        if sampler_world != args.world_size:
+            raise ValueError(f"PlannedTrainer: the batch sampler plans for world size {sampler_world} but this run "
+                             f"has {args.world_size} process(es); build it with world_size={args.world_size} "
+                             f"and rank={args.process_index}")
+        self.xpm_sampler = batch_sampler
+
+    def _planned_sampler(self) -> PredictiveBatchSampler:
+        if self.xpm_sampler is None:
+            raise ValueError("PlannedTrainer: no batch sampler: pass batch_sampler=..., or probe through this "
+                             "trainer (probe_loss) and then call set_batch_sampler(sampler) before train()")
+        return self.xpm_sampler
+
+    def probe_loss(self, records: Sequence[Any]) -> torch.Tensor:
+        """The loss of one microbatch of ``records`` as this trainer's training step computes it:
+        collated by its ``data_collator``, moved to its device, through its ``compute_loss``
+        (a subclass's own: TRL's SFTTrainer computes its loss in chunks, with buffers of its own)
+        under the mixed precision ``train()`` gives the model (``accelerator.autocast``). For ``xpm.probe``'s ``loss_fn``, so the probes measure the step the
+        trainer runs.
+
+        Args:
+            records: dataset items (as ``train_dataset`` holds them), e.g. random ones of the
+                probe's dims.
+
+        Returns:
+            The loss (a scalar tensor with a graph; ``xpm.probe`` calls backward).
+        """
+        self.model.train()
+        inputs = self._prepare_inputs(self.data_collator(list(records)))
+        # The mixed precision accelerate gives the model when train() prepares it (SFTConfig's
+        # default bf16 halves TRL's loss buffers), then the Trainer's own context.
+        with self.accelerator.autocast(), self.compute_loss_context_manager():
+            return self.compute_loss(self.model, inputs)
 
     # ---- settings
     def _check_settings(self) -> None:
@@ -282,11 +332,6 @@ class PlannedTrainerMixin:
         if config is not None and any(getattr(config, name, 1) > 1 for name in ("tp_size", "cp_size", "sp_size")):
             raise ValueError("PlannedTrainer: tensor, context and sequence parallelism are not supported "
                              "(only data parallelism: one process per device)")
-        sampler_world = self.xpm_sampler.state_dict()["world_size"]
-        if sampler_world != args.world_size:
-            raise ValueError(f"PlannedTrainer: the batch sampler plans for world size {sampler_world} but this run "
-                             f"has {args.world_size} process(es); build it with world_size={args.world_size} "
-                             f"and rank={args.process_index}")
         if args.world_size > 1 and not args.average_tokens_across_devices:
             raise ValueError("PlannedTrainer: average_tokens_across_devices must be True on several ranks (each "
                              "microbatch's loss is normalised by the whole outer batch's label tokens)")
@@ -326,7 +371,7 @@ class PlannedTrainerMixin:
             "prefetch_factor": args.dataloader_prefetch_factor,
             "worker_init_fn": partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
         }
-        return _StepLoader(_StepDataset(dataset, collator), batch_sampler=_StepBatchSampler(self.xpm_sampler),
+        return _StepLoader(_StepDataset(dataset, collator), batch_sampler=_StepBatchSampler(self._planned_sampler()),
                            collate_fn=_only_item, **options)
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
@@ -493,6 +538,7 @@ class PlannedTrainerMixin:
             ValueError: the checkpoint has no sampler state, was written by a sampler with other
                 settings, or its step count differs from the Trainer's.
         """
+        self._planned_sampler()
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:

@@ -235,6 +235,108 @@ def test_accumulated_gradient_of_a_planned_outer_batch_equals_one_big_batch(setu
           f"(num_items_in_batch and sampler weights)")
 
 
+def _sft_trainer(setup, output_dir, *, bf16, max_steps, sampler=None, on_microbatch=None):
+    """TRL's SFTTrainer with the planned steps, on the byte-level Llama and pre-tokenised Brown
+    records (a tokenizer of the 256 byte values made here: nothing is downloaded)."""
+    import datasets
+    import trl
+    from tokenizers import Tokenizer, models
+
+    vocabulary = {f"<{i}>": i for i in range(256)}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocabulary, unk_token="<1>")), pad_token="<0>", eos_token="<0>")
+    records = datasets.Dataset.from_dict({"input_ids": [list(s) for s in setup["sentences"]]})
+    model = example.build_model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    args = trl.SFTConfig(output_dir=str(output_dir), max_steps=max_steps, learning_rate=LEARNING_RATE, bf16=bf16,
+                         report_to="none", disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False,
+                         save_strategy="no", logging_strategy="no", packing=False, padding_free=False,
+                         dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False, seed=1)
+    return planned_trainer_class(trl.SFTTrainer)(model=model, args=args, train_dataset=records,
+                                                 processing_class=tokenizer, data_collator=example.pad_collate,
+                                                 optimizers=(optimizer, None), batch_sampler=sampler,
+                                                 meter=setup["meter"], on_microbatch=on_microbatch)
+
+
+SFT_CAP_BYTES = 200_000_000
+
+
+def test_trl_sft_trainer_is_probed_through_its_own_step_and_trains_without_oom(setup, tmp_path):
+    """TRL's SFTTrainer computes its loss in chunks (buffers of 75 kB per token in bf16 here, the
+    default of SFTConfig): probed through the trainer's own step (``probe_loss``: its collator,
+    compute_loss and mixed precision), then planned; the model of the plain forward alone is
+    printed against the same microbatches."""
+    meter, lengths = setup["meter"], setup["lengths"]
+    measured = []
+    trainer = _sft_trainer(setup, tmp_path, bf16=True, max_steps=6, on_microbatch=measured.append)
+    rng = np.random.default_rng(0)
+
+    def loss_of(dims):  # random bytes, one padded position, as example.probe_memory's
+        bs, l = int(dims[0]), int(dims[1])
+        return trainer.probe_loss([{"input_ids": list(rng.integers(1, 256, l if k else l - 1))} for k in range(bs)])
+
+    capacity, meter.capacity_bytes = meter.capacity_bytes, SFT_CAP_BYTES
+    try:
+        probed = xpm.probe(trainer.model, trainer.optimizer, loss_of, xpm.CostFormula("a*bs*l^2 + b*bs*l + c", ["bs", "l"]),
+                           meter=meter, variable_max={"bs": OUTER, "l": int(lengths.max())},
+                           design_fractions=(1.0, 0.5, 0.25, 0.125))
+        budget = xpm.MemoryBudget(SFT_CAP_BYTES)
+        sampler = xpm.PredictiveBatchSampler(lengths, probed.model, budget.usable_bytes, outer_batch_size=OUTER,
+                                             seed=1, units=lengths - 1)
+        with pytest.raises(ValueError, match=r"^PlannedTrainer: no batch sampler: pass batch_sampler"):
+            trainer.train()
+        trainer.set_batch_sampler(sampler)
+        ooms = example.oom_count(meter)
+        trainer.train()
+        ooms = example.oom_count(meter) - ooms
+    finally:
+        meter.capacity_bytes = capacity
+    assert ooms == 0 and trainer.state.global_step == 6
+    per_step = [len(mbs) for _, mbs in sorted(_steps_of(measured).items())]
+    assert min(per_step) >= 2, f"the cap should split the steps, got {per_step}"
+    planned = [(r.predicted_bytes + r.correction_bytes - r.peak_allocated_bytes) / r.peak_allocated_bytes
+               for r in measured if r.step >= 3]
+    plain = setup["memory_model"]  # the plain forward's model (example.probe_memory), for comparison
+    plain_errors = [(plain.predict([len(r.records), int(lengths[list(r.records)].max())]) - r.peak_allocated_bytes)
+                    / r.peak_allocated_bytes for r in measured]
+    assert min(planned) > -0.01, f"under-planned by {-100 * min(planned):.2f} %"
+    assert max(plain_errors) < -0.5  # the plain forward's model would have run out of memory
+    print(f"SFTTrainer (bf16): microbatches per step {per_step}, OOM 0; from step 3 planned "
+          f"{100 * min(planned):+.2f} % to {100 * max(planned):+.2f} % of the measured peaks; the plain forward's "
+          f"model {100 * min(plain_errors):+.1f} % to {100 * max(plain_errors):+.1f} %")
+
+
+def test_trl_sft_trainer_accumulates_a_planned_outer_batch_exactly(setup, tmp_path):
+    meter, lengths = setup["meter"], setup["lengths"]
+    sampler = xpm.PredictiveBatchSampler(lengths, setup["memory_model"], setup["budget"].usable_bytes,
+                                         outer_batch_size=OUTER, seed=1, units=lengths - 1)
+    trainer = _sft_trainer(setup, tmp_path, bf16=False, max_steps=1, sampler=sampler)
+    model = trainer.model
+    capacity, meter.capacity_bytes = meter.capacity_bytes, 0  # SFT's loss buffers: not under the small cap
+    try:
+        loader = trainer.get_train_dataloader()
+        loader.set_epoch(0)
+        steps, num_items = trainer.get_batch_samples(iter(loader), 1, trainer.args.device)
+        step = steps[0]
+        assert len(step.microbatches) >= 2
+        model.zero_grad(set_to_none=True)
+        loss = trainer.training_step(model, step, num_items)
+        planned = [p.grad.detach().clone() for p in model.parameters()]
+        records = [i for microbatch in step.records for i in microbatch]
+        model.zero_grad(set_to_none=True)
+        reference = trainer.probe_loss([trainer.train_dataset[i] for i in records])  # the whole outer batch
+        reference.backward()
+        whole = [p.grad.detach().clone() for p in model.parameters()]
+    finally:
+        meter.capacity_bytes = capacity
+    assert torch.allclose(loss, reference.detach(), rtol=1e-5, atol=1e-6)
+    worst = max(float((a - b).abs().max()) for a, b in zip(planned, whole))
+    for (name, _), a, b in zip(model.named_parameters(), planned, whole):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"{name}: max difference {float((a - b).abs().max())}"
+    print(f"SFTTrainer (fp32): {len(step.microbatches)} microbatches of {len(records)} sentences: loss "
+          f"{float(loss):.6f} vs {float(reference):.6f}, max gradient difference {worst:.2e}")
+
+
 class _StopAt(transformers.TrainerCallback):
     def __init__(self, step):
         self.step = step
