@@ -334,7 +334,7 @@ def test_trl_sft_trainer_accumulates_a_planned_outer_batch_exactly(setup, tmp_pa
     for (name, _), a, b in zip(model.named_parameters(), planned, whole):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"{name}: max difference {float((a - b).abs().max())}"
     print(f"SFTTrainer (fp32): {len(step.microbatches)} microbatches of {len(records)} sentences: loss "
-          f"{float(loss):.6f} vs {float(reference):.6f}, max gradient difference {worst:.2e}")
+          f"{float(loss):.6f} vs {float(reference.detach()):.6f}, max gradient difference {worst:.2e}")
 
 
 class _StopAt(transformers.TrainerCallback):
