@@ -16,7 +16,8 @@
 
 namespace {
 
-const std::string kWork = "learner_test_work";
+// Run folders under the build tree's scratch folder, not the working directory.
+const std::string kWork = std::string(XPM_BINARY_DIR) + "/test_scratch/learner_test";
 
 // Records are rows of x [n, 4] with a target; each record also has a "length" (1..5) that only
 // the dims see, and the loss counts a record `length` times (its units).
@@ -289,6 +290,7 @@ TEST_CASE("the Learner builds its plan from MemoryPlanOptions, validates the tas
   meter.set_capacity_bytes(64'000'000);
   RecordValidatedTask task;
   torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
+  std::filesystem::remove_all(kWork + "/memory_plan");
   xpm::LearnerOptions options = options_in("memory_plan/run").set_memory_plan(small_memory_plan()).set_epochs(1);
   xpm::LearnerComponents parts;
   parts.meter = &meter;

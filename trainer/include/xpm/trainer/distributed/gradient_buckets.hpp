@@ -39,7 +39,6 @@ class GradientBuckets {
   /// (replaced by other code) is copied into it first and re-pointed, so results stay correct.
   void all_reduce_sum(DistributedContext& context);
 
-  std::size_t bucket_count() const { return buckets_.size(); }
   /// Bytes of each bucket, in order.
   std::vector<std::int64_t> bucket_bytes() const;
   /// How many times all_reduce_sum found a replaced .grad (0 in normal training).
