@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA check, run on a lent GPU machine (docs/cuda.md). Prepare here first with
-# tools/device-prep.sh, then from the device tool:
-#   run(command="tools/device-check.sh", carry=[".device"], timeout_s=540)
+# tools/device-prep.sh, then copy the checkout with .device/ to the GPU machine and run
+#   tools/device-check.sh            (the log and results go to $OUT, default /tmp/xpm-device-out)
 # Stages (each logged to $OUT/device-check.log; a failing stage 1 or 2 stops the script, stages 3
 # to 5 run whatever the others did; rc != 0 after any error):
 #   1. unpack the carried Debian packages into /tmp/xpm-prefix; check the machine's PyTorch

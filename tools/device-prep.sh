@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Run HERE (a Debian machine with the registries) before tools/device-check.sh runs on a lent GPU
-# machine, which reaches no registry. Puts into .device/ (git-ignored; the device tool's `carry`
-# takes it along, 64 MiB at most with the working tree):
+# Run on a Debian machine with the registries before tools/device-check.sh runs on a GPU machine
+# that reaches none. Puts into .device/ (git-ignored; copied with the checkout to the GPU machine,
+# kept under 56 MiB):
 #   .device/debs/   the Debian packages xpm builds with that the GPU image lacks (Ceres and its
 #                   libraries, muparserx, Boost.Program_options, nlohmann-json, doctest, Google
 #                   Benchmark), as
