@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA check, run on a lent GPU machine (docs/cuda.md). Prepare here first with
+# The CUDA check, run on a GPU machine (docs/cuda.md). Prepare on a Debian machine first with
 # tools/device-prep.sh, then copy the checkout with .device/ to the GPU machine and run
 #   tools/device-check.sh            (the log and results go to $OUT, default /tmp/xpm-device-out)
 # Stages (each logged to $OUT/device-check.log; a failing stage 1 or 2 stops the script, stages 3
