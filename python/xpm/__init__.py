@@ -30,8 +30,8 @@ from .planning import (GRADIENT_PHASES, PACKERS, Aggregation, CostFormula, FitRe
 
 # The torch side, imported on first use: the planner core above imports without torch.
 _TORCH_SIDE = {
-    "probing": ["AdaptiveReport", "AdaptiveStop", "CpuMeter", "CudaMeter", "DeviceKind", "Meter", "ProbeOutcome",
-                "probe"],
+    "probing": ["AdaptiveReport", "AdaptiveStop", "ProbeOutcome", "probe"],
+    "meters": ["CpuMeter", "CudaMeter", "DeviceKind", "Meter"],
     "adapters": ["StepDataset", "accumulate"],
     "lockstep": ["stop_together"],
     "calibration": ["Calibration", "Correction"],
@@ -43,7 +43,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see at once
     from .adapters import StepDataset, accumulate
     from .calibration import Calibration, Correction
     from .lockstep import stop_together
-    from .probing import AdaptiveReport, AdaptiveStop, CpuMeter, CudaMeter, DeviceKind, Meter, ProbeOutcome, probe
+    from .meters import CpuMeter, CudaMeter, DeviceKind, Meter
+    from .probing import AdaptiveReport, AdaptiveStop, ProbeOutcome, probe
     from .sampler import Microbatch, PredictiveBatchSampler, Step, check_unplanned_memory, microbatch_loop
 
 

@@ -50,7 +50,7 @@ from torch.utils.data import Sampler
 from . import _planner
 from .calibration import Calibration, Correction
 from .planning import PACKERS, GradientPhase, MemoryModel, PackerName, _check_choice, _pack, _record_dims
-from .probing import Meter
+from .meters import Meter
 
 
 class Microbatch(list):

@@ -282,6 +282,8 @@ def _public_callables():
             for member, value in vars(obj).items():
                 if member.startswith("_") and member not in ("__init__", "__len__", "__iter__", "__getitem__"):
                     continue
+                if member == "__init__" and getattr(obj, "_is_protocol", False):
+                    continue  # an interface (xpm.Meter): typing makes its __init__, nothing constructs it
                 if isinstance(value, (classmethod, staticmethod)):
                     value = value.__func__
                 getter = isinstance(value, property)

@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
-from ..probing import Meter
+from ..meters import Meter
 from ..sampler import PredictiveBatchSampler, Step
 
 __all__ = ["PlannedMicrobatch", "RoundRobinMicrobatches", "data_loader", "prepare_data_loader", "check_prepared",

@@ -1,0 +1,199 @@
+"""The meters: peak allocated bytes of one device, with the capacity the steps run under.
+
+    meter = xpm.CpuMeter.install()          # CPU: before the model is built (it counts its weights)
+    meter.capacity_bytes = 2_000_000_000    # the cap; an allocation past it raises out of memory
+    meter = xpm.CudaMeter("cuda:0")         # a GPU: torch.cuda's statistics
+    meter.set_memory_fraction(0.5)          # the process capped at half the device
+
+``Meter`` is the interface ``probe``, the sampler and the integrations read (the C++
+``MemoryMeter``'s); ``DeviceKind`` names the devices ``probe(device=...)`` takes.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Protocol, Union, runtime_checkable
+
+import torch
+
+
+class CpuMeter:
+    """Peak allocated bytes of CPU tensors (c10's CPU allocator, wrapped), with a hard cap
+    that raises PyTorch's out-of-memory error. One per process; ``install()`` it before the
+    model is built (a second ``install()`` returns the same meter).
+
+    Args:
+        native: the extension's meter; use ``CpuMeter.install()``.
+    """
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    @classmethod
+    def install(cls) -> "CpuMeter":
+        """Installs the meter into c10's CPU allocator (once per process), or returns it.
+
+        Returns:
+            The process's CPU meter (no cap until ``capacity_bytes`` is set).
+
+        Raises:
+            ImportError: the running torch is not the one xpm was built against (one line naming
+                both versions), or the extension cannot be loaded.
+        """
+        from .torch_extension import load_torch_extension  # the torch xpm was built against
+
+        return cls(load_torch_extension().CpuMemoryMeter.install())
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Cap on allocated bytes (0: none); an allocation past it raises out of memory."""
+        return self._native.capacity_bytes
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: int) -> None:
+        self._native.capacity_bytes = int(value)
+
+    @property
+    def current_allocated_bytes(self) -> int:
+        """Bytes of CPU tensors allocated now (since the meter was installed)."""
+        return self._native.current_allocated_bytes
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        """Peak allocated bytes since the last ``reset_peak()``."""
+        return self._native.peak_allocated_bytes
+
+    @property
+    def oom_count(self) -> int:
+        """Allocations the cap refused since the process started (each raised an out-of-memory
+        error)."""
+        return self._native.oom_count
+
+    def reset_peak(self) -> None:
+        """Starts a new peak at the bytes allocated now."""
+        self._native.reset_peak()
+
+
+def _no_cuda_reason() -> str:
+    """Why ``torch.cuda.is_available()`` is False, in a few words, for one-line errors."""
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"torch {torch.__version__} is a build without CUDA"
+    built = f"CUDA {torch.version.cuda}" if torch.version.cuda is not None else f"ROCm {torch.version.hip}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"torch {torch.__version__} is built with {built} but sees no GPU" +
+            (f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""))
+
+
+def _cuda_device(device: Union[torch.device, str, int, None], where: str, shown: str, on_cpu: str) -> torch.device:
+    """``device`` as ``torch.device("cuda", index)`` of a GPU this process sees (None: the
+    current one); otherwise a one-line ValueError that starts with ``where``, names the argument
+    as ``shown`` (``"device='cuda:1'"``, or "" when there is none) and, when torch sees no GPU,
+    ends with ``on_cpu``, what to do instead. Nothing is allocated on a GPU."""
+    given = f"{shown} but " if shown else ""
+    if not torch.cuda.is_available():
+        raise ValueError(f"{where}: {given}torch.cuda.is_available() is False ({_no_cuda_reason()}); {on_cpu}")
+    try:
+        parsed = torch.device("cuda") if device is None else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{where}: {shown} is not a device: give 'cuda', 'cuda:N' or a torch.device") from None
+    if parsed.type != "cuda":
+        raise ValueError(f"{where}: {shown} is not a CUDA device: give 'cuda', 'cuda:N' or a torch.device of type "
+                         f"'cuda' (for CPU tensors use xpm.CpuMeter.install())")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if parsed.index is None else parsed.index
+    if not 0 <= index < count:
+        raise ValueError(f"{where}: {given}torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return torch.device("cuda", index)
+
+
+class CudaMeter:
+    """Peak allocated bytes of one CUDA device through ``torch.cuda`` (reset per probe phase);
+    the capacity is the device's total memory, or the share of it ``set_memory_fraction`` caps
+    the process at.
+
+    Args:
+        device: the GPU, ``torch.device("cuda", N)``, ``"cuda:N"`` or N; default (None or
+            ``"cuda"``) the current one.
+
+    Attributes:
+        device: the GPU measured, ``torch.device("cuda", index)`` (index always set).
+        memory_fraction: the share of the device's memory the process may use (1.0 unless
+            ``set_memory_fraction`` set it).
+
+    Raises:
+        ValueError: one line, before anything is done on a GPU: torch sees no CUDA device
+            (``torch.cuda.is_available()`` is False, with the reason: a build without CUDA, or no
+            GPU visible), ``device`` is not a CUDA device, or its index is not one torch sees.
+    """
+
+    def __init__(self, device: Union[torch.device, str, int, None] = None) -> None:
+        shown = "" if device is None else f"device='{device}'"
+        on_cpu = "on CPU use xpm.CpuMeter.install(), installed before the model is built"
+        self.device: torch.device = _cuda_device(device, "CudaMeter", shown, on_cpu)
+        self.memory_fraction = 1.0
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The device's total memory times ``memory_fraction``, bytes."""
+        return int(torch.cuda.get_device_properties(self.device).total_memory * self.memory_fraction)
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        """Caps the process's allocations on the device at ``fraction`` of its memory
+        (``torch.cuda.set_per_process_memory_fraction``: beyond it the caching allocator raises
+        ``torch.OutOfMemoryError``); ``capacity_bytes`` follows. Set it here rather than through
+        torch, so that the probes' out-of-memory bounds name the capacity they ran under.
+
+        Args:
+            fraction: in (0, 1].
+
+        Raises:
+            ValueError: ``fraction`` is not in (0, 1].
+        """
+        if not 0.0 < float(fraction) <= 1.0:
+            raise ValueError(f"CudaMeter.set_memory_fraction: fraction must be in (0, 1], got {fraction!r}")
+        torch.cuda.set_per_process_memory_fraction(float(fraction), self.device)
+        self.memory_fraction = float(fraction)
+
+    @property
+    def current_allocated_bytes(self) -> int:
+        """Bytes of tensors allocated on the device now (``torch.cuda.memory_allocated``)."""
+        return torch.cuda.memory_allocated(self.device)
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        """Peak allocated bytes since the last ``reset_peak()`` (``torch.cuda.max_memory_allocated``)."""
+        return torch.cuda.max_memory_allocated(self.device)
+
+    @property
+    def reserved_peak_bytes(self) -> int:
+        """The caching allocator's reserved peak since the last ``reset_peak()``, bytes (for reports)."""
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def reset_peak(self) -> None:
+        """Waits for the device's work, then starts new peaks (``torch.cuda.reset_peak_memory_stats``)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+@runtime_checkable
+class Meter(Protocol):
+    """What ``probe``, the sampler's calibration and the integrations read of a meter (the C++
+    ``MemoryMeter``'s interface): ``CpuMeter.install()`` or ``CudaMeter(...)``, or a meter of
+    your own for another device with these members."""
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The cap allocations run under, bytes (0: none)."""
+
+    @property
+    def current_allocated_bytes(self) -> int:
+        """Bytes allocated now."""
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        """Peak allocated bytes since the last ``reset_peak()``."""
+
+    def reset_peak(self) -> None:
+        """Starts a new peak at the bytes allocated now."""
+
+DeviceKind = Literal["cpu", "cuda"]
+"""The kinds of device ``probe(device=...)`` names (with ``"cuda:N"`` and ``torch.device``)."""
