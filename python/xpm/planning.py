@@ -142,7 +142,8 @@ class CostFormula(_planner.CostFormula):
                  allow_nonlinear: bool = False) -> None:
         for what, names in (("variables", variables), ("coefficients", coefficients)):
             if isinstance(names, str):
-                raise TypeError(f"CostFormula: {what} must be a list of names, e.g. [{names!r}], got the string "
+                example = [name.strip() for name in names.split(",")]
+                raise TypeError(f"CostFormula: {what} must be a list of names, e.g. {example!r}, got the string "
                                 f"{names!r}")
         super().__init__(text, variables, coefficients, allow_nonlinear)
 

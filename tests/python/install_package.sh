@@ -59,4 +59,7 @@ set +e
 code=$?
 set -e
 [ "$code" -eq 2 ] || { cat "$work/bad.txt"; echo "install_package.sh: bad input exited $code, not 2" >&2; exit 1; }
-echo "installed xpm-plan: fit, predict, and exit code 2 on bad input: $(head -1 "$work/bad.txt")"
+version=$("$venv/bin/python" -c 'import xpm; print(xpm.__version__)')
+[ "$("$venv/bin/xpm-plan" --version)" = "xpm-plan $version" ] ||
+  { echo "install_package.sh: xpm-plan --version is not 'xpm-plan $version'" >&2; exit 1; }
+echo "installed xpm-plan $version: fit, predict, and exit code 2 on bad input: $(head -1 "$work/bad.txt")"

@@ -58,6 +58,10 @@ def test_formula_errors_are_exceptions_with_the_column():
     with pytest.raises(TypeError) as caught:
         xpm.CostFormula("a*bs + c", "bs")
     assert str(caught.value) == "CostFormula: variables must be a list of names, e.g. ['bs'], got the string 'bs'"
+    with pytest.raises(TypeError) as caught:
+        xpm.CostFormula("a*bs*l + c", "bs, l")
+    assert str(caught.value) == ("CostFormula: variables must be a list of names, e.g. ['bs', 'l'], got the string "
+                                 "'bs, l'")
     with pytest.raises(xpm.FormulaError) as undeclared:
         xpm.CostFormula("a*bs + x", ["bs"], coefficients=["a"])
     assert undeclared.value.symbol == "x" and undeclared.value.column == 8

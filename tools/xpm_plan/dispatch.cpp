@@ -29,7 +29,8 @@ void print_usage(std::ostream& os, const std::vector<Verb>& verbs) {
     os << "  " << name << std::string(name.size() < 11 ? 11 - name.size() : 1, ' ') << v.summary
        << "\n";
   }
-  os << "\nEvery command takes --help and --json (one JSON object or list on stdout).\n"
+  os << "\nEvery command takes --help and --json (one JSON object or list on stdout); xpm-plan --version\n"
+     << "prints the version.\n"
      << "exit codes: 0 success, 1 infeasible (e.g. nothing fits the budget), 2 bad input,\n"
      << "3 internal error; errors are one line on stderr starting 'xpm-plan: error:'.\n";
 }
@@ -48,6 +49,14 @@ int run(int argc, char** argv, const std::vector<Verb>& verbs) {
     throw InputError("missing command (" + verb_names(verbs) + "); see xpm-plan --help");
   }
   const std::string name = argv[1];
+  if (name == "--version") {
+    if (argc > 2) {
+      throw InputError(xpm_cli::unexpected_arguments_message(std::vector<std::string>(argv + 2, argv + argc),
+                                                             "xpm-plan --version takes none"));
+    }
+    std::cout << "xpm-plan " << XPM_VERSION << "\n";
+    return 0;
+  }
   if (name == "--help" || name == "-h" || name == "help") {
     if (argc > 2) {
       throw InputError(xpm_cli::unexpected_arguments_message(
