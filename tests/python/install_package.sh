@@ -24,28 +24,7 @@ if ! output=$("$venv/bin/python" -m pip install -q --disable-pip-version-check -
   echo "install_package.sh: pip install --no-build-isolation $source failed" >&2
   exit 1
 fi
-"$venv/bin/python" - <<'PY'
-import importlib.metadata
-import pathlib
-
-import torch
-
-import xpm
-
-location = pathlib.Path(xpm.__file__).resolve().parent
-assert "site-packages" in location.parts, f"xpm imported from {location}, not an installed copy"
-assert xpm.__version__ == importlib.metadata.version("xpm"), (xpm.__version__, importlib.metadata.version("xpm"))
-meter = xpm.CpuMeter.install()  # before the model: the meter must see the weights
-model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-meter.capacity_bytes = 128 << 20
-# Batches large enough that the activations, not the weights' gradients, set the peak.
-probed = xpm.probe(model, optimizer, lambda dims: model(torch.randn(int(dims[0]), 256)).square().sum(),
-                   xpm.CostFormula("a*bs + c", ["bs"]), meter=meter,
-                   probe_points=[{"bs": bs} for bs in (512, 1024, 2048, 4096)])
-print(f"installed xpm {xpm.__version__} in {location} with torch {torch.__version__}: {len(probed.probes)} probes, "
-      f"{probed.model.formula.canonical}, predicts {float(probed.model.predict([3000])):.0f} bytes at bs 3000")
-PY
+"$venv/bin/python" "$(dirname "$0")/installed_copy_check.py" "installed from source"
 # The command line the package installs: xpm-plan fit of a CSV, and bad input refused (exit 2).
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -46,7 +46,7 @@ echo "hiding $(wc -l < "$work/hidden.txt") system files (the libraries, the comp
 
 csv=$work/measured.csv
 printf 'bs,l,peak_bytes\n1,8,1064\n2,8,1128\n4,16,1512\n8,32,3048\n2,32,1512\n' > "$csv"
-cp "$tests/test_planning.py" "$tests/test_sampler.py" "$tests/conftest.py" "$work/"
+cp "$tests/test_planning.py" "$tests/test_sampler.py" "$tests/conftest.py" "$tests/installed_copy_check.py" "$work/"
 unshare -m --propagation private bash -euo pipefail -s "$venv/bin/python" "$work" "$wheel" <<'INNER'
 python=$1 work=$2 wheel=$3
 while read -r path; do mount --bind /dev/null "$path"; done < "$work/hidden.txt"
@@ -64,27 +64,7 @@ fi
 start=$(date +%s.%N)
 "$python" -m pip install -q --disable-pip-version-check --no-deps "$wheel"
 echo "installed $(basename "$wheel") without a compiler in $(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $start}") s"
-"$python" - <<'PY'
-import pathlib
-
-import torch
-
-import xpm
-
-assert "site-packages" in pathlib.Path(xpm.__file__).parts, xpm.__file__
-meter = xpm.CpuMeter.install()
-model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-meter.capacity_bytes = 128 << 20
-probed = xpm.probe(model, optimizer, lambda dims: model(torch.randn(int(dims[0]), 256)).square().sum(),
-                   xpm.CostFormula("a*bs + c", ["bs"]), meter=meter,
-                   probe_points=[{"bs": bs} for bs in (512, 1024, 2048, 4096)])
-sampler = xpm.PredictiveBatchSampler([[1.0]] * 9000, probed.model, int(probed.model.predict([3000])),
-                                     outer_batch_size=9000)
-sizes = [len(m) for m in next(iter(sampler.steps())).microbatches]
-print(f"xpm {xpm.__version__} from the wheel, torch {torch.__version__}: {len(probed.probes)} probes, "
-      f"{probed.model.formula.canonical}; 9000 records in microbatches of {sizes}")
-PY
+"$python" "$work/installed_copy_check.py" "from the wheel"
 "$work/venv/bin/xpm-plan" fit "$work/measured.csv" --formula 'a*bs*l + c' --variables bs,l \
   --bytes-column peak_bytes --output "$work/model.json" | tail -1
 "$work/venv/bin/xpm-plan" predict --model "$work/model.json" --dims bs=4,l=16
