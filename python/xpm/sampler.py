@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -284,16 +283,18 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         """None: the microbatches' sizes vary (what batch-sampler wrappers read).
 
         Raises:
-            ValueError: read by accelerate's ``BatchSamplerShard`` at more than one process
-                (``Accelerator.prepare`` of a ``DataLoader(batch_sampler=sampler)``), which would
-                deal this rank's microbatches among the processes again (see
-                ``xpm.integrations.accelerate.prepare_data_loader``).
+            ValueError: the sampler deals one rank's share of a job of several ranks: a wrapper
+                that reads ``batch_size`` to shard batch samplers among processes (accelerate's
+                ``Accelerator.prepare`` of a ``DataLoader(batch_sampler=sampler)``, Lightning's
+                distributed sampler) would deal this rank's microbatches again. The frameworks'
+                own loaders are in ``xpm.integrations``.
         """
-        caller = sys._getframe(1).f_locals.get("self")
-        kind = type(caller)
-        if kind.__name__ == "BatchSamplerShard" and kind.__module__.startswith("accelerate."):
-            from .integrations.accelerate import reject_batch_sampler_shard
-            reject_batch_sampler_shard(self, caller)
+        if self._world > 1:
+            raise ValueError(f"xpm.PredictiveBatchSampler already deals rank {self._rank}'s share of {self._world} "
+                             f"ranks: a wrapper sharding it among processes again (accelerate's Accelerator.prepare, "
+                             f"Lightning's distributed sampler) would train each rank on part of its share; build the "
+                             f"loader with xpm.integrations.accelerate.prepare_data_loader(accelerator, dataset, "
+                             f"sampler, collate_fn=...) or xpm.integrations.lightning.planned_dataloader(...)")
         return None
 
     @property
@@ -699,7 +700,6 @@ class PredictiveBatchSampler(Sampler[List[int]]):
             An iterator of ``Microbatch``, with ``state_dict``/``load_state_dict``, which
             ``StatefulDataLoader`` saves and restores: it resumes at the exact microbatch.
         """
-        _refuse_lightning_fit_loop()
         self._current = _MicrobatchIterator(self, self._start_position(begin_pass=True))
         return self._current
 
@@ -710,7 +710,6 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         Returns:
             The number of microbatches.
         """
-        _refuse_lightning_fit_loop()  # Lightning asks the length first, before it iterates
         return self._plan()[1][-1] - self._start_position()
 
     def weights(self) -> Iterator[Tuple[float, bool]]:
@@ -729,24 +728,6 @@ class PredictiveBatchSampler(Sampler[List[int]]):
     def _plan_fingerprint(self) -> dict:
         model = hashlib.sha256(self._model.to_json().encode()).hexdigest()[:16]
         return {"rank": self._rank, "usable_bytes": self._usable_bytes, "sort_by": self._sort_by, "model": model}
-
-
-def _refuse_lightning_fit_loop() -> None:
-    """Raises when Lightning's training loop sizes or iterates the sampler through a plain DataLoader:
-    Lightning would take one optimizer step per microbatch with the weights ignored, and the
-    ranks' loaders end their epochs apart. It is detected by the loop's module on the stack
-    (nothing of Lightning is imported here: a process without it pays one dict look-up)."""
-    if "lightning.pytorch" not in sys.modules and "pytorch_lightning" not in sys.modules:
-        return
-    frame = sys._getframe(2)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module.startswith(("lightning.pytorch.loops.", "pytorch_lightning.loops.")):
-            raise ValueError("xpm: Lightning's training loop iterates a DataLoader over PredictiveBatchSampler: it "
-                             "would step the optimizer once per microbatch and ignore their weights; return "
-                             "xpm.integrations.lightning.planned_dataloader(self.trainer, dataset, sampler, "
-                             "collate_fn) from train_dataloader()")
-        frame = frame.f_back
 
 
 class _MicrobatchIterator(Iterator[List[int]]):

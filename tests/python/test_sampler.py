@@ -200,7 +200,9 @@ def test_a_dataloader_takes_it_as_its_batch_sampler(model, lengths, num_workers)
     sampler.set_epoch(3)
     expected = [list(mb) for mb in sampler]
     loader = DataLoader(range(len(lengths)), batch_sampler=sampler, collate_fn=identity, num_workers=num_workers)
-    assert sampler.batch_size is None  # the sizes vary
+    with pytest.raises(ValueError, match="already deals rank 1's share of 2 ranks"):
+        sampler.batch_size  # what a wrapper re-sharding batch samplers reads: refused at 2 ranks
+    assert sampler_for(model, lengths).batch_size is None  # one rank: the sizes vary
     assert len(loader) == len(expected)
     assert list(loader) == expected
     # microbatch_loop over the DataLoader: each batch with its microbatch's weight and step end.

@@ -47,7 +47,7 @@ from ..meters import Meter
 from ..sampler import PredictiveBatchSampler, Step
 
 __all__ = ["PlannedMicrobatch", "RoundRobinMicrobatches", "data_loader", "prepare_data_loader", "check_prepared",
-           "microbatch_loop", "accumulate", "reject_batch_sampler_shard"]
+           "microbatch_loop", "accumulate"]
 
 _HOW_TO = ("build the loader with xpm.integrations.accelerate.prepare_data_loader(accelerator, dataset, sampler, "
            "collate_fn=...)")
@@ -458,23 +458,3 @@ def accumulate(accelerator: "accelerate.Accelerator", model: torch.nn.Module, mi
     accelerator.sync_gradients = bool(microbatch.last)
     with contextlib.nullcontext() if microbatch.last else accelerator.no_sync(model):
         yield
-
-
-def reject_batch_sampler_shard(sampler: PredictiveBatchSampler, shard) -> None:
-    """For ``PredictiveBatchSampler.batch_size``, which accelerate's ``BatchSamplerShard`` reads when
-    ``Accelerator.prepare`` wraps a ``DataLoader(batch_sampler=sampler)``: at more than one
-    process that would deal each rank's own microbatches among the processes again.
-
-    Args:
-        sampler: the sampler being wrapped.
-        shard: the ``BatchSamplerShard`` wrapping it.
-
-    Raises:
-        ValueError: ``shard`` deals among more than one process.
-    """
-    processes = getattr(shard, "num_processes", 1)
-    if processes > 1:
-        rank, world = _rank_and_world(sampler)
-        raise ValueError(f"Accelerator.prepare would deal xpm.PredictiveBatchSampler's microbatches (rank {rank} of "
-                         f"{world}) among {processes} processes again, each rank training on part of its share: "
-                         f"{_HOW_TO}")

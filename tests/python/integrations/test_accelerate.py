@@ -293,8 +293,8 @@ def test_prepare_of_a_plain_loader_over_the_sampler_raises(epoch_on_two_processe
         message = result["mistake_error"]
         assert message is not None, (
             f"Accelerator.prepare dealt rank {result['rank']} {result['mistake_records']} of its "
-            f"{result['own_records']} records without an error (needs PredictiveBatchSampler.batch_size to call "
-            f"xpm.integrations.accelerate.reject_batch_sampler_shard)")
+            f"{result['own_records']} records without an error (PredictiveBatchSampler.batch_size should refuse "
+            f"the re-sharding at world size 2)")
         assert "xpm.integrations.accelerate.prepare_data_loader" in message and "\n" not in message
 
 
@@ -397,7 +397,8 @@ def test_accelerates_batch_sampler_shard_refuses_the_sampler_itself(memory_model
     sampler = _sampler(memory_model, lengths, rank=0, world_size=2)
     with pytest.raises(ValueError, match="prepare_data_loader"):
         accelerate.data_loader.BatchSamplerShard(sampler, num_processes=2, process_index=0)
-    assert accelerate.data_loader.BatchSamplerShard(sampler, num_processes=1, process_index=0).batch_size is None
+    alone = _sampler(memory_model, lengths, rank=0, world_size=1)   # one rank's sampler: nothing to re-deal
+    assert accelerate.data_loader.BatchSamplerShard(alone, num_processes=1, process_index=0).batch_size is None
 
 
 def test_epochs_and_resume_through_the_prepared_loader(memory_model, lengths):

@@ -1,0 +1,54 @@
+"""The check every Lightning ``Trainer`` runs where xpm is installed: the package registers
+``callbacks`` under Lightning's ``lightning.pytorch.callbacks_factory`` entry point, so Lightning
+adds a ``PlainLoaderGuard`` to each Trainer it builds.
+
+A training ``DataLoader(batch_sampler=xpm.PredictiveBatchSampler)`` under Lightning would take one
+optimizer step per microbatch with the microbatches' weights ignored; the guard refuses it on every
+rank before the first training step, naming ``planned_dataloader``:
+
+    trainer = lightning.Trainer(..., use_distributed_sampler=False)
+    trainer.fit(module)   # module.train_dataloader() returns DataLoader(data, batch_sampler=sampler)
+    # ValueError: xpm: Lightning's training loop iterates a DataLoader over PredictiveBatchSampler: ...
+
+It costs nothing where no ``xpm.PredictiveBatchSampler`` exists (the sampler's module is not even
+imported then) and imports nothing of xpm's torch side.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, List
+
+import lightning.pytorch as pl
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
+
+__all__ = ["PlainLoaderGuard", "callbacks"]
+
+PLAIN_LOADER_ERROR = ("xpm: Lightning's training loop iterates a DataLoader over PredictiveBatchSampler: it would "
+                      "step the optimizer once per microbatch and ignore their weights; return "
+                      "xpm.integrations.lightning.planned_dataloader(self.trainer, dataset, sampler, collate_fn) "
+                      "from train_dataloader()")
+
+
+class PlainLoaderGuard(pl.Callback):
+    """Refuses, at ``on_train_start`` on every rank, a training loader whose batch sampler is an
+    ``xpm.PredictiveBatchSampler`` (``planned_dataloader``'s loaders have none)."""
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Raises ValueError (one line naming ``planned_dataloader``) for a plain loader over the sampler."""
+        sampler_module = sys.modules.get("xpm.sampler")
+        if sampler_module is None:
+            return
+        loaders: List[DataLoader] = []
+        apply_to_collection(trainer.train_dataloader, DataLoader, loaders.append)
+        if any(isinstance(loader.batch_sampler, sampler_module.PredictiveBatchSampler) for loader in loaders):
+            raise ValueError(PLAIN_LOADER_ERROR)
+
+
+def callbacks() -> List[Any]:
+    """Lightning's entry point: the callbacks xpm adds to every ``Trainer``.
+
+    Returns:
+        ``[PlainLoaderGuard()]``.
+    """
+    return [PlainLoaderGuard()]
