@@ -114,7 +114,7 @@ xpm::TaggingJobConfig config_from_run(const nlohmann::json& j) {
 std::shared_ptr<const xpm::MicrobatchPacker> packer_named(const std::string& name,
                                                           const std::string& sort_by) {
   const xpm::PackerKind kind = xpm::parse_packer_kind(name, "config.json packer");
-  return xpm::make_packer(kind, kind == xpm::PackerKind::kAdaptive ? sort_by : "");
+  return xpm::make_packer(kind, xpm::packer_takes_sort_by(kind) ? sort_by : "");
 }
 
 // The outer batches of a run: tagging_job.cpp's sampler.

@@ -1,6 +1,8 @@
 // device_meter.cpp — training_device and make_device_meter (see device_meter.hpp).
 #include "xpm/planner_torch/device_meter.hpp"
 
+#include <array>
+#include <cstddef>
 #include <stdexcept>
 
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
@@ -18,6 +20,43 @@ void check_gpu_visible(const std::string& text, const std::string& source) {
   if (visible_gpus() == 0) {
     throw std::invalid_argument(source + " '" + text + "': no CUDA device is visible (CUDA_VISIBLE_DEVICES, driver); use cpu");
   }
+}
+
+std::shared_ptr<MemoryMeter> make_cpu_meter(const torch::Device&, std::int64_t capacity_bytes) {
+  CpuMemoryMeter& meter = CpuMemoryMeter::install();
+  meter.set_capacity_bytes(capacity_bytes);
+  return std::shared_ptr<MemoryMeter>(&meter, [](MemoryMeter*) {});  // the process-wide meter
+}
+
+std::shared_ptr<MemoryMeter> make_cuda_meter(const torch::Device& device, std::int64_t capacity_bytes) {
+  auto meter = std::make_shared<CudaMemoryMeter>(device.has_index() ? device.index() : 0);
+  if (capacity_bytes > 0) {
+    const auto total = static_cast<double>(meter->total_device_bytes());
+    if (static_cast<double>(capacity_bytes) > total) {
+      throw std::invalid_argument("memory cap of " + std::to_string(capacity_bytes) + " bytes is above " +
+                                  device.str() + "'s " + std::to_string(meter->total_device_bytes()) + " bytes");
+    }
+    meter->set_memory_fraction(static_cast<double>(capacity_bytes) / total);
+  }
+  return meter;
+}
+
+// The meters by device type: a new device's meter is its class in a file of its own and one row
+// here (the device type and how its meter is made with a cap).
+struct MeterRegistration {
+  c10::DeviceType device_type;
+  std::shared_ptr<MemoryMeter> (*make)(const torch::Device& device, std::int64_t capacity_bytes);
+};
+const std::array<MeterRegistration, 2> kMeters{{{c10::DeviceType::CPU, make_cpu_meter},
+                                                {c10::DeviceType::CUDA, make_cuda_meter}}};
+
+std::string meter_device_list() {
+  std::string list;
+  for (std::size_t i = 0; i < kMeters.size(); ++i) {
+    if (i > 0) list += i + 1 == kMeters.size() ? " and " : ", ";
+    list += c10::DeviceTypeName(kMeters[i].device_type, /*lower_case=*/true);
+  }
+  return list;
 }
 
 }  // namespace
@@ -52,22 +91,10 @@ std::shared_ptr<MemoryMeter> make_device_meter(const torch::Device& device, std:
   if (capacity_bytes < 0) {
     throw std::invalid_argument("memory cap must be >= 0 bytes (0: none), got " + std::to_string(capacity_bytes));
   }
-  if (device.is_cpu()) {
-    CpuMemoryMeter& meter = CpuMemoryMeter::install();
-    meter.set_capacity_bytes(capacity_bytes);
-    return std::shared_ptr<MemoryMeter>(&meter, [](MemoryMeter*) {});  // the process-wide meter
+  for (const MeterRegistration& meter : kMeters) {
+    if (meter.device_type == device.type()) return meter.make(device, capacity_bytes);
   }
-  if (!device.is_cuda()) throw std::invalid_argument("device '" + device.str() + "': only cpu and cuda are supported");
-  auto meter = std::make_shared<CudaMemoryMeter>(device.has_index() ? device.index() : 0);
-  if (capacity_bytes > 0) {
-    const auto total = static_cast<double>(meter->total_device_bytes());
-    if (static_cast<double>(capacity_bytes) > total) {
-      throw std::invalid_argument("memory cap of " + std::to_string(capacity_bytes) + " bytes is above " +
-                                  device.str() + "'s " + std::to_string(meter->total_device_bytes()) + " bytes");
-    }
-    meter->set_memory_fraction(static_cast<double>(capacity_bytes) / total);
-  }
-  return meter;
+  throw std::invalid_argument("device '" + device.str() + "': only " + meter_device_list() + " are supported");
 }
 
 }  // namespace xpm

@@ -52,7 +52,7 @@ std::vector<std::vector<double>> rows_of(const DoubleArray& array, std::size_t v
 
 std::shared_ptr<const xpm::MicrobatchPacker> packer_named(const std::string& name, const std::string& sort_by) {
   const xpm::PackerKind kind = xpm::parse_packer_kind(name, "packer");
-  return xpm::make_packer(kind, kind == xpm::PackerKind::kAdaptive ? sort_by : "");
+  return xpm::make_packer(kind, xpm::packer_takes_sort_by(kind) ? sort_by : "");
 }
 
 // A plan as flat arrays: record indices of every microbatch one after the other, offsets
@@ -391,6 +391,7 @@ PYBIND11_MODULE(_planner, m) {
   bind_probing(m);
   bind_fit(m);
   m.def("pack", &pack);
+  m.def("packer_names", &xpm::packer_names);
   m.def("assign_records_to_ranks", [](const std::vector<double>& costs, int world_size) {
     return xpm::assign_records_to_ranks(costs, world_size).records_per_rank;
   });

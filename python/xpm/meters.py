@@ -6,12 +6,15 @@
     meter.set_memory_fraction(0.5)          # the process capped at half the device
 
 ``Meter`` is the interface ``probe``, the sampler and the integrations read (the C++
-``MemoryMeter``'s); ``DeviceKind`` names the devices ``probe(device=...)`` takes.
+``MemoryMeter``'s); ``DeviceKind`` names the devices ``probe(device=...)`` takes. ``METERS`` is
+the registry ``probe(device=...)`` looks a device type up in: a meter for another device is a
+class in a file of its own (the ``Meter`` members, a ``device`` attribute and a ``for_probe``
+classmethod like these) and one entry there.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Protocol, Union, runtime_checkable
+from typing import Any, Dict, Literal, Optional, Protocol, Union, runtime_checkable
 
 import torch
 
@@ -24,6 +27,8 @@ class CpuMeter:
     Args:
         native: the extension's meter; use ``CpuMeter.install()``.
     """
+
+    device = torch.device("cpu")
 
     def __init__(self, native: Any) -> None:
         self._native = native
@@ -71,6 +76,37 @@ class CpuMeter:
     def reset_peak(self) -> None:
         """Starts a new peak at the bytes allocated now."""
         self._native.reset_peak()
+
+
+    @classmethod
+    def for_probe(cls, device: Union[torch.device, str], meter: Optional[Any], where: str, shown: str) -> "CpuMeter":
+        """``meter``, checked for ``probe(device=...)`` on the CPU: it must be the installed
+        ``CpuMeter`` (probe cannot make one: it must count the weights as they are allocated).
+
+        Args:
+            device: what ``probe`` was given, of type "cpu".
+            meter: what ``probe`` was given as ``meter``.
+            where, shown: the errors' start and how they name the argument (``"device='cpu'"``).
+
+        Returns:
+            ``meter``.
+
+        Raises:
+            ValueError: one line: ``meter`` is None or not a ``CpuMeter``.
+        """
+        if meter is None:
+            raise ValueError(f"{where}: {shown} needs meter=, a CpuMeter that probe cannot make: it must count the "
+                             f"weights as they are allocated, so call xpm.CpuMeter.install() before building the "
+                             f"model and pass it as meter=")
+        if not isinstance(meter, CpuMeter):
+            raise ValueError(f"{where}: {shown} but meter is {_shown_meter(meter)}: give the xpm.CpuMeter installed "
+                             f"before the model was built")
+        return meter
+
+
+def _shown_meter(meter: Any) -> str:
+    """``meter`` in a few words: its class, and a CudaMeter's device."""
+    return f"a CudaMeter of {meter.device}" if isinstance(meter, CudaMeter) else f"a {type(meter).__name__}"
 
 
 def _no_cuda_reason() -> str:
@@ -130,6 +166,34 @@ class CudaMeter:
         on_cpu = "on CPU use xpm.CpuMeter.install(), installed before the model is built"
         self.device: torch.device = _cuda_device(device, "CudaMeter", shown, on_cpu)
         self.memory_fraction = 1.0
+
+    @classmethod
+    def for_probe(cls, device: Union[torch.device, str], meter: Optional[Any], where: str, shown: str) -> "CudaMeter":
+        """The meter of ``probe(device=...)`` on a GPU: ``meter`` checked against the device, or a
+        ``CudaMeter`` of it when ``meter`` is None.
+
+        Args:
+            device: what ``probe`` was given, of type "cuda".
+            meter: what ``probe`` was given as ``meter`` (None: one is made).
+            where, shown: the errors' start and how they name the argument (``"device='cuda'"``).
+
+        Returns:
+            ``meter``, or a new ``CudaMeter`` of the device.
+
+        Raises:
+            ValueError: one line: no GPU torch sees at ``device``, ``meter`` not a ``CudaMeter``, or
+                one of another device.
+        """
+        target = _cuda_device(device, where, shown, "on CPU use device='cpu' with meter=xpm.CpuMeter.install(), "
+                                                    "installed before the model is built")
+        if meter is not None and not isinstance(meter, CudaMeter):
+            raise ValueError(f"{where}: {shown} but meter is {_shown_meter(meter)}: give meter=xpm.CudaMeter"
+                             f"(torch.device('{target}')) or meter=None")
+        if meter is not None and meter.device != target:
+            resolved = "" if str(device) == str(target) else f" ({target})"
+            raise ValueError(f"{where}: {shown}{resolved} but meter is {_shown_meter(meter)}: give "
+                             f"meter=xpm.CudaMeter(torch.device('{target}')) or meter=None")
+        return CudaMeter(target) if meter is None else meter
 
     @property
     def capacity_bytes(self) -> int:
@@ -197,3 +261,6 @@ class Meter(Protocol):
 
 DeviceKind = Literal["cpu", "cuda"]
 """The kinds of device ``probe(device=...)`` names (with ``"cuda:N"`` and ``torch.device``)."""
+
+METERS: Dict[str, Any] = {"cpu": CpuMeter, "cuda": CudaMeter}
+"""The meter class of each device type (``torch.device(...).type``) ``probe(device=...)`` takes."""

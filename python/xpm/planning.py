@@ -28,7 +28,9 @@ FormulaError = _planner.FormulaError
 # ---- closed sets of string arguments: a Literal for type checkers, a tuple for the runtime check
 PackerName = Literal["adaptive", "ffd", "uniform"]
 """A packer of ``plan`` and ``PredictiveBatchSampler``: "adaptive", "ffd" or "uniform"."""
-PACKERS: Tuple[PackerName, ...] = ("adaptive", "ffd", "uniform")
+PACKERS: Tuple[PackerName, ...] = tuple(sorted(_planner.packer_names()))  # type: ignore[assignment]
+"""The C++ library's packers (its table in packer_kind.cpp), by name; ``PackerName`` is their
+``Literal`` for type checkers (a test keeps the two equal)."""
 
 Aggregation = Literal["count", "max", "sum"]
 """How a variable combines over a microbatch's records in a fitted model (``fit``): "count"

@@ -44,7 +44,7 @@ import torch
 
 from . import _planner
 from .lockstep import Lockstep
-from .meters import CpuMeter, CudaMeter, DeviceKind, Meter, _cuda_device
+from .meters import METERS, CpuMeter, CudaMeter, DeviceKind, Meter
 from .planning import (RECORD_AGGREGATIONS, CostFormula, FitReport, MemoryBudget, MemoryModel, RecordAggregation,
                        _check_aggregation, _check_one_record_each, _matrix, _report)
 
@@ -403,17 +403,12 @@ def _check_record_dims(record_dims, formula: CostFormula, batch_size_variable: s
     return array
 
 
-def _shown_meter(meter: Any) -> str:
-    """``meter`` in a few words: its class, and a CudaMeter's device."""
-    return f"a CudaMeter of {meter.device}" if isinstance(meter, CudaMeter) else f"a {type(meter).__name__}"
-
-
 def _probe_meter(model: torch.nn.Module, meter: Optional[Meter],
                  device: Union[DeviceKind, torch.device, str, None]) -> Meter:
-    """The meter ``probe`` measures with: ``meter`` when ``device`` is None (today's behaviour:
-    the device follows the meter), else ``meter`` checked against ``device`` (a ``CudaMeter`` of
-    it made when ``meter`` is None) and against the model's parameters. One-line ValueErrors,
-    before anything is allocated or run."""
+    """The meter ``probe`` measures with: ``meter`` when ``device`` is None (the device follows
+    the meter), else the meter class registered for ``device``'s type (``xpm.meters.METERS``)
+    checks ``meter`` against it (or makes one), and the model's parameters must be there. One-line
+    ValueErrors, before anything is allocated or run."""
     if device is None:
         if meter is None:
             raise ValueError("probe: meter=None without device=: give meter=xpm.CpuMeter.install() (installed before "
@@ -427,34 +422,17 @@ def _probe_meter(model: torch.nn.Module, meter: Optional[Meter],
         kind = torch.device(device).type
     except RuntimeError:
         raise ValueError(f"probe: {shown} is not a device: give 'cpu', 'cuda', 'cuda:N' or a torch.device") from None
-    if kind == "cpu":
-        target = torch.device("cpu")
-        if meter is None:
-            raise ValueError(f"probe: {shown} needs meter=, a CpuMeter that probe cannot make: it must count the "
-                             f"weights as they are allocated, so call xpm.CpuMeter.install() before building the "
-                             f"model and pass it as meter=")
-        if not isinstance(meter, CpuMeter):
-            raise ValueError(f"probe: {shown} but meter is {_shown_meter(meter)}: give the xpm.CpuMeter installed "
-                             f"before the model was built")
-    elif kind == "cuda":
-        target = _cuda_device(device, "probe", shown, "on CPU use device='cpu' with meter=xpm.CpuMeter.install(), "
-                                                      "installed before the model is built")
-        if meter is not None and not isinstance(meter, CudaMeter):
-            raise ValueError(f"probe: {shown} but meter is {_shown_meter(meter)}: give meter=xpm.CudaMeter"
-                             f"(torch.device('{target}')) or meter=None")
-        if meter is not None and meter.device != target:
-            resolved = "" if str(device) == str(target) else f" ({target})"
-            raise ValueError(f"probe: {shown}{resolved} but meter is {_shown_meter(meter)}: give "
-                             f"meter=xpm.CudaMeter(torch.device('{target}')) or meter=None")
-    else:
-        raise ValueError(f"probe: {shown}: xpm measures CPU memory (xpm.CpuMeter) and CUDA memory "
-                         f"(xpm.CudaMeter) only")
+    meter_class = METERS.get(kind)
+    if meter_class is None:
+        measured = " and ".join(f"{name.upper()} memory (xpm.{cls.__name__})" for name, cls in METERS.items())
+        raise ValueError(f"probe: {shown}: xpm measures {measured} only")
+    chosen = meter_class.for_probe(device, meter, "probe", shown)
     devices = {p.device for p in model.parameters()}
-    if devices - {target}:
+    if devices - {chosen.device}:
         raise ValueError(f"probe: {shown} but the model's parameters are on {', '.join(sorted(map(str, devices)))}: "
-                         f"move the model with model.to('{target}') before building its optimizer, or give the "
+                         f"move the model with model.to('{chosen.device}') before building its optimizer, or give the "
                          f"parameters' device")
-    return CudaMeter(target) if meter is None else meter
+    return chosen
 
 
 @dataclass

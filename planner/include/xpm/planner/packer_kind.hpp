@@ -3,10 +3,15 @@
 //   const xpm::PackerKind kind = xpm::parse_packer_kind("ffd", "--packer");
 //   std::shared_ptr<const xpm::MicrobatchPacker> packer = xpm::make_packer(kind);
 //   xpm::make_packer(xpm::PackerKind::kAdaptive, "l");  // sorted by l, longest first
+//
+// A new packer: its MicrobatchPacker in a file of its own, a PackerKind value, and one row in
+// the packers' table of packer_kind.cpp (name, whether it takes sort_by, how it is made); the
+// CLIs and the Python package take its name from there.
 #pragma once
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "xpm/planner/packer.hpp"
 
@@ -21,6 +26,11 @@ enum class PackerKind {
 std::string to_string(PackerKind kind);  // "adaptive" | "uniform" | "ffd"
 /// Throws std::invalid_argument "<source> must be 'adaptive', 'uniform' or 'ffd', got '<text>'".
 PackerKind parse_packer_kind(const std::string& text, const std::string& source);
+
+/// Every packer's name, in the table's order ("adaptive", "uniform", "ffd").
+std::vector<std::string> packer_names();
+/// Whether the packer of `kind` takes a sort_by (the adaptive one).
+bool packer_takes_sort_by(PackerKind kind);
 
 /// The packer of `kind`. `sort_by` (AdaptivePackerOptions::sort_by: variables, comma-separated,
 /// heaviest first) applies to kAdaptive only; throws std::invalid_argument for a non-empty
