@@ -6,7 +6,7 @@ every rank. ``docs/python.md`` has the guide.
 
 - ``CostFormula``, ``fit``, ``MemoryModel``, ``MemoryBudget``, ``plan`` (the planner core;
   it imports without torch, and the names below import torch on first use);
-- ``probe``, ``CpuMeter``, ``CudaMeter`` (the CPU meter's extension loads on first
+- ``probe`` and its ``ProbeOptions``, ``CpuMeter``, ``CudaMeter`` (the CPU meter's extension loads on first
   ``CpuMeter.install()``);
 - ``PredictiveBatchSampler``, ``microbatch_loop`` (a ``torch.utils.data`` batch sampler),
   ``check_unplanned_memory`` (memory allocated after probing), ``Calibration`` and ``Correction`` (predictions
@@ -31,6 +31,7 @@ from .planning import (GRADIENT_PHASES, PACKERS, Aggregation, CostFormula, FitRe
 # The torch side, imported on first use: the planner core above imports without torch.
 _TORCH_SIDE = {
     "probing": ["AdaptiveReport", "AdaptiveStop", "ProbeOutcome", "probe"],
+    "probe_options": ["ProbeOptions"],
     "meters": ["CpuMeter", "CudaMeter", "DeviceKind", "Meter"],
     "adapters": ["StepDataset", "accumulate"],
     "lockstep": ["stop_together"],
@@ -44,6 +45,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see at once
     from .calibration import Calibration, Correction
     from .lockstep import stop_together
     from .meters import CpuMeter, CudaMeter, DeviceKind, Meter
+    from .probe_options import ProbeOptions
     from .probing import AdaptiveReport, AdaptiveStop, ProbeOutcome, probe
     from .sampler import Microbatch, PredictiveBatchSampler, Step, check_unplanned_memory, microbatch_loop
 
@@ -75,6 +77,6 @@ def __dir__() -> List[str]:
 __all__ = ["__version__", "PACKERS", "CostFormula", "FitReport", "FormulaError", "MemoryBudget", "MemoryModel", "Plan",
            "fit", "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop",
            "check_unplanned_memory", "Calibration", "Correction", "StepDataset", "accumulate",
-           "probe", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport",
+           "probe", "ProbeOptions", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport",
            "PackerName", "Aggregation", "RecordAggregation", "DeviceKind", "AdaptiveStop", "Meter", "stop_together",
            "GradientPhase", "GRADIENT_PHASES"]

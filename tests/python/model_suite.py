@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import xpm
-from xpm.probing import _SteadyState, _TorchExecutor  # the probe step itself, for the held-out shapes
+from xpm.probe_executor import _SteadyState, _TorchExecutor  # the probe step itself, for the held-out shapes
 
 HELD_OUT_SHAPES = 16
 

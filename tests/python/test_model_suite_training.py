@@ -44,7 +44,7 @@ import torch
 
 import xpm
 from model_suite import SPECS, ModelSpec, aggregate, probed_ranges
-from xpm.probing import _SteadyState, _TorchExecutor  # the probe step itself, for the calibration step
+from xpm.probe_executor import _SteadyState, _TorchExecutor  # the probe step itself, for the calibration step
 
 torch.set_num_threads(1)
 METER = xpm.CpuMeter.install()  # before any model is built: the meter must see the weights

@@ -247,9 +247,10 @@ def test_closed_sets_are_literals_in_the_signatures_and_checked_at_run_time():
     assert hints(xpm.fit)["aggregation"] == typing.Optional[typing.Dict[str, xpm.Aggregation]]
     assert hints(xpm.fit)["formula"] == typing.Union[xpm.CostFormula, typing.Literal["auto"]]
     assert typing.get_args(xpm.RecordAggregation) == ("max", "sum")
-    assert hints(xpm.probe)["aggregation"] == typing.Optional[typing.Dict[str, xpm.RecordAggregation]]
+    assert hints(xpm.ProbeOptions)["aggregation"] == typing.Optional[typing.Dict[str, xpm.RecordAggregation]]
     assert typing.get_args(xpm.DeviceKind) == ("cpu", "cuda")
-    assert hints(xpm.probe)["device"] == typing.Union[xpm.DeviceKind, torch.device, str, None]
+    assert hints(xpm.ProbeOptions)["device"] == typing.Union[xpm.DeviceKind, torch.device, str, None]
+    assert hints(xpm.probe)["options"] == typing.Optional[xpm.ProbeOptions]
     assert hints(xpm.probe)["meter"] == typing.Optional[xpm.Meter]
     assert hints(xpm.AdaptiveReport)["stop"] == xpm.AdaptiveStop
     assert set(typing.get_args(xpm.AdaptiveStop)) == {"not run", "agreed", "probe count", "probe time", "no candidates"}

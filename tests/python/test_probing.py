@@ -397,6 +397,11 @@ def test_device_cpu_probes_as_the_default_does():
             torch.manual_seed(14)
             outcomes.append(xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)), FORMULA,
                                       meter=METER, variable_max={"bs": 16, "l": 48}, device=device))
+        gc.collect()
+        torch.manual_seed(14)  # the same options grouped: the same probes
+        options = xpm.ProbeOptions(variable_max={"bs": 16, "l": 48}, device="cpu")
+        outcomes.append(xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)), FORMULA,
+                                  meter=METER, options=options))
     finally:
         METER.capacity_bytes = 0
     default = outcomes[0]
@@ -408,6 +413,20 @@ def test_device_cpu_probes_as_the_default_does():
         assert _untimed(outcome.model) == _untimed(default.model)
         assert outcome.floor == default.floor and outcome.adaptive.stop == default.adaptive.stop
     assert optimizer.param_groups[0]["lr"] == 1e-2 and len(optimizer.state) == 0
+
+
+def test_probe_options_given_both_ways_or_misnamed_are_refused_in_one_line():
+    model = CharGru()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    calls = []
+    with pytest.raises(TypeError, match=r"^probe: unknown option\(s\) variable_maximum; the options are budget, "):
+        xpm.probe(model, optimizer, calls.append, FORMULA, meter=METER, variable_maximum={"bs": 16})
+    with pytest.raises(TypeError, match=r"^probe: give options=xpm.ProbeOptions\(...\) or keyword options, not both "
+                                        r"\(got options= and lockstep\)$"):
+        xpm.probe(model, optimizer, calls.append, FORMULA, meter=METER, options=xpm.ProbeOptions(), lockstep=False)
+    with pytest.raises(TypeError, match="^probe: options must be an xpm.ProbeOptions, got dict$"):
+        xpm.probe(model, optimizer, calls.append, FORMULA, meter=METER, options={"variable_max": {"bs": 16}})
+    assert calls == [] and len(optimizer.state) == 0
 
 
 class DelegatingMeter:
