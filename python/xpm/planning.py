@@ -8,6 +8,22 @@ formula, ``ValueError`` for bad arguments, ``RuntimeError`` for an unusable fit.
 The closed sets of string arguments are ``typing.Literal`` aliases (``PackerName``,
 ``Aggregation``, ``RecordAggregation``), each with its tuple of values for the run-time check,
 whose one-line ``ValueError`` names the argument and the value, as the C++ library's do.
+
+A formula fitted to measured peaks, then records planned into microbatches under a budget:
+
+    >>> import numpy as np, xpm
+    >>> formula = xpm.CostFormula("a*bs*l + b*bs + c", ["bs", "l"])
+    >>> dims = np.array([[1, 10], [2, 10], [4, 20], [8, 40], [2, 40]], dtype=float)
+    >>> peak_bytes = 100 * dims[:, 0] * dims[:, 1] + 30 * dims[:, 0] + 1000   # as measured
+    >>> model, report = xpm.fit(formula, dims, peak_bytes)
+    >>> report.usable, round(model.predict([4, 30]))
+    (True, 13120)
+    >>> records = np.array([[1, 30], [1, 10], [1, 20], [1, 40]], dtype=float)   # bs 1 each
+    >>> planned = xpm.plan(records, model, usable_bytes=9000)
+    >>> [round(b) for b in planned.predicted_bytes]     # three microbatches, each under 9000
+    [5030, 7060, 2030]
+    >>> [m.tolist() for m in planned.microbatches]      # the records of each
+    [[3], [0, 2], [1]]
 """
 from __future__ import annotations
 
@@ -97,6 +113,12 @@ class MemoryBudget(_planner.MemoryBudget):
 
     Raises:
         ValueError: a value that is not a whole number of bytes, or out of range (named).
+
+    Example:
+        >>> MemoryBudget(2_000_000_000).usable_bytes        # 90 % by default
+        1800000000
+        >>> MemoryBudget(2_000_000_000, 0.8, extra_overhead_bytes=100_000_000).usable_bytes
+        1500000000
     """
 
     def __init__(self, capacity_bytes: Union[int, float], memory_fraction: float = 0.9,

@@ -28,6 +28,20 @@ Every index list ``__iter__`` yields is a ``Microbatch`` (a ``list`` of record i
 carries its planned ``dims``, ``predicted_bytes``, ``weight``, ``last`` and ``step``;
 ``len(sampler)`` is the number the next pass yields.
 
+Eight records of a fitted model (the planning module's example), in outer batches of four
+under 9,000 bytes: each step's microbatches, and the weights of their mean losses (summing to 1
+per step on one rank):
+
+    >>> import numpy as np, xpm
+    >>> formula = xpm.CostFormula("a*bs*l + b*bs + c", ["bs", "l"])
+    >>> dims = np.array([[1, 10], [2, 10], [4, 20], [8, 40], [2, 40]], dtype=float)
+    >>> model, _ = xpm.fit(formula, dims, 100 * dims[:, 0] * dims[:, 1] + 30 * dims[:, 0] + 1000)
+    >>> lengths = np.array([30, 10, 20, 40, 25, 15, 35, 5])
+    >>> sampler = xpm.PredictiveBatchSampler(xpm.record_dims_from_lengths(lengths), model, 9000,
+    ...                                      outer_batch_size=4, seed=1, units=lengths)
+    >>> [(list(m), m.weight, m.last) for m in sampler]
+    [([0, 4], 0.6875, False), ([5, 1], 0.3125, True), ([3], 0.4, False), ([6, 2], 0.55, False), ([7], 0.05, True)]
+
 Resuming: ``state_dict()`` / ``load_state_dict()`` resume at the step ``microbatch_loop`` (or
 ``mark_step_done``) counted last; torchdata's ``StatefulDataLoader`` saves the sampler's and its
 iterator's state and resumes at the exact microbatch.

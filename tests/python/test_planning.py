@@ -1,6 +1,8 @@
 """The planner core from Python: formulas, fit, models, budgets, plans equal to the C++ plans."""
 import concurrent.futures
 import inspect
+import doctest
+import importlib
 import json
 import subprocess
 import sys
@@ -320,3 +322,10 @@ def test_every_public_signature_is_typed_and_documented_with_google_style_sectio
             if hints.get("return") not in (None, type(None)) and "Returns:" not in doc:
                 missing.append(f"{name}: no Returns:")
     assert missing == []
+
+
+@pytest.mark.parametrize("module", ["xpm.planning", "xpm.sampler"])
+def test_the_docstring_examples_run_as_written(module):
+    # The >>> examples of the package's docstrings are doctests: an example that goes stale fails here.
+    results = doctest.testmod(importlib.import_module(module))
+    assert results.attempted >= 5 and results.failed == 0, results
