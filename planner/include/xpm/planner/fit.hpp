@@ -1,8 +1,9 @@
 // xpm/planner/fit.hpp — fit a CostFormula's coefficients to measured peak bytes with Ceres.
 //
 //   CostFormula f("a*bs*l^2 + b*bs*l + c", {"a","b","c"}, {"bs","l"});
-//   std::vector<Measurement> m = {{{1, 64}, 2.1e6}, {{4, 128}, 9.5e6}, ...};
-//   std::vector<InfeasibleBound> oom = {{{32, 512}, 16e9}};  // ran out of memory under 16 GB
+//   std::vector<Measurement> m = {{{1, 64}, 1.027e6}, {{4, 128}, 1.285e6}, {{8, 256}, 2.663e6},
+//                                 {{2, 512}, 2.356e6}, {{16, 64}, 1.438e6}};  // dims, peak bytes
+//   std::vector<InfeasibleBound> oom = {{{64, 256}, 8e6}};  // ran out of memory under an 8 MB cap
 //   FitOptions options;
 //   options.batch_size_variable = "bs";     // refuse a model that shrinks as bs grows
 //   FitResult r = fit_coefficients(f, m, oom, options);  // bytes per unit of each term

@@ -3,8 +3,8 @@
 //   MemoryModel model(formula, fit.coefficients, /*floor_bytes=*/static_bytes, "bs",
 //                     {{"l", DimAggregation::kMax}});
 //   model.predict_bytes({8, 100});                 // max(floor, formula(8, 100))
-//   model.max_microbatch_size({1, 100}, budget);   // largest bs whose prediction fits
-//   model.save("model.json"); MemoryModel::load("model.json");
+//   model.max_microbatch_size({1, 100}, usable_bytes);  // largest bs whose prediction fits
+//   model.save(path); MemoryModel::load(path);     // JSON (docs/file-formats.md)
 //
 // Prediction is max(floor_bytes, formula(dims)): at small shapes the static memory (weights,
 // gradients, optimizer state) dominates and a polynomial fitted where activations dominate

@@ -7,11 +7,11 @@
 // packer reads without copying (a NumPy array from Python, a std::vector<double>); one
 // std::vector<double> per record is also taken (copied once into one contiguous block).
 //
-//   std::vector<double> dims = ...;                            // n x 2 values: {bs, l} per record
+//   std::vector<double> dims = {1, 120, 1, 40, 1, 250};        // {bs, l} per record, 3 records
 //   AdaptivePackerOptions packer_options;
 //   packer_options.sort_by = "l";
 //   AdaptivePacker packer(packer_options);
-//   MicrobatchPlan plan = packer.pack(RecordDimsView(dims.data(), n, 2), model, budget.usable_bytes());
+//   MicrobatchPlan plan = packer.pack(RecordDimsView(dims.data(), 3, 2), model, budget.usable_bytes());
 //   for (const Microbatch& mb : plan.microbatches) run(mb.record_indices);
 //
 // Guarantees of every packer: each record index 0..n-1 appears in exactly one microbatch; a
