@@ -264,7 +264,6 @@ GenreRankingTrainResult train_genre_ranker(GenreRanker& ranker, const GenreRanki
   ranker->train();
   torch::optim::Adam optimizer(ranker->parameters(), torch::optim::AdamOptions(options.learning_rate));
   GenreRankingTask task(ranker, data, loss, options.seed);
-  FixedBatcher batcher(optimizer, nullptr, options.pairs_per_step);  // one microbatch per step
   HookList hooks;
   auto recorder = std::make_shared<GenreRankingRecorder>(task);
   hooks.add(recorder);
@@ -281,7 +280,7 @@ GenreRankingTrainResult train_genre_ranker(GenreRanker& ranker, const GenreRanki
   learner.validation.mode = MetricMode::kMax;
   learner.log = [](const std::string&) {};
   LearnerComponents parts;
-  parts.fixed_batcher = &batcher;
+  parts.engine = std::make_shared<FixedStepEngine>(optimizer, nullptr, options.pairs_per_step);  // 1 microbatch a step
   parts.hooks = &hooks;
   Learner(task, optimizer, learner, parts).run();
 

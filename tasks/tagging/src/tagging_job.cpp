@@ -22,7 +22,7 @@
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/tasks/brown_corpus.hpp"
 #include "xpm/trainer/loop/error_context.hpp"
-#include "xpm/trainer/steps/fixed_batchers.hpp"
+#include "xpm/trainer/steps/step_engine.hpp"
 #include "xpm/trainer/distributed/gradient_buckets.hpp"
 #include "xpm/trainer/loop/hook_library.hpp"
 #include "xpm/trainer/loop/learner.hpp"
@@ -207,14 +207,15 @@ HookList job_hooks(const TaggingJobConfig& config, const HookList& extension_hoo
   return hooks;
 }
 
-// The batcher without a memory model (world size 1, checked by check_job_config); null for
-// the predictive one.
-std::unique_ptr<FixedBatcher> make_fixed_batcher(const TaggingJobConfig& config, torch::optim::Optimizer& optimizer,
-                                                 MemoryMeter& meter, const DistributedContext& dist) {
+// The step engine without a memory model (world size 1, checked by check_job_config); null
+// for the predictive one, which the Learner builds over the job's PredictiveBatcher.
+std::shared_ptr<FixedStepEngine> make_fixed_step_engine(const TaggingJobConfig& config,
+                                                        torch::optim::Optimizer& optimizer, MemoryMeter& meter,
+                                                        const DistributedContext& dist) {
   const std::int64_t size = config.microbatch_size > 0 ? config.microbatch_size : config.outer_batch_size;
-  if (config.batcher == BatcherKind::kFixed) return std::make_unique<FixedBatcher>(optimizer, &meter, size);
+  if (config.batcher == BatcherKind::kFixed) return std::make_shared<FixedStepEngine>(optimizer, &meter, size);
   if (config.batcher == BatcherKind::kPower) {
-    return std::make_unique<PowerAdaptativeBatcher>(
+    return std::make_shared<PowerAdaptiveStepEngine>(
         optimizer, &meter, PowerAdaptativeBatcherOptions{config.outer_batch_size, config.microbatch_size},
         dist.world_size());
   }
@@ -427,14 +428,13 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
     if (predictive) batcher.model().save(config.run_dir + "/memory_model.json");
     write_file_atomically(config.run_dir + "/config.json", config.to_json().dump(2) + "\n");
   }
-  const std::unique_ptr<FixedBatcher> fixed_batcher = make_fixed_batcher(config, optimizer, meter, dist);
+  const std::shared_ptr<FixedStepEngine> fixed_engine = make_fixed_step_engine(config, optimizer, meter, dist);
 
   TaggingTrainingTask task(setup, data.train, data.validation, dist);
   LearnerComponents parts;
   parts.dist = &dist;
-  parts.batcher = fixed_batcher ? nullptr : &batcher;
-  parts.fixed_batcher = fixed_batcher.get();
-  parts.power_batcher = dynamic_cast<PowerAdaptativeBatcher*>(fixed_batcher.get());
+  parts.engine = fixed_engine;
+  parts.batcher = fixed_engine ? nullptr : &batcher;
   parts.meter = &meter;
   parts.sharded = setup.sharded_optimizer();
   parts.hooks = &hooks;
@@ -453,7 +453,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
                   static_cast<long long>(validation_metric(outcome, "tokens")));
     log(text);
   }
-  facts.microbatch_size = fixed_batcher ? fixed_batcher->microbatch_size() : 0;
+  facts.microbatch_size = fixed_engine ? fixed_engine->microbatch_size() : 0;
   facts.restart_count = extensions.restart_count;
   facts.total_s = seconds_since(job_start);
   const nlohmann::json summary = job_summary(config, dist, outcome, facts);

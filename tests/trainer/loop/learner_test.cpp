@@ -105,9 +105,8 @@ template <class Task = RegressionTask>
 Trained train(xpm::LearnerOptions options) {
   Task task;
   torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
-  xpm::FixedBatcher batcher(optimizer, nullptr, /*microbatch_size=*/3);
   xpm::LearnerComponents parts;
-  parts.fixed_batcher = &batcher;
+  parts.engine = std::make_shared<xpm::FixedStepEngine>(optimizer, nullptr, /*microbatch_size=*/3);
   xpm::Learner learner(task, optimizer, std::move(options), parts);
   Trained trained{learner.run(), task.linear_->weight.detach().clone(), -1};
   trained.restored_loss_calls = task.restored_loss_calls_;
@@ -184,9 +183,8 @@ TEST_CASE("the Learner refuses records whose units are negative or not a number,
     BadUnits task;
     task.units = units;
     torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
-    xpm::FixedBatcher batcher(optimizer, nullptr, 3);
     xpm::LearnerComponents parts;
-    parts.fixed_batcher = &batcher;
+    parts.engine = std::make_shared<xpm::FixedStepEngine>(optimizer, nullptr, 3);
     xpm::Learner learner(task, optimizer, options_in("units/units"), parts);
     CHECK_THROWS_AS(learner.run(), std::invalid_argument);
   }
@@ -196,11 +194,11 @@ TEST_CASE("the Learner refuses components that cannot work, naming them") {
   RegressionTask task;
   torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("components/none"), {}),
-                       "LearnerComponents: give exactly one of batcher (predictive) and fixed_batcher",
+                       "LearnerComponents: no step engine: give an engine, a batcher (predictive) or "
+                       "LearnerOptions.memory_plan",
                        std::invalid_argument);
-  xpm::FixedBatcher batcher(optimizer, nullptr, 3);
   xpm::LearnerComponents parts;
-  parts.fixed_batcher = &batcher;
+  parts.engine = std::make_shared<xpm::FixedStepEngine>(optimizer, nullptr, 3);
   xpm::LearnerOptions options = options_in("components/bad");
   options.outer_batch_size = 0;
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options, parts),
@@ -215,6 +213,56 @@ TEST_CASE("the Learner refuses components that cannot work, naming them") {
   options.stop_after_steps = 13;
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options, parts),
                        "LearnerOptions.stop_after_steps 13 is beyond the run's 12 steps", std::invalid_argument);
+}
+
+namespace {
+
+// A caller's engine: FixedStepEngine's steps and validation slices, counted.
+class CountingEngine : public xpm::FixedStepEngine {
+ public:
+  using FixedStepEngine::FixedStepEngine;
+  xpm::GlobalStepResult train_step(const std::vector<std::vector<double>>& record_dims,
+                                   const std::vector<double>& record_units, const xpm::MicrobatchLossFn& loss_sum_fn,
+                                   const xpm::BeforeOptimizerStepFn& before_optimizer_step) override {
+    ++steps;
+    return FixedStepEngine::train_step(record_dims, record_units, loss_sum_fn, before_optimizer_step);
+  }
+  xpm::ValidationPlanFn validation_planner() const override {
+    ++validations;
+    return FixedStepEngine::validation_planner();
+  }
+  std::int64_t steps = 0;
+  mutable std::int64_t validations = 0;
+};
+
+}  // namespace
+
+TEST_CASE("the Learner runs the step engine it is given, refusing one beside a batcher or at a world size it refuses") {
+  RegressionTask task;
+  torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
+  auto engine = std::make_shared<CountingEngine>(optimizer, nullptr, 3);
+  xpm::LearnerComponents parts;
+  parts.engine = engine;
+  const xpm::LearnerOutcome outcome = xpm::Learner(task, optimizer, options_in("engine/counted"), parts).run();
+  CHECK(engine->steps == 12);
+  CHECK(engine->validations == 3);  // every 4 steps, the last one included
+  CHECK(outcome.counters.microbatches == 12 * 3);  // 8 records a step in slices of 3
+  CHECK(outcome.memory_formula.empty());
+
+  xpm::PredictiveBatcherOptions planner_options;
+  planner_options.formula = xpm::CostFormula("a*bs", {"a"}, {"bs"});
+  planner_options.probe_points = {{{{"bs", 1}}}};
+  planner_options.budget = {1, 1.0, 0};
+  xpm::PredictiveBatcher planner(planner_options, std::make_shared<xpm::UniformPacker>());
+  parts.batcher = &planner;
+  CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("engine/both"), parts),
+                       "LearnerComponents: give an engine or a batcher (the predictive engine's), not both",
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(engine->check_world_size(2),
+                       "FixedStepEngine runs in a single process only, got world_size 2: data parallelism needs "
+                       "the predictive engine",
+                       std::invalid_argument);
+  CHECK_NOTHROW(engine->check_world_size(1));
 }
 
 TEST_CASE("a signal stops the Learner after the step in progress, with a checkpoint a resume continues bit for bit") {
@@ -319,11 +367,10 @@ TEST_CASE("the Learner builds its plan from MemoryPlanOptions, validates the tas
 TEST_CASE("the Learner refuses a memory plan beside a batcher, one without a meter, and a model on another device") {
   RegressionTask task;
   torch::optim::SGD optimizer(task.module().parameters(), torch::optim::SGDOptions(0.05));
-  xpm::FixedBatcher batcher(optimizer, nullptr, 3);
   xpm::LearnerComponents with_batcher;
-  with_batcher.fixed_batcher = &batcher;
+  with_batcher.engine = std::make_shared<xpm::FixedStepEngine>(optimizer, nullptr, 3);
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("refused").set_memory_plan(small_memory_plan()), with_batcher),
-                       doctest::Contains("give no batcher in LearnerComponents with it"), std::invalid_argument);
+                       doctest::Contains("give no engine nor batcher in LearnerComponents with it"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("refused").set_memory_plan(small_memory_plan())),
                        doctest::Contains("memory_plan needs LearnerComponents.meter"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("refused").set_device(torch::Device("cuda:0")), with_batcher),

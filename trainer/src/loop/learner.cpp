@@ -250,9 +250,9 @@ void Learner::Impl::correct_memory_model(const GlobalStepResult& result, std::in
   }
 }
 
-nlohmann::json Learner::Impl::step_line(const GlobalStepResult& result, const BatcherStepResult& fixed_step,
-                                        double lr, std::size_t records, double step_size,
-                                        std::int64_t underpredictions, double prediction_error) const {
+nlohmann::json Learner::Impl::step_line(const GlobalStepResult& result, double lr, std::size_t records,
+                                        double step_size, std::int64_t underpredictions,
+                                        double prediction_error) const {
   // A step skipped by an out-of-memory error trained nothing: no loss, no tokens.
   nlohmann::json line = {{"step", state.step},
                          {"epoch", state.epoch},
@@ -280,10 +280,10 @@ nlohmann::json Learner::Impl::step_line(const GlobalStepResult& result, const Ba
     line["loss_scale_overflow"] = result.loss_scale_overflow;
   }
   for (const auto& [name, value] : context.metrics()) line[name] = value;  // hooks' (grad_norm, ...)
-  if (fixed_batcher != nullptr) {
-    line["microbatch_size"] = fixed_step.microbatch_size;
-    line["ooms"] = fixed_step.ooms;
-    line["attempts"] = fixed_step.attempts;
+  if (result.microbatch_size > 0) {  // a fixed-size engine
+    line["microbatch_size"] = result.microbatch_size;
+    line["ooms"] = result.oom_errors;
+    line["attempts"] = result.attempts;
   }
   return line;
 }
@@ -308,10 +308,8 @@ void Learner::Impl::log_progress(const GlobalStepResult& result) {
   log(text);
 }
 
-void Learner::Impl::train_one_step(const std::vector<std::size_t>& records) {
-  std::vector<std::vector<double>> record_dims;
-  std::vector<double> record_units;
-  double step_size = 0;
+Learner::Impl::OuterBatchRecords Learner::Impl::read_outer_batch(const std::vector<std::size_t>& records) const {
+  OuterBatchRecords batch;
   double units = 0;
   for (std::size_t index : records) {
     TrainingRecord record = task.train_record(index);
@@ -320,15 +318,21 @@ void Learner::Impl::train_one_step(const std::vector<std::size_t>& records) {
                                   std::to_string(record.units) + ": units must be finite and >= 0");
     }
     units += record.units;
-    record_dims.push_back(std::move(record.dims));
-    record_units.push_back(record.units);
-    step_size += record.size;
+    batch.record_dims.push_back(std::move(record.dims));
+    batch.record_units.push_back(record.units);
+    batch.size += record.size;
   }
   if (units <= 0) {
     throw std::invalid_argument("the outer batch of step " + std::to_string(state.step + 1) + " has 0 units (" +
                                 std::to_string(records.size()) + " records): TrainingTask::train_record's units " +
                                 "are what the loss is summed over and must add up to more than 0");
   }
+  return batch;
+}
+
+void Learner::Impl::train_one_step(const std::vector<std::size_t>& records) {
+  const OuterBatchRecords batch = read_outer_batch(records);
+  const double step_size = batch.size;
   LrScheduleOptions schedule = options.lr_schedule;
   schedule.total_steps = std::max<std::int64_t>(1, state.total_steps);
   const double lr = learning_rate_at(schedule, state.step);
@@ -342,22 +346,15 @@ void Learner::Impl::train_one_step(const std::vector<std::size_t>& records) {
     return task.loss_sum(ids);
   };
   const BeforeOptimizerStepFn before_optimizer_step = [&] { hooks.before_optimizer_step(context); };
-  BatcherStepResult fixed_step;
-  GlobalStepResult result;
-  if (fixed_batcher != nullptr) {
-    fixed_step = fixed_batcher->train_step(record_units, loss_sum_fn, before_optimizer_step);
-    result = fixed_step.step;
-  } else {
-    result = trainer->train_step(record_dims, record_units, loss_sum_fn, before_optimizer_step);
-  }
-  // Data parallel: agreed in the step's status; a fixed batcher runs in one process.
-  stop_agreed = fixed_batcher != nullptr ? stop_signals && stop_signals->requested() : result.stop_requested;
+  const GlobalStepResult result =
+      engine->train_step(batch.record_dims, batch.record_units, loss_sum_fn, before_optimizer_step);
+  stop_agreed = result.stop_requested;  // data parallel: agreed in the step's status
   ++state.step;
   ++state.epoch_position;
   const std::int64_t step = state.step;
-  if (fixed_batcher != nullptr && fixed_step.ooms > 0 && !result.oom) {
-    log(options.log_prefix + ": step " + std::to_string(step) + ": " + std::to_string(fixed_step.ooms) +
-        " out-of-memory error(s), redone with microbatch size " + std::to_string(fixed_step.microbatch_size));
+  if (result.oom_errors > 0 && !result.oom) {
+    log(options.log_prefix + ": step " + std::to_string(step) + ": " + std::to_string(result.oom_errors) +
+        " out-of-memory error(s), redone with microbatch size " + std::to_string(result.microbatch_size));
   }
   std::int64_t underpredictions = 0;
   if (predictive()) correct_memory_model(result, underpredictions);
@@ -367,18 +364,10 @@ void Learner::Impl::train_one_step(const std::vector<std::size_t>& records) {
           ? 0.0
           : (static_cast<double>(result.peak_allocated_bytes) - result.max_predicted_bytes) /
                 static_cast<double>(result.peak_allocated_bytes);
-  outcome.counters.add_step(result, step_size, fixed_batcher != nullptr ? fixed_step.ooms : (result.oom ? 1 : 0),
-                            fixed_batcher != nullptr ? fixed_step.attempts : 1, underpredictions,
+  outcome.counters.add_step(result, step_size, result.oom_errors, result.attempts, underpredictions,
                             prediction_error);
-  write_metrics_line(step_line(result, fixed_step, lr, records.size(), step_size, underpredictions,
-                               prediction_error));
-  if (consecutive_oom_steps >= kMaxConsecutiveOomSteps) {
-    throw std::runtime_error(
-        std::to_string(consecutive_oom_steps) + " consecutive steps ran out of memory under the capacity of " +
-        std::to_string(capacity_bytes()) + " bytes: " +
-        (predictive() ? "the memory model keeps under-predicting this job (" + options.oom_advice + ")"
-                      : "the microbatch does not fit (a smaller microbatch size, or the predictive batcher)"));
-  }
+  write_metrics_line(step_line(result, lr, records.size(), step_size, underpredictions, prediction_error));
+  check_consecutive_ooms();
   log_progress(result);
   if (result.oom) return;
   {
@@ -391,6 +380,15 @@ void Learner::Impl::train_one_step(const std::vector<std::size_t>& records) {
   hooks.after_step(context);
 }
 
+void Learner::Impl::check_consecutive_ooms() const {
+  if (consecutive_oom_steps < kMaxConsecutiveOomSteps) return;
+  throw std::runtime_error(
+      std::to_string(consecutive_oom_steps) + " consecutive steps ran out of memory under the capacity of " +
+      std::to_string(capacity_bytes()) + " bytes: " +
+      (predictive() ? "the memory model keeps under-predicting this job (" + options.oom_advice + ")"
+                    : "the microbatch does not fit (a smaller microbatch size, or the predictive batcher)"));
+}
+
 bool Learner::Impl::validate(std::int64_t epoch) {
   return with_error_context("validation after step " + std::to_string(state.step),
                             [&] { return run_validation(epoch); });
@@ -399,17 +397,9 @@ bool Learner::Impl::validate(std::int64_t epoch) {
 bool Learner::Impl::run_validation(std::int64_t epoch) {
   context.clear_metrics();
   hooks.before_validation(context);
-  // Its own plan: a snapshot of the training memory model (or the fixed/power size); nothing
-  // measured here goes back into the training batcher.
-  std::optional<PredictiveBatcher> validation_planner;
-  if (predictive()) {
-    validation_planner.emplace(batcher->options(), batcher->shared_packer());
-    validation_planner->set_model(batcher->model());
-  }
-  const std::int64_t microbatch_size = fixed_batcher != nullptr ? fixed_batcher->microbatch_size() : 0;
-  const ValidationPlanFn plan_of = [&](const std::vector<std::vector<double>>& dims) {
-    return validation_planner ? validation_planner->plan(dims) : fixed_size_plan(dims.size(), microbatch_size);
-  };
+  // Its own plan: a snapshot of the engine's (the memory model, or the fixed/power size);
+  // nothing measured here goes back into training's.
+  const ValidationPlanFn plan_of = engine->validation_planner();
   const auto start = std::chrono::steady_clock::now();
   const NamedMetrics metrics =
       task.validation_record_count() > 0 ? validate_records(task, plan_of, dist) : task.validate(plan_of);
@@ -524,11 +514,6 @@ LearnerOutcome Learner::Impl::run() {
   if (!parts.resume_from && options.resume) find_checkpoint_to_resume();
   if (parts.resume_from) restore(*parts.resume_from);
   if (predictive() && !batcher->has_model()) obtain_memory_model();
-  if (predictive()) {
-    trainer.emplace(optimizer, *batcher, parts.meter, dist, parts.buckets != nullptr ? parts.buckets : own_buckets ? &*own_buckets : nullptr,
-                    parts.sharded);
-    if (loss_scaler) trainer->set_loss_scaler(&*loss_scaler);
-  }
   if (dist.is_main()) {
     const std::string metrics_path = options.run_dir + "/metrics.jsonl";
     if (parts.resume_from) {
@@ -538,10 +523,11 @@ LearnerOutcome Learner::Impl::run() {
     }
   }
   set_learning_rate(optimizer, 0.0);
-  if (trainer && stop_signals) trainer->set_stop_flag(&stop_signals->flag());
+  if (stop_signals) engine->set_stop_flag(&stop_signals->flag());
   run_epochs();
   finish();
   outcome.memory_model_from_checkpoint = memory_model_from_checkpoint;
+  engine->set_stop_flag(nullptr);  // the flag goes with stop_signals
   stop_signals.reset();  // the handlers that were there before
   return outcome;
 }

@@ -24,10 +24,16 @@ struct Learner::Impl {
   LearnerOutcome run();
   void run_epochs();
   void finish();
+  struct OuterBatchRecords {
+    std::vector<std::vector<double>> record_dims;  // each record's formula dims
+    std::vector<double> record_units;              // each record's loss units
+    double size = 0;                               // the records' sizes summed (throughput)
+  };
+  OuterBatchRecords read_outer_batch(const std::vector<std::size_t>& records) const;
   void train_one_step(const std::vector<std::size_t>& records);
+  void check_consecutive_ooms() const;  // throws after 10 steps in a row out of memory
   void correct_memory_model(const GlobalStepResult& result, std::int64_t& underpredictions);
-  nlohmann::json step_line(const GlobalStepResult& result, const BatcherStepResult& fixed_step,
-                           double lr, std::size_t records, double step_size,
+  nlohmann::json step_line(const GlobalStepResult& result, double lr, std::size_t records, double step_size,
                            std::int64_t underpredictions, double prediction_error) const;
   void log_progress(const GlobalStepResult& result);
   bool validate(std::int64_t epoch);  // true when the combined vote is kStop
@@ -37,10 +43,11 @@ struct Learner::Impl {
   void note_extrapolation(const GlobalStepResult& result);
   std::int64_t bound_out_of_memory_microbatches(const GlobalStepResult& result, std::int64_t step);
   double planned_floor_bytes(const GlobalStepResult& result) const;
-  bool predictive() const { return fixed_batcher == nullptr; }
+  bool predictive() const { return batcher != nullptr; }  // the engine follows a memory model
 
   // learner_state.cpp
   void build_memory_plan();
+  void build_step_engine();
   void check_model_device() const;
   void set_up_data_parallel();
   void find_checkpoint_to_resume();
@@ -66,12 +73,11 @@ struct Learner::Impl {
   HookList no_hooks;
   HookList& hooks;
   std::optional<PredictiveBatcher> own_batcher;  // built from options.memory_plan
-  PredictiveBatcher* batcher;
-  FixedBatcher* fixed_batcher;
+  std::shared_ptr<StepEngine> engine;            // parts.engine, or the predictive one built here
+  PredictiveBatcher* batcher = nullptr;          // engine->memory_planner(): null without a model
   std::optional<GradientBuckets> own_buckets;
   EarlyStopping early_stopping;
   std::optional<CheckpointStore> store;
-  std::optional<DataParallelTrainer> trainer;
   std::optional<DynamicLossScaler> loss_scaler;
   std::optional<StopSignals> stop_signals;  // options.stop_signals, installed by run()
   bool stop_agreed = false;                 // the last step's ranks agreed to stop (a signal)

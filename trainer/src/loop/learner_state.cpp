@@ -18,13 +18,14 @@ namespace xpm {
 namespace {
 
 void check_components(const LearnerComponents& parts, const DistributedContext& dist) {
-  if ((parts.batcher == nullptr) == (parts.fixed_batcher == nullptr)) {
-    throw std::invalid_argument("LearnerComponents: give exactly one of batcher (predictive) and fixed_batcher");
+  if (parts.engine != nullptr && parts.batcher != nullptr) {
+    throw std::invalid_argument("LearnerComponents: give an engine or a batcher (the predictive engine's), not both");
   }
-  if (parts.fixed_batcher != nullptr && dist.distributed()) {
-    throw std::invalid_argument("LearnerComponents.fixed_batcher runs in a single process only, got world_size " +
-                                std::to_string(dist.world_size()) + ": data parallelism needs the predictive batcher");
+  if (parts.engine == nullptr && parts.batcher == nullptr) {
+    throw std::invalid_argument("LearnerComponents: no step engine: give an engine, a batcher (predictive) or "
+                                "LearnerOptions.memory_plan");
   }
+  if (parts.engine != nullptr) parts.engine->check_world_size(dist.world_size());
   if ((parts.state == nullptr) != (parts.context == nullptr)) {
     throw std::invalid_argument("LearnerComponents: give both state and context, or neither");
   }
@@ -43,8 +44,6 @@ Learner::Impl::Impl(TrainingTask& task_, torch::optim::Optimizer& optimizer_, Le
       own_context(parts.context == nullptr ? std::optional<TrainerContext>(std::in_place, own_state) : std::nullopt),
       context(parts.context != nullptr ? *parts.context : *own_context),
       hooks(parts.hooks != nullptr ? *parts.hooks : no_hooks),
-      batcher(parts.batcher),
-      fixed_batcher(parts.fixed_batcher),
       early_stopping(options.validation),
       sampler(options.sampler_seed),
       order(task.train_record_count()) {
@@ -62,25 +61,38 @@ Learner::Impl::Impl(TrainingTask& task_, torch::optim::Optimizer& optimizer_, Le
   if (options.checkpointing() || options.stop_after_steps > 0 || !options.stop_signals.empty()) {
     store.emplace(options.run_dir + "/checkpoints", options.checkpoints);
   }
-  if (options.loss_scaling && predictive()) loss_scaler.emplace();
   outcome.counters = RunCounters(dist.world_size());
   const auto outer = static_cast<std::size_t>(options.outer_batch_size);
   steps_per_epoch = static_cast<std::int64_t>((order.size() + outer - 1) / outer);
   if (dist.is_main()) std::filesystem::create_directories(options.run_dir);
   set_up_data_parallel();
+  build_step_engine();
 }
 
 void Learner::Impl::build_memory_plan() {
   if (!options.memory_plan) return;
-  if (parts.batcher != nullptr || parts.fixed_batcher != nullptr) {
-    throw std::invalid_argument("LearnerOptions.memory_plan builds the Learner's batcher: give no batcher in LearnerComponents with it");
+  if (parts.batcher != nullptr || parts.engine != nullptr) {
+    throw std::invalid_argument("LearnerOptions.memory_plan builds the Learner's batcher: give no engine nor batcher in "
+                                "LearnerComponents with it");
   }
   if (parts.meter == nullptr) {
     throw std::invalid_argument("LearnerOptions.memory_plan needs LearnerComponents.meter (make_device_meter, before the model is built)");
   }
   const MemoryPlanOptions& plan = *options.memory_plan;
   own_batcher.emplace(plan.batcher_options(*parts.meter), make_packer(plan.packer, plan.sort_by));
-  parts.batcher = batcher = &*own_batcher;
+  parts.batcher = &*own_batcher;
+}
+
+void Learner::Impl::build_step_engine() {
+  GradientBuckets* buckets = parts.buckets != nullptr ? parts.buckets : own_buckets ? &*own_buckets : nullptr;
+  engine = parts.engine != nullptr ? parts.engine
+                                   : std::make_shared<PredictiveStepEngine>(optimizer, *parts.batcher, parts.meter,
+                                                                            dist, buckets, parts.sharded);
+  batcher = engine->memory_planner();
+  if (options.loss_scaling && engine->supports_loss_scaling()) {
+    loss_scaler.emplace();
+    engine->set_loss_scaler(&*loss_scaler);
+  }
 }
 
 void Learner::Impl::check_model_device() const {
@@ -190,8 +202,9 @@ LearnerResumeState Learner::Impl::resume_state() const {
   saved.sampler_state = sampler_text.str();
   saved.epoch_order.assign(order.begin(), order.end());
   saved.memory_model = predictive() ? batcher->model().to_json() : nlohmann::json();
-  if (fixed_batcher != nullptr) saved.microbatch_size = fixed_batcher->microbatch_size();
-  if (parts.power_batcher != nullptr) saved.power_divisor = parts.power_batcher->divisor();
+  const StepEngineState engine_state = engine->state();
+  saved.microbatch_size = engine_state.microbatch_size;
+  saved.power_divisor = engine_state.divisor;
   if (loss_scaler) saved.loss_scaler = loss_scaler->state();
   RunCounters counters = outcome.counters;
   counters.earlier_online_corrections += batcher != nullptr && batcher->has_model() ? batcher->corrections() : 0;
@@ -295,7 +308,7 @@ void Learner::Impl::restore(const LearnerCheckpoint& checkpoint) {
   if (!sampler_text) throw std::runtime_error("checkpoint '" + checkpoint.info.path + "': unreadable sampler state");
   std::copy(saved.epoch_order.begin(), saved.epoch_order.end(), order.begin());
   with_error_context("resume", [&] { restore_optimizer_and_generator(checkpoint); });
-  if (parts.power_batcher != nullptr) parts.power_batcher->restore_size(saved.microbatch_size, saved.power_divisor);
+  engine->restore_state({saved.microbatch_size, saved.power_divisor});
   if (loss_scaler && !saved.loss_scaler.empty()) loss_scaler->load_state(saved.loss_scaler);
   // The memory model training used at that step (online corrections included), unless another
   // world size changes what a rank holds; the caller may have set it already.

@@ -142,7 +142,7 @@ struct GenreRankingTrainResult {
 /// (xpm/trainer/loop/learner.hpp) over a GenreRankingTask: each step takes the next
 /// pairs_per_step sentences of an epoch's shuffle, one wrong genre each, and minimizes
 /// loss.sum(scores) / pairs_per_step with Adam at a constant learning rate, in one microbatch
-/// (FixedBatcher); a validation at the end. Writes the Learner's files in options.run_dir.
+/// (FixedStepEngine); a validation at the end. Writes the Learner's files in options.run_dir.
 /// Throws std::invalid_argument for options < 1, learning_rate <= 0, or a loss whose output
 /// type differs from the ranker's.
 GenreRankingTrainResult train_genre_ranker(GenreRanker& ranker, const GenreRankingData& data,

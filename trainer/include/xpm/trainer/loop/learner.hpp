@@ -1,6 +1,7 @@
 // xpm/trainer/loop/learner.hpp — the training loop of any model: epochs or
 // a step budget over a TrainingTask (training_task.hpp), one optimizer step per outer batch with
-// the microbatches the predictive batcher plans, LR schedule, hooks, validation with best model
+// the microbatches its step engine runs (step_engine.hpp; by default the predictive one, whose
+// batcher plans them from a memory model), LR schedule, hooks, validation with best model
 // and early stopping, listeners' votes, checkpoints with exact resume, single process or data
 // parallel.
 //
@@ -12,20 +13,21 @@
 //                      .set_validation_every(50, "loss").set_checkpoint_every(50);
 //   options.memory_plan = xpm::MemoryPlanOptions(formula).set_variable_max({{"bs", 64}, {"l", 256}});
 //   xpm::LearnerComponents parts;
-//   parts.meter = meter.get();                       // the Learner builds the batcher; run() probes first
+//   parts.meter = meter.get();                       // the Learner builds the engine; run() probes first
 //   xpm::Learner learner(task, optimizer, options, parts);
 //   xpm::LearnerOutcome outcome = learner.run();     // every rank
 //   std::cout << outcome.brief_report() << "\n";
 //
 // A whole program around it (flags, --nproc, --device, report, exit codes): learner_main.hpp.
 //
-// Per step (every rank): the LR of the schedule; hooks.before_step; the batcher's step (gradients
+// Per step (every rank): the LR of the schedule; hooks.before_step; the engine's step (gradients
 // accumulated over the microbatches, divided by the outer batch's units, all-reduced; then
 // hooks.before_optimizer_step and optimizer.step(), both only when the optimizer steps);
-// state.step += 1; online corrections of the memory model (a microbatch measured above
-// (1 + underprediction_tolerance) x its prediction joins the fit, an optimizer step above the
-// floor raises it, a microbatch that ran out of memory becomes an infeasible bound: every rank
-// sees the same all-reduced peaks, so plans stay identical); a line of metrics.jsonl;
+// state.step += 1; with a memory model (the predictive engine), online corrections of it (a
+// microbatch measured above (1 + underprediction_tolerance) x its prediction joins the fit, an
+// optimizer step above the floor raises it, a microbatch that ran out of memory becomes an
+// infeasible bound: every rank sees the same all-reduced peaks, so plans stay identical); a
+// line of metrics.jsonl;
 // hooks.after_step unless the step ran out of memory (then it is skipped on every rank; 10 in a
 // row stop the run with std::runtime_error). Then, when due: validation (hooks.before_validation,
 // TrainingTask::validate under a snapshot of the plan, hooks.after_validation, the votes:
@@ -66,7 +68,6 @@
 #include "xpm/trainer/state/checkpoint_store.hpp"
 #include "xpm/trainer/steps/data_parallel_trainer.hpp"
 #include "xpm/trainer/distributed/distributed.hpp"
-#include "xpm/trainer/steps/fixed_batchers.hpp"
 #include "xpm/trainer/distributed/gradient_buckets.hpp"
 #include "xpm/trainer/loop/hooks.hpp"
 #include "xpm/trainer/state/learner_checkpoint.hpp"
@@ -78,6 +79,7 @@
 #include "xpm/trainer/options/precision.hpp"
 #include "xpm/trainer/loop/run_counters.hpp"
 #include "xpm/trainer/distributed/sharded_optimizer.hpp"
+#include "xpm/trainer/steps/step_engine.hpp"
 #include "xpm/trainer/loop/train_context.hpp"
 #include "xpm/trainer/loop/training_task.hpp"
 #include "xpm/trainer/loop/validation.hpp"
@@ -129,7 +131,8 @@ struct LearnerOptions {
   /// Appended to the error that stops a run after consecutive out-of-memory steps.
   std::string oom_advice = "probe larger shapes, or plan with a lower memory fraction";
   /// The memory plan the Learner builds (budget from the meter's capacity, PredictiveBatcher,
-  /// packer) when LearnerComponents gives no batcher; run() probes and fits it first.
+  /// packer) for its predictive engine, when LearnerComponents gives no engine nor batcher;
+  /// run() probes and fits it first.
   std::optional<MemoryPlanOptions> memory_plan;
   /// Where the task's model lives (torch::kCPU, or a CUDA device: "cuda:LOCAL_RANK" under a
   /// launcher). The constructor refuses a model whose parameters are elsewhere.
@@ -183,14 +186,19 @@ struct LearnerOptions {
   std::int64_t total_steps(std::size_t records) const;
 };
 
-/// What the Learner works with besides the task and the optimizer (not owned; all outlive it).
+/// What the Learner works with besides the task and the optimizer. The raw pointers are not
+/// owned: what they point to must outlive the Learner; null means "none" or "the Learner's own",
+/// as each field says. The engine is shared (the caller may read it after the run).
 struct LearnerComponents {
   DistributedContext* dist = nullptr;     // null: a single process
-  /// Predictive; without a model run() probes first. Null with LearnerOptions::memory_plan:
-  /// the Learner builds its own.
+  /// How each optimizer step runs (step_engine.hpp: FixedStepEngine, PowerAdaptiveStepEngine,
+  /// or one of the caller's). Null: the Learner builds the PredictiveStepEngine over `batcher`
+  /// (or the PredictiveBatcher it builds from LearnerOptions::memory_plan) with `meter`, `dist`,
+  /// `buckets` and `sharded`.
+  std::shared_ptr<StepEngine> engine;
+  /// The predictive engine's planner, when the Learner builds that engine and
+  /// LearnerOptions::memory_plan is not set; without a model run() probes first. Not owned.
   PredictiveBatcher* batcher = nullptr;
-  FixedBatcher* fixed_batcher = nullptr;  // instead of `batcher`: fixed or power (single process)
-  PowerAdaptativeBatcher* power_batcher = nullptr;  // the same object when power
   MemoryMeter* meter = nullptr;           // peaks per step; null: none measured
   GradientBuckets* buckets = nullptr;     // null: the Learner lays them out when data parallel
   ShardedAdamW* sharded = nullptr;        // shard_grad_op: steps go through it
@@ -236,8 +244,9 @@ struct LearnerOutcome {
 
 class Learner {
  public:
-  /// Throws std::invalid_argument for bad options or components (neither or both batchers, a
-  /// fixed batcher in a distributed job). Collective when components.dist is distributed: the
+  /// Throws std::invalid_argument for bad options or components (no engine, batcher nor
+  /// memory plan; an engine beside a batcher or a memory plan; an engine that refuses the
+  /// world size, as a fixed one in a distributed job). Collective when components.dist is distributed: the
   /// parameters are broadcast from rank 0.
   Learner(TrainingTask& task, torch::optim::Optimizer& optimizer, LearnerOptions options,
           LearnerComponents components = {});

@@ -67,6 +67,10 @@ struct GlobalStepResult {
   bool loss_scale_overflow = false;  // with a loss scaler: inf/nan gradients, the step was skipped everywhere
   double loss_scale = 0;             // with a loss scaler: the scale this step's losses were multiplied by
   bool stop_requested = false;       // some rank's stop flag was set when the status was reduced
+  // How the step engine (step_engine.hpp) ran it; DataParallelTrainer leaves the defaults.
+  std::int64_t oom_errors = 0;       // out-of-memory errors caught (a retrying engine may still step)
+  std::int64_t attempts = 1;         // passes over the outer batch (1 + retries)
+  std::int64_t microbatch_size = 0;  // records per microbatch of a fixed-size engine (0: planned)
 };
 
 class DataParallelTrainer {
