@@ -87,6 +87,7 @@ LearnerOptions tagging_learner_options(const TaggingJobConfig& config,
   options.config = config.to_json();
   options.resume_free_keys = tagging_settings_free_on_resume();
   options.log_prefix = "xpm-train";
+  options.size_name = "tokens";  // metrics.jsonl's "real_tokens" and "tokens_per_s"
   options.log = std::move(log);
   options.oom_advice = "probe larger shapes with --probe-points, or lower --memory-fraction";
   return options;

@@ -243,11 +243,21 @@ TEST_CASE("the Learner runs the step engine it is given, refusing one beside a b
   auto engine = std::make_shared<CountingEngine>(optimizer, nullptr, 3);
   xpm::LearnerComponents parts;
   parts.engine = engine;
-  const xpm::LearnerOutcome outcome = xpm::Learner(task, optimizer, options_in("engine/counted"), parts).run();
+  const xpm::LearnerOutcome outcome =
+      xpm::Learner(task, optimizer, options_in("engine/counted").set_size_name("values"), parts).run();
   CHECK(engine->steps == 12);
   CHECK(engine->validations == 3);  // every 4 steps, the last one included
   CHECK(outcome.counters.microbatches == 12 * 3);  // 8 records a step in slices of 3
   CHECK(outcome.memory_formula.empty());
+  std::ifstream metrics(kWork + "/engine/counted/metrics.jsonl");
+  std::string first_line;
+  std::getline(metrics, first_line);
+  const nlohmann::json first = nlohmann::json::parse(first_line);
+  CHECK(first.at("real_values").get<double>() >= 8);  // 8 records of sizes 1..5
+  CHECK(first.contains("values_per_s"));
+  CHECK(first.at("microbatch_size") == 3);
+  CHECK(first.at("attempts") == 1);
+  CHECK_FALSE(first.contains("real_tokens"));
 
   xpm::PredictiveBatcherOptions planner_options;
   planner_options.formula = xpm::CostFormula("a*bs", {"a"}, {"bs"});

@@ -91,6 +91,7 @@ TEST_CASE("early stopping in min mode treats a LOWER loss as better and stops wh
 TEST_CASE("warmup validations are neither best candidates nor counted for patience") {
   xpm::ValidationSettings settings;
   settings.metric = "token_accuracy";
+  settings.mode = xpm::MetricMode::kMax;
   settings.warmup_validations = 2;
   settings.patience = 1;
   xpm::EarlyStopping early_stopping(settings);
@@ -139,10 +140,12 @@ TEST_CASE("a restored early-stopping state votes as the uninterrupted one") {
 }
 
 TEST_CASE("a listener voting continue overrides early stopping's stop (combine_votes)") {
-  xpm::ValidationSettings settings;
+  xpm::ValidationSettings settings;  // by default the validation loss decides, lower is better
+  CHECK(settings.metric == "loss");
+  CHECK(settings.mode == xpm::MetricMode::kMin);
   settings.patience = 1;
   xpm::EarlyStopping early_stopping(settings);
-  const auto votes = feed(early_stopping, "token_accuracy", {0.5, 0.4}, nullptr);
+  const auto votes = feed(early_stopping, "loss", {0.4, 0.5}, nullptr);
   REQUIRE(votes.back() == kStop);
   CHECK(xpm::combine_votes({votes.back(), xpm::LearnerVote::kContinue}) == xpm::LearnerVote::kContinue);
   CHECK(xpm::combine_votes({votes.back(), kNo}) == kStop);

@@ -253,13 +253,13 @@ void Learner::Impl::correct_memory_model(const GlobalStepResult& result, std::in
 nlohmann::json Learner::Impl::step_line(const GlobalStepResult& result, double lr, std::size_t records,
                                         double step_size, std::int64_t underpredictions,
                                         double prediction_error) const {
-  // A step skipped by an out-of-memory error trained nothing: no loss, no tokens.
+  // A step skipped by an out-of-memory error trained nothing: no loss, no size.
   nlohmann::json line = {{"step", state.step},
                          {"epoch", state.epoch},
                          {"loss", result.oom ? nlohmann::json(nullptr) : nlohmann::json(result.loss)},
                          {"lr", lr},
                          {"records", records},
-                         {"real_tokens", step_size},
+                         {"real_" + options.size_name, step_size},
                          {"microbatches", result.microbatches},
                          {"skipped_records", result.skipped_records},
                          {"oom", result.oom},
@@ -269,7 +269,7 @@ nlohmann::json Learner::Impl::step_line(const GlobalStepResult& result, double l
                          {"underpredictions", underpredictions},
                          {"capacity_bytes", capacity_bytes()},
                          {"duration_s", result.duration_s},
-                         {"tokens_per_s", result.oom ? 0.0 : step_size / std::max(1e-9, result.duration_s)},
+                         {options.size_name + "_per_s", result.oom ? 0.0 : step_size / std::max(1e-9, result.duration_s)},
                          {"records_per_rank", result.records_per_rank},
                          {"microbatches_per_rank", result.microbatches_per_rank},
                          {"rank_imbalance", result.imbalance},
@@ -300,7 +300,7 @@ void Learner::Impl::log_progress(const GlobalStepResult& result) {
                 "peak %.1f/%.1f MiB  ETA %s%s",
                 static_cast<long long>(step), static_cast<long long>(state.total_steps),
                 static_cast<long long>(state.epoch + 1), result.loss,
-                counters.real_tokens / std::max(1e-9, counters.train_s), options.size_name.c_str(),
+                counters.trained_size / std::max(1e-9, counters.train_s), options.size_name.c_str(),
                 static_cast<long long>(result.microbatches),
                 static_cast<double>(result.peak_allocated_bytes) / (1 << 20),
                 static_cast<double>(capacity_bytes()) / (1 << 20), format_duration(eta_s).c_str(),
@@ -374,7 +374,7 @@ void Learner::Impl::train_one_step(const std::vector<std::size_t>& records) {
     auto scope = context.scope("train");
     context.add_metric("loss", result.loss);
     context.add_metric("lr", lr);
-    context.add_metric("real_tokens", step_size);
+    context.add_metric("real_" + options.size_name, step_size);
     context.add_metric("microbatches", static_cast<double>(result.microbatches));
   }
   hooks.after_step(context);

@@ -7,7 +7,7 @@
 
 namespace xpm {
 
-void RunCounters::add_step(const GlobalStepResult& result, double step_tokens,
+void RunCounters::add_step(const GlobalStepResult& result, double step_size,
                                   std::int64_t ooms_caught, std::int64_t attempts,
                                   std::int64_t step_underpredictions, double prediction_rel_error) {
   ooms += ooms_caught;
@@ -27,7 +27,7 @@ void RunCounters::add_step(const GlobalStepResult& result, double step_tokens,
   peak_allocated_bytes = std::max(peak_allocated_bytes, result.peak_allocated_bytes);
   train_s += result.duration_s;
   if (!result.oom) {
-    real_tokens += step_tokens;
+    trained_size += step_size;
     last_loss = result.loss;
   }
   max_prediction_rel_error = std::max(max_prediction_rel_error, std::abs(prediction_rel_error));
@@ -43,7 +43,7 @@ nlohmann::json RunCounters::to_json() const {
           {"earlier_online_corrections", earlier_online_corrections},
           {"peak_allocated_bytes", peak_allocated_bytes},
           {"train_s", train_s},
-          {"real_tokens", real_tokens},
+          {"trained_size", trained_size},
           {"max_prediction_rel_error", max_prediction_rel_error},
           {"last_loss", last_loss},
           {"microbatches_per_rank", microbatches_per_rank},
@@ -70,7 +70,7 @@ RunCounters RunCounters::from_json(const nlohmann::json& json) {
     counters.earlier_online_corrections = field("earlier_online_corrections").get<std::int64_t>();
     counters.peak_allocated_bytes = field("peak_allocated_bytes").get<std::int64_t>();
     counters.train_s = field("train_s").get<double>();
-    counters.real_tokens = field("real_tokens").get<double>();
+    counters.trained_size = field("trained_size").get<double>();
     counters.max_prediction_rel_error = field("max_prediction_rel_error").get<double>();
     counters.last_loss = field("last_loss").get<double>();
     counters.microbatches_per_rank = field("microbatches_per_rank").get<std::vector<std::int64_t>>();

@@ -125,7 +125,9 @@ struct LearnerOptions {
   std::set<std::string> resume_free_keys = {"run_dir", "resume", "stop_after_steps", "log_every", "threads"};
   StepProbeOptions probing;               // when the batcher has no model (batcher, rank, sharing: set by run())
   std::string log_prefix = "xpm";         // of the log lines ("xpm: checkpoint ...")
-  std::string size_name = "tokens";       // what TrainingRecord::size counts, in the progress line
+  /// What TrainingRecord::size counts: the progress line's "<name>/s", metrics.jsonl's
+  /// "real_<name>" and "<name>_per_s", the hooks' "train/real_<name>".
+  std::string size_name = "tokens";
   /// Rank 0's progress lines; empty: std::cout on rank 0. Other ranks log nothing.
   std::function<void(const std::string& line)> log;
   /// Appended to the error that stops a run after consecutive out-of-memory steps.

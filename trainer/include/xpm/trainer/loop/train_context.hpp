@@ -68,7 +68,7 @@ class TrainerContext {
 
   /// Records `value` under the current scope's prefix + `name` (replacing an earlier value).
   void add_metric(const std::string& name, double value) { metrics_[prefix() + name] = value; }
-  /// Metrics by full name ("train/loss", "validation/token_accuracy", ...).
+  /// Metrics by full name ("train/loss", "validation/accuracy", ...).
   const std::map<std::string, double>& metrics() const { return metrics_; }
   void clear_metrics() { metrics_.clear(); }
 

@@ -19,7 +19,8 @@
 // single record (the planner sums or maxes them over a microbatch). Units are what the loss is
 // summed over (tokens that have a label, pairs, images): the Learner divides the summed
 // gradients by the outer batch's units, so a step's update is the mean over them whatever the
-// microbatches. Size is what throughput counts ("real_tokens", "tokens_per_s" in metrics.jsonl).
+// microbatches. Size is what throughput counts, named by LearnerOptions::size_name ("real_<name>"
+// and "<name>_per_s" in metrics.jsonl).
 //
 // Every method runs on every rank of a data-parallel job, with the same arguments except where
 // noted; none may issue collectives except validate().
@@ -46,7 +47,7 @@ struct TrainingRecord {
   double size = 1;           // what throughput counts (tokens, characters, pixels)
 };
 
-/// Validation metrics by name ("loss", "token_accuracy", "tokens"): every value goes to
+/// Validation metrics by name ("loss", "accuracy", "records"): every value goes to
 /// metrics.jsonl, to the hooks' context under "validation/<name>" and to the summary's
 /// validations; the Learner's ValidationSettings::metric names the one that decides.
 using NamedMetrics = std::map<std::string, double>;

@@ -45,8 +45,8 @@ std::string to_string(MetricMode mode);
 struct ValidationSettings {
   std::int64_t every_steps = 0;          // validate every N optimizer steps (0: not by steps)
   std::int64_t every_epochs = 0;         // validate at the end of every N epochs (0: not by epochs)
-  std::string metric = "token_accuracy";  // key of the validation metrics that decides
-  MetricMode mode = MetricMode::kMax;    // which direction is better
+  std::string metric = "loss";           // key of the validation metrics that decides
+  MetricMode mode = MetricMode::kMin;    // which direction is better
   std::int64_t warmup_validations = 0;   // the first W validations decide nothing (>= 0)
   std::int64_t patience = 0;             // early stopping after P validations without gain (0: off)
 

@@ -16,8 +16,8 @@
 // a checkpoint at step s needs only s: there is no scheduler state to save.
 //
 // Warmup (every kind): step < warmup_steps gives peak * (step + 1) / warmup_steps, so the first
-// step already moves (HF's get_*_schedule_with_warmup start at 0 at step 0; ours is the job's
-// schedule, tagging_job.cpp, which these formulas reproduce bit for bit for kind linear and
+// step already moves (HF's get_*_schedule_with_warmup start at 0 at step 0; ours is the
+// bundled jobs' schedule, which these formulas reproduce bit for bit for kind linear and
 // final_fraction 0.1). After warmup, progress = min(1, (step - warmup_steps) /
 // max(1, total_steps - warmup_steps)) and
 //   constant: peak

@@ -1,4 +1,4 @@
-// xpm/trainer/state/learner_checkpoint.hpp — what a checkpoint of the tagging job holds so that a
+// xpm/trainer/state/learner_checkpoint.hpp — what a checkpoint of a Learner's run holds so that a
 // resumed run continues bit for bit where the stopped one was (CPU, same thread count), and
 // how it is written to and read from a CheckpointStore.
 //

@@ -6,23 +6,23 @@
 //   StepResult r = trainer.train_step(record_dims, record_units,
 //       [&](const std::vector<std::size_t>& ids) { return loss_sum_of(ids); });
 //
-//   // A weighted sum of named losses from one forward (e.g. a tagging head and a ranking head):
+//   // A weighted sum of named losses from one forward (e.g. a labelling head and a ranking head):
 //   WeightedLosses losses;
-//   losses.weights = {{"tagging", 1.0}, {"ranking", 0.5}};
-//   losses.record_units = {{"tagging", tokens_of_each_record}, {"ranking", pairs_of_each_record}};
+//   losses.weights = {{"labels", 1.0}, {"ranking", 0.5}};
+//   losses.record_units = {{"labels", labels_of_each_record}, {"ranking", pairs_of_each_record}};
 //   StepResult r = trainer.train_step(record_dims, record_units, losses,
 //       [&](const std::vector<std::size_t>& ids) {
 //         Output out = model(ids);
-//         return std::map<std::string, torch::Tensor>{{"tagging", tag_loss_sum(out)},
+//         return std::map<std::string, torch::Tensor>{{"labels", label_loss_sum(out)},
 //                                                     {"ranking", rank_loss_sum(out)}};
 //       });
 //   r.named_losses.at("ranking").mean;   // mean ranking loss per pair over the outer batch
-//   report_losses(r, context);           // "loss", "loss/tagging", "loss/ranking"
+//   report_losses(r, context);           // "loss", "loss/labels", "loss/ranking"
 //
 // Exact gradients: microbatch j's summed loss is divided by the outer batch's total units
-// (real tokens for a token loss, records for a record loss), so the accumulated gradient is the
+// (labelled units for a per-unit loss, records for a record loss), so the accumulated gradient is the
 // gradient of the outer batch's mean loss, whatever the number of microbatches (docs/design.md section 4).
-// With named losses each loss k has its own units U_k (tokens, pairs, ...) and the objective is
+// With named losses each loss k has its own units U_k (labels, pairs, ...) and the objective is
 // sum_k w_k * (sum of loss k over the outer batch) / U_k: each microbatch contributes
 // sum_k w_k * S_k(microbatch) / U_k, so again the gradient does not depend on the split, and
 // each named loss's reported mean is its per-unit mean over the outer batch (microbatch means
@@ -58,7 +58,7 @@ using NamedLossSumsFn =
 /// A weighted sum of named losses: sum_k w_k * (loss k's sum) / (its units U_k).
 struct WeightedLosses {
   std::map<std::string, double> weights;  // loss name -> weight w_k >= 0 (finite), one at least
-  /// Loss name -> units of each record of the outer batch for that loss (tokens for a token
+  /// Loss name -> units of each record of the outer batch for that loss (labels for a per-label
   /// loss, pairs for a pairwise one); a loss absent here uses the step's record_units.
   std::map<std::string, std::vector<double>> record_units;
   /// Throws std::invalid_argument naming the loss and the value: no loss, an empty name or one
@@ -115,7 +115,7 @@ struct MicrobatchPeak {
 struct StepResult {
   double loss = 0;                   // mean loss per unit over the outer batch (executed records);
                                      // named losses: sum_k w_k * mean_k
-  double units = 0;                  // units (e.g. real tokens) in the executed records
+  double units = 0;                  // units (what the loss is summed over) in the executed records
   std::int64_t microbatches = 0;     // microbatches run
   std::int64_t skipped_records = 0;  // records predicted over budget even alone
   bool oom = false;                  // the step ran out of memory and was skipped

@@ -2,14 +2,14 @@
 // PredictiveBatcher (own formula, own memory model) and its own loss, accumulating gradients
 // into the same parameters, with ONE optimizer step.
 //
-//   SubTrainer tagging{"tagging", 1.0, &tagging_batcher, &tagging_probes,
-//                      [&] { return next_tagging_batch(); }};
+//   SubTrainer labels{"labels", 1.0, &labels_batcher, &labels_probes,
+//                     [&] { return next_labels_batch(); }};
 //   SubTrainer ranking{"ranking", 0.5, &ranking_batcher, &ranking_probes,
 //                      [&] { return next_ranking_batch(); }};
-//   MultipleTrainer trainer(optimizer, &CpuMemoryMeter::instance(), {tagging, ranking});
+//   MultipleTrainer trainer(optimizer, &CpuMemoryMeter::instance(), {labels, ranking});
 //   trainer.probe_and_fit();            // every sub-trainer's batcher probes and fits
 //   MultipleStepResult r = trainer.train_step();
-//   report_losses(r, context);          // "loss", "tagging/loss", "ranking/loss"
+//   report_losses(r, context);          // "loss", "labels/loss", "ranking/loss"
 //
 // One step: zero the gradients; for each sub-trainer in order, take its next outer batch, plan
 // it with its own batcher and accumulate w_k * (its loss sum) / (its units) microbatch by
