@@ -5,11 +5,14 @@
 # it points into the header. tests/planner/header_examples_test.cpp includes each such file in
 # a test case: an example that goes stale fails the build.
 file(READ "${HEADER}" content)
-string(REGEX MATCH "(//   [^\n]*\n)+" block "${content}")
+set(content "\n${content}")  # every line, the first too, after a newline: matched at line starts
+string(REGEX MATCH "\n(//   [^\n]*\n)+" block "${content}")
 if(block STREQUAL "")
   message(FATAL_ERROR "${HEADER}: no usage example (comment lines starting with '//   ')")
 endif()
+string(SUBSTRING "${block}" 1 -1 block)
 string(FIND "${content}" "${block}" start)
+math(EXPR start "${start} - 1")  # without the added newline
 string(SUBSTRING "${content}" 0 ${start} before)
 string(REGEX MATCHALL "\n" newlines "${before}")
 list(LENGTH newlines line)
