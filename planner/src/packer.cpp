@@ -521,7 +521,15 @@ MicrobatchPlan UniformPacker::pack(RecordDimsView record_dims, const MemoryModel
 // ---------------------------------------------------------------------------------------------
 // AdaptivePacker
 
-AdaptivePacker::AdaptivePacker(AdaptivePackerOptions options) : options_(std::move(options)) {}
+void AdaptivePackerOptions::validate() const {
+  if (sort_by.empty()) return;
+  const std::string padded = "," + sort_by + ",";
+  if (padded.find(",,") != std::string::npos) {
+    throw std::invalid_argument("AdaptivePackerOptions.sort_by '" + sort_by + "' has an empty variable name");
+  }
+}
+
+AdaptivePacker::AdaptivePacker(AdaptivePackerOptions options) : options_(std::move(options)) { options_.validate(); }
 
 // The variables of sort_by ("l", or "h,w": by h, then by w among equal h), by index.
 std::vector<std::size_t> AdaptivePacker::sort_keys(const MemoryModel& model) const {

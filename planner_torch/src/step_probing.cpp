@@ -7,6 +7,7 @@
 #include <functional>
 #include <optional>
 #include <sstream>
+#include <limits>
 #include <stdexcept>
 #include <typeinfo>
 #include <utility>
@@ -197,17 +198,7 @@ StepProbeResult look_up_or_probe(torch::nn::Module& module, torch::optim::Optimi
 StepProbeResult share_or_probe(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
                                const ProbeLossFn& loss_fn, const StepProbeOptions& options) {
   if (!loss_fn) throw std::invalid_argument("probe_and_fit: loss_fn is empty");
-  if (!options.batcher.record_dims_sample.empty() && !options.records_loss_fn) {
-    throw std::invalid_argument("probe_and_fit: batcher.record_dims_sample is given but records_loss_fn is empty: "
-                                "the design probes mixes of those records through it");
-  }
-  if (!options.share_from_rank0) {
-    if (options.rank != 0) {
-      throw std::invalid_argument("probe_and_fit: rank " + std::to_string(options.rank) +
-                                  " without share_from_rank0 (only rank 0 probes)");
-    }
-    return look_up_or_probe(module, optimizer, loss_fn, options);
-  }
+  if (!options.share_from_rank0) return look_up_or_probe(module, optimizer, loss_fn, options);
   std::optional<StepProbeResult> result;
   nlohmann::json shared;
   std::exception_ptr failure;  // rank 0 rethrows its own exception as it is
@@ -317,8 +308,29 @@ TorchProbeSteps probe_steps_for(torch::nn::Module& module, torch::optim::Optimiz
   return steps;
 }
 
+void StepProbeOptions::validate() const {
+  PredictiveBatcherOptions checked = batcher;
+  if (checked.budget.capacity_bytes == 0) {  // the meter's, known in probe_and_fit: any capacity here
+    checked.budget.capacity_bytes = std::numeric_limits<std::int64_t>::max() / 2;
+  }
+  checked.validate();
+  if (!batcher.record_dims_sample.empty() && !records_loss_fn) {
+    throw std::invalid_argument("probe_and_fit: batcher.record_dims_sample is given but records_loss_fn is empty: "
+                                "the design probes mixes of those records through it");
+  }
+  if (!share_from_rank0 && rank != 0) {
+    throw std::invalid_argument("probe_and_fit: rank " + std::to_string(rank) +
+                                " without share_from_rank0 (only rank 0 probes)");
+  }
+  if (!sort_by.empty() && !packer_takes_sort_by(packer)) {
+    throw std::invalid_argument("sort_by '" + sort_by + "' applies to the adaptive packer only, not '" +
+                                to_string(packer) + "'");
+  }
+}
+
 StepProbeResult probe_and_fit(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
                               const ProbeLossFn& loss_fn, const StepProbeOptions& given) {
+  given.validate();
   StepProbeOptions options = given;
   MemoryBudget& budget = options.batcher.budget;
   if (budget.capacity_bytes == 0) {

@@ -510,3 +510,13 @@ TEST_CASE("the adaptive packer sorts by several variables: the first, then the n
   CHECK_THROWS_WITH_AS(AdaptivePacker(options).pack(records, model, 10'000),
                        doctest::Contains("sort_by 'bs' is the batch-size variable"), std::invalid_argument);
 }
+
+TEST_CASE("AdaptivePackerOptions refuses an empty variable name in sort_by") {
+  CHECK_NOTHROW(AdaptivePackerOptions().set_sort_by("h,w").validate());
+  CHECK_NOTHROW(AdaptivePackerOptions().validate());  // record order
+  for (const char* bad : {"h,,w", ",h", "h,"}) {
+    CHECK_THROWS_WITH_AS(AdaptivePacker(AdaptivePackerOptions().set_sort_by(bad)),
+                         ("AdaptivePackerOptions.sort_by '" + std::string(bad) + "' has an empty variable name").c_str(),
+                         std::invalid_argument);
+  }
+}

@@ -198,6 +198,19 @@ TEST_CASE("probe_and_fit shares rank 0's model or its error with the other ranks
   CHECK_THROWS_AS(xpm::probe_and_fit(*f.model, f.optimizer, f.loss_fn(), alone), std::invalid_argument);
 }
 
+TEST_CASE("StepProbeOptions::validate names what is wrong before anything is probed") {
+  CHECK_NOTHROW(gru_options().validate());  // a budget of 0 bytes: the meter's, not refused
+  CHECK_THROWS_WITH_AS(gru_options().set_rank(1).validate(),
+                       "probe_and_fit: rank 1 without share_from_rank0 (only rank 0 probes)", std::invalid_argument);
+  CHECK_THROWS_WITH_AS(gru_options().set_packer(xpm::PackerKind::kFirstFitDecreasing).set_sort_by("l").validate(),
+                       "sort_by 'l' applies to the adaptive packer only, not 'ffd'", std::invalid_argument);
+  xpm::StepProbeOptions unknown = gru_options();
+  unknown.batcher.batch_size_variable = "n";
+  CHECK_THROWS_WITH_AS(unknown.validate(),
+                       "PredictiveBatcherOptions.batch_size_variable 'n' is not one of the formula's variables",
+                       std::invalid_argument);
+}
+
 TEST_CASE("probe_and_fit refuses a CPU meter that never saw the model's weights") {
   xpm::CpuMemoryMeter::install();
   // Weights in memory the meter does not see, as when the meter is installed after the model

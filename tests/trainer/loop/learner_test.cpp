@@ -383,6 +383,16 @@ TEST_CASE("the Learner refuses a memory plan beside a batcher, one without a met
                        doctest::Contains("give no engine nor batcher in LearnerComponents with it"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("refused").set_memory_plan(small_memory_plan())),
                        doctest::Contains("memory_plan needs LearnerComponents.meter"), std::invalid_argument);
+  // The plan's own options are checked with the Learner's, before any meter is asked.
+  CHECK_THROWS_WITH_AS(small_memory_plan().set_packer(xpm::PackerKind::kUniform).set_sort_by("l").validate(),
+                       "MemoryPlanOptions.sort_by 'l' applies to the adaptive packer only, not 'uniform'",
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(options_in("refused").set_memory_plan(small_memory_plan().set_memory_fraction(1.5)).validate(),
+                       "MemoryBudget: memory_fraction must be in (0, 1], got 1.5", std::invalid_argument);
+  CHECK_THROWS_WITH_AS(small_memory_plan().set_batch_size_variable("n").validate(),
+                       "PredictiveBatcherOptions.batch_size_variable 'n' is not one of the formula's variables",
+                       std::invalid_argument);
+  CHECK_NOTHROW(small_memory_plan().validate());
   CHECK_THROWS_WITH_AS(xpm::Learner(task, optimizer, options_in("refused").set_device(torch::Device("cuda:0")), with_batcher),
                        "LearnerOptions.device is cuda:0 but the model's parameter 'weight' is on cpu: build the model "
                        "on the device (module.to(device))",

@@ -82,6 +82,7 @@ void LearnerOptions::validate() const {
   if (max_steps < 0) fail("max_steps must be >= 0, got " + std::to_string(max_steps));
   if (outer_batch_size < 1) fail("outer_batch_size must be >= 1, got " + std::to_string(outer_batch_size));
   if (stop_after_steps < 0) fail("stop_after_steps must be >= 0, got " + std::to_string(stop_after_steps));
+  if (memory_plan) memory_plan->validate();
   if (log_every < 1) fail("log_every must be >= 1, got " + std::to_string(log_every));
   if (!(underprediction_tolerance >= 0)) {
     fail("underprediction_tolerance must be >= 0, got " + std::to_string(underprediction_tolerance));

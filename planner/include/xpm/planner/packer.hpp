@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "xpm/planner/memory_model.hpp"
+#include "xpm/planner/option_setters.hpp"
 #include "xpm/planner/record_dims_view.hpp"
 
 namespace xpm {
@@ -95,11 +96,20 @@ class UniformPacker : public MicrobatchPacker {
   std::string name() const override { return "uniform"; }
 };
 
+/// How AdaptivePacker orders the records it packs:
+///
+///   AdaptivePacker packer(AdaptivePackerOptions().set_sort_by("h,w"));  // by h, then w
 struct AdaptivePackerOptions {
   /// Variable to sort by, heaviest first (stable); several, comma-separated ("h,w"), sort by
   /// the first, then by the next among equal values, so records alike in every padded
   /// dimension share microbatches; "" keeps record order.
   std::string sort_by;
+
+  XPM_OPTION_SETTER(AdaptivePackerOptions, std::string, sort_by)
+  /// Throws std::invalid_argument "AdaptivePackerOptions.sort_by '<text>' has an empty variable
+  /// name" for "h,,w", ",h" or "h,". Whether the names are the model's variables is checked
+  /// when packing (the options know no model).
+  void validate() const;
 };
 
 /// Grows the current microbatch record by record while its predicted bytes fit, then starts a

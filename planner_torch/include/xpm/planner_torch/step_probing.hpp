@@ -41,6 +41,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "xpm/planner/option_setters.hpp"
 #include "xpm/planner/packer_kind.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner/probe.hpp"
@@ -80,6 +81,23 @@ struct StepProbeOptions {
   /// The packer of the result's batcher (make_packer, packer_kind.hpp) and its sort variables.
   PackerKind packer = PackerKind::kAdaptive;
   std::string sort_by;
+
+  XPM_OPTION_SETTER(StepProbeOptions, PredictiveBatcherOptions, batcher)
+  XPM_OPTION_SETTER(StepProbeOptions, ProbeRecordsLossFn, records_loss_fn)
+  XPM_OPTION_SETTER(StepProbeOptions, MemoryMeter*, meter)
+  XPM_OPTION_SETTER(StepProbeOptions, std::string, memory_model_cache)
+  XPM_OPTION_SETTER(StepProbeOptions, nlohmann::json, identity)
+  XPM_OPTION_SETTER(StepProbeOptions, int, rank)
+  XPM_OPTION_SETTER(StepProbeOptions, std::function<std::string(const std::string&)>, share_from_rank0)
+  XPM_OPTION_SETTER(StepProbeOptions, std::function<void(const std::string&)>, log)
+  XPM_OPTION_SETTER(StepProbeOptions, PackerKind, packer)
+  XPM_OPTION_SETTER(StepProbeOptions, std::string, sort_by)
+
+  /// Throws std::invalid_argument naming the option: batcher's own (PredictiveBatcherOptions::
+  /// validate; a budget capacity of 0 stands for the meter's and is not refused), a rank other
+  /// than 0 without share_from_rank0, batcher.record_dims_sample without records_loss_fn, a
+  /// sort_by for a packer that takes none. probe_and_fit calls it first.
+  void validate() const;
 };
 
 struct StepProbeResult {

@@ -54,6 +54,10 @@ struct MemoryPlanOptions {
   /// The predictive batcher's options under `meter`'s capacity. Throws std::invalid_argument
   /// when the meter has no capacity or an option is out of range (PredictiveBatcherOptions::validate).
   PredictiveBatcherOptions batcher_options(const MemoryMeter& meter) const;
+  /// Throws std::invalid_argument for an option out of range, without a meter
+  /// (PredictiveBatcherOptions::validate under any capacity; a sort_by for a packer that takes
+  /// none). LearnerOptions::validate calls it.
+  void validate() const;
 };
 
 }  // namespace xpm
