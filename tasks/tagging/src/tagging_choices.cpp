@@ -27,10 +27,7 @@ TaggingMetric parse_tagging_metric(const std::string& text, const std::string& s
   return parse_enum(kMetrics, text, source);
 }
 std::optional<MetricMode> parse_validation_mode(const std::string& text, const std::string& source) {
-  if (text == "auto") return std::nullopt;
-  if (text == "min") return MetricMode::kMin;
-  if (text == "max") return MetricMode::kMax;
-  throw std::invalid_argument(source + " must be 'min', 'max' or 'auto', got '" + text + "'");
+  return parse_metric_mode_choice(text, source);
 }
 
 std::string to_string(TaggingArchitecture architecture) { return enum_name(kArchitectures, architecture); }

@@ -401,7 +401,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   // step, online corrections included), else rank 0's from the cache or probes.
   const PredictiveBatcherOptions batcher_options =
       tagging_batcher_options(config, data.max_length, facts.capacity.capacity_bytes);
-  PredictiveBatcher batcher(batcher_options, make_packer(config.packer, config.packer == PackerKind::kAdaptive ? config.sort_by : ""));
+  PredictiveBatcher batcher(batcher_options, make_packer(config.packer, packer_takes_sort_by(config.packer) ? config.sort_by : ""));
   if (predictive && facts.capacity.same_layout_as_checkpoint) {
     batcher.set_model(MemoryModel::from_json(resume_from->state.memory_model));
     log("xpm-train: memory model from the checkpoint, no probing");

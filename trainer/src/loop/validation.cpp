@@ -27,17 +27,24 @@ MetricMode default_metric_mode(const std::string& metric) {
                               "maximized, in 'loss' minimized): give the mode, min or max");
 }
 
-MetricMode parse_metric_mode(const std::string& text, const std::string& metric) {
-  if (text == "min") return MetricMode::kMin;
-  if (text == "max") return MetricMode::kMax;
-  if (text == "auto") return default_metric_mode(metric);
-  throw std::invalid_argument("validation mode must be 'min', 'max' or 'auto', got '" + text + "'");
+namespace {
+
+// "auto" (no value): the direction the metric's name says (default_metric_mode).
+constexpr EnumNames<std::optional<MetricMode>, 3> kModeChoices{
+    {{MetricMode::kMin, "min"}, {MetricMode::kMax, "max"}, {std::nullopt, "auto"}}};
+
+}  // namespace
+
+std::optional<MetricMode> parse_metric_mode_choice(const std::string& text, const std::string& source) {
+  return parse_enum(kModeChoices, text, source);
 }
 
-std::string to_string(MetricMode mode) {
-  constexpr EnumNames<MetricMode, 2> kNames{{{MetricMode::kMin, "min"}, {MetricMode::kMax, "max"}}};
-  return enum_name(kNames, mode);
+MetricMode parse_metric_mode(const std::string& text, const std::string& metric) {
+  const std::optional<MetricMode> mode = parse_metric_mode_choice(text, "validation mode");
+  return mode ? *mode : default_metric_mode(metric);
 }
+
+std::string to_string(MetricMode mode) { return enum_name(kModeChoices, std::optional<MetricMode>(mode)); }
 
 void ValidationSettings::validate() const {
   require(every_steps >= 0, "every_steps must be >= 0, got " + std::to_string(every_steps));

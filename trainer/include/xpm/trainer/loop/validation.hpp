@@ -37,6 +37,9 @@ enum class MetricMode { kMin, kMax };
 /// "min" -> kMin, "max" -> kMax; "auto" -> the metric's natural direction (default_metric_mode).
 /// Throws std::invalid_argument naming the text otherwise.
 MetricMode parse_metric_mode(const std::string& text, const std::string& metric);
+/// "min", "max" or "auto" (nullopt: the direction the metric's name says). Throws
+/// std::invalid_argument "<source> must be 'min', 'max' or 'auto', got '<text>'".
+std::optional<MetricMode> parse_metric_mode_choice(const std::string& text, const std::string& source);
 /// kMax for a metric whose name ends in "accuracy", kMin for one ending in "loss"; throws
 /// std::invalid_argument for any other name (give the mode explicitly then).
 MetricMode default_metric_mode(const std::string& metric);
