@@ -228,7 +228,7 @@ class CudaMeter:
         return torch.cuda.max_memory_allocated(self.device)
 
     @property
-    def reserved_peak_bytes(self) -> int:
+    def peak_reserved_bytes(self) -> int:
         """The caching allocator's reserved peak since the last ``reset_peak()``, bytes (for reports)."""
         return torch.cuda.max_memory_reserved(self.device)
 
