@@ -144,6 +144,8 @@ def save_atomically(state, path):
 
 
 def main():
+    # One function of about 200 lines on purpose: the example reads top to bottom as the
+    # numbered steps of a training script (0. processes ... 6. summary), the order a user copies.
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default="data/brown")
     parser.add_argument("--steps", type=int, default=200)
