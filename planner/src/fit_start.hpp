@@ -1,4 +1,5 @@
-// fit_start.hpp — private to xpm::planner: the automatic start of non-linear fits (fit.cpp).
+// fit_start.hpp — private to xpm::planner: the automatic start of non-linear fits (fit.cpp,
+// fit_held_out.cpp).
 //
 //   AutomaticStart s = automatic_start(formula, measurements, options, ones);
 //   // s.coefficients: p of a*bs*l^p + c from a grid search, a and c by least squares at that p

@@ -1,5 +1,5 @@
 // nnls.hpp — private to xpm::planner: non-negative linear least squares, shared by the fit
-// (fit.cpp) and the automatic start of non-linear fits (fit_start.cpp).
+// (fit_solve.cpp) and the automatic start of non-linear fits (fit_start.cpp).
 #pragma once
 
 #include <Eigen/Dense>

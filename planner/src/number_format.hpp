@@ -1,10 +1,13 @@
-// Number and list formatting shared by the fit's messages and reports (internal to xpm::planner).
+// Number, list and dims formatting shared by the fit's messages and reports (internal to
+// xpm::planner).
 #pragma once
 
 #include <cstdio>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "xpm/planner/formula.hpp"
 
 namespace xpm::detail {
 
@@ -43,6 +46,16 @@ inline std::string and_list(const std::vector<std::string>& names) {
   for (std::size_t i = 0; i < names.size(); ++i) {
     if (i > 0) out += i + 1 == names.size() ? " and " : ", ";
     out += names[i];
+  }
+  return out;
+}
+
+/// The dims of a point in the fit's messages: "bs = 4, l = 64".
+inline std::string describe_dims(const CostFormula& formula, const std::vector<double>& dims) {
+  std::string out;
+  for (std::size_t v = 0; v < dims.size(); ++v) {
+    if (v > 0) out += ", ";
+    out += formula.variable_names()[v] + " = " + short_double(dims[v]);
   }
   return out;
 }
