@@ -5,7 +5,9 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <ostream>
 #include <sstream>
+#include <string>
 
 namespace xpm_plan {
 namespace {
@@ -125,6 +127,232 @@ double legend_height(const Panel& p, double plot_w) {
   return 4 + kLegendRow * rows;
 }
 
+// A panel's plot area on the page and its axes: data coordinates to page coordinates.
+struct PlotArea {
+  Axis ax, ay;
+  double top = 0, left = kLeft, h = 0, plot_w = 0;
+  double sx(double x) const { return left + (x - ax.lo) / (ax.hi - ax.lo) * plot_w; }
+  double sy(double y) const { return top + h - (y - ay.lo) / (ay.hi - ay.lo) * h; }
+};
+
+// The axes of a panel from its data ranges (bars: integer x ticks and y from 0; diagonal: the
+// same range on both axes), its plot area starting at `top`.
+PlotArea plot_area(const Panel& p, double top, double plot_w) {
+  bool bars = false;
+  Range xr, yr;
+  for (const Series& s : p.series) {
+    if (s.kind == SeriesKind::kBars) bars = true;
+    for (std::size_t i = 0; i < s.x.size() && i < s.y.size(); ++i) {
+      xr.add(s.x[i]);
+      yr.add(s.y[i]);
+    }
+  }
+  for (const ReferenceLine& h : p.hlines) yr.add(h.y);
+  if (p.include_zero_y || bars) yr.add(0);
+  if (p.diagonal && !xr.empty()) {  // same range on both axes: y = x is the diagonal
+    xr.add(yr.lo);
+    xr.add(yr.hi);
+    yr = xr;
+  }
+  if (bars && !xr.empty()) {
+    xr.lo -= 0.5;
+    xr.hi += 0.5;
+  }
+  PlotArea area;
+  area.ax = make_axis(xr, !bars, p.x_min ? p.x_min : (bars ? std::optional<double>(xr.lo) : std::nullopt),
+                      p.x_max ? p.x_max : (bars ? std::optional<double>(xr.hi) : std::nullopt),
+                      8, bars);
+  const bool y_from_zero = (p.include_zero_y || bars) && !yr.empty() && yr.lo >= 0;
+  area.ay = make_axis(yr, true, p.y_min ? p.y_min : (y_from_zero ? std::optional<double>(0.0) : std::nullopt),
+                      p.y_max, 6, false);
+  if (p.diagonal) area.ay = area.ax;
+  area.top = top;
+  area.h = p.height;
+  area.plot_w = plot_w;
+  return area;
+}
+
+// The legend's mark for a series of kind `s.kind` at (lx, cy).
+void write_legend_mark(std::ostream& svg, const Series& s, double lx, double cy) {
+  switch (s.kind) {
+    case SeriesKind::kPoints:
+      svg << "<circle cx=\"" << num(lx + 6) << "\" cy=\"" << num(cy) << "\" r=\"4\" fill=\""
+          << s.color << "\"/>";
+      break;
+    case SeriesKind::kCrosses:
+      svg << "<path d=\"M" << num(lx + 2) << " " << num(cy - 4) << "l8 8M" << num(lx + 2)
+          << " " << num(cy + 4) << "l8 -8\" stroke=\"" << s.color
+          << "\" stroke-width=\"1.8\"/>";
+      break;
+    case SeriesKind::kLine:
+      svg << "<line x1=\"" << num(lx) << "\" y1=\"" << num(cy) << "\" x2=\"" << num(lx + 14)
+          << "\" y2=\"" << num(cy) << "\" stroke=\"" << s.color << "\" stroke-width=\"2\"/>";
+      break;
+    case SeriesKind::kBars:
+      svg << "<rect x=\"" << num(lx) << "\" y=\"" << num(cy - 5) << "\" width=\"12\""
+          << " height=\"10\" fill=\"" << s.color << "\"/>";
+      break;
+  }
+}
+
+// Legend: one entry per labelled series and reference line, wrapped to the plot width, in the
+// rows that legend_height() counts from `y0`.
+void write_legend(std::ostream& svg, const Panel& p, double y0, double plot_w) {
+  const double left = kLeft;
+  double lx = left;
+  double cy = y0 + 11;
+  auto next_entry = [&](const std::string& label) {
+    const double w = 28 + kCharWidth * static_cast<double>(label.size());
+    if (lx > left && lx + w > left + plot_w) {
+      lx = left;
+      cy += kLegendRow;
+    }
+    return w;
+  };
+  for (const Series& s : p.series) {
+    if (s.label.empty()) continue;
+    const double w = next_entry(s.label);
+    write_legend_mark(svg, s, lx, cy);
+    svg << "<text x=\"" << num(lx + 18) << "\" y=\"" << num(cy + 4) << "\">"
+        << xml_escape(s.label) << "</text>\n";
+    lx += w;
+  }
+  for (const ReferenceLine& r : p.hlines) {
+    if (r.label.empty()) continue;
+    const double w = next_entry(r.label);
+    svg << "<line x1=\"" << num(lx) << "\" y1=\"" << num(cy) << "\" x2=\"" << num(lx + 14)
+        << "\" y2=\"" << num(cy) << "\" stroke=\"" << r.color << "\" stroke-width=\"1.5\""
+        << (r.dashed ? " stroke-dasharray=\"5 3\"" : "") << "/>"
+        << "<text x=\"" << num(lx + 18) << "\" y=\"" << num(cy + 4) << "\">"
+        << xml_escape(r.label) << "</text>\n";
+    lx += w;
+  }
+}
+
+// Frame, grid, ticks and the axis labels.
+void write_frame(std::ostream& svg, const Panel& p, const PlotArea& a) {
+  const double left = a.left, top = a.top, h = a.h, plot_w = a.plot_w;
+  svg << "<g stroke=\"#e6e6e6\" stroke-width=\"1\">";
+  for (double t : a.ax.ticks) {
+    svg << "<line x1=\"" << num(a.sx(t)) << "\" y1=\"" << num(top) << "\" x2=\"" << num(a.sx(t))
+        << "\" y2=\"" << num(top + h) << "\"/>";
+  }
+  for (double t : a.ay.ticks) {
+    svg << "<line x1=\"" << num(left) << "\" y1=\"" << num(a.sy(t)) << "\" x2=\""
+        << num(left + plot_w) << "\" y2=\"" << num(a.sy(t)) << "\"/>";
+  }
+  svg << "</g>\n<rect x=\"" << num(left) << "\" y=\"" << num(top) << "\" width=\""
+      << num(plot_w) << "\" height=\"" << num(h)
+      << "\" fill=\"none\" stroke=\"#333\" stroke-width=\"1\"/>\n<g fill=\"#333\">";
+  for (double t : a.ax.ticks) {
+    svg << "<text x=\"" << num(a.sx(t)) << "\" y=\"" << num(top + h + 15)
+        << "\" text-anchor=\"middle\">" << tick_text(t, a.ax.step) << "</text>";
+  }
+  for (double t : a.ay.ticks) {
+    svg << "<text x=\"" << num(left - 6) << "\" y=\"" << num(a.sy(t) + 4)
+        << "\" text-anchor=\"end\">" << tick_text(t, a.ay.step) << "</text>";
+  }
+  svg << "</g>\n<text x=\"" << num(left + plot_w / 2) << "\" y=\"" << num(top + h + 36)
+      << "\" text-anchor=\"middle\">" << xml_escape(p.x_label) << "</text>\n"
+      << "<text transform=\"translate(" << num(18) << " " << num(top + h / 2)
+      << ") rotate(-90)\" text-anchor=\"middle\">" << xml_escape(p.y_label) << "</text>\n";
+}
+
+// A series drawn as one polyline.
+void write_line(std::ostream& svg, const Series& s, const PlotArea& a) {
+  const std::size_t n = std::min(s.x.size(), s.y.size());
+  svg << "<polyline fill=\"none\" stroke=\"" << s.color << "\" stroke-width=\"2\" points=\"";
+  for (std::size_t i = 0; i < n; ++i) {
+    svg << (i ? " " : "") << num(a.sx(s.x[i])) << "," << num(a.sy(s.y[i]));
+  }
+  svg << "\"/>\n";
+}
+
+// Point i's text label: above its bar (when the bar is wide enough), else beside its mark,
+// on the left when it would leave the plot on the right.
+void write_point_label(std::ostream& svg, const Series& s, std::size_t i, double px, double py,
+                       const PlotArea& a) {
+  const double bar_spacing = a.plot_w / (a.ax.hi - a.ax.lo);
+  const double bar_label_w = 6.0 * static_cast<double>(s.labels[i].size());
+  if (s.kind == SeriesKind::kBars && bar_label_w > bar_spacing) {
+    // too narrow for its label: the tooltip still has it
+  } else if (s.kind == SeriesKind::kBars) {
+    const double base = a.sy(std::max(a.ay.lo, 0.0));
+    svg << "<text x=\"" << num(px) << "\" y=\"" << num(std::min(py, base) - 4)
+        << "\" text-anchor=\"middle\" font-size=\"10\" fill=\"#333\">"
+        << xml_escape(s.labels[i]) << "</text>\n";
+  } else {
+    const double text_w = 6.0 * static_cast<double>(s.labels[i].size());
+    const bool left_side = px + 7 + text_w > a.left + a.plot_w;
+    svg << "<text x=\"" << num(left_side ? px - 7 : px + 7) << "\" y=\"" << num(py + 4)
+        << "\" font-size=\"10\" fill=\"#555\""
+        << (left_side ? " text-anchor=\"end\"" : "") << ">" << xml_escape(s.labels[i])
+        << "</text>\n";
+  }
+}
+
+// A series of points, crosses or bars, one mark (with its tooltip and label) per finite point.
+void write_marks(std::ostream& svg, const Series& s, const PlotArea& a) {
+  const std::size_t n = std::min(s.x.size(), s.y.size());
+  auto color_of = [&](std::size_t i) { return i < s.colors.size() ? s.colors[i] : s.color; };
+  auto tooltip = [&](std::size_t i) {
+    return i < s.tooltips.size() ? "<title>" + xml_escape(s.tooltips[i]) + "</title>"
+                                 : std::string();
+  };
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(s.x[i]) || !std::isfinite(s.y[i])) continue;
+    const double px = a.sx(s.x[i]), py = a.sy(s.y[i]);
+    switch (s.kind) {
+      case SeriesKind::kPoints:
+        svg << "<circle cx=\"" << num(px) << "\" cy=\"" << num(py) << "\" r=\"4\" fill=\""
+            << color_of(i) << "\" fill-opacity=\"0.85\">" << tooltip(i) << "</circle>\n";
+        break;
+      case SeriesKind::kCrosses:
+        svg << "<path d=\"M" << num(px - 4) << " " << num(py - 4) << "l8 8M" << num(px - 4)
+            << " " << num(py + 4) << "l8 -8\" stroke=\"" << color_of(i)
+            << "\" stroke-width=\"1.8\">" << tooltip(i) << "</path>\n";
+        break;
+      case SeriesKind::kBars: {
+        const double half = 0.4 * a.plot_w / (a.ax.hi - a.ax.lo);
+        const double base = a.sy(std::max(a.ay.lo, 0.0));
+        svg << "<rect x=\"" << num(px - half) << "\" y=\"" << num(std::min(py, base))
+            << "\" width=\"" << num(std::max(2 * half, 0.5)) << "\" height=\""
+            << num(std::fabs(base - py)) << "\" fill=\"" << color_of(i) << "\">" << tooltip(i)
+            << "</rect>\n";
+        break;
+      }
+      case SeriesKind::kLine: break;
+    }
+    if (i < s.labels.size() && !s.labels[i].empty()) write_point_label(svg, s, i, px, py, a);
+  }
+}
+
+// Data, clipped to the plot area: the diagonal, the series, the reference lines.
+void write_data(std::ostream& svg, const Panel& p, const PlotArea& a, int panel_index) {
+  const std::string clip = "plot" + std::to_string(panel_index);
+  svg << "<clipPath id=\"" << clip << "\"><rect x=\"" << num(a.left) << "\" y=\"" << num(a.top)
+      << "\" width=\"" << num(a.plot_w) << "\" height=\"" << num(a.h) << "\"/></clipPath>\n"
+      << "<g clip-path=\"url(#" << clip << ")\">\n";
+  if (p.diagonal) {
+    svg << "<line x1=\"" << num(a.sx(a.ax.lo)) << "\" y1=\"" << num(a.sy(a.ax.lo)) << "\" x2=\""
+        << num(a.sx(a.ax.hi)) << "\" y2=\"" << num(a.sy(a.ax.hi))
+        << "\" stroke=\"#888\" stroke-width=\"1\" stroke-dasharray=\"4 3\"/>\n";
+  }
+  for (const Series& s : p.series) {
+    if (s.kind == SeriesKind::kLine) {
+      write_line(svg, s, a);
+    } else {
+      write_marks(svg, s, a);
+    }
+  }
+  for (const ReferenceLine& r : p.hlines) {
+    svg << "<line x1=\"" << num(a.left) << "\" y1=\"" << num(a.sy(r.y)) << "\" x2=\""
+        << num(a.left + a.plot_w) << "\" y2=\"" << num(a.sy(r.y)) << "\" stroke=\"" << r.color
+        << "\" stroke-width=\"1.5\"" << (r.dashed ? " stroke-dasharray=\"5 3\"" : "") << "/>\n";
+  }
+  svg << "</g>\n";
+}
+
 }  // namespace
 
 std::vector<double> nice_ticks(double lo, double hi, int count) {
@@ -181,192 +409,11 @@ std::string Figure::render() const {
   const double plot_w = width - kLeft - kRight;
   int panel_index = 0;
   for (const Panel& p : panels) {
-    // Ranges.
-    bool bars = false;
-    Range xr, yr;
-    for (const Series& s : p.series) {
-      if (s.kind == SeriesKind::kBars) bars = true;
-      for (std::size_t i = 0; i < s.x.size() && i < s.y.size(); ++i) {
-        xr.add(s.x[i]);
-        yr.add(s.y[i]);
-      }
-    }
-    for (const ReferenceLine& h : p.hlines) yr.add(h.y);
-    if (p.include_zero_y || bars) yr.add(0);
-    if (p.diagonal && !xr.empty()) {  // same range on both axes: y = x is the diagonal
-      xr.add(yr.lo);
-      xr.add(yr.hi);
-      yr = xr;
-    }
-    if (bars && !xr.empty()) {
-      xr.lo -= 0.5;
-      xr.hi += 0.5;
-    }
-    const Axis ax = make_axis(xr, !bars, p.x_min ? p.x_min : (bars ? std::optional<double>(xr.lo) : std::nullopt),
-                              p.x_max ? p.x_max : (bars ? std::optional<double>(xr.hi) : std::nullopt),
-                              8, bars);
-    const bool y_from_zero = (p.include_zero_y || bars) && !yr.empty() && yr.lo >= 0;
-    Axis ay = make_axis(yr, true, p.y_min ? p.y_min : (y_from_zero ? std::optional<double>(0.0) : std::nullopt),
-                        p.y_max, 6, false);
-    if (p.diagonal) ay = ax;
-
-    const double top = y0 + legend_height(p, plot_w);
-    const double left = kLeft;
-    const double h = p.height;
-    auto sx = [&](double x) { return left + (x - ax.lo) / (ax.hi - ax.lo) * plot_w; };
-    auto sy = [&](double y) { return top + h - (y - ay.lo) / (ay.hi - ay.lo) * h; };
-
-    // Legend: one entry per labelled series and reference line, wrapped to the plot width.
-    double lx = left;
-    double cy = y0 + 11;
-    auto next_entry = [&](const std::string& label) {
-      const double w = 28 + kCharWidth * static_cast<double>(label.size());
-      if (lx > left && lx + w > left + plot_w) {
-        lx = left;
-        cy += kLegendRow;
-      }
-      return w;
-    };
-    for (const Series& s : p.series) {
-      if (s.label.empty()) continue;
-      const double w = next_entry(s.label);
-      switch (s.kind) {
-        case SeriesKind::kPoints:
-          svg << "<circle cx=\"" << num(lx + 6) << "\" cy=\"" << num(cy) << "\" r=\"4\" fill=\""
-              << s.color << "\"/>";
-          break;
-        case SeriesKind::kCrosses:
-          svg << "<path d=\"M" << num(lx + 2) << " " << num(cy - 4) << "l8 8M" << num(lx + 2)
-              << " " << num(cy + 4) << "l8 -8\" stroke=\"" << s.color
-              << "\" stroke-width=\"1.8\"/>";
-          break;
-        case SeriesKind::kLine:
-          svg << "<line x1=\"" << num(lx) << "\" y1=\"" << num(cy) << "\" x2=\"" << num(lx + 14)
-              << "\" y2=\"" << num(cy) << "\" stroke=\"" << s.color << "\" stroke-width=\"2\"/>";
-          break;
-        case SeriesKind::kBars:
-          svg << "<rect x=\"" << num(lx) << "\" y=\"" << num(cy - 5) << "\" width=\"12\""
-              << " height=\"10\" fill=\"" << s.color << "\"/>";
-          break;
-      }
-      svg << "<text x=\"" << num(lx + 18) << "\" y=\"" << num(cy + 4) << "\">"
-          << xml_escape(s.label) << "</text>\n";
-      lx += w;
-    }
-    for (const ReferenceLine& r : p.hlines) {
-      if (r.label.empty()) continue;
-      const double w = next_entry(r.label);
-      svg << "<line x1=\"" << num(lx) << "\" y1=\"" << num(cy) << "\" x2=\"" << num(lx + 14)
-          << "\" y2=\"" << num(cy) << "\" stroke=\"" << r.color << "\" stroke-width=\"1.5\""
-          << (r.dashed ? " stroke-dasharray=\"5 3\"" : "") << "/>"
-          << "<text x=\"" << num(lx + 18) << "\" y=\"" << num(cy + 4) << "\">"
-          << xml_escape(r.label) << "</text>\n";
-      lx += w;
-    }
-
-    // Frame, grid and ticks.
-    svg << "<g stroke=\"#e6e6e6\" stroke-width=\"1\">";
-    for (double t : ax.ticks) {
-      svg << "<line x1=\"" << num(sx(t)) << "\" y1=\"" << num(top) << "\" x2=\"" << num(sx(t))
-          << "\" y2=\"" << num(top + h) << "\"/>";
-    }
-    for (double t : ay.ticks) {
-      svg << "<line x1=\"" << num(left) << "\" y1=\"" << num(sy(t)) << "\" x2=\""
-          << num(left + plot_w) << "\" y2=\"" << num(sy(t)) << "\"/>";
-    }
-    svg << "</g>\n<rect x=\"" << num(left) << "\" y=\"" << num(top) << "\" width=\""
-        << num(plot_w) << "\" height=\"" << num(h)
-        << "\" fill=\"none\" stroke=\"#333\" stroke-width=\"1\"/>\n<g fill=\"#333\">";
-    for (double t : ax.ticks) {
-      svg << "<text x=\"" << num(sx(t)) << "\" y=\"" << num(top + h + 15)
-          << "\" text-anchor=\"middle\">" << tick_text(t, ax.step) << "</text>";
-    }
-    for (double t : ay.ticks) {
-      svg << "<text x=\"" << num(left - 6) << "\" y=\"" << num(sy(t) + 4)
-          << "\" text-anchor=\"end\">" << tick_text(t, ay.step) << "</text>";
-    }
-    svg << "</g>\n<text x=\"" << num(left + plot_w / 2) << "\" y=\"" << num(top + h + 36)
-        << "\" text-anchor=\"middle\">" << xml_escape(p.x_label) << "</text>\n"
-        << "<text transform=\"translate(" << num(18) << " " << num(top + h / 2)
-        << ") rotate(-90)\" text-anchor=\"middle\">" << xml_escape(p.y_label) << "</text>\n";
-
-    // Data, clipped to the plot area.
-    const std::string clip = "plot" + std::to_string(panel_index);
-    svg << "<clipPath id=\"" << clip << "\"><rect x=\"" << num(left) << "\" y=\"" << num(top)
-        << "\" width=\"" << num(plot_w) << "\" height=\"" << num(h) << "\"/></clipPath>\n"
-        << "<g clip-path=\"url(#" << clip << ")\">\n";
-    if (p.diagonal) {
-      svg << "<line x1=\"" << num(sx(ax.lo)) << "\" y1=\"" << num(sy(ax.lo)) << "\" x2=\""
-          << num(sx(ax.hi)) << "\" y2=\"" << num(sy(ax.hi))
-          << "\" stroke=\"#888\" stroke-width=\"1\" stroke-dasharray=\"4 3\"/>\n";
-    }
-    for (const Series& s : p.series) {
-      const std::size_t n = std::min(s.x.size(), s.y.size());
-      auto color_of = [&](std::size_t i) { return i < s.colors.size() ? s.colors[i] : s.color; };
-      auto tooltip = [&](std::size_t i) {
-        return i < s.tooltips.size() ? "<title>" + xml_escape(s.tooltips[i]) + "</title>"
-                                     : std::string();
-      };
-      if (s.kind == SeriesKind::kLine) {
-        svg << "<polyline fill=\"none\" stroke=\"" << s.color << "\" stroke-width=\"2\" points=\"";
-        for (std::size_t i = 0; i < n; ++i) {
-          svg << (i ? " " : "") << num(sx(s.x[i])) << "," << num(sy(s.y[i]));
-        }
-        svg << "\"/>\n";
-        continue;
-      }
-      for (std::size_t i = 0; i < n; ++i) {
-        if (!std::isfinite(s.x[i]) || !std::isfinite(s.y[i])) continue;
-        const double px = sx(s.x[i]), py = sy(s.y[i]);
-        switch (s.kind) {
-          case SeriesKind::kPoints:
-            svg << "<circle cx=\"" << num(px) << "\" cy=\"" << num(py) << "\" r=\"4\" fill=\""
-                << color_of(i) << "\" fill-opacity=\"0.85\">" << tooltip(i) << "</circle>\n";
-            break;
-          case SeriesKind::kCrosses:
-            svg << "<path d=\"M" << num(px - 4) << " " << num(py - 4) << "l8 8M" << num(px - 4)
-                << " " << num(py + 4) << "l8 -8\" stroke=\"" << color_of(i)
-                << "\" stroke-width=\"1.8\">" << tooltip(i) << "</path>\n";
-            break;
-          case SeriesKind::kBars: {
-            const double half = 0.4 * plot_w / (ax.hi - ax.lo);
-            const double base = sy(std::max(ay.lo, 0.0));
-            svg << "<rect x=\"" << num(px - half) << "\" y=\"" << num(std::min(py, base))
-                << "\" width=\"" << num(std::max(2 * half, 0.5)) << "\" height=\""
-                << num(std::fabs(base - py)) << "\" fill=\"" << color_of(i) << "\">" << tooltip(i)
-                << "</rect>\n";
-            break;
-          }
-          case SeriesKind::kLine: break;
-        }
-        if (i < s.labels.size() && !s.labels[i].empty()) {
-          const double bar_spacing = plot_w / (ax.hi - ax.lo);
-          const double bar_label_w = 6.0 * static_cast<double>(s.labels[i].size());
-          if (s.kind == SeriesKind::kBars && bar_label_w > bar_spacing) {
-            // too narrow for its label: the tooltip still has it
-          } else if (s.kind == SeriesKind::kBars) {
-            const double base = sy(std::max(ay.lo, 0.0));
-            svg << "<text x=\"" << num(px) << "\" y=\"" << num(std::min(py, base) - 4)
-                << "\" text-anchor=\"middle\" font-size=\"10\" fill=\"#333\">"
-                << xml_escape(s.labels[i]) << "</text>\n";
-          } else {
-            const double text_w = 6.0 * static_cast<double>(s.labels[i].size());
-            const bool left_side = px + 7 + text_w > left + plot_w;
-            svg << "<text x=\"" << num(left_side ? px - 7 : px + 7) << "\" y=\"" << num(py + 4)
-                << "\" font-size=\"10\" fill=\"#555\""
-                << (left_side ? " text-anchor=\"end\"" : "") << ">" << xml_escape(s.labels[i])
-                << "</text>\n";
-          }
-        }
-      }
-    }
-    for (const ReferenceLine& r : p.hlines) {
-      svg << "<line x1=\"" << num(left) << "\" y1=\"" << num(sy(r.y)) << "\" x2=\""
-          << num(left + plot_w) << "\" y2=\"" << num(sy(r.y)) << "\" stroke=\"" << r.color
-          << "\" stroke-width=\"1.5\"" << (r.dashed ? " stroke-dasharray=\"5 3\"" : "") << "/>\n";
-    }
-    svg << "</g>\n";
-    y0 = top + h + kAxisBelow + kGap;
+    const PlotArea area = plot_area(p, y0 + legend_height(p, plot_w), plot_w);
+    write_legend(svg, p, y0, plot_w);
+    write_frame(svg, p, area);
+    write_data(svg, p, area, panel_index);
+    y0 = area.top + area.h + kAxisBelow + kGap;
     ++panel_index;
   }
   svg << "</svg>\n";
