@@ -114,6 +114,204 @@ double json_number(const nlohmann::json& v, const std::string& where) {
   return x;
 }
 
+// Where a JSON file keeps its measurements, in one of three formats: a list of measurements,
+// `xpm-plan probe --json` output (probes, variable_names) or a memory model file
+// (metadata.probes, formula.variable_names).
+struct JsonEntries {
+  nlohmann::json* entries = nullptr;
+  std::string name;                    // "", "probes" or "metadata.probes"
+  std::vector<std::string> variables;  // the file's variable names: the order of list-valued dims
+};
+
+std::vector<std::string> json_variable_names(const nlohmann::json& names, const std::string& p) {
+  if (!names.is_array()) throw InputError(p + ": variable names: expected a list of strings");
+  std::vector<std::string> out;
+  for (const auto& n : names) {
+    if (!n.is_string()) throw InputError(p + ": variable names: expected a list of strings");
+    out.push_back(n.get<std::string>());
+  }
+  return out;
+}
+
+// xpm-plan probe --json
+JsonEntries probe_output_entries(nlohmann::json& root, const std::string& p) {
+  JsonEntries found{&root["probes"], "probes", {}};
+  if (root.contains("variable_names")) found.variables = json_variable_names(root["variable_names"], p);
+  return found;
+}
+
+// A memory model file.
+JsonEntries model_file_entries(nlohmann::json& root, const std::string& p) {
+  JsonEntries found{&root["metadata"]["probes"], "metadata.probes", {}};
+  if (root.contains("formula") && root["formula"].is_object() &&
+      root["formula"].contains("variable_names")) {
+    found.variables = json_variable_names(root["formula"]["variable_names"], p);
+  }
+  return found;
+}
+
+// The entries of `root`, a non-empty list in any of the three formats.
+JsonEntries locate_json_entries(nlohmann::json& root, const std::string& p) {
+  JsonEntries found;
+  if (root.is_array()) {
+    found.entries = &root;
+  } else if (!root.is_object()) {
+    throw InputError(p + ": expected a JSON list or object, got " + brief(root));
+  } else if (root.contains("probes")) {
+    found = probe_output_entries(root, p);
+  } else if (root.contains("metadata") && root["metadata"].is_object() &&
+             root["metadata"].contains("probes")) {
+    found = model_file_entries(root, p);
+  } else {
+    throw InputError(p + ": expected a list of measurements, a memory model file with "
+                     "metadata.probes, or `xpm-plan probe --json` output with probes");
+  }
+  if (!found.entries->is_array()) {
+    throw InputError(p + ": " + found.name + ": expected a list, got " + brief(*found.entries));
+  }
+  if (found.entries->empty()) {
+    throw InputError(p + ": " + (found.name.empty() ? "the list" : found.name) + " is empty");
+  }
+  return found;
+}
+
+// What the probes ran on, kept in the fitted model's metadata: from the top level of probe
+// output, from metadata of a model file.
+void read_json_setup(const nlohmann::json& root, MeasurementSet& set) {
+  const char* const kSetupKeys[] = {"task",      "device",        "capacity_bytes", "static_bytes",
+                                    "precision", "optimizer",     "torch_version",  "signature",
+                                    "max_length", "data_dir"};
+  if (!root.is_object()) return;
+  const nlohmann::json* source = &root;
+  if (!root.contains("probes") && root.contains("metadata")) source = &root["metadata"];
+  for (const char* key : kSetupKeys) {
+    if (source->contains(key)) set.setup[key] = (*source)[key];
+  }
+}
+
+// dims as a list in the order of the file's variables, picked in the order of `variables`.
+std::vector<double> json_list_dims(const nlohmann::json& d, const std::string& where,
+                                   const std::vector<std::string>& variables,
+                                   const std::vector<std::string>& file_variables) {
+  if (file_variables.empty()) {
+    throw InputError(where + ".dims: a list, but the file does not name its variables; "
+                     "give dims as an object by name");
+  }
+  if (d.size() != file_variables.size()) {
+    throw InputError(where + ".dims: " + std::to_string(d.size()) + " values for " +
+                     std::to_string(file_variables.size()) + " variables");
+  }
+  std::vector<double> dims;
+  for (const auto& v : variables) {
+    auto it = std::find(file_variables.begin(), file_variables.end(), v);
+    if (it == file_variables.end()) {
+      throw InputError(where + ".dims: no variable '" + v + "' in the file's variables");
+    }
+    const auto k = static_cast<std::size_t>(it - file_variables.begin());
+    dims.push_back(json_number(d[k], where + ".dims[" + std::to_string(k) + "]"));
+  }
+  return dims;
+}
+
+// An entry's dims: "dims" as a list or an object by name, or the variables as fields.
+std::vector<double> json_dims(const nlohmann::json& e, const std::string& where,
+                              const std::vector<std::string>& variables,
+                              const std::vector<std::string>& file_variables) {
+  std::vector<double> dims;
+  if (!e.contains("dims")) {
+    for (const auto& v : variables) {
+      if (!e.contains(v)) throw InputError(where + ": no variable '" + v + "'");
+      dims.push_back(json_number(e[v], where + "." + v));
+    }
+    return dims;
+  }
+  const nlohmann::json& d = e["dims"];
+  if (d.is_array()) return json_list_dims(d, where, variables, file_variables);
+  if (!d.is_object()) throw InputError(where + ".dims: expected a list or an object, got " + brief(d));
+  for (const auto& v : variables) {
+    if (!d.contains(v)) throw InputError(where + ".dims: no variable '" + v + "'");
+    dims.push_back(json_number(d[v], where + ".dims." + v));
+  }
+  return dims;
+}
+
+bool json_feasible(const nlohmann::json& e, const std::string& where) {
+  if (!e.contains("feasible")) return true;
+  const nlohmann::json& f = e["feasible"];
+  if (f.is_boolean()) return f.get<bool>();
+  if (f.is_number_integer() && (f.get<int>() == 0 || f.get<int>() == 1)) return f.get<int>() == 1;
+  throw InputError(where + ".feasible: expected true or false, got " + brief(f));
+}
+
+// An entry whose probe ran out of memory: an infeasible bound (with its capacity, if any).
+void add_json_infeasible(const nlohmann::json& e, const std::string& where, std::vector<double> dims,
+                         nlohmann::json record, MeasurementSet& set) {
+  if (e.contains("error") && e["error"].is_string()) record["error"] = e["error"];
+  double capacity = 0;
+  if (e.contains("capacity_bytes")) {
+    capacity = json_number(e["capacity_bytes"], where + ".capacity_bytes");
+    if (capacity < 0) throw InputError(where + ".capacity_bytes: must be >= 0");
+    if (capacity > 0) record["capacity_bytes"] = capacity;
+  }
+  set.infeasible.push_back(std::move(dims));
+  set.infeasible_capacity_bytes.push_back(capacity);
+  set.infeasible_records.push_back(record);
+  set.all_records.push_back(std::move(record));
+}
+
+// A measured entry: its bytes, its floor (--floor-column) and the probe fields of its record.
+void add_json_measurement(const MeasurementRequest& req, const nlohmann::json& e,
+                          const std::string& where, const std::string& label,
+                          std::vector<double> dims, nlohmann::json record, MeasurementSet& set) {
+  if (!e.contains(req.bytes_column)) {
+    throw InputError(where + ": no bytes field '" + req.bytes_column + "' (--bytes-column)");
+  }
+  const double bytes = json_number(e[req.bytes_column], where + "." + req.bytes_column);
+  if (!(bytes > 0)) {
+    throw InputError(where + "." + req.bytes_column + ": bytes must be > 0, got " +
+                     brief(e[req.bytes_column]));
+  }
+  if (!req.floor_column.empty()) {
+    if (!e.contains(req.floor_column)) {
+      throw InputError(where + ": no field '" + req.floor_column + "' (--floor-column)");
+    }
+    const double floor = json_number(e[req.floor_column], where + "." + req.floor_column);
+    if (floor < 0) throw InputError(where + "." + req.floor_column + ": must be >= 0");
+    set.floor_bytes = std::max(set.floor_bytes.value_or(0.0), floor);
+    set.floor_peaks.push_back({dims, floor});
+  }
+  for (const auto& item : e.items()) {
+    if (is_field(item.key(), req.bytes_column, req.floor_column) && item.value().is_number()) {
+      record[item.key()] = item.value();
+    }
+  }
+  set.measurements.push_back({std::move(dims), bytes});
+  set.labels.push_back(label);
+  set.records.push_back(record);
+  set.all_records.push_back(std::move(record));
+}
+
+// Entry i of the file: its dims, checked, then a measurement or an infeasible bound.
+void read_json_entry(const MeasurementRequest& req, const JsonEntries& found, std::size_t i,
+                     MeasurementSet& set) {
+  const nlohmann::json& e = (*found.entries)[i];
+  const std::string label = found.name + "[" + std::to_string(i) + "]";
+  const std::string where = req.path + ": " + label;
+  if (!e.is_object()) throw InputError(where + ": expected an object, got " + brief(e));
+  std::vector<double> dims = json_dims(e, where, set.variables, found.variables);
+  const std::string& count = req.count_variable.empty() ? set.variables.front() : req.count_variable;
+  const auto it = std::find(set.variables.begin(), set.variables.end(), count);
+  check_dims(dims, set.variables, static_cast<std::size_t>(it - set.variables.begin()),
+             req.verb + ": " + where + ", variable");
+  const bool feasible = json_feasible(e, where);
+  nlohmann::json record = {{"dims", dims}, {"feasible", feasible}};
+  if (feasible) {
+    add_json_measurement(req, e, where, label, std::move(dims), std::move(record), set);
+  } else {
+    add_json_infeasible(e, where, std::move(dims), std::move(record), set);
+  }
+}
+
 MeasurementSet read_json_measurements(const MeasurementRequest& req, const std::string& text) {
   nlohmann::json root;
   try {
@@ -121,162 +319,16 @@ MeasurementSet read_json_measurements(const MeasurementRequest& req, const std::
   } catch (const nlohmann::json::exception& e) {
     throw InputError(req.path + ": not valid JSON: " + first_line(e.what()));
   }
-  const std::string& p = req.path;
-  const nlohmann::json* entries = nullptr;
-  std::string entries_name;
-  std::vector<std::string> file_variables;  // order of list-valued dims
-  if (root.is_array()) {
-    entries = &root;
-    entries_name = "";
-  } else if (root.is_object()) {
-    const nlohmann::json* names = nullptr;
-    if (root.contains("probes")) {  // xpm-plan probe --json
-      entries = &root["probes"];
-      entries_name = "probes";
-      if (root.contains("variable_names")) names = &root["variable_names"];
-    } else if (root.contains("metadata") && root["metadata"].is_object() &&
-               root["metadata"].contains("probes")) {  // memory model file
-      entries = &root["metadata"]["probes"];
-      entries_name = "metadata.probes";
-      if (root.contains("formula") && root["formula"].is_object() &&
-          root["formula"].contains("variable_names")) {
-        names = &root["formula"]["variable_names"];
-      }
-    } else {
-      throw InputError(p + ": expected a list of measurements, a memory model file with "
-                       "metadata.probes, or `xpm-plan probe --json` output with probes");
-    }
-    if (names != nullptr) {
-      if (!names->is_array()) throw InputError(p + ": variable names: expected a list of strings");
-      for (const auto& n : *names) {
-        if (!n.is_string()) throw InputError(p + ": variable names: expected a list of strings");
-        file_variables.push_back(n.get<std::string>());
-      }
-    }
-  } else {
-    throw InputError(p + ": expected a JSON list or object, got " + brief(root));
-  }
-  if (!entries->is_array()) {
-    throw InputError(p + ": " + entries_name + ": expected a list, got " + brief(*entries));
-  }
-  if (entries->empty()) throw InputError(p + ": " + (entries_name.empty() ? "the list" : entries_name) + " is empty");
-
+  const JsonEntries found = locate_json_entries(root, req.path);
   MeasurementSet set;
-  set.path = p;
+  set.path = req.path;
   set.format = MeasurementFormat::kJson;
-  // What the probes ran on, kept in the fitted model's metadata.
-  const char* const kSetupKeys[] = {"task",      "device",        "capacity_bytes", "static_bytes",
-                                    "precision", "optimizer",     "torch_version",  "signature",
-                                    "max_length", "data_dir"};
-  if (root.is_object()) {
-    const nlohmann::json* source = &root;
-    if (!root.contains("probes") && root.contains("metadata")) source = &root["metadata"];
-    for (const char* key : kSetupKeys) {
-      if (source->contains(key)) set.setup[key] = (*source)[key];
-    }
-  }
-  set.variables = req.variables.empty() ? file_variables : req.variables;
+  read_json_setup(root, set);
+  set.variables = req.variables.empty() ? found.variables : req.variables;
   if (set.variables.empty()) {
-    throw InputError("--variables is required: " + p + " does not name its variables");
+    throw InputError("--variables is required: " + req.path + " does not name its variables");
   }
-  for (std::size_t i = 0; i < entries->size(); ++i) {
-    const nlohmann::json& e = (*entries)[i];
-    const std::string where = p + ": " + entries_name + "[" + std::to_string(i) + "]";
-    if (!e.is_object()) throw InputError(where + ": expected an object, got " + brief(e));
-    std::vector<double> dims;
-    if (e.contains("dims")) {
-      const nlohmann::json& d = e["dims"];
-      if (d.is_array()) {
-        if (file_variables.empty()) {
-          throw InputError(where + ".dims: a list, but the file does not name its variables; "
-                           "give dims as an object by name");
-        }
-        if (d.size() != file_variables.size()) {
-          throw InputError(where + ".dims: " + std::to_string(d.size()) + " values for " +
-                           std::to_string(file_variables.size()) + " variables");
-        }
-        for (const auto& v : set.variables) {
-          auto it = std::find(file_variables.begin(), file_variables.end(), v);
-          if (it == file_variables.end()) {
-            throw InputError(where + ".dims: no variable '" + v + "' in the file's variables");
-          }
-          const auto k = static_cast<std::size_t>(it - file_variables.begin());
-          dims.push_back(json_number(d[k], where + ".dims[" + std::to_string(k) + "]"));
-        }
-      } else if (d.is_object()) {
-        for (const auto& v : set.variables) {
-          if (!d.contains(v)) throw InputError(where + ".dims: no variable '" + v + "'");
-          dims.push_back(json_number(d[v], where + ".dims." + v));
-        }
-      } else {
-        throw InputError(where + ".dims: expected a list or an object, got " + brief(d));
-      }
-    } else {
-      for (const auto& v : set.variables) {
-        if (!e.contains(v)) throw InputError(where + ": no variable '" + v + "'");
-        dims.push_back(json_number(e[v], where + "." + v));
-      }
-    }
-    {
-      const std::string& count = req.count_variable.empty() ? set.variables.front()
-                                                            : req.count_variable;
-      const auto it = std::find(set.variables.begin(), set.variables.end(), count);
-      check_dims(dims, set.variables, static_cast<std::size_t>(it - set.variables.begin()),
-                 req.verb + ": " + where + ", variable");
-    }
-    bool feasible = true;
-    if (e.contains("feasible")) {
-      const nlohmann::json& f = e["feasible"];
-      if (f.is_boolean()) {
-        feasible = f.get<bool>();
-      } else if (f.is_number_integer() && (f.get<int>() == 0 || f.get<int>() == 1)) {
-        feasible = f.get<int>() == 1;
-      } else {
-        throw InputError(where + ".feasible: expected true or false, got " + brief(f));
-      }
-    }
-    nlohmann::json record = {{"dims", dims}, {"feasible", feasible}};
-    if (!feasible) {
-      if (e.contains("error") && e["error"].is_string()) record["error"] = e["error"];
-      double capacity = 0;
-      if (e.contains("capacity_bytes")) {
-        capacity = json_number(e["capacity_bytes"], where + ".capacity_bytes");
-        if (capacity < 0) throw InputError(where + ".capacity_bytes: must be >= 0");
-        if (capacity > 0) record["capacity_bytes"] = capacity;
-      }
-      set.infeasible.push_back(dims);
-      set.infeasible_capacity_bytes.push_back(capacity);
-      set.infeasible_records.push_back(record);
-      set.all_records.push_back(std::move(record));
-      continue;
-    }
-    if (!e.contains(req.bytes_column)) {
-      throw InputError(where + ": no bytes field '" + req.bytes_column + "' (--bytes-column)");
-    }
-    const double bytes = json_number(e[req.bytes_column], where + "." + req.bytes_column);
-    if (!(bytes > 0)) {
-      throw InputError(where + "." + req.bytes_column + ": bytes must be > 0, got " +
-                       brief(e[req.bytes_column]));
-    }
-    if (!req.floor_column.empty()) {
-      if (!e.contains(req.floor_column)) {
-        throw InputError(where + ": no field '" + req.floor_column + "' (--floor-column)");
-      }
-      const double floor = json_number(e[req.floor_column], where + "." + req.floor_column);
-      if (floor < 0) throw InputError(where + "." + req.floor_column + ": must be >= 0");
-      set.floor_bytes = std::max(set.floor_bytes.value_or(0.0), floor);
-      set.floor_peaks.push_back({dims, floor});
-    }
-    for (const auto& item : e.items()) {
-      if (is_field(item.key(), req.bytes_column, req.floor_column) && item.value().is_number()) {
-        record[item.key()] = item.value();
-      }
-    }
-    set.measurements.push_back({dims, bytes});
-    set.labels.push_back(entries_name + "[" + std::to_string(i) + "]");
-    set.records.push_back(record);
-    set.all_records.push_back(std::move(record));
-  }
+  for (std::size_t i = 0; i < found.entries->size(); ++i) read_json_entry(req, found, i, set);
   return set;
 }
 
