@@ -96,6 +96,172 @@ std::string all_terms_text(const std::vector<std::string>& variables, const std:
   }
 }
 
+// The measurements file and what to read from it (--csv or the positional argument,
+// --bytes-column, --variables, --floor-column, --batch-size-variable).
+MeasurementRequest measurement_request_from(const po::variables_map& vm) {
+  MeasurementRequest request;
+  if (vm.count("measurements") && vm.count("csv")) {
+    throw InputError("give the measurements once: --csv '" + vm["csv"].as<std::string>() +
+                     "' and '" + vm["measurements"].as<std::string>() + "'");
+  }
+  if (vm.count("csv")) {
+    request.path = vm["csv"].as<std::string>();
+    request.format = MeasurementFormat::kCsv;
+  } else if (vm.count("measurements")) {
+    request.path = vm["measurements"].as<std::string>();
+  } else {
+    throw InputError("no measurements file: give it as the first argument or with --csv");
+  }
+  request.bytes_column = vm["bytes-column"].as<std::string>();
+  if (vm.count("variables")) {
+    request.variables = split_list(vm["variables"].as<std::string>(), "variables");
+  }
+  if (vm.count("floor-column")) {
+    if (vm.count("floor-bytes")) throw InputError("give --floor-bytes or --floor-column, not both");
+    request.floor_column = vm["floor-column"].as<std::string>();
+  }
+  request.verb = "fit";
+  request.count_variable = vm["batch-size-variable"].as<std::string>();
+  return request;
+}
+
+// --probe-capacity-bytes, 0 when not given.
+double probe_capacity_option(const po::variables_map& vm) {
+  if (!vm.count("probe-capacity-bytes")) return 0;
+  const double bytes = vm["probe-capacity-bytes"].as<double>();
+  if (!(bytes > 0) || !std::isfinite(bytes)) {
+    throw InputError("--probe-capacity-bytes must be > 0, got " + number_text(bytes));
+  }
+  return bytes;
+}
+
+// --coefficients, or the formula's names that are not variables; a declared coefficient the
+// formula never uses cannot be fitted.
+std::vector<std::string> coefficients_of(const po::variables_map& vm, const std::string& formula_text,
+                                         const std::string& given_text,
+                                         const std::vector<std::string>& variables) {
+  if (!vm.count("coefficients")) return infer_coefficients(given_text, variables);
+  const std::vector<std::string> coefficients =
+      split_list(vm["coefficients"].as<std::string>(), "coefficients");
+  const std::vector<std::string> used = infer_coefficients(formula_text, variables);
+  for (const std::string& name : coefficients) {
+    if (std::find(used.begin(), used.end(), name) == used.end()) {
+      throw InputError("--coefficients: '" + name + "' does not appear in --formula '" +
+                       formula_text + "'");
+    }
+  }
+  return coefficients;
+}
+
+// The floor the fit sits on: --floor-bytes, or fitted to --floor-column.
+struct Floor {
+  double bytes = 0;
+  std::optional<xpm::FloorFit> fit;
+  bool moving() const { return fit && fit->formula; }
+};
+
+// A model with every coefficient 0 and the floor: validates the batch-size variable, the
+// aggregation and the floor before fitting.
+xpm::MemoryModel floor_only_model(const xpm::CostFormula& formula, std::size_t coefficient_count,
+                                  const Floor& floor, const std::string& bs_variable,
+                                  const std::map<std::string, xpm::DimAggregation>& aggregation) {
+  try {
+    xpm::MemoryModel model(formula, std::vector<double>(coefficient_count, 0.0), floor.bytes,
+                           bs_variable, aggregation);
+    if (floor.moving()) model.set_floor_formula(*floor.fit->formula);
+    return model;
+  } catch (const std::invalid_argument& e) {
+    throw InputError(option_names(first_line(e.what())));
+  }
+}
+
+// --above-floor-only: drops the measurements at or below the floor; at least as many as
+// coefficients must stay.
+void keep_above_floor(const xpm::MemoryModel& floor_model, const Floor& floor,
+                      std::size_t coefficient_count, MeasurementSet& set) {
+  if (!(floor.bytes > 0) && !floor.moving()) {
+    throw InputError("--above-floor-only needs a floor: --floor-bytes or --floor-column");
+  }
+  const std::size_t feasible = set.measurements.size();
+  set.keep_above_floor(floor_model);
+  if (set.measurements.size() < coefficient_count) {
+    throw InputError(set.path + ": --above-floor-only keeps " +
+                     std::to_string(set.measurements.size()) + " of " +
+                     std::to_string(feasible) + " measurements (above the floor of " +
+                     bytes_text(floor.bytes) + " bytes), fewer than the " +
+                     std::to_string(coefficient_count) +
+                     " coefficients: probe larger shapes");
+  }
+}
+
+// Infeasible probes with a known capacity (their own, --probe-capacity-bytes or the file's):
+// lower bounds of the fit, limits of the plans.
+std::vector<xpm::InfeasibleBound> infeasible_bounds(const MeasurementSet& set,
+                                                    double probe_capacity_bytes) {
+  if (probe_capacity_bytes == 0 && set.setup.contains("capacity_bytes") &&
+      set.setup["capacity_bytes"].is_number()) {
+    probe_capacity_bytes = std::max(0.0, set.setup["capacity_bytes"].get<double>());
+  }
+  std::vector<xpm::InfeasibleBound> bounds;
+  for (std::size_t i = 0; i < set.infeasible.size(); ++i) {
+    const double capacity = set.infeasible_capacity_bytes[i] > 0 ? set.infeasible_capacity_bytes[i]
+                                                                 : probe_capacity_bytes;
+    if (capacity > 0) bounds.push_back({set.infeasible[i], capacity});
+  }
+  return bounds;
+}
+
+// The fitted model's metadata: the probes' setup, the fit, the floor, the probes themselves and
+// the formula selection (--formula auto).
+void set_fit_metadata(xpm::MemoryModel& model, const MeasurementSet& set, const FitOutcome& outcome,
+                      const MeasurementRequest& request, std::size_t bound_count,
+                      const Floor& floor, bool automatic) {
+  nlohmann::json probes = nlohmann::json::array();
+  for (const auto& r : set.all_records) probes.push_back(r);
+  for (const auto& item : set.setup.items()) model.metadata()[item.key()] = item.value();
+  model.metadata()["created_by"] = "xpm-plan fit";
+  model.metadata()["source"] = set.path;
+  model.metadata()["fit"] = fit_summary_json(outcome.result.summary, outcome);
+  model.metadata()["fit"]["fitted_to"] = request.bytes_column;
+  model.metadata()["fit"]["points"] = set.measurements.size();
+  model.metadata()["fit"]["infeasible_probes"] = set.infeasible.size();
+  model.metadata()["fit"]["infeasible_bound_count"] = bound_count;
+  model.metadata()["fit"]["below_floor_not_fitted"] = set.below_floor.size();
+  if (!request.floor_column.empty()) model.metadata()["floor_from"] = request.floor_column;
+  if (floor.fit) {
+    model.metadata()["floor"] = {{"report", floor.fit->report},
+                                 {"spread", floor.fit->spread},
+                                 {"moving", floor.fit->formula.has_value()}};
+  }
+  model.metadata()["probes"] = std::move(probes);
+  if (automatic) {
+    model.metadata()["formula_selection"] = {{"chosen", model.formula().canonical()},
+                                             {"report", outcome.selection_report}};
+  }
+}
+
+// Renders everything, then writes (--figure, --output): a failure leaves no file behind. An
+// unusable fit prints its report and writes nothing (exit code 1).
+int report_and_write(const po::variables_map& vm, const xpm::MemoryModel& model,
+                     const MeasurementSet& set, const FitOutcome& outcome,
+                     const MeasurementRequest& request) {
+  const xpm::FitSummary& s = outcome.result.summary;
+  const std::string output = vm.count("output") ? vm["output"].as<std::string>() : "";
+  const std::string figure = vm.count("figure") ? vm["figure"].as<std::string>() : "";
+  std::string figure_svg;
+  if (!figure.empty()) figure_svg = fit_figure_svg(model, set, s, request.bytes_column);
+  if (!outcome.usable) {
+    print_fit_report(std::cout, model, set, s, outcome, vm["json"].as<bool>(), "", "");
+    throw InfeasibleError("the fit is not usable: " + outcome.unusable_reason +
+                          "; no file written");
+  }
+  if (!figure.empty()) write_file_atomically(figure, figure_svg);
+  if (!output.empty()) model.save(output);
+  print_fit_report(std::cout, model, set, s, outcome, vm["json"].as<bool>(), output, figure);
+  if (!s.converged) std::cerr << "xpm-plan: warning: the fit did not converge\n";
+  return 0;
+}
+
 }  // namespace
 
 po::options_description fit_options() {
@@ -170,39 +336,10 @@ po::options_description fit_options() {
 
 int run_fit(const po::variables_map& vm) {
   // Options first: every bad option is reported before any file is read.
-  MeasurementRequest request;
-  if (vm.count("measurements") && vm.count("csv")) {
-    throw InputError("give the measurements once: --csv '" + vm["csv"].as<std::string>() +
-                     "' and '" + vm["measurements"].as<std::string>() + "'");
-  }
-  if (vm.count("csv")) {
-    request.path = vm["csv"].as<std::string>();
-    request.format = MeasurementFormat::kCsv;
-  } else if (vm.count("measurements")) {
-    request.path = vm["measurements"].as<std::string>();
-  } else {
-    throw InputError("no measurements file: give it as the first argument or with --csv");
-  }
-  request.bytes_column = vm["bytes-column"].as<std::string>();
-  if (vm.count("variables")) {
-    request.variables = split_list(vm["variables"].as<std::string>(), "variables");
-  }
-  if (vm.count("floor-column")) {
-    if (vm.count("floor-bytes")) throw InputError("give --floor-bytes or --floor-column, not both");
-    request.floor_column = vm["floor-column"].as<std::string>();
-  }
+  const MeasurementRequest request = measurement_request_from(vm);
   const FitRequest fit_request = fit_request_from(vm);
   const std::string formula_text = vm["formula"].as<std::string>();
-  double probe_capacity_bytes = 0;
-  if (vm.count("probe-capacity-bytes")) {
-    probe_capacity_bytes = vm["probe-capacity-bytes"].as<double>();
-    if (!(probe_capacity_bytes > 0) || !std::isfinite(probe_capacity_bytes)) {
-      throw InputError("--probe-capacity-bytes must be > 0, got " +
-                       number_text(probe_capacity_bytes));
-    }
-  }
-  request.verb = "fit";
-  request.count_variable = vm["batch-size-variable"].as<std::string>();
+  const double probe_capacity_bytes = probe_capacity_option(vm);
 
   const bool automatic = formula_text == "auto";
   if (automatic && vm.count("coefficients")) throw InputError("--coefficients does not apply to --formula auto");
@@ -213,120 +350,42 @@ int run_fit(const po::variables_map& vm) {
   // --formula auto: every candidate term stands in for the formula until one is chosen (its
   // variables, the floor formula derived from it).
   const std::string given_text = automatic ? all_terms_text(variables, bs_variable) : formula_text;
-  const std::vector<std::string> coefficients =
-      vm.count("coefficients") ? split_list(vm["coefficients"].as<std::string>(), "coefficients")
-                               : infer_coefficients(given_text, variables);
-  if (vm.count("coefficients")) {  // a declared coefficient the formula never uses cannot be fitted
-    const std::vector<std::string> used = infer_coefficients(formula_text, variables);
-    for (const std::string& name : coefficients) {
-      if (std::find(used.begin(), used.end(), name) == used.end()) {
-        throw InputError("--coefficients: '" + name + "' does not appear in --formula '" +
-                         formula_text + "'");
-      }
-    }
-  }
+  const std::vector<std::string> coefficients = coefficients_of(vm, formula_text, given_text, variables);
   const xpm::CostFormula formula = make_formula(given_text, coefficients, variables, fit_request);
   const auto aggregation = vm.count("aggregation")
                                ? parse_aggregation(vm["aggregation"].as<std::vector<std::string>>())
                                : std::map<std::string, xpm::DimAggregation>{};
   const std::vector<xpm::ProbedRange> probed_ranges =
       set.measurements.empty() ? std::vector<xpm::ProbedRange>{} : xpm::MemoryModel::ranges_of(dims_of(set.measurements));
-  double floor_bytes = vm.count("floor-bytes") ? vm["floor-bytes"].as<double>() : 0.0;
-  const std::optional<xpm::FloorFit> floor_fit = fit_floor_column(vm, formula, set);
-  if (floor_fit) floor_bytes = floor_fit->constant_bytes;
-  std::optional<xpm::MemoryModel> floor_model;
-  try {  // validates the batch-size variable, aggregation and floor before fitting
-    floor_model.emplace(formula, std::vector<double>(coefficients.size(), 0.0), floor_bytes,
-                        bs_variable, aggregation);
-    if (floor_fit && floor_fit->formula) floor_model->set_floor_formula(*floor_fit->formula);
-  } catch (const std::invalid_argument& e) {
-    throw InputError(option_names(first_line(e.what())));
-  }
-  if (vm["above-floor-only"].as<bool>()) {
-    if (!(floor_bytes > 0) && !(floor_fit && floor_fit->formula)) {
-      throw InputError("--above-floor-only needs a floor: --floor-bytes or --floor-column");
-    }
-    const std::size_t feasible = set.measurements.size();
-    set.keep_above_floor(*floor_model);
-    if (set.measurements.size() < coefficients.size()) {
-      throw InputError(set.path + ": --above-floor-only keeps " +
-                       std::to_string(set.measurements.size()) + " of " +
-                       std::to_string(feasible) + " measurements (above the floor of " +
-                       bytes_text(floor_bytes) + " bytes), fewer than the " +
-                       std::to_string(coefficients.size()) +
-                       " coefficients: probe larger shapes");
-    }
-  }
+  Floor floor;
+  floor.bytes = vm.count("floor-bytes") ? vm["floor-bytes"].as<double>() : 0.0;
+  floor.fit = fit_floor_column(vm, formula, set);
+  if (floor.fit) floor.bytes = floor.fit->constant_bytes;
+  const xpm::MemoryModel floor_model =
+      floor_only_model(formula, coefficients.size(), floor, bs_variable, aggregation);
+  if (vm["above-floor-only"].as<bool>()) keep_above_floor(floor_model, floor, coefficients.size(), set);
   if (set.measurements.empty()) {
     throw InfeasibleError(set.path + ": no feasible measurement to fit (" +
                           std::to_string(set.infeasible.size()) + " ran out of memory)");
   }
 
-  // Infeasible probes with a known capacity: lower bounds of the fit, limits of the plans.
-  if (probe_capacity_bytes == 0 && set.setup.contains("capacity_bytes") &&
-      set.setup["capacity_bytes"].is_number()) {
-    probe_capacity_bytes = std::max(0.0, set.setup["capacity_bytes"].get<double>());
-  }
-  std::vector<xpm::InfeasibleBound> bounds;
-  for (std::size_t i = 0; i < set.infeasible.size(); ++i) {
-    const double capacity = set.infeasible_capacity_bytes[i] > 0 ? set.infeasible_capacity_bytes[i]
-                                                                 : probe_capacity_bytes;
-    if (capacity > 0) bounds.push_back({set.infeasible[i], capacity});
-  }
-  const bool has_floor = floor_bytes > 0 || (floor_fit && floor_fit->formula);
+  const std::vector<xpm::InfeasibleBound> bounds = infeasible_bounds(set, probe_capacity_bytes);
   std::vector<std::string> summed;
   for (const auto& [name, how] : aggregation) {
     if (how == xpm::DimAggregation::kSum) summed.push_back(name);
   }
   const FitOutcome outcome =
-      automatic ? fit_automatic_formula(variables, set, fit_request, bs_variable, bounds, has_floor, summed)
+      automatic ? fit_automatic_formula(variables, set, fit_request, bs_variable, bounds,
+                                        floor.bytes > 0 || floor.moving(), summed)
                 : fit_measurements(formula, set, fit_request, bs_variable, bounds);
-  const xpm::FitSummary& s = outcome.result.summary;
-
   xpm::MemoryModel model(automatic ? *outcome.chosen_formula : formula, outcome.result.coefficients,
-                         floor_bytes, bs_variable, aggregation);
+                         floor.bytes, bs_variable, aggregation);
   model.set_infeasible_probes(bounds);
-  model.set_single_record_factor(s.single_record_factor);
-  if (floor_fit && floor_fit->formula) model.set_floor_formula(*floor_fit->formula);
+  model.set_single_record_factor(outcome.result.summary.single_record_factor);
+  if (floor.moving()) model.set_floor_formula(*floor.fit->formula);
   model.set_probed_ranges(probed_ranges);
-  nlohmann::json probes = nlohmann::json::array();
-  for (const auto& r : set.all_records) probes.push_back(r);
-  for (const auto& item : set.setup.items()) model.metadata()[item.key()] = item.value();
-  model.metadata()["created_by"] = "xpm-plan fit";
-  model.metadata()["source"] = set.path;
-  model.metadata()["fit"] = fit_summary_json(s, outcome);
-  model.metadata()["fit"]["fitted_to"] = request.bytes_column;
-  model.metadata()["fit"]["points"] = set.measurements.size();
-  model.metadata()["fit"]["infeasible_probes"] = set.infeasible.size();
-  model.metadata()["fit"]["infeasible_bound_count"] = bounds.size();
-  model.metadata()["fit"]["below_floor_not_fitted"] = set.below_floor.size();
-  if (!request.floor_column.empty()) model.metadata()["floor_from"] = request.floor_column;
-  if (floor_fit) {
-    model.metadata()["floor"] = {{"report", floor_fit->report},
-                                 {"spread", floor_fit->spread},
-                                 {"moving", floor_fit->formula.has_value()}};
-  }
-  model.metadata()["probes"] = std::move(probes);
-  if (automatic) {
-    model.metadata()["formula_selection"] = {{"chosen", model.formula().canonical()},
-                                             {"report", outcome.selection_report}};
-  }
-
-  // Render everything, then write: a failure leaves no file behind.
-  const std::string output = vm.count("output") ? vm["output"].as<std::string>() : "";
-  const std::string figure = vm.count("figure") ? vm["figure"].as<std::string>() : "";
-  std::string figure_svg;
-  if (!figure.empty()) figure_svg = fit_figure_svg(model, set, s, request.bytes_column);
-  if (!outcome.usable) {
-    print_fit_report(std::cout, model, set, s, outcome, vm["json"].as<bool>(), "", "");
-    throw InfeasibleError("the fit is not usable: " + outcome.unusable_reason +
-                          "; no file written");
-  }
-  if (!figure.empty()) write_file_atomically(figure, figure_svg);
-  if (!output.empty()) model.save(output);
-  print_fit_report(std::cout, model, set, s, outcome, vm["json"].as<bool>(), output, figure);
-  if (!s.converged) std::cerr << "xpm-plan: warning: the fit did not converge\n";
-  return 0;
+  set_fit_metadata(model, set, outcome, request, bounds.size(), floor, automatic);
+  return report_and_write(vm, model, set, outcome, request);
 }
 
 }  // namespace xpm_plan
