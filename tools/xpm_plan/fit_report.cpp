@@ -164,81 +164,98 @@ std::string percent(double rel) {
   return buf;
 }
 
-}  // namespace
+bool is_left_out(const xpm::FitSummary& s, std::size_t i) {
+  return std::find(s.left_out.begin(), s.left_out.end(), i) != s.left_out.end();
+}
 
-void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const MeasurementSet& set,
-                      const xpm::FitSummary& s, const FitOutcome& outcome, bool json,
-                      const std::string& output, const std::string& figure) {
+// Every fitted point: measured, predicted, relative and held-out errors.
+nlohmann::json residuals_json(const xpm::MemoryModel& model, const MeasurementSet& set,
+                              const xpm::FitSummary& s) {
+  nlohmann::json points = nlohmann::json::array();
+  for (std::size_t i = 0; i < set.measurements.size(); ++i) {
+    const auto& m = set.measurements[i];
+    const double predicted = model.formula().predict(model.coefficients(), m.dims);
+    nlohmann::json point = {{"source", set.labels[i]},
+                            {"dims", dims_json(model, m.dims)},
+                            {"measured_bytes", m.bytes},
+                            {"predicted_bytes", predicted},
+                            {"rel_error", (predicted - m.bytes) / m.bytes},
+                            {"leave_one_out_rel_error", nullptr},
+                            {"left_out", is_left_out(s, i)}};
+    if (i < s.leave_one_out_rel_errors.size() && std::isfinite(s.leave_one_out_rel_errors[i])) {
+      point["leave_one_out_rel_error"] = s.leave_one_out_rel_errors[i];
+    }
+    points.push_back(std::move(point));
+  }
+  return points;
+}
+
+// Every infeasible bound: its dims and capacity, the prediction there and whether it holds.
+nlohmann::json infeasible_bounds_json(const xpm::MemoryModel& model, const xpm::FitSummary& s) {
+  nlohmann::json bounds = nlohmann::json::array();
+  for (std::size_t b = 0; b < model.infeasible_probes().size(); ++b) {
+    const xpm::InfeasibleBound& bound = model.infeasible_probes()[b];
+    nlohmann::json entry = {{"dims", dims_json(model, bound.dims)},
+                            {"exceeds_bytes", bound.exceeds_bytes},
+                            {"predicted_bytes", nullptr},
+                            {"satisfied", nullptr}};
+    if (b < s.infeasible_bound_predicted_bytes.size()) {
+      entry["predicted_bytes"] = s.infeasible_bound_predicted_bytes[b];
+      entry["satisfied"] = static_cast<bool>(s.infeasible_bound_satisfied[b]);
+    }
+    bounds.push_back(std::move(entry));
+  }
+  return bounds;
+}
+
+// The report as one JSON object (--json).
+nlohmann::json fit_report_json(const xpm::MemoryModel& model, const MeasurementSet& set,
+                               const xpm::FitSummary& s, const FitOutcome& outcome,
+                               const std::string& output, const std::string& figure) {
+  const xpm::CostFormula& formula = model.formula();
+  const auto& names = formula.coefficient_names();
+  const auto terms = coefficient_terms(formula);
+  nlohmann::json j;
+  j["formula"] = formula.text();
+  j["canonical"] = formula.canonical();
+  j["identity_hash"] = formula.identity_hash();
+  j["coefficients"] = model.to_json()["coefficients"];
+  nlohmann::json units = nlohmann::json::object();
+  for (std::size_t k = 0; k < names.size(); ++k) {
+    units[names[k]] = coefficient_unit(terms[k], formula.is_linear());
+  }
+  j["coefficient_units"] = std::move(units);
+  j["variables"] = formula.variable_names();
+  j["batch_size_variable"] = model.batch_size_variable();
+  j["floor_bytes"] = model.floor_bytes();
+  const nlohmann::json model_json = model.to_json();
+  j["floor_formula"] = model_json.contains("floor_formula") ? model_json["floor_formula"] : nlohmann::json(nullptr);
+  j["floor_report"] = model.metadata().contains("floor") ? model.metadata()["floor"]["report"] : nlohmann::json(nullptr);
+  j["points"] = set.measurements.size();
+  const nlohmann::json summary_json = fit_summary_json(s, outcome);
+  for (const auto& item : summary_json.items()) j[item.key()] = item.value();
+  j["residuals"] = residuals_json(model, set, s);
+  nlohmann::json infeasible = nlohmann::json::array();
+  for (const auto& d : set.infeasible) infeasible.push_back(dims_json(model, d));
+  j["infeasible_probes"] = std::move(infeasible);
+  j["infeasible_bounds"] = infeasible_bounds_json(model, s);
+  nlohmann::json below = nlohmann::json::array();
+  for (const auto& m : set.below_floor) below.push_back(dims_json(model, m.dims));
+  j["below_floor_not_fitted"] = std::move(below);
+  if (!outcome.usable) j["unusable_reason"] = outcome.unusable_reason;
+  j["formula_selection"] = outcome.selection_report.empty() ? nlohmann::json(nullptr)
+                                                            : nlohmann::json(outcome.selection_report);
+  j["output"] = output.empty() ? nlohmann::json(nullptr) : nlohmann::json(output);
+  j["figure"] = figure.empty() ? nlohmann::json(nullptr) : nlohmann::json(figure);
+  return j;
+}
+
+// The formula, its coefficients with their units, the floor and the moving floor formula.
+void print_formula_and_floor(std::ostream& os, const xpm::MemoryModel& model) {
   const xpm::CostFormula& formula = model.formula();
   const auto& names = formula.coefficient_names();
   const auto terms = coefficient_terms(formula);
   const auto& coefficients = model.coefficients();
-  if (json) {
-    nlohmann::json j;
-    j["formula"] = formula.text();
-    j["canonical"] = formula.canonical();
-    j["identity_hash"] = formula.identity_hash();
-    j["coefficients"] = model.to_json()["coefficients"];
-    nlohmann::json units = nlohmann::json::object();
-    for (std::size_t k = 0; k < names.size(); ++k) {
-      units[names[k]] = coefficient_unit(terms[k], formula.is_linear());
-    }
-    j["coefficient_units"] = std::move(units);
-    j["variables"] = formula.variable_names();
-    j["batch_size_variable"] = model.batch_size_variable();
-    j["floor_bytes"] = model.floor_bytes();
-    const nlohmann::json model_json = model.to_json();
-    j["floor_formula"] = model_json.contains("floor_formula") ? model_json["floor_formula"] : nlohmann::json(nullptr);
-    j["floor_report"] = model.metadata().contains("floor") ? model.metadata()["floor"]["report"] : nlohmann::json(nullptr);
-    j["points"] = set.measurements.size();
-    const nlohmann::json summary_json = fit_summary_json(s, outcome);
-    for (const auto& item : summary_json.items()) j[item.key()] = item.value();
-    nlohmann::json points = nlohmann::json::array();
-    for (std::size_t i = 0; i < set.measurements.size(); ++i) {
-      const auto& m = set.measurements[i];
-      const double predicted = formula.predict(coefficients, m.dims);
-      nlohmann::json point = {{"source", set.labels[i]},
-                              {"dims", dims_json(model, m.dims)},
-                              {"measured_bytes", m.bytes},
-                              {"predicted_bytes", predicted},
-                              {"rel_error", (predicted - m.bytes) / m.bytes},
-                              {"leave_one_out_rel_error", nullptr},
-                              {"left_out", std::find(s.left_out.begin(), s.left_out.end(), i) !=
-                                               s.left_out.end()}};
-      if (i < s.leave_one_out_rel_errors.size() && std::isfinite(s.leave_one_out_rel_errors[i])) {
-        point["leave_one_out_rel_error"] = s.leave_one_out_rel_errors[i];
-      }
-      points.push_back(std::move(point));
-    }
-    j["residuals"] = std::move(points);
-    nlohmann::json infeasible = nlohmann::json::array();
-    for (const auto& d : set.infeasible) infeasible.push_back(dims_json(model, d));
-    j["infeasible_probes"] = std::move(infeasible);
-    nlohmann::json bounds = nlohmann::json::array();
-    for (std::size_t b = 0; b < model.infeasible_probes().size(); ++b) {
-      const xpm::InfeasibleBound& bound = model.infeasible_probes()[b];
-      nlohmann::json entry = {{"dims", dims_json(model, bound.dims)},
-                              {"exceeds_bytes", bound.exceeds_bytes},
-                              {"predicted_bytes", nullptr},
-                              {"satisfied", nullptr}};
-      if (b < s.infeasible_bound_predicted_bytes.size()) {
-        entry["predicted_bytes"] = s.infeasible_bound_predicted_bytes[b];
-        entry["satisfied"] = static_cast<bool>(s.infeasible_bound_satisfied[b]);
-      }
-      bounds.push_back(std::move(entry));
-    }
-    j["infeasible_bounds"] = std::move(bounds);
-    nlohmann::json below = nlohmann::json::array();
-    for (const auto& m : set.below_floor) below.push_back(dims_json(model, m.dims));
-    j["below_floor_not_fitted"] = std::move(below);
-    if (!outcome.usable) j["unusable_reason"] = outcome.unusable_reason;
-    j["formula_selection"] = outcome.selection_report.empty() ? nlohmann::json(nullptr)
-                                                              : nlohmann::json(outcome.selection_report);
-    j["output"] = output.empty() ? nlohmann::json(nullptr) : nlohmann::json(output);
-    j["figure"] = figure.empty() ? nlohmann::json(nullptr) : nlohmann::json(figure);
-    os << j.dump() << "\n";
-    return;
-  }
   os << "formula:      " << formula.canonical() << "  (identity " << formula.identity_hash()
      << ")\n"
      << "coefficients: " << (formula.is_linear() ? "(bytes per unit of the term each multiplies)"
@@ -261,14 +278,18 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
   if (model.metadata().contains("floor")) {
     os << "  " << model.metadata()["floor"]["report"].get<std::string>() << "\n";
   }
-  os << outcome.selection_report;
-  os << option_names(s.brief_report()) << "\n";
+}
+
+// One line per fitted point, and the points below the floor that were not fitted.
+void print_residuals(std::ostream& os, const xpm::MemoryModel& model, const MeasurementSet& set,
+                     const xpm::FitSummary& s) {
   os << "residuals ((predicted - measured) / measured; left out: predicted by a fit without "
         "that point):\n";
   for (std::size_t i = 0; i < set.measurements.size(); ++i) {
     const auto& m = set.measurements[i];
-    const bool left_out = std::find(s.left_out.begin(), s.left_out.end(), i) != s.left_out.end();
-    const double predicted = formula.predict(coefficients, m.dims) * (left_out ? s.single_record_factor : 1.0);
+    const bool left_out = is_left_out(s, i);
+    const double predicted = model.formula().predict(model.coefficients(), m.dims) *
+                             (left_out ? s.single_record_factor : 1.0);
     os << "  " << dims_text(model, m.dims) << ": measured " << bytes_text(m.bytes)
        << ", predicted " << bytes_text(predicted) << ", " << percent((predicted - m.bytes) / m.bytes);
     if (left_out && s.single_record_factor > 1) {
@@ -288,30 +309,50 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
     for (const auto& m : set.below_floor) os << "  [" << dims_text(model, m.dims) << "]";
     os << "\n";
   }
-  if (!set.infeasible.empty()) {
-    os << set.infeasible.size() << " probes ran out of memory and were not fitted:";
-    for (const auto& d : set.infeasible) os << "  [" << dims_text(model, d) << "]";
-    os << "\n";
-    const auto& bounds = model.infeasible_probes();
-    if (!bounds.empty()) {
-      os << "  used as lower bounds of the fit (the prediction there must reach the capacity "
-            "they ran under) and as limits of every plan:\n";
-    }
-    for (std::size_t b = 0; b < bounds.size(); ++b) {
-      os << "    " << dims_text(model, bounds[b].dims) << ": out of memory under "
-         << bytes_text(bounds[b].exceeds_bytes) << " bytes";
-      if (b < s.infeasible_bound_predicted_bytes.size()) {
-        os << ", predicted " << bytes_text(s.infeasible_bound_predicted_bytes[b]) << ": "
-           << (s.infeasible_bound_satisfied[b] ? "satisfied" : "VIOLATED");
-      }
-      os << "\n";
-    }
-    if (bounds.size() < set.infeasible.size()) {
-      os << "  " << set.infeasible.size() - bounds.size()
-         << " not used as bounds: the capacity they ran under is unknown (give "
-            "--probe-capacity-bytes)\n";
-    }
+}
+
+// The probes that ran out of memory, and which of them bound the fit.
+void print_infeasible(std::ostream& os, const xpm::MemoryModel& model, const MeasurementSet& set,
+                      const xpm::FitSummary& s) {
+  if (set.infeasible.empty()) return;
+  os << set.infeasible.size() << " probes ran out of memory and were not fitted:";
+  for (const auto& d : set.infeasible) os << "  [" << dims_text(model, d) << "]";
+  os << "\n";
+  const auto& bounds = model.infeasible_probes();
+  if (!bounds.empty()) {
+    os << "  used as lower bounds of the fit (the prediction there must reach the capacity "
+          "they ran under) and as limits of every plan:\n";
   }
+  for (std::size_t b = 0; b < bounds.size(); ++b) {
+    os << "    " << dims_text(model, bounds[b].dims) << ": out of memory under "
+       << bytes_text(bounds[b].exceeds_bytes) << " bytes";
+    if (b < s.infeasible_bound_predicted_bytes.size()) {
+      os << ", predicted " << bytes_text(s.infeasible_bound_predicted_bytes[b]) << ": "
+         << (s.infeasible_bound_satisfied[b] ? "satisfied" : "VIOLATED");
+    }
+    os << "\n";
+  }
+  if (bounds.size() < set.infeasible.size()) {
+    os << "  " << set.infeasible.size() - bounds.size()
+       << " not used as bounds: the capacity they ran under is unknown (give "
+          "--probe-capacity-bytes)\n";
+  }
+}
+
+}  // namespace
+
+void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const MeasurementSet& set,
+                      const xpm::FitSummary& s, const FitOutcome& outcome, bool json,
+                      const std::string& output, const std::string& figure) {
+  if (json) {
+    os << fit_report_json(model, set, s, outcome, output, figure).dump() << "\n";
+    return;
+  }
+  print_formula_and_floor(os, model);
+  os << outcome.selection_report;
+  os << option_names(s.brief_report()) << "\n";
+  print_residuals(os, model, set, s);
+  print_infeasible(os, model, set, s);
   if (!s.start.empty()) os << "start: " << s.start << "\n";
   if (!s.residual_structure.empty()) os << "note: " << s.residual_structure << "\n";
   if (!s.left_out_note.empty()) os << "note: " << s.left_out_note << "\n";
