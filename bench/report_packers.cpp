@@ -53,70 +53,65 @@ const PackerRow* find(const std::vector<PackerRow>& rows, const std::string& pac
 
 std::string verdict(bool met) { return met ? "**met**" : "**missed**"; }
 
-}  // namespace
+const std::vector<std::string> kFormulas = {"quadratic", "linear", "packed"};
 
-Section packers_section(const std::vector<BenchmarkRow>& benchmark_rows) {
-  const std::vector<PackerRow> rows = packer_rows(benchmark_rows);
-  Section section;
-  std::string& md = section.markdown;
-  if (rows.empty()) {
-    md = "_No packer results (packer_bench did not run)._\n";
-    return section;
+// Goal: 1,048,576 Brown records planned in <= 0.2 s by the adaptive packer.
+std::string adaptive_time_goal(const std::vector<PackerRow>& rows) {
+  double worst = 0;
+  std::string detail;
+  for (const std::string& packer : {std::string("AdaptiveSorted"), std::string("Adaptive")}) {
+    for (const std::string& f : kFormulas) {
+      const PackerRow* r = find(rows, packer, "brown", f, 1048576);
+      if (r == nullptr) continue;
+      worst = std::max(worst, r->row->cpu_s);
+      detail += (detail.empty() ? "" : "; ") + std::string(packer == "Adaptive" ? "unsorted " : "sorted ") + f +
+                " " + duration(r->row->cpu_s);
+    }
   }
-  const std::vector<std::string> formulas = {"quadratic", "linear", "packed"};
+  return "| 1,048,576 Brown records planned in <= 0.2 s by the adaptive packer | " + detail + " | " +
+         verdict(worst > 0 && worst <= 0.2) + " |\n";
+}
 
-  // Goals.
-  md += "| goal | measured (CPU time per plan) | verdict |\n|---|---|---|\n";
-  {
-    double worst = 0;
-    std::string detail;
-    for (const std::string& packer : {std::string("AdaptiveSorted"), std::string("Adaptive")}) {
-      for (const std::string& f : formulas) {
-        const PackerRow* r = find(rows, packer, "brown", f, 1048576);
-        if (r == nullptr) continue;
-        worst = std::max(worst, r->row->cpu_s);
-        detail += (detail.empty() ? "" : "; ") + std::string(packer == "Adaptive" ? "unsorted " : "sorted ") + f +
-                  " " + duration(r->row->cpu_s);
-      }
-    }
-    md += "| 1,048,576 Brown records planned in <= 0.2 s by the adaptive packer | " + detail + " | " +
-          verdict(worst > 0 && worst <= 0.2) + " |\n";
+// Goal: >= 100x faster than the reference algorithm at 65,536 Brown records.
+std::string reference_speed_goal(const std::vector<PackerRow>& rows, const std::string& ours,
+                                 const std::string& reference) {
+  double worst = 1e300;
+  std::string detail;
+  for (const std::string& f : kFormulas) {
+    const PackerRow* a = find(rows, ours, "brown", f, 65536);
+    const PackerRow* b = find(rows, reference, "brown", f, 65536);
+    if (a == nullptr || b == nullptr) continue;
+    const double ratio = b->row->cpu_s / a->row->cpu_s;
+    worst = std::min(worst, ratio);
+    detail += (detail.empty() ? "" : "; ") + f +
+              format(" %.0fx (%s vs %s, %s records per microbatch)", ratio, duration(b->row->cpu_s).c_str(),
+                     duration(a->row->cpu_s).c_str(), thousands(a->row->counter("records_per_microbatch")).c_str());
   }
-  for (const auto& [ours, reference] : {std::make_pair(std::string("AdaptiveSorted"), std::string("ReferenceSorted")),
-                                        std::make_pair(std::string("Adaptive"), std::string("Reference"))}) {
-    double worst = 1e300;
-    std::string detail;
-    for (const std::string& f : formulas) {
-      const PackerRow* a = find(rows, ours, "brown", f, 65536);
-      const PackerRow* b = find(rows, reference, "brown", f, 65536);
-      if (a == nullptr || b == nullptr) continue;
-      const double ratio = b->row->cpu_s / a->row->cpu_s;
-      worst = std::min(worst, ratio);
-      detail += (detail.empty() ? "" : "; ") + f +
-                format(" %.0fx (%s vs %s, %s records per microbatch)", ratio, duration(b->row->cpu_s).c_str(),
-                       duration(a->row->cpu_s).c_str(), thousands(a->row->counter("records_per_microbatch")).c_str());
-    }
-    md += std::string("| >= 100x faster than the reference algorithm at 65,536 Brown records, ") +
-          (ours == "Adaptive" ? "both in record order" : "both sorted (what the reference recommends for variable lengths)") +
-          " | " + detail + " | " + verdict(worst >= 100 && worst < 1e300) + " |\n";
-  }
-  {
-    double worst = 0;
-    std::string where;
-    for (const PackerRow& r : rows) {
-      if (r.packer != "AdaptiveSorted" || r.distribution != "brown" || r.formula == "quadratic-cpu") continue;
-      const double v = r.row->counter("vs_ffd");
-      if (v > worst) {
-        worst = v;
-        where = r.formula + format(", %s records", thousands(r.records).c_str());
-      }
-    }
-    md += format("| sorted adaptive packer within 5 %% of FFD in microbatch count on Brown | "
-                 "largest ratio %.3f (%s), over every size and formula | %s |\n",
-                 worst, where.c_str(), verdict(worst > 0 && worst <= 1.05).c_str());
-  }
+  return std::string("| >= 100x faster than the reference algorithm at 65,536 Brown records, ") +
+         (ours == "Adaptive" ? "both in record order" : "both sorted (what the reference recommends for variable lengths)") +
+         " | " + detail + " | " + verdict(worst >= 100 && worst < 1e300) + " |\n";
+}
 
-  // Brown, quadratic: every packer and size.
+// Goal: the sorted adaptive packer within 5 % of FFD in microbatch count on Brown.
+std::string ffd_count_goal(const std::vector<PackerRow>& rows) {
+  double worst = 0;
+  std::string where;
+  for (const PackerRow& r : rows) {
+    if (r.packer != "AdaptiveSorted" || r.distribution != "brown" || r.formula == "quadratic-cpu") continue;
+    const double v = r.row->counter("vs_ffd");
+    if (v > worst) {
+      worst = v;
+      where = r.formula + format(", %s records", thousands(r.records).c_str());
+    }
+  }
+  return format("| sorted adaptive packer within 5 %% of FFD in microbatch count on Brown | "
+                "largest ratio %.3f (%s), over every size and formula | %s |\n",
+                worst, where.c_str(), verdict(worst > 0 && worst <= 1.05).c_str());
+}
+
+// Brown lengths, Transformer formula: every packer at every size.
+std::string brown_quadratic_table(const std::vector<PackerRow>& rows) {
+  std::string md;
   md += "\n#### Brown lengths, Transformer formula (`a*bs*l^2 + b*bs*l + c`, budget c + 1 GiB)\n\n";
   md += "| packer | records | time per plan | records/s | ns per record | microbatches | lower bound | "
         "vs bound | vs FFD | utilization mean / min | padding waste |\n"
@@ -133,30 +128,38 @@ Section packers_section(const std::vector<BenchmarkRow>& benchmark_rows) {
                    b.counter("util_min"), b.counter("padding_waste"));
     }
   }
+  return md;
+}
 
-  // All distributions and formulas at 65,536 records.
-  for (const double n : {65536.0, 1048576.0}) {
-    md += format("\n#### Every distribution and formula, %s records: microbatches (x lower bound) "
-                 "and time per plan\n\n", thousands(n).c_str());
-    md += "| lengths | formula |";
-    for (const std::string& p : kPackers) md += " " + p + " |";
-    md += "\n|---|---|";
-    for (std::size_t i = 0; i < kPackers.size(); ++i) md += "---|";
-    md += "\n";
-    for (const std::string& d : {std::string("brown"), std::string("uniform"), std::string("lognormal"),
-                                 std::string("bimodal")}) {
-      for (const std::string& f : formulas) {
-        md += "| " + d + " | " + f + " |";
-        for (const std::string& p : kPackers) {
-          const PackerRow* r = find(rows, p, d, f, n);
-          md += r == nullptr ? " not run |"
-                             : format(" %s (%.2f), %s |", thousands(r->row->counter("microbatches")).c_str(),
-                                      r->row->counter("vs_lower_bound"), duration(r->row->cpu_s).c_str());
-        }
-        md += "\n";
+// Every distribution and formula at `n` records: microbatches (x lower bound), time per plan.
+std::string distributions_table(const std::vector<PackerRow>& rows, double n) {
+  std::string md;
+  md += format("\n#### Every distribution and formula, %s records: microbatches (x lower bound) "
+               "and time per plan\n\n", thousands(n).c_str());
+  md += "| lengths | formula |";
+  for (const std::string& p : kPackers) md += " " + p + " |";
+  md += "\n|---|---|";
+  for (std::size_t i = 0; i < kPackers.size(); ++i) md += "---|";
+  md += "\n";
+  for (const std::string& d : {std::string("brown"), std::string("uniform"), std::string("lognormal"),
+                               std::string("bimodal")}) {
+    for (const std::string& f : kFormulas) {
+      md += "| " + d + " | " + f + " |";
+      for (const std::string& p : kPackers) {
+        const PackerRow* r = find(rows, p, d, f, n);
+        md += r == nullptr ? " not run |"
+                           : format(" %s (%.2f), %s |", thousands(r->row->counter("microbatches")).c_str(),
+                                    r->row->counter("vs_lower_bound"), duration(r->row->cpu_s).c_str());
       }
+      md += "\n";
     }
   }
+  return md;
+}
+
+// Utilization and padding waste of every packer, distribution and formula at 65,536 records.
+std::string utilization_table(const std::vector<PackerRow>& rows) {
+  std::string md;
   md += "\nUtilization (mean predicted bytes / budget) and padding waste (padded / real tokens - 1), "
         "65,536 records:\n\n| lengths | formula |";
   for (const std::string& p : kPackers) md += " " + p + " |";
@@ -165,7 +168,7 @@ Section packers_section(const std::vector<BenchmarkRow>& benchmark_rows) {
   md += "\n";
   for (const std::string& d : {std::string("brown"), std::string("uniform"), std::string("lognormal"),
                                std::string("bimodal")}) {
-    for (const std::string& f : formulas) {
+    for (const std::string& f : kFormulas) {
       md += "| " + d + " | " + f + " |";
       for (const std::string& p : kPackers) {
         const PackerRow* r = find(rows, p, d, f, 65536);
@@ -177,8 +180,12 @@ Section packers_section(const std::vector<BenchmarkRow>& benchmark_rows) {
       md += "\n";
     }
   }
+  return md;
+}
 
-  // The demo's CPU budget.
+// Brown, Transformer formula under the demo's CPU budget, and the reference's time there.
+std::string cpu_budget_table(const std::vector<PackerRow>& rows) {
+  std::string md;
   md += "\n#### Brown, Transformer formula under the demo's CPU budget (88 MB usable, about 60 sentences "
         "per microbatch)\n\n| packer | records | time per plan | microbatches | vs FFD |\n|---|---:|---:|---:|---:|\n";
   for (const std::string& packer : kPackers) {
@@ -189,16 +196,17 @@ Section packers_section(const std::vector<BenchmarkRow>& benchmark_rows) {
                    r.row->counter("vs_ffd"));
     }
   }
-  {
-    const PackerRow* a = find(rows, "AdaptiveSorted", "brown", "quadratic-cpu", 65536);
-    const PackerRow* b = find(rows, "ReferenceSorted", "brown", "quadratic-cpu", 65536);
-    if (a != nullptr && b != nullptr) {
-      md += format("\nAt 65,536 records under this budget the sorted reference takes %.0fx the sorted adaptive "
-                   "packer's time.\n", b->row->cpu_s / a->row->cpu_s);
-    }
+  const PackerRow* a = find(rows, "AdaptiveSorted", "brown", "quadratic-cpu", 65536);
+  const PackerRow* b = find(rows, "ReferenceSorted", "brown", "quadratic-cpu", 65536);
+  if (a != nullptr && b != nullptr) {
+    md += format("\nAt 65,536 records under this budget the sorted reference takes %.0fx the sorted adaptive "
+                 "packer's time.\n", b->row->cpu_s / a->row->cpu_s);
   }
+  return md;
+}
 
-  // Figure: time per plan and per record vs n, Brown, quadratic.
+// Time per plan and per record against the outer batch size, Brown, quadratic, log-log.
+std::string plan_time_figure(const std::vector<PackerRow>& rows) {
   xpm_plan::Figure fig;
   fig.title = "Time per plan vs outer batch size (Brown lengths, Transformer formula)";
   fig.notes = {"log-log: both axes are log10 values; CPU time per pack() call"};
@@ -233,7 +241,29 @@ Section packers_section(const std::vector<BenchmarkRow>& benchmark_rows) {
     bottom.series.push_back(per_record_points);
   }
   top.hlines.push_back({std::log10(0.2), "0.2 s (goal at 1M records)", "#d62728", true});
-  section.figures["bench-plan-time.svg"] = fig.render();
+  return fig.render();
+}
+
+}  // namespace
+
+Section packers_section(const std::vector<BenchmarkRow>& benchmark_rows) {
+  const std::vector<PackerRow> rows = packer_rows(benchmark_rows);
+  Section section;
+  std::string& md = section.markdown;
+  if (rows.empty()) {
+    md = "_No packer results (packer_bench did not run)._\n";
+    return section;
+  }
+  md += "| goal | measured (CPU time per plan) | verdict |\n|---|---|---|\n";
+  md += adaptive_time_goal(rows);
+  md += reference_speed_goal(rows, "AdaptiveSorted", "ReferenceSorted");
+  md += reference_speed_goal(rows, "Adaptive", "Reference");
+  md += ffd_count_goal(rows);
+  md += brown_quadratic_table(rows);
+  for (const double n : {65536.0, 1048576.0}) md += distributions_table(rows, n);
+  md += utilization_table(rows);
+  md += cpu_budget_table(rows);
+  section.figures["bench-plan-time.svg"] = plan_time_figure(rows);
   return section;
 }
 
