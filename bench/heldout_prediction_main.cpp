@@ -56,6 +56,148 @@ std::vector<double> parse_lengths(const std::string& text) {
   return out;
 }
 
+// Probes of a model without gradients or optimizer state allocated (how a probe that ignores
+// optimizer state sees memory): bs 1, 2, 4 at l 64, 128, 180.
+std::vector<xpm::Measurement> naive_probes(const xpm::TaggingJobConfig& config, const xpm::TaggingData& data,
+                                           xpm::CpuMemoryMeter& meter) {
+  std::vector<xpm::Measurement> naive;
+  xpm::TaggingModel fresh = xpm::make_tagging_model(config, data);
+  fresh.module->train();
+  for (double l : {64.0, 128.0, 180.0}) {
+    for (double bs : {1.0, 2.0, 4.0}) {
+      meter.reset_peak();
+      const xpm::TaggingBatch batch = xpm::synthetic_batch(static_cast<std::int64_t>(bs),
+          static_cast<std::int64_t>(l), fresh.vocab_size, fresh.num_tags);
+      xpm::token_cross_entropy_sum(fresh.forward(batch.token_ids, batch.padding_mask),
+                                   batch.tag_ids).backward();
+      naive.push_back({{bs, l}, static_cast<double>(meter.peak_allocated_bytes())});
+    }
+  }
+  return naive;
+}
+
+// What measure() found, printed and written as JSON.
+struct Results {
+  std::vector<Row> rows;
+  double max_error = 0, max_naive_under = 0;
+  std::size_t probes = 0, infeasible_probes = 0;
+  double probe_s = 0;
+  std::int64_t static_bytes = 0, capacity_bytes = 0, usable = 0;
+  double floor_bytes = 0;
+  std::string formula;
+  // The planner's own costs on this model, mean wall time per call.
+  double canonicalize_s = 0, fit_s = 0, predict_s = 0, max_microbatch_size_s = 0;
+  std::size_t fit_measurements = 0;
+};
+
+// For each length, the largest microbatch the model says fits `usable` bytes and half of it,
+// unless probed: a training step measured there against the prediction (and the naive fit's).
+void measure_held_out(const xpm::TaggingJobConfig& config, const std::vector<double>& lengths,
+                      const xpm::MemoryModel& model, const xpm::FitResult& naive_fit,
+                      const std::set<std::pair<double, double>>& probed, xpm::TorchProbeExecutor& executor,
+                      Results& results) {
+  std::vector<Row>& rows = results.rows;
+  for (double l : lengths) {
+    const std::int64_t m = model.max_microbatch_size({1, l}, results.usable, config.outer_batch_size);
+    for (double bs : {static_cast<double>(m), std::max(1.0, std::floor(m / 2.0))}) {
+      if (probed.count({bs, l}) != 0U) continue;
+      if (!rows.empty() && rows.back().bs == bs && rows.back().l == l) continue;
+      const xpm::ProbeResult measured = executor.run_probe({bs, l});
+      Row row{bs, l, measured.step_peak_bytes(), model.predict_bytes({bs, l}), measured.feasible};
+      rows.push_back(row);
+      if (row.feasible) {
+        results.max_error = std::max(results.max_error, std::abs(row.rel_error()));
+        const double naive_prediction = model.formula().predict(naive_fit.coefficients, {bs, l});
+        results.max_naive_under = std::max(results.max_naive_under, (row.measured - naive_prediction) / row.measured);
+      }
+    }
+  }
+}
+
+// The planner's own costs on this model: canonicalize the formula, refit it to the probes it
+// was fitted to (with the infeasible ones as bounds, the same options), predict, size a
+// microbatch. Mean wall time per call.
+void time_planner(const xpm::TaggingJobConfig& config, const xpm::MemoryModel& model,
+                  const xpm::FitOptions& fit_options, Results& results) {
+  const auto seconds_per_call = [](int calls, const auto& fn) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) fn(i);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / calls;
+  };
+  std::vector<xpm::Measurement> fit_measurements;
+  for (const auto& m : model.metadata().at("fit_measurements")) {
+    fit_measurements.push_back({m.at("dims").get<std::vector<double>>(), m.at("bytes").get<double>()});
+  }
+  const std::int64_t usable = results.usable;
+  double sink = 0;
+  results.canonicalize_s = seconds_per_call(200, [&](int) {
+    sink += static_cast<double>(xpm::CostFormula(config.formula, config.coefficients, config.variables)
+                                    .canonical().size());
+  });
+  results.fit_s = seconds_per_call(5, [&](int) {
+    sink += xpm::fit_coefficients(model.formula(), fit_measurements, model.infeasible_probes(),
+                                  fit_options).coefficients[0];
+  });
+  results.predict_s = seconds_per_call(200000, [&](int i) {
+    sink += model.predict_bytes({static_cast<double>(1 + i % 64), static_cast<double>(1 + i % 180)});
+  });
+  results.max_microbatch_size_s = seconds_per_call(20000, [&](int i) {
+    sink += static_cast<double>(model.max_microbatch_size({1, static_cast<double>(1 + i % 180)}, usable,
+                                                          config.outer_batch_size));
+  });
+  results.fit_measurements = fit_measurements.size();
+  if (!std::isfinite(sink)) std::printf("(timing sink not finite)\n");
+}
+
+// The Markdown table of held-out shapes and the summary lines.
+void print_results(const xpm::TaggingJobConfig& config, const Results& r) {
+  std::printf("| bs | l | measured step peak (bytes) | predicted (bytes) | error |\n");
+  std::printf("|---:|---:|---:|---:|---:|\n");
+  for (const Row& row : r.rows) {
+    if (row.feasible) {
+      std::printf("| %.0f | %.0f | %.0f | %.0f | %+.4f %% |\n", row.bs, row.l, row.measured,
+                  row.predicted, 100 * row.rel_error());
+    } else {
+      std::printf("| %.0f | %.0f | out of memory | %.0f | - |\n", row.bs, row.l, row.predicted);
+    }
+  }
+  std::printf("\narchitecture %s, formula %s, floor %.0f bytes, static %lld bytes, cap %lld bytes, "
+              "usable %lld bytes\n",
+              xpm::to_string(config.architecture).c_str(), r.formula.c_str(), r.floor_bytes,
+              static_cast<long long>(r.static_bytes), static_cast<long long>(r.capacity_bytes),
+              static_cast<long long>(r.usable));
+  std::printf("probes: %zu (%zu out of memory, kept as infeasible; %.2f s); held-out shapes: %zu; "
+              "max |relative error|: %.4f %%\n",
+              r.probes, r.infeasible_probes, r.probe_s, r.rows.size(), 100 * r.max_error);
+  std::printf("naive probes (no gradients, no optimizer state): under-predict by up to %.1f %%\n",
+              100 * r.max_naive_under);
+}
+
+nlohmann::json results_json(const xpm::TaggingJobConfig& config, const Results& r) {
+  nlohmann::json rows_json = nlohmann::json::array();
+  for (const Row& row : r.rows) {
+    rows_json.push_back({{"bs", row.bs}, {"l", row.l}, {"feasible", row.feasible},
+                         {"measured_step_peak_bytes", row.measured},
+                         {"predicted_bytes", row.predicted}});
+  }
+  return {{"architecture", xpm::to_string(config.architecture)},
+          {"rows", rows_json},
+          {"max_abs_rel_error", r.max_error},
+          {"naive_max_underprediction", r.max_naive_under},
+          {"probes", r.probes},
+          {"infeasible_probes", r.infeasible_probes},
+          {"probe_s", r.probe_s},
+          {"static_bytes", r.static_bytes},
+          {"capacity_bytes", r.capacity_bytes},
+          {"usable_bytes", r.usable},
+          {"formula", r.formula},
+          {"timing", {{"canonicalize_s", r.canonicalize_s},
+                      {"fit_s", r.fit_s},
+                      {"fit_measurements", r.fit_measurements},
+                      {"predict_s", r.predict_s},
+                      {"max_microbatch_size_s", r.max_microbatch_size_s}}}};
+}
+
 // Probes, fits, measures the held-out shapes and prints (and writes) the results.
 int measure(const xpm::TaggingJobConfig& config, const std::vector<double>& lengths,
             const std::string& json_path) {
@@ -66,140 +208,39 @@ int measure(const xpm::TaggingJobConfig& config, const std::vector<double>& leng
   const xpm::TaggingData data = xpm::load_tagging_data(config);
   xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
   meter.set_capacity_bytes(0);
+  const std::vector<xpm::Measurement> naive = naive_probes(config, data, meter);  // first
 
-  // Naive probes first: a model without gradients or optimizer state allocated.
-  std::vector<xpm::Measurement> naive;
-  {
-    xpm::TaggingModel fresh = xpm::make_tagging_model(config, data);
-    fresh.module->train();
-    for (double l : {64.0, 128.0, 180.0}) {
-      for (double bs : {1.0, 2.0, 4.0}) {
-        meter.reset_peak();
-        const xpm::TaggingBatch batch = xpm::synthetic_batch(static_cast<std::int64_t>(bs),
-            static_cast<std::int64_t>(l), fresh.vocab_size, fresh.num_tags);
-        xpm::token_cross_entropy_sum(fresh.forward(batch.token_ids, batch.padding_mask),
-                                     batch.tag_ids).backward();
-        naive.push_back({{bs, l}, static_cast<double>(meter.peak_allocated_bytes())});
-      }
-    }
-  }
-
+  Results results;
   xpm::TaggingModelSetup setup(config, data);
-  const std::int64_t static_bytes = meter.current_allocated_bytes();
-  const auto capacity_bytes = static_cast<std::int64_t>(config.memory_cap_factor * static_bytes);
-  meter.set_capacity_bytes(capacity_bytes);
+  results.static_bytes = meter.current_allocated_bytes();
+  results.capacity_bytes = static_cast<std::int64_t>(config.memory_cap_factor * results.static_bytes);
+  meter.set_capacity_bytes(results.capacity_bytes);
   xpm::PredictiveBatcherOptions batcher_options;
   batcher_options.formula = xpm::CostFormula(config.formula, config.coefficients, config.variables);
   batcher_options.aggregation = {{"l", xpm::DimAggregation::kMax}};
   batcher_options.variable_max = {{"bs", static_cast<double>(config.outer_batch_size)},
                                   {"l", static_cast<double>(data.max_length)}};
-  batcher_options.budget = {capacity_bytes, config.memory_fraction, config.extra_overhead_bytes};
+  batcher_options.budget = {results.capacity_bytes, config.memory_fraction, config.extra_overhead_bytes};
   xpm::PredictiveBatcher batcher(batcher_options, std::make_shared<xpm::AdaptivePacker>());
   xpm::TorchProbeExecutor executor(setup.probe_steps(), meter);
   const auto probe_start = std::chrono::steady_clock::now();
   const xpm::MemoryModel model = batcher.probe_and_fit(executor);
-  const double probe_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - probe_start).count();
+  results.probe_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - probe_start).count();
   const xpm::FitResult naive_fit = xpm::fit_coefficients(model.formula(), naive);
 
   std::set<std::pair<double, double>> probed;
-  std::size_t infeasible_probes = 0;
   for (const auto& probe : batcher.probes()) {
     probed.insert({probe.dims[0], probe.dims[1]});
-    infeasible_probes += probe.feasible ? 0 : 1;
+    results.infeasible_probes += probe.feasible ? 0 : 1;
   }
-  const std::int64_t usable = batcher_options.budget.usable_bytes();
-  std::vector<Row> rows;
-  double max_error = 0, max_naive_under = 0;
-  for (double l : lengths) {
-    const std::int64_t m = model.max_microbatch_size({1, l}, usable, config.outer_batch_size);
-    for (double bs : {static_cast<double>(m), std::max(1.0, std::floor(m / 2.0))}) {
-      if (probed.count({bs, l}) != 0U) continue;
-      if (!rows.empty() && rows.back().bs == bs && rows.back().l == l) continue;
-      const xpm::ProbeResult measured = executor.run_probe({bs, l});
-      Row row{bs, l, measured.step_peak_bytes(), model.predict_bytes({bs, l}), measured.feasible};
-      rows.push_back(row);
-      if (row.feasible) {
-        max_error = std::max(max_error, std::abs(row.rel_error()));
-        const double naive_prediction = model.formula().predict(naive_fit.coefficients, {bs, l});
-        max_naive_under = std::max(max_naive_under, (row.measured - naive_prediction) / row.measured);
-      }
-    }
-  }
-
-  // The planner's own costs on this model: canonicalize the formula, refit it to the probes it
-  // was fitted to (with the infeasible ones as bounds, the same options), predict, size a
-  // microbatch. Mean wall time per call.
-  const auto seconds_per_call = [](int calls, const auto& fn) {
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < calls; ++i) fn(i);
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / calls;
-  };
-  std::vector<xpm::Measurement> fit_measurements;
-  for (const auto& m : model.metadata().at("fit_measurements")) {
-    fit_measurements.push_back({m.at("dims").get<std::vector<double>>(), m.at("bytes").get<double>()});
-  }
-  double sink = 0;
-  const double canonicalize_s = seconds_per_call(200, [&](int) {
-    sink += static_cast<double>(xpm::CostFormula(config.formula, config.coefficients, config.variables)
-                                    .canonical().size());
-  });
-  const double fit_s = seconds_per_call(5, [&](int) {
-    sink += xpm::fit_coefficients(model.formula(), fit_measurements, model.infeasible_probes(),
-                                  batcher_options.fit).coefficients[0];
-  });
-  const double predict_s = seconds_per_call(200000, [&](int i) {
-    sink += model.predict_bytes({static_cast<double>(1 + i % 64), static_cast<double>(1 + i % 180)});
-  });
-  const double max_microbatch_size_s = seconds_per_call(20000, [&](int i) {
-    sink += static_cast<double>(model.max_microbatch_size({1, static_cast<double>(1 + i % 180)}, usable,
-                                                          config.outer_batch_size));
-  });
-  if (!std::isfinite(sink)) std::printf("(timing sink not finite)\n");
-
-  std::printf("| bs | l | measured step peak (bytes) | predicted (bytes) | error |\n");
-  std::printf("|---:|---:|---:|---:|---:|\n");
-  nlohmann::json rows_json = nlohmann::json::array();
-  for (const Row& row : rows) {
-    if (row.feasible) {
-      std::printf("| %.0f | %.0f | %.0f | %.0f | %+.4f %% |\n", row.bs, row.l, row.measured,
-                  row.predicted, 100 * row.rel_error());
-    } else {
-      std::printf("| %.0f | %.0f | out of memory | %.0f | - |\n", row.bs, row.l, row.predicted);
-    }
-    rows_json.push_back({{"bs", row.bs}, {"l", row.l}, {"feasible", row.feasible},
-                         {"measured_step_peak_bytes", row.measured},
-                         {"predicted_bytes", row.predicted}});
-  }
-  std::printf("\narchitecture %s, formula %s, floor %.0f bytes, static %lld bytes, cap %lld bytes, "
-              "usable %lld bytes\n",
-              xpm::to_string(config.architecture).c_str(), model.formula().canonical().c_str(), model.floor_bytes(),
-              static_cast<long long>(static_bytes), static_cast<long long>(capacity_bytes),
-              static_cast<long long>(usable));
-  std::printf("probes: %zu (%zu out of memory, kept as infeasible; %.2f s); held-out shapes: %zu; "
-              "max |relative error|: %.4f %%\n",
-              batcher.probes().size(), infeasible_probes, probe_s, rows.size(), 100 * max_error);
-  std::printf("naive probes (no gradients, no optimizer state): under-predict by up to %.1f %%\n",
-              100 * max_naive_under);
-  if (!json_path.empty()) {
-    const nlohmann::json out = {{"architecture", xpm::to_string(config.architecture)},
-                                {"rows", rows_json},
-                                {"max_abs_rel_error", max_error},
-                                {"naive_max_underprediction", max_naive_under},
-                                {"probes", batcher.probes().size()},
-                                {"infeasible_probes", infeasible_probes},
-                                {"probe_s", probe_s},
-                                {"static_bytes", static_bytes},
-                                {"capacity_bytes", capacity_bytes},
-                                {"usable_bytes", usable},
-                                {"formula", model.formula().canonical()},
-                                {"timing", {{"canonicalize_s", canonicalize_s},
-                                            {"fit_s", fit_s},
-                                            {"fit_measurements", fit_measurements.size()},
-                                            {"predict_s", predict_s},
-                                            {"max_microbatch_size_s", max_microbatch_size_s}}}};
-    xpm::write_file_atomically(json_path, out.dump(2) + "\n");
-  }
+  results.probes = batcher.probes().size();
+  results.usable = batcher_options.budget.usable_bytes();
+  results.formula = model.formula().canonical();
+  results.floor_bytes = model.floor_bytes();
+  measure_held_out(config, lengths, model, naive_fit, probed, executor, results);
+  time_planner(config, model, batcher_options.fit, results);
+  print_results(config, results);
+  if (!json_path.empty()) xpm::write_file_atomically(json_path, results_json(config, results).dump(2) + "\n");
   return 0;
 }
 
