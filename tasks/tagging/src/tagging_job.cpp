@@ -331,6 +331,27 @@ void log_static_memory(const TaggingJobConfig& config, const DistributedContext&
   }
 }
 
+// The fitted model's facts for the summary, and its line in the log.
+void note_memory_model(const PredictiveBatcher& batcher, const PredictiveBatcherOptions& options, JobFacts& facts,
+                       const std::function<void(const std::string&)>& log) {
+  facts.initial_fit_max_rel_error =
+      batcher.model().metadata().value("fit", nlohmann::json::object()).value("max_rel_error", 0.0);
+  facts.usable_bytes = options.budget.usable_bytes();
+  facts.canonical_formula = batcher.model().formula().canonical();
+  log("xpm-train: memory model " + facts.canonical_formula + ", floor " +
+      std::to_string(static_cast<std::int64_t>(batcher.model().floor_bytes())) + " bytes");
+}
+
+// The finished run's validation line, against the most-frequent-tag baseline.
+void log_final_validation(const LearnerOutcome& outcome, double baseline_accuracy,
+                          const std::function<void(const std::string&)>& log) {
+  char text[256];
+  std::snprintf(text, sizeof text, "validation: token accuracy %.4f (most-frequent-tag baseline %.4f) on %lld tokens",
+                validation_metric(outcome, "token_accuracy"), baseline_accuracy,
+                static_cast<long long>(validation_metric(outcome, "tokens")));
+  log(text);
+}
+
 }  // namespace
 
 nlohmann::json run_tagging_job(const TaggingJobConfig& config) {
@@ -416,14 +437,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   // Per-rank dropout streams after the Learner broadcasts rank 0's parameters; world size 1
   // keeps the single-process seed. A resumed run restores its checkpoint's generator states.
   torch::manual_seed(config.seed + static_cast<std::uint64_t>(dist.rank()));  // same whether probed or cached
-  if (predictive) {
-    facts.initial_fit_max_rel_error =
-        batcher.model().metadata().value("fit", nlohmann::json::object()).value("max_rel_error", 0.0);
-    facts.usable_bytes = batcher_options.budget.usable_bytes();
-    facts.canonical_formula = batcher.model().formula().canonical();
-    log("xpm-train: memory model " + facts.canonical_formula + ", floor " +
-        std::to_string(static_cast<std::int64_t>(batcher.model().floor_bytes())) + " bytes");
-  }
+  if (predictive) note_memory_model(batcher, batcher_options, facts, log);
   if (main_rank) {
     if (predictive) batcher.model().save(config.run_dir + "/memory_model.json");
     write_file_atomically(config.run_dir + "/config.json", config.to_json().dump(2) + "\n");
@@ -445,14 +459,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   parts.resume_from = resume_from;
   Learner learner(task, optimizer, tagging_learner_options(config, log), std::move(parts));
   const LearnerOutcome outcome = learner.run();
-  if (outcome.finished) {
-    char text[256];
-    std::snprintf(text, sizeof text,
-                  "validation: token accuracy %.4f (most-frequent-tag baseline %.4f) on %lld tokens",
-                  validation_metric(outcome, "token_accuracy"), facts.baseline_accuracy,
-                  static_cast<long long>(validation_metric(outcome, "tokens")));
-    log(text);
-  }
+  if (outcome.finished) log_final_validation(outcome, facts.baseline_accuracy, log);
   facts.microbatch_size = fixed_engine ? fixed_engine->microbatch_size() : 0;
   facts.restart_count = extensions.restart_count;
   facts.total_s = seconds_since(job_start);
