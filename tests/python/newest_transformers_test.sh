@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The HF Trainer integration against the newest transformers release as well as the pinned one:
-# PlannedTrainerMixin relies on private Trainer methods (docs/python.md), which transformers may
+# PlannedTrainerMixin relies on private Trainer methods (docs/integrations/hf-trainer.md), which transformers may
 # change in any release. A fresh virtual environment sees the installed xpm and the project's
 # packages (torch, accelerate, trl, ...) through a .pth file, and holds the release named in
 # python/requirements-newest-transformers.txt itself; test_hf_trainer.py then runs there.
