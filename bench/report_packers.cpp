@@ -1,6 +1,7 @@
 // report_packers.cpp — the packers section of docs/benchmarks.md (see report_sections.hpp).
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <utility>
 #include <set>
 
@@ -131,12 +132,11 @@ std::string brown_quadratic_table(const std::vector<PackerRow>& rows) {
   return md;
 }
 
-// Every distribution and formula at `n` records: microbatches (x lower bound), time per plan.
-std::string distributions_table(const std::vector<PackerRow>& rows, double n) {
-  std::string md;
-  md += format("\n#### Every distribution and formula, %s records: microbatches (x lower bound) "
-               "and time per plan\n\n", thousands(n).c_str());
-  md += "| lengths | formula |";
+// A packer-by-column table's rows, one per distribution and formula: each cell what `cell`
+// makes of that packer's benchmark row at `n` records (null: not run) and the formula.
+std::string packer_grid(const std::vector<PackerRow>& rows, double n,
+                        const std::function<std::string(const PackerRow*, const std::string&)>& cell) {
+  std::string md = "| lengths | formula |";
   for (const std::string& p : kPackers) md += " " + p + " |";
   md += "\n|---|---|";
   for (std::size_t i = 0; i < kPackers.size(); ++i) md += "---|";
@@ -145,42 +145,34 @@ std::string distributions_table(const std::vector<PackerRow>& rows, double n) {
                                std::string("bimodal")}) {
     for (const std::string& f : kFormulas) {
       md += "| " + d + " | " + f + " |";
-      for (const std::string& p : kPackers) {
-        const PackerRow* r = find(rows, p, d, f, n);
-        md += r == nullptr ? " not run |"
-                           : format(" %s (%.2f), %s |", thousands(r->row->counter("microbatches")).c_str(),
-                                    r->row->counter("vs_lower_bound"), duration(r->row->cpu_s).c_str());
-      }
+      for (const std::string& p : kPackers) md += cell(find(rows, p, d, f, n), f);
       md += "\n";
     }
   }
   return md;
 }
 
+// Every distribution and formula at `n` records: microbatches (x lower bound), time per plan.
+std::string distributions_table(const std::vector<PackerRow>& rows, double n) {
+  return format("\n#### Every distribution and formula, %s records: microbatches (x lower bound) "
+                "and time per plan\n\n", thousands(n).c_str()) +
+         packer_grid(rows, n, [](const PackerRow* r, const std::string&) {
+           return r == nullptr ? std::string(" not run |")
+                               : format(" %s (%.2f), %s |", thousands(r->row->counter("microbatches")).c_str(),
+                                        r->row->counter("vs_lower_bound"), duration(r->row->cpu_s).c_str());
+         });
+}
+
 // Utilization and padding waste of every packer, distribution and formula at 65,536 records.
 std::string utilization_table(const std::vector<PackerRow>& rows) {
-  std::string md;
-  md += "\nUtilization (mean predicted bytes / budget) and padding waste (padded / real tokens - 1), "
-        "65,536 records:\n\n| lengths | formula |";
-  for (const std::string& p : kPackers) md += " " + p + " |";
-  md += "\n|---|---|";
-  for (std::size_t i = 0; i < kPackers.size(); ++i) md += "---|";
-  md += "\n";
-  for (const std::string& d : {std::string("brown"), std::string("uniform"), std::string("lognormal"),
-                               std::string("bimodal")}) {
-    for (const std::string& f : kFormulas) {
-      md += "| " + d + " | " + f + " |";
-      for (const std::string& p : kPackers) {
-        const PackerRow* r = find(rows, p, d, f, 65536);
-        md += r == nullptr ? " - |"
-                           : (f == "packed" ? format(" %.3f |", r->row->counter("util_mean"))
-                                            : format(" %.3f / %.3f |", r->row->counter("util_mean"),
-                                                     r->row->counter("padding_waste")));
-      }
-      md += "\n";
-    }
-  }
-  return md;
+  return "\nUtilization (mean predicted bytes / budget) and padding waste (padded / real tokens - 1), "
+         "65,536 records:\n\n" +
+         packer_grid(rows, 65536, [](const PackerRow* r, const std::string& f) {
+           if (r == nullptr) return std::string(" - |");
+           return f == "packed" ? format(" %.3f |", r->row->counter("util_mean"))
+                                : format(" %.3f / %.3f |", r->row->counter("util_mean"),
+                                         r->row->counter("padding_waste"));
+         });
 }
 
 // Brown, Transformer formula under the demo's CPU budget, and the reference's time there.
