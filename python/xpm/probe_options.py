@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -27,54 +28,54 @@ class ProbeOptions:
     """How ``xpm.probe`` designs, runs and judges its probes; every field has a default.
 
     Attributes:
-    budget: default the meter's capacity, 90 %.
-    variable_max: the automatic design's upper end of every variable (with ``record_dims``,
-        of the batch size only: the records set the others).
-    probe_points: explicit probe shapes instead of the automatic design (no adaptive one).
-    record_dims: records like the training data's (dims per record in variable order,
-        batch-size column 1; e.g. ``record_dims_from_lengths`` of a few thousand drawn from
-        the dataset). The design then probes mixes of them, near-equal ones (as a sorting
-        packer makes) and spread ones (as an unsorted batch is), at every fraction of
-        ``design_fractions`` of them: needed for a ``"sum"`` variable (real tokens) beside
-        the padded length it moves with, which equal records cannot tell apart.
-    variables: the formula's variables with ``formula="auto"`` (needed with
-        ``record_dims``, whose ``variable_max`` names the batch size only).
-    design_fractions: the automatic design's fractions of each variable's max.
-    batch_size_variable: the variable that counts records.
-    aggregation: per variable other than the batch size, how a microbatch's records combine
-        (``xpm.RecordAggregation``): "max" (padded, the default) or "sum" (real tokens).
-    usable_max_rel_error: the largest fit error and held-out (leave-one-shape-out) error
-        that keep the fit usable (5 %).
-    adaptive_max_probes: the adaptive design's budget of probes (0: no adaptive design).
-        After the initial design it probes where the fit and its held-out refits (and, with
-        "auto", the other formulas that explain the probes) disagree most, until they agree
-        within ``adaptive_tolerance``.
-    adaptive_max_s: the adaptive design's budget of time, seconds (default 120; refused with
-        ``lockstep``, where each rank's clock would stop it at a different probe).
-    adaptive_tolerance: the relative disagreement the adaptive design stops at (1 %).
-    device: where the model is probed (``xpm.DeviceKind``, ``"cuda:N"`` or a
-        ``torch.device``). None (the default): wherever ``meter`` measures. ``"cpu"``: needs
-        ``meter`` a ``CpuMeter`` (it cannot be made here: it must be installed before the
-        model is built). ``"cuda"`` or ``"cuda:N"``: ``meter`` a ``CudaMeter`` of that device,
-        or None to have one made. The model's parameters must be on that device.
-    lockstep: probe on every rank of ``process_group`` at once (an FSDP2 model, whose
-        forward and backward are collectives; ``xpm.lockstep``): every rank calls ``probe``
-        with the same arguments, runs the same probes in the same order, and each probe's
-        peaks are the maximum over ranks, its out of memory the union, in one all-reduce;
-        every rank returns the same model. An FSDP2 model is probed as its microbatches
-        accumulate (``set_requires_gradient_sync(False)``, its unsharded gradient held),
-        the state of every microbatch of a step but the first. False (the default): this
-        process alone (rank 0 of a data-parallel job, before wrapping the model).
-    process_group: the ranks of ``lockstep`` (None: torch.distributed's default group).
-    measure_phases: also measure every probe's forward and backward with the gradients set
-        to None first (one more forward and backward per probe) and fit the
-        "without_gradients" phase (``xpm.GradientPhase``): a step's first microbatch after
-        ``zero_grad(set_to_none=True)`` peaks lower, by up to the gradients' bytes, and the
-        sampler predicts it apart (``model.phases``; the phase's fit in
-        ``model.phase_report``). Kept only when that fit is within
-        ``usable_max_rel_error``. An FSDP2 model in lockstep is measured in that phase
-        without the unsharded gradient its accumulation holds too (released first by a
-        synchronised backward of the probe's batch: two more backwards per probe).
+        budget: default the meter's capacity, 90 %.
+        variable_max: the automatic design's upper end of every variable (with ``record_dims``,
+            of the batch size only: the records set the others).
+        probe_points: explicit probe shapes instead of the automatic design (no adaptive one).
+        record_dims: records like the training data's (dims per record in variable order,
+            batch-size column 1; e.g. ``record_dims_from_lengths`` of a few thousand drawn from
+            the dataset). The design then probes mixes of them, near-equal ones (as a sorting
+            packer makes) and spread ones (as an unsorted batch is), at every fraction of
+            ``design_fractions`` of them: needed for a ``"sum"`` variable (real tokens) beside
+            the padded length it moves with, which equal records cannot tell apart.
+        variables: the formula's variables with ``formula="auto"`` (needed with
+            ``record_dims``, whose ``variable_max`` names the batch size only).
+        design_fractions: the automatic design's fractions of each variable's max.
+        batch_size_variable: the variable that counts records.
+        aggregation: per variable other than the batch size, how a microbatch's records combine
+            (``xpm.RecordAggregation``): "max" (padded, the default) or "sum" (real tokens).
+        usable_max_rel_error: the largest fit error and held-out (leave-one-shape-out) error
+            that keep the fit usable (5 %).
+        adaptive_max_probes: the adaptive design's budget of probes (0: no adaptive design).
+            After the initial design it probes where the fit and its held-out refits (and, with
+            "auto", the other formulas that explain the probes) disagree most, until they agree
+            within ``adaptive_tolerance``.
+        adaptive_max_s: the adaptive design's budget of time, seconds (None: 120; refused with
+            ``lockstep``, where each rank's clock would stop it at a different probe).
+        adaptive_tolerance: the relative disagreement the adaptive design stops at (1 %).
+        device: where the model is probed (``xpm.DeviceKind``, ``"cuda:N"`` or a
+            ``torch.device``). None (the default): wherever ``meter`` measures. ``"cpu"``: needs
+            ``meter`` a ``CpuMeter`` (it cannot be made here: it must be installed before the
+            model is built). ``"cuda"`` or ``"cuda:N"``: ``meter`` a ``CudaMeter`` of that device,
+            or None to have one made. The model's parameters must be on that device.
+        lockstep: probe on every rank of ``process_group`` at once (an FSDP2 model, whose
+            forward and backward are collectives; ``xpm.lockstep``): every rank calls ``probe``
+            with the same arguments, runs the same probes in the same order, and each probe's
+            peaks are the maximum over ranks, its out of memory the union, in one all-reduce;
+            every rank returns the same model. An FSDP2 model is probed as its microbatches
+            accumulate (``set_requires_gradient_sync(False)``, its unsharded gradient held),
+            the state of every microbatch of a step but the first. False (the default): this
+            process alone (rank 0 of a data-parallel job, before wrapping the model).
+        process_group: the ranks of ``lockstep`` (None: torch.distributed's default group).
+        measure_phases: also measure every probe's forward and backward with the gradients set
+            to None first (one more forward and backward per probe) and fit the
+            "without_gradients" phase (``xpm.GradientPhase``): a step's first microbatch after
+            ``zero_grad(set_to_none=True)`` peaks lower, by up to the gradients' bytes, and the
+            sampler predicts it apart (``model.phases``; the phase's fit in
+            ``model.phase_report``). Kept only when that fit is within
+            ``usable_max_rel_error``. An FSDP2 model in lockstep is measured in that phase
+            without the unsharded gradient its accumulation holds too (released first by a
+            synchronised backward of the probe's batch: two more backwards per probe).
     """
 
     budget: Optional[MemoryBudget] = None
@@ -248,6 +249,7 @@ def _probe_setup(model: torch.nn.Module, meter: Optional[Meter], formula: Union[
     """``probe``'s checks and the planner's arguments: (meter, formula, budget, args). One-line
     ValueErrors before anything is run."""
     o = options
+    _check_option_types(o)
     meter = _probe_meter(model, meter, o.device)
     automatic = isinstance(formula, str)
     formula = _resolved_formula(formula, o)
@@ -268,6 +270,47 @@ def _probe_setup(model: torch.nn.Module, meter: Optional[Meter], formula: Union[
         raise ValueError(f"probe: {len(o.probe_points)} probe point(s) for {len(formula.coefficient_names)} "
                          f"coefficients ({', '.join(formula.coefficient_names)}); give at least one per coefficient")
     return meter, formula, budget, _planner_arguments(o, record_dims, automatic)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _check_option_types(o: ProbeOptions) -> None:
+    """One-line ValueErrors naming the option for a value of the wrong kind (a number where a
+    mapping of them is due, an int where a MemoryBudget is), before anything is allocated."""
+    def refuse(name: str, what: str, value: Any) -> None:
+        raise ValueError(f"probe: {name} must be {what}, got {value!r}")
+
+    if o.budget is not None and not isinstance(o.budget, _planner.MemoryBudget):
+        refuse("budget", "an xpm.MemoryBudget (xpm.MemoryBudget(capacity_bytes) for a capacity)", o.budget)
+    if o.variable_max is not None and not (isinstance(o.variable_max, Mapping) and
+                                           all(isinstance(k, str) and _is_number(v) for k, v in o.variable_max.items())):
+        refuse("variable_max", "a dict {variable: number}", o.variable_max)
+    if o.probe_points is not None and (isinstance(o.probe_points, (str, Mapping)) or not all(
+            isinstance(p, Mapping) and all(isinstance(k, str) and _is_number(v) for k, v in p.items())
+            for p in o.probe_points)):
+        refuse("probe_points", "a list of dicts {variable: number}", o.probe_points)
+    if isinstance(o.design_fractions, (str, Mapping)) or not all(_is_number(f) for f in _iterable(o.design_fractions)):
+        refuse("design_fractions", "a sequence of numbers in (0, 1]", o.design_fractions)
+    for name in ("usable_max_rel_error", "adaptive_tolerance"):
+        if not _is_number(getattr(o, name)):
+            refuse(name, "a number", getattr(o, name))
+    if not isinstance(o.adaptive_max_probes, (int, np.integer)) or isinstance(o.adaptive_max_probes, bool):
+        refuse("adaptive_max_probes", "a whole number", o.adaptive_max_probes)
+    if o.adaptive_max_s is not None and not _is_number(o.adaptive_max_s):
+        refuse("adaptive_max_s", "a number of seconds or None", o.adaptive_max_s)
+    if not isinstance(o.batch_size_variable, str):
+        refuse("batch_size_variable", "a variable's name", o.batch_size_variable)
+
+
+def _iterable(value: Any) -> Any:
+    """``value`` when it can be iterated, else a list that fails the check it is used in."""
+    try:
+        iter(value)
+    except TypeError:
+        return [None]
+    return value
 
 
 def _resolved_formula(formula: Union[CostFormula, str], o: ProbeOptions) -> CostFormula:

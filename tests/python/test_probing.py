@@ -429,6 +429,27 @@ def test_probe_options_given_both_ways_or_misnamed_are_refused_in_one_line():
     assert calls == [] and len(optimizer.state) == 0
 
 
+@pytest.mark.parametrize("option,value,expected", [
+    ("budget", 150_000_000, "probe: budget must be an xpm.MemoryBudget (xpm.MemoryBudget(capacity_bytes) for a "
+                            "capacity), got 150000000"),
+    ("variable_max", 5, "probe: variable_max must be a dict {variable: number}, got 5"),
+    ("variable_max", {"bs": None, "l": 48}, "probe: variable_max must be a dict {variable: number}, got {'bs': None, "
+                                           "'l': 48}"),
+    ("design_fractions", 0.5, "probe: design_fractions must be a sequence of numbers in (0, 1], got 0.5"),
+    ("probe_points", [{"bs": "x", "l": 8}], "probe: probe_points must be a list of dicts {variable: number}, got "
+                                            "[{'bs': 'x', 'l': 8}]"),
+    ("adaptive_max_probes", 2.5, "probe: adaptive_max_probes must be a whole number, got 2.5"),
+])
+def test_an_option_of_the_wrong_kind_is_refused_in_one_line_before_anything_is_allocated(option, value, expected):
+    model = CharGru()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    options = {"variable_max": {"bs": 16, "l": 48}, option: value}
+    with pytest.raises(ValueError) as caught:
+        xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)), FORMULA, meter=METER, **options)
+    assert str(caught.value) == expected
+    assert all(p.grad is None for p in model.parameters()) and len(optimizer.state) == 0
+
+
 class DelegatingMeter:
     """A meter of the user's own: METER's figures, counting its resets (duck-typed; without
     ``device=`` probe takes it as it always did)."""
