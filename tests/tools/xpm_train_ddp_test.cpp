@@ -6,6 +6,7 @@
 #include "torch_doctest.hpp"
 #include "tools/xpm_train_runs.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -166,4 +167,28 @@ TEST_CASE("DDP: world 3 splits every global batch among three ranks") {
     for (std::int64_t count : records) CHECK(count > 0);
     CHECK(line.at("oom") == false);
   }
+}
+
+TEST_CASE("DDP: from the third step no microbatch is under-predicted by 1 % nor over-predicted by 3 %") {
+  // kCommon's cap splits each rank's share into microbatches of different shapes; every rank's
+  // microbatch peaks are all-reduced, so each step line lists both ranks' microbatches.
+  const std::string run_dir = kWork + "/microbatch_errors";
+  const Run run = run_train(kCommon + "--max-steps 8 --outer-batch-size 256 --nproc 2 --run-dir '" + run_dir + "' -q");
+  REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  double worst_under = 1, worst_over = -1;  // the first microbatch sets both
+  std::size_t checked = 0;
+  for (const nlohmann::json& line : read_step_metrics(run_dir)) {
+    CHECK(line.at("oom") == false);
+    if (line.at("step").get<std::int64_t>() < 3) continue;
+    for (double error : line.at("microbatch_rel_errors").get<std::vector<double>>()) {
+      worst_under = std::min(worst_under, error);
+      worst_over = std::max(worst_over, error);
+      ++checked;
+    }
+  }
+  MESSAGE("microbatches from step 3: " << checked << ", (predicted - measured) / measured from "
+                                       << 100 * worst_under << " % to " << 100 * worst_over << " %");
+  CHECK(checked >= 12);
+  CHECK(worst_under >= -0.01);
+  CHECK(worst_over <= 0.03);
 }

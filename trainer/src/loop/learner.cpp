@@ -67,6 +67,21 @@ nlohmann::json metric_json(double value) {
   return value;
 }
 
+// Every rank's microbatches (the peaks are all-reduced) whose prediction is the formula's or whose
+// peak passed the floor, (predicted - measured) / measured each: positive is over-predicted,
+// negative under-predicted (the sign of the fit's own errors). A microbatch predicted at the
+// floor and measured under it is left out: the step's peak there is the optimizer step's.
+nlohmann::json microbatch_rel_errors(const GlobalStepResult& result, const MemoryModel& model) {
+  nlohmann::json errors = nlohmann::json::array();
+  for (const MicrobatchPeak& peak : result.microbatch_peaks) {
+    const double floor_bytes = model.floor_bytes_at(peak.dims);
+    const double measured = peak.forward_backward_peak_bytes;
+    if (measured <= 0 || (peak.predicted_bytes <= floor_bytes && measured <= floor_bytes)) continue;
+    errors.push_back((peak.predicted_bytes - measured) / measured);
+  }
+  return errors;
+}
+
 }  // namespace
 
 std::string to_string(OptimizerCheckpointLayout layout) { return enum_name(kLayoutNames, layout); }
@@ -275,6 +290,7 @@ nlohmann::json Learner::Impl::step_line(const GlobalStepResult& result, double l
                          {"microbatches_per_rank", result.microbatches_per_rank},
                          {"rank_imbalance", result.imbalance},
                          {"oom_ranks", result.oom_ranks}};
+  if (predictive() && !result.oom) line["microbatch_rel_errors"] = microbatch_rel_errors(result, batcher->model());
   if (result.gradient_norm >= 0) line["grad_norm"] = result.gradient_norm;  // ShardedAdamW's clipping
   if (loss_scaler) {
     line["loss_scale"] = result.loss_scale;
