@@ -7,7 +7,7 @@ every rank. ``docs/python.md`` has the guide.
 - ``CostFormula``, ``fit``, ``MemoryModel``, ``MemoryBudget``, ``plan`` (the planner core;
   it imports without torch, and the names below import torch on first use);
 - ``probe`` and its ``ProbeOptions``, ``CpuMeter``, ``CudaMeter`` (the CPU meter's extension loads on first
-  ``CpuMeter.install()``);
+  ``CpuMeter.install()``), ``OutsideProbes`` (what training allocates that the probes did not measure);
 - ``PredictiveBatchSampler``, ``microbatch_loop`` (a ``torch.utils.data`` batch sampler),
   ``check_unplanned_memory`` (memory allocated after probing), ``Calibration`` and ``Correction`` (predictions
   corrected by the peaks training measures, the same on every rank);
@@ -18,7 +18,7 @@ every rank. ``docs/python.md`` has the guide.
   ``RecordAggregation`` (``probe``'s), ``GradientPhase`` (``MemoryModel.predict``'s ``phase``:
   a step's first microbatch after ``zero_grad(set_to_none=True)`` runs without gradients),
   ``DeviceKind`` (``probe``'s ``device``), ``AdaptiveStop``
-  (``AdaptiveReport.stop``); ``Meter``, the meters ``probe`` takes;
+  (``AdaptiveReport.stop``), ``OutsideProbesKind``; ``Meter``, the meters ``probe`` takes;
 - ``__version__``, the version of this copy (the same as the installed distribution's).
 """
 from typing import TYPE_CHECKING, Any, List
@@ -35,6 +35,7 @@ _TORCH_SIDE = {
     "meters": ["CpuMeter", "CudaMeter", "DeviceKind", "Meter"],
     "adapters": ["StepDataset", "accumulate"],
     "lockstep": ["stop_together"],
+    "outside_probes": ["OutsideProbes", "OutsideProbesKind"],
     "calibration": ["Calibration", "Correction"],
     "sampler": ["Microbatch", "PredictiveBatchSampler", "Step", "check_unplanned_memory", "microbatch_loop"],
 }
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see at once
     from .calibration import Calibration, Correction
     from .lockstep import stop_together
     from .meters import CpuMeter, CudaMeter, DeviceKind, Meter
+    from .outside_probes import OutsideProbes, OutsideProbesKind
     from .probe_options import ProbeOptions
     from .probing import AdaptiveReport, AdaptiveStop, ProbeOutcome, probe
     from .sampler import Microbatch, PredictiveBatchSampler, Step, check_unplanned_memory, microbatch_loop
@@ -77,6 +79,7 @@ def __dir__() -> List[str]:
 __all__ = ["__version__", "PACKERS", "CostFormula", "FitReport", "FormulaError", "MemoryBudget", "MemoryModel", "Plan",
            "fit", "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop",
            "check_unplanned_memory", "Calibration", "Correction", "StepDataset", "accumulate",
-           "probe", "ProbeOptions", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport",
+           "probe", "ProbeOptions", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport", "OutsideProbes",
+           "OutsideProbesKind",
            "PackerName", "Aggregation", "RecordAggregation", "DeviceKind", "AdaptiveStop", "Meter", "stop_together",
            "GradientPhase", "GRADIENT_PHASES"]

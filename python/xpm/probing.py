@@ -22,8 +22,10 @@ rates and the CPU (and CUDA) random generators are as they were; the parameters 
 that runs out of memory is an upper bound of what fits, never dropped. The automatic design
 (no ``probe_points``): for each fraction of ``design_fractions``, the other variables at that
 fraction of their max, the batch size doubling from 1 to ``variable_max[bs]`` until the budget
-or the first out-of-memory probe, then one bisection. Call it on rank 0 before wrapping the
-model in DistributedDataParallel, and share ``result.model.to_json()`` with the other ranks.
+or the first out-of-memory probe, then one bisection. Under DistributedDataParallel, probe the
+wrapped model on every rank with ``lockstep=True``: its gradient buckets are then in the probes.
+Probed on rank 0 alone before wrapping (share ``result.model.to_json()`` with the other ranks),
+``result.outside_probes`` names the buckets with their bytes.
 
 On a GPU: ``xpm.probe(..., meter=None, device="cuda")`` (or ``meter=xpm.CudaMeter()``) with the
 model and the loss's batches on that device. ``device=`` is checked first, against the meter
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
 import numpy as np
@@ -42,6 +44,7 @@ import torch
 
 from . import _planner
 from .lockstep import Lockstep
+from .outside_probes import OutsideProbes, describe_outside_probes, outside_probes_of
 from .meters import Meter
 from .planning import CostFormula, FitReport, MemoryModel, RecordAggregation, _matrix, _report
 from .probe_executor import _TorchExecutor, _enter_steady_state
@@ -90,6 +93,9 @@ class ProbeOutcome:
         adaptive: what the adaptive design added and why it stopped.
         meter: the meter the probes ran under (the ``CudaMeter`` ``probe`` made for
             ``device="cuda"`` without a meter): give it to ``microbatch_loop(..., meter=)``.
+        outside_probes: what training will allocate that the probes did not measure, each with
+            its bytes (``xpm.OutsideProbes``; empty when nothing is seen coming);
+            ``outside_report`` says it in one line.
     """
 
     model: MemoryModel
@@ -99,6 +105,12 @@ class ProbeOutcome:
     probe_s: float
     adaptive: AdaptiveReport
     meter: Optional[Meter] = None
+    outside_probes: List[OutsideProbes] = field(default_factory=list)
+
+    @property
+    def outside_report(self) -> str:
+        """One line naming what stays outside the probes, with its bytes, for a log."""
+        return describe_outside_probes(self.outside_probes)
 
 
 def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -109,7 +121,8 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     every rank in lockstep (an FSDP2 model, ``xpm.lockstep``).
 
     Args:
-        model: the user's module, before any DistributedDataParallel wrapping.
+        model: the user's module as training steps it: wrapped in DistributedDataParallel or
+            sharded by FSDP2 with ``lockstep=True`` (every rank calls ``probe``), else plain.
         optimizer: its optimizer, the one training steps (its state is probed too).
         loss_fn: ``loss_fn(dims)`` builds a batch at ``dims`` (variable order; synthetic data is
             fine) and returns its summed loss, a scalar tensor. With ``record_dims`` it gets the
@@ -210,7 +223,7 @@ def _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, rank
     memory_model = _with_without_gradients_phase(MemoryModel(native), executor, options.aggregation,
                                                  args.usable_max_rel_error)
     return ProbeOutcome(memory_model, list(probes), _report(summary, selection), floor,
-                        time.perf_counter() - start, AdaptiveReport(**adaptive), meter)
+                        time.perf_counter() - start, AdaptiveReport(**adaptive), meter, outside_probes_of(model))
 
 
 def _with_without_gradients_phase(model: MemoryModel, executor: _TorchExecutor,

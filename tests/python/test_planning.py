@@ -256,6 +256,9 @@ def test_closed_sets_are_literals_in_the_signatures_and_checked_at_run_time():
     assert hints(xpm.probe)["meter"] == typing.Optional[xpm.Meter]
     assert hints(xpm.AdaptiveReport)["stop"] == xpm.AdaptiveStop
     assert set(typing.get_args(xpm.AdaptiveStop)) == {"not run", "agreed", "probe count", "probe time", "no candidates"}
+    assert hints(xpm.OutsideProbes)["kind"] == xpm.OutsideProbesKind
+    assert typing.get_args(xpm.OutsideProbesKind) == ("gradient_buckets",)
+    assert hints(xpm.ProbeOutcome)["outside_probes"] == typing.List[xpm.OutsideProbes]
 
     formula = xpm.CostFormula("a*bs*l + b*bs + c", ["bs", "l"])
     dims = np.array([[1, 10], [2, 10], [4, 20], [8, 40]], dtype=float)

@@ -10,6 +10,7 @@ calibration's log; OOMs; probe and step times.
     torchrun --standalone --nproc-per-node 2 ddp_own_loop_worker.py OUT_DIR
 """
 import contextlib
+import dataclasses
 import json
 import pathlib
 import sys
@@ -39,8 +40,13 @@ def main(out: pathlib.Path) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = CharGru()
-    wrapped = torch.nn.parallel.DistributedDataParallel(model)  # before probing: its buckets are probed
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # Probed before wrapping too (a few fixed points, both ranks): the buckets are named outside.
+    unwrapped = xpm.probe(model, optimizer, lambda dims: model(torch.randint(1, VOCAB, (int(dims[0]), int(dims[1])))),
+                          xpm.CostFormula("a*bs*l + b*bs + c", ["bs", "l"]), meter=METER, lockstep=True,
+                          budget=xpm.MemoryBudget(100_000_000),
+                          probe_points=[{"bs": b, "l": n} for b, n in ((1, 16), (2, 32), (4, 16), (4, 48))])
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)  # before probing: its buckets are probed
     cap = torch.tensor([METER.current_allocated_bytes + 14_000_000], dtype=torch.float64)
     dist.all_reduce(cap, op=dist.ReduceOp.MAX)  # one cap for every rank: the same budget, the same plans
     cap = int(cap[0])
@@ -85,7 +91,11 @@ def main(out: pathlib.Path) -> None:
     calibration_s = (time.perf_counter() - begin) / 20
     result = {"rank": rank, "rows": rows, "log": sampler.calibration.log, "probe_s": probe_s,
               "probes": len(probed.probes), "floor_bytes": probed.model.floor_bytes, "ooms": METER.oom_count - ooms,
-              "step_s": step_s, "calibration_s": calibration_s, "model": probed.model.to_json()}
+              "step_s": step_s, "calibration_s": calibration_s, "model": probed.model.to_json(),
+              "outside_wrapped": [dataclasses.asdict(p) for p in probed.outside_probes],
+              "outside_plain": [dataclasses.asdict(p) for p in unwrapped.outside_probes],
+              "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+              "outside_report": unwrapped.outside_report}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

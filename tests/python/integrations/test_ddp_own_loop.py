@@ -29,6 +29,9 @@ def test_ddp_probed_after_wrapping_and_calibrated_predicts_every_microbatch_from
     assert models[0]["coefficients"] == models[1]["coefficients"], "lockstep probing fitted different models"
     assert ranks[0]["log"] == ranks[1]["log"], "the ranks' calibrations disagree"
     assert [r["ooms"] for r in ranks] == [0, 0]
+    for r in ranks:  # the wrapped model's buckets are in the probes; the plain one's named outside
+        assert r["outside_wrapped"] == []
+        assert [(p["kind"], p["bytes"]) for p in r["outside_plain"]] == [("gradient_buckets", r["gradient_bytes"])]
     raw, calibrated = [], []
     for r in ranks:
         for step, peak, predicted, correction in r["rows"]:
@@ -44,4 +47,5 @@ def test_ddp_probed_after_wrapping_and_calibrated_predicts_every_microbatch_from
     print(f"\nddp own loop: {ranks[0]['probes']} probes in {ranks[0]['probe_s']:.1f} s; raw {100 * min(raw):+.2f} % "
           f"to {100 * max(raw):+.2f} %; from step 3 calibrated {100 * min(calibrated):+.2f} % to "
           f"{100 * max(calibrated):+.2f} % over {len(calibrated)} microbatches; {ranks[0]['log']}; calibration "
-          f"{1e3 * calibration_s:.2f} ms a step against a median step of {1e3 * step_s:.0f} ms")
+          f"{1e3 * calibration_s:.2f} ms a step against a median step of {1e3 * step_s:.0f} ms; plain module: "
+          f"{ranks[0]['outside_report']}")
