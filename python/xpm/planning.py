@@ -58,13 +58,16 @@ RecordAggregation = Literal["max", "sum"]
 (padded to the longest) or "sum" (real tokens)."""
 RECORD_AGGREGATIONS: Tuple[RecordAggregation, ...] = ("max", "sum")
 
-GradientPhase = Literal["with_gradients", "without_gradients"]
-"""Whether a microbatch's forward and backward run with every parameter's gradient already
-allocated (``MemoryModel.predict(phase=...)``): "with_gradients", a step's later microbatches
-(and every microbatch of a loop that zeroes gradients in place); "without_gradients", the first
-microbatch of a step after ``zero_grad(set_to_none=True)``, the default of torch 2.x, the HF
-Trainer, Lightning and accelerate, whose backward allocates the gradients as it goes."""
-GRADIENT_PHASES: Tuple[GradientPhase, ...] = ("with_gradients", "without_gradients")
+GradientPhase = Literal["with_gradients", "without_gradients", "synchronised"]
+"""Which state of a step a microbatch's forward and backward run in
+(``MemoryModel.predict(phase=...)``): "with_gradients", a step's later microbatches (and every
+microbatch of a loop that zeroes gradients in place); "without_gradients", the first microbatch
+of a step after ``zero_grad(set_to_none=True)``, the default of torch 2.x, the HF Trainer,
+Lightning and accelerate, whose backward allocates the gradients as it goes; "synchronised", the
+last microbatch of a step under FSDP2's accumulation (``set_requires_gradient_sync(False)`` on
+the earlier ones), whose backward reduce-scatters and frees each layer's accumulated unsharded
+gradient as it goes."""
+GRADIENT_PHASES: Tuple[GradientPhase, ...] = ("with_gradients", "without_gradients", "synchronised")
 
 
 def _name_list(choices: Sequence[str]) -> str:
@@ -311,7 +314,7 @@ class MemoryModel:
     def __init__(self, native: _planner.MemoryModel) -> None:
         self._native = native
         self._json: Optional[dict] = None  # to_json() parsed, on first use
-        self._without_gradients: Optional[_planner.MemoryModel] = None  # built on first use
+        self._phase_natives: Dict[str, _planner.MemoryModel] = {}  # each phase's, built on first use
         self._floor: Optional[_planner.MemoryModel] = None  # the model with its formula at 0, on first use
 
     def _parsed(self) -> dict:
@@ -419,8 +422,8 @@ class MemoryModel:
     @property
     def phases(self) -> List[GradientPhase]:
         """The gradient phases the model predicts apart: always "with_gradients" (the
-        coefficients above); "without_gradients" too when ``xpm.probe`` measured that phase and
-        fitted it (``phase_report``)."""
+        coefficients above); "without_gradients" and "synchronised" too when ``xpm.probe``
+        measured that phase and fitted it (``phase_report``)."""
         return ["with_gradients"] + [p for p in GRADIENT_PHASES[1:] if p in self._phase_records()]
 
     def _phase_records(self) -> Dict[str, Dict[str, Any]]:
@@ -459,15 +462,16 @@ class MemoryModel:
             "fitted_points": int(fitted_points)}
         return MemoryModel.from_json(json.dumps(parsed))
 
-    def _phase_native(self) -> Optional[_planner.MemoryModel]:
-        """The "without_gradients" phase as a model of its own (this model's JSON with the
-        phase's coefficients), or None without one."""
-        record = self._phase_records().get("without_gradients")
+    def _phase_native(self, phase: GradientPhase) -> Optional[_planner.MemoryModel]:
+        """A phase other than "with_gradients" as a model of its own (this model's JSON with the
+        phase's coefficients), or None without a fit of it."""
+        record = self._phase_records().get(phase)
         if record is None:
             return None
-        if self._without_gradients is None:
-            self._without_gradients = self._native_with(record["coefficients"], record.get("single_record_factor", 1.0))
-        return self._without_gradients
+        if phase not in self._phase_natives:
+            self._phase_natives[phase] = self._native_with(record["coefficients"],
+                                                           record.get("single_record_factor", 1.0))
+        return self._phase_natives[phase]
 
     def _native_with(self, coefficients: Dict[str, float], single_record_factor: float) -> _planner.MemoryModel:
         """This model (formula, floor, ranges) with other coefficients and single-record factor."""
@@ -502,8 +506,9 @@ class MemoryModel:
             dims: one row of the formula's variables (in its order), or one row per microbatch
                 ([n, variables]); finite and >= 0.
             phase: ``xpm.GradientPhase``: "with_gradients" (the default, the steady state the
-                probes measure) or "without_gradients" (a step's first microbatch after
-                ``zero_grad(set_to_none=True)``): the phase's own fit, never above the
+                probes measure), "without_gradients" (a step's first microbatch after
+                ``zero_grad(set_to_none=True)``) or "synchronised" (the last microbatch of a
+                step under FSDP2's accumulation): the phase's own fit, never above the
                 "with_gradients" prediction; the "with_gradients" prediction when the model has
                 no fit of it (``phases``).
 
@@ -520,7 +525,7 @@ class MemoryModel:
         single = array.ndim == 1
         rows = _matrix(array.reshape(1, -1) if single else array, width, "dims")
         out = _planner.predict(self._native, rows)
-        phase_native = self._phase_native() if phase == "without_gradients" else None
+        phase_native = self._phase_native(phase) if phase != "with_gradients" else None
         if phase_native is not None:
             out = np.minimum(out, _planner.predict(phase_native, rows))
         return float(out[0]) if single else out

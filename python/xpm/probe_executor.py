@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 import time
 import traceback
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -131,6 +131,12 @@ class _TorchExecutor(_planner.ProbeExecutor):
         # also without the unsharded gradient it holds (released first by a synchronised backward).
         self.measure_without_gradients = measure_phases
         self.without_gradients_peaks: List[float] = []  # one per entry of results (0: not measured)
+        # FSDP2's accumulation with phases measured: each probe's forward/backward once more,
+        # synchronised, after the steady measurement (the unsharded gradient held, the sharded
+        # one set to None): a step's last microbatch after zero_grad(set_to_none=True), which
+        # reduce-scatters; the optimizer step is then measured as it follows it.
+        self.measure_synchronised = measure_phases and self.accumulating
+        self.synchronised_peaks: List[float] = []  # one per entry of results (0: not measured)
         self.results = []  # every probe run, for an error that must carry them
         self.raised: Optional[BaseException] = None  # the error a probe raised (the loss function's), if any
 
@@ -165,14 +171,16 @@ class _TorchExecutor(_planner.ProbeExecutor):
         self.loss_fn(self.accumulation_batch).backward()
         self.accumulation_batch = None
 
-    def _combine_ranks(self, result, without_gradients_peak: float, failure, where: str) -> float:
+    def _combine_ranks(self, result, without_gradients_peak: float, synchronised_peak: float, failure,
+                       where: str) -> Tuple[float, float]:
         """Lockstep: every rank's peaks (max), out-of-memory and error flags in one all-reduce;
         an error on another rank raises here, one out of memory anywhere makes the probe
-        infeasible on every rank. Returns the ranks' largest peak without gradients."""
-        world, peaks = self.lockstep.world_size, 3
+        infeasible on every rank. Returns the ranks' largest peaks without gradients and
+        synchronised."""
+        world, peaks = self.lockstep.world_size, 4
         mine = [0.0] * (peaks + 2 * world)
         mine[0], mine[1] = result.forward_backward_peak_bytes, result.optimizer_step_peak_bytes
-        mine[2] = without_gradients_peak
+        mine[2], mine[3] = without_gradients_peak, synchronised_peak
         mine[peaks + self.lockstep.rank] = 0.0 if result.feasible else 1.0
         mine[peaks + world + self.lockstep.rank] = 0.0 if failure is None else 1.0
         combined = self.lockstep.max(mine)
@@ -185,7 +193,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
         if out_of_memory:
             result.feasible = False
             result.error = f"out of memory on rank {', '.join(map(str, out_of_memory))}"
-        return combined[2]
+        return combined[2], combined[3]
 
     def _run(self, batch, dims, where):
         """One probe step: ``loss_fn(batch)``, ``batch`` the dims or a mix's records."""
@@ -194,7 +202,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
         result.capacity_bytes = float(self.meter.capacity_bytes)
         start = time.perf_counter()
         _zero_gradients_in_place(self.steady.parameters)
-        without_gradients_peak = 0.0
+        without_gradients_peak = synchronised_peak = 0.0
         failure = None  # (the error to raise, its cause): not out of memory
         try:
             if self.accumulating and self.measure_without_gradients:
@@ -210,6 +218,14 @@ class _TorchExecutor(_planner.ProbeExecutor):
                 without_gradients_peak = self._forward_backward_peak(batch)
                 _zero_gradients_in_place(self.steady.parameters)
             result.forward_backward_peak_bytes = self._forward_backward_peak(batch)
+            if self.measure_synchronised:  # as after zero_grad(set_to_none=True): the reduce-scatter makes them
+                for parameter in self.steady.parameters:
+                    parameter.grad = None
+                self.steady.model.set_requires_gradient_sync(True)
+                try:
+                    synchronised_peak = self._forward_backward_peak(batch)
+                finally:
+                    self.steady.model.set_requires_gradient_sync(False)
             self.meter.reset_peak()
             self.steady.optimizer.step()
             result.optimizer_step_peak_bytes = float(self.meter.peak_allocated_bytes)
@@ -226,13 +242,15 @@ class _TorchExecutor(_planner.ProbeExecutor):
         finally:
             _zero_gradients_in_place(self.steady.parameters)
         if self.lockstep is not None:
-            without_gradients_peak = self._combine_ranks(result, without_gradients_peak, failure, where)
+            without_gradients_peak, synchronised_peak = self._combine_ranks(result, without_gradients_peak,
+                                                                            synchronised_peak, failure, where)
         if failure is not None:
             self.raised = failure[0]
             raise failure[0] from failure[1]
         result.duration_s = time.perf_counter() - start
         self.results.append(result)
         self.without_gradients_peaks.append(without_gradients_peak if result.feasible else 0.0)
+        self.synchronised_peaks.append(synchronised_peak if result.feasible else 0.0)
         return result
 
     def _release_accumulated_gradient(self, batch) -> None:

@@ -75,7 +75,8 @@ class ProbeOptions:
             ``model.phase_report``). Kept only when that fit is within
             ``usable_max_rel_error``. An FSDP2 model in lockstep is measured in that phase
             without the unsharded gradient its accumulation holds too (released first by a
-            synchronised backward of the probe's batch: two more backwards per probe).
+            synchronised backward of the probe's batch), and once more synchronised, the
+            "synchronised" phase of a step's last microbatch: three more backwards per probe.
     """
 
     budget: Optional[MemoryBudget] = None

@@ -46,7 +46,7 @@ from . import _planner
 from .lockstep import Lockstep
 from .outside_probes import OutsideProbes, describe_outside_probes, outside_probes_of
 from .meters import Meter
-from .planning import CostFormula, FitReport, MemoryModel, RecordAggregation, _matrix, _report
+from .planning import CostFormula, FitReport, GradientPhase, MemoryModel, RecordAggregation, _matrix, _report
 from .probe_executor import _TorchExecutor, _enter_steady_state
 from .probe_options import ProbeOptions, _probe_setup
 
@@ -220,21 +220,24 @@ def _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, rank
             executor.end_accumulation()
         finally:
             steady.__exit__(None, None, None)
-    memory_model = _with_without_gradients_phase(MemoryModel(native), executor, options.aggregation,
-                                                 args.usable_max_rel_error)
+    memory_model = MemoryModel(native)
+    for phase, peaks in (("without_gradients", executor.without_gradients_peaks),
+                         ("synchronised", executor.synchronised_peaks)):
+        memory_model = _with_phase_fit(memory_model, phase, executor.results, peaks, options.aggregation,
+                                       args.usable_max_rel_error)
     return ProbeOutcome(memory_model, list(probes), _report(summary, selection), floor,
                         time.perf_counter() - start, AdaptiveReport(**adaptive), meter, outside_probes_of(model))
 
 
-def _with_without_gradients_phase(model: MemoryModel, executor: _TorchExecutor,
-                                  aggregation: Optional[Dict[str, RecordAggregation]],
-                                  usable_max_rel_error: float) -> MemoryModel:
-    """``model`` with its "without_gradients" phase: the model's formula fitted to the peaks
-    measured without gradients at the shapes the model itself was fitted to; ``model`` as it is
-    when that phase was not measured, or its fit is not identifiable or not within
+def _with_phase_fit(model: MemoryModel, phase: GradientPhase, results: List[_planner.ProbeResult],
+                    peaks: List[float], aggregation: Optional[Dict[str, RecordAggregation]],
+                    usable_max_rel_error: float) -> MemoryModel:
+    """``model`` with a fit of ``phase``: the model's formula fitted to ``peaks`` (one per probe
+    of ``results``, 0 where not measured) at the shapes the model itself was fitted to; ``model``
+    as it is when that phase was not measured, or its fit is not identifiable or not within
     ``usable_max_rel_error``. Deterministic from the probes, so every rank in lockstep agrees."""
     peaks_at: Dict[tuple, float] = {}
-    for result, peak in zip(executor.results, executor.without_gradients_peaks):
+    for result, peak in zip(results, peaks):
         if result.feasible and peak > 0:
             key = tuple(result.dims)
             peaks_at[key] = max(peaks_at.get(key, 0.0), peak)
@@ -257,10 +260,10 @@ def _with_without_gradients_phase(model: MemoryModel, executor: _TorchExecutor,
                                           np.array([peaks_at[tuple(dims)] for dims in shapes]),
                                           np.zeros((0, width)), np.zeros(0), args)
     except (ValueError, RuntimeError):
-        return model  # not identifiable from these shapes: the first microbatch is predicted as the others
+        return model  # not identifiable from these shapes: the phase's microbatches are predicted as the others
     if not np.isfinite(summary["max_rel_error"]) or abs(summary["max_rel_error"]) > usable_max_rel_error:
         return model
-    return model._with_phase("without_gradients", native.coefficients, native.single_record_factor,
+    return model._with_phase(phase, native.coefficients, native.single_record_factor,
                              summary["max_rel_error"], len(shapes))
 
 
