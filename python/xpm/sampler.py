@@ -75,8 +75,8 @@ class Microbatch(list):
             in the formula's order; zeros for an empty microbatch).
         predicted_bytes: ``model.predict(dims)``, the predicted peak in bytes (a step's first
             microbatch: the model's "without_gradients" phase, with the sampler's
-            ``gradients_set_to_none``; its last: the "synchronised" phase where the model has
-            one, FSDP2's accumulation probed in lockstep).
+            ``gradients_set_to_none``; its last, with it too: the "synchronised" phase where the
+            model has one, FSDP2's accumulation probed in lockstep).
         weight: the factor of the microbatch's mean loss (``world_size * units(microbatch) /
             units(outer batch)``; 0 for an empty microbatch).
         last: whether the microbatch ends its optimizer step.
@@ -455,7 +455,8 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         microbatches, dims, predicted = plan
         if self._first_phase != "with_gradients" and len(microbatches[0]):
             predicted[0] = float(self._model.predict(dims[0], self._first_phase))
-        if "synchronised" in self._model.phases and len(microbatches[-1]):  # FSDP2's last: it reduce-scatters
+        # FSDP2's last microbatch reduce-scatters, the sharded gradients set to None (as the phase was measured).
+        if self._first_phase != "with_gradients" and "synchronised" in self._model.phases and len(microbatches[-1]):
             last = len(microbatches) - 1
             predicted[last] = min(predicted[last], float(self._model.predict(dims[last], "synchronised")))
         scale = self._world / total_units if total_units > 0 else 0.0
