@@ -56,6 +56,12 @@ def _wrapped_for_data_parallel(model: torch.nn.Module) -> bool:
     return bool(wrappers) and any(isinstance(module, wrappers) for module in model.modules())
 
 
+def trainable_gradient_bytes(model: torch.nn.Module) -> int:
+    """The bytes of ``model``'s trainable parameters' gradients: what DDP's buckets hold
+    (``gradient_as_bucket_view=False``, the default)."""
+    return int(sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
+
+
 def outside_probes_of(model: torch.nn.Module) -> List[OutsideProbes]:
     """What ``probe`` can tell, from the probed module and the process group, will be allocated
     after the probes (see the module docstring).
@@ -69,9 +75,9 @@ def outside_probes_of(model: torch.nn.Module) -> List[OutsideProbes]:
     parts: List[OutsideProbes] = []
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world_size > 1 and not _wrapped_for_data_parallel(model):
-        gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        gradient_bytes = trainable_gradient_bytes(model)
         parts.append(OutsideProbes(
-            "gradient_buckets", int(gradient_bytes),
+            "gradient_buckets", gradient_bytes,
             f"the probed model is not wrapped for data parallelism although the process group has {world_size} "
             f"ranks: DistributedDataParallel allocates gradient buckets of {gradient_bytes} bytes when it wraps it; "
             f"probe the wrapped model on every rank (lockstep=True) to measure them, or leave them out of the "

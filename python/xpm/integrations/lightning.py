@@ -63,6 +63,7 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
     raise ImportError("xpm.integrations.lightning needs the lightning package (pip install lightning); "
                       f"importing it failed: {_error}") from None
 
+from ..outside_probes import trainable_gradient_bytes
 from ..planning import CostFormula, MemoryModel
 from ..sampler import PredictiveBatchSampler
 
@@ -389,4 +390,4 @@ def ddp_bucket_bytes(model: torch.nn.Module) -> int:
     Returns:
         The trainable parameters' bytes.
     """
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return trainable_gradient_bytes(model)
