@@ -7,6 +7,7 @@
 
 #include <muparserx/mpParser.h>
 
+#include <cctype>
 #include <cstdint>
 #include <cstdio>
 #include <set>
@@ -110,6 +111,23 @@ double term_value(const Monomial& m, const std::vector<double>& dims) {
   return value;
 }
 
+// For an error about a coefficient: that the name is read as a coefficient, the variables, and
+// the variable it differs from only in case ("L" for "l"); "" for any other symbol.
+std::string coefficient_hint(const std::string& symbol, const std::vector<std::string>& coefficient_names,
+                             const std::vector<std::string>& variable_names) {
+  if (std::find(coefficient_names.begin(), coefficient_names.end(), symbol) == coefficient_names.end()) return "";
+  const auto lower = [](std::string text) {
+    for (char& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return text;
+  };
+  std::string hint = " ('" + symbol + "' is read as a coefficient, not a variable; the variables are " +
+                     join(variable_names);
+  for (const std::string& variable : variable_names) {
+    if (lower(variable) == lower(symbol)) hint += "; names are case-sensitive: did you mean '" + variable + "'?";
+  }
+  return hint + ")";
+}
+
 }  // namespace
 
 FormulaError::FormulaError(const std::string& message, std::size_t position, std::string symbol,
@@ -142,8 +160,9 @@ CostFormula::CostFormula(const std::string& text, std::vector<std::string> coeff
     expression_ = formula_ast::expand(root, text_, coefficient_names_, variable_names_,
                                       options_.allow_nonlinear);
   } catch (const FormulaError& e) {
-    if (!e.formula_text().empty()) throw;
-    throw FormulaError(e.message(), e.position(), e.symbol(), text_);
+    const std::string hint = coefficient_hint(e.symbol(), coefficient_names_, variable_names_);
+    if (!e.formula_text().empty() && hint.empty()) throw;
+    throw FormulaError(e.message() + hint, e.position(), e.symbol(), text_);
   }
   canonical_ = formula_ast::print(expression_->terms, coefficient_names_, variable_names_);
   linear_ = expression_->linear;

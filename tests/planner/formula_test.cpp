@@ -173,6 +173,22 @@ TEST_CASE("rejects an undeclared symbol") {
   CHECK(suffixed.symbol() == "bs2");
 }
 
+TEST_CASE("a variable mistyped as a coefficient is named as such, with the variable it resembles") {
+  const CostFormula formula = CostFormula::with_variables("a*bs + c", {"bs", "l"});  // with_variables works
+  CHECK(formula.coefficient_names() == std::vector<std::string>{"a", "c"});
+  try {
+    CostFormula::with_variables("a*bs*L^2 + b*bs*l + c", {"bs", "l"});
+    FAIL("no error for a*bs*L^2");
+  } catch (const FormulaError& e) {
+    CHECK(e.symbol() == "L");
+    CHECK(e.message() == "coefficient is not linear (raised to a power); a term must be linear in its coefficient "
+                         "('L' is read as a coefficient, not a variable; the variables are bs, l; names are "
+                         "case-sensitive: did you mean 'l'?)");
+  }
+  const FormulaError two = formula_error("a*b*bs");  // two coefficients: the variables named, no guess
+  CHECK(contains(two.message(), "('b' is read as a coefficient, not a variable; the variables are bs, l)"));
+}
+
 TEST_CASE("rejects a coefficient used non-linearly") {
   SUBCASE("raised to a power") {
     const FormulaError e = formula_error("bs*a^2");
