@@ -22,6 +22,16 @@ foreach(pattern
   expect_match("show text" "${OUT}" "${pattern}")
 endforeach()
 
+# A phase xpm.probe fitted apart (metadata.phases): one line each, its coefficients and error.
+file(READ "${model}" text)
+string(JSON text SET "${text}" metadata phases
+       [=[{"without_gradients": {"coefficients": {"a": 2.5, "b": 40, "c": 900000}, "single_record_factor": 1.0,
+          "max_rel_error": 0.0041, "fitted_points": 9}}]=])
+file(WRITE "${dir}/phased.json" "${text}")
+xpm_plan_run(0 "show phased" show "${dir}/phased.json")
+expect_match("show phases" "${OUT}"
+             "phases +without_gradients: a = 2[.]5, b = 40, c = 900000 bytes [(]max error [+]0[.]41 % over 9 shapes[)]\n")
+
 xpm_plan_run(0 "show --json" show --model "${model}" --json)
 string(JSON canonical GET "${OUT}" canonical)
 string(JSON name0 GET "${OUT}" coefficients 0 name)

@@ -184,6 +184,34 @@ void print_model_text(std::ostream& os, const ShownModel& shown) {
   }
 }
 
+// The phases xpm.probe fitted apart (metadata.phases), one line each: "without_gradients: a =
+// 31.2, b = 7901, c = 1.9e+06 bytes (max error +0.41 % over 9 shapes)".
+void print_phases_text(std::ostream& os, const nlohmann::json& phases) {
+  bool first = true;
+  for (const auto& phase : phases.items()) {
+    const nlohmann::json& record = phase.value();
+    std::string line = phase.key() + ":";
+    if (record.is_object() && record.contains("coefficients") && record["coefficients"].is_object()) {
+      std::string values;
+      for (const auto& c : record["coefficients"].items()) {
+        char value[64];
+        std::snprintf(value, sizeof value, "%g", c.value().is_number() ? c.value().get<double>() : NAN);
+        values += (values.empty() ? " " : ", ") + c.key() + " = " + value;
+      }
+      line += values + " bytes";
+      if (record.contains("max_rel_error") && record["max_rel_error"].is_number()) {
+        char error[64];
+        std::snprintf(error, sizeof error, " (max error %+.2f %%", 100 * record["max_rel_error"].get<double>());
+        line += error;
+        if (record.contains("fitted_points")) line += " over " + scalar_text(record["fitted_points"]) + " shapes";
+        line += ")";
+      }
+    }
+    os << (first ? "phases        " : "              ") << line << "\n";
+    first = false;
+  }
+}
+
 // One line per metadata entry: the fit's report, objects' scalar fields, scalars.
 void print_metadata_text(std::ostream& os, const nlohmann::json& metadata) {
   auto label = [](const std::string& key) {  // "key" padded to the value column
@@ -203,6 +231,8 @@ void print_metadata_text(std::ostream& os, const nlohmann::json& metadata) {
         }
       }
       if (!line.empty()) os << "              " << line << "\n";
+    } else if (item.key() == "phases" && v.is_object()) {
+      print_phases_text(os, v);
     } else if (v.is_object()) {
       std::string line;
       for (const auto& sub : v.items()) {
