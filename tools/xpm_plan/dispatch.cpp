@@ -86,8 +86,11 @@ int run(int argc, char** argv, const std::vector<Verb>& verbs) {
   return it->run(vm);
 }
 
+// "xpm-plan: error: <the first line>", without the "xpm: " the library's own messages begin with.
 void report(const char* kind, const std::exception& e) {
-  std::cerr << "xpm-plan: " << kind << ": " << first_line(e.what()) << "\n";
+  std::string line = first_line(e.what());
+  if (line.rfind("xpm: ", 0) == 0) line.erase(0, 5);
+  std::cerr << "xpm-plan: " << kind << ": " << line << "\n";
 }
 
 }  // namespace
