@@ -334,13 +334,16 @@ class MemoryModel:
 
         Raises:
             FileNotFoundError: no such file, or a directory.
-            ValueError, RuntimeError: the file is not a memory model (named).
+            ValueError, RuntimeError: the file is not a memory model, or its ``metadata.phases``
+                is malformed (named).
         """
         path = str(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"memory model '{path}': no such file" +
                                     (" (it is a directory)" if os.path.isdir(path) else ""))
-        return cls(_planner.MemoryModel.load(path))
+        model = cls(_planner.MemoryModel.load(path))
+        model._check_phases(f"memory model '{path}'")
+        return model
 
     @classmethod
     def from_json(cls, text: str) -> "MemoryModel":
@@ -353,12 +356,32 @@ class MemoryModel:
             The model.
 
         Raises:
-            ValueError: ``text`` is not a memory model's JSON (one line, the parser's reason).
+            ValueError: ``text`` is not a memory model's JSON (one line, the parser's reason), or
+                its ``metadata.phases`` is malformed (the phase named).
         """
         try:
-            return cls(_planner.MemoryModel.from_json(text))
+            model = cls(_planner.MemoryModel.from_json(text))
         except (ValueError, RuntimeError) as error:
             raise ValueError(f"memory model JSON: {error}") from None
+        model._check_phases("memory model JSON")
+        return model
+
+    def _check_phases(self, source: str) -> None:
+        """Raises ValueError naming ``metadata.phases``' first malformed record (``xpm.probe``
+        writes them: {phase: {"coefficients": {name: bytes}, ...}})."""
+        phases = self._parsed().get("metadata", {}).get("phases", {})
+        if not isinstance(phases, dict):
+            raise ValueError(f"{source}: metadata.phases must be an object {{phase: record}}, got {phases!r}")
+        names = set(self.formula.coefficient_names)
+        for phase, record in phases.items():
+            if phase not in GRADIENT_PHASES[1:]:
+                raise ValueError(f"{source}: metadata.phases has {phase!r}; a phase fitted apart is "
+                                 f"{_name_list(GRADIENT_PHASES[1:])}")
+            coefficients = record.get("coefficients") if isinstance(record, dict) else None
+            if not isinstance(coefficients, dict) or set(coefficients) != names or \
+                    not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in coefficients.values()):
+                raise ValueError(f"{source}: metadata.phases[{phase!r}] must hold 'coefficients', a number of bytes "
+                                 f"for each of {', '.join(sorted(names))}; got {record!r}")
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Writes the model (temporary file, then rename: never half-written).

@@ -332,3 +332,25 @@ def test_the_docstring_examples_run_as_written(module):
     # The >>> examples of the package's docstrings are doctests: an example that goes stale fails here.
     results = doctest.testmod(importlib.import_module(module))
     assert results.attempted >= 5 and results.failed == 0, results
+
+
+def test_a_malformed_phase_record_is_refused_in_one_line_naming_it():
+    formula = xpm.CostFormula("a*bs*l + b*bs + c", ["bs", "l"])
+    dims = np.array([[1, 10], [2, 10], [4, 20], [8, 40]], dtype=float)
+    model, _ = xpm.fit(formula, dims, 100 * dims[:, 0] * dims[:, 1] + 30 * dims[:, 0] + 1000)
+    parsed = json.loads(model.to_json())
+    good = {"coefficients": {"a": 90.0, "b": 30.0, "c": 1000.0}, "max_rel_error": 0.01, "fitted_points": 4}
+    parsed.setdefault("metadata", {})["phases"] = {"without_gradients": good}
+    phased = xpm.MemoryModel.from_json(json.dumps(parsed))
+    assert phased.phases == ["with_gradients", "without_gradients"]
+    assert phased.predict([2, 10], "without_gradients") == pytest.approx(90 * 20 + 60 + 1000)
+    for phases, expected in (
+            ({"without_gradients": 5}, "metadata.phases['without_gradients'] must hold 'coefficients', a number "
+                                       "of bytes for each of a, b, c; got 5"),
+            ({"without_gradients": {"coefficients": {"a": 1.0}}}, "for each of a, b, c; got {'coefficients'"),
+            ({"sideways": good}, "metadata.phases has 'sideways'; a phase fitted apart is 'without_gradients' or "
+                                 "'synchronised'")):
+        parsed["metadata"]["phases"] = phases
+        with pytest.raises(ValueError) as caught:
+            xpm.MemoryModel.from_json(json.dumps(parsed))
+        assert str(caught.value).startswith("memory model JSON: ") and expected in str(caught.value)
