@@ -11,7 +11,8 @@ grow with bs*l^2):
   ``ppo_max_token_len_per_gpu`` or ``train_mb_tokens``), T the largest that trains an epoch
   without running out of memory (down by 15 % after each out-of-memory epoch);
 - xpm: ``xpm.probe`` of the step, ``PredictiveBatchSampler`` with calibration, the probe's time
-  reported apart.
+  reported apart; once with the default packer (the fewest microbatches that fit) and once with
+  ``packer="fastest"`` (the least time by the time model the probe fitted to its own timings).
 
 Every epoch starts from the same weights and optimizer state. An epoch that runs out of memory
 is stopped at the first out-of-memory error (a retry, as a user's would be). Prints a table and
@@ -183,7 +184,8 @@ def best_token_budget(trainer: Trainer, batches, lengths, outer: int) -> Dict[st
     raise RuntimeError("no token budget fits one record of the longest length")
 
 
-def predictive(trainer: Trainer, texts, lengths, cap: int, outer: int) -> Dict[str, object]:
+def probed(trainer: Trainer, lengths, outer: int):
+    """``xpm.probe`` of the trainer's step, and its time."""
     trainer.reset()
     start = time.perf_counter()
     model = trainer.model
@@ -191,9 +193,13 @@ def predictive(trainer: Trainer, texts, lengths, cap: int, outer: int) -> Dict[s
                                                                                                int(dims[1])))),
                         xpm.CostFormula("a*bs*l^2 + b*bs*l + d*bs + c", ["bs", "l"]), meter=METER,
                         variable_max={"bs": outer, "l": int(lengths.max())}, design_fractions=(1.0, 0.5, 0.25, 0.125))
-    probe_s = time.perf_counter() - start
+    return outcome, time.perf_counter() - start
+
+
+def predictive(trainer: Trainer, texts, lengths, cap: int, outer: int, outcome, probe_s: float,
+               packer: str) -> Dict[str, object]:
     sampler = xpm.PredictiveBatchSampler(lengths, outcome.model, xpm.MemoryBudget(cap).usable_bytes,
-                                         outer_batch_size=outer, seed=1, units=lengths - 1)
+                                         outer_batch_size=outer, seed=1, units=lengths - 1, packer=packer)
     planned_outer = [sorted(int(i) for mb in step.microbatches for i in mb) for step in sampler.steps()]
     if planned_outer != [sorted(map(int, b)) for b in outer_batches(len(lengths), outer)]:
         raise RuntimeError("the sampler's outer batches differ from the other batchings'")
@@ -211,7 +217,7 @@ def predictive(trainer: Trainer, texts, lengths, cap: int, outer: int) -> Dict[s
         peak = max(peak, METER.peak_allocated_bytes)  # microbatch_loop resets the peak per microbatch
     return {"seconds": time.perf_counter() - start, "tokens": tokens, "microbatches": microbatches,
             "ooms": METER.oom_count - ooms, "peak_bytes": peak, "probe_s": probe_s, "probes": len(outcome.probes),
-            "calibration": sampler.calibration.log}
+            "calibration": sampler.calibration.log, "packer": packer, "time_model": outcome.model.time_model}
 
 
 def main() -> int:
@@ -237,17 +243,20 @@ def main() -> int:
     fixed.update(trainer.epoch(fixed_steps(batches, fixed["setting"])))
     budget = best_token_budget(trainer, batches, lengths, args.outer_batch_size)
     budget.update(trainer.epoch(token_budget_steps(batches, lengths, budget["setting"])))
-    planned = predictive(trainer, texts, lengths, cap, args.outer_batch_size)
-    rows = {"fixed microbatch": fixed, "token budget": budget, "xpm": planned}
-    xpm_rate = planned["tokens"] / planned["seconds"]
+    outcome, probe_s = probed(trainer, lengths, args.outer_batch_size)
+    planned = predictive(trainer, texts, lengths, cap, args.outer_batch_size, outcome, probe_s, "adaptive")
+    fastest = predictive(trainer, texts, lengths, cap, args.outer_batch_size, outcome, probe_s, "fastest")
+    rows = {"fixed microbatch": fixed, "token budget": budget, "xpm": planned, "xpm, fastest packer": fastest}
+    xpm_rate = fastest["tokens"] / fastest["seconds"]
     print(f"{args.records} records ({lengths.min()}-{lengths.max()} characters), outer batches of "
           f"{args.outer_batch_size}, cap {cap} bytes\n")
-    print("| batching | setting | tries | microbatches | OOM | peak / cap | real tokens/s | xpm / this |")
+    print("| batching | setting | tries | microbatches | OOM | peak / cap | real tokens/s | xpm fastest / this |")
     print("|---|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         rate = row["tokens"] / row["seconds"]
         setting = {"fixed microbatch": f"{row.get('setting')} records", "token budget": f"{row.get('setting')} tokens",
-                   "xpm": f"probe {row.get('probe_s', 0):.1f} s, {row.get('probes', 0)} probes"}[name]
+                   "xpm": f"probe {row.get('probe_s', 0):.1f} s, {row.get('probes', 0)} probes",
+                   "xpm, fastest packer": "the same probe"}[name]
         print(f"| {name} | {setting} | {len(row.get('tries', []))} | {row['microbatches']} | {row['ooms']} | "
               f"{row['peak_bytes'] / cap:.3f} | {rate:,.0f} | {xpm_rate / rate:.2f} |")
     if args.json:

@@ -331,9 +331,10 @@ void add_batching_and_validation_options(po::options_description& options,
        "fixed: records per microbatch; power: the first size tried (default: the outer batch "
        "size); not with the predictive batcher")
       ("packer", po::value(&choices.packer)->default_value(choices.packer),
-       "adaptive | uniform | ffd (first fit decreasing: fewest microbatches for summed dims)")
+       "adaptive | uniform | ffd (first fit decreasing: fewest microbatches for summed dims) | "
+       "fastest (least predicted time, from the probes' timings)")
       ("sort-by", po::value(&config.sort_by)->default_value(config.sort_by),
-       "adaptive packer: sort records by this dim, heaviest first (empty: keep order)")
+       "adaptive and fastest packers: sort records by this dim, heaviest first (empty: keep order)")
       ("log-every", po::value(&config.log_every)->default_value(config.log_every), "progress line every N steps")
       ("validate-every", po::value(&config.validate_every)->default_value(config.validate_every),
        "validate every N steps (0: not by steps; a run always validates at its end)")

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "xpm/planner/enum_names.hpp"
+#include "xpm/planner/fastest_packer.hpp"
 #include "xpm/planner/ffd_packer.hpp"
 
 namespace xpm {
@@ -22,13 +23,15 @@ struct PackerRegistration {
   bool takes_sort_by;
   PackerPtr (*make)(const std::string& sort_by);
 };
-constexpr std::array<PackerRegistration, 3> kPackers{{
+constexpr std::array<PackerRegistration, 4> kPackers{{
     {PackerKind::kAdaptive, "adaptive", true,
      [](const std::string& sort_by) -> PackerPtr { return std::make_shared<AdaptivePacker>(AdaptivePackerOptions{sort_by}); }},
     {PackerKind::kUniform, "uniform", false,
      [](const std::string&) -> PackerPtr { return std::make_shared<UniformPacker>(); }},
     {PackerKind::kFirstFitDecreasing, "ffd", false,
      [](const std::string&) -> PackerPtr { return std::make_shared<FirstFitDecreasingPacker>(); }},
+    {PackerKind::kFastest, "fastest", true,
+     [](const std::string& sort_by) -> PackerPtr { return std::make_shared<FastestPacker>(sort_by); }},
 }};
 
 template <std::size_t... I>
@@ -63,7 +66,7 @@ bool packer_takes_sort_by(PackerKind kind) { return registration(kind).takes_sor
 std::shared_ptr<const MicrobatchPacker> make_packer(PackerKind kind, const std::string& sort_by) {
   const PackerRegistration& packer = registration(kind);
   if (!sort_by.empty() && !packer.takes_sort_by) {
-    throw std::invalid_argument("sort_by '" + sort_by + "' applies to the adaptive packer only, not '" +
+    throw std::invalid_argument("sort_by '" + sort_by + "' applies to the adaptive and fastest packers only, not '" +
                                 to_string(kind) + "'");
   }
   return packer.make(sort_by);

@@ -1,4 +1,5 @@
 #include "xpm/planner/predictive_batcher.hpp"
+#include "xpm/planner/time_model.hpp"
 
 #include <algorithm>
 #include <functional>
@@ -280,6 +281,10 @@ void PredictiveBatcher::store_model(FitCandidate chosen, double static_bytes) {
                            ? nlohmann::json(nullptr)
                            : nlohmann::json(adaptive_report_.disagreement)},
       {"report", adaptive_report_.describe(model.formula())}};
+  // The probes' forward/backward times, for the fastest packer (absent when not timed).
+  if (const std::optional<TimeModel> time = fit_time_model(model, probes_)) {
+    model.metadata()["time_model"] = time->to_json();
+  }
   model_ = std::move(model);
 }
 

@@ -23,6 +23,7 @@ nlohmann::json to_json(const ProbeResult& probe) {
           {"optimizer_step_peak_bytes", probe.optimizer_step_peak_bytes},
           {"step_peak_bytes", probe.step_peak_bytes()},
           {"duration_s", probe.duration_s},
+          {"forward_backward_s", probe.forward_backward_s},
           {"error", probe.error},
           {"capacity_bytes", probe.capacity_bytes}};
 }

@@ -36,7 +36,10 @@ ProbeResult TorchProbeExecutor::measure(const std::function<void()>& forward_bac
   steps_.zero_grad();
   try {
     meter_.reset_peak();
+    const auto forward_start = std::chrono::steady_clock::now();
     forward_backward();
+    result.forward_backward_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - forward_start).count();
     result.forward_backward_peak_bytes = static_cast<double>(meter_.peak_allocated_bytes());
     meter_.reset_peak();
     steps_.optimizer_step();

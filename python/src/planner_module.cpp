@@ -340,6 +340,7 @@ void bind_probing(py::module_& m) {
       .def_readwrite("forward_backward_peak_bytes", &xpm::ProbeResult::forward_backward_peak_bytes)
       .def_readwrite("optimizer_step_peak_bytes", &xpm::ProbeResult::optimizer_step_peak_bytes)
       .def_readwrite("duration_s", &xpm::ProbeResult::duration_s)
+      .def_readwrite("forward_backward_s", &xpm::ProbeResult::forward_backward_s)
       .def_readwrite("error", &xpm::ProbeResult::error)
       .def_readwrite("capacity_bytes", &xpm::ProbeResult::capacity_bytes)
       .def_property_readonly("step_peak_bytes", &xpm::ProbeResult::step_peak_bytes);

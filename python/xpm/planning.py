@@ -42,8 +42,8 @@ from . import _planner
 FormulaError = _planner.FormulaError
 
 # ---- closed sets of string arguments: a Literal for type checkers, a tuple for the runtime check
-PackerName = Literal["adaptive", "ffd", "uniform"]
-"""A packer of ``plan`` and ``PredictiveBatchSampler``: "adaptive", "ffd" or "uniform"."""
+PackerName = Literal["adaptive", "fastest", "ffd", "uniform"]
+"""A packer of ``plan`` and ``PredictiveBatchSampler``: "adaptive", "fastest", "ffd" or "uniform"."""
 PACKERS: Tuple[PackerName, ...] = tuple(sorted(_planner.packer_names()))  # type: ignore[assignment]
 """The C++ library's packers (its table in packer_kind.cpp), by name; ``PackerName`` is their
 ``Literal`` for type checkers (a test keeps the two equal)."""
@@ -79,7 +79,7 @@ def _name_list(choices: Sequence[str]) -> str:
 def _check_choice(value: Any, choices: Sequence[str], what: str) -> None:
     """ValueError, one line, when ``value`` is not one of ``choices`` (case-sensitive): ``what``
     names where it came from (``"plan: packer"``, ``"probe: aggregation['t']"``), as in
-    ``plan: packer must be 'adaptive', 'ffd' or 'uniform', got 'FFD'``."""
+    ``plan: packer must be 'adaptive', 'fastest', 'ffd' or 'uniform', got 'FFD'``."""
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{what} must be {_name_list(choices)}, got {value!r}")
 
@@ -435,6 +435,16 @@ class MemoryModel:
         return {name: (float(span[0]), float(span[1])) for name, span in self._parsed().get("probed_ranges", {}).items()}
 
     @property
+    def time_model(self) -> Optional[Dict[str, float]]:
+        """How long a microbatch's forward and backward take, fitted to the probes' timings on
+        the machine that probed: ``overhead_s`` (every microbatch) + ``seconds_per_byte`` x the
+        bytes of activations its records add (the formula at its dims less its value at batch
+        size 0), with ``max_rel_error`` and ``fitted_points``; what ``packer="fastest"``
+        minimises. None for a model fitted to given measurements (``fit``)."""
+        record = self._parsed().get("metadata", {}).get("time_model")
+        return None if record is None else dict(record)
+
+    @property
     def static_bytes(self) -> Optional[float]:
         """Bytes allocated when ``xpm.probe`` began probing (weights, every gradient, the
         optimizer's state, whatever else was alive), as its meter counted them; None for a model
@@ -726,17 +736,19 @@ def plan(record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, packe
         model: the fitted memory model.
         usable_bytes: the budget every microbatch's predicted peak must fit, bytes.
         packer: ``xpm.PackerName``: "adaptive" (grow while it fits, heaviest first by
-            ``sort_by``), "ffd" (first fit decreasing) or "uniform" (equal slices).
-        sort_by: the variable the adaptive packer sorts by, heaviest first; default the first
-            variable that is not the batch size; "" keeps record order.
+            ``sort_by``: the fewest microbatches), "fastest" (the sorted records cut into the
+            runs of least predicted time, by the model's time model, which ``xpm.probe`` fits
+            from the probes' timings), "ffd" (first fit decreasing) or "uniform" (equal slices).
+        sort_by: the variable the adaptive and fastest packers sort by, heaviest first; default
+            the first variable that is not the batch size; "" keeps record order.
 
     Returns:
         The ``Plan``: the same microbatches as the C++ packer (and ``xpm-plan plan``) for the
         same model file. Deterministic: every rank gets the same plan.
 
     Raises:
-        ValueError: an unknown packer (``plan: packer must be 'adaptive', 'ffd' or 'uniform', got
-            'FFD'``), dims of the wrong shape, a negative or non-finite dim (named
+        ValueError: an unknown packer (``plan: packer must be 'adaptive', 'fastest', 'ffd' or
+            'uniform', got 'FFD'``), "fastest" with a model without a time model, dims of the wrong shape, a negative or non-finite dim (named
             with its record's index), a record whose batch-size entry is not 1 (dims in the wrong
             order), ``usable_bytes`` <= 0, or ``sort_by`` not a record variable of the formula.
 

@@ -173,14 +173,15 @@ class _TorchExecutor(_planner.ProbeExecutor):
 
     def _combine_ranks(self, result, without_gradients_peak: float, synchronised_peak: float, failure,
                        where: str) -> Tuple[float, float]:
-        """Lockstep: every rank's peaks (max), out-of-memory and error flags in one all-reduce;
-        an error on another rank raises here, one out of memory anywhere makes the probe
-        infeasible on every rank. Returns the ranks' largest peaks without gradients and
-        synchronised."""
-        world, peaks = self.lockstep.world_size, 4
+        """Lockstep: every rank's peaks and forward/backward time (max), out-of-memory and error
+        flags in one all-reduce; an error on another rank raises here, one out of memory
+        anywhere makes the probe infeasible on every rank. Returns the ranks' largest peaks
+        without gradients and synchronised."""
+        world, peaks = self.lockstep.world_size, 5
         mine = [0.0] * (peaks + 2 * world)
         mine[0], mine[1] = result.forward_backward_peak_bytes, result.optimizer_step_peak_bytes
         mine[2], mine[3] = without_gradients_peak, synchronised_peak
+        mine[4] = result.forward_backward_s  # the slowest rank's: every rank fits the same time model
         mine[peaks + self.lockstep.rank] = 0.0 if result.feasible else 1.0
         mine[peaks + world + self.lockstep.rank] = 0.0 if failure is None else 1.0
         combined = self.lockstep.max(mine)
@@ -189,6 +190,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
             raise RuntimeError(f"probing at {where}: rank {', '.join(map(str, failed))} failed (its own error says "
                                f"why); every rank stops")
         result.forward_backward_peak_bytes, result.optimizer_step_peak_bytes = combined[0], combined[1]
+        result.forward_backward_s = combined[4]
         out_of_memory = [r for r in range(world) if combined[peaks + r] > 0]
         if out_of_memory:
             result.feasible = False
@@ -217,7 +219,9 @@ class _TorchExecutor(_planner.ProbeExecutor):
                     parameter.grad = None
                 without_gradients_peak = self._forward_backward_peak(batch)
                 _zero_gradients_in_place(self.steady.parameters)
+            forward_start = time.perf_counter()
             result.forward_backward_peak_bytes = self._forward_backward_peak(batch)
+            result.forward_backward_s = time.perf_counter() - forward_start
             if self.measure_synchronised:  # as after zero_grad(set_to_none=True): the reduce-scatter makes them
                 for parameter in self.steady.parameters:
                     parameter.grad = None

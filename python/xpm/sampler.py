@@ -196,7 +196,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         units: [n] loss units per record (tokens, characters); default 1 each.
         shuffle: shuffle the records every epoch (else they go in order).
         drop_last: leave out the last outer batch when it is short.
-        packer: ``xpm.PackerName``: "adaptive", "ffd" or "uniform" (see ``xpm.plan``).
+        packer: ``xpm.PackerName``: "adaptive", "fastest", "ffd" or "uniform" (see ``xpm.plan``).
         sort_by: the variable the packer sorts by (default: the non-batch-size one).
         lockstep: every rank yields the same number of microbatches in every step, the most
             any rank's share packs into (a share that packs into fewer is split further: its
@@ -224,7 +224,7 @@ class PredictiveBatchSampler(Sampler[List[int]]):
 
     Raises:
         ValueError: a bad argument (named, with its value: ``PredictiveBatchSampler: packer must
-            be 'adaptive', 'ffd' or 'uniform', got 'FFD'``); a NaN, infinite or negative entry of
+            be 'adaptive', 'fastest', 'ffd' or 'uniform', got 'FFD'``); a NaN, infinite or negative entry of
             ``record_dims`` or ``units`` (named with the first bad index); a record whose
             batch-size entry is not 1 (dims in the wrong order or the wrong batch-size variable;
             named with its index, its dims and the formula's variable order); a rank or world

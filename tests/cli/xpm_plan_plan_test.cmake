@@ -108,7 +108,7 @@ endif()
 xpm_plan_run(0 "ffd packer" plan --model "${model}" --csv "${records}" --capacity-bytes 1580000 --packer ffd)
 expect_match("ffd packer" "${OUT}" "packer ffd")
 xpm_plan_run(2 "bad packer" plan --model "${model}" --csv "${records}" --capacity-bytes 1580000 --packer best-fit)
-expect_match("bad packer" "${ERR}" "--packer must be 'adaptive', 'uniform' or 'ffd', got 'best-fit'")
+expect_match("bad packer" "${ERR}" "--packer must be 'adaptive', 'uniform', 'ffd' or 'fastest', got 'best-fit'")
 xpm_plan_run(2 "bad sort-by" plan --model "${model}" --csv "${records}" --capacity-bytes 1580000 --sort-by len)
 expect_match("bad sort-by" "${ERR}" "--sort-by: 'len' is not a variable")
 xpm_plan_run(2 "sort-by uniform" plan --model "${model}" --csv "${records}" --capacity-bytes 1580000

@@ -20,7 +20,7 @@ expect_input_error("unknown option" "unrecognised option '--no-such-option'" --n
 expect_input_error("missing corpus" "--data-dir '/nonexistent' has no cats.txt" --data-dir /nonexistent)
 expect_input_error("bad memory fraction" "--memory-fraction must be in \\(0, 1\\], got 1.5" --data-dir "${DATA_DIR}" --memory-fraction 1.5)
 expect_input_error("bad probe point" "'8y64' is not of the form BSxL" --data-dir "${DATA_DIR}" --probe-points 8y64)
-expect_input_error("bad packer" "packer must be 'adaptive', 'uniform' or 'ffd', got 'best'" --data-dir "${DATA_DIR}" --packer best)
+expect_input_error("bad packer" "packer must be 'adaptive', 'uniform', 'ffd' or 'fastest', got 'best'" --data-dir "${DATA_DIR}" --packer best)
 expect_input_error("bad precision" "precision '16-mixed' needs a CUDA device" --data-dir "${DATA_DIR}" --precision 16-mixed)
 expect_input_error("bad lr schedule" "--lr-schedule" --data-dir "${DATA_DIR}" --lr-schedule step)
 expect_input_error("checkpointing without encoder layers" "--activation-checkpointing recomputes the Transformer" --data-dir "${DATA_DIR}" --architecture bilstm --activation-checkpointing)

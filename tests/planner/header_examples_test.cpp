@@ -13,12 +13,14 @@
 #include <vector>
 
 #include "xpm/planner/budget.hpp"
+#include "xpm/planner/fastest_packer.hpp"
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/formula.hpp"
 #include "xpm/planner/memory_model.hpp"
 #include "xpm/planner/packer.hpp"
 #include "xpm/planner/packer_kind.hpp"
 #include "xpm/planner/record_dims_view.hpp"
+#include "xpm/planner/time_model.hpp"
 
 namespace xpm {
 namespace {
@@ -74,6 +76,33 @@ TEST_CASE("packer_kind.hpp's example compiles and runs") {
 #include "xpm/planner/packer_kind.example.inc"
   CHECK(packer != nullptr);
   CHECK(to_string(kind) == "ffd");
+}
+
+TEST_CASE("time_model.hpp's example compiles and runs") {
+  MemoryModel model = linear_model();
+  std::vector<ProbeResult> probes;
+  for (double l : {10.0, 40.0, 120.0, 250.0}) {  // 1 ms a microbatch, 2 ns a byte of work
+    ProbeResult probe;
+    probe.dims = {1, l};
+    probe.forward_backward_s = 1e-3 + 2e-9 * TimeModel::work_bytes(model, probe.dims);
+    probes.push_back(probe);
+  }
+#include "xpm/planner/time_model.example.inc"
+  REQUIRE(time);
+  CHECK(TimeModel::from_metadata(model)->seconds(model, {8, 128}) ==
+        doctest::Approx(1e-3 + 2e-9 * (8 * 128 * 100.0 + 8 * 30.0)).epsilon(1e-6));
+}
+
+TEST_CASE("fastest_packer.hpp's example compiles and runs") {
+  MemoryModel model = linear_model();
+  model.metadata()["time_model"] = TimeModel{1e-3, 2e-9, 0.0, 0}.to_json();
+  MemoryBudget budget;
+  budget.capacity_bytes = 40'000;
+  const std::vector<double> dims = {1, 120, 1, 40, 1, 250};  // {bs, l} per record
+  const std::size_t n = 3;
+#include "xpm/planner/fastest_packer.example.inc"
+  // 250 alone; 40 padded to 120 costs 16 us of work, less than a microbatch's 1 ms.
+  CHECK(plan.microbatches.size() == 2);
 }
 
 }  // namespace

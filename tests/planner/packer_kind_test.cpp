@@ -24,16 +24,16 @@ TEST_CASE("an enum's name table reads both ways and names every choice in its er
                        "--fruit must be 'apple', 'pear' or 'fig', got 'Pear'", std::invalid_argument);
 }
 
-TEST_CASE("make_packer builds each packer by kind; sort_by is the adaptive packer's alone") {
-  for (const char* name : {"adaptive", "uniform", "ffd"}) {
+TEST_CASE("make_packer builds each packer by kind; sort_by is the adaptive and fastest packers' alone") {
+  for (const char* name : {"adaptive", "uniform", "ffd", "fastest"}) {
     const xpm::PackerKind kind = xpm::parse_packer_kind(name, "--packer");
     CHECK(xpm::to_string(kind) == name);
     CHECK(xpm::make_packer(kind)->name().rfind(name, 0) == 0);
   }
   CHECK_THROWS_WITH_AS(xpm::parse_packer_kind("best", "--packer"),
-                       "--packer must be 'adaptive', 'uniform' or 'ffd', got 'best'", std::invalid_argument);
+                       "--packer must be 'adaptive', 'uniform', 'ffd' or 'fastest', got 'best'", std::invalid_argument);
   CHECK_THROWS_WITH_AS(xpm::make_packer(xpm::PackerKind::kUniform, "l"),
-                       "sort_by 'l' applies to the adaptive packer only, not 'uniform'", std::invalid_argument);
+                       "sort_by 'l' applies to the adaptive and fastest packers only, not 'uniform'", std::invalid_argument);
   CHECK(xpm::make_packer(xpm::PackerKind::kAdaptive, "l")->name().find("l") != std::string::npos);
 }
 

@@ -376,12 +376,14 @@ def test_a_cuda_meter_without_cuda_is_refused_in_one_line():
 
 
 def _untimed(model):
-    """The model's JSON without the seconds it records (probe durations, the adaptive design's time)."""
+    """The model's JSON without the seconds it records (probe durations, the adaptive design's
+    time, the time model)."""
     data = json.loads(model.to_json())
     adaptive = data["metadata"]["adaptive_design"]
     del adaptive["elapsed_s"], adaptive["report"]
     for probe in data["metadata"]["probes"]:
-        del probe["duration_s"]
+        del probe["duration_s"], probe["forward_backward_s"]
+    del data["metadata"]["time_model"]
     return data
 
 
@@ -671,4 +673,40 @@ def test_calibration_from_training_covers_what_the_probes_missed_from_the_next_s
     print(f"\ncalibration: step 1 worst {100 * min((p - m) / m for _, m, p, _ in first):+.2f} %, from step 2 "
           f"{100 * min(errors):+.2f} % to {100 * max(errors):+.2f} % over {len(later)} microbatches; {log}; "
           f"buckets {bucket_bytes} bytes, correction {sampler.correction_bytes:.0f}; {elapsed_s:.1f} s")
+
+
+
+def test_the_probes_time_the_step_and_the_fastest_packer_plans_with_it(trained):
+    """The probe fits a time model (overhead per microbatch, seconds per byte of work) to its
+    forward/backward timings; packer="fastest" plans every microbatch within the budget, each
+    record once, and no slower by its own model than the fewest microbatches."""
+    model, optimizer = trained
+    METER.capacity_bytes = 400_000_000
+    try:
+        outcome = xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)), FORMULA,
+                            meter=METER, variable_max={"bs": 16, "l": 48})
+    finally:
+        METER.capacity_bytes = 0
+    time_model = outcome.model.time_model
+    assert time_model is not None and time_model["fitted_points"] >= 6
+    assert time_model["overhead_s"] >= 0 and time_model["seconds_per_byte"] >= 0
+    assert all(p.forward_backward_s > 0 for p in outcome.probes if p.feasible)
+    lengths = np.random.default_rng(3).integers(2, 48, 300)
+    usable = int(outcome.model.predict([16, 48]))
+    fastest = xpm.plan(lengths, outcome.model, usable, packer="fastest")
+    fewest = xpm.plan(lengths, outcome.model, usable, packer="adaptive")
+    assert sorted(i for mb in fastest.microbatches for i in mb) == list(range(300))
+    assert max(fastest.predicted_bytes) <= usable
+
+    def seconds(plan):
+        work = outcome.model.predict(plan.dims) - outcome.model.predict(np.column_stack([0 * plan.dims[:, 0],
+                                                                                          plan.dims[:, 1]]))
+        return sum(time_model["overhead_s"] + time_model["seconds_per_byte"] * np.maximum(work, 0))
+    assert seconds(fastest) <= seconds(fewest) * (1 + 1e-9)
+    fitted, _ = xpm.fit(FORMULA, np.array([[1, 8], [2, 16], [4, 32], [8, 48], [16, 8], [2, 40]], dtype=float),
+                        np.array([outcome.model.predict(d) for d in ([1, 8], [2, 16], [4, 32], [8, 48], [16, 8],
+                                                                     [2, 40])]))
+    assert fitted.time_model is None
+    with pytest.raises(ValueError, match="the fastest packer needs a memory model with a time model"):
+        xpm.plan(lengths, fitted, usable, packer="fastest")
 

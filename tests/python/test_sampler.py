@@ -166,10 +166,12 @@ def test_a_rank_without_records_still_joins_the_step(model):
 
 
 @pytest.mark.parametrize("packer", xpm.PACKERS)
-def test_microbatches_carry_the_plans_dims_and_predicted_bytes(model, lengths, packer):
+def test_microbatches_carry_the_plans_dims_and_predicted_bytes(model, lengths, packer, timed):
+    model = timed(model)  # for "fastest"; the other packers ignore it
     world = 3
-    for rank in range(world):
-        sampler = sampler_for(model, lengths, rank=rank, world_size=world, shuffle=False, packer=packer)
+    for rank in range(world):  # not in lockstep: a share's plan is the packer's, never split further
+        sampler = sampler_for(model, lengths, rank=rank, world_size=world, shuffle=False, packer=packer,
+                              lockstep=False)
         microbatches = list(sampler)
         steps = list(sampler.steps())
         assert [mb.step for mb in microbatches] == [k for k, s in enumerate(steps) for _ in s.microbatches]
@@ -368,8 +370,8 @@ def test_a_finished_epoch_starts_over_and_bad_states_are_refused(model, lengths)
     for packer in ("FFD", "Adaptive", None):  # the Literal's values only, spelt as they are
         with pytest.raises(ValueError) as caught:
             sampler_for(model, lengths, packer=packer)
-        assert str(caught.value) == ("PredictiveBatchSampler: packer must be 'adaptive', 'ffd' or 'uniform', "
-                                     f"got {packer!r}")
+        assert str(caught.value) == ("PredictiveBatchSampler: packer must be 'adaptive', 'fastest', 'ffd' or "
+                                     f"'uniform', got {packer!r}")
     with pytest.raises(ValueError, match="outer_batch_size must be a whole number"):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=2.5)
     with pytest.warns(RuntimeWarning, match="over the budget"):

@@ -192,3 +192,18 @@ TEST_CASE("DDP: from the third step no microbatch is under-predicted by 1 % nor 
   CHECK(worst_under >= -0.01);
   CHECK(worst_over <= 0.03);
 }
+
+TEST_CASE("DDP: --packer fastest plans with the probes' time model on both ranks, 0 OOM") {
+  const std::string run_dir = kWork + "/fastest";
+  const Run run = run_train(kCommon + "--max-steps 4 --outer-batch-size 256 --packer fastest --nproc 2 --run-dir '" +
+                            run_dir + "' -q");
+  REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  std::ifstream model_file(run_dir + "/memory_model.json");
+  const nlohmann::json model = nlohmann::json::parse(model_file);
+  REQUIRE(model.at("metadata").contains("time_model"));
+  CHECK(model["metadata"]["time_model"].at("seconds_per_byte").get<double>() > 0);
+  for (const nlohmann::json& line : read_step_metrics(run_dir)) {
+    CHECK(line.at("oom") == false);
+    for (double error : line.at("microbatch_rel_errors").get<std::vector<double>>()) CHECK(error >= -0.01);
+  }
+}

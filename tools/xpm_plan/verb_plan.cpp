@@ -74,9 +74,10 @@ po::options_description plan_options() {
   add_budget_options(desc);
   desc.add_options()
       ("packer", po::value<std::string>()->default_value("adaptive"),
-       "adaptive, uniform or ffd (first fit decreasing)")
+       "adaptive, uniform, ffd (first fit decreasing) or fastest (least predicted time: the model's "
+       "time_model)")
       ("sort-by", po::value<std::string>()->default_value("", "none"),
-       "adaptive packer: variable to sort records by, heaviest first")
+       "adaptive and fastest packers: variable to sort records by, heaviest first")
       ("figure", po::value<std::string>(),
        "write an SVG figure here: utilization and records per microbatch")
       ("json", po::bool_switch()->default_value(false), "print one JSON object instead of text");

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "xpm/planner/memory_model_cache.hpp"
+#include "xpm/planner/time_model.hpp"
 #include "xpm/trainer/loop/error_context.hpp"
 #include "xpm/tasks/tagging_probe.hpp"
 
@@ -79,8 +80,12 @@ nlohmann::json look_up_or_probe(const TaggingJobConfig& config, TaggingModelSetu
   std::optional<MemoryModelCache> cache;
   if (!config.memory_model_cache.empty()) cache.emplace(config.memory_model_cache);
   std::string cache_warning;
-  const std::optional<MemoryModel> cached = cache ? cache->lookup(identity, &cache_warning) : std::nullopt;
+  std::optional<MemoryModel> cached = cache ? cache->lookup(identity, &cache_warning) : std::nullopt;
   if (!cache_warning.empty()) log("xpm-train: warning: " + cache_warning);
+  if (cached && config.packer == PackerKind::kFastest && !TimeModel::from_metadata(*cached)) {
+    log("xpm-train: the cached memory model has no time model, which --packer fastest needs: probing again");
+    cached.reset();
+  }
   if (cached) {
     batcher.set_model(*cached);
     log("xpm-train: memory model from the cache (" + cache->path_for(identity) + "), no probing");

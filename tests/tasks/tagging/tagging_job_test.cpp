@@ -332,7 +332,7 @@ TEST_CASE("precision and activation checkpointing errors name the setting; enum 
   CHECK_THROWS_WITH_AS(xpm::parse_precision("fp8", "--precision"), doctest::Contains("--precision"),
                        std::invalid_argument);
   CHECK_THROWS_WITH_AS(xpm::parse_packer_kind("best", "--packer"),
-                       "--packer must be 'adaptive', 'uniform' or 'ffd', got 'best'", std::invalid_argument);
+                       "--packer must be 'adaptive', 'uniform', 'ffd' or 'fastest', got 'best'", std::invalid_argument);
   CHECK(xpm::parse_packer_kind(xpm::to_string(xpm::PackerKind::kFirstFitDecreasing), "packer") ==
         xpm::PackerKind::kFirstFitDecreasing);
   CHECK(xpm::parse_batcher_kind("power", "batcher") == xpm::BatcherKind::kPower);

@@ -28,6 +28,7 @@ struct ProbeResult {
   double forward_backward_peak_bytes = 0;  // peak allocated bytes during forward + backward
   double optimizer_step_peak_bytes = 0;    // peak allocated bytes during the optimizer step
   double duration_s = 0;                   // wall time of the probe step
+  double forward_backward_s = 0;           // wall time of its forward + backward (0: not timed)
   std::string error;                       // the OOM message when infeasible
   double capacity_bytes = 0;               // memory limit the probe ran under, bytes; 0: not
                                            // recorded (PredictiveBatcher assumes its budget's)
