@@ -13,9 +13,11 @@ classmethod like these) and one entry there.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Dict, Literal, Optional, Protocol, Union, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -55,6 +57,9 @@ class CpuMeter:
 
     @capacity_bytes.setter
     def capacity_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or \
+                not math.isfinite(value) or value < 0 or value != int(value):
+            raise ValueError(f"CpuMeter.capacity_bytes must be a whole number of bytes >= 0 (0: no cap), got {value!r}")
         self._native.capacity_bytes = int(value)
 
     @property

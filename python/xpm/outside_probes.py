@@ -11,8 +11,9 @@ allocated then are in every prediction. Some memory of the real step can only co
 - ``"gradient_buckets"``: a process group of more than one rank is initialised but the probed
   model is neither wrapped in ``DistributedDataParallel`` nor sharded by FSDP. Wrapping it after
   the probes allocates DDP's gradient buckets, as many bytes as the trainable parameters'
-  gradients (``gradient_as_bucket_view=False``, DDP's default). Probe the wrapped model on every
-  rank (``lockstep=True``) and they are in the probes.
+  gradients (``gradient_as_bucket_view=False``, DDP's default; with True the gradients are views
+  of the buckets and the figure is an upper bound). Probe the wrapped model on every rank
+  (``lockstep=True``) and they are in the probes.
 
 What cannot be seen at probe time is measured in training: memory allocated after probing by
 ``xpm.check_unplanned_memory`` at each step's start (``microbatch_loop(..., meter=...)`` and the
@@ -79,7 +80,8 @@ def outside_probes_of(model: torch.nn.Module) -> List[OutsideProbes]:
         parts.append(OutsideProbes(
             "gradient_buckets", gradient_bytes,
             f"the probed model is not wrapped for data parallelism although the process group has {world_size} "
-            f"ranks: DistributedDataParallel allocates gradient buckets of {gradient_bytes} bytes when it wraps it; "
+            f"ranks: DistributedDataParallel allocates gradient buckets of {gradient_bytes} bytes when it wraps it "
+            f"(none with gradient_as_bucket_view=True); "
             f"probe the wrapped model on every rank (lockstep=True) to measure them, or leave them out of the "
             f"budget (MemoryBudget(extra_overhead_bytes=...))"))
     return parts

@@ -243,6 +243,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
                 result.error = str(error).splitlines()[0]
             if not result.feasible:
                 _drain_autograd_buffers(self.meter)
+                _reset_data_parallel_reducer(self.steady.model)
         finally:
             _zero_gradients_in_place(self.steady.parameters)
         if self.lockstep is not None:
@@ -278,6 +279,17 @@ class _TorchExecutor(_planner.ProbeExecutor):
         loss.backward()
         del loss
         return float(self.meter.peak_allocated_bytes)
+
+
+def _reset_data_parallel_reducer(model: torch.nn.Module) -> None:
+    """DistributedDataParallel: a forward or backward that ran out of memory leaves its reducer
+    waiting for that backward's buckets, and the next forward would refuse to start ("Expected to
+    have finished reduction in the prior iteration"); in lockstep every rank ran out of memory at
+    that probe, so every rank resets its reducer here (DDP's own reset, private in torch 2.x;
+    nothing where it is missing)."""
+    reset = getattr(getattr(model, "reducer", None), "_reset_state", None)
+    if callable(reset):
+        reset()
 
 
 def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -58,14 +58,16 @@ class ProbeOptions:
             ``meter`` a ``CpuMeter`` (it cannot be made here: it must be installed before the
             model is built). ``"cuda"`` or ``"cuda:N"``: ``meter`` a ``CudaMeter`` of that device,
             or None to have one made. The model's parameters must be on that device.
-        lockstep: probe on every rank of ``process_group`` at once (an FSDP2 model, whose
-            forward and backward are collectives; ``xpm.lockstep``): every rank calls ``probe``
+        lockstep: probe on every rank of ``process_group`` at once (a DistributedDataParallel or
+            FSDP2 model, whose backward or forward and backward are collectives;
+            ``xpm.lockstep``): every rank calls ``probe``
             with the same arguments, runs the same probes in the same order, and each probe's
             peaks are the maximum over ranks, its out of memory the union, in one all-reduce;
             every rank returns the same model. An FSDP2 model is probed as its microbatches
             accumulate (``set_requires_gradient_sync(False)``, its unsharded gradient held),
             the state of every microbatch of a step but the first. False (the default): this
-            process alone (rank 0 of a data-parallel job, before wrapping the model).
+            process alone (rank 0 of a data-parallel job, before wrapping the model; a
+            DistributedDataParallel model is refused).
         process_group: the ranks of ``lockstep`` (None: torch.distributed's default group).
         measure_phases: also measure every probe's forward and backward with the gradients set
             to None first (one more forward and backward per probe) and fit the

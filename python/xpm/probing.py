@@ -145,7 +145,9 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     Raises:
         TypeError: a keyword that is not a ``ProbeOptions`` field, or ``options`` with keywords.
-        ValueError: bad options (a ``variable_max``, ``aggregation`` or ``probe_points`` key that
+        ValueError: a ``model``, ``optimizer``, ``loss_fn`` or ``meter`` of the wrong kind, a
+            ``lockstep`` or ``measure_phases`` that is not a bool, a DistributedDataParallel
+            model without ``lockstep``; bad options (a ``variable_max``, ``aggregation`` or ``probe_points`` key that
             is not a variable of the formula, named with the formula's variables; ``record_dims``
             of the wrong width, with a batch-size column other than 1 or a NaN, infinite or
             negative value, named by row; ``"auto"`` with ``record_dims`` but no ``variables``),
@@ -179,6 +181,7 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     bytes allocated before every probe (``result.model.static_bytes``).
     """
     options = ProbeOptions.from_keywords(options, keywords)
+    _check_arguments(model, optimizer, loss_fn, meter, options)
     ranks = Lockstep(options.process_group) if options.lockstep else None
     if ranks is None and options.process_group is not None:
         raise ValueError("probe: process_group names the ranks of lockstep=True probing; give lockstep=True")
@@ -196,6 +199,30 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     except BaseException as error:
         _release_frames(error)  # the probe's batches, graphs and saved state go with the frames' locals
         raise
+
+
+def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, meter: Any, options: ProbeOptions) -> None:
+    """One-line ValueErrors for arguments of the wrong kind, and for a DistributedDataParallel
+    model without ``lockstep`` (its backward all-reduces: probed on one rank it waits for the
+    others until the process group's timeout), before anything else."""
+    def refuse(name: str, what: str, value: Any) -> None:
+        raise ValueError(f"probe: {name} must be {what}, got {value!r}")
+
+    if not isinstance(model, torch.nn.Module):
+        refuse("model", "a torch.nn.Module", model)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        refuse("optimizer", "a torch.optim.Optimizer", optimizer)
+    if not callable(loss_fn):
+        refuse("loss_fn", "a function of the dims returning a scalar loss tensor", loss_fn)
+    if meter is not None and not isinstance(meter, Meter):
+        refuse("meter", "an xpm.CpuMeter or xpm.CudaMeter (or None with device='cuda')", meter)
+    for name in ("lockstep", "measure_phases"):
+        if not isinstance(getattr(options, name), bool):
+            refuse(name, "True or False", getattr(options, name))
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not options.lockstep:
+        raise ValueError("probe: a DistributedDataParallel model all-reduces in every backward, so one rank cannot "
+                         "probe it alone: call probe on every rank with lockstep=True, or probe the unwrapped module "
+                         "on one rank (outcome.outside_probes then names DDP's buckets)")
 
 
 def _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, ranks,

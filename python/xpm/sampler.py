@@ -250,8 +250,11 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         rank, world_size = _rank_and_world_size(rank, world_size)
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
-        if int(usable_bytes) <= 0:
-            raise ValueError(f"usable_bytes must be > 0, got {usable_bytes}")
+        if isinstance(usable_bytes, bool) or not isinstance(usable_bytes, (int, float, np.integer, np.floating)) \
+                or not usable_bytes > 0:
+            raise ValueError(f"usable_bytes must be a number of bytes > 0, got {usable_bytes!r}")
+        if lockstep is not None and not isinstance(lockstep, bool):
+            raise ValueError(f"lockstep must be True, False or None (at world size > 1: True), got {lockstep!r}")
         _check_choice(packer, PACKERS, "PredictiveBatchSampler: packer")
         self._dims = dims
         self._units = np.ones(len(dims)) if units is None else np.asarray(units, dtype=np.float64)

@@ -710,3 +710,61 @@ def test_the_probes_time_the_step_and_the_fastest_packer_plans_with_it(trained):
     with pytest.raises(ValueError, match="the fastest packer needs a memory model with a time model"):
         xpm.plan(lengths, fitted, usable, packer="fastest")
 
+
+def test_arguments_of_the_wrong_kind_are_refused_in_one_line_before_anything_runs(trained):
+    model, optimizer = trained
+    loss = lambda dims: model.loss_sum(random_chars(dims))  # noqa: E731
+    for args, keywords, expected in (
+            (("model", optimizer, loss), {}, "probe: model must be a torch.nn.Module, got 'model'"),
+            ((model, None, loss), {}, "probe: optimizer must be a torch.optim.Optimizer, got None"),
+            ((model, optimizer, "loss"), {}, "probe: loss_fn must be a function of the dims"),
+            ((model, optimizer, loss), {"meter": "cpu"}, "probe: meter must be an xpm.CpuMeter or xpm.CudaMeter"),
+            ((model, optimizer, loss), {"lockstep": "no"}, "probe: lockstep must be True or False, got 'no'")):
+        with pytest.raises(ValueError) as caught:
+            xpm.probe(*args, FORMULA, **{"meter": METER, **keywords})
+        assert str(caught.value).startswith(expected) and "\n" not in str(caught.value)
+
+
+class _ConvClassifier(torch.nn.Module):
+    """Token ids [bs, l] -> embedding -> 1-D convolution -> max over positions -> 3 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(64, 16)
+        self.conv = torch.nn.Conv1d(16, 48, 5, padding=2)
+        self.head = torch.nn.Linear(48, 3)
+
+    def forward(self, tokens):
+        return self.head(torch.relu(self.conv(self.embedding(tokens).transpose(1, 2))).amax(2))
+
+
+def test_a_ddp_model_is_probed_in_lockstep_through_out_of_memory_probes_and_refused_without(tmp_path):
+    """DDP at world size 1 (gloo): without lockstep one line says why; with it, probes that run
+    out of memory in backward are bounds and the next probe starts (DDP's reducer reset after
+    each; without the reset the next forward refuses: "Expected to have finished reduction")."""
+    torch.manual_seed(5)
+    model = _ConvClassifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+
+        def loss(dims):
+            bs, l = int(dims[0]), int(dims[1])
+            return torch.nn.functional.cross_entropy(wrapped(torch.randint(0, 64, (bs, l))), torch.randint(0, 3, (bs,)),
+                                                     reduction="sum")
+        formula = xpm.CostFormula("a*bs*l + c", ["bs", "l"])
+        with pytest.raises(ValueError, match="probe: a DistributedDataParallel model all-reduces in every backward"):
+            xpm.probe(wrapped, optimizer, loss, formula, meter=METER, variable_max={"bs": 256, "l": 256})
+        METER.capacity_bytes = METER.current_allocated_bytes + 3_000_000
+        try:
+            outcome = xpm.probe(wrapped, optimizer, loss, formula, meter=METER, variable_max={"bs": 256, "l": 256},
+                                lockstep=True, adaptive_max_probes=2)
+        finally:
+            METER.capacity_bytes = 0
+        infeasible = [p for p in outcome.probes if not p.feasible]
+        assert infeasible and len(outcome.probes) > len(infeasible) + 3
+        assert outcome.outside_probes == []
+    finally:
+        torch.distributed.destroy_process_group()

@@ -374,6 +374,12 @@ def test_a_finished_epoch_starts_over_and_bad_states_are_refused(model, lengths)
                                      f"'uniform', got {packer!r}")
     with pytest.raises(ValueError, match="outer_batch_size must be a whole number"):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=2.5)
+    with pytest.raises(ValueError, match="^usable_bytes must be a number of bytes > 0, got '8e5'$"):
+        xpm.PredictiveBatchSampler(lengths, model, "8e5", outer_batch_size=2)
+    with pytest.raises(ValueError, match=r"^lockstep must be True, False or None \(at world size > 1: True\), got 'no'$"):
+        xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=2, lockstep="no")
+    with pytest.raises(ValueError, match="^CpuMeter.capacity_bytes must be a whole number of bytes >= 0"):
+        xpm.CpuMeter.install().capacity_bytes = "1e6"
     with pytest.warns(RuntimeWarning, match="over the budget"):
         list(xpm.PredictiveBatchSampler([10, 5000], model, BUDGET, outer_batch_size=2))
 
