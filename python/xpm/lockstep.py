@@ -18,6 +18,7 @@ probing.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from typing import Iterator, List, Optional, Sequence
 
 import torch
@@ -89,6 +90,24 @@ class Lockstep:
         if failed:
             raise RuntimeError(f"{what} failed on rank {', '.join(map(str, failed))} (its own error says why); every "
                                f"rank stops")
+
+
+    def same(self, fingerprint: str, what: str) -> None:
+        """Raises ValueError on every rank unless every rank gave the same ``fingerprint`` (one
+        all-reduce of its CRC-32, as a maximum and a minimum).
+
+        Args:
+            fingerprint: what must agree (the arguments, as text).
+            what: what it describes, for the message ("probe's formula and options").
+
+        Raises:
+            ValueError: on every rank, when the ranks' fingerprints differ.
+        """
+        crc = float(zlib.crc32(fingerprint.encode()))
+        largest, negated_smallest = self.max([crc, -crc])
+        if largest != -negated_smallest:
+            raise ValueError(f"{what} differ between the ranks (this is rank {self.rank}): in lockstep every rank must "
+                             f"give the same, or their probes' collectives would not match")
 
 
 _FAILURE_KEY = "xpm/lockstep/failure"

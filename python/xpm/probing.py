@@ -34,6 +34,7 @@ and the model's parameters: a mismatch, or ``"cuda"`` where torch sees no GPU, i
 """
 from __future__ import annotations
 
+import json
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -192,6 +193,7 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         setup_error = error
     if ranks is not None:
         ranks.agree(setup_error, "probe: checking the options")
+        ranks.same(_fingerprint(formula, options), "probe: the formula and options")
     elif setup_error is not None:
         raise setup_error
     try:
@@ -199,6 +201,15 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     except BaseException as error:
         _release_frames(error)  # the probe's batches, graphs and saved state go with the frames' locals
         raise
+
+
+def _fingerprint(formula: CostFormula, options: ProbeOptions) -> str:
+    """The formula and options as text, the same on ranks that gave the same ones (the process
+    group left out; the budget by its bytes)."""
+    fields = {name: repr(value) for name, value in vars(options).items() if name not in ("process_group", "budget")}
+    budget = options.budget
+    fields["budget"] = None if budget is None else [budget.capacity_bytes, budget.usable_bytes]
+    return json.dumps({"formula": [formula.canonical, list(formula.variable_names)], **fields}, sort_keys=True)
 
 
 def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, meter: Any, options: ProbeOptions) -> None:

@@ -41,6 +41,14 @@ def main(out: pathlib.Path) -> None:
     torch.manual_seed(0)
     model = CharGru()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # Ranks giving different formulas in lockstep: one line on each, before any probe runs.
+    try:
+        xpm.probe(model, optimizer, lambda dims: model(torch.randint(1, VOCAB, (int(dims[0]), int(dims[1])))),
+                  xpm.CostFormula("a*bs*l + c" if rank == 0 else "a*bs*l + b*bs + c", ["bs", "l"]), meter=METER,
+                  lockstep=True, budget=xpm.MemoryBudget(100_000_000), variable_max={"bs": 4, "l": 32})
+        mismatch = None
+    except ValueError as error:
+        mismatch = str(error)
     # Probed before wrapping too (a few fixed points, both ranks): the buckets are named outside.
     unwrapped = xpm.probe(model, optimizer, lambda dims: model(torch.randint(1, VOCAB, (int(dims[0]), int(dims[1])))),
                           xpm.CostFormula("a*bs*l + b*bs + c", ["bs", "l"]), meter=METER, lockstep=True,
@@ -95,7 +103,7 @@ def main(out: pathlib.Path) -> None:
               "outside_wrapped": [dataclasses.asdict(p) for p in probed.outside_probes],
               "outside_plain": [dataclasses.asdict(p) for p in unwrapped.outside_probes],
               "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-              "outside_report": unwrapped.outside_report}
+              "outside_report": unwrapped.outside_report, "mismatch": mismatch}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

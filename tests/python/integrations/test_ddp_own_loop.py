@@ -29,6 +29,10 @@ def test_ddp_probed_after_wrapping_and_calibrated_predicts_every_microbatch_from
     assert models[0]["coefficients"] == models[1]["coefficients"], "lockstep probing fitted different models"
     assert ranks[0]["log"] == ranks[1]["log"], "the ranks' calibrations disagree"
     assert [r["ooms"] for r in ranks] == [0, 0]
+    for r in ranks:
+        assert r["mismatch"] == (f"probe: the formula and options differ between the ranks (this is rank {r['rank']}): "
+                                 "in lockstep every rank must give the same, or their probes' collectives would not "
+                                 "match")
     for r in ranks:  # the wrapped model's buckets are in the probes; the plain one's named outside
         assert r["outside_wrapped"] == []
         assert [(p["kind"], p["bytes"]) for p in r["outside_plain"]] == [("gradient_buckets", r["gradient_bytes"])]
