@@ -40,18 +40,23 @@ def trained():
     return model, optimizer
 
 
+def probed_under_a_cap(model, optimizer):
+    """``xpm.probe`` of the GRU under a 400 MB cap (the cap lifted again afterwards)."""
+    METER.capacity_bytes = 400_000_000
+    try:
+        return xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)), FORMULA,
+                         meter=METER, variable_max={"bs": 16, "l": 48})
+    finally:
+        METER.capacity_bytes = 0
+
+
 def test_probe_fits_a_python_model_and_leaves_its_training_state(trained):
     model, optimizer = trained
     before = [p.detach().clone() for p in model.parameters()]
     exp_avg = optimizer.state[model.head.weight]["exp_avg"].clone()
     step = int(optimizer.state[model.head.weight]["step"])
     rng = torch.get_rng_state()
-    METER.capacity_bytes = 400_000_000
-    try:
-        outcome = xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)), FORMULA,
-                            meter=METER, variable_max={"bs": 16, "l": 48})
-    finally:
-        METER.capacity_bytes = 0
+    outcome = probed_under_a_cap(model, optimizer)
     assert outcome.fit.usable and len(outcome.probes) >= 6
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert torch.equal(optimizer.state[model.head.weight]["exp_avg"], exp_avg)
@@ -681,12 +686,7 @@ def test_the_probes_time_the_step_and_the_fastest_packer_plans_with_it(trained):
     forward/backward timings; packer="fastest" plans every microbatch within the budget, each
     record once, and no slower by its own model than the fewest microbatches."""
     model, optimizer = trained
-    METER.capacity_bytes = 400_000_000
-    try:
-        outcome = xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)), FORMULA,
-                            meter=METER, variable_max={"bs": 16, "l": 48})
-    finally:
-        METER.capacity_bytes = 0
+    outcome = probed_under_a_cap(model, optimizer)
     time_model = outcome.model.time_model
     assert time_model is not None and time_model["fitted_points"] >= 6
     assert time_model["overhead_s"] >= 0 and time_model["seconds_per_byte"] >= 0
