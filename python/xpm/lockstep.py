@@ -91,14 +91,13 @@ class Lockstep:
             raise RuntimeError(f"{what} failed on rank {', '.join(map(str, failed))} (its own error says why); every "
                                f"rank stops")
 
-
     def same(self, fingerprint: str, what: str) -> None:
         """Raises ValueError on every rank unless every rank gave the same ``fingerprint`` (one
         all-reduce of its CRC-32, as a maximum and a minimum).
 
         Args:
             fingerprint: what must agree (the arguments, as text).
-            what: what it describes, for the message ("probe's formula and options").
+            what: what it describes, for the message ("probe: the formula and options").
 
         Raises:
             ValueError: on every rank, when the ranks' fingerprints differ.
