@@ -17,7 +17,9 @@
 // microbatches of at most m records (every run that fits is priced), so meant for a step's
 // records (thousands), not millions at once. Same guarantees as every packer (packer.hpp): each
 // record once, each microbatch fits, a record that does not fit alone gets an over-budget
-// microbatch of its own.
+// microbatch of its own. Deterministic, no communication: every rank that packs the same records
+// with the same model (time model included) gets the same plan, so ranks must share one model
+// file (rank 0's, or lockstep probing's), not fit their own time models.
 #pragma once
 
 #include <cstdint>

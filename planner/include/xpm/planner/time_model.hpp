@@ -10,7 +10,10 @@
 // overhead_s is what every microbatch costs whatever its records (kernel launches, Python,
 // reading the weights). Both are fitted by fit_coefficients (relative residuals, non-negative)
 // to the feasible probes' forward_backward_s, as measured on the machine that probed.
-// FastestPacker (fastest_packer.hpp) minimises the sum over a step's microbatches.
+// FastestPacker (fastest_packer.hpp) minimises the sum over a step's microbatches. Timings differ
+// between machines and ranks: fit it once (rank 0's probes, or lockstep's slowest rank's, as
+// PredictiveBatcher::probe_and_fit and xpm.probe do) and send the model, so every rank plans alike.
+// No function here communicates; seconds are wall-clock seconds, work in bytes.
 #pragma once
 
 #include <cstddef>
