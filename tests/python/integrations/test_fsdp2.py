@@ -3,7 +3,13 @@ torchrun: lockstep probing on every rank and the lockstep batch sampler (fsdp2_w
 
 - ``xpm.probe(..., lockstep=True)``: both ranks run the same probes and fit the same model
   (coefficients, floor, ranges: the JSON but for the timing metadata); the held-out shapes,
-  measured in lockstep too, are never under-predicted by more than 1 %.
+  measured in lockstep too, are never under-predicted by more than 1 % or the fit's own error.
+- the same with FSDP2's collectives settled (``SettledGlooCollective`` in fsdp2_worker.py: each
+  returns once gloo has let go of its tensors, so a microbatch peaks alike every time): the fit
+  and the held-out shapes within 1 %; calibrated training from the third step on within -1 % /
+  +3 % of every microbatch's peak. Without it, gloo frees a collective's buffers a moment after
+  the collective ends, at a time of its own, and the same microbatch peaks up to one layer's
+  gathered parameters apart: those runs are held to the noise, not to the 1 %.
 - ``PredictiveBatchSampler(lockstep=True)`` with ``set_requires_gradient_sync(False)`` on all
   but each step's last microbatch: both ranks run the same number of microbatches (no
   deadlock by construction), 0 out-of-memory errors under the cap, and the accumulated,
@@ -65,25 +71,51 @@ def test_lockstep_probing_fits_the_same_model_on_every_rank(tmp_path):
           f"{ranks[0]['floor_bytes']:.0f} bytes, local parameters {ranks[0]['local_parameter_bytes']} bytes per rank, "
           f"fit max error {100 * fit_error:.2f} %, held-out errors {', '.join(f'{100 * e:+.2f} %' for e in errors)}")
     # Shapes not probed, measured with the optimizer's state as training has it, are predicted
-    # within the fit's own error at its probes (this tagger's small shapes vary by up to 6 %
-    # between runs); the training's microbatches are held closer by the calibration (below).
-    assert min(errors) > -max(0.01, fit_error), f"a held-out shape was under-predicted: {errors}"
+    # within the fit's error at its probes or gloo's noise: a collective's buffers freed late
+    # leave at most the model's gathered parameters (920,576 bytes) allocated at a peak, 5 % of
+    # a small shape here. The settled test below holds them to 1 %.
+    noise = [ranks[0]["gathered_parameter_bytes"] / measured for measured in ranks[0]["held_out_peak_bytes"]]
+    assert all(e > -max(0.01, fit_error, n) for e, n in zip(errors, noise)), \
+        f"a held-out shape was under-predicted: {errors}"
+
+
+def test_with_settled_collectives_the_fit_and_held_out_shapes_are_within_1_percent(tmp_path):
+    ranks = run_ranks("probe-settled", tmp_path)
+    assert without_timing(ranks[0]["model"]) == without_timing(ranks[1]["model"])
+    errors = ranks[0]["held_out_rel_errors"]
+    fit_error = ranks[0]["model"]["metadata"]["fit"]["max_rel_error"]
+    print(f"\nFSDP2 settled at world 2: {ranks[0]['probes']} probes, fit max error {100 * fit_error:.2f} %, "
+          f"held-out errors {', '.join(f'{100 * e:+.2f} %' for e in errors)}")
+    assert fit_error < 0.01
+    assert all(-0.01 <= e <= 0.01 for e in errors), errors
+
+
+def test_with_settled_collectives_every_microbatch_is_planned_within_1_and_3_percent(tmp_path):
+    """The calibrated epoch below with the collectives settled: from the third step on, no
+    microbatch peaks more than 1 % above its plan nor 3 % below it. The first step runs without
+    the optimizer's state, which the plans include (over, never under)."""
+    ranks = run_ranks("calibrated-settled", tmp_path)
+    assert [r["ooms"] for r in ranks] == [0, 0] and ranks[0]["log"] == ranks[1]["log"]
+    later = [(predicted + correction - peak) / peak for r in ranks
+             for step, peak, predicted, correction, _ in r["rows"] if step >= 2]
+    first = [(predicted - peak) / peak for r in ranks for step, peak, predicted, _, _ in r["rows"] if step == 0]
+    print(f"\nFSDP2 settled, calibrated at world 2: first step {100 * min(first):+.2f} % to {100 * max(first):+.2f} %; "
+          f"from step 3, {len(later)} microbatches {100 * min(later):+.2f} % to {100 * max(later):+.2f} %; "
+          f"{ranks[0]['log']}")
+    assert len(later) >= 8
+    assert all(-0.01 <= e <= 0.03 for e in later), [f"{100 * e:+.2f} %" for e in later]
 
 
 def test_calibrated_from_training_no_microbatch_is_under_planned(tmp_path):
     """An epoch of 8 steps through microbatch_loop(meter=...), gradients set to None between
-    steps: the probe fitted the first microbatch's phase (no gradient, no unsharded gradient
-    held); the calibration agrees the same corrections on both ranks, 0 OOM, and from the third
-    step on no microbatch peaks above what its plan fits by more than 1 % of the budget or, where
-    more, the fit's own error at its probes: this tagger's peaks at one shape vary by up to 6 %
-    between runs (gloo's collectives on the CPU free their buffers when their threads get to it),
-    so a shape not seen yet can peak that far above a model fitted to another run's probes, and
-    the calibration corrects the steps after it. The over-planning is printed, not asserted: the
-    microbatches over half the budget (those it binds) measured +0.01 % to +1.75 % above their
-    peaks in unloaded runs, up to +4.5 % with both cores loaded (a small microbatch's noise raised
-    the correction); the small ones, each step's last here, predicted by the probe's
-    "synchronised" phase, -5.8 % to +17 % before calibration in four runs (the same shape peaks
-    one layer's unsharded parameters apart between runs on this CPU)."""
+    steps, with gloo's collectives as they come: the sampler predicts each microbatch's phase
+    (the first without gradients, the last synchronised); the calibration agrees the same
+    corrections on both ranks, 0 OOM, and from the third step on no microbatch peaks above its
+    plan by more than 1 % of the budget, the fit's own error at its probes or, where more, the
+    model's gathered parameters: gloo frees a collective's buffers a moment after it ends, at a
+    time of its own, so one shape peaks up to that far apart between microbatches (one noisy
+    peak can raise the calibration's correction by several per cent). The settled test above
+    measures the same epoch without that noise, to the 1 %."""
     ranks = run_ranks("calibrated", tmp_path)
     assert [r["ooms"] for r in ranks] == [0, 0] and ranks[0]["log"] == ranks[1]["log"]
     assert ranks[0]["phases"] == ["with_gradients", "without_gradients", "synchronised"]
@@ -98,8 +130,8 @@ def test_calibrated_from_training_no_microbatch_is_under_planned(tmp_path):
           f"{len(small)} others {100 * min(small, default=0):+.2f} % to {100 * max(small, default=0):+.2f} %; "
           f"fit max error {100 * ranks[0]['fit_max_rel_error']:.2f} %; {ranks[0]['log']}")
     assert len(large) >= 8
-    fit_error = ranks[0]["fit_max_rel_error"]
-    under = [(planned - peak, max(0.01 * usable, fit_error * peak)) for peak, planned, _ in later]
+    fit_error, noise_bytes = ranks[0]["fit_max_rel_error"], ranks[0]["gathered_parameter_bytes"]
+    under = [(planned - peak, max(0.01 * usable, fit_error * peak, noise_bytes)) for peak, planned, _ in later]
     assert all(gap > -allowed for gap, allowed in under), \
         f"under-planned: {[(round(g), round(a)) for g, a in under if g <= -a]} (fit max error {100 * fit_error:.2f} %)"
 
