@@ -9,6 +9,10 @@ A token tagger (embedding 128 -> 256 -> 512 logits per token) sharded with
   objects loaded from it; writes rank<r>.json.
 - ``oom``: rank 1 runs out of memory in a step inside ``xpm.stop_together()``; each rank writes
   the error it stopped with.
+- ``calibrated``: an epoch of 8 steps through ``microbatch_loop(meter=...)``, every
+  microbatch's peak beside its prediction and correction; writes rank<r>.json.
+- ``probe-settled``, ``calibrated-settled``: ``probe`` and ``calibrated`` with FSDP2's
+  collectives settled (``SettledGlooCollective``): every repetition of a microbatch peaks alike.
 - ``train``: the probed model planned by ``PredictiveBatchSampler(lockstep=True)``, two steps
   under the cap with ``set_requires_gradient_sync(False)`` on all but each step's last
   microbatch; the first step's full gradient against one unsharded batch of the whole outer
@@ -87,8 +91,8 @@ class SettledGlooCollective:
     work (its views of the tensors, a reduce-scatter's copy of the input) a moment after the
     caller's wait returns: FSDP2 then frees a layer's gathered parameters or a reduce-scatter's
     buffer either at once or a few operations later, so the same microbatch peaks up to one
-    layer's unsharded parameters apart between repetitions (0.96 to 1.61 MB for a 1.22 MB
-    microbatch here). Waiting until the storages' holders and the allocated bytes are back where
+    layer's unsharded parameters apart between repetitions (0.96 to 1.61 MB, 1.22 MB most times,
+    for one microbatch shape here). Waiting until the storages' holders and the allocated bytes are back where
     they were makes every repetition peak alike. Set through FSDP2's own
     ``set_custom_all_gather`` / ``set_custom_reduce_scatter``: the collectives are FSDP2's and
     gloo's, only their ending is waited for.
@@ -114,8 +118,11 @@ class SettledGlooCollective:
 
 
 def settle_collectives(layer):
-    layer.set_custom_all_gather(SettledGlooCollective(dist.all_gather_single, xpm.CpuMeter.install()))
-    layer.set_custom_reduce_scatter(SettledGlooCollective(dist.reduce_scatter_single, xpm.CpuMeter.install()))
+    # torch 2.13 names them *_single; earlier 2.x releases all_gather_into_tensor / reduce_scatter_tensor.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    layer.set_custom_all_gather(SettledGlooCollective(all_gather, xpm.CpuMeter.install()))
+    layer.set_custom_reduce_scatter(SettledGlooCollective(reduce_scatter, xpm.CpuMeter.install()))
 
 
 # Whether the collectives wait for gloo to let go of their tensors (modes ending in "-settled").
