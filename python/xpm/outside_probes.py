@@ -47,14 +47,17 @@ class OutsideProbes:
     note: str
 
 
-def _wrapped_for_data_parallel(model: torch.nn.Module) -> bool:
-    """True when ``model`` is DDP or FSDP (1 or 2, the root or any submodule sharded)."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return True
+def sharded_by_fsdp(model: torch.nn.Module) -> bool:
+    """True when ``model`` or any submodule is sharded by FSDP (1 or 2)."""
     fsdp = getattr(torch.distributed, "fsdp", None)
     wrappers = tuple(w for w in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None))
                      if isinstance(w, type))
     return bool(wrappers) and any(isinstance(module, wrappers) for module in model.modules())
+
+
+def _wrapped_for_data_parallel(model: torch.nn.Module) -> bool:
+    """True when ``model`` is DDP or FSDP (1 or 2, the root or any submodule sharded)."""
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel) or sharded_by_fsdp(model)
 
 
 def trainable_gradient_bytes(model: torch.nn.Module) -> int:

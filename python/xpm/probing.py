@@ -35,6 +35,7 @@ and the model's parameters: a mismatch, or ``"cuda"`` where torch sees no GPU, i
 from __future__ import annotations
 
 import json
+import re
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ import torch
 
 from . import _planner
 from .lockstep import Lockstep
-from .outside_probes import OutsideProbes, describe_outside_probes, outside_probes_of
+from .outside_probes import OutsideProbes, describe_outside_probes, outside_probes_of, sharded_by_fsdp
 from .meters import Meter
 from .planning import CostFormula, FitReport, GradientPhase, MemoryModel, RecordAggregation, _matrix, _report
 from .probe_executor import _TorchExecutor, _enter_steady_state
@@ -148,7 +149,7 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         TypeError: a keyword that is not a ``ProbeOptions`` field, or ``options`` with keywords.
         ValueError: a ``model``, ``optimizer``, ``loss_fn`` or ``meter`` of the wrong kind, a
             ``lockstep`` or ``measure_phases`` that is not a bool, a DistributedDataParallel
-            model without ``lockstep``; bad options (a ``variable_max``, ``aggregation`` or ``probe_points`` key that
+            model, or an FSDP-sharded one at world size > 1, without ``lockstep``; bad options (a ``variable_max``, ``aggregation`` or ``probe_points`` key that
             is not a variable of the formula, named with the formula's variables; ``record_dims``
             of the wrong width, with a batch-size column other than 1 or a NaN, infinite or
             negative value, named by row; ``"auto"`` with ``record_dims`` but no ``variables``),
@@ -214,8 +215,9 @@ def _fingerprint(formula: CostFormula, options: ProbeOptions) -> str:
 
 def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, meter: Any, options: ProbeOptions) -> None:
     """One-line ValueErrors for arguments of the wrong kind, and for a DistributedDataParallel
-    model without ``lockstep`` (its backward all-reduces: probed on one rank it waits for the
-    others until the process group's timeout), before anything else."""
+    or (at world size > 1) FSDP-sharded model without ``lockstep`` (its backward communicates:
+    probed on one rank it waits for the others until the process group's timeout; probed on
+    every rank apart, each rank's design may go its own way), before anything else."""
     def refuse(name: str, what: str, value: Any) -> None:
         raise ValueError(f"probe: {name} must be {what}, got {value!r}")
 
@@ -234,6 +236,11 @@ def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, meter: Any, optio
         raise ValueError("probe: a DistributedDataParallel model all-reduces in every backward, so one rank cannot "
                          "probe it alone: call probe on every rank with lockstep=True, or probe the unwrapped module "
                          "on one rank (outcome.outside_probes then names DDP's buckets)")
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world_size > 1 and not options.lockstep and sharded_by_fsdp(model):
+        raise ValueError(f"probe: an FSDP-sharded model gathers its parameters from all {world_size} ranks in every "
+                         "forward and backward, so each rank's probes must run with the others': call probe on every "
+                         "rank with lockstep=True")
 
 
 def _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, ranks,
@@ -248,9 +255,11 @@ def _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, rank
     except RuntimeError as error:
         if error is executor.raised:  # a probe's own error (the loss function's): as it was raised
             raise
-        failure = RuntimeError(f"{error} (xpm.probe(..., usable_max_rel_error=...) sets that limit; this error's "
+        # The planner's errors name its C++ class; the caller called probe.
+        message = re.sub(r"^PredictiveBatcher: ", "probe: ", str(error))
+        failure = RuntimeError(f"{message} (xpm.probe(..., usable_max_rel_error=...) sets that limit; this error's "
                                f".probes holds the {len(executor.results)} probes, for xpm.fit)"
-                               if "usable_max_rel_error" in str(error) else str(error))
+                               if "usable_max_rel_error" in message else message)
         failure.probes = list(executor.results)
         raise failure from None
     finally:

@@ -589,6 +589,7 @@ def test_a_refused_fit_leaves_no_memory_behind_and_its_error_names_the_limit(tra
     gc.collect()
     assert METER.current_allocated_bytes == before, "the kept exception holds memory of the probe"
     assert "usable_max_rel_error=...) sets that limit" in str(kept) and len(kept.probes) >= 3
+    assert str(kept).startswith("probe: the fitted memory model is not usable: "), str(kept)
 
 
 def test_a_loss_function_error_is_raised_as_it_is_without_the_fit_limit_note(trained):

@@ -200,8 +200,18 @@ def gathered_parameter_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def refusal_without_lockstep(model, optimizer, meter):
+    """The one line ``xpm.probe`` refuses the sharded model with when ``lockstep`` is left out."""
+    try:
+        xpm.probe(model, optimizer, random_loss(model), FORMULA, meter=meter, variable_max={"bs": 64, "l": 128})
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def run_probe(out):
     meter, model, _, optimizer, outcome, probe_s, _ = probed_tagger()
+    refusal = refusal_without_lockstep(model, optimizer, meter)
     # One optimizer step first: the held-out shapes are measured as training runs them, with
     # the optimizer's state (the probes restore the optimizer as it was: without state here),
     # and the sharded gradients kept, zeroed, as in the probes' steady state.
@@ -217,6 +227,7 @@ def run_probe(out):
     return {"model": json.loads(outcome.model.to_json()), "probes": len(outcome.probes), "probe_s": probe_s,
             "floor_bytes": outcome.model.floor_bytes, "held_out_rel_errors": errors,
             "held_out_peak_bytes": peaks,
+            "refusal_without_lockstep": refusal,
             "local_parameter_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
             "gathered_parameter_bytes": gathered_parameter_bytes(model)}
 

@@ -3,7 +3,8 @@ torchrun: lockstep probing on every rank and the lockstep batch sampler (fsdp2_w
 
 - ``xpm.probe(..., lockstep=True)``: both ranks run the same probes and fit the same model
   (coefficients, floor, ranges: the JSON but for the timing metadata); the held-out shapes,
-  measured in lockstep too, are never under-predicted by more than 1 % or the fit's own error.
+  measured in lockstep too, are never under-predicted by more than 1 % or the fit's own error;
+  without ``lockstep`` the sharded model is refused in one line on every rank.
 - the same with FSDP2's collectives settled (``SettledGlooCollective`` in fsdp2_worker.py: each
   returns once gloo has let go of its tensors, so a microbatch peaks alike every time): the fit
   and the held-out shapes within 1 %; calibrated training from the third step on within -1 % /
@@ -65,6 +66,11 @@ def test_lockstep_probing_fits_the_same_model_on_every_rank(tmp_path):
     assert without_timing(ranks[0]["model"]) == without_timing(ranks[1]["model"])
     assert ranks[0]["probes"] == ranks[1]["probes"] > 0
     assert ranks[0]["local_parameter_bytes"] == ranks[1]["local_parameter_bytes"]
+    # Probed without lockstep, each rank's design could go its own way: refused in one line.
+    for rank in ranks:
+        assert rank["refusal_without_lockstep"] == (
+            "probe: an FSDP-sharded model gathers its parameters from all 2 ranks in every forward and backward, so "
+            "each rank's probes must run with the others': call probe on every rank with lockstep=True")
     errors = ranks[0]["held_out_rel_errors"]
     fit_error = ranks[0]["model"]["metadata"]["fit"]["max_rel_error"]
     print(f"\nFSDP2 at world 2: {ranks[0]['probes']} probes in {ranks[0]['probe_s']:.2f} s, floor "
