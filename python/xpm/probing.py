@@ -149,8 +149,9 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         TypeError: a keyword that is not a ``ProbeOptions`` field, or ``options`` with keywords.
         ValueError: a ``model``, ``optimizer``, ``loss_fn`` or ``meter`` of the wrong kind, a
             ``lockstep`` or ``measure_phases`` that is not a bool, a DistributedDataParallel
-            model, or an FSDP-sharded one at world size > 1, without ``lockstep``; bad options (a ``variable_max``, ``aggregation`` or ``probe_points`` key that
-            is not a variable of the formula, named with the formula's variables; ``record_dims``
+            model, or an FSDP-sharded one at world size > 1, without ``lockstep``; bad options
+            (a ``variable_max``, ``aggregation`` or ``probe_points`` key that is not a variable
+            of the formula, named with the formula's variables; ``record_dims``
             of the wrong width, with a batch-size column other than 1 or a NaN, infinite or
             negative value, named by row; ``"auto"`` with ``record_dims`` but no ``variables``),
             an ``aggregation`` value other than "max" or "sum" (named with its variable), a
@@ -236,7 +237,8 @@ def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, meter: Any, optio
         raise ValueError("probe: a DistributedDataParallel model all-reduces in every backward, so one rank cannot "
                          "probe it alone: call probe on every rank with lockstep=True, or probe the unwrapped module "
                          "on one rank (outcome.outside_probes then names DDP's buckets)")
-    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    dist = torch.distributed
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world_size > 1 and not options.lockstep and sharded_by_fsdp(model):
         raise ValueError(f"probe: an FSDP-sharded model gathers its parameters from all {world_size} ranks in every "
                          "forward and backward, so each rank's probes must run with the others': call probe on every "
