@@ -205,6 +205,16 @@ double MemoryModel::predict_bytes(const std::vector<double>& dims) const {
   return std::max(floor_bytes_at(dims), formula_bytes);
 }
 
+double MemoryModel::added_bytes(const std::vector<double>& dims) const {
+  if (dims.size() != formula_.variable_names().size()) {
+    throw std::invalid_argument("MemoryModel::added_bytes: " + std::to_string(dims.size()) + " dims for " +
+                                std::to_string(formula_.variable_names().size()) + " variables");
+  }
+  std::vector<double> empty = dims;
+  empty[batch_size_index_] = 0;
+  return std::max(0.0, formula_.predict(coefficients_, dims) - formula_.predict(coefficients_, empty));
+}
+
 void MemoryModel::set_single_record_factor(double factor) {
   if (!(std::isfinite(factor) && factor >= 1)) {
     throw std::invalid_argument("MemoryModel: single_record_factor must be finite and >= 1, got " +

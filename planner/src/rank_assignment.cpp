@@ -61,9 +61,7 @@ std::vector<double> marginal_costs_bytes(const MemoryModel& model, const std::ve
   costs.reserve(record_dims.size());
   for (std::vector<double> dims : record_dims) {
     dims.at(bs) = 1;
-    const double one = model.formula().predict(model.coefficients(), dims);
-    dims[bs] = 0;
-    costs.push_back(std::max(0.0, one - model.formula().predict(model.coefficients(), dims)));
+    costs.push_back(model.added_bytes(dims));
   }
   return costs;
 }

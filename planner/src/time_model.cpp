@@ -1,7 +1,6 @@
 // time_model.cpp — a microbatch's forward and backward time, fitted to the probes (time_model.hpp).
 #include "xpm/planner/time_model.hpp"
 
-#include <algorithm>
 #include <cmath>
 #include <set>
 #include <stdexcept>
@@ -13,15 +12,7 @@
 namespace xpm {
 
 double TimeModel::work_bytes(const MemoryModel& model, const std::vector<double>& dims) {
-  const CostFormula& formula = model.formula();
-  if (dims.size() != formula.variable_names().size()) {
-    throw std::invalid_argument("TimeModel::work_bytes: " + std::to_string(dims.size()) + " dims for " +
-                                std::to_string(formula.variable_names().size()) + " variables");
-  }
-  std::vector<double> empty = dims;
-  empty[model.batch_size_index()] = 0;
-  const double work = formula.predict(model.coefficients(), dims) - formula.predict(model.coefficients(), empty);
-  return std::max(0.0, work);
+  return model.added_bytes(dims);
 }
 
 double TimeModel::seconds(const MemoryModel& model, const std::vector<double>& dims) const {

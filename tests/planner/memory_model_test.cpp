@@ -54,6 +54,17 @@ TEST_CASE("prediction is the formula or the floor, whichever is larger") {
   CHECK(model.predict_bytes({4, 64}) == doctest::Approx(cost(4, 64)));
 }
 
+TEST_CASE("added bytes are the formula less its value at batch size 0, the floor aside") {
+  const MemoryModel model = quadratic_model(/*floor_bytes=*/5000);
+  CHECK(model.added_bytes({1, 8}) == doctest::Approx(cost(1, 8) - 1000));  // under the floor still counts
+  CHECK(model.added_bytes({4, 64}) == doctest::Approx(cost(4, 64) - 1000));
+  CHECK(model.added_bytes({0, 64}) == 0);
+  const MemoryModel shrinking(CostFormula("c - a*bs", {"a", "c"}, {"bs"}), {1.0, 100.0}, 0, "bs", {});
+  CHECK(shrinking.added_bytes({3}) == 0);  // at least 0
+  CHECK_THROWS_WITH_AS(model.added_bytes({4}), "MemoryModel::added_bytes: 1 dims for 2 variables",
+                       std::invalid_argument);
+}
+
 TEST_CASE("max microbatch size is 10 for a budget between the costs of 10 and 11") {
   const MemoryModel model = quadratic_model();
   const auto budget = static_cast<std::int64_t>((cost(10, 128) + cost(11, 128)) / 2);

@@ -97,6 +97,10 @@ class MemoryModel {
   /// max(floor_bytes, floor formula(dims) when set, formula(dims)), the formula's part times
   /// single_record_factor() at batch size 1; dims in variable_names() order.
   double predict_bytes(const std::vector<double>& dims) const;
+  /// The bytes `dims`' records add: formula(dims) less formula(dims at batch size 0), at least
+  /// 0 (floor and single_record_factor aside); dims in variable_names() order. Throws
+  /// std::invalid_argument for dims of the wrong width.
+  double added_bytes(const std::vector<double>& dims) const;
 
   /// Microbatches of one record peak above the trend of larger ones (FitSummary::
   /// single_record_factor): the formula's prediction at batch size 1 is scaled by this; 1 by

@@ -33,8 +33,9 @@ struct TimeModel {
   double max_rel_error = 0;       // the fit's largest relative error at its probes, signed
   std::size_t fitted_points = 0;  // probes it was fitted to
 
-  /// The formula of `model` at dims less its value at batch size 0 (0 at least), bytes; dims
-  /// in variable_names() order. Throws std::invalid_argument for dims of the wrong width.
+  /// model.added_bytes(dims): the formula at dims less its value at batch size 0 (0 at least),
+  /// bytes; dims in variable_names() order. Throws std::invalid_argument for dims of the wrong
+  /// width.
   static double work_bytes(const MemoryModel& model, const std::vector<double>& dims);
   /// overhead_s + seconds_per_byte * work_bytes(model, dims).
   double seconds(const MemoryModel& model, const std::vector<double>& dims) const;
