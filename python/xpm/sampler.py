@@ -461,7 +461,10 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         # FSDP2's last microbatch reduce-scatters, the sharded gradients set to None (as the phase was measured).
         if self._first_phase != "with_gradients" and "synchronised" in self._model.phases and len(microbatches[-1]):
             last = len(microbatches) - 1
-            predicted[last] = min(predicted[last], float(self._model.predict(dims[last], "synchronised")))
+            synchronised = float(self._model.predict(dims[last], "synchronised"))
+            # A step of one microbatch starts without gradients and reduce-scatters too: the larger
+            # of its two phases (each at most the steady prediction), never the smaller.
+            predicted[last] = max(predicted[last], synchronised) if last == 0 else min(predicted[last], synchronised)
         scale = self._world / total_units if total_units > 0 else 0.0
         correction = self.planned_correction(index)
         return Step(microbatches, [scale * float(self._units[mb].sum()) for mb in microbatches], total_units,

@@ -554,3 +554,24 @@ def test_a_calibration_state_of_a_constant_correction_still_loads():
     assert calibration.correction == xpm.Correction(120_000.0, 0.0)
     with pytest.raises(ValueError, match="calibration state_dict"):
         calibration.load_state_dict({"correction": [1.0], "window": [], "steps_seen": 0, "log": []})
+
+
+def test_an_fsdp2_step_of_one_microbatch_is_predicted_with_the_larger_of_its_phases():
+    """A model with FSDP2's phases (fits below the steady one): in a step of several microbatches
+    the first is predicted without gradients and the last synchronised; a step of one microbatch
+    is both, so it gets the larger of the two."""
+    formula = xpm.CostFormula("a*bs*l + c", ["bs", "l"])
+    dims = np.array([[1, 8], [4, 64], [16, 128], [32, 16], [8, 200]], dtype=float)
+    steady, _ = xpm.fit(formula, dims, 100 * dims[:, 0] * dims[:, 1] + 1e5)
+    model = steady._with_phase("without_gradients", [60.0, 1e5], 1.0, 0.0, len(dims))
+    model = model._with_phase("synchronised", [80.0, 1e5], 1.0, 0.0, len(dims))
+    lengths = np.full(16, 50)
+    one = next(iter(xpm.PredictiveBatchSampler(lengths, model, 10_000_000, outer_batch_size=16).steps()))
+    assert len(one.microbatches) == 1
+    assert one.predicted_bytes[0] == pytest.approx(80 * 16 * 50 + 1e5)
+    several = next(iter(xpm.PredictiveBatchSampler(lengths, model, 100 * 4 * 50 + 1e5, outer_batch_size=16).steps()))
+    assert len(several.microbatches) > 1
+    first, last = several.dims[0], several.dims[-1]
+    assert several.predicted_bytes[0] == pytest.approx(60 * first[0] * first[1] + 1e5)
+    assert several.predicted_bytes[-1] == pytest.approx(80 * last[0] * last[1] + 1e5)
+
