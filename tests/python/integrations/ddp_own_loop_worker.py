@@ -26,6 +26,7 @@ import xpm  # noqa: E402
 METER = xpm.CpuMeter.install()  # before the model: the meter must see the weights
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from char_gru import VOCAB, CharGru  # noqa: E402
+from rank_exit import exit_rank  # noqa: E402
 
 
 def padded(texts, indices):
@@ -105,7 +106,7 @@ def main(out: pathlib.Path) -> None:
               "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
               "outside_report": unwrapped.outside_report, "mismatch": mismatch}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    exit_rank()  # DDP still holds the process group: see rank_exit.py
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 import xpm
+from rank_exit import exit_rank
 
 VOCAB, WIDTH, HIDDEN, CAP_BYTES = 512, 128, 256, 96_000_000
 # The peak moves between two points of the step: under about 450 tokens it falls where a layer's
@@ -391,14 +392,7 @@ def main():
     result = {"probe": run_probe, "train": run_train, "calibrated": run_calibrated, "resume": run_resume,
               "oom": run_oom}[mode](out)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    # After a torch.distributed.checkpoint save and load, interpreter shutdown aborted now and
-    # then in torch 2.13 ("terminate called without an active exception", after both ranks had
-    # written their results): the results are written, so leave without the C++ destructors.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank()  # the model still holds the process group: see rank_exit.py
 
 
 if __name__ == "__main__":
