@@ -156,9 +156,17 @@ class Calibration:
             predicted_bytes: the sampler's prediction of the microbatch (``Microbatch.predicted_bytes``).
             peak_allocated_bytes: the meter's peak over its forward and backward (and the
                 optimizer step after the last microbatch).
+
+        Raises:
+            ValueError: either value is not a number, not finite or negative (0, an empty
+                microbatch's prediction or a peak not measured, is skipped).
         """
         predicted, peak = float(predicted_bytes), float(peak_allocated_bytes)
-        if not (math.isfinite(predicted) and math.isfinite(peak)) or peak <= 0 or predicted <= 0:
+        for name, value in (("predicted_bytes", predicted), ("peak_allocated_bytes", peak)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"Calibration.record_peak: {name} must be a finite number of bytes >= 0, "
+                                 f"got {value}")
+        if peak == 0 or predicted == 0:
             return
         row, slopes = self._step, len(SLOPES)
         np.maximum(row[:slopes], peak - predicted * (1.0 + SLOPES), out=row[:slopes])

@@ -516,6 +516,16 @@ def test_calibration_fits_a_line_over_the_peaks_constant_or_proportional(missed,
         assert 0 <= (corrected - peak) / peak < 0.003
 
 
+def test_calibration_refuses_a_peak_that_is_not_a_number_of_bytes():
+    calibration = xpm.Calibration(BUDGET)
+    for predicted, peak, name in ((1e6, float("nan"), "peak_allocated_bytes"), (float("inf"), 1e6, "predicted_bytes"),
+                                  (1e6, -1.0, "peak_allocated_bytes")):
+        with pytest.raises(ValueError, match=f"^Calibration.record_peak: {name} must be a finite number of bytes"):
+            calibration.record_peak(predicted, peak)
+    calibration.record_peak(0, 1e6)  # an empty microbatch's prediction: skipped
+    assert calibration.measured_microbatches == 0
+
+
 def test_calibration_raises_at_once_and_lowers_once_the_window_settles_under_a_lower_line():
     calibration = xpm.Calibration(BUDGET, window_steps=4, settle_steps=3)
     calibration.record_peak(1_000_000, 1_000_000)
