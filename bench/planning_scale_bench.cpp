@@ -14,6 +14,8 @@
 // Extra option: --data-dir PATH (the Brown corpus, default data/brown).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -38,7 +40,9 @@ void BM_StepPlanning(benchmark::State& state) {
   xpm::MicrobatchPlan plan;
   double units = 0;
   for (auto _ : state) {
-    const std::vector<double> costs = xpm::marginal_costs_bytes(model.memory, global);
+    const std::vector<double> costs = xpm::record_costs_bytes(
+        model.memory, global, model.usable_bytes,
+        std::max<std::int64_t>(1, static_cast<std::int64_t>(global.size()) / world));
     units = 0;
     for (const auto& dims : global) units += model.memory.fits(dims, usable) ? dims[1] : 0;
     assignment = xpm::assign_records_to_ranks(costs, world);

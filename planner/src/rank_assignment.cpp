@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <numeric>
 #include <queue>
 #include <stdexcept>
@@ -62,6 +63,55 @@ std::vector<double> marginal_costs_bytes(const MemoryModel& model, const std::ve
   for (std::vector<double> dims : record_dims) {
     dims.at(bs) = 1;
     costs.push_back(model.added_bytes(dims));
+  }
+  return costs;
+}
+
+namespace {
+
+// The formula at `copies` copies of `record`: batch size `copies`, summed variables times it.
+double formula_at_copies(const MemoryModel& model, std::vector<double> record, std::int64_t copies) {
+  const std::vector<DimAggregation>& aggregation = model.aggregation();
+  for (std::size_t v = 0; v < record.size(); ++v) {
+    if (aggregation[v] == DimAggregation::kSum) record[v] *= static_cast<double>(copies);
+  }
+  record[model.batch_size_index()] = static_cast<double>(copies);
+  return model.formula().predict(model.coefficients(), record);
+}
+
+// One record's share of the largest microbatch of its copies (record_costs_bytes).
+double record_share_bytes(const MemoryModel& model, const std::vector<double>& record, std::int64_t usable_bytes,
+                          std::int64_t max_records) {
+  std::int64_t copies = 1;
+  try {
+    copies = model.max_microbatch_size(record, usable_bytes, max_records);
+  } catch (const std::invalid_argument&) {
+    // Not even one copy fits: the record alone is what the packer will have to place.
+  }
+  const double added = formula_at_copies(model, record, copies) - formula_at_copies(model, record, 0);
+  return std::max(0.0, added / static_cast<double>(copies));
+}
+
+}  // namespace
+
+std::vector<double> record_costs_bytes(const MemoryModel& model, const std::vector<std::vector<double>>& record_dims,
+                                       std::int64_t usable_bytes, std::int64_t max_records) {
+  if (max_records < 1) {
+    throw std::invalid_argument("record_costs_bytes: max_records must be >= 1, got " + std::to_string(max_records));
+  }
+  const std::size_t width = model.formula().variable_names().size();
+  std::map<std::vector<double>, double> by_dims;  // records of equal dims share one computation
+  std::vector<double> costs;
+  costs.reserve(record_dims.size());
+  for (std::vector<double> dims : record_dims) {
+    if (dims.size() != width) {
+      throw std::invalid_argument("record_costs_bytes: record " + std::to_string(costs.size()) + " has " +
+                                  std::to_string(dims.size()) + " dims for " + std::to_string(width) + " variables");
+    }
+    dims[model.batch_size_index()] = 1;
+    auto [at, added] = by_dims.try_emplace(dims, 0.0);
+    if (added) at->second = record_share_bytes(model, dims, usable_bytes, max_records);
+    costs.push_back(at->second);
   }
   return costs;
 }

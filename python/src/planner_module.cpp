@@ -109,11 +109,12 @@ py::array_t<double> predict(const xpm::MemoryModel& model, const DoubleArray& di
   return out;
 }
 
-// The bytes each record adds alone (marginal_costs_bytes): what the rank assignment balances,
-// as the C++ data-parallel step does.
-py::array_t<double> record_costs(const xpm::MemoryModel& model, const DoubleArray& record_dims) {
-  const std::vector<double> costs =
-      xpm::marginal_costs_bytes(model, rows_of(record_dims, model.formula().variable_names().size(), "record dims"));
+// Each record's share of the largest microbatch of its kind (record_costs_bytes): what the rank
+// assignment balances, as the C++ data-parallel step does.
+py::array_t<double> record_costs(const xpm::MemoryModel& model, const DoubleArray& record_dims,
+                                 std::int64_t usable_bytes, std::int64_t max_records) {
+  const std::vector<double> costs = xpm::record_costs_bytes(
+      model, rows_of(record_dims, model.formula().variable_names().size(), "record dims"), usable_bytes, max_records);
   return py::array_t<double>(static_cast<py::ssize_t>(costs.size()), costs.data());
 }
 

@@ -273,7 +273,9 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         self._first_phase: GradientPhase = "without_gradients" if gradients_set_to_none else "with_gradients"
         # The correction each step of this epoch is planned with: (first step, correction), ...
         self._corrections: List[Tuple[int, Correction]] = [(0, Correction())]
-        self._costs = _planner.record_costs(model._native, dims)
+        # What the rank assignment balances: each record's share of the largest microbatch of its
+        # kind, of at most a rank's share of an outer batch.
+        self._costs = _planner.record_costs(model._native, dims, self._usable_bytes, -(-outer_batch_size // world_size))
         self._epoch = 0
         self._steps_done = 0                  # steps counted done (microbatch_loop, mark_step_done)
         self._start: Tuple[int, int] = (0, 0)  # where the next pass begins: (step, microbatch in it)

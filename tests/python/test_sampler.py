@@ -585,3 +585,25 @@ def test_an_fsdp2_step_of_one_microbatch_is_predicted_with_the_larger_of_its_pha
     assert several.predicted_bytes[0] == pytest.approx(60 * first[0] * first[1] + 1e5)
     assert several.predicted_bytes[-1] == pytest.approx(80 * last[0] * last[1] + 1e5)
 
+
+
+def test_ranks_get_balanced_shares_under_a_formula_with_a_branch_without_the_batch_size(lengths):
+    """max(a*bs*l + c, b*l^2 + d), a formula `formula="auto"` can choose: one record of l >= 34
+    predicts no more than none (the b*l^2 branch), so costs of records alone would send the long
+    ones to one rank; a record's share of a full microbatch of its kind balances the ranks."""
+    text = json.loads(fitted_model().to_json())
+    text["formula"] = {"text": "max(a*bs*l + c, b*l^2 + d)", "canonical": "max(a*bs*l + c, b*l^2 + d)",
+                       "coefficient_names": ["a", "c", "b", "d"], "variable_names": ["bs", "l"]}
+    text["coefficients"] = {"a": 2000.0, "c": 1e6, "b": 60.0, "d": 1e6}
+    model = xpm.MemoryModel.from_json(json.dumps(text))
+    assert model.predict([1, 100]) == model.predict([0, 100])  # alone, a long record adds nothing
+    ranks = [list(xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, rank=rank, world_size=2,
+                                             seed=7, units=lengths).steps()) for rank in range(2)]
+    # Per step, the ranks run in lockstep: the step lasts as long as its heavier share.
+    tokens = np.array([[sum(float(lengths[m].sum()) for m in step.microbatches) for step in steps] for steps in ranks])
+    records = [sum(len(m) for step in steps for m in step.microbatches) for steps in ranks]
+    heaviest = tokens.max(axis=0).sum() / (tokens.sum() / 2)
+    print(f"\nmax(a*bs*l + c, b*l^2 + d), 2 ranks: records {records}, heavier share of a step "
+          f"{heaviest:.3f}x the mean, microbatches {sum(len(s.microbatches) for s in ranks[0])} per rank")
+    assert sum(records) == len(lengths)
+    assert heaviest < 1.03

@@ -151,7 +151,13 @@ void DataParallelTrainer::split_among_ranks(const std::vector<std::vector<double
   for (std::size_t i = 0; i < record_dims.size(); ++i) {
     if (model.fits(record_dims[i], usable_bytes)) share.global_units += record_units[i];
   }
-  const RankAssignment assignment = assign_records_to_ranks(marginal_costs_bytes(model, record_dims), context_.world_size());
+  // A rank's microbatch holds at most its share of the global batch.
+  const auto world_size = static_cast<std::int64_t>(context_.world_size());
+  const std::int64_t share_records = std::max<std::int64_t>(
+      1, (static_cast<std::int64_t>(record_dims.size()) + world_size - 1) / world_size);
+  const RankAssignment assignment = assign_records_to_ranks(
+      record_costs_bytes(model, record_dims, batcher_.options().budget.usable_bytes(), share_records),
+      context_.world_size());
   share.records = assignment.records_per_rank[static_cast<std::size_t>(context_.rank())];
   for (std::size_t i : share.records) {
     share.dims.push_back(record_dims[i]);

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "xpm/planner/memory_model.hpp"
@@ -35,9 +36,28 @@ struct RankAssignment {
 /// message names the record index and the value). Pure; thread-safe.
 RankAssignment assign_records_to_ranks(const std::vector<double>& costs, int world_size);
 
-/// The cost the data-parallel step balances: the bytes each record adds alone, the model's
-/// formula at batch size 1 minus at batch size 0 (its other dims kept), at least 0. record_dims
-/// in the formula's variable order. Pure; the same on every rank.
+/// The bytes each record adds alone: the model's formula at batch size 1 minus at batch size 0
+/// (its other dims kept), at least 0. record_dims in the formula's variable order. Pure.
+/// A formula with a term that grows without the batch size (`max(a*bs*l + c, b*l^2 + d)`,
+/// `a*tokens + c` with tokens summed) makes records look free here; record_costs_bytes does not.
 std::vector<double> marginal_costs_bytes(const MemoryModel& model, const std::vector<std::vector<double>>& record_dims);
+
+/// The cost the data-parallel step and the Python sampler balance: each record's share of the
+/// largest microbatch of its kind, (f(m copies) - f(0 copies)) / m bytes, f the model's formula,
+/// m the most copies of the record (at most max_records) that fit usable_bytes
+/// (MemoryModel::max_microbatch_size; 1 when even one does not fit), a copy adding 1 to the
+/// batch size and its value to every summed variable. At least 0. For a formula linear in the
+/// batch size this is marginal_costs_bytes; where a term without the batch size dominates a
+/// single record, it is what the record takes in the microbatches the packer builds.
+///
+///   // max(a*bs*l + c, b*l^2 + d): one record of l = 100 adds nothing over b*l^2 + d;
+///   // 40 of them fit, and each then takes about a*l bytes.
+///   std::vector<double> costs = record_costs_bytes(model, {{1, 100}, {1, 20}}, usable_bytes, 64);
+///
+/// record_dims in the formula's variable order (the batch-size entry ignored). Throws
+/// std::invalid_argument when a row's width differs from the formula's variables or
+/// max_records < 1. Pure; the same on every rank. Records with equal dims are computed once.
+std::vector<double> record_costs_bytes(const MemoryModel& model, const std::vector<std::vector<double>>& record_dims,
+                                       std::int64_t usable_bytes, std::int64_t max_records);
 
 }  // namespace xpm
