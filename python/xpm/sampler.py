@@ -940,6 +940,11 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
             the first microbatch without them.
     """
     iterator = iter(loader)
+    # A DataLoader's iterator names the sampler it draws from (torch's and torchdata's alike).
+    drawn_from = getattr(iterator, "_index_sampler", sampler)
+    if drawn_from is not sampler:
+        raise RuntimeError(f"microbatch_loop: the loader draws its batches from a {type(drawn_from).__name__}, not "
+                           "the sampler; build it with DataLoader(dataset, batch_sampler=sampler)")
     position: Optional[int] = None
     check, step_starts = meter is not None, True
     measuring = meter is not None and sampler.calibration is not None

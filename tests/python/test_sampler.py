@@ -212,6 +212,11 @@ def test_a_dataloader_takes_it_as_its_batch_sampler(model, lengths, num_workers)
     assert sampler.state_dict()["steps_done"] == sampler.steps_per_epoch()
     assert len(sampler) == len(expected)  # the finished epoch starts over
     assert looped == [(list(mb), mb.weight, mb.last) for mb in sampler]
+    # A plain DataLoader (its own BatchSampler) is refused, also after the sampler was iterated.
+    plain = DataLoader(range(len(lengths)), batch_size=8, collate_fn=identity, num_workers=num_workers)
+    with pytest.raises(RuntimeError, match="^microbatch_loop: the loader draws its batches from a BatchSampler, not "
+                                           "the sampler; build it with DataLoader"):
+        next(xpm.microbatch_loop(plain, sampler))
 
 
 @pytest.mark.parametrize("size,outer,drop_last,world", [(1, 4, False, 1), (7, 3, False, 2), (63, 64, False, 1),
