@@ -35,7 +35,7 @@ CAPS_BYTES = (6_000_000, 4_000_000, 4_500_000, 3_000_000, 5_000_000, 7_000_000)
 # data dir, records, outer batch size, cap(s), output file pattern. The meter, the example's
 # model and optimizer, not yet prepared.
 SCRIPT_START = r'''
-import json, sys
+import json, os, sys
 import numpy as np, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import accelerate, xpm
@@ -132,6 +132,9 @@ result.update(steps=epoch["steps"], ooms=epoch["ooms"], microbatches=epoch["micr
 with open(out.format(rank=rank), "w") as f:
     json.dump(result, f)
 accelerator.end_training()
+# The prepared DDP model still holds the process group: leave without interpreter shutdown,
+# where gloo's threads abort now and then (see rank_exit.py).
+sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
 '''
 
 
@@ -162,6 +165,9 @@ result = {"rank": rank, "rows": rows, "records": records_seen, "ooms": meter.oom
 with open(out.format(rank=rank), "w") as f:
     json.dump(result, f)
 accelerator.end_training()
+# The prepared DDP model still holds the process group: leave without interpreter shutdown,
+# where gloo's threads abort now and then (see rank_exit.py).
+sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
 '''
 
 
@@ -206,11 +212,14 @@ def test_probed_after_prepare_and_calibrated_every_microbatch_from_step_3_is_pre
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
                str(EXAMPLE), _data_dir(), str(RECORDS), str(OUTER_BATCH), "6000000", str(tmp_path / "rank{rank}.json")]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150)
-    if run.returncode != 0 and "Signal 6 (SIGABRT)" in run.stderr:
-        # About 1 run in 10 here, a rank aborts with "terminate called without an active
-        # exception" (a C++ thread of the process group torn down; cause not pinned down): it is
-        # run once more, and the abort is printed.
-        print(f"\na rank aborted (SIGABRT), run again:\n{run.stderr[:2000]}")
+    if run.returncode != 0 and "the fitted memory model is not usable" in run.stderr:
+        # 1 run in 12 with a second job on the 2 cores, the lockstep probes' fit was refused at
+        # bs = 1, l = 64 (11 %, the same point and error each time), plausibly gloo's worker
+        # thread freeing DDP's all-reduce buffers late, as measured under FSDP2 (fsdp2.md); not
+        # verified for DDP. The refusal is what xpm should do with such probes; this test is
+        # about training after a usable fit, so it runs once more.
+        refused = next(line for line in run.stderr.splitlines() if "not usable" in line)
+        print(f"\nthe probes' fit was refused, run again: {refused.strip()}")
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150)
     assert run.returncode == 0, f"the 2-process run failed ({run.returncode}):\n{run.stderr[-6000:]}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
