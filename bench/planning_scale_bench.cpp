@@ -42,7 +42,7 @@ void BM_StepPlanning(benchmark::State& state) {
   for (auto _ : state) {
     const std::vector<double> costs = xpm::record_costs_bytes(
         model.memory, global, model.usable_bytes,
-        std::max<std::int64_t>(1, static_cast<std::int64_t>(global.size()) / world));
+        std::max<std::int64_t>(1, (static_cast<std::int64_t>(global.size()) + world - 1) / world));
     units = 0;
     for (const auto& dims : global) units += model.memory.fits(dims, usable) ? dims[1] : 0;
     assignment = xpm::assign_records_to_ranks(costs, world);
