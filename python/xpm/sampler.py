@@ -228,7 +228,8 @@ class PredictiveBatchSampler(Sampler[List[int]]):
             ``record_dims`` or ``units`` (named with the first bad index); a record whose
             batch-size entry is not 1 (dims in the wrong order or the wrong batch-size variable;
             named with its index, its dims and the formula's variable order); a rank or world
-            size that contradicts an initialised torch.distributed process group.
+            size that contradicts an initialised torch.distributed process group; a
+            ``usable_bytes`` below the model's ``floor_bytes`` (no microbatch can fit).
 
     Warns:
         RuntimeWarning: a column of ``record_dims`` reaches more than 4 times the largest value
@@ -253,6 +254,10 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         if isinstance(usable_bytes, bool) or not isinstance(usable_bytes, (int, float, np.integer, np.floating)) \
                 or not usable_bytes > 0:
             raise ValueError(f"usable_bytes must be a number of bytes > 0, got {usable_bytes!r}")
+        if usable_bytes < model.floor_bytes:
+            raise ValueError(f"usable_bytes {int(usable_bytes)} is below the model's floor_bytes "
+                             f"{model.floor_bytes:.0f} (its steady state and optimizer step): no microbatch can fit; "
+                             "raise the budget")
         if lockstep is not None and not isinstance(lockstep, bool):
             raise ValueError(f"lockstep must be True, False or None (at world size > 1: True), got {lockstep!r}")
         _check_choice(packer, PACKERS, "PredictiveBatchSampler: packer")

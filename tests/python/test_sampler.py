@@ -381,6 +381,11 @@ def test_a_finished_epoch_starts_over_and_bad_states_are_refused(model, lengths)
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=2.5)
     with pytest.raises(ValueError, match="^usable_bytes must be a number of bytes > 0, got '8e5'$"):
         xpm.PredictiveBatchSampler(lengths, model, "8e5", outer_batch_size=2)
+    floored = json.loads(model.to_json())
+    floored["floor_bytes"] = 2_000_000.0
+    with pytest.raises(ValueError, match=r"^usable_bytes 1000000 is below the model's floor_bytes 2000000 \(its steady "
+                                         r"state and optimizer step\): no microbatch can fit; raise the budget$"):
+        xpm.PredictiveBatchSampler(lengths, xpm.MemoryModel.from_json(json.dumps(floored)), 10**6, outer_batch_size=2)
     with pytest.raises(ValueError, match=r"^lockstep must be True, False or None \(at world size > 1: True\), got 'no'$"):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=2, lockstep="no")
     with pytest.raises(ValueError, match="^CpuMeter.capacity_bytes must be a whole number of bytes >= 0"):
