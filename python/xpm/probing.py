@@ -156,8 +156,9 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             negative value, named by row; ``"auto"`` with ``record_dims`` but no ``variables``),
             an ``aggregation`` value other than "max" or "sum" (named with its variable), a
             ``CpuMeter`` that counts fewer bytes than the model's CPU parameters take (installed
-            after the model was built), or a budget the probes cannot work under; nothing is
-            probed then. ``device`` errors come first, one line each, before anything is
+            after the model was built), or a budget the probes cannot work under (nothing is
+            probed then); a capacity under which too few probes fit for the formula's
+            coefficients (after probing; its ``probes`` attribute holds them). ``device`` errors come first, one line each, before anything is
             touched: ``"cuda"`` where ``torch.cuda.is_available()`` is False (with the reason: a
             torch build without CUDA, or no GPU visible), a CUDA index torch does not see, a
             device that is not CPU or CUDA, a ``meter`` of another device (or None with
@@ -254,12 +255,12 @@ def _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, rank
                               options.aggregation, ranks, options.measure_phases)
     try:
         native, probes, summary, floor, adaptive, selection = _planner.probe_and_fit(executor, formula, budget, args)
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:
         if error is executor.raised:  # a probe's own error (the loss function's): as it was raised
             raise
         # The planner's errors name its C++ class; the caller called probe.
         message = re.sub(r"^PredictiveBatcher: ", "probe: ", str(error))
-        failure = RuntimeError(f"{message} (xpm.probe(..., usable_max_rel_error=...) sets that limit; this error's "
+        failure = type(error)(f"{message} (xpm.probe(..., usable_max_rel_error=...) sets that limit; this error's "
                                f".probes holds the {len(executor.results)} probes, for xpm.fit)"
                                if "usable_max_rel_error" in message else message)
         failure.probes = list(executor.results)
