@@ -54,6 +54,13 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
 '''
 
 # argv[5]: the caps, comma-separated.
+# How both scripts end: the prepared DDP model still holds the process group, so each process
+# leaves without interpreter shutdown, where gloo's threads abort now and then (rank_exit.py).
+SCRIPT_END = r'''
+accelerator.end_training()
+sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
+'''
+
 EPOCH_SCRIPT = SCRIPT_START + r'''
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 caps = [int(c) for c in sys.argv[5].split(",")]
@@ -131,11 +138,7 @@ result.update(steps=epoch["steps"], ooms=epoch["ooms"], microbatches=epoch["micr
               peak_bytes=max(peaks), sampler_state=sampler.state_dict())
 with open(out.format(rank=rank), "w") as f:
     json.dump(result, f)
-accelerator.end_training()
-# The prepared DDP model still holds the process group: leave without interpreter shutdown,
-# where gloo's threads abort now and then (see rank_exit.py).
-sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
-'''
+''' + SCRIPT_END
 
 
 # The model prepared (wrapped in DDP) before it is probed, every rank probing in lockstep (DDP's
@@ -164,11 +167,7 @@ result = {"rank": rank, "rows": rows, "records": records_seen, "ooms": meter.oom
           "steps_done": sampler.state_dict()["steps_done"]}
 with open(out.format(rank=rank), "w") as f:
     json.dump(result, f)
-accelerator.end_training()
-# The prepared DDP model still holds the process group: leave without interpreter shutdown,
-# where gloo's threads abort now and then (see rank_exit.py).
-sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
-'''
+''' + SCRIPT_END
 
 
 def _data_dir() -> str:
