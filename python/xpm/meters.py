@@ -21,6 +21,9 @@ import numpy as np
 import torch
 
 
+_installed_cpu_meter: Optional["CpuMeter"] = None
+
+
 class CpuMeter:
     """Peak allocated bytes of CPU tensors (c10's CPU allocator, wrapped), with a hard cap
     that raises PyTorch's out-of-memory error. One per process; ``install()`` it before the
@@ -48,7 +51,19 @@ class CpuMeter:
         """
         from .torch_extension import load_torch_extension  # the torch xpm was built against
 
-        return cls(load_torch_extension().CpuMemoryMeter.install())
+        global _installed_cpu_meter
+        _installed_cpu_meter = cls(load_torch_extension().CpuMemoryMeter.install())
+        return _installed_cpu_meter
+
+    @classmethod
+    def installed(cls) -> Optional["CpuMeter"]:
+        """The meter ``install()`` installed in this process, without installing one.
+
+        Returns:
+            The process's CPU meter, or None when ``install()`` was never called (the weights
+            built so far were then not counted, so a meter installed now could not probe them).
+        """
+        return _installed_cpu_meter
 
     @property
     def capacity_bytes(self) -> int:
