@@ -97,10 +97,10 @@ cmake -S examples/conv_genre_classifier -B /tmp/xpm-conv -G Ninja -DCMAKE_BUILD_
 
 stage "5. a Python model on the $kind: the HF Trainer example, $steps steps"
 for outer_cap in ${XPM_DEVICE_HF_RUNS:-256:400000000}; do
-  say "outer batch ${outer_cap%%:*} sentences, memory cap ${outer_cap##*:} bytes"
+  say "outer batch ${outer_cap%%:*} sentences (4 accumulation steps), memory cap ${outer_cap##*:} bytes"
   PYTHONPATH="$build/python" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 "$python" examples/hf_trainer_causal_lm/train.py \
     --data-dir .device/brown --steps "$steps" --device "$kind" --output-dir /tmp/xpm-hf \
-    --outer-batch-size "${outer_cap%%:*}" --memory-cap-bytes "${outer_cap##*:}" 2>&1 |
+    --per-device-batch-size "$(( ${outer_cap%%:*} / 4 ))" --memory-cap-bytes "${outer_cap##*:}" 2>&1 |
     grep -v "^{" | tee -a "$log_file" | tail -6
   [ "${PIPESTATUS[0]}" -eq 0 ] || { say "error: the HF Trainer example failed"; failed=1; }
 done

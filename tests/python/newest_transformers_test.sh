@@ -3,7 +3,7 @@
 # PlannedTrainerMixin relies on private Trainer methods (docs/integrations/hf-trainer.md), which transformers may
 # change in any release. A fresh virtual environment sees the installed xpm and the project's
 # packages (torch, accelerate, trl, ...) through a .pth file, and holds the release named in
-# python/requirements-newest-transformers.txt itself; test_hf_trainer.py then runs there.
+# python/requirements-newest-transformers.txt itself; test_hf_trainer.py and test_hf_dropin.py then run there.
 #
 # Usage: tests/python/newest_transformers_test.sh INSTALLED_XPM_PYTHON PROJECT_PYTHON NEW_VENV_DIR
 set -euo pipefail
@@ -30,4 +30,4 @@ assert transformers.__version__ == pinned, f"transformers {transformers.__versio
 print(f"transformers {transformers.__version__} (the newest release pinned), xpm {xpm.__version__} from {xpm.__file__}")
 PY
 cd "$tests"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider integrations/test_hf_trainer.py
+"$venv/bin/python" -m pytest -q -p no:cacheprovider integrations/test_hf_trainer.py integrations/test_hf_dropin.py

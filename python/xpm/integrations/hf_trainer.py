@@ -1,16 +1,26 @@
 """xpm under the Hugging Face ``transformers.Trainer``: one optimizer step per outer batch, its
-microbatches planned by an ``xpm.PredictiveBatchSampler`` and accumulated inside one
-``training_step``.
+microbatches planned to fit the memory budget and accumulated inside one ``training_step``.
 
-    meter = xpm.CpuMeter.install()                     # before the model is built
-    model = LlamaForCausalLM(config); optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+The drop-in: change the class; the trainer derives the rest when training starts (the outer
+batch from ``per_device_train_batch_size x gradient_accumulation_steps x world size``, the
+records' dims from the dataset, probes of its own prepared step on the dataset's records, the
+budget from the device, formula ``"auto"``; the fitted model cached in ``output_dir``):
+
+    meter = xpm.CpuMeter.install()                  # on the CPU: before the model; its cap is the budget
+    model = LlamaForCausalLM(config)
+    meter.capacity_bytes = 24_000_000
+    trainer = PlannedTrainer(model=model, args=TrainingArguments(..., per_device_train_batch_size=8,
+                             gradient_accumulation_steps=4), train_dataset=records, data_collator=pad_collate)
+    trainer.train()                                 # trainer.xpm_report: the start-up line
+
+Or a sampler of one's own (``batch_sampler=``), probed and built by hand:
+
     probed = xpm.probe(model, optimizer, loss_fn, formula, meter=meter, variable_max=...)
     sampler = xpm.PredictiveBatchSampler(lengths, probed.model, budget.usable_bytes,
                                          outer_batch_size=32, seed=1, units=lengths - 1)
     trainer = PlannedTrainer(model=model, args=TrainingArguments(..., gradient_accumulation_steps=1),
                              train_dataset=records, data_collator=pad_collate,
-                             optimizers=(optimizer, None), batch_sampler=sampler)
-    trainer.train()
+                             optimizers=(optimizer, None), batch_sampler=sampler, meter=meter)
 
 How it fits the Trainer's loop (transformers 5.17):
 
@@ -24,8 +34,10 @@ How it fits the Trainer's loop (transformers 5.17):
   the step's microbatches, summed over ranks when ``average_tokens_across_devices``) as
   ``num_items_in_batch``; each microbatch's loss is then its summed token loss over that count,
   and the microbatch losses add up to the outer batch's mean token loss. A model whose loss
-  takes no ``num_items_in_batch`` gets each microbatch's mean loss times the sampler's weight
-  (give the sampler ``units`` = label tokens per record then).
+  takes no ``num_items_in_batch`` (or ignores it: checked on one real microbatch before the
+  first step, ``model_accepts_loss_kwargs`` then set False) gets each microbatch's mean loss
+  times its share of the outer batch's label items, counted the same way; a loss without labels
+  gets the sampler's weight.
 - ``training_step`` runs the Trainer's own ``training_step`` (``compute_loss``, backward) once
   per microbatch, under ``accelerator.no_sync`` for all but the last (DDP all-reduces once per
   step); the Trainer then clips, steps the optimizer and the scheduler once.
@@ -35,24 +47,26 @@ How it fits the Trainer's loop (transformers 5.17):
   outer batch of the same plan.
 
 Settings that would break the step accounting are refused with ``ValueError`` when the trainer
-is built: ``gradient_accumulation_steps`` other than 1, DeepSpeed, DataParallel over several
+is built: ``gradient_accumulation_steps`` other than 1 with a sampler of one's own, DeepSpeed, DataParallel over several
 GPUs, tensor/context/sequence parallelism, ``auto_find_batch_size``, a
 ``train_sampling_strategy`` of ``group_by_length``, ``batch_rebalance`` or ``sequential`` (the
 sampler decides the order), a sampler planned for another world size, and
 ``average_tokens_across_devices=False`` on several ranks. ``per_device_train_batch_size`` and
 ``dataloader_drop_last`` are not used (the sampler's ``outer_batch_size`` and ``drop_last``
-decide). Importing this module imports ``transformers``.
+decide) with a sampler of one's own. Importing this module imports ``transformers``.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -60,7 +74,13 @@ import transformers
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
+from ..planning import CostFormula, MemoryBudget, PackerName
+from ..probe_options import ProbeOptions
+from ..probing import probe
 from ..sampler import PredictiveBatchSampler, _unplanned_memory
+from .hf_planning import (AutomaticPlanning, PlannedMemory, ProbeRecords, TrainerSnapshot, environment_parts,
+                          label_items, load_agreed, loss_normalisation, model_signature, optimizer_identity,
+                          planning_mode, save_cached)
 
 logger = logging.getLogger(__name__)
 
@@ -164,20 +184,22 @@ def _only_item(items: List[PlannedStep]) -> PlannedStep:
 
 class _StepBatchSampler(torch.utils.data.Sampler):
     """Yields ``[_StepKey]`` for each step of the epoch from its first (the Trainer skips the
-    steps done itself on resume); ``len``: the steps per epoch."""
+    steps done itself on resume); ``len``: the steps per epoch. The sampler is asked for when
+    iterating starts: a trainer that plans by itself makes it after the model is prepared."""
 
-    def __init__(self, sampler: PredictiveBatchSampler):
-        self.sampler, self.epoch = sampler, 0
+    def __init__(self, sampler_of: Callable[[], PredictiveBatchSampler], steps_per_epoch: int):
+        self.sampler_of, self.steps_per_epoch, self.epoch = sampler_of, steps_per_epoch, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
-        return self.sampler.steps_per_epoch()
+        return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[List[_StepKey]]:
-        self.sampler.set_epoch(self.epoch)
-        for index, step in enumerate(self.sampler.steps()):
+        sampler = self.sampler_of()
+        sampler.set_epoch(self.epoch)
+        for index, step in enumerate(sampler.steps()):
             microbatches = tuple(tuple(int(i) for i in np.asarray(mb, dtype=np.int64).reshape(-1))
                                  for mb in step.microbatches)
             weights = tuple(float(w) for w in step.weights)
@@ -220,9 +242,10 @@ class PlannedTrainerMixin:
     Args:
         *args: as ``transformers.Trainer``.
         batch_sampler: the ``xpm.PredictiveBatchSampler`` over ``train_dataset`` (one record per
-            dataset index; its ``world_size`` must be the run's); or None, and
-            ``set_batch_sampler`` before ``train()``, to probe through this trainer's own step
-            first (``probe_loss``).
+            dataset index; its ``world_size`` must be the run's); or None: planned when training
+            starts (module docstring; ``xpm.integrations.hf_planning``), unless
+            ``set_batch_sampler`` gave one before ``train()`` (e.g. after probing through
+            ``probe_loss``).
         meter: optional ``xpm.CpuMeter`` / ``xpm.CudaMeter``: its peak is reset before each
             microbatch and reported in ``MicrobatchRecord.peak_allocated_bytes``; at each step's
             start ``xpm.check_unplanned_memory`` compares what is allocated with what the probes
@@ -232,14 +255,30 @@ class PlannedTrainerMixin:
             what the Trainer's own step measured; each change logged by ``logging`` at INFO).
         on_microbatch: optional callable given a ``MicrobatchRecord`` after each microbatch's
             backward (on every rank).
+        formula: without ``batch_sampler``: the cost formula, or ``"auto"`` (the default).
+        memory_fraction: without ``batch_sampler``: the share of the device's memory (CUDA) or
+            of the CPU meter's cap that microbatches are planned within (0.9).
+        record_dims: without ``batch_sampler``: ``record_dims(record)`` gives a record's dims
+            (batch-size entry 1, then the formula's variables); default read from the dataset.
+        cache_dir: without ``batch_sampler``: the folder of cached memory models (None:
+            ``<output_dir>/xpm-memory-models``; False: no cache).
+        probe_options: without ``batch_sampler``: ``xpm.ProbeOptions`` to probe with (its
+            ``record_dims``, ``variables`` and ``lockstep`` are set by the trainer).
+        packer: without ``batch_sampler``: the sampler's packer (``xpm.PackerName``, "fastest").
         **kwargs: as ``transformers.Trainer``; ``data_collator`` collates one microbatch (a
             list of records) into the model's inputs.
+
+    Attributes:
+        xpm_report: the start-up line of a trainer that planned by itself (None before).
+        xpm_memory: the ``hf_planning.PlannedMemory`` it planned with (set when training starts).
 
     Raises:
         TypeError: the class is not a ``transformers.Trainer`` (the mixin listed without one; a
             class that lists it after one is refused where it is defined).
         ValueError: ``batch_sampler`` is not a ``PredictiveBatchSampler``, or a setting named in
-            the module docstring would break the step accounting.
+            the module docstring would break the step accounting; without ``batch_sampler``, a
+            bad planning keyword or what cannot be planned (``AutomaticPlanning.check`` and
+            ``refuse_unplannable``: on the CPU no ``xpm.CpuMeter`` installed or no cap, ...).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -249,18 +288,35 @@ class PlannedTrainerMixin:
             raise TypeError(_MIXIN_ORDER.format(name=cls.__name__))
 
     def __init__(self, *args, batch_sampler: Optional[PredictiveBatchSampler] = None, meter=None,
-                 on_microbatch: Optional[Callable[[MicrobatchRecord], None]] = None, **kwargs):
+                 on_microbatch: Optional[Callable[[MicrobatchRecord], None]] = None,
+                 formula: Union[CostFormula, Literal["auto"]] = "auto", memory_fraction: float = 0.9,
+                 record_dims: Optional[Callable[[Any], Sequence[float]]] = None,
+                 cache_dir: Union[str, os.PathLike, None, Literal[False]] = None,
+                 probe_options: Optional[ProbeOptions] = None, packer: PackerName = "fastest", **kwargs):
         if not isinstance(self, transformers.Trainer):
             raise TypeError(_MIXIN_ORDER.format(name=type(self).__name__))
+        args, kwargs, accumulation_steps = _one_item_per_step(args, kwargs, planned=batch_sampler is None)
         super().__init__(*args, **kwargs)
         self.xpm_sampler: Optional[PredictiveBatchSampler] = None
         self.xpm_meter = meter
         self.on_microbatch = on_microbatch
+        self.xpm_accumulation_steps = accumulation_steps
+        self.xpm_planning = AutomaticPlanning(formula=formula, memory_fraction=memory_fraction,
+                                              record_dims=record_dims, cache_dir=cache_dir,
+                                              probe_options=probe_options, packer=packer)
+        self.xpm_planning.check(self)
+        self.xpm_report: Optional[str] = None
+        self.xpm_memory: Optional[PlannedMemory] = None
         self._microbatch_loss_scale = 1.0
+        self._loss_divides_by_items: Optional[bool] = None
         self._unplanned_warned = False
+        self._pending_checkpoint: Optional[str] = None
         self._check_settings()
         if batch_sampler is not None:
             self.set_batch_sampler(batch_sampler)
+        else:
+            self.xpm_planning.refuse_unplannable(self, meter)
+        self.add_callback(_BeforeTraining(self))
 
     def set_batch_sampler(self, batch_sampler: PredictiveBatchSampler) -> None:
         """The sampler whose outer batches the training steps are (the ``batch_sampler`` keyword,
@@ -282,13 +338,182 @@ class PlannedTrainerMixin:
             raise ValueError(f"PlannedTrainer: the batch sampler plans for world size {sampler_world} but this run "
                              f"has {args.world_size} process(es); build it with world_size={args.world_size} "
                              f"and rank={args.process_index}")
+        outer = batch_sampler.state_dict()["outer_batch_size"]
+        if self.xpm_accumulation_steps != 1 and outer != self._outer_batch_size():
+            raise ValueError(f"PlannedTrainer: the batch sampler's outer batch is {outer} records but the arguments "
+                             f"say {self._outer_batch_size()} (per device {args.per_device_train_batch_size} x "
+                             f"{self.xpm_accumulation_steps} accumulation steps x {args.world_size} rank(s)); "
+                             "give a sampler of that outer batch or gradient_accumulation_steps=1")
         self.xpm_sampler = batch_sampler
 
     def _planned_sampler(self) -> PredictiveBatchSampler:
         if self.xpm_sampler is None:
-            raise ValueError("PlannedTrainer: no batch sampler: pass batch_sampler=..., or probe through this "
-                             "trainer (probe_loss) and then call set_batch_sampler(sampler) before train()")
+            raise ValueError("PlannedTrainer: no batch sampler: it is planned when train() starts, or pass "
+                             "batch_sampler=... (set_batch_sampler)")
         return self.xpm_sampler
+
+    def _outer_batch_size(self) -> int:
+        """Records per optimizer step: per device x accumulation steps x world size."""
+        args = self.args
+        return args.per_device_train_batch_size * self.xpm_accumulation_steps * args.world_size
+
+    def _steps_per_epoch(self) -> int:
+        if self.xpm_sampler is not None:
+            return self.xpm_sampler.steps_per_epoch()
+        n, outer = len(self.train_dataset), self._outer_batch_size()
+        return n // outer if self.args.dataloader_drop_last else -(-n // outer)
+
+    # ---- planning by itself (no batch_sampler)
+    def _before_training(self) -> None:
+        """Once the Trainer has prepared the model and optimizer, before the first step: plans
+        (no sampler given), checks the loss's normalisation, then a resumed checkpoint's sampler."""
+        if self.xpm_sampler is None:
+            self._plan_automatically()
+        self._check_loss_normalisation()
+        if self._pending_checkpoint is not None:
+            checkpoint, self._pending_checkpoint = self._pending_checkpoint, None
+            self._check_sampler_checkpoint(checkpoint)
+
+    def _plan_automatically(self) -> None:
+        planning, args = self.xpm_planning, self.args
+        mode = planning_mode(self)
+        meter = self.xpm_meter = planning.meter_of(self, self.xpm_meter)
+        dims = planning.record_dims_of(self, mode)
+        capacity = int(meter.capacity_bytes)
+        budget = MemoryBudget(capacity, planning.memory_fraction)
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper skips unsynced steps
+        path = planning.cache_path(self, self._cache_parts(mode, optimizer, capacity, dims))
+        model = load_agreed(path, args.world_size)
+        outcome = None
+        if model is None:
+            per_rank = -(-self._outer_batch_size() // args.world_size)
+            outcome = self._probe(mode, dims, budget, per_rank, optimizer, meter)
+            model = outcome.model
+            if path is not None and args.process_index == 0:
+                save_cached(model, path)
+        self.xpm_memory = PlannedMemory(model, budget.usable_bytes, capacity, meter, dims, outcome, path)
+        packer = planning.packer
+        if packer == "fastest" and model.time_model is None:  # no probe times were fitted: the next fastest
+            packer = "adaptive"
+        self.xpm_sampler = PredictiveBatchSampler(
+            dims, model, budget.usable_bytes, outer_batch_size=self._outer_batch_size(), rank=args.process_index,
+            world_size=args.world_size, seed=args.seed, drop_last=args.dataloader_drop_last, packer=packer)
+        self.xpm_report = self._planning_report(mode)
+        logger.info("%s", self.xpm_report)
+
+    def _cache_parts(self, mode: str, optimizer, capacity: int, dims) -> Dict[str, Any]:
+        """What the memory model depends on: its cache key's parts."""
+        planning, model = self.xpm_planning, self.model
+        formula = planning.formula if planning.formula == "auto" else planning.formula.canonical
+        collator = getattr(self.data_collator, "data_collator", self.data_collator)
+        return {"formula": formula, "variables": planning.variables(mode), "mode": mode,
+                "trainer": type(self).__name__, "model": model_signature(model),
+                "optimizer": optimizer_identity(optimizer), "precision": str(self.accelerator.mixed_precision),
+                "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+                "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
+                "collator": f"{type(collator).__module__}.{type(collator).__qualname__}",
+                "world_size": self.args.world_size, "device": self.args.device.type, "capacity_bytes": capacity,
+                "memory_fraction": planning.memory_fraction, "dims_max": dims.max(axis=0).tolist(),
+                "probe_options": repr(planning.probe_options), **environment_parts()}
+
+    def _probe(self, mode: str, dims, budget: MemoryBudget, per_rank_records: int, optimizer, meter):
+        """Probes the prepared model through this trainer's ``compute_loss`` on the dataset's
+        own records, leaving the trainer's state as it was."""
+        records = ProbeRecords(self.train_dataset, dims, mode)
+        collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
+        model = self.model_wrapped
+
+        def loss_of(rows):
+            batch = self._prepare_inputs(collator(records.at(rows)))
+            with self.accelerator.autocast(), self.compute_loss_context_manager():
+                return self.compute_loss(model, batch)
+
+        options = self.xpm_planning.probe_options_for(mode, dims, budget, per_rank_records, self.args.world_size)
+        snapshot = TrainerSnapshot(self)
+        model.train()
+        try:
+            return probe(model, optimizer, loss_of, self.xpm_planning.formula, meter=meter, options=options)
+        finally:
+            snapshot.restore()
+            model.zero_grad(set_to_none=True)
+
+    def _planning_report(self, mode: str) -> str:
+        """The start-up line: where the model came from, its formula and fit, the budget, and the
+        microbatches per step it expects against the fixed batch it replaces."""
+        args, memory, sampler = self.args, self.xpm_memory, self.xpm_sampler
+        outcome = memory.outcome
+        if outcome is None:
+            source = f"memory model from the cache {memory.cache_path} (no probes)"
+        else:
+            infeasible = sum(not p.feasible for p in outcome.probes)
+            source = (f"{len(outcome.probes)} probes ({infeasible} out of memory) in {outcome.probe_s:.1f} s, fit max "
+                      f"error {100 * abs(outcome.fit.max_rel_error):.2f} %")
+        counts = [len(sampler.planned_step(i).microbatches) for i in range(min(sampler.steps_per_epoch(), 32))]
+        return (f"xpm: {mode} records; {source}; formula {memory.model.formula.canonical}; budget "
+                f"{memory.usable_bytes:,} of {memory.capacity_bytes:,} bytes; {self._outer_batch_size()} records per "
+                f"optimizer step (per device {args.per_device_train_batch_size} x {self.xpm_accumulation_steps} "
+                f"accumulation steps x {args.world_size} rank(s), the fixed batch it replaces) in {min(counts)} to "
+                f"{max(counts)} microbatches on this rank (mean {sum(counts) / len(counts):.2f}, first "
+                f"{len(counts)} steps)")
+
+    def _check_loss_normalisation(self) -> None:
+        """Checks on one real microbatch that a loss given ``num_items_in_batch`` divides by it;
+        a model that ignores it (its ``forward`` takes ``**kwargs`` but its loss is a plain mean)
+        has ``model_accepts_loss_kwargs`` set False and its microbatch losses weighted instead."""
+        if self._loss_divides_by_items is not None:
+            return
+        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            self._loss_divides_by_items = False
+            return
+        dataset = self.train_dataset
+        collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
+        batch = self._prepare_inputs(collator([dataset[i] for i in range(min(2, len(dataset)))]))
+        items = label_items(batch, getattr(self, "_loss_shifts_labels", False)) if isinstance(batch, Mapping) else None
+        if not items:
+            self._loss_divides_by_items = True
+            return
+        model = self.model
+
+        def loss_of(count: int) -> torch.Tensor:
+            with self.accelerator.autocast(), self.compute_loss_context_manager():
+                return self.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(count,
+                                                                                               device=self.args.device))
+
+        snapshot = TrainerSnapshot(self)
+        try:
+            verdict, ratio = loss_normalisation(loss_of, items)
+        finally:
+            snapshot.restore()
+        self._loss_divides_by_items = verdict != "ignores"
+        name = type(getattr(model, "module", model)).__name__
+        if verdict == "ignores":
+            if self.compute_loss_func is None:
+                self.model_accepts_loss_kwargs = False
+            logger.warning("xpm: %s's loss ignores num_items_in_batch (the same loss at %d and %d items), though the "
+                           "Trainer passes it; each microbatch's mean loss is weighted by its share of the outer "
+                           "batch's label items instead", name, items, 2 * items)
+        elif verdict == "unclear":
+            logger.warning("xpm: %s's loss given num_items_in_batch %d and %d changed by a factor %.4f, neither 2 "
+                           "(divides) nor 1 (ignores); left as the Trainer passes it", name, items, 2 * items, ratio)
+
+    def _trainer_scales_by_processes(self) -> bool:
+        """Whether the Trainer's ``compute_loss`` multiplies the loss by the number of processes."""
+        return bool(self.args.average_tokens_across_devices and
+                    (self.model_accepts_loss_kwargs or self.compute_loss_func is not None))
+
+    def _microbatch_scale(self, batch, weight: float, num_items_in_batch) -> float:
+        """The factor of one microbatch's loss: 1 for a loss that divides by the outer batch's
+        ``num_items_in_batch``, else its share of those items (the sampler's weight without labels)."""
+        if num_items_in_batch is None:
+            return weight
+        if self._loss_divides_by_items is not False and \
+                (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            return 1.0
+        items = label_items(batch, getattr(self, "_loss_shifts_labels", False)) if isinstance(batch, Mapping) else None
+        if items is None:
+            return weight
+        processes = 1 if self._trainer_scales_by_processes() else self.accelerator.num_processes
+        return items * processes / float(num_items_in_batch)
 
     def probe_loss(self, records: Sequence[Any]) -> torch.Tensor:
         """The loss of one microbatch of ``records`` as this trainer's training step computes it:
@@ -371,8 +596,8 @@ class PlannedTrainerMixin:
             "prefetch_factor": args.dataloader_prefetch_factor,
             "worker_init_fn": partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
         }
-        return _StepLoader(_StepDataset(dataset, collator), batch_sampler=_StepBatchSampler(self._planned_sampler()),
-                           collate_fn=_only_item, **options)
+        steps = _StepBatchSampler(self._planned_sampler, self._steps_per_epoch())
+        return _StepLoader(_StepDataset(dataset, collator), batch_sampler=steps, collate_fn=_only_item, **options)
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: torch.device) -> Tuple[List[PlannedStep], Any]:
@@ -404,7 +629,14 @@ class PlannedTrainerMixin:
                    for step in steps for batch in step.microbatches]
         if not counted or not all(isinstance(batch, Mapping) for batch in counted):
             return steps, None
-        return steps, self._get_num_items_in_batch(counted, device)
+        count = self._get_num_items_in_batch(counted, device)
+        if count is None:  # a loss without num_items_in_batch: the count weights its microbatches
+            items = [label_items(batch, getattr(self, "_loss_shifts_labels", False)) for batch in counted]
+            if all(item is not None for item in items):
+                count = torch.tensor(sum(items), device=device)
+                if self.args.world_size > 1:
+                    count = self.accelerator.gather(count).sum()
+        return steps, count
 
     # ---- the step
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
@@ -454,10 +686,7 @@ class PlannedTrainerMixin:
         losses = []
         last = len(inputs.microbatches) - 1
         for k, (batch, records, weight) in enumerate(zip(inputs.microbatches, inputs.records, inputs.weights)):
-            if inputs.placeholder:
-                scale = 0.0
-            else:
-                scale = 1.0 if num_items_in_batch is not None else weight
+            scale = 0.0 if inputs.placeholder else self._microbatch_scale(batch, weight, num_items_in_batch)
             sync = contextlib.nullcontext() if k == last else self.accelerator.no_sync(model)
             if self.xpm_meter is not None:
                 self.xpm_meter.reset_peak()
@@ -538,22 +767,24 @@ class PlannedTrainerMixin:
             ValueError: the checkpoint has no sampler state, was written by a sampler with other
                 settings, or its step count differs from the Trainer's.
         """
-        self._planned_sampler()
+        if self.train_dataset is None:
+            raise ValueError("PlannedTrainer: training requires a train_dataset")
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"PlannedTrainer: no checkpoint found in output_dir '{self.args.output_dir}'")
         if resume_from_checkpoint:
-            self._check_sampler_checkpoint(str(resume_from_checkpoint))
+            checkpoint = str(resume_from_checkpoint)
+            if self.xpm_sampler is not None:
+                self._check_sampler_checkpoint(checkpoint)
+            else:  # planned once the model is prepared, checked then; a missing state is refused now
+                _sampler_state_path(checkpoint)
+                self._pending_checkpoint = checkpoint
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval)
 
     def _check_sampler_checkpoint(self, checkpoint: str) -> None:
-        path = os.path.join(checkpoint, SAMPLER_STATE_NAME)
-        if not os.path.isfile(path):
-            raise ValueError(f"PlannedTrainer: checkpoint '{checkpoint}' has no {SAMPLER_STATE_NAME} (not written by "
-                             "PlannedTrainer); resume from one that is, or start without resume_from_checkpoint")
-        with open(path) as source:
+        with open(_sampler_state_path(checkpoint)) as source:
             saved = json.load(source)
         self.xpm_sampler.load_state_dict(saved)  # ValueError for other settings
         with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as source:
@@ -562,6 +793,45 @@ class PlannedTrainerMixin:
         if done != global_step:
             raise ValueError(f"PlannedTrainer: checkpoint '{checkpoint}' is at global step {global_step} but its "
                              f"sampler state is at step {done} (epoch {saved['epoch']}, step {saved['steps_done']})")
+
+
+def _sampler_state_path(checkpoint: str) -> str:
+    """The sampler state file of ``checkpoint``; ValueError in one line when it has none."""
+    path = os.path.join(checkpoint, SAMPLER_STATE_NAME)
+    if not os.path.isfile(path):
+        raise ValueError(f"PlannedTrainer: checkpoint '{checkpoint}' has no {SAMPLER_STATE_NAME} (not written by "
+                         "PlannedTrainer); resume from one that is, or start without resume_from_checkpoint")
+    return path
+
+
+class _BeforeTraining(transformers.TrainerCallback):
+    """Runs ``PlannedTrainerMixin._before_training`` when training begins (the model and the
+    optimizer prepared, no step taken)."""
+
+    def __init__(self, trainer: PlannedTrainerMixin):
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer._before_training()
+
+
+def _one_item_per_step(args: tuple, kwargs: dict, planned: bool) -> Tuple[tuple, dict, int]:
+    """The Trainer's arguments with ``gradient_accumulation_steps`` 1 in a copy of its
+    ``TrainingArguments`` (each loader item is a whole optimizer step), and the user's count,
+    which sets the outer batch when the trainer plans by itself."""
+    training = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
+    steps = getattr(training, "gradient_accumulation_steps", 1)
+    if not planned or training is None or steps == 1:
+        return args, kwargs, 1
+    training = copy.copy(training)
+    training.gradient_accumulation_steps = 1
+    if "args" in kwargs:
+        kwargs = {**kwargs, "args": training}
+    else:
+        args = (args[0], training) + tuple(args[2:])
+    return args, kwargs, int(steps)
 
 
 class PlannedTrainer(PlannedTrainerMixin, transformers.Trainer):
