@@ -199,15 +199,18 @@ class ProbeRecords:
 
     Args:
         dataset: the training dataset.
-        record_dims: its records' dims (``dataset_record_dims``).
+        record_dims: its records' dims (``dataset_record_dims``); None with ``source_index``.
         mode: the planning mode.
+        source_index: the record to make the others from (default: the longest).
     """
 
-    def __init__(self, dataset: Any, record_dims: np.ndarray, mode: PlanningMode) -> None:
+    def __init__(self, dataset: Any, record_dims: Optional[np.ndarray], mode: PlanningMode,
+                 source_index: Optional[int] = None) -> None:
         self.mode = mode
-        longest = int(np.lexsort(record_dims[:, ::-1].T)[-1])  # the longest by the first length, then the next
-        self.source = dict(dataset[longest])
-        self.source_index = longest
+        if source_index is None:  # the longest by the first length, then the next
+            source_index = int(np.lexsort(record_dims[:, ::-1].T)[-1])
+        self.source = dict(dataset[source_index])
+        self.source_index = source_index
         self.source_length = _length(self.source["input_ids"], "input_ids")
         key = _target_key(self.source, "the longest record") if mode == "encoder_decoder" else None
         self.target_length = _length(self.source[key], key) if key else None
@@ -242,6 +245,16 @@ class ProbeRecords:
         if torch.is_tensor(value) or isinstance(value, np.ndarray):
             return value.ndim >= 1 and value.shape[-1] == length
         return False
+
+    def small(self, max_tokens: int = 24) -> List[Dict[str, Any]]:
+        """Two short records (at most ``max_tokens`` each, the second 5 shorter) for checks
+        that run the model before training: small enough to fit wherever anything does."""
+        length = max(6, min(self.source_length, max_tokens))
+        rows = [[1.0, float(length)], [1.0, float(length - 5)]]
+        if self.mode == "encoder_decoder":
+            target = max(6, min(self.target_length, max_tokens))
+            rows = [row + [float(target - 5 * k)] for k, row in enumerate(rows)]
+        return [self.record(row) for row in rows]
 
     def at(self, rows: Sequence[Sequence[float]]) -> List[Dict[str, Any]]:
         """One record per row of dims (``xpm.probe``'s ``loss_fn(records)`` argument). Where a
@@ -501,12 +514,34 @@ class AutomaticPlanning:
         sample = dims if len(dims) <= PROBE_SAMPLE_RECORDS else dims[rng.choice(len(dims), PROBE_SAMPLE_RECORDS,
                                                                                  replace=False)]
         aggregation = base.aggregation
-        if aggregation is None and mode == "padding_free" and self.record_dims is None:
-            aggregation = {"t": "sum"}
+        if mode == "padding_free" and self.record_dims is None:
+            aggregation = aggregation or {"t": "sum"}
+            sample = _with_shorter_records(sample)
         return dataclasses.replace(
             base, record_dims=sample.tolist(), variables=self.variables(mode), aggregation=aggregation,
             budget=base.budget or budget, variable_max=base.variable_max or {"bs": per_rank_records},
             lockstep=world_size > 1, probe_points=None)
+
+
+SHORTER_RECORD_FRACTIONS = (0.5, 0.25)
+"""Padding-free: the records are also offered to the probe design cut to these fractions."""
+
+
+def _with_shorter_records(sample: np.ndarray) -> np.ndarray:
+    """``sample``, and where its records are of nearly one length (the longest under twice the
+    shortest: packed records) also its records cut to ``SHORTER_RECORD_FRACTIONS`` of their
+    tokens. A flattened microbatch costs what its tokens cost, so shorter records are as real as
+    the dataset's, and records of one length would leave the tokens' terms inseparable from the
+    records'."""
+    tokens = sample[:, 1]
+    if tokens.max() >= 2 * max(1.0, tokens.min()):
+        return sample
+    shorter = [np.column_stack([sample[:, :1], np.maximum(1.0, np.round(sample[:, 1:] * f))])
+               for f in SHORTER_RECORD_FRACTIONS]
+    combined = np.concatenate([sample] + shorter)
+    if len(combined) <= PROBE_SAMPLE_RECORDS:
+        return combined
+    return combined[np.random.default_rng(1).choice(len(combined), PROBE_SAMPLE_RECORDS, replace=False)]
 
 
 def load_agreed(path: Optional[str], world_size: int) -> Optional[MemoryModel]:

@@ -370,6 +370,8 @@ class PlannedTrainerMixin:
         if self.xpm_sampler is None:
             self._plan_automatically()
         self._check_loss_normalisation()
+        if planning_mode(self) == "padding_free":
+            self._check_records_kept_apart()
         if self._pending_checkpoint is not None:
             checkpoint, self._pending_checkpoint = self._pending_checkpoint, None
             self._check_sampler_checkpoint(checkpoint)
@@ -408,6 +410,7 @@ class PlannedTrainerMixin:
         collator = getattr(self.data_collator, "data_collator", self.data_collator)
         return {"formula": formula, "variables": planning.variables(mode), "mode": mode,
                 "trainer": type(self).__name__, "model": model_signature(model),
+                "config": model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None,
                 "optimizer": optimizer_identity(optimizer), "precision": str(self.accelerator.mixed_precision),
                 "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
                 "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
@@ -465,9 +468,8 @@ class PlannedTrainerMixin:
         if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
             self._loss_divides_by_items = False
             return
-        dataset = self.train_dataset
         collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
-        batch = self._prepare_inputs(collator([dataset[i] for i in range(min(2, len(dataset)))]))
+        batch = self._prepare_inputs(collator(self._small_records()))
         items = label_items(batch, getattr(self, "_loss_shifts_labels", False)) if isinstance(batch, Mapping) else None
         if not items:
             self._loss_divides_by_items = True
@@ -495,6 +497,47 @@ class PlannedTrainerMixin:
         elif verdict == "unclear":
             logger.warning("xpm: %s's loss given num_items_in_batch %d and %d changed by a factor %.4f, neither 2 "
                            "(divides) nor 1 (ignores); left as the Trainer passes it", name, items, 2 * items, ratio)
+
+    def _check_records_kept_apart(self) -> None:
+        """Warns when the model attends across the records a padding-free collator flattens: the
+        logits of one record, alone and after another, through this trainer's ``compute_loss``."""
+        dataset = self.train_dataset
+        if dataset is None or len(dataset) < 2:
+            return
+        collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
+        model = self.model
+        first, second = self._small_records()
+        tokens = len(second["input_ids"])
+
+        def logits_of(records) -> Optional[torch.Tensor]:
+            batch = self._prepare_inputs(collator(records))
+            with torch.no_grad(), self.accelerator.autocast(), self.compute_loss_context_manager():
+                outputs = self.compute_loss(model, batch, return_outputs=True)[1]
+            logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
+            return None if logits is None else logits.reshape(-1, logits.shape[-1])[-tokens:].float()
+
+        snapshot, training = TrainerSnapshot(self), model.training
+        model.eval()
+        try:
+            alone, after = logits_of([second]), logits_of([first, second])
+        finally:
+            model.train(training)
+            snapshot.restore()
+        if alone is None or after is None or alone.shape != after.shape:
+            return
+        change = float((alone - after).abs().max())
+        if change > 1e-3 * max(1e-6, float(alone.abs().max())):
+            logger.warning("xpm: %s attends across the records a padding-free collator flattens (a record's logits "
+                           "change by up to %.3g after another record): a microbatch's loss then depends on which "
+                           "records share it, with or without xpm; under sdpa attention pass use_cache=False (packed "
+                           "records are then told apart by their position_ids) or use flash attention",
+                           type(getattr(model, "module", model)).__name__, change)
+
+    def _small_records(self) -> List[Dict[str, Any]]:
+        """Two short records made from the dataset's shortest (``ProbeRecords.small``), for the
+        checks before training: they fit the budget wherever anything does."""
+        shortest = int(np.argmin(self.xpm_sampler._dims[:, 1:].sum(axis=1)))
+        return ProbeRecords(self.train_dataset, None, planning_mode(self), source_index=shortest).small()
 
     def _trainer_scales_by_processes(self) -> bool:
         """Whether the Trainer's ``compute_loss`` multiplies the loss by the number of processes."""

@@ -178,19 +178,29 @@ def test_drop_in_accumulates_an_outer_batch_exactly(meter, sentences, tmp_path):
     print(f"\n{len(measured)} microbatches of {OUTER} records: max gradient difference {worst:.2e} of the largest")
 
 
-def test_padding_free_collator_is_planned_by_the_tokens_a_microbatch_holds(meter, sentences, tmp_path):
+def _llama_without_cache():
+    """The byte Llama with ``use_cache=False``, as the Trainer sets it (``TrainingArguments.use_cache``):
+    under sdpa, transformers tells flattened records apart by their position_ids only without a
+    key/value cache (the reference run outside the Trainer needs it too)."""
+    model = byte_llama.build_model()
+    model.config.use_cache = False
+    return model
+
+
+def test_padding_free_collator_is_planned_by_the_tokens_a_microbatch_holds(meter, sentences, tmp_path, caplog):
     """``DataCollatorWithFlattening``: each microbatch is planned by its summed tokens (``t``),
-    never records x longest. (Its gradient is not compared with the whole batch's: under sdpa the
-    Llama of transformers 5.17 attends across the flattened records' boundaries, so a flattened
-    batch's loss depends on which records share it, with or without xpm.)"""
+    never records x longest, and one outer batch's gradient is that of its records run whole."""
     collator = transformers.DataCollatorWithFlattening()
-    measured, records = [], _records(sentences)
-    model = _capped_model(meter, byte_llama.build_model)
+    measured, gradients, records = [], _Gradients(), _records(sentences)
+    model = _capped_model(meter, _llama_without_cache)
     trainer = PlannedTrainer(model=model, args=_arguments(tmp_path, max_steps=6), train_dataset=records,
-                             data_collator=collator, on_microbatch=measured.append, cache_dir=False)
+                             data_collator=collator, on_microbatch=measured.append, callbacks=[gradients],
+                             cache_dir=False)
     before = meter.oom_count
-    trainer.train()
+    with caplog.at_level("WARNING", logger="xpm"):
+        trainer.train()
     print(f"\n{trainer.xpm_report}")
+    assert not any("attends across the records" in r.getMessage() for r in caplog.records)
     assert trainer.xpm_report.startswith("xpm: padding_free records")
     assert list(trainer.xpm_memory.model.formula.variable_names) == ["bs", "t"]
     assert _training_ooms(meter, before, trainer) == 0
@@ -206,6 +216,25 @@ def test_padding_free_collator_is_planned_by_the_tokens_a_microbatch_holds(meter
     print(f"planned vs measured from step 3 ({len(errors)} microbatches above half the budget): "
           f"{100 * min(errors):+.2f} % to {100 * max(errors):+.2f} %")
     assert errors and -0.01 <= min(errors) and max(errors) <= 0.03
+    step = [i for r in measured if r.step == 1 for i in r.records]
+    assert len([r for r in measured if r.step == 1]) > 1
+    whole = _whole_batch_gradients(_llama_without_cache, collator, [records[i] for i in step], meter)
+    names = [name for name, _ in trainer.model.named_parameters()]
+    worst = _assert_gradients_equal(gradients.by_step[1], whole, names)
+    print(f"padding-free: max gradient difference {worst:.2e} of the largest")
+
+
+def test_a_model_that_attends_across_flattened_records_is_warned_about(meter, sentences, tmp_path, caplog):
+    """With its key/value cache on (``TrainingArguments(use_cache=True)``), the Llama under sdpa
+    attends across the records ``DataCollatorWithFlattening`` joins: one warning before training."""
+    model = _capped_model(meter, byte_llama.build_model)
+    trainer = PlannedTrainer(model=model, args=_arguments(tmp_path, max_steps=1, use_cache=True),
+                             train_dataset=_records(sentences), data_collator=transformers.DataCollatorWithFlattening())
+    with caplog.at_level("WARNING", logger="xpm"):
+        trainer.train()
+    warned = [r.getMessage() for r in caplog.records if "attends across the records" in r.getMessage()]
+    assert len(warned) == 1 and "use_cache=False" in warned[0]
+    print(f"\n{warned[0]}")
 
 
 def _bart():
@@ -281,3 +310,79 @@ def test_what_cannot_be_planned_is_refused_at_construction(meter, sentences, tmp
     with pytest.raises(ValueError, match=r"^PlannedTrainer: memory_fraction must be in \(0, 1\], got 1.5"):
         PlannedTrainer(model=model, args=_arguments(tmp_path), train_dataset=records,
                        data_collator=byte_llama.pad_collate, memory_fraction=1.5)
+
+
+SFT_CAP_BYTES = 100_000_000
+
+
+def _byte_tokenizer():
+    """A tokenizer of the 256 byte values (made here: nothing is downloaded)."""
+    from tokenizers import Tokenizer, models
+
+    vocabulary = {f"<{i}>": i for i in range(256)}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocabulary, unk_token="<1>")), pad_token="<0>", eos_token="<0>")
+
+
+def _sft_trainer(model, sentences, output_dir, *, max_steps, callbacks=(), on_microbatch=None, **config):
+    """TRL's SFTTrainer as a user writes it (its own collator, its dataset preparation), the class
+    made planned, on the byte Llama and pre-tokenised Brown records."""
+    import datasets
+    import trl
+
+    records = datasets.Dataset.from_dict({"input_ids": [list(s) for s in sentences]})
+    args = trl.SFTConfig(output_dir=str(output_dir), max_steps=max_steps, learning_rate=2e-3, bf16=False,
+                         per_device_train_batch_size=PER_DEVICE, gradient_accumulation_steps=ACCUMULATION,
+                         max_grad_norm=0.0, report_to="none", disable_tqdm=True, use_cpu=True,
+                         dataloader_pin_memory=False, save_strategy="no", logging_strategy="no", seed=1, **config)
+    return planned_trainer_class(trl.SFTTrainer)(model=model, args=args, train_dataset=records,
+                                                 processing_class=_byte_tokenizer(), callbacks=list(callbacks),
+                                                 on_microbatch=on_microbatch, cache_dir=False)
+
+
+@pytest.mark.parametrize("mode,config", [("padded", {}), ("padding_free", {"padding_free": True, "max_length": None}),
+                                         ("padding_free", {"packing": True, "max_length": 512})],
+                         ids=["plain", "padding-free", "packed"])
+def test_trl_sft_trainer_in_each_mode_trains_under_the_cap_and_accumulates_exactly(meter, sentences, tmp_path,
+                                                                                    mode, config):
+    measured, gradients = [], _Gradients()
+    meter.capacity_bytes = 0
+    gc.collect()
+    model = byte_llama.build_model()
+    initial = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    meter.capacity_bytes = SFT_CAP_BYTES
+    trainer = _sft_trainer(model, sentences[:1000], tmp_path, max_steps=5, callbacks=[gradients],
+                           on_microbatch=measured.append, **config)
+    before = meter.oom_count
+    try:
+        trainer.train()
+    finally:
+        meter.capacity_bytes = 0
+    print(f"\n{trainer.xpm_report}")
+    assert trainer.xpm_report.startswith(f"xpm: {mode} records")
+    assert _training_ooms(meter, before, trainer) == 0 and trainer.state.global_step == 5
+    first = [r for r in measured if r.step == 1]
+    assert len(first) > 1, "the cap should split an outer batch"
+    usable = trainer.xpm_memory.usable_bytes
+    errors = [(r.predicted_bytes + r.correction_bytes - r.peak_allocated_bytes) / r.peak_allocated_bytes
+              for r in measured if r.step >= 3 and r.peak_allocated_bytes > usable / 2]
+    print(f"planned vs measured from step 3 ({len(errors)} microbatches above half the budget): "
+          f"{100 * min(errors):+.2f} % to {100 * max(errors):+.2f} %")
+    assert errors and -0.01 <= min(errors) and max(errors) <= 0.03
+    # TRL's token count holds the training microbatches' tokens alone (the probes left no trace).
+    dataset = trainer.train_dataset
+    lengths = np.array([len(ids) for ids in dataset["input_ids"]])
+    assert trainer._total_train_tokens == sum(int(lengths[list(r.records)].sum()) for r in measured)
+    # One outer batch's gradient equals its records run whole through the same loss, in fp32.
+    # (TRL's loss needs its own model, the trainer's: its weights are put back to step 1's first.)
+    step = [dataset[i] for r in first for i in r.records]
+    model = trainer.model
+    model.load_state_dict(initial)
+    model.zero_grad(set_to_none=True)
+    model.train()
+    collator = trainer._get_collator_with_removed_columns(trainer.data_collator, description="Training")
+    trainer.compute_loss(model, trainer._prepare_inputs(collator(step))).backward()
+    whole = [p.grad.detach().numpy().copy() for p in model.parameters()]
+    names = [name for name, _ in trainer.model.named_parameters()]
+    worst = _assert_gradients_equal(gradients.by_step[1], whole, names)
+    print(f"SFTTrainer {mode} {config}: {len(first)} microbatches in step 1, max gradient difference {worst:.2e}")
