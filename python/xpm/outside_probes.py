@@ -9,7 +9,9 @@ allocated then are in every prediction. Some memory of the real step can only co
 ``probe`` names what it can see coming:
 
 - ``"gradient_buckets"``: a process group of more than one rank is initialised but the probed
-  model is neither wrapped in ``DistributedDataParallel`` nor sharded by FSDP. Wrapping it after
+  model is neither wrapped in ``DistributedDataParallel`` nor sharded by FSDP, nor part of a
+  module a live ``DistributedDataParallel`` wraps (as Lightning wraps the LightningModule whose
+  submodule is probed: its buckets exist and are in the probes). Wrapping it after
   the probes allocates DDP's gradient buckets, as many bytes as the trainable parameters'
   gradients (``gradient_as_bucket_view=False``, DDP's default; with True the gradients are views
   of the buckets and the figure is an upper bound). Probe the wrapped model on every rank
@@ -22,6 +24,7 @@ correction.
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import List, Literal
 
@@ -60,6 +63,14 @@ def _wrapped_for_data_parallel(model: torch.nn.Module) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel) or sharded_by_fsdp(model)
 
 
+def _inside_data_parallel(model: torch.nn.Module) -> bool:
+    """True when a live ``DistributedDataParallel`` wraps a module that holds ``model`` (Lightning
+    wraps the LightningModule, whose submodule the user probes): its buckets exist already."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return any(isinstance(holder, ddp) and any(m is model for m in holder.module.modules())
+               for holder in gc.get_objects())
+
+
 def trainable_gradient_bytes(model: torch.nn.Module) -> int:
     """The bytes of ``model``'s trainable parameters' gradients: what DDP's buckets hold
     (``gradient_as_bucket_view=False``, the default)."""
@@ -78,7 +89,7 @@ def outside_probes_of(model: torch.nn.Module) -> List[OutsideProbes]:
     """
     parts: List[OutsideProbes] = []
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world_size > 1 and not _wrapped_for_data_parallel(model):
+    if world_size > 1 and not _wrapped_for_data_parallel(model) and not _inside_data_parallel(model):
         gradient_bytes = trainable_gradient_bytes(model)
         parts.append(OutsideProbes(
             "gradient_buckets", gradient_bytes,

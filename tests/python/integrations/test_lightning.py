@@ -125,12 +125,14 @@ WORKER = textwrap.dedent(r'''
             # built: every rank probes in lockstep, the buckets in the probes, the same model.
             torch.manual_seed(1)
             meter.capacity_bytes = CAP
-            self.memory_model = xpm.probe(
+            outcome = xpm.probe(
                 self.net, self.trainer.optimizers[0],
                 lambda dims: self.net.loss_sum(torch.randint(1, VOCAB, (int(dims[0]), int(dims[1])))),
                 xpm.CostFormula("a*bs*l^2 + b*bs*l + d*bs + c", ["bs", "l"]), meter=meter,
                 variable_max={"bs": OUTER_BATCH, "l": int(self.lengths.max())}, design_fractions=(1.0, 0.5, 0.25),
-                lockstep=True).model
+                lockstep=True)
+            self.memory_model = outcome.model
+            self.seen["outside"] = [part.kind for part in outcome.outside_probes]
             self.reserve = 0  # nothing to reserve: the probes saw the buckets
             self.usable = xpm.MemoryBudget(CAP).usable_bytes
             self.seen["model_json"] = self.memory_model.to_json()
@@ -256,6 +258,9 @@ def test_ddp_two_ranks_every_record_once_one_allreduce_per_step(tmp_path):
     assert code == 0, output[-3000:]
     assert [seen["rank"] for seen in ranks] == [0, 1] and {seen["world_size"] for seen in ranks} == {2}
     # The plans are the same on both ranks: both probed the wrapped step in lockstep.
+    # The probed net sits inside the LightningModule DDP wraps: its buckets are in the probes,
+    # and nothing is reported outside them.
+    assert [seen["outside"] for seen in ranks] == [[], []]
     models = [json.loads(seen["model_json"]) for seen in ranks]
     assert [m["coefficients"] for m in models] == [models[0]["coefficients"]] * 2
     assert models[0]["metadata"]["phases"] == models[1]["metadata"]["phases"]
