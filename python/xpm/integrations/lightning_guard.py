@@ -11,7 +11,9 @@ rank before the first training step, naming ``planned_dataloader``:
     # ValueError: xpm: Lightning's training loop iterates a DataLoader over PredictiveBatchSampler: ...
 
 It costs nothing where no ``xpm.PredictiveBatchSampler`` exists (the sampler's module is not even
-imported then) and imports nothing of xpm's torch side.
+imported then) and imports nothing of xpm's torch side. Where xpm is imported without its entry
+point (from a build tree), the sampler refuses the same loader itself when Lightning's loop first
+iterates it (``xpm.sampler._refuse_lightning_training_loop``).
 """
 from __future__ import annotations
 
@@ -23,12 +25,6 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 __all__ = ["PlainLoaderGuard", "callbacks"]
-
-PLAIN_LOADER_ERROR = ("xpm: Lightning's training loop iterates a DataLoader over PredictiveBatchSampler: it would "
-                      "step the optimizer once per microbatch and ignore their weights; return "
-                      "xpm.integrations.lightning.planned_dataloader(self.trainer, dataset, sampler, collate_fn) "
-                      "from train_dataloader()")
-
 
 class PlainLoaderGuard(pl.Callback):
     """Refuses, at ``on_train_start`` on every rank, a training loader whose batch sampler is an
@@ -42,7 +38,7 @@ class PlainLoaderGuard(pl.Callback):
         loaders: List[DataLoader] = []
         apply_to_collection(trainer.train_dataloader, DataLoader, loaders.append)
         if any(isinstance(loader.batch_sampler, sampler_module.PredictiveBatchSampler) for loader in loaders):
-            raise ValueError(PLAIN_LOADER_ERROR)
+            raise ValueError(sampler_module.LIGHTNING_PLAIN_LOADER_ERROR)
 
 
 def callbacks() -> List[Any]:

@@ -448,3 +448,32 @@ def test_workers_collate_the_same_steps_in_the_same_order():
     finally:
         METER.capacity_bytes = 0
     assert runs[0] == runs[1] and len(runs[0]) == module.sampler.steps_per_epoch()
+
+
+class _PlainLoaderModule(BigramModule):
+    """A plain ``DataLoader(batch_sampler=sampler)`` under automatic optimization: Lightning would
+    step the optimizer once per microbatch."""
+
+    def __init__(self, texts):
+        super().__init__(texts, automatic=True)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.texts, batch_sampler=self.sampler, collate_fn=_collate)
+
+    def training_step(self, batch, index):
+        self.steps_seen.append(index)
+        return self.mean_loss(batch)
+
+
+def test_plain_dataloader_is_refused_without_the_entry_points_guard(monkeypatch):
+    """The sampler refuses Lightning's loop itself, so the refusal holds where xpm is imported
+    from a build tree (no entry point, no PlainLoaderGuard): the guard is switched off here."""
+    from xpm.integrations import lightning_guard
+
+    monkeypatch.setattr(lightning_guard, "callbacks", lambda: [])  # what the entry point gives Lightning
+    module, trainer = _PlainLoaderModule(_texts(40)), _trainer(1)
+    assert not any(isinstance(c, lightning_guard.PlainLoaderGuard) for c in trainer.callbacks)
+    with pytest.raises(ValueError, match=r"^xpm: Lightning's training loop iterates a DataLoader over "
+                                         r"PredictiveBatchSampler: .*planned_dataloader"):
+        trainer.fit(module)
+    assert module.steps_seen == []
