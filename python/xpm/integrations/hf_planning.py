@@ -82,7 +82,7 @@ def planning_mode(trainer: Any) -> PlanningMode:
 def _length(value: Any, where: str) -> int:
     if torch.is_tensor(value) or isinstance(value, np.ndarray):
         return int(value.shape[-1]) if value.ndim > 0 else 1
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, str, bytes)):
         return len(value)
     raise ValueError(f"{where} is a {type(value).__name__}, not a sequence of token ids")
 
@@ -122,6 +122,10 @@ def dataset_record_dims(dataset: Any, mode: PlanningMode) -> np.ndarray:
     if n == 0:
         raise ValueError("PlannedTrainer: train_dataset has no records")
     first = dataset[0]
+    if mode == "padded" and (isinstance(first, (str, bytes, list, tuple)) or torch.is_tensor(first)):
+        # records that are sequences themselves (texts, token lists, tensors): their lengths
+        lengths = [_length(dataset[i], f"train_dataset[{i}]") for i in range(n)]
+        return np.column_stack([np.ones(n), np.asarray(lengths, dtype=np.float64)])
     if not isinstance(first, Mapping) or "input_ids" not in first:
         keys = ", ".join(map(str, first)) if isinstance(first, Mapping) else type(first).__name__
         raise ValueError(f"PlannedTrainer: train_dataset[0] has no 'input_ids' (got {keys}); pass "
@@ -171,6 +175,8 @@ def _fitted(values: Any, length: int) -> Any:
     """``values`` cut or repeated to ``length``, of the same kind (list, tensor, array)."""
     if length <= 0:
         return values[:0]
+    if isinstance(values, (str, bytes)):
+        return (values * math.ceil(length / max(1, len(values))))[:length]
     if torch.is_tensor(values):
         times = math.ceil(length / max(1, values.shape[-1]))
         return values.repeat(*([1] * (values.ndim - 1)), times)[..., :length]
@@ -209,13 +215,15 @@ class ProbeRecords:
         self.mode = mode
         if source_index is None:  # the longest by the first length, then the next
             source_index = int(np.lexsort(record_dims[:, ::-1].T)[-1])
-        self.source = dict(dataset[source_index])
+        record = dataset[source_index]
+        self.plain = not isinstance(record, Mapping)  # a record that is a sequence itself (a text, a tensor)
+        self.source = record if self.plain else dict(record)
         self.source_index = source_index
-        self.source_length = _length(self.source["input_ids"], "input_ids")
+        self.source_length = _length(self.source if self.plain else self.source["input_ids"], "input_ids")
         key = _target_key(self.source, "the longest record") if mode == "encoder_decoder" else None
         self.target_length = _length(self.source[key], key) if key else None
 
-    def record(self, dims: Sequence[float]) -> Dict[str, Any]:
+    def record(self, dims: Sequence[float]) -> Any:
         """One record of ``dims`` (variable order, batch-size entry 1).
 
         Args:
@@ -225,6 +233,8 @@ class ProbeRecords:
             A record like the dataset's, of those lengths.
         """
         length = int(round(dims[1]))
+        if self.plain:
+            return _fitted(self.source, length)
         target = int(round(dims[2])) if self.mode == "encoder_decoder" else None
         record: Dict[str, Any] = {}
         for key, value in self.source.items():
@@ -246,7 +256,7 @@ class ProbeRecords:
             return value.ndim >= 1 and value.shape[-1] == length
         return False
 
-    def small(self, max_tokens: int = 24) -> List[Dict[str, Any]]:
+    def small(self, max_tokens: int = 24) -> List[Any]:
         """Two short records (at most ``max_tokens`` each, the second 5 shorter) for checks
         that run the model before training: small enough to fit wherever anything does."""
         length = max(6, min(self.source_length, max_tokens))
@@ -256,7 +266,7 @@ class ProbeRecords:
             rows = [row + [float(target - 5 * k)] for k, row in enumerate(rows)]
         return [self.record(row) for row in rows]
 
-    def at(self, rows: Sequence[Sequence[float]]) -> List[Dict[str, Any]]:
+    def at(self, rows: Sequence[Sequence[float]]) -> List[Any]:
         """One record per row of dims (``xpm.probe``'s ``loss_fn(records)`` argument). Where a
         padded probe asks for several records all of one length, the last is one token shorter:
         a training microbatch of several records nearly always holds padding, and a batch
@@ -467,17 +477,7 @@ class AutomaticPlanning:
                 installed or one without a cap; an ``IterableDataset``; a formula whose
                 variables are not the mode's without ``record_dims``.
         """
-        device = trainer.args.device
-        if meter is None and device.type == "cpu":
-            installed = CpuMeter.installed()
-            if installed is None or installed.capacity_bytes == 0:
-                what = "no xpm.CpuMeter is installed" if installed is None else "the xpm.CpuMeter has no cap"
-                raise ValueError(f"PlannedTrainer: training on the CPU but {what}: the budget is the CPU meter's cap; "
-                                 "call xpm.CpuMeter.install() before building the model and set its capacity_bytes "
-                                 "(or pass batch_sampler=)")
-        elif meter is None and device.type != "cuda":
-            raise ValueError(f"PlannedTrainer: plans memory on CPU or CUDA devices, not '{device}' (pass meter= and "
-                             "batch_sampler= to plan yourself)")
+        check_device_meter(trainer.args.device, meter, "PlannedTrainer", "batch_sampler=")
         if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
             raise ValueError("PlannedTrainer: train_dataset must be map-style (indexable records), got an "
                              "IterableDataset")
@@ -490,13 +490,7 @@ class AutomaticPlanning:
     def meter_of(self, trainer: Any, meter: Optional[Meter]) -> Meter:
         """The meter training measures with: ``meter``, the installed ``CpuMeter``, or a
         ``CudaMeter`` of the trainer's device."""
-        if meter is not None:
-            return meter
-        if trainer.args.device.type == "cuda":
-            cuda = CudaMeter(trainer.args.device)
-            cuda.memory_fraction = torch.cuda.get_per_process_memory_fraction(cuda.device)  # a cap torch was given
-            return cuda
-        return CpuMeter.installed()
+        return device_meter(trainer.args.device, meter)
 
     def record_dims_of(self, trainer: Any, mode: PlanningMode) -> np.ndarray:
         """Every record's dims (the callable's, or the dataset's in ``mode``)."""
@@ -551,6 +545,46 @@ def _with_shorter_records(sample: np.ndarray) -> np.ndarray:
     return combined[np.random.default_rng(1).choice(len(combined), PROBE_SAMPLE_RECORDS, replace=False)]
 
 
+def check_device_meter(device: torch.device, meter: Optional[Meter], where: str, instead: str) -> None:
+    """Refuses, in one line, a device whose memory cannot be planned without a meter given.
+
+    Args:
+        device: where training runs.
+        meter: the meter the user gave, or None.
+        where: the error's start (the class's name).
+        instead: what to pass to plan by hand (named in the error).
+
+    Raises:
+        ValueError: a device other than CPU or CUDA; on the CPU, no ``xpm.CpuMeter`` installed or
+            one without a cap.
+    """
+    if meter is not None:
+        return
+    if device.type == "cpu":
+        installed = CpuMeter.installed()
+        if installed is None or installed.capacity_bytes == 0:
+            what = "no xpm.CpuMeter is installed" if installed is None else "the xpm.CpuMeter has no cap"
+            raise ValueError(f"{where}: training on the CPU but {what}: the budget is the CPU meter's cap; call "
+                             f"xpm.CpuMeter.install() before building the model and set its capacity_bytes (or pass "
+                             f"{instead})")
+    elif device.type != "cuda":
+        raise ValueError(f"{where}: plans memory on CPU or CUDA devices, not '{device}' (pass meter= and {instead} "
+                         "to plan yourself)")
+
+
+def device_meter(device: torch.device, meter: Optional[Meter]) -> Meter:
+    """The meter training on ``device`` measures with: ``meter``, else on CUDA a ``CudaMeter``
+    of that device (its capacity the per-process fraction torch was given), on the CPU the
+    installed ``CpuMeter`` (``check_device_meter`` first)."""
+    if meter is not None:
+        return meter
+    if device.type == "cuda":
+        cuda = CudaMeter(device)
+        cuda.memory_fraction = torch.cuda.get_per_process_memory_fraction(cuda.device)  # a cap torch was given
+        return cuda
+    return CpuMeter.installed()
+
+
 def load_agreed(path: Optional[str], world_size: int) -> Optional[MemoryModel]:
     """The cached memory model at ``path`` when every rank can read it, else None on every rank
     (one all-reduce at world size > 1: no rank probes alone)."""
@@ -586,4 +620,4 @@ def environment_parts() -> Dict[str, str]:
 __all__ = ["PlanningMode", "VARIABLES", "planning_mode", "dataset_record_dims", "checked_custom_dims",
            "ProbeRecords", "model_signature", "cache_key", "optimizer_identity", "TrainerSnapshot",
            "LossNormalisation", "loss_normalisation", "label_items", "PlannedMemory", "AutomaticPlanning",
-           "load_agreed", "load_cached", "save_cached", "environment_parts"]
+           "check_device_meter", "device_meter", "load_agreed", "load_cached", "save_cached", "environment_parts"]

@@ -68,7 +68,7 @@ from ..planning import CostFormula, MemoryModel
 from ..sampler import PredictiveBatchSampler
 
 __all__ = ["PlannedStep", "PlannedSteps", "planned_dataloader", "microbatches", "backward_microbatches",
-           "probe_and_share", "ddp_bucket_bytes"]
+           "probe_and_share", "ddp_bucket_bytes", "PlannedMicrobatches"]
 
 
 def _sampler_rank_and_world(sampler: PredictiveBatchSampler) -> Tuple[int, int]:
@@ -391,3 +391,6 @@ def ddp_bucket_bytes(model: torch.nn.Module) -> int:
         The trainable parameters' bytes.
     """
     return trainable_gradient_bytes(model)
+
+
+from .lightning_planning import PlannedMicrobatches  # noqa: E402,F401 - the one-callback planning, built on the above

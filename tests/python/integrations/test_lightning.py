@@ -477,3 +477,195 @@ def test_plain_dataloader_is_refused_without_the_entry_points_guard(monkeypatch)
                                          r"PredictiveBatchSampler: .*planned_dataloader"):
         trainer.fit(module)
     assert module.steps_seen == []
+
+
+# ---- one callback: PlannedMicrobatches plans an unchanged, automatically optimized module
+
+class _TokenMeanModule(lightning.LightningModule):
+    """An ordinary LightningModule: automatic optimization, a DataLoader with a batch_size, a
+    training_step returning its batch's mean next-character loss (and logging it)."""
+
+    def __init__(self, texts, batch_size=8):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embedding = torch.nn.Embedding(128, 16)
+        self.head = torch.nn.Linear(16, 128)
+        self.texts, self.batch_size = texts, batch_size
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.texts, batch_size=self.batch_size, shuffle=True,
+                                           collate_fn=lambda texts: _collate(texts)["chars"])
+
+    def training_step(self, chars, batch_idx):
+        logits = self.head(self.embedding(chars[:, :-1]))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), chars[:, 1:].reshape(-1), ignore_index=0)
+        self.log("loss", loss)
+        return loss
+
+
+class _FirstStep(lightning.Callback):
+    """The records and the gradient of the first optimizer step."""
+
+    def __init__(self):
+        self.indices, self.gradients = None, None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if self.indices is None:
+            self.indices = [i for microbatch in batch.indices for i in microbatch]
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if self.gradients is None:
+            self.gradients = [p.grad.detach().clone() for p in module.parameters()]
+
+
+def test_one_callback_plans_an_automatic_module_and_accumulates_exactly():
+    texts = _texts(200)
+    module = _TokenMeanModule(texts)
+    planned, first = xpm_lightning.PlannedMicrobatches(units=lambda text: len(text) - 1), _FirstStep()
+    METER.capacity_bytes = 3_000_000
+    try:
+        trainer = lightning.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False, accumulate_grad_batches=2, callbacks=[first, planned])
+        ooms = METER.oom_count
+        trainer.fit(module)
+        probe_ooms = sum(not p.feasible for p in planned.outcome.probes)
+        assert METER.oom_count - ooms - probe_ooms == 0
+    finally:
+        METER.capacity_bytes = 0
+    assert "16 records per optimizer step (batch_size 8 x 2 accumulated x 1 rank(s)" in planned.report
+    assert trainer.global_step == 2 * -(-len(texts) // 16)  # one optimizer step per outer batch of 8 x 2
+    assert len(first.indices) == 16
+    # The step's gradient is the outer batch's token-mean gradient computed in one batch.
+    reference = _TokenMeanModule(texts)
+    chars = _collate([texts[i] for i in first.indices])["chars"]
+    reference.log = lambda *args, **kwargs: None
+    reference.training_step(chars, 0).backward()
+    for (name, _), planned_gradient, p in zip(module.named_parameters(), first.gradients, reference.parameters()):
+        assert torch.allclose(planned_gradient, p.grad, rtol=1e-5, atol=1e-7), name
+    print(f"\n{planned.report}")
+
+
+CALLBACK_WORKER = textwrap.dedent(r'''
+    """One rank of a Lightning DDP run planned by PlannedMicrobatches alone; writes rank<r>.json."""
+    import json
+    import pathlib
+    import sys
+
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    import xpm
+
+    meter = xpm.CpuMeter.install()  # before any model is built
+    import lightning
+
+    from xpm.integrations.lightning import PlannedMicrobatches
+
+    OUT = pathlib.Path(sys.argv[1])
+
+
+    def collate(texts):
+        chars = torch.zeros(len(texts), max(len(t) for t in texts), dtype=torch.long)
+        for row, text in enumerate(texts):
+            chars[row, :len(text)] = torch.tensor([ord(c) & 127 or 1 for c in text])
+        return chars
+
+
+    class Module(lightning.LightningModule):
+        def __init__(self, texts):
+            super().__init__()
+            torch.manual_seed(3)
+            self.embedding = torch.nn.Embedding(128, 32)
+            self.head = torch.nn.Linear(32, 128)
+            self.texts = texts
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(self.texts, batch_size=8, shuffle=True, collate_fn=collate)
+
+        def loss(self, chars):
+            logits = self.head(self.embedding(chars[:, :-1]))
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, 128), chars[:, 1:].reshape(-1), ignore_index=0)
+
+        def training_step(self, chars, batch_idx):
+            loss = self.loss(chars)
+            self.log("loss", loss, sync_dist=True)
+            return loss
+
+
+    class FirstStep(lightning.Callback):
+        """Every rank's records of the first step and the all-reduced gradient against them run whole."""
+
+        def __init__(self):
+            self.indices, self.seen = None, {"microbatches": 0}
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.seen["microbatches"] += len(batch.batches)
+            if self.indices is None:
+                self.indices = [i for microbatch in batch.indices for i in microbatch]
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            if "max_rel_diff" in self.seen:
+                return
+            shares = [None] * trainer.world_size
+            torch.distributed.all_gather_object(shares, self.indices)
+            records = [i for share in shares for i in share]
+            capacity, meter.capacity_bytes = meter.capacity_bytes, 0
+            reference = Module(module.texts)
+            reference.loss(collate([module.texts[i] for i in records])).backward()
+            meter.capacity_bytes = capacity
+            self.seen["records_first_step"] = len(records)
+            self.seen["max_rel_diff"] = max(float((p.grad - r.grad).abs().max() / r.grad.abs().max())
+                                            for p, r in zip(module.parameters(), reference.parameters()))
+
+
+    if __name__ == "__main__":
+        rng = np.random.default_rng(11)
+        texts = ["".join(rng.choice(list("abcdefgh ")) for _ in range(int(k))) for k in rng.integers(5, 160, 161)]
+        module, first = Module(texts), FirstStep()
+        planned = PlannedMicrobatches(units=lambda text: len(text) - 1)
+        meter.capacity_bytes = 3_000_000
+        trainer = lightning.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_epochs=2, logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                    accumulate_grad_batches=2, callbacks=[first, planned])
+        seen = first.seen
+        try:
+            ooms = meter.oom_count
+            trainer.fit(module)
+            seen["ooms"] = meter.oom_count - ooms - sum(not p.feasible for p in planned.outcome.probes)
+        except Exception as error:
+            seen["error"] = f"{type(error).__name__}: {error}"
+        seen.update(rank=trainer.global_rank, global_step=trainer.global_step, report=planned.report,
+                    steps_per_epoch=planned.sampler.steps_per_epoch() if planned.sampler else None)
+        (OUT / f"rank{trainer.global_rank}.json").write_text(json.dumps(seen))
+        sys.exit(1 if "error" in seen else 0)
+''')
+
+
+def test_one_callback_trains_an_automatic_module_on_two_ddp_ranks(tmp_path):
+    script = tmp_path / "callback_worker.py"
+    script.write_text(CALLBACK_WORKER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("LOCAL_RANK", None)
+    env.pop("WORLD_SIZE", None)
+    process = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env, timeout=300,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    files = [tmp_path / f"rank{r}.json" for r in range(2)]
+    assert all(f.exists() for f in files), process.stdout.decode()[-3000:]
+    ranks = [json.loads(f.read_text()) for f in files]
+    assert process.returncode == 0, [seen.get("error") for seen in ranks]
+    outer = 8 * 2 * 2  # batch_size x accumulate_grad_batches x world size
+    for seen in ranks:
+        assert seen["ooms"] == 0
+        assert seen["global_step"] == 2 * -(-161 // outer) == 2 * seen["steps_per_epoch"]
+        assert seen["records_first_step"] == outer and seen["max_rel_diff"] < 1e-5
+    assert ranks[0]["global_step"] == ranks[1]["global_step"]
+    print(f"\n{ranks[0]['report']}; microbatches per rank {[seen['microbatches'] for seen in ranks]}, "
+          f"first step's gradient within {max(seen['max_rel_diff'] for seen in ranks):.1e} of the whole batch's")
