@@ -5,7 +5,9 @@ accelerate shards a data loader itself: ``Accelerator.prepare`` wraps its batch 
 ``i % num_processes``). xpm's sampler already gives each rank its own microbatches, so a
 ``DataLoader(batch_sampler=sampler)`` handed to ``prepare`` would be sharded twice: each rank
 would train on every other microbatch of its own share, half of the records never seen, and the
-step boundaries of the ranks out of line. This module hands accelerate a loader it deals right:
+step boundaries of the ranks out of line. This module hands accelerate a loader it deals right. The one-call form, ``prepare(accelerator,
+model, optimizer, loader)`` in place of ``accelerator.prepare``, derives the sampler itself
+(``accelerate_planning``); by hand:
 
     import xpm
     from xpm.integrations import accelerate as xpm_accelerate
@@ -47,7 +49,7 @@ from ..meters import Meter
 from ..sampler import PredictiveBatchSampler, Step
 
 __all__ = ["PlannedMicrobatch", "RoundRobinMicrobatches", "data_loader", "prepare_data_loader", "check_prepared",
-           "microbatch_loop", "accumulate"]
+           "microbatch_loop", "accumulate", "prepare"]
 
 _HOW_TO = ("build the loader with xpm.integrations.accelerate.prepare_data_loader(accelerator, dataset, sampler, "
            "collate_fn=...)")
@@ -120,6 +122,7 @@ class RoundRobinMicrobatches:
     def __init__(self, sampler: PredictiveBatchSampler):
         self.rank, self.world_size = _rank_and_world(sampler)
         self.predictive_sampler = sampler
+        self.meter: Optional[Meter] = None  # the meter ``prepare`` planned with: microbatch_loop's default
         self._cache_key: Optional[tuple] = None
         self._cache: List[List[Step]] = []
         self.taken_step = -1
@@ -381,7 +384,8 @@ def microbatch_loop(loader, *, meter: Optional[Meter] = None) -> Iterator[Planne
 
     Args:
         loader: ``prepare_data_loader``'s loader (or ``Accelerator.prepare`` of ``data_loader``).
-        meter: the meter the model was probed under; given, with the sampler's calibration on
+        meter: the meter the model was probed under (default: the one ``prepare`` planned
+            with, for its loader); given, with the sampler's calibration on
             and its lockstep packing (the default at world size > 1, or one process), every
             microbatch's peak is measured (the meter's peak reset before it is handed out, read
             when the loop resumes) and fed to the calibration, which after each step's last
@@ -399,6 +403,7 @@ def microbatch_loop(loader, *, meter: Optional[Meter] = None) -> Iterator[Planne
     """
     round_robin = _round_robin_of(loader)
     sampler = round_robin.predictive_sampler
+    meter = round_robin.meter if meter is None else meter
     measuring = meter is not None and sampler.calibration is not None
     if measuring and not sampler.lockstep and sampler.world_size > 1:
         raise ValueError("microbatch_loop(..., meter=...) calibrates the plans, which needs the sampler's lockstep "
@@ -458,3 +463,6 @@ def accumulate(accelerator: "accelerate.Accelerator", model: torch.nn.Module, mi
     accelerator.sync_gradients = bool(microbatch.last)
     with contextlib.nullcontext() if microbatch.last else accelerator.no_sync(model):
         yield
+
+
+from .accelerate_planning import prepare  # noqa: E402,F401 - the one-call planning, built on the above

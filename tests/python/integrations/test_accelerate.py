@@ -434,3 +434,93 @@ def test_epochs_and_resume_through_the_prepared_loader(memory_model, lengths):
     loader.set_epoch(state["epoch"])  # the same epoch: the resumed position stays
     rest = [i for m in xpm_accelerate.microbatch_loop(loader) for i in m.indices]
     assert first + rest == epochs[1]
+
+
+# One call in place of accelerator.prepare: a model of the script's own (a bigram model of
+# characters whose forward returns its mean next-character loss), a DataLoader with a batch_size,
+# Accelerator(gradient_accumulation_steps=2). argv: output file pattern.
+DROP_IN_SCRIPT = r'''
+import json, os, sys
+import numpy as np, torch, torch.distributed as dist
+import accelerate, xpm
+from xpm.integrations import accelerate as xpm_accelerate
+
+torch.set_num_threads(1)
+meter = xpm.CpuMeter.install()
+rng = np.random.default_rng(11)
+texts = ["".join(rng.choice(list("abcdefgh ")) for _ in range(int(k))) for k in rng.integers(5, 160, 161)]
+
+def collate(texts):
+    chars = torch.zeros(len(texts), max(len(t) for t in texts), dtype=torch.long)
+    for row, text in enumerate(texts):
+        chars[row, :len(text)] = torch.tensor([ord(c) & 127 or 1 for c in text])
+    return chars
+
+class Bigram(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embedding = torch.nn.Embedding(128, 32)
+        self.head = torch.nn.Linear(32, 128)
+
+    def forward(self, chars):
+        logits = self.head(self.embedding(chars[:, :-1]))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 128), chars[:, 1:].reshape(-1), ignore_index=0)
+
+accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+model = Bigram()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+meter.capacity_bytes = 3_000_000
+loader = torch.utils.data.DataLoader(texts, batch_size=8, shuffle=True, collate_fn=collate)
+model, optimizer, loader = xpm_accelerate.prepare(accelerator, model, optimizer, loader, units=lambda t: len(t) - 1)
+result = {"rank": accelerator.process_index, "report": loader.xpm_report, "microbatches": 0, "records": [[], []]}
+steps, ooms, first_records = [0], meter.oom_count, []
+optimizer.optimizer.register_step_post_hook(lambda *args: steps.__setitem__(0, steps[0] + 1))
+for epoch in range(2):
+    loader.set_epoch(epoch)
+    for microbatch in xpm_accelerate.microbatch_loop(loader):
+        with xpm_accelerate.accumulate(accelerator, model, microbatch):
+            accelerator.backward(microbatch.weight * model(microbatch.batch))
+            if epoch == 0 and microbatch.step == 0:
+                first_records += list(microbatch.indices)
+            if epoch == 0 and microbatch.step == 0 and microbatch.last:  # the all-reduced gradient, checked
+                shares = [None] * accelerator.num_processes
+                dist.all_gather_object(shares, first_records)
+                records = [i for share in shares for i in share]
+                capacity, meter.capacity_bytes = meter.capacity_bytes, 0
+                reference = Bigram()
+                reference(collate([texts[i] for i in records])).backward()
+                meter.capacity_bytes = capacity
+                result["first_step_records"] = len(records)
+                result["max_rel_diff"] = max(float((p.grad - r.grad).abs().max() / r.grad.abs().max())
+                                             for p, r in zip(model.module.parameters(), reference.parameters()))
+            optimizer.step()
+            optimizer.zero_grad()
+        result["microbatches"] += 1
+        result["records"][epoch] += list(microbatch.indices)
+result.update(steps=steps[0], ooms=meter.oom_count - ooms)
+with open(sys.argv[1].format(rank=accelerator.process_index), "w") as f:
+    json.dump(result, f)
+accelerator.end_training()
+sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
+'''
+
+
+def test_one_call_in_place_of_prepare_trains_its_own_model_on_two_processes(tmp_path):
+    script = tmp_path / "drop_in_under_accelerate.py"
+    script.write_text(DROP_IN_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::UserWarning")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+               str(tmp_path / "rank{rank}.json")]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150)
+    assert run.returncode == 0, f"the 2-process run failed ({run.returncode}):\n{run.stderr[-6000:]}"
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    outer = 8 * 2 * 2  # batch_size x gradient_accumulation_steps x processes
+    assert [r["ooms"] for r in ranks] == [0, 0]
+    assert [r["steps"] for r in ranks] == [2 * -(-161 // outer)] * 2
+    for epoch in range(2):
+        assert sorted(ranks[0]["records"][epoch] + ranks[1]["records"][epoch]) == list(range(161))
+    assert ranks[0]["first_step_records"] == outer and max(r["max_rel_diff"] for r in ranks) < 1e-5
+    assert f"{outer} records per optimizer step (batch_size 8 x 2 accumulation steps x 2 process(es)" in ranks[0]["report"]
+    print(f"\n{ranks[0]['report']}; microbatches {[r['microbatches'] for r in ranks]}, first step's gradient within "
+          f"{max(r['max_rel_diff'] for r in ranks):.1e} of the whole batch's")

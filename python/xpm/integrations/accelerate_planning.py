@@ -1,0 +1,181 @@
+"""xpm under accelerate as one call: ``xpm.integrations.accelerate.prepare`` replaces
+``accelerator.prepare(model, optimizer, loader)``, and the loop takes its microbatches.
+
+    meter = xpm.CpuMeter.install()          # on the CPU: before the model is built; its cap is the budget
+    model = MyModel(); meter.capacity_bytes = 200_000_000
+    accelerator = accelerate.Accelerator(gradient_accumulation_steps=4)
+    loader = DataLoader(records, batch_size=8, shuffle=True, collate_fn=collate)
+    model, optimizer, loader = xpm_accelerate.prepare(accelerator, model, optimizer, loader,
+                                                      loss_fn=lambda model, batch: model(**batch).loss)
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for microbatch in xpm_accelerate.microbatch_loop(loader):
+            with xpm_accelerate.accumulate(accelerator, model, microbatch):
+                accelerator.backward(microbatch.weight * loss_fn(model, microbatch.batch))
+                optimizer.step()            # acts at the step's last microbatch only
+                optimizer.zero_grad()
+
+What it derives, each overridable by a keyword: the outer batch, the loader's ``batch_size x
+gradient_accumulation_steps x num_processes`` records per optimizer step (the accelerator's
+accumulation count is then set to 1: the microbatch weights accumulate); each record's length
+from the dataset (a text, a token list, a tensor, or a mapping's ``input_ids``); probes of the
+prepared (DDP-wrapped) model in lockstep on every process, on the dataset's longest record cut or
+repeated through the loader's ``collate_fn``, under ``accelerator.autocast()``, its loss
+``loss_fn(model, batch)``; the budget from the device (CUDA's memory, torch's per-process fraction
+where set; on the CPU the installed ``xpm.CpuMeter``'s cap) times ``memory_fraction``; formula
+``"auto"``. ``microbatch_loop`` then measures every microbatch with that meter and calibrates.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+import accelerate
+
+from ..meters import Meter
+from ..planning import CostFormula, MemoryBudget, PackerName
+from ..probe_options import ProbeOptions
+from ..probing import probe
+from ..sampler import PredictiveBatchSampler
+from .accelerate import _round_robin_of, prepare_data_loader
+from .hf_planning import (DROP_IN_USABLE_MAX_REL_ERROR, PROBE_SAMPLE_RECORDS, ProbeRecords, check_device_meter,
+                          checked_custom_dims, dataset_record_dims, device_meter)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["prepare", "default_loss"]
+
+
+def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """A Hugging Face model's loss: ``model(**batch).loss`` for a mapping with labels, else
+    ``model(batch)`` (a module whose forward returns its loss)."""
+    if isinstance(batch, Mapping):
+        output = model(**batch)
+        return output.loss if hasattr(output, "loss") else output["loss"]
+    return model(batch)
+
+
+class _WithPlaceholder:
+    """The loader's ``collate_fn``, given record 0 for the empty list of a process whose share of
+    a step is empty (its weight is 0; its backward still joins the step's all-reduce)."""
+
+    def __init__(self, collate_fn: Callable, dataset: Any):
+        self.collate_fn, self.dataset = collate_fn, dataset
+
+    def __call__(self, records: list) -> Any:
+        return self.collate_fn(records if records else [self.dataset[0]])
+
+
+def _checked_loader(loader: Any) -> DataLoader:
+    if not isinstance(loader, DataLoader) or loader.batch_size is None or isinstance(loader.dataset, IterableDataset):
+        raise ValueError("xpm.integrations.accelerate.prepare: loader must be a DataLoader over a map-style dataset "
+                         "with a batch_size (the outer batch is batch_size x gradient_accumulation_steps x "
+                         f"num_processes), got {type(loader).__name__}")
+    return loader
+
+
+def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            loader: DataLoader, *, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
+            formula: Union[CostFormula, str] = "auto", memory_fraction: float = 0.9, meter: Optional[Meter] = None,
+            record_dims: Optional[Callable[[Any], Sequence[float]]] = None,
+            units: Optional[Callable[[Any], float]] = None, probe_options: Optional[ProbeOptions] = None,
+            packer: PackerName = "fastest", seed: int = 0) -> Tuple[torch.nn.Module, Any, DataLoader]:
+    """``accelerator.prepare(model, optimizer)``, then the probes and the planned loader in place
+    of ``loader`` (module docstring). Every process must call it.
+
+    Args:
+        accelerator: the run's ``accelerate.Accelerator``; its ``gradient_accumulation_steps`` is
+            part of the outer batch and then set to 1.
+        model: the model, not yet prepared.
+        optimizer: its optimizer, not yet prepared.
+        loader: the ``DataLoader`` the loop would have used (map-style dataset, ``batch_size``,
+            ``collate_fn``); not prepared.
+        loss_fn: ``loss_fn(model, batch)``: a microbatch's mean loss (default ``default_loss``).
+        formula: the cost formula (variables ``bs, l``), or ``"auto"``.
+        memory_fraction: the share of the device's memory or the CPU meter's cap (0.9).
+        meter: the meter (default: made for ``accelerator.device``).
+        record_dims: ``record_dims(record) -> [1, l, ...]`` (default: a record's length).
+        units: ``units(record) -> float``, a record's loss units (tokens for a token-mean
+            loss); default 1 each.
+        probe_options: ``xpm.ProbeOptions`` to probe with (its ``record_dims``, ``variables`` and
+            ``lockstep`` are set here); default ``usable_max_rel_error=0.10``.
+        packer: the sampler's packer (``xpm.PackerName``).
+        seed: the shuffle's seed.
+
+    Returns:
+        ``(model, optimizer, loader)``: the prepared model and optimizer, and the planned loader
+        (``microbatch_loop`` it; its ``xpm_report`` attribute is the start-up line).
+
+    Raises:
+        ValueError: a loader without ``batch_size`` or over an iterable dataset, a
+            ``memory_fraction`` outside (0, 1], no meter to be had (on the CPU no
+            ``xpm.CpuMeter`` installed or no cap), and what ``prepare_data_loader`` refuses.
+    """
+    loader = _checked_loader(loader)
+    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
+            or not 0 < memory_fraction <= 1:
+        raise ValueError(f"xpm.integrations.accelerate.prepare: memory_fraction must be in (0, 1], "
+                         f"got {memory_fraction!r}")
+    check_device_meter(accelerator.device, meter, "xpm.integrations.accelerate.prepare", "prepare_data_loader(...)")
+    accumulation, world = accelerator.gradient_accumulation_steps, accelerator.num_processes
+    outer = loader.batch_size * accumulation * world
+    accelerator.gradient_state.plugin_kwargs["num_steps"] = 1  # the microbatch weights accumulate
+    model, optimizer = accelerator.prepare(model, optimizer)
+    meter = device_meter(accelerator.device, meter)
+    dataset = loader.dataset
+    if record_dims is not None:
+        width = len(formula.variable_names) if isinstance(formula, CostFormula) else 2
+        dims = checked_custom_dims(dataset, record_dims, width)
+    else:
+        dims = dataset_record_dims(dataset, "padded")
+    budget = MemoryBudget(int(meter.capacity_bytes), float(memory_fraction))
+    outcome = _probe(accelerator, model, optimizer, loader, loss_fn, formula, meter, dims, budget,
+                     probe_options, -(-outer // world))
+    memory_model = outcome.model
+    if packer == "fastest" and memory_model.time_model is None:
+        packer = "adaptive"
+    sampler = PredictiveBatchSampler(
+        dims, memory_model, budget.usable_bytes, outer_batch_size=outer, rank=accelerator.process_index,
+        world_size=world, seed=seed, packer=packer,
+        units=None if units is None else [float(units(dataset[i])) for i in range(len(dims))])
+    planned = prepare_data_loader(accelerator, dataset, sampler, collate_fn=_WithPlaceholder(loader.collate_fn,
+                                                                                                dataset))
+    _round_robin_of(planned).meter = meter
+    infeasible = sum(not p.feasible for p in outcome.probes)
+    planned.xpm_report = (f"xpm: {len(outcome.probes)} probes ({infeasible} out of memory) in {outcome.probe_s:.1f} "
+                          f"s, fit max error {100 * abs(outcome.fit.max_rel_error):.2f} %; formula "
+                          f"{memory_model.formula.canonical}; budget {budget.usable_bytes:,} bytes; {outer} records "
+                          f"per optimizer step (batch_size {loader.batch_size} x {accumulation} accumulation steps x "
+                          f"{world} process(es), the fixed batch it replaces)")
+    logger.info("%s", planned.xpm_report)
+    return model, optimizer, planned
+
+
+def _probe(accelerator, model, optimizer, loader, loss_fn, formula, meter, dims: np.ndarray, budget: MemoryBudget,
+           probe_options: Optional[ProbeOptions], per_process_records: int):
+    records = ProbeRecords(loader.dataset, dims, "padded")
+
+    def loss_of(rows):
+        batch = accelerate.utils.send_to_device(loader.collate_fn(records.at(rows)), accelerator.device)
+        with accelerator.autocast():
+            return loss_fn(model, batch)
+
+    rng = np.random.default_rng(0)
+    sample = dims if len(dims) <= PROBE_SAMPLE_RECORDS else dims[rng.choice(len(dims), PROBE_SAMPLE_RECORDS,
+                                                                             replace=False)]
+    base = probe_options or ProbeOptions(usable_max_rel_error=DROP_IN_USABLE_MAX_REL_ERROR)
+    variables = base.variables or (list(formula.variable_names) if isinstance(formula, CostFormula) else ["bs", "l"])
+    options = ProbeOptions(**{**vars(base), "record_dims": sample.tolist(), "probe_points": None,
+                              "variables": variables, "budget": base.budget or budget,
+                              "lockstep": accelerator.num_processes > 1,
+                              "variable_max": base.variable_max or {"bs": per_process_records}})
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper steps only at synced steps
+    model.train()
+    outcome = probe(model, inner, loss_of, formula, meter=meter, options=options)
+    model.zero_grad(set_to_none=True)
+    return outcome
