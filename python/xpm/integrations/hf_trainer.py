@@ -511,7 +511,9 @@ class PlannedTrainerMixin:
 
         def logits_of(records) -> Optional[torch.Tensor]:
             batch = self._prepare_inputs(collator(records))
-            with torch.no_grad(), self.accelerator.autocast(), self.compute_loss_context_manager():
+            with torch.no_grad(), self.accelerator.autocast(), self.compute_loss_context_manager(), \
+                    warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # TRL deprecates return_outputs for its own users
                 outputs = self.compute_loss(model, batch, return_outputs=True)[1]
             logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
             return None if logits is None else logits.reshape(-1, logits.shape[-1])[-tokens:].float()
