@@ -294,9 +294,15 @@ def optimizer_identity(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "defaults": defaults}
 
 
+SNAPSHOT_MAX_ITEMS = 1000
+"""A container with more items than this is not saved by ``TrainerSnapshot`` (a dataset held as
+a list is not what a loss changes; deep-copying one cost seconds)."""
+
+
 def _plain(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` is plain data a probe's ``compute_loss`` may have changed (numbers,
-    strings, small tensors and containers of them), worth saving and restoring."""
+    """Whether ``value`` is small plain data a probe's ``compute_loss`` may have changed
+    (numbers, strings, small tensors, and containers of at most ``SNAPSHOT_MAX_ITEMS`` of them),
+    worth saving and restoring."""
     if depth > 4:
         return False
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -304,9 +310,10 @@ def _plain(value: Any, depth: int = 0) -> bool:
     if torch.is_tensor(value):
         return value.numel() <= 64
     if isinstance(value, (list, tuple)):
-        return len(value) <= 100_000 and all(_plain(v, depth + 1) for v in value)
+        return len(value) <= SNAPSHOT_MAX_ITEMS and all(_plain(v, depth + 1) for v in value)
     if isinstance(value, dict):
-        return all(isinstance(k, (str, int)) and _plain(v, depth + 1) for k, v in value.items())
+        return len(value) <= SNAPSHOT_MAX_ITEMS and \
+            all(isinstance(k, (str, int)) and _plain(v, depth + 1) for k, v in value.items())
     return False
 
 
@@ -323,7 +330,7 @@ class TrainerSnapshot:
         self._trainer = trainer
         self._state = copy.deepcopy(trainer.state.__dict__)
         self._attributes = {name: copy.deepcopy(value) for name, value in vars(trainer).items()
-                            if name != "state" and _plain(value)}
+                            if name not in ("state", "train_dataset", "eval_dataset") and _plain(value)}
 
     def restore(self) -> None:
         """Puts the saved values back (the same objects the trainer's callbacks hold, refilled)."""
