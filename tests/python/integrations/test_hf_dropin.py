@@ -152,15 +152,19 @@ def test_drop_in_trains_the_users_arguments_under_the_cap_and_caches_its_model(m
     cached = list((tmp_path / "xpm-memory-models").glob("memory-model-*.json"))
     assert len(cached) == 1
 
-    # The same job again: the model comes from the cache, nothing is probed.
+    # The same job again: the model comes from the cache, nothing is probed; and the probes left no
+    # trace: the same plan trains to the same weights, bit for bit, with and without probing.
+    probed_weights = [p.detach().numpy().copy() for p in trainer.model.parameters()]  # outside the meter
     del trainer, model
     model = _capped_model(meter, byte_llama.build_model)
-    again = PlannedTrainer(model=model, args=_arguments(tmp_path, max_steps=2), train_dataset=records,
-                           data_collator=byte_llama.pad_collate)
+    again = PlannedTrainer(model=model, args=_arguments(tmp_path, max_steps=6, include_num_input_tokens_seen=True),
+                           train_dataset=records, data_collator=byte_llama.pad_collate)
     before = meter.oom_count
     again.train()
     assert again.xpm_memory.outcome is None and "from the cache" in again.xpm_report
     assert meter.oom_count == before
+    assert again.state.num_input_tokens_seen == tokens
+    assert all(np.array_equal(a, b.detach().numpy()) for a, b in zip(probed_weights, again.model.parameters()))
 
 
 def test_drop_in_accumulates_an_outer_batch_exactly(meter, sentences, tmp_path):
