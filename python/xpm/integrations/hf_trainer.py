@@ -536,10 +536,15 @@ class PlannedTrainerMixin:
                            type(getattr(model, "module", model)).__name__, change)
 
     def _small_records(self) -> List[Dict[str, Any]]:
-        """Two short records made from the dataset's shortest (``ProbeRecords.small``), for the
-        checks before training: they fit the budget wherever anything does."""
+        """Two short records made from the dataset's shortest (``ProbeRecords.small``; the
+        shortest twice where its shape is not one ``ProbeRecords`` knows), for the checks before
+        training: they fit the budget wherever anything does."""
+        dataset = self.train_dataset
         shortest = int(np.argmin(self.xpm_sampler._dims[:, 1:].sum(axis=1)))
-        return ProbeRecords(self.train_dataset, None, planning_mode(self), source_index=shortest).small()
+        try:
+            return ProbeRecords(dataset, None, planning_mode(self), source_index=shortest).small()
+        except (KeyError, ValueError, TypeError):  # records of the user's own shape: two of them as they are
+            return [dataset[shortest], dataset[shortest]]
 
     def _trainer_scales_by_processes(self) -> bool:
         """Whether the Trainer's ``compute_loss`` multiplies the loss by the number of processes."""
