@@ -12,8 +12,12 @@ the same records run whole (a decoder-only Llama, padded and padding-free; a BAR
 """
 import gc
 import importlib.util
+import json
 import os
 import pathlib
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -398,3 +402,68 @@ def test_trl_sft_trainer_in_each_mode_trains_under_the_cap_and_accumulates_exact
     names = [name for name, _ in trainer.model.named_parameters()]
     worst = _assert_gradients_equal(gradients.by_step[1], whole, names)
     print(f"SFTTrainer {mode} {config}: {len(first)} microbatches in step 1, max gradient difference {worst:.2e}")
+
+
+DDP_PER_DEVICE, DDP_ACCUMULATION = 8, 2
+
+
+def _ddp_worker(folder):
+    """torchrun worker: the drop-in on this rank (DDP over gloo, probed in lockstep); what it saw
+    written to rank<r>.json."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    folder = pathlib.Path(folder)
+    meter = xpm.CpuMeter.install()
+    sentences = [s.encode("latin-1") for s in json.loads((folder / "sentences.json").read_text())]
+    model = byte_llama.build_model()
+    meter.capacity_bytes = CAP_BYTES
+    measured = []
+    trainer = PlannedTrainer(model=model, args=_arguments(folder / "output", max_steps=3,
+                                                          per_device_train_batch_size=DDP_PER_DEVICE,
+                                                          gradient_accumulation_steps=DDP_ACCUMULATION),
+                             train_dataset=_records(sentences), data_collator=byte_llama.pad_collate,
+                             on_microbatch=measured.append)
+    before = meter.oom_count
+    trainer.train()
+    seen = {"ooms": _training_ooms(meter, before, trainer), "global_step": trainer.state.global_step,
+            "report": trainer.xpm_report, "model": json.loads(trainer.xpm_memory.model.to_json())["coefficients"],
+            "probed": trainer.xpm_memory.outcome is not None,
+            "records": [(r.step, list(r.records), r.placeholder) for r in measured]}
+    (folder / f"rank{dist.get_rank()}-{os.environ['XPM_TEST_RUN']}.json").write_text(json.dumps(seen))
+    from rank_exit import exit_rank  # the Trainer's DDP model still holds the process group
+    exit_rank()
+
+
+def test_drop_in_on_two_ddp_ranks_probes_in_lockstep_and_shares_the_cache(sentences, tmp_path):
+    (tmp_path / "sentences.json").write_text(json.dumps([s.decode("latin-1") for s in sentences[:400]]))
+    ranks = {}
+    for run in ("first", "cached"):
+        with socket.socket() as probe_port:
+            probe_port.bind(("127.0.0.1", 0))
+            port = probe_port.getsockname()[1]
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path),
+                       "XPM_TEST_RUN": run}
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), __file__, str(tmp_path)],
+                              env=environment, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        ranks[run] = [json.loads((tmp_path / f"rank{r}-{run}.json").read_text()) for r in (0, 1)]
+    first, cached = ranks["first"], ranks["cached"]
+    outer = DDP_PER_DEVICE * DDP_ACCUMULATION * 2
+    assert [r["ooms"] for r in first + cached] == [0] * 4
+    assert [r["global_step"] for r in first + cached] == [3] * 4
+    assert first[0]["model"] == first[1]["model"] == cached[0]["model"] == cached[1]["model"]
+    assert [r["probed"] for r in first] == [True, True] and [r["probed"] for r in cached] == [False, False]
+    for step in (1, 2, 3):  # the ranks' shares make up the outer batch, each record once
+        shared = [i for rank in first for s, mb, placeholder in rank["records"] if s == step and not placeholder
+                  for i in mb]
+        assert len(shared) == len(set(shared)) == outer
+    counts = [[sum(1 for s, _, _ in rank["records"] if s == step) for step in (1, 2, 3)] for rank in first]
+    assert counts[0] == counts[1]  # lockstep: the same microbatches per step on both ranks
+    print(f"\n{first[0]['report']}; microbatches per step {counts[0]} on both ranks")
+
+
+if __name__ == "__main__":
+    _ddp_worker(sys.argv[1])
