@@ -71,12 +71,21 @@ class _WithPlaceholder:
         return self.collate_fn(records if records else [self.dataset[0]])
 
 
+_DATASET = "xpm.integrations.accelerate.prepare: loader.dataset"
+
+
 def _checked_loader(loader: Any) -> DataLoader:
-    if not isinstance(loader, DataLoader) or loader.batch_size is None or isinstance(loader.dataset, IterableDataset):
-        raise ValueError("xpm.integrations.accelerate.prepare: loader must be a DataLoader over a map-style dataset "
-                         "with a batch_size (the outer batch is batch_size x gradient_accumulation_steps x "
-                         f"num_processes), got {type(loader).__name__}")
-    return loader
+    if not isinstance(loader, DataLoader):
+        problem = f"got a {type(loader).__name__}"
+    elif isinstance(loader.dataset, IterableDataset):
+        problem = f"its dataset is an IterableDataset ({type(loader.dataset).__name__})"
+    elif loader.batch_size is None:
+        problem = "it has no batch_size (a batch_sampler of its own)"
+    else:
+        return loader
+    raise ValueError("xpm.integrations.accelerate.prepare: loader must be a DataLoader over a map-style dataset with "
+                     "a batch_size (the outer batch is batch_size x gradient_accumulation_steps x num_processes); "
+                     f"{problem}")
 
 
 def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -130,9 +139,9 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
     dataset = loader.dataset
     if record_dims is not None:
         width = len(formula.variable_names) if isinstance(formula, CostFormula) else 2
-        dims = checked_custom_dims(dataset, record_dims, width)
+        dims = checked_custom_dims(dataset, record_dims, width, _DATASET)
     else:
-        dims = dataset_record_dims(dataset, "padded")
+        dims = dataset_record_dims(dataset, "padded", _DATASET)
     budget = MemoryBudget(int(meter.capacity_bytes), float(memory_fraction))
     outcome = _probe(accelerator, model, optimizer, loader, loss_fn, formula, meter, dims, budget,
                      probe_options, -(-outer // world))

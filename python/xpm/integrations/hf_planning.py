@@ -103,57 +103,72 @@ def _target_key(record: Mapping, where: str) -> str:
                      f"their target (keys: {', '.join(map(str, record))}); pass record_dims= to say each record's dims")
 
 
-def dataset_record_dims(dataset: Any, mode: PlanningMode) -> np.ndarray:
+def dataset_record_dims(dataset: Any, mode: PlanningMode, where: str = "PlannedTrainer: train_dataset") -> np.ndarray:
     """Every record's dims in ``mode``'s variables, read from ``dataset``.
 
     Args:
         dataset: the map-style training dataset, its records mappings with ``input_ids`` (and a
-            target for ``"encoder_decoder"``).
+            target for ``"encoder_decoder"``), or, for ``"padded"``, sequences themselves.
         mode: the planning mode.
+        where: how errors name the dataset (the entry point and the argument).
 
     Returns:
         [n, variables] float64, the batch-size column 1.
 
     Raises:
         ValueError: an empty dataset, or a record (named by index) without ``input_ids`` (or a
-            target), or whose ``input_ids`` is not a sequence.
+            target), whose ``input_ids`` is not a sequence, or of length 0.
     """
     n = len(dataset)
     if n == 0:
-        raise ValueError("PlannedTrainer: train_dataset has no records")
+        raise ValueError(f"{where} has no records")
     first = dataset[0]
     if mode == "padded" and (isinstance(first, (str, bytes, list, tuple)) or torch.is_tensor(first)):
         # records that are sequences themselves (texts, token lists, tensors): their lengths
-        lengths = [_length(dataset[i], f"train_dataset[{i}]") for i in range(n)]
-        return np.column_stack([np.ones(n), np.asarray(lengths, dtype=np.float64)])
+        columns = [[_length(dataset[i], f"{where}[{i}]") for i in range(n)]]
+    else:
+        columns = _mapping_lengths(dataset, mode, where)
+    dims = np.column_stack([np.ones(n)] + [np.asarray(c, dtype=np.float64) for c in columns])
+    empty = np.flatnonzero((dims[:, 1:] == 0).any(axis=1))
+    if len(empty):
+        raise ValueError(f"{where}[{int(empty[0])}] is empty (length 0; {len(empty)} such record(s)): no microbatch of "
+                         "it can run; leave empty records out of the dataset")
+    return dims
+
+
+def _mapping_lengths(dataset: Any, mode: PlanningMode, where: str) -> List[List[int]]:
+    """The lengths of ``input_ids`` (and of the target for ``"encoder_decoder"``) of every record."""
+    first = dataset[0]
     if not isinstance(first, Mapping) or "input_ids" not in first:
         keys = ", ".join(map(str, first)) if isinstance(first, Mapping) else type(first).__name__
-        raise ValueError(f"PlannedTrainer: train_dataset[0] has no 'input_ids' (got {keys}); pass "
-                         "record_dims=callable(record) -> dims to say each record's dims")
+        raise ValueError(f"{where}[0] has no 'input_ids' (got {keys}); pass record_dims=callable(record) -> dims "
+                         "to say each record's dims")
     columns = [_column_lengths(dataset, "input_ids")]
     if mode == "encoder_decoder":
-        columns.append(_column_lengths(dataset, _target_key(first, "PlannedTrainer: train_dataset[0]")))
-    if any(column is None for column in columns):
-        columns = [[], []][:len(columns)]
-        for i in range(n):
-            record = dataset[i]
-            where = f"PlannedTrainer: train_dataset[{i}]"
-            if not isinstance(record, Mapping) or "input_ids" not in record:
-                raise ValueError(f"{where} has no 'input_ids'")
-            columns[0].append(_length(record["input_ids"], f"{where}['input_ids']"))
-            if mode == "encoder_decoder":
-                key = _target_key(record, where)
-                columns[1].append(_length(record[key], f"{where}['{key}']"))
-    return np.column_stack([np.ones(n)] + [np.asarray(c, dtype=np.float64) for c in columns])
+        columns.append(_column_lengths(dataset, _target_key(first, f"{where}[0]")))
+    if all(column is not None for column in columns):
+        return columns
+    columns = [[], []][:len(columns)]
+    for i in range(len(dataset)):
+        record = dataset[i]
+        if not isinstance(record, Mapping) or "input_ids" not in record:
+            raise ValueError(f"{where}[{i}] has no 'input_ids'")
+        columns[0].append(_length(record["input_ids"], f"{where}[{i}]['input_ids']"))
+        if mode == "encoder_decoder":
+            key = _target_key(record, f"{where}[{i}]")
+            columns[1].append(_length(record[key], f"{where}[{i}]['{key}']"))
+    return columns
 
 
-def checked_custom_dims(dataset: Any, record_dims: Callable[[Any], Sequence[float]], width: int) -> np.ndarray:
+def checked_custom_dims(dataset: Any, record_dims: Callable[[Any], Sequence[float]], width: int,
+                        where: str = "PlannedTrainer: train_dataset") -> np.ndarray:
     """``record_dims(record)`` of every record, checked.
 
     Args:
         dataset: the training dataset.
         record_dims: the user's callable: a record's dims, batch-size entry 1 first.
         width: the number of variables.
+        where: how errors name the dataset.
 
     Returns:
         [n, width] float64.
@@ -165,8 +180,8 @@ def checked_custom_dims(dataset: Any, record_dims: Callable[[Any], Sequence[floa
     for i in range(len(dataset)):
         row = np.asarray(record_dims(dataset[i]), dtype=np.float64).reshape(-1)
         if row.shape != (width,) or row[0] != 1 or not np.all(np.isfinite(row)) or np.any(row < 0):
-            raise ValueError(f"PlannedTrainer: record_dims(train_dataset[{i}]) gave {row.tolist()}: expected "
-                             f"{width} finite values >= 0, the first (the batch size) 1")
+            raise ValueError(f"{where}[{i}]: record_dims gave {row.tolist()}: expected {width} finite values >= 0, "
+                             "the first (the batch size) 1")
         rows.append(row)
     return np.stack(rows)
 
@@ -566,6 +581,10 @@ def check_device_meter(device: torch.device, meter: Optional[Meter], where: str,
             one without a cap.
     """
     if meter is not None:
+        if int(meter.capacity_bytes) <= 0:
+            raise ValueError(f"{where}: meter={type(meter).__name__} has no capacity (capacity_bytes "
+                             f"{int(meter.capacity_bytes)}): set the CPU meter's capacity_bytes, the budget, before "
+                             "training")
         return
     if device.type == "cpu":
         installed = CpuMeter.installed()

@@ -834,9 +834,15 @@ class PlannedTrainerMixin:
                              ignore_keys_for_eval=ignore_keys_for_eval)
 
     def _check_sampler_checkpoint(self, checkpoint: str) -> None:
-        with open(_sampler_state_path(checkpoint)) as source:
+        path = _sampler_state_path(checkpoint)
+        with open(path) as source:
             saved = json.load(source)
-        self.xpm_sampler.load_state_dict(saved)  # ValueError for other settings
+        try:
+            self.xpm_sampler.load_state_dict(saved)  # ValueError for other settings
+        except ValueError as error:
+            raise ValueError(f"PlannedTrainer: {path} was written by another plan: {error} (the outer batch is "
+                             "per_device_train_batch_size x gradient_accumulation_steps x world size; resume with "
+                             "the arguments the checkpoint was trained with)") from None
         with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as source:
             global_step = json.load(source)["global_step"]
         done = saved["epoch"] * self.xpm_sampler.steps_per_epoch() + saved["steps_done"]

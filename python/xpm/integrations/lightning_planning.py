@@ -59,6 +59,20 @@ logger = logging.getLogger(__name__)
 __all__ = ["PlannedMicrobatches"]
 
 
+_DATASET = "PlannedMicrobatches: the train loader's dataset"
+
+
+def _loader_problem(loader: Any) -> Optional[str]:
+    """What keeps ``loader`` from being planned, in words, or None."""
+    if not isinstance(loader, DataLoader):
+        return f"got a {type(loader).__name__}"
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        return f"its dataset is an IterableDataset ({type(loader.dataset).__name__})"
+    if loader.batch_size is None:
+        return "it has no batch_size (a batch_sampler of its own)"
+    return None
+
+
 def _loss_of(output: Any) -> torch.Tensor:
     """The loss a ``training_step`` returned (a tensor, or a mapping's ``"loss"``)."""
     if torch.is_tensor(output):
@@ -142,11 +156,11 @@ class PlannedMicrobatches(pl.Callback):
         check_device_meter(pl_module.device, self.meter, "PlannedMicrobatches", "a sampler of your own")
         source = trainer.fit_loop._data_source
         loader = source.dataloader()
-        if not isinstance(loader, DataLoader) or loader.batch_size is None or \
-                isinstance(loader.dataset, torch.utils.data.IterableDataset):
-            raise ValueError("PlannedMicrobatches: train_dataloader() must return a DataLoader over a map-style "
-                             "dataset with a batch_size (the outer batch is batch_size x accumulate_grad_batches x "
-                             f"world size), got {type(loader).__name__}")
+        problem = _loader_problem(loader)
+        if problem is not None:
+            raise ValueError(f"PlannedMicrobatches: train_dataloader() must return a DataLoader over a map-style "
+                             f"dataset with a batch_size (the outer batch is batch_size x accumulate_grad_batches x "
+                             f"world size); {problem}")
         outer = loader.batch_size * trainer.accumulate_grad_batches * trainer.world_size
         self.meter = device_meter(pl_module.device, self.meter)
         dims = self._record_dims(loader.dataset)
@@ -173,8 +187,8 @@ class PlannedMicrobatches(pl.Callback):
     def _record_dims(self, dataset: Any) -> np.ndarray:
         if self.record_dims is not None:
             width = len(self.formula.variable_names) if isinstance(self.formula, CostFormula) else 2
-            return checked_custom_dims(dataset, self.record_dims, width)
-        return dataset_record_dims(dataset, "padded")
+            return checked_custom_dims(dataset, self.record_dims, width, _DATASET)
+        return dataset_record_dims(dataset, "padded", _DATASET)
 
     def _probe(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loader: DataLoader, dims: np.ndarray,
                outer: int):

@@ -326,6 +326,36 @@ def test_what_cannot_be_planned_is_refused_at_construction(meter, sentences, tmp
     with pytest.raises(ValueError, match=r"^PlannedTrainer: memory_fraction must be in \(0, 1\], got 1.5"):
         PlannedTrainer(model=model, args=_arguments(tmp_path), train_dataset=records,
                        data_collator=byte_llama.pad_collate, memory_fraction=1.5)
+    meter.capacity_bytes = 0
+    with pytest.raises(ValueError, match=r"^PlannedTrainer: meter=CpuMeter has no capacity \(capacity_bytes 0\)"):
+        PlannedTrainer(model=model, args=_arguments(tmp_path), train_dataset=records,
+                       data_collator=byte_llama.pad_collate, meter=meter)
+    meter.capacity_bytes = CAP_BYTES
+    with_empty = records[:5] + [{"input_ids": []}] + records[5:]
+    trainer = PlannedTrainer(model=model, args=_arguments(tmp_path, max_steps=1), train_dataset=with_empty,
+                             data_collator=byte_llama.pad_collate)
+    with pytest.raises(ValueError, match=r"^PlannedTrainer: train_dataset\[5\] is empty \(length 0; 1 such record"):
+        trainer.train()
+
+
+def test_drop_in_resumes_from_a_checkpoint_as_an_uninterrupted_run(meter, sentences, tmp_path):
+    """2 steps, a checkpoint, then resumed to 4: bitwise the weights of 4 steps run straight
+    (the sampler's place and calibration come back with the checkpoint; the plan is checked
+    against it once the trainer has planned)."""
+    records = _records(sentences)
+    runs = {}
+    for name, steps, resume in (("straight", 4, None), ("first half", 2, None), ("resumed", 4, True)):
+        folder = tmp_path / ("straight" if name == "straight" else "halves")
+        model = _capped_model(meter, byte_llama.build_model)
+        # One cache for the three: one model (the fastest packer's plans follow the probes' times).
+        trainer = PlannedTrainer(model=model, args=_arguments(folder, max_steps=steps, save_strategy="steps",
+                                                              save_steps=2),
+                                 train_dataset=records, data_collator=byte_llama.pad_collate,
+                                 cache_dir=tmp_path / "models")
+        trainer.train(resume_from_checkpoint=resume)
+        runs[name] = [p.detach().numpy().copy() for p in trainer.model.parameters()]
+        del trainer, model
+    assert all(np.array_equal(a, b) for a, b in zip(runs["straight"], runs["resumed"]))
 
 
 SFT_CAP_BYTES = 100_000_000
