@@ -30,9 +30,10 @@ all but the last are forwarded and backwarded there (outside DDP's synchronisati
 gradients accumulate locally; their ``self.log`` calls muted, since ranks may differ in their
 count and ``sync_dist=True`` is a collective), the last is returned, weighted, for Lightning to
 backward (DDP all-reduces once) and step: what ``training_step`` logs is that microbatch's. A
-rank whose share of an outer batch is empty runs record 0 at weight 0. Each microbatch's mean loss is weighted by its share of the outer
-batch's units (``units=``: a record's loss units, default 1 each: a mean over records). Every
-microbatch's peak is measured and calibrates the plans (one all-reduce per step).
+rank whose share of an outer batch is empty runs record 0 at weight 0. Each microbatch's mean
+loss is weighted by its share of the outer batch's units (``units=``: a record's loss units,
+default 1 each: a mean over records). Every microbatch's peak is measured and calibrates the
+plans (one all-reduce per step).
 """
 from __future__ import annotations
 
