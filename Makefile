@@ -50,8 +50,9 @@ wheel: setup
 # bench-report markers, docs/figures/bench-*.svg): packers and fit (Google Benchmark), held-out
 # prediction of both bundled models, the end-to-end batcher comparison (bench/*.cpp say what
 # each measures), and Python's predictive batching against a fixed microbatch and a hand-set token
-# budget (bench/python_batching_throughput.py). Raw outputs go to $(BENCH_DIR). About 10 minutes
-# on the 2-core machine.
+# budget (bench/python_batching_throughput.py), and the HF Trainer drop-in against what its users
+# do today (bench/hf_dropin_throughput.py). Raw outputs go to $(BENCH_DIR). About 12 minutes on
+# the 2-core machine.
 BENCH_DIR ?= runs/bench
 BENCH_STEPS ?= 150
 BENCH_MIN_TIME ?= 0.2
@@ -93,3 +94,7 @@ bench: setup configure
 	  --data-dir data/brown --records 1024 --json $(BENCH_DIR)/python-batching.json > $(BENCH_DIR)/python-batching.md
 	bench/splice_section.sh python-batching $(BENCH_DIR)/python-batching.md docs/benchmarks.md \
 	  "make bench (bench/python_batching_throughput.py, 1,024 Brown sentences, 1 thread)"
+	PYTHONPATH=$(BUILD_DIR)/python OMP_NUM_THREADS=1 $(PYTHON) bench/hf_dropin_throughput.py \
+	  --data-dir data/brown --records 4096 --json $(BENCH_DIR)/hf-dropin.json > $(BENCH_DIR)/hf-dropin.md
+	bench/splice_section.sh hf-dropin $(BENCH_DIR)/hf-dropin.md docs/benchmarks.md \
+	  "make bench (bench/hf_dropin_throughput.py, 4,096 Brown sentences, 1 thread)"
