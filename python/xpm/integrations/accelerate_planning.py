@@ -43,8 +43,8 @@ from ..probe_options import ProbeOptions
 from ..probing import probe
 from ..sampler import PredictiveBatchSampler
 from .accelerate import _round_robin_of, prepare_data_loader
-from .hf_planning import (DROP_IN_USABLE_MAX_REL_ERROR, PROBE_SAMPLE_RECORDS, ProbeRecords, check_device_meter,
-                          checked_custom_dims, dataset_record_dims, device_meter)
+from .dataset_probes import (ProbeRecords, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
+                             drop_in_probe_options)
 
 logger = logging.getLogger(__name__)
 
@@ -174,15 +174,9 @@ def _probe(accelerator, model, optimizer, loader, loss_fn, formula, meter, dims:
         with accelerator.autocast():
             return loss_fn(model, batch)
 
-    rng = np.random.default_rng(0)
-    sample = dims if len(dims) <= PROBE_SAMPLE_RECORDS else dims[rng.choice(len(dims), PROBE_SAMPLE_RECORDS,
-                                                                             replace=False)]
-    base = probe_options or ProbeOptions(usable_max_rel_error=DROP_IN_USABLE_MAX_REL_ERROR)
-    variables = base.variables or (list(formula.variable_names) if isinstance(formula, CostFormula) else ["bs", "l"])
-    options = ProbeOptions(**{**vars(base), "record_dims": sample.tolist(), "probe_points": None,
-                              "variables": variables, "budget": base.budget or budget,
-                              "lockstep": accelerator.num_processes > 1,
-                              "variable_max": base.variable_max or {"bs": per_process_records}})
+    variables = list(formula.variable_names) if isinstance(formula, CostFormula) else ["bs", "l"]
+    options = drop_in_probe_options(probe_options, variables, dims, budget, per_process_records,
+                                    accelerator.num_processes)
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper steps only at synced steps
     model.train()
     outcome = probe(model, inner, loss_of, formula, meter=meter, options=options)

@@ -78,9 +78,10 @@ from ..planning import CostFormula, MemoryBudget, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import probe
 from ..sampler import PredictiveBatchSampler, _unplanned_memory
-from .hf_planning import (AutomaticPlanning, PlannedMemory, ProbeRecords, TrainerSnapshot, environment_parts,
-                          label_items, load_agreed, loss_normalisation, model_signature, optimizer_identity,
-                          planning_mode, save_cached)
+from .dataset_probes import ProbeRecords
+from .hf_planning import (AutomaticPlanning, PlannedMemory, TrainerSnapshot, environment_parts, label_items,
+                          load_agreed, loss_normalisation, model_signature, optimizer_identity, planning_mode,
+                          save_cached)
 
 logger = logging.getLogger(__name__)
 

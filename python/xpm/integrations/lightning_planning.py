@@ -51,8 +51,8 @@ from ..planning import CostFormula, MemoryBudget, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome, probe
 from ..sampler import PredictiveBatchSampler
-from .hf_planning import (DROP_IN_USABLE_MAX_REL_ERROR, PROBE_SAMPLE_RECORDS, ProbeRecords, check_device_meter,
-                          checked_custom_dims, dataset_record_dims, device_meter)
+from .dataset_probes import (ProbeRecords, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
+                             drop_in_probe_options)
 from .lightning import PlannedStep, _transfer, planned_dataloader
 
 logger = logging.getLogger(__name__)
@@ -200,16 +200,9 @@ class PlannedMicrobatches(pl.Callback):
             return _loss_of(trainer.strategy.training_step(batch, 0))
 
         budget = MemoryBudget(int(self.meter.capacity_bytes), self.memory_fraction)
-        rng = np.random.default_rng(0)
-        sample = dims if len(dims) <= PROBE_SAMPLE_RECORDS else dims[rng.choice(len(dims), PROBE_SAMPLE_RECORDS,
-                                                                                 replace=False)]
-        base = self.probe_options or ProbeOptions(usable_max_rel_error=DROP_IN_USABLE_MAX_REL_ERROR)
-        options = ProbeOptions(**{**vars(base), "record_dims": sample.tolist(), "probe_points": None,
-                                  "variables": base.variables or (list(self.formula.variable_names)
-                                                                  if isinstance(self.formula, CostFormula)
-                                                                  else ["bs", "l"]),
-                                  "budget": base.budget or budget, "lockstep": trainer.world_size > 1,
-                                  "variable_max": base.variable_max or {"bs": -(-outer // trainer.world_size)}})
+        variables = list(self.formula.variable_names) if isinstance(self.formula, CostFormula) else ["bs", "l"]
+        options = drop_in_probe_options(self.probe_options, variables, dims, budget,
+                                        -(-outer // trainer.world_size), trainer.world_size)
         model = trainer.strategy.model
         with _Muted(pl_module):
             outcome = probe(model, trainer.optimizers[0], loss_of, self.formula, meter=self.meter, options=options)
