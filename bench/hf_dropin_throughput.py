@@ -443,8 +443,9 @@ def table(ways: List[Way], records: int, lengths: np.ndarray, cap_bytes: int) ->
         overall = run.tokens / way.all_tries_s
         setting = run.setting + (f"; {way.note}" if way.note else "")
         lines.append(f"| {way.name} | {setting} | {len(way.tries)} | {sum(r.ooms for r in way.tries)} | "
-                     f"{run.first_step_s:.2f} | {way.first_good_step_s:.2f} | {rate:,.0f} | {drop_in_rate / rate:.2f} | "
-                     f"{way.all_tries_s:.1f} | {overall:,.0f} | {drop_in_overall / overall:.2f} |")
+                     f"{run.first_step_s:.2f} | {way.first_good_step_s:.2f} | {rate:,.0f} | "
+                     f"{drop_in_rate / rate:.2f} | {way.all_tries_s:.1f} | {overall:,.0f} | "
+                     f"{drop_in_overall / overall:.2f} |")
     lines += ["", f"- drop-in: {drop_in_run.report}; {drop_in_run.probe_ooms} probe(s) out of memory (not counted "
               f"above); without its probe {drop_in_run.tokens / (drop_in_run.train_s - drop_in_run.probe_s):,.0f} "
               "real tokens/s."]

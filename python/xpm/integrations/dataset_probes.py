@@ -67,7 +67,8 @@ def _target_key(record: Mapping, where: str) -> str:
                      f"their target (keys: {', '.join(map(str, record))}); pass record_dims= to say each record's dims")
 
 
-def dataset_record_dims(dataset: Any, mode: PlanningMode, where: str = "PlannedTrainer: train_dataset") -> np.ndarray:
+def dataset_record_dims(dataset: Any, mode: PlanningMode,
+                        where: str = "PlannedTrainer: train_dataset") -> np.ndarray:
     """Every record's dims in ``mode``'s variables, read from ``dataset``.
 
     Args:

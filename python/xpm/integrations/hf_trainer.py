@@ -591,8 +591,9 @@ class PlannedTrainerMixin:
     def _check_settings(self) -> None:
         args = self.args
         if args.gradient_accumulation_steps != 1:
-            raise ValueError(f"PlannedTrainer: gradient_accumulation_steps must be 1 (each loader item is a whole "
-                             f"optimizer step; the sampler sets the microbatches), got {args.gradient_accumulation_steps}")
+            raise ValueError(f"PlannedTrainer: gradient_accumulation_steps must be 1 with a batch_sampler of your "
+                             f"own (its outer_batch_size sets the step), got {args.gradient_accumulation_steps}; "
+                             "without one, the trainer takes it as part of the outer batch")
         if self.is_deepspeed_enabled:
             raise ValueError("PlannedTrainer: DeepSpeed is not supported (its backward steps the optimizer itself; "
                              "run without a deepspeed config)")
