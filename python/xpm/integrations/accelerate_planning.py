@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 import accelerate
 
@@ -114,7 +114,8 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
         probe_options: ``xpm.ProbeOptions`` to probe with (its ``record_dims``, ``variables`` and
             ``lockstep`` are set here); default ``usable_max_rel_error=0.10``.
         packer: the sampler's packer (``xpm.PackerName``).
-        seed: the shuffle's seed.
+        seed: the shuffle's seed (the records are shuffled each epoch where the loader
+            shuffles: a ``RandomSampler``; else they go in order).
 
     Returns:
         ``(model, optimizer, loader)``: the prepared model and optimizer, and the planned loader
@@ -150,7 +151,7 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
         packer = "adaptive"
     sampler = PredictiveBatchSampler(
         dims, memory_model, budget.usable_bytes, outer_batch_size=outer, rank=accelerator.process_index,
-        world_size=world, seed=seed, packer=packer,
+        world_size=world, seed=seed, packer=packer, shuffle=isinstance(loader.sampler, RandomSampler),
         units=None if units is None else [float(units(dataset[i])) for i in range(len(dims))])
     planned = prepare_data_loader(accelerator, dataset, sampler, collate_fn=_WithPlaceholder(loader.collate_fn,
                                                                                                 dataset))

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 import lightning.pytorch as pl
 
@@ -115,7 +115,8 @@ class PlannedMicrobatches(pl.Callback):
             and ``lockstep`` are set here); default ``usable_max_rel_error=0.10``.
         packer: the sampler's packer (``xpm.PackerName``; "fastest", "adaptive" when the model
             has no time model).
-        seed: the shuffle's seed.
+        seed: the shuffle's seed (the records are shuffled each epoch where the loader
+            shuffles: a ``RandomSampler``; else they go in order).
 
     Attributes:
         sampler: the ``xpm.PredictiveBatchSampler`` planned (None before fitting starts).
@@ -171,7 +172,8 @@ class PlannedMicrobatches(pl.Callback):
         units = None if self.units is None else [float(self.units(loader.dataset[i])) for i in range(len(dims))]
         self.sampler = PredictiveBatchSampler(dims, memory_model, budget.usable_bytes, outer_batch_size=outer,
                                               rank=trainer.global_rank, world_size=trainer.world_size,
-                                              seed=self.seed, units=units, packer=packer)
+                                              seed=self.seed, units=units, packer=packer,
+                                              shuffle=isinstance(loader.sampler, RandomSampler))
         source.instance = planned_dataloader(trainer, loader.dataset, self.sampler, loader.collate_fn)
         self._placeholder = loader.collate_fn([loader.dataset[0]])
         accumulation = trainer.accumulate_grad_batches
