@@ -44,7 +44,7 @@ from ..probing import probe
 from ..sampler import PredictiveBatchSampler
 from .accelerate import _round_robin_of, prepare_data_loader
 from .dataset_probes import (ProbeRecords, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
-                             drop_in_probe_options)
+                             drop_in_probe_options, packer_for, probes_summary)
 
 logger = logging.getLogger(__name__)
 
@@ -147,19 +147,14 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
     outcome = _probe(accelerator, model, optimizer, loader, loss_fn, formula, meter, dims, budget,
                      probe_options, -(-outer // world))
     memory_model = outcome.model
-    if packer == "fastest" and memory_model.time_model is None:
-        packer = "adaptive"
     sampler = PredictiveBatchSampler(
         dims, memory_model, budget.usable_bytes, outer_batch_size=outer, rank=accelerator.process_index,
-        world_size=world, seed=seed, packer=packer, shuffle=isinstance(loader.sampler, RandomSampler),
+        world_size=world, seed=seed, packer=packer_for(packer, memory_model), shuffle=isinstance(loader.sampler, RandomSampler),
         units=None if units is None else [float(units(dataset[i])) for i in range(len(dims))])
     planned = prepare_data_loader(accelerator, dataset, sampler, collate_fn=_WithPlaceholder(loader.collate_fn,
                                                                                                 dataset))
     _round_robin_of(planned).meter = meter
-    infeasible = sum(not p.feasible for p in outcome.probes)
-    planned.xpm_report = (f"xpm: {len(outcome.probes)} probes ({infeasible} out of memory) in {outcome.probe_s:.1f} "
-                          f"s, fit max error {100 * abs(outcome.fit.max_rel_error):.2f} %; formula "
-                          f"{memory_model.formula.canonical}; budget {budget.usable_bytes:,} bytes; {outer} records "
+    planned.xpm_report = (f"xpm: {probes_summary(outcome)}; formula {memory_model.formula.canonical}; budget {budget.usable_bytes:,} bytes; {outer} records "
                           f"per optimizer step (batch_size {loader.batch_size} x {accumulation} accumulation steps x "
                           f"{world} process(es), the fixed batch it replaces)")
     logger.info("%s", planned.xpm_report)

@@ -78,7 +78,7 @@ from ..planning import CostFormula, MemoryBudget, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import probe
 from ..sampler import PredictiveBatchSampler, _unplanned_memory
-from .dataset_probes import ProbeRecords
+from .dataset_probes import ProbeRecords, packer_for, probes_summary
 from .hf_planning import (AutomaticPlanning, PlannedMemory, TrainerSnapshot, environment_parts, label_items,
                           load_agreed, loss_normalisation, model_signature, optimizer_identity, planning_mode,
                           save_cached)
@@ -395,12 +395,10 @@ class PlannedTrainerMixin:
             if path is not None and args.process_index == 0:
                 save_cached(model, path)
         self.xpm_memory = PlannedMemory(model, budget.usable_bytes, capacity, meter, dims, outcome, path)
-        packer = planning.packer
-        if packer == "fastest" and model.time_model is None:  # no probe times were fitted: the next fastest
-            packer = "adaptive"
         self.xpm_sampler = PredictiveBatchSampler(
             dims, model, budget.usable_bytes, outer_batch_size=self._outer_batch_size(), rank=args.process_index,
-            world_size=args.world_size, seed=args.seed, drop_last=args.dataloader_drop_last, packer=packer)
+            world_size=args.world_size, seed=args.seed, drop_last=args.dataloader_drop_last,
+            packer=packer_for(planning.packer, model))
         self.xpm_report = self._planning_report(mode)
         logger.info("%s", self.xpm_report)
 
@@ -449,9 +447,7 @@ class PlannedTrainerMixin:
         if outcome is None:
             source = f"memory model from the cache {memory.cache_path} (no probes)"
         else:
-            infeasible = sum(not p.feasible for p in outcome.probes)
-            source = (f"{len(outcome.probes)} probes ({infeasible} out of memory) in {outcome.probe_s:.1f} s, fit max "
-                      f"error {100 * abs(outcome.fit.max_rel_error):.2f} %")
+            source = probes_summary(outcome)
         counts = [len(sampler.planned_step(i).microbatches) for i in range(min(sampler.steps_per_epoch(), 32))]
         return (f"xpm: {mode} records; {source}; formula {memory.model.formula.canonical}; budget "
                 f"{memory.usable_bytes:,} of {memory.capacity_bytes:,} bytes; {self._outer_batch_size()} records per "

@@ -52,7 +52,7 @@ from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome, probe
 from ..sampler import PredictiveBatchSampler
 from .dataset_probes import (ProbeRecords, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
-                             drop_in_probe_options)
+                             drop_in_probe_options, packer_for, probes_summary)
 from .lightning import PlannedStep, _transfer, planned_dataloader
 
 logger = logging.getLogger(__name__)
@@ -168,21 +168,18 @@ class PlannedMicrobatches(pl.Callback):
         dims = self._record_dims(loader.dataset)
         memory_model, budget, outcome = self._probe(trainer, pl_module, loader, dims, outer)
         self.outcome = outcome
-        packer = self.packer if self.packer != "fastest" or memory_model.time_model is not None else "adaptive"
         units = None if self.units is None else [float(self.units(loader.dataset[i])) for i in range(len(dims))]
         self.sampler = PredictiveBatchSampler(dims, memory_model, budget.usable_bytes, outer_batch_size=outer,
                                               rank=trainer.global_rank, world_size=trainer.world_size,
-                                              seed=self.seed, units=units, packer=packer,
+                                              seed=self.seed, units=units,
+                                              packer=packer_for(self.packer, memory_model),
                                               shuffle=isinstance(loader.sampler, RandomSampler))
         source.instance = planned_dataloader(trainer, loader.dataset, self.sampler, loader.collate_fn)
         self._placeholder = loader.collate_fn([loader.dataset[0]])
         accumulation = trainer.accumulate_grad_batches
         trainer.accumulate_grad_batches = 1  # each loader item is a whole optimizer step
         self._wrap_training_step(pl_module)
-        infeasible = sum(not p.feasible for p in outcome.probes)
-        self.report = (f"xpm: {len(outcome.probes)} probes ({infeasible} out of memory) in {outcome.probe_s:.1f} s, "
-                       f"fit max error {100 * abs(outcome.fit.max_rel_error):.2f} %; formula "
-                       f"{memory_model.formula.canonical}; budget {budget.usable_bytes:,} bytes; {outer} records per "
+        self.report = (f"xpm: {probes_summary(outcome)}; formula {memory_model.formula.canonical}; budget {budget.usable_bytes:,} bytes; {outer} records per "
                        f"optimizer step (batch_size {loader.batch_size} x {accumulation} accumulated x "
                        f"{trainer.world_size} rank(s), the fixed batch it replaces)")
         logger.info("%s", self.report)
