@@ -10,7 +10,6 @@ parameters of a resumed run against an uninterrupted one, and the gradients of 2
 Run as a script under torchrun, this file is the DDP worker of the last test.
 """
 import gc
-import importlib.util
 import json
 import os
 import pathlib
@@ -28,6 +27,8 @@ import xpm  # noqa: E402
 from xpm.integrations.hf_trainer import (SAMPLER_STATE_NAME, PlannedStep, PlannedTrainer, PlannedTrainerMixin,  # noqa: E402
                                         planned_trainer_class)
 
+import byte_llama as example  # noqa: E402 - the byte Llama of the HF tests, beside this file
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 DATA_DIR = pathlib.Path(os.environ.get("XPM_DATA_DIR", ROOT / "data" / "brown"))
 CAP_BYTES = 24_000_000
@@ -35,14 +36,6 @@ OUTER = 32
 LEARNING_RATE = 2e-3
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location("byte_llama", pathlib.Path(__file__).with_name("byte_llama.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load_example()
 
 
 @pytest.fixture(scope="module")
