@@ -1,9 +1,17 @@
-"""The meters: peak allocated bytes of one device, with the capacity the steps run under.
+"""The meters: peak allocated and reserved bytes of one device, with the capacity the steps run
+under.
 
     meter = xpm.CpuMeter.install()          # CPU: before the model is built (it counts its weights)
     meter.capacity_bytes = 2_000_000_000    # the cap; an allocation past it raises out of memory
+    meter = xpm.CpuMeter.install(caching=True)  # ... playing CUDA's caching allocator: the cap
+                                            # then bounds reserved bytes, as a GPU's memory does
     meter = xpm.CudaMeter("cuda:0")         # a GPU: torch.cuda's statistics
     meter.set_memory_fraction(0.5)          # the process capped at half the device
+
+What a plan bounds (``planned_bytes_kind``): where a caching allocator holds segments (a GPU, or
+the CPU meter with ``caching=True``) the reserved peak, which is what runs a GPU out of memory,
+measured from an emptied cache (``start_peak``, ``planned_peak_bytes``); elsewhere the
+allocated peak.
 
 ``Meter`` is the interface ``probe``, the sampler and the integrations read (the C++
 ``MemoryMeter``'s); ``DeviceKind`` names the devices ``probe(device=...)`` takes. ``METERS`` is
@@ -39,8 +47,20 @@ class CpuMeter:
         self._native = native
 
     @classmethod
-    def install(cls) -> "CpuMeter":
+    def install(cls, caching: Optional[bool] = None, *, expandable_segments: Optional[bool] = None) -> "CpuMeter":
         """Installs the meter into c10's CPU allocator (once per process), or returns it.
+
+        Args:
+            caching: True: from now on the meter also plays CUDA's caching allocator over the
+                storages it counts (its documented policy: 512-byte blocks, 2 and 20 MiB
+                segments, best fit, split and merge, a cache released and retried before out of
+                memory), so that ``capacity_bytes`` bounds reserved bytes and
+                ``current_reserved_bytes`` / ``peak_reserved_bytes`` read them, as on a GPU;
+                allocated bytes then count block sizes, as CUDA's do. False: stops it. None
+                (default): as it is (off at the first install).
+            expandable_segments: with caching, PyTorch's ``expandable_segments:True`` (one
+                growing segment per pool); None: as ``PYTORCH_ALLOC_CONF`` (or
+                ``PYTORCH_CUDA_ALLOC_CONF``) says.
 
         Returns:
             The process's CPU meter (no cap until ``capacity_bytes`` is set).
@@ -48,12 +68,71 @@ class CpuMeter:
         Raises:
             ImportError: the running torch is not the one xpm was built against (one line naming
                 both versions), or the extension cannot be loaded.
+            ValueError: ``caching`` or ``expandable_segments`` is not a bool or None, or
+                ``PYTORCH_ALLOC_CONF`` gives ``expandable_segments`` a value other than
+                True/False.
+            RuntimeError: expandable segments changed while blocks of the caching emulation
+                are live.
         """
         from .torch_extension import load_torch_extension  # the torch xpm was built against
 
+        for name, value in (("caching", caching), ("expandable_segments", expandable_segments)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"CpuMeter.install: {name} must be True, False or None, got {value!r}")
         global _installed_cpu_meter
-        _installed_cpu_meter = cls(load_torch_extension().CpuMemoryMeter.install())
-        return _installed_cpu_meter
+        meter = cls(load_torch_extension().CpuMemoryMeter.install())
+        if caching is not None:
+            meter.set_caching(caching, expandable_segments=expandable_segments)
+        _installed_cpu_meter = meter
+        return meter
+
+    def set_caching(self, enabled: bool, *, expandable_segments: Optional[bool] = None) -> None:
+        """Starts or stops the caching allocator's emulation (see ``install``).
+
+        Args:
+            enabled: True starts it, False stops it (blocks it holds are still freed into it).
+            expandable_segments: None: as ``PYTORCH_ALLOC_CONF`` says.
+
+        Raises:
+            ValueError: ``PYTORCH_ALLOC_CONF`` gives ``expandable_segments`` a value other than
+                True/False.
+            RuntimeError: expandable segments changed while blocks of the emulation are live.
+        """
+        expandable = expandable_segments if expandable_segments is not None else \
+            allocator_settings().get("expandable_segments", "False") == "True"
+        try:
+            self._native.set_caching(bool(enabled), bool(expandable))
+        except RuntimeError as error:
+            raise RuntimeError(f"CpuMeter.set_caching: {error}") from None
+
+    @property
+    def caching(self) -> Optional[Literal["segments", "expandable_segments"]]:
+        """The caching allocator the meter plays: ``"segments"`` (PyTorch's default),
+        ``"expandable_segments"``, or None (none: reserved bytes are the allocated ones)."""
+        expandable = self._native.caching_expandable_segments
+        return None if expandable is None else ("expandable_segments" if expandable else "segments")
+
+    @property
+    def reserves_segments(self) -> bool:
+        """Whether a caching allocator (here its emulation) holds segments: plans then bound
+        reserved bytes."""
+        return self.caching is not None
+
+    @property
+    def current_reserved_bytes(self) -> int:
+        """Bytes the emulated caching allocator holds (segments, cache included) plus storages
+        outside it; without caching, the allocated bytes."""
+        return self._native.current_reserved_bytes
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        """Peak reserved bytes since the last ``reset_peak()``."""
+        return self._native.peak_reserved_bytes
+
+    def empty_cache(self) -> None:
+        """Releases the emulation's cached segments that hold no block in use
+        (``torch.cuda.empty_cache()``'s counterpart; nothing without caching)."""
+        self._native.empty_cache()
 
     @classmethod
     def installed(cls) -> Optional["CpuMeter"]:
@@ -248,9 +327,24 @@ class CudaMeter:
         return torch.cuda.max_memory_allocated(self.device)
 
     @property
+    def current_reserved_bytes(self) -> int:
+        """Bytes the caching allocator holds on the device now, cache included
+        (``torch.cuda.memory_reserved``)."""
+        return torch.cuda.memory_reserved(self.device)
+
+    @property
     def peak_reserved_bytes(self) -> int:
-        """The caching allocator's reserved peak since the last ``reset_peak()``, bytes (for reports)."""
+        """The caching allocator's reserved peak since the last ``reset_peak()``, bytes: what
+        plans on a GPU bound (``planned_peak_bytes``)."""
         return torch.cuda.max_memory_reserved(self.device)
+
+    reserves_segments = True
+    """A GPU's caching allocator holds segments: plans bound reserved bytes."""
+
+    def empty_cache(self) -> None:
+        """Releases the cached segments that hold no block in use (``torch.cuda.empty_cache``)."""
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
 
     def reset_peak(self) -> None:
         """Waits for the device's work, then starts new peaks (``torch.cuda.reset_peak_memory_stats``)."""
@@ -278,6 +372,101 @@ class Meter(Protocol):
 
     def reset_peak(self) -> None:
         """Starts a new peak at the bytes allocated now."""
+
+PlannedBytes = Literal["allocated", "reserved"]
+"""What a plan bounds: a step's peak allocated bytes, or its peak reserved bytes."""
+
+
+def planned_bytes_kind(meter: Meter) -> PlannedBytes:
+    """What plans measured by ``meter`` bound.
+
+    Args:
+        meter: any ``Meter``.
+
+    Returns:
+        ``"reserved"`` where a caching allocator holds segments (``CudaMeter``, a ``CpuMeter``
+        with caching, any meter whose ``reserves_segments`` is true; it then has
+        ``peak_reserved_bytes`` and ``empty_cache()``), else ``"allocated"``.
+    """
+    return "reserved" if getattr(meter, "reserves_segments", False) else "allocated"
+
+
+def start_peak(meter: Meter) -> None:
+    """Starts a measured peak: where plans bound reserved bytes, the cache is emptied first, so
+    that the peak is what the step itself reserves (cached segments would be released before an
+    out-of-memory error anyway); then ``meter.reset_peak()``.
+
+    Args:
+        meter: any ``Meter``.
+    """
+    if planned_bytes_kind(meter) == "reserved":
+        meter.empty_cache()
+    meter.reset_peak()
+
+
+def planned_peak_bytes(meter: Meter) -> int:
+    """The peak since ``start_peak`` that plans bound: reserved or allocated bytes
+    (``planned_bytes_kind``).
+
+    Args:
+        meter: any ``Meter``.
+
+    Returns:
+        Bytes.
+    """
+    return int(meter.peak_reserved_bytes if planned_bytes_kind(meter) == "reserved" else meter.peak_allocated_bytes)
+
+
+def allocator_settings(environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """PyTorch's caching-allocator settings: ``PYTORCH_ALLOC_CONF`` (or the older
+    ``PYTORCH_CUDA_ALLOC_CONF`` when it is unset), ``key:value`` pairs separated by commas.
+
+    Args:
+        environ: the environment (default ``os.environ``).
+
+    Returns:
+        Each key's value, as written (``{"expandable_segments": "True"}``).
+
+    Raises:
+        ValueError: one line naming the variable: a pair without ``:``, or
+            ``expandable_segments`` neither True nor False.
+    """
+    environ = os.environ if environ is None else environ
+    name = "PYTORCH_ALLOC_CONF" if environ.get("PYTORCH_ALLOC_CONF") else "PYTORCH_CUDA_ALLOC_CONF"
+    settings: Dict[str, str] = {}
+    for pair in filter(None, (part.strip() for part in environ.get(name, "").split(","))):
+        key, colon, value = pair.partition(":")
+        if not colon:
+            raise ValueError(f"{name}={environ[name]!r}: {pair!r} is not key:value")
+        settings[key.strip()] = value.strip()
+    if settings.get("expandable_segments", "False") not in ("True", "False"):
+        raise ValueError(f"{name}={environ[name]!r}: expandable_segments must be True or False")
+    return settings
+
+
+def allocator_settings_line(environ: Optional[Dict[str, str]] = None) -> str:
+    """One line on what the caching-allocator settings imply for planned microbatches.
+
+    Args:
+        environ: the environment (default ``os.environ``).
+
+    Returns:
+        The line (no trailing newline).
+
+    Raises:
+        ValueError: as ``allocator_settings``.
+    """
+    settings = allocator_settings(environ)
+    others = ", ".join(f"{k}:{v}" for k, v in settings.items() if k != "expandable_segments")
+    if settings.get("expandable_segments") == "True":
+        line = ("allocator: expandable_segments:True: one growing segment per pool, so microbatches of changing "
+                "shapes leave little reserved but unusable memory")
+    else:
+        line = ("allocator: fixed segments (PYTORCH_ALLOC_CONF without expandable_segments:True): microbatches of "
+                "changing shapes fragment them and the plan reserves for that; expandable_segments:True usually "
+                "lowers reserved bytes")
+    return line + (f"; also set: {others}" if others else "")
+
 
 DeviceKind = Literal["cpu", "cuda"]
 """The kinds of device ``probe(device=...)`` names (with ``"cuda:N"`` and ``torch.device``)."""

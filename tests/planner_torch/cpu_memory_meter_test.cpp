@@ -157,3 +157,33 @@ TEST_CASE("oneDNN tensors and a Conv1d forward/backward run under the meter and 
   conv->weight.mutable_grad() = torch::Tensor();
   conv->bias.mutable_grad() = torch::Tensor();
 }
+
+TEST_CASE("with caching the meter reserves segments, caps reserved bytes and releases its cache") {
+  xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
+  meter.set_caching(xpm::CachingAllocatorOptions{});
+  meter.empty_cache();
+  const std::int64_t allocated = meter.current_allocated_bytes(), reserved = meter.current_reserved_bytes();
+  {
+    torch::Tensor t = torch::empty({3 * kMiB}, torch::kUInt8);  // 3 MiB: a 20 MiB segment
+    CHECK(meter.current_allocated_bytes() == allocated + 3 * kMiB);
+    CHECK(meter.current_reserved_bytes() == reserved + 20 * kMiB);
+    torch::Tensor small = torch::empty({100}, torch::kUInt8);  // 512 B in a 2 MiB segment
+    CHECK(meter.current_allocated_bytes() == allocated + 3 * kMiB + 512);
+  }
+  CHECK(meter.current_allocated_bytes() == allocated);
+  CHECK(meter.current_reserved_bytes() == reserved + 22 * kMiB);  // cached
+  meter.reset_peak();
+  CHECK(meter.peak_reserved_bytes() == reserved + 22 * kMiB);
+  meter.empty_cache();
+  CHECK(meter.current_reserved_bytes() == reserved);
+
+  meter.set_capacity_bytes(reserved + 10 * kMiB);  // 3 MiB allocated would fit, its segment does not
+  const std::int64_t ooms = meter.oom_count();
+  CHECK_THROWS_WITH_AS(torch::empty({3 * kMiB}, torch::kUInt8), doctest::Contains("bytes reserved"),
+                       c10::OutOfMemoryError);
+  CHECK(meter.oom_count() == ooms + 1);
+  CHECK(meter.current_allocated_bytes() == allocated);
+  meter.set_capacity_bytes(0);
+  meter.set_caching(std::nullopt);
+  CHECK_FALSE(meter.caching().has_value());
+}

@@ -38,15 +38,35 @@
 // exceeded in the process by that much. What a step leaves behind unseen (oneDNN's primitive
 // caches) is at most 0.06 MB.
 //
+// Caching (set_caching): the meter can also play CUDA's caching allocator over the storages it
+// counts (xpm/planner/caching_allocator_emulation.hpp: 512-byte blocks, 2 and 20 MiB segments,
+// best fit, split and merge, a cache released and retried before out of memory, optionally
+// expandable segments), so that what binds on a GPU, reserved bytes, binds here:
+//
+//   meter.set_caching(CachingAllocatorOptions{});   // from now on; std::nullopt stops it
+//   meter.set_capacity_bytes(512 << 20);             // now a cap on *reserved* bytes
+//   meter.reset_peak();  run_step();
+//   int64_t reserved = meter.peak_reserved_bytes();  // segments held at the peak, cache included
+//   meter.empty_cache();                             // torch.cuda.empty_cache()'s counterpart
+//
+// Allocated bytes then count block sizes (requests rounded up to 512 B, or a whole segment the
+// allocator would not split), as CUDA's allocated_bytes do. The memory itself still comes from
+// the wrapped allocator at the requested size: the emulation is bookkeeping only. Storages
+// allocated before caching started are counted in reserved bytes at their own size.
+//
 // Thread-safety: counting is thread-safe (atomics; live storages in a sharded, locked table keyed
-// by address, one lock per allocation and per free).
+// by address, one lock per allocation and per free; the emulation under one lock of its own).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
 
 #include <c10/core/Allocator.h>
 
+#include "xpm/planner/caching_allocator_emulation.hpp"
 #include "xpm/planner_torch/memory_meter.hpp"
 
 namespace xpm {
@@ -75,6 +95,21 @@ class CpuMemoryMeter final : public c10::Allocator, public MemoryMeter {
   /// Number of allocations refused by the cap since the process started.
   std::int64_t oom_count() const { return oom_count_.load(); }
 
+  /// Emulates CUDA's caching allocator over the storages allocated from now on (std::nullopt:
+  /// stops; storages it holds are still freed into it). The cap then bounds reserved bytes.
+  /// Throws std::logic_error when `options` change expandable segments while blocks of the
+  /// emulation are live.
+  void set_caching(std::optional<CachingAllocatorOptions> options);
+  /// The caching in effect (std::nullopt: none).
+  std::optional<CachingAllocatorOptions> caching() const;
+  /// Bytes the emulated allocator holds (segments, cache included), plus storages outside it;
+  /// without caching, current_allocated_bytes().
+  std::int64_t current_reserved_bytes() const;
+  /// Maximum of current_reserved_bytes() since the last reset_peak().
+  std::int64_t peak_reserved_bytes() const;
+  /// Releases the emulation's cached segments that hold no block in use (no-op without caching).
+  void empty_cache();
+
   /// Counts `n_bytes` (throws c10::OutOfMemoryError over the cap, changing no counter) and
   /// allocates them through the allocator that was active before install(). The DataPtr's
   /// context is its data pointer and its deleter raw_deleter(), so raw_allocate() works.
@@ -90,6 +125,17 @@ class CpuMemoryMeter final : public c10::Allocator, public MemoryMeter {
   CpuMemoryMeter() = default;
   c10::Allocator& wrapped() const;
   static void free_raw(void* data);
+  c10::DataPtr allocate_cached(size_t n_bytes);
+  std::int64_t reserved_locked() const;  // emulation_mutex_ held
+  void raise_reserved_peak_locked();      // emulation_mutex_ held
+
+  mutable std::mutex emulation_mutex_;
+  std::unique_ptr<CachingAllocatorEmulation> emulation_;  // made by the first set_caching
+  std::optional<CachingAllocatorOptions> caching_;
+  bool caching_expandable_ = false;                        // the emulation's option
+  std::atomic<bool> caching_on_{false};                    // caching_.has_value(), read without the lock
+  std::atomic<bool> emulation_made_{false};                // emulation_ != nullptr, read without the lock
+  std::int64_t peak_reserved_bytes_ = 0;                   // emulation_mutex_ held
 
   c10::Allocator* wrapped_ = nullptr;
   mutable std::atomic<std::int64_t> current_bytes_{0};
