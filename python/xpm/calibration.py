@@ -4,9 +4,9 @@ training measures, the same correction on every rank.
     calibration = xpm.Calibration(usable_bytes)
     for step in steps:
         for microbatch in step:
-            meter.reset_peak()
+            xpm.meters.start_peak(meter)     # reset_peak(), the cache emptied where it reserves
             ...forward, backward (and the optimizer step after the last)...
-            calibration.record_peak(predicted_bytes, meter.peak_allocated_bytes)
+            calibration.record_peak(predicted_bytes, xpm.meters.planned_peak_bytes(meter))
         line = calibration.end_step(step_index)   # every rank: one all-reduce
         if line: print(line)                      # "step 40: correction +4.1 % -> +0.3 % ..."
 
@@ -97,6 +97,8 @@ class Calibration:
             after 2, an FSDP2 step 4 % of the budget above its plan).
         group: the process group whose ranks agree on the correction (None: the default group,
             when torch.distributed is initialised with more than one rank; else no collective).
+        initial: the correction in force before anything is measured (default none); a model
+            probed under a caching allocator starts from its ``reserved_gap``.
 
     Raises:
         ValueError: ``usable_bytes`` is not positive, or ``window_steps`` or ``settle_steps`` is
@@ -104,7 +106,7 @@ class Calibration:
     """
 
     def __init__(self, usable_bytes: int, *, window_steps: int = 32, settle_steps: int = 8,
-                 group: Optional[Any] = None) -> None:
+                 group: Optional[Any] = None, initial: Optional[Correction] = None) -> None:
         if int(usable_bytes) <= 0:
             raise ValueError(f"Calibration: usable_bytes must be > 0, got {usable_bytes}")
         for name, value in (("window_steps", window_steps), ("settle_steps", settle_steps)):
@@ -114,7 +116,7 @@ class Calibration:
         self.usable_bytes = int(usable_bytes)
         self.window_steps = int(window_steps)
         self.group = group
-        self.correction = Correction()
+        self.correction = Correction() if initial is None else initial
         self.log: List[str] = []                   # one line per change of the correction
         self.measured_microbatches = 0
         self.worst_rel_error = 0.0                 # the most negative (corrected - peak) / peak seen
@@ -233,27 +235,8 @@ class Calibration:
         return target if above or lower else current
 
     def _best_line(self, rows: np.ndarray) -> Correction:
-        """Of the lines over every point of ``rows`` (intercepts per slope, smallest and largest
-        prediction) whose intercept is not below the constant line's (or 0), the one with the
-        smallest correction relative to the prediction at both ends of the predictions' range (a
-        tie to the smallest slope), with the headroom added, and bounded to half the budget at
-        the budget."""
-        intercepts = rows[:, :len(SLOPES)].max(axis=0)
-        # No line below the constant one at a prediction of 0: a steep line through large
-        # microbatches alone would under-correct the small ones it has not seen.
-        intercepts = np.maximum(intercepts, min(0.0, float(intercepts[ZERO_SLOPE])))
-        low, high = float(rows[:, -2].min()), float(rows[:, -1].max())
-        relative = np.maximum((intercepts + SLOPES * low) / low, (intercepts + SLOPES * high) / high)
-        k = int(np.lexsort((np.abs(SLOPES), np.round(relative, 9)))[0])
-        intercept = float(intercepts[k])
-        if k + 1 < len(SLOPES):  # the headroom: the grid's next slope (0.25 % of the prediction)
-            k += 1
-        else:
-            intercept += self.headroom_bytes
-        at_budget = intercept + SLOPES[k] * self.usable_bytes
-        if abs(at_budget) > self.bound_bytes:
-            intercept -= at_budget - math.copysign(self.bound_bytes, at_budget)
-        return Correction(intercept, float(SLOPES[k]))
+        """``best_line(rows, usable_bytes)``."""
+        return best_line(rows, self.usable_bytes)
 
     def _warn_beyond_bound(self) -> None:
         if self.correction_bytes >= self.bound_bytes and not self._warned:
@@ -318,3 +301,57 @@ class Calibration:
                              "log)") from None
         self.correction, self._steps_seen, self.log = correction, steps_seen, log
         self._window = collections.deque(window, maxlen=self.window_steps)
+
+
+def best_line(rows: np.ndarray, usable_bytes: float) -> Correction:
+    """Of the lines over every point of ``rows`` (intercepts per slope, smallest and largest
+    prediction) whose intercept is not below the constant line's (or 0), the one with the
+    smallest correction relative to the prediction at both ends of the predictions' range (a
+    tie to the smallest slope), with the headroom added, and bounded to half the budget at
+    the budget.
+
+    Args:
+        rows: measured steps, one row each: the least intercept per slope of ``SLOPES``, then
+            the smallest and the largest prediction.
+        usable_bytes: the budget, bytes.
+
+    Returns:
+        The line.
+    """
+    intercepts = rows[:, :len(SLOPES)].max(axis=0)
+    # No line below the constant one at a prediction of 0: a steep line through large
+    # microbatches alone would under-correct the small ones it has not seen.
+    intercepts = np.maximum(intercepts, min(0.0, float(intercepts[ZERO_SLOPE])))
+    low, high = float(rows[:, -2].min()), float(rows[:, -1].max())
+    relative = np.maximum((intercepts + SLOPES * low) / low, (intercepts + SLOPES * high) / high)
+    k = int(np.lexsort((np.abs(SLOPES), np.round(relative, 9)))[0])
+    intercept = float(intercepts[k])
+    if k + 1 < len(SLOPES):  # the headroom: the grid's next slope (0.25 % of the prediction)
+        k += 1
+    else:
+        intercept += HEADROOM_SLOPE * usable_bytes
+    at_budget = intercept + SLOPES[k] * usable_bytes
+    if abs(at_budget) > 0.5 * usable_bytes:
+        intercept -= at_budget - math.copysign(0.5 * usable_bytes, at_budget)
+    return Correction(intercept, float(SLOPES[k]))
+
+
+def covering_correction(predicted_bytes: List[float], peak_bytes: List[float], usable_bytes: float) -> Correction:
+    """The line ``best_line`` draws over one set of points (prediction, measured peak), with no
+    collective: e.g. the gap between a model of allocated bytes and the reserved peaks of its
+    probes.
+
+    Args:
+        predicted_bytes: the model's predictions, bytes.
+        peak_bytes: the peaks measured at them, bytes.
+        usable_bytes: the budget, bytes.
+
+    Returns:
+        The correction (none when no prediction is positive).
+    """
+    row = np.concatenate([np.full(len(SLOPES), -math.inf), [math.inf, -math.inf]])
+    for predicted, peak in zip(predicted_bytes, peak_bytes):
+        if predicted > 0 and peak > 0:
+            np.maximum(row[:len(SLOPES)], peak - predicted * (1.0 + SLOPES), out=row[:len(SLOPES)])
+            row[-2], row[-1] = min(row[-2], predicted), max(row[-1], predicted)
+    return best_line(row[None, :], usable_bytes) if math.isfinite(row[-1]) else Correction()

@@ -495,6 +495,23 @@ class MemoryModel:
             "fitted_points": int(fitted_points)}
         return MemoryModel.from_json(json.dumps(parsed))
 
+    @property
+    def reserved_gap(self) -> Optional[Tuple[float, float]]:
+        """Where the model was probed under a caching allocator (a GPU, or the CPU meter with
+        ``caching=True``): the line from its predictions, which are allocated bytes, to the reserved
+        peaks the probes measured, ``(intercept_bytes, slope)`` (reserved ~ prediction +
+        intercept_bytes + slope x prediction, covering every probe); the sampler's calibration
+        starts from it. None: probed without one."""
+        gap = self._parsed().get("metadata", {}).get("reserved_gap")
+        return None if gap is None else (float(gap["intercept_bytes"]), float(gap["slope"]))
+
+    def _with_reserved_gap(self, intercept_bytes: float, slope: float, probes: int) -> "MemoryModel":
+        """This model with its ``reserved_gap`` (kept in the JSON's metadata)."""
+        parsed = json.loads(self.to_json())
+        parsed.setdefault("metadata", {})["reserved_gap"] = {
+            "intercept_bytes": float(intercept_bytes), "slope": float(slope), "probes": int(probes)}
+        return MemoryModel.from_json(json.dumps(parsed))
+
     def _phase_native(self, phase: GradientPhase) -> Optional[_planner.MemoryModel]:
         """A phase other than "with_gradients" as a model of its own (this model's JSON with the
         phase's coefficients), or None without a fit of it."""

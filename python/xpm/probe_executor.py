@@ -22,7 +22,7 @@ import torch
 
 from . import _planner
 from .lockstep import Lockstep
-from .meters import CpuMeter, Meter
+from .meters import CpuMeter, Meter, planned_bytes_kind, planned_peak_bytes, start_peak
 from .planning import RecordAggregation
 
 
@@ -138,6 +138,13 @@ class _TorchExecutor(_planner.ProbeExecutor):
         self.measure_synchronised = measure_phases and self.accumulating
         self.synchronised_peaks: List[float] = []  # one per entry of results (0: not measured)
         self.results = []  # every probe run, for an error that must carry them
+        # Where plans bound reserved bytes (a caching allocator): each probe's reserved step peak
+        # (0: infeasible), from an emptied cache, and its reserved / allocated forward/backward peak.
+        self.reserving = planned_bytes_kind(meter) == "reserved"
+        self.reserved_step_peaks: List[float] = []  # one per entry of results
+        self.reserved_without_gradients_peaks: List[float] = []  # the same, the step's first microbatch
+        self.reserved_ratios: List[float] = []
+        self._reserved_peak = 0.0                   # the last measured phase's
         self.raised: Optional[BaseException] = None  # the error a probe raised (the loss function's), if any
 
     def static_bytes(self) -> float:
@@ -171,17 +178,18 @@ class _TorchExecutor(_planner.ProbeExecutor):
         self.loss_fn(self.accumulation_batch).backward()
         self.accumulation_batch = None
 
-    def _combine_ranks(self, result, without_gradients_peak: float, synchronised_peak: float, failure,
-                       where: str) -> Tuple[float, float]:
+    def _combine_ranks(self, result, without_gradients_peak: float, synchronised_peak: float,
+                       reserved: Tuple[float, float], failure, where: str) -> Tuple[float, float, float, float]:
         """Lockstep: every rank's peaks and forward/backward time (max), out-of-memory and error
         flags in one all-reduce; an error on another rank raises here, one out of memory
         anywhere makes the probe infeasible on every rank. Returns the ranks' largest peaks
-        without gradients and synchronised."""
-        world, peaks = self.lockstep.world_size, 5
+        without gradients, synchronised, and reserved (steady, then without gradients)."""
+        world, peaks = self.lockstep.world_size, 7
         mine = [0.0] * (peaks + 2 * world)
         mine[0], mine[1] = result.forward_backward_peak_bytes, result.optimizer_step_peak_bytes
         mine[2], mine[3] = without_gradients_peak, synchronised_peak
         mine[4] = result.forward_backward_s  # the slowest rank's: every rank fits the same time model
+        mine[5], mine[6] = reserved
         mine[peaks + self.lockstep.rank] = 0.0 if result.feasible else 1.0
         mine[peaks + world + self.lockstep.rank] = 0.0 if failure is None else 1.0
         combined = self.lockstep.max(mine)
@@ -195,7 +203,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
         if out_of_memory:
             result.feasible = False
             result.error = f"out of memory on rank {', '.join(map(str, out_of_memory))}"
-        return combined[2], combined[3]
+        return combined[2], combined[3], combined[5], combined[6]
 
     def _run(self, batch, dims, where):
         """One probe step: ``loss_fn(batch)``, ``batch`` the dims or a mix's records."""
@@ -204,7 +212,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
         result.capacity_bytes = float(self.meter.capacity_bytes)
         start = time.perf_counter()
         _zero_gradients_in_place(self.steady.parameters)
-        without_gradients_peak = synchronised_peak = 0.0
+        without_gradients_peak = synchronised_peak = reserved_step_peak = reserved_without_gradients = ratio = 0.0
         failure = None  # (the error to raise, its cause): not out of memory
         try:
             if self.accumulating and self.measure_without_gradients:
@@ -218,9 +226,13 @@ class _TorchExecutor(_planner.ProbeExecutor):
                 for parameter in self.steady.parameters:
                     parameter.grad = None
                 without_gradients_peak = self._forward_backward_peak(batch)
+                reserved_without_gradients = self._reserved_peak  # the gradients placed among the activations
                 _zero_gradients_in_place(self.steady.parameters)
             forward_start = time.perf_counter()
             result.forward_backward_peak_bytes = self._forward_backward_peak(batch)
+            reserved_step_peak = self._reserved_peak
+            if self.reserving and result.forward_backward_peak_bytes > 0:
+                ratio = self._reserved_peak / result.forward_backward_peak_bytes
             result.forward_backward_s = time.perf_counter() - forward_start
             if self.measure_synchronised:  # as after zero_grad(set_to_none=True): the reduce-scatter makes them
                 for parameter in self.steady.parameters:
@@ -230,9 +242,10 @@ class _TorchExecutor(_planner.ProbeExecutor):
                     synchronised_peak = self._forward_backward_peak(batch)
                 finally:
                     self.steady.model.set_requires_gradient_sync(False)
-            self.meter.reset_peak()
+            start_peak(self.meter)
             self.steady.optimizer.step()
             result.optimizer_step_peak_bytes = float(self.meter.peak_allocated_bytes)
+            reserved_step_peak = max(reserved_step_peak, self._reserved())
         except Exception as error:  # noqa: BLE001 - out of memory is a result, the rest named
             # The graph of a forward that failed goes now, not with the exception.
             traceback.clear_frames(error.__traceback__)
@@ -247,8 +260,9 @@ class _TorchExecutor(_planner.ProbeExecutor):
         finally:
             _zero_gradients_in_place(self.steady.parameters)
         if self.lockstep is not None:
-            without_gradients_peak, synchronised_peak = self._combine_ranks(result, without_gradients_peak,
-                                                                            synchronised_peak, failure, where)
+            without_gradients_peak, synchronised_peak, reserved_step_peak, reserved_without_gradients = \
+                self._combine_ranks(result, without_gradients_peak, synchronised_peak,
+                                    (reserved_step_peak, reserved_without_gradients), failure, where)
         if failure is not None:
             self.raised = failure[0]
             raise failure[0] from failure[1]
@@ -256,6 +270,10 @@ class _TorchExecutor(_planner.ProbeExecutor):
         self.results.append(result)
         self.without_gradients_peaks.append(without_gradients_peak if result.feasible else 0.0)
         self.synchronised_peaks.append(synchronised_peak if result.feasible else 0.0)
+        self.reserved_step_peaks.append(reserved_step_peak if result.feasible else 0.0)
+        self.reserved_without_gradients_peaks.append(reserved_without_gradients if result.feasible else 0.0)
+        if result.feasible and ratio > 0:
+            self.reserved_ratios.append(ratio)
         return result
 
     def _release_accumulated_gradient(self, batch) -> None:
@@ -272,13 +290,18 @@ class _TorchExecutor(_planner.ProbeExecutor):
     def _forward_backward_peak(self, batch) -> float:
         """The meter's peak over ``loss_fn(batch).backward()``, bytes; the graph freed on return
         (also when it raises: the frame's locals go with it)."""
-        self.meter.reset_peak()
+        start_peak(self.meter)
         loss = self.loss_fn(batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("the loss function must return a scalar tensor")
         loss.backward()
         del loss
+        self._reserved_peak = self._reserved()
         return float(self.meter.peak_allocated_bytes)
+
+    def _reserved(self) -> float:
+        """The reserved peak since ``start_peak`` where the meter reserves segments, else 0."""
+        return float(planned_peak_bytes(self.meter)) if self.reserving else 0.0
 
 
 def _reset_data_parallel_reducer(model: torch.nn.Module) -> None:

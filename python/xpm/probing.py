@@ -45,9 +45,10 @@ import numpy as np
 import torch
 
 from . import _planner
+from .calibration import covering_correction
 from .lockstep import Lockstep
 from .outside_probes import OutsideProbes, describe_outside_probes, outside_probes_of, sharded_by_fsdp
-from .meters import Meter
+from .meters import Meter, PlannedBytes, planned_bytes_kind
 from .planning import CostFormula, FitReport, GradientPhase, MemoryModel, RecordAggregation, _matrix, _report
 from .probe_executor import _TorchExecutor, _enter_steady_state
 from .probe_options import ProbeOptions, _probe_setup
@@ -98,6 +99,11 @@ class ProbeOutcome:
         outside_probes: what training will allocate that the probes did not measure, each with
             its bytes (``xpm.OutsideProbes``; empty when nothing is seen coming);
             ``outside_report`` says it in one line.
+        planned_bytes: what the peaks are (``xpm.meters.PlannedBytes``): ``"reserved"`` where a
+            caching allocator holds segments (a GPU, the CPU meter with caching), measured from
+            an emptied cache; else ``"allocated"``.
+        reserved_ratios: with reserved peaks, each feasible probe's forward/backward reserved
+            peak over its allocated one (``reserved_report`` says their range in one line).
     """
 
     model: MemoryModel
@@ -108,6 +114,18 @@ class ProbeOutcome:
     adaptive: AdaptiveReport
     meter: Optional[Meter] = None
     outside_probes: List[OutsideProbes] = field(default_factory=list)
+    planned_bytes: PlannedBytes = "allocated"
+    reserved_ratios: List[float] = field(default_factory=list)
+
+    @property
+    def reserved_report(self) -> str:
+        """One line: what the peaks are, and the reserved / allocated ratios the probes saw."""
+        if self.planned_bytes == "allocated":
+            return "probes measured allocated bytes (no caching allocator)"
+        if not self.reserved_ratios:
+            return "probes measured reserved bytes; none was feasible"
+        return (f"probes measured reserved bytes (the caching allocator's segments, from an emptied cache): "
+                f"{min(self.reserved_ratios):.3f}x to {max(self.reserved_ratios):.3f}x the allocated peak")
 
     @property
     def outside_report(self) -> str:
@@ -275,8 +293,29 @@ def _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, rank
                          ("synchronised", executor.synchronised_peaks)):
         memory_model = _with_phase_fit(memory_model, phase, executor.results, peaks, options.aggregation,
                                        args.usable_max_rel_error)
+    if executor.reserving:
+        memory_model = _with_reserved_gap(memory_model, executor, budget)
     return ProbeOutcome(memory_model, list(probes), _report(summary, selection), floor,
-                        time.perf_counter() - start, AdaptiveReport(**adaptive), meter, outside_probes_of(model))
+                        time.perf_counter() - start, AdaptiveReport(**adaptive), meter, outside_probes_of(model),
+                        planned_bytes_kind(meter), list(executor.reserved_ratios))
+
+
+def _with_reserved_gap(model: MemoryModel, executor: _TorchExecutor, budget) -> MemoryModel:
+    """``model`` (fitted to allocated peaks) with the line from its predictions to the reserved
+    peaks of the feasible probes (``MemoryModel.reserved_gap``), drawn as the calibration draws
+    its corrections: each probe's step against the model, and, where the model has the phase,
+    its first microbatch's (the gradients allocated among the activations) against the
+    "without_gradients" prediction."""
+    points = [(model.predict(list(result.dims)), peak) for result, peak in
+              zip(executor.results, executor.reserved_step_peaks) if result.feasible and peak > 0]
+    if "without_gradients" in model.phases:  # a step's first microbatch, against its own prediction
+        points += [(model.predict(list(result.dims), "without_gradients"), peak) for result, peak in
+                   zip(executor.results, executor.reserved_without_gradients_peaks) if result.feasible and peak > 0]
+    if not points:
+        return model
+    usable = budget.usable_bytes if budget is not None else max(peak for _, peak in points)
+    gap = covering_correction([p for p, _ in points], [r for _, r in points], usable)
+    return model._with_reserved_gap(gap.intercept_bytes, gap.slope, len(points))
 
 
 def _with_phase_fit(model: MemoryModel, phase: GradientPhase, results: List[_planner.ProbeResult],

@@ -64,7 +64,7 @@ from torch.utils.data import Sampler
 from . import _planner
 from .calibration import Calibration, Correction
 from .planning import PACKERS, GradientPhase, MemoryModel, PackerName, _check_choice, _pack, _record_dims
-from .meters import Meter
+from .meters import Meter, planned_peak_bytes, start_peak
 
 
 class Microbatch(list):
@@ -274,11 +274,13 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         self._seed, self._shuffle, self._drop_last = _whole_number("seed", seed), bool(shuffle), bool(drop_last)
         self._packer, self._sort_by = packer, sort_by
         self._lockstep = world_size > 1 if lockstep is None else bool(lockstep)
-        self._calibration = Calibration(self._usable_bytes) if calibrate else None
+        gap = model.reserved_gap  # probed under a caching allocator: plans start from its reserved bytes
+        self._calibration = Calibration(self._usable_bytes, initial=None if gap is None else Correction(*gap)) \
+            if calibrate else None
         # The phase of each step's first microbatch (xpm.GradientPhase).
         self._first_phase: GradientPhase = "without_gradients" if gradients_set_to_none else "with_gradients"
         # The correction each step of this epoch is planned with: (first step, correction), ...
-        self._corrections: List[Tuple[int, Correction]] = [(0, Correction())]
+        self._corrections: List[Tuple[int, Correction]] = [(0, self.correction)]
         # What the rank assignment balances: each record's share of the largest microbatch of its
         # kind, of at most a rank's share of an outer batch.
         self._costs = _planner.record_costs(model._native, dims, self._usable_bytes, -(-outer_batch_size // world_size))
@@ -999,7 +1001,7 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
     started_steps = 0                         # steps whose first microbatch this loop handed out
     while True:
         if handed_out is not None:
-            sampler.record_peak(handed_out, meter.peak_allocated_bytes)
+            sampler.record_peak(handed_out, planned_peak_bytes(meter))
             if handed_out.last:
                 sampler.end_step(handed_out.step)
             handed_out = None
@@ -1039,5 +1041,5 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
             sampler._step_finished(step, current._generation)
         if measuring:
             handed_out = current.microbatch(position)
-            meter.reset_peak()
+            start_peak(meter)
         yield batch, current._steps[step].weights[j], last

@@ -45,7 +45,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
-from ..meters import Meter
+from ..meters import Meter, planned_peak_bytes, start_peak
 from ..sampler import PredictiveBatchSampler, Step
 
 __all__ = ["PlannedMicrobatch", "RoundRobinMicrobatches", "data_loader", "prepare_data_loader", "check_prepared",
@@ -424,7 +424,7 @@ def microbatch_loop(loader, *, meter: Optional[Meter] = None) -> Iterator[Planne
             sampler.mark_step_done()
         if measuring:
             handed_out = microbatch
-            meter.reset_peak()
+            start_peak(meter)
         yield microbatch
     if handed_out is not None:
         _measured(sampler, round_robin, handed_out, meter)
@@ -434,7 +434,7 @@ def _measured(sampler: PredictiveBatchSampler, round_robin: RoundRobinMicrobatch
               meter: Meter) -> None:
     """Feeds a trained microbatch's peak to the calibration; after a step's last, ends the step
     (collective) with the steps accelerate has read kept as they were planned."""
-    sampler.calibration.record_peak(microbatch.predicted_bytes, meter.peak_allocated_bytes)
+    sampler.calibration.record_peak(microbatch.predicted_bytes, planned_peak_bytes(meter))
     if microbatch.last:
         sampler.end_step(microbatch.step, replan_from=round_robin.taken_step + 1)
 

@@ -377,8 +377,12 @@ def probes_summary(outcome: ProbeOutcome) -> str:
     """The probes in a drop-in's start-up line: "35 probes (9 out of memory) in 2.0 s, fit max
     error 0.07 %"."""
     infeasible = sum(not p.feasible for p in outcome.probes)
-    return (f"{len(outcome.probes)} probes ({infeasible} out of memory) in {outcome.probe_s:.1f} s, fit max error "
-            f"{100 * abs(outcome.fit.max_rel_error):.2f} %")
+    summary = (f"{len(outcome.probes)} probes ({infeasible} out of memory) in {outcome.probe_s:.1f} s, fit max error "
+               f"{100 * abs(outcome.fit.max_rel_error):.2f} %")
+    if outcome.planned_bytes == "reserved" and outcome.reserved_ratios:
+        summary += (f"; reserved bytes planned ({min(outcome.reserved_ratios):.3f}x to "
+                    f"{max(outcome.reserved_ratios):.3f}x the allocated peak in the probes)")
+    return summary
 
 
 __all__ = ["PlanningMode", "VARIABLES", "dataset_record_dims", "checked_custom_dims", "ProbeRecords",

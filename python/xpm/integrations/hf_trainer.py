@@ -74,6 +74,8 @@ import transformers
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
+from ..meters import (CudaMeter, allocator_settings, allocator_settings_line, planned_bytes_kind,
+                      planned_peak_bytes, start_peak)
 from ..planning import CostFormula, MemoryBudget, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import probe
@@ -401,6 +403,8 @@ class PlannedTrainerMixin:
             packer=packer_for(planning.packer, model))
         self.xpm_report = self._planning_report(mode)
         logger.info("%s", self.xpm_report)
+        if isinstance(meter, CudaMeter):
+            logger.info("xpm: %s", allocator_settings_line())
 
     def _cache_parts(self, mode: str, optimizer, capacity: int, dims) -> Dict[str, Any]:
         """What the memory model depends on: its cache key's parts."""
@@ -416,7 +420,17 @@ class PlannedTrainerMixin:
                 "collator": f"{type(collator).__module__}.{type(collator).__qualname__}",
                 "world_size": self.args.world_size, "device": self.args.device.type, "capacity_bytes": capacity,
                 "memory_fraction": planning.memory_fraction, "dims_max": dims.max(axis=0).tolist(),
-                "probe_options": repr(planning.probe_options), **environment_parts()}
+                "probe_options": repr(planning.probe_options), "allocator": self._allocator_part(),
+                **environment_parts()}
+
+    def _allocator_part(self) -> str:
+        """The allocator the peaks come from: plain allocated bytes, or a caching allocator's
+        reserved bytes under its settings (the GPU's, or the CPU meter's emulation)."""
+        meter = self.xpm_meter
+        if meter is None or planned_bytes_kind(meter) == "allocated":
+            return "allocated"
+        emulated = getattr(meter, "caching", None)
+        return f"reserved: {emulated}" if emulated else f"reserved: {sorted(allocator_settings().items())}"
 
     def _probe(self, mode: str, dims, budget: MemoryBudget, per_rank_records: int, optimizer, meter):
         """Probes the prepared model through this trainer's ``compute_loss`` on the dataset's
@@ -737,7 +751,7 @@ class PlannedTrainerMixin:
             scale = 0.0 if inputs.placeholder else self._microbatch_scale(batch, weight, num_items_in_batch)
             sync = contextlib.nullcontext() if k == last else self.accelerator.no_sync(model)
             if self.xpm_meter is not None:
-                self.xpm_meter.reset_peak()
+                start_peak(self.xpm_meter)
             self._microbatch_loss_scale = scale
             try:
                 with sync:
@@ -747,7 +761,7 @@ class PlannedTrainerMixin:
             peak = None if self.xpm_meter is None else int(self.xpm_meter.peak_allocated_bytes)
             calibration = self.xpm_sampler.calibration
             if peak is not None and calibration is not None and not inputs.placeholder and inputs.predicted_bytes:
-                calibration.record_peak(inputs.predicted_bytes[k], peak)
+                calibration.record_peak(inputs.predicted_bytes[k], planned_peak_bytes(self.xpm_meter))
             if self.on_microbatch is not None:
                 predicted = None if inputs.placeholder or not inputs.predicted_bytes else inputs.predicted_bytes[k]
                 self.on_microbatch(MicrobatchRecord(self.state.global_step + 1, inputs.epoch, tuple(records), peak,

@@ -63,6 +63,7 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
     raise ImportError("xpm.integrations.lightning needs the lightning package (pip install lightning); "
                       f"importing it failed: {_error}") from None
 
+from ..meters import planned_peak_bytes, start_peak
 from ..outside_probes import trainable_gradient_bytes
 from ..planning import CostFormula, MemoryModel
 from ..sampler import PredictiveBatchSampler
@@ -299,14 +300,14 @@ def microbatches(module: "pl.LightningModule", step: PlannedStep, *, sampler: Op
     for k, (batch, weight) in enumerate(step.batches):
         moved = _transfer(module, batch)
         if calibrating:
-            meter.reset_peak()
+            start_peak(meter)
         if k < last:
             with block():
                 yield moved, weight, False
         else:
             yield moved, weight, True
         if calibrating and k < len(step.predicted_bytes):
-            sampler.calibration.record_peak(step.predicted_bytes[k], meter.peak_allocated_bytes)
+            sampler.calibration.record_peak(step.predicted_bytes[k], planned_peak_bytes(meter))
     if calibrating:
         sampler.end_step(step.index)
 

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 import lightning.pytorch as pl
 
-from ..meters import Meter
+from ..meters import Meter, planned_peak_bytes, start_peak
 from ..planning import CostFormula, MemoryBudget, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome, probe
@@ -243,19 +243,19 @@ class PlannedMicrobatches(pl.Callback):
             zero_grad(trainer.current_epoch, batch_idx, trainer.optimizers[0])
             self._accumulated = True
         for k, (batch, weight) in enumerate(batches[:last]):  # logging muted: ranks differ in their count
-            meter.reset_peak()
+            start_peak(meter)
             with _Muted(pl_module):
                 loss = weight * _loss_of(original(_transfer(pl_module, batch), batch_idx))
             trainer.strategy.backward(loss, None)
             self._record(step, k)
-        meter.reset_peak()
+        start_peak(meter)
         self._pending = step  # the last backward is Lightning's; measured before the optimizer step
         return batches[last][1] * _loss_of(original(_transfer(pl_module, batches[last][0]), batch_idx))
 
     def _record(self, step: PlannedStep, k: int) -> None:
         calibration = self.sampler.calibration
         if calibration is not None and k < len(step.predicted_bytes):
-            calibration.record_peak(step.predicted_bytes[k], self.meter.peak_allocated_bytes)
+            calibration.record_peak(step.predicted_bytes[k], planned_peak_bytes(self.meter))
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
