@@ -17,9 +17,11 @@ DEMO_CAP_FACTOR ?= 2.0
 .PHONY: demo test setup build configure clean wheel
 
 # The demo builds only what it runs; `make test` builds everything.
+# The demo's device: the GPU where the environment's torch sees one, else the CPU.
+DEMO_DEVICE ?= $(shell $(PYTHON) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')" 2>/dev/null || echo cpu)
 demo: setup configure
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target xpm-train
-	$(BUILD_DIR)/bin/xpm-train --run-dir $(RUN_DIR) --memory-cap-factor $(DEMO_CAP_FACTOR)
+	$(BUILD_DIR)/bin/xpm-train --run-dir $(RUN_DIR) --memory-cap-factor $(DEMO_CAP_FACTOR) --device $(DEMO_DEVICE)
 
 # The tests also need the integrations' packages (transformers, lightning, accelerate, torchdata)
 # and a CUDA build of torch for the CUDA build check (tools/setup.sh --test).

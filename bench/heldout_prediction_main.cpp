@@ -265,7 +265,7 @@ int main(int argc, char** argv) {
       "cost formula (default: the architecture's bundled formula)")(
       "lengths", po::value(&lengths_text)->default_value(lengths_text), "held-out padded lengths")(
       "threads", po::value(&config.threads)->default_value(config.threads), "intra-op threads")(
-      "device", po::value(&config.device)->default_value(config.device), "cpu (the bundled task runs on the CPU)")(
+      "device", po::value(&config.device)->default_value(config.device), "cpu (heldout-prediction measures with the CPU meter)")(
       "json", po::value(&json_path)->default_value(""), "also write the results as JSON here");
   std::vector<double> lengths;
   try {
@@ -275,6 +275,10 @@ int main(int argc, char** argv) {
     config.architecture = xpm::parse_tagging_architecture(architecture, "--architecture");
     if (vm["formula"].defaulted()) config.formula = xpm::default_cost_formula(config.architecture);
     config.validate();
+    if (!xpm::tagging_device(config.device, "--device").is_cpu()) {
+      throw std::invalid_argument("--device '" + config.device + "': heldout-prediction measures with the CPU meter; "
+                                  "on a GPU, xpm-train --device cuda probes and trains on the device");
+    }
     lengths = parse_lengths(lengths_text);
   } catch (const std::exception& error) {
     std::cerr << "heldout-prediction: error: " << error.what() << "\n";

@@ -256,7 +256,7 @@ void add_data_and_model_options(po::options_description& options, xpm::TaggingJo
       ("threads", po::value(&config.threads)->default_value(config.threads),
        "intra-op threads per worker (0: hardware threads / workers on this host)")
       ("device", po::value(&config.device)->default_value(config.device),
-       "cpu (the bundled task runs on the CPU; cuda fails in one line)")
+       "cpu, cuda (cuda:LOCAL_RANK) or cuda:N: model, batches, probes and meter there")
       ("vocab-size", po::value(&config.vocab_size)->default_value(config.vocab_size),
        "vocabulary entries including pad and unknown")
       ("architecture", po::value(&choices.architecture)->default_value(choices.architecture),

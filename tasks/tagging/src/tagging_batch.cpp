@@ -52,7 +52,7 @@ TaggingBatch synthetic_batch(std::int64_t bs, std::int64_t l, std::int64_t vocab
 
 torch::Tensor token_cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& tag_ids) {
   return torch::nn::functional::cross_entropy(
-      logits.reshape({-1, logits.size(-1)}), tag_ids.reshape({-1}),
+      logits.reshape({-1, logits.size(-1)}), tag_ids.to(logits.device()).reshape({-1}),
       torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-1).reduction(torch::kSum));
 }
 

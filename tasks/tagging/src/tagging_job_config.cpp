@@ -63,8 +63,8 @@ void TaggingJobConfig::validate() const {
   require(microbatch_size == 0 || batcher != BatcherKind::kPredictive,
           "microbatch_size is for the fixed and power batchers (TaggingJobConfig.batcher fixed or "
           "power); the predictive batcher chooses its microbatches from the memory model");
-  // This build trains on the CPU: 16-mixed (float16 autocast, loss scaling) needs CUDA.
-  check_precision_supported(precision, torch::Device(torch::kCPU));
+  // 16-mixed (float16 autocast, loss scaling) needs --device cuda.
+  check_precision_supported(precision, torch::Device(device.rfind("cuda", 0) == 0 ? torch::kCUDA : torch::kCPU));
   require(sharding == ShardingStrategy::kNoShard || batcher == BatcherKind::kPredictive,
           "sharding '" + to_string(sharding) + "' runs in the predictive batcher's data-parallel step, but "
               "TaggingJobConfig.batcher is '" + to_string(batcher) + "', which steps a plain AdamW (use sharding "
@@ -233,18 +233,16 @@ std::chrono::milliseconds TaggingJobConfig::rendezvous_timeout() const {
 DistributedOptions TaggingJobConfig::distributed_options() const {
   DistributedOptions options;
   options.backend = backend;
+  if (options.backend == CollectiveBackend::kAuto) {  // NCCL for CUDA tensors, gloo for CPU ones
+    options.backend = device.rfind("cuda", 0) == 0 ? CollectiveBackend::kNccl : CollectiveBackend::kGloo;
+  }
   options.collective_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(collective_timeout_s * 1000));
   options.rendezvous_timeout = rendezvous_timeout();
   return options;
 }
 
-torch::Device tagging_device(const std::string& text, const std::string& source) {
-  const torch::Device device = training_device(text, source);
-  if (!device.is_cpu()) {
-    throw std::invalid_argument(source + " '" + text + "': the bundled tagging task runs on the CPU only (its batches and "
-                                "memory meter); train your own model on CUDA with the Learner (LearnerOptions::device)");
-  }
-  return device;
+torch::Device tagging_device(const std::string& text, const std::string& source, int local_rank) {
+  return training_device(text, source, local_rank);
 }
 
 }  // namespace xpm

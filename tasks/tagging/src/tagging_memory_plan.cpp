@@ -28,6 +28,16 @@ PredictiveBatcherOptions tagging_batcher_options(const TaggingJobConfig& config,
   return options;
 }
 
+namespace {
+
+// The kind of device the model was probed on: a memory model of the CPU's meter does not hold
+// on a GPU, nor one GPU's caching allocator on the CPU.
+std::string device_kind(const TaggingJobConfig& config) {
+  return config.device.rfind("cuda", 0) == 0 ? "cuda" : "cpu";
+}
+
+}  // namespace
+
 nlohmann::json memory_model_identity(const TaggingJobConfig& config,
                                      const PredictiveBatcherOptions& batcher_options,
                                      const nlohmann::json& model_signature,
@@ -51,7 +61,7 @@ nlohmann::json memory_model_identity(const TaggingJobConfig& config,
                          {"groups", config.weight_decay_groups ? "no_decay_bias_norm" : "all"}}},
           {"precision", to_string(config.precision)},
           {"sharding", to_string(config.sharding)},
-          {"device", "cpu"},
+          {"device", device_kind(config)},
           {"world_size", world_size},
           {"torch_version", TORCH_VERSION},
           {"capacity_bytes", capacity_bytes},
@@ -101,7 +111,7 @@ nlohmann::json look_up_or_probe(const TaggingJobConfig& config, TaggingModelSetu
         std::to_string(origin.infeasible_probes) + " out of memory) in " + std::to_string(origin.probe_s) +
         " s; " + batcher.fit_summary().brief_report());
     MemoryModel fitted = batcher.model();
-    fitted.metadata()["device"] = "cpu";
+    fitted.metadata()["device"] = device_kind(config);
     fitted.metadata()["capacity_bytes"] = capacity_bytes;
     fitted.metadata()["precision"] = to_string(config.precision);
     fitted.metadata()["activation_checkpointing"] = config.model.activation_checkpointing;

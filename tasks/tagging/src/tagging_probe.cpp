@@ -26,6 +26,10 @@ double TaggingProbeExecutor::static_bytes() { return executor_.static_bytes(); }
 TaggingProbeReport probe_tagging_task(const TaggingJobConfig& config,
                                       const std::vector<std::vector<double>>& dims_list) {
   config.validate();
+  if (!tagging_device(config.device, "--device").is_cpu()) {
+    throw std::invalid_argument("--device '" + config.device + "': probing the bundled task alone measures with the "
+                                "CPU meter; on a GPU, xpm-train --device cuda probes on the device before it trains");
+  }
   // config.threads 0 (automatic, as xpm-train): every hardware thread, one process.
   torch::set_num_threads(config.threads > 0
                              ? config.threads

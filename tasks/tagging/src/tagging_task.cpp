@@ -117,6 +117,12 @@ TaggingModel make_tagging_model(const TaggingJobConfig& config, const TaggingDat
       return logits.to(torch::kFloat32);
     };
   }
+  // Batches are built on the CPU; the forward takes them to the model's device (no copy there).
+  model.forward = [inner = std::move(model.forward), module = model.module](const torch::Tensor& token_ids,
+                                                                          const torch::Tensor& padding_mask) {
+    const torch::Device device = module->parameters().front().device();
+    return inner(token_ids.to(device), padding_mask.to(device));
+  };
   return model;
 }
 

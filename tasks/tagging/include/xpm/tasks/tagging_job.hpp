@@ -77,7 +77,7 @@ struct TaggingJobConfig {
   std::int64_t outer_batch_size = 64;         // sentences per optimizer step
   std::uint64_t seed = 1;                     // torch and sampler seed
   int threads = 0;                            // intra-op threads; 0: hardware threads / local workers
-  std::string device = "cpu";                 // "cpu" (tagging_device: the task runs on the CPU)
+  std::string device = "cpu";                 // "cpu", "cuda" (cuda:LOCAL_RANK) or "cuda:N" (tagging_device)
   int validation_every_files = 10;            // every 10th corpus file goes to validation
   std::size_t vocab_size = 20000;             // vocabulary entries incl. pad and unknown
   std::size_t min_word_count = 2;             // words seen fewer times are unknown
@@ -197,11 +197,11 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
 nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContext& dist,
                                TaggingJobExtensions& extensions);
 
-/// The tagging task's device from `text` ("cpu", "cuda", "cuda:N"; training_device in
-/// device_meter.hpp). Throws std::invalid_argument naming `source`: for an unknown name, for
-/// "cuda" where no GPU is visible (one line, before any work), and for "cuda" on a GPU machine
-/// too: the tagging task's batches and meter are CPU ones; a user's model trains on CUDA
-/// through the Learner (LearnerOptions::device, run_learner_main).
-torch::Device tagging_device(const std::string& text, const std::string& source);
+/// The tagging task's device from `text` ("cpu", "cuda", "cuda:N"; plain "cuda" is
+/// cuda:`local_rank`; training_device in device_meter.hpp): the model, its batches, the probes
+/// and the meter (CudaMemoryMeter, the cap a per-process memory fraction) go there. Throws
+/// std::invalid_argument naming `source` for an unknown name and for "cuda" where no GPU is
+/// visible or LibTorch has no CUDA (one line, before any work).
+torch::Device tagging_device(const std::string& text, const std::string& source, int local_rank = 0);
 
 }  // namespace xpm
