@@ -10,15 +10,21 @@
 #      planner_torch_tests, the installed libraries and programs, and the Python package
 #      (ninja, all cores); install into /tmp/xpm-install
 #   3. the CUDA tests: planner_torch_tests' CUDA meter cases (CudaMemoryMeter against the
-#      caching allocator)
+#      caching allocator); then the shared allocation sequences (tests/caching_allocator/)
+#      replayed against the real allocator, their bytes next to the emulation's
+#      ($OUT/allocation-sequences-<kind>.json)
 #   4. a user's C++ model on the GPU: examples/conv_genre_classifier built against the
 #      installed xpm (find_package), trained by the Learner under a memory cap
-#   5. a user's Python model on the GPU: examples/hf_trainer_causal_lm under the real
-#      transformers.Trainer, every microbatch's peak against its calibrated plan
+#   5. a user's Python model on the GPU: examples/hf_trainer_causal_lm, a byte Llama of 105M
+#      parameters (XPM_DEVICE_HF_MODEL=width:layers, default 1024:10), under the real
+#      transformers.Trainer and a cap that binds (XPM_DEVICE_HF_RUNS=outer:cap_bytes, default
+#      256:8000000000), planned by reserved bytes, with PyTorch's default segments and with
+#      expandable_segments:True (XPM_DEVICE_ALLOC_CONFS, space-separated, "-" for the default)
 # Budget: about 7 minutes of device time; XPM_DEVICE_STEPS (default 40) sets the steps per run.
 # Rehearsal on a machine without a GPU: XPM_DEVICE_KIND=cpu runs the same stages with
 # --device cpu (no nvidia-smi, no CUDA LibTorch required; the CUDA meter's tests skip
-# themselves), e.g. XPM_DEVICE_KIND=cpu XPM_DEVICE_STEPS=8 tools/device-check.sh.
+# themselves), e.g. XPM_DEVICE_KIND=cpu XPM_DEVICE_STEPS=8 XPM_DEVICE_HF_MODEL=64:2
+# XPM_DEVICE_HF_RUNS=256:400000000 tools/device-check.sh.
 set -uo pipefail
 if [ $# -gt 0 ]; then
   echo "device-check.sh: error: unexpected argument '$1' (it takes no arguments; see the top of tools/device-check.sh)" >&2
@@ -85,6 +91,10 @@ cmake --install "$build" --prefix "$install" >>"$log_file" 2>&1 || fail "cmake -
 stage "3. CUDA tests (on the CPU: the CUDA meter's skip themselves)"
 "$build/bin/planner_torch_tests" --test-case="*CUDA meter*" 2>&1 | tee -a "$log_file" | tail -5
 [ "${PIPESTATUS[0]}" -eq 0 ] || { say "error: the CUDA meter's tests failed"; failed=1; }
+say "the allocation sequences against the $kind's caching allocator (on the CPU: the meter's emulation)"
+PYTHONPATH="$build/python" "$python" tools/replay_allocation_sequences.py --device "$kind" \
+  --json "$OUT/allocation-sequences-$kind.json" 2>&1 | tee -a "$log_file"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { say "error: the allocation sequences did not replay"; failed=1; }
 
 stage "4. a C++ model on the $kind: conv-genre-classifier against the installed xpm, $steps steps"
 torch_prefix=$("$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
@@ -96,13 +106,19 @@ cmake -S examples/conv_genre_classifier -B /tmp/xpm-conv -G Ninja -DCMAKE_BUILD_
 [ "${PIPESTATUS[0]}" -eq 0 ] || { say "error: conv-genre-classifier failed"; failed=1; }
 
 stage "5. a Python model on the $kind: the HF Trainer example, $steps steps"
-for outer_cap in ${XPM_DEVICE_HF_RUNS:-256:400000000}; do
-  say "outer batch ${outer_cap%%:*} sentences (4 accumulation steps), memory cap ${outer_cap##*:} bytes"
-  PYTHONPATH="$build/python" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 "$python" examples/hf_trainer_causal_lm/train.py \
-    --data-dir .device/brown --steps "$steps" --device "$kind" --output-dir /tmp/xpm-hf \
-    --per-device-batch-size "$(( ${outer_cap%%:*} / 4 ))" --memory-cap-bytes "${outer_cap##*:}" 2>&1 |
-    grep -v "^{" | tee -a "$log_file" | tail -6
-  [ "${PIPESTATUS[0]}" -eq 0 ] || { say "error: the HF Trainer example failed"; failed=1; }
+model=${XPM_DEVICE_HF_MODEL:-1024:10}
+for conf in ${XPM_DEVICE_ALLOC_CONFS:-- expandable_segments:True}; do
+  for outer_cap in ${XPM_DEVICE_HF_RUNS:-256:8000000000}; do
+    say "outer batch ${outer_cap%%:*} sentences (4 accumulation steps), memory cap ${outer_cap##*:} bytes," \
+        "PYTORCH_ALLOC_CONF=${conf#-}"
+    rm -rf /tmp/xpm-hf  # a fresh memory model: no cache from the other allocator setting
+    PYTORCH_ALLOC_CONF="${conf#-}" PYTHONPATH="$build/python" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 "$python" \
+      examples/hf_trainer_causal_lm/train.py --data-dir .device/brown --steps "$steps" --device "$kind" \
+      --output-dir /tmp/xpm-hf --per-device-batch-size "$(( ${outer_cap%%:*} / 4 ))" \
+      --memory-cap-bytes "${outer_cap##*:}" --width "${model%%:*}" --layers "${model##*:}" 2>&1 |
+      grep -v "^{" | tee -a "$log_file" | tail -8
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { say "error: the HF Trainer example failed"; failed=1; }
+  done
 done
 say "done in $(( $(date +%s) - start_s )) s"
 exit "$failed"

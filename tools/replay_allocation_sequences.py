@@ -50,7 +50,8 @@ class CudaReplay:
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
-            raise SystemExit("replay_allocation_sequences.py: error: --device cuda but torch sees no GPU")
+            print("replay_allocation_sequences.py: error: --device cuda but torch sees no GPU", file=sys.stderr)
+            raise SystemExit(2)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.total_bytes = torch.cuda.get_device_properties(self.device).total_memory
 

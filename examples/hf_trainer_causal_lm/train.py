@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A byte-level Llama (2 layers, width 64, built from a config: nothing is downloaded) trained by
+"""A byte-level Llama (2 layers, width 64 by default; built from a config, nothing downloaded) trained by
 the Hugging Face Trainer under a memory cap. The one change from a plain Trainer is the class:
 ``PlannedTrainer`` probes the model through the Trainer's own step on the dataset's records,
 fits its memory, and splits every outer batch (8 per device x 4 accumulation steps) into the
@@ -7,6 +7,7 @@ microbatches that fit.
 
     PYTHONPATH=build/python python examples/hf_trainer_causal_lm/train.py --data-dir data/brown
     ... --device cuda --memory-cap-bytes 400000000        # on a GPU: torch's per-process cap
+    ... --width 1024 --layers 10                          # 105M parameters
 """
 import argparse
 import pathlib
@@ -46,6 +47,8 @@ def main():
     parser.add_argument("--memory-cap-bytes", type=int, default=24_000_000)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--output-dir", default="hf_trainer_causal_lm_output")
+    parser.add_argument("--width", type=int, default=64, help="hidden size (a multiple of 16)")
+    parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     if args.device == "cpu":  # the CPU's cap is xpm's meter (installed before the model is built)
         meter = xpm.CpuMeter.install()
@@ -53,8 +56,10 @@ def main():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_bytes / total))
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+    heads = args.width // 16
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=args.width, intermediate_size=2 * args.width,
+                                         num_hidden_layers=args.layers, num_attention_heads=heads,
+                                         num_key_value_heads=heads, max_position_embeddings=256,
                                          pad_token_id=0, bos_token_id=0, eos_token_id=0))
     if args.device == "cpu":
         meter.capacity_bytes = args.memory_cap_bytes
