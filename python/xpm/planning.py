@@ -512,24 +512,31 @@ class MemoryModel:
             "intercept_bytes": float(intercept_bytes), "slope": float(slope), "probes": int(probes)}
         return MemoryModel.from_json(json.dumps(parsed))
 
-    def _phase_native(self, phase: GradientPhase) -> Optional[_planner.MemoryModel]:
+    def _phase_native(self, phase: GradientPhase, floor: bool = True) -> Optional[_planner.MemoryModel]:
         """A phase other than "with_gradients" as a model of its own (this model's JSON with the
-        phase's coefficients), or None without a fit of it."""
+        phase's coefficients; without its floor when ``floor`` is False), or None without a fit
+        of it."""
         record = self._phase_records().get(phase)
         if record is None:
             return None
-        if phase not in self._phase_natives:
-            self._phase_natives[phase] = self._native_with(record["coefficients"],
-                                                           record.get("single_record_factor", 1.0))
-        return self._phase_natives[phase]
+        key = phase if floor else f"{phase} without floor"
+        if key not in self._phase_natives:
+            self._phase_natives[key] = self._native_with(record["coefficients"],
+                                                         record.get("single_record_factor", 1.0), floor)
+        return self._phase_natives[key]
 
-    def _native_with(self, coefficients: Dict[str, float], single_record_factor: float) -> _planner.MemoryModel:
-        """This model (formula, floor, ranges) with other coefficients and single-record factor."""
+    def _native_with(self, coefficients: Dict[str, float], single_record_factor: float,
+                     floor: bool = True) -> _planner.MemoryModel:
+        """This model (formula, floor unless ``floor`` is False, ranges) with other coefficients
+        and single-record factor."""
         parsed = dict(self._parsed())
         parsed["coefficients"] = coefficients
         parsed.pop("single_record_factor", None)
         if single_record_factor != 1.0:
             parsed["single_record_factor"] = single_record_factor
+        if not floor:
+            parsed["floor_bytes"] = 0.0
+            parsed.pop("floor_formula", None)
         return _planner.MemoryModel.from_json(json.dumps(parsed))
 
     def floor_at(self, dims: ArrayLike) -> np.ndarray:
@@ -549,7 +556,8 @@ class MemoryModel:
             self._floor = self._native_with({name: 0.0 for name in self.formula.coefficient_names}, 1.0)
         return _planner.predict(self._floor, _matrix(dims, len(self.formula.variable_names), "dims"))
 
-    def predict(self, dims: ArrayLike, phase: GradientPhase = "with_gradients") -> Union[float, np.ndarray]:
+    def predict(self, dims: ArrayLike, phase: GradientPhase = "with_gradients", *,
+                floor: bool = True) -> Union[float, np.ndarray]:
         """Predicted peak bytes.
 
         Args:
@@ -561,6 +569,10 @@ class MemoryModel:
                 step under FSDP2's accumulation): the phase's own fit, never above the
                 "with_gradients" prediction; the "with_gradients" prediction when the model has
                 no fit of it (``phases``).
+            floor: False: the phase's fit without the model's floor (``floor_bytes``, the
+                optimizer step's peak), for a microbatch with no optimizer step in it (a step's
+                first of several); only where the model has a fit of ``phase`` other than
+                "with_gradients", else the prediction as with True.
 
         Returns:
             The predicted peak in bytes: a ``float`` for one row, a float64 [n] array for rows.
@@ -576,6 +588,8 @@ class MemoryModel:
         rows = _matrix(array.reshape(1, -1) if single else array, width, "dims")
         out = _planner.predict(self._native, rows)
         phase_native = self._phase_native(phase) if phase != "with_gradients" else None
+        if phase_native is not None and not floor:
+            phase_native = self._phase_native(phase, floor=False)
         if phase_native is not None:
             out = np.minimum(out, _planner.predict(phase_native, rows))
         return float(out[0]) if single else out

@@ -309,7 +309,7 @@ def _with_reserved_gap(model: MemoryModel, executor: _TorchExecutor, budget) -> 
     points = [(model.predict(list(result.dims)), peak) for result, peak in
               zip(executor.results, executor.reserved_step_peaks) if result.feasible and peak > 0]
     if "without_gradients" in model.phases:  # a step's first microbatch, against its own prediction
-        points += [(model.predict(list(result.dims), "without_gradients"), peak) for result, peak in
+        points += [(model.predict(list(result.dims), "without_gradients", floor=False), peak) for result, peak in
                    zip(executor.results, executor.reserved_without_gradients_peaks) if result.feasible and peak > 0]
     if not points:
         return model

@@ -76,7 +76,8 @@ class Microbatch(list):
             in the formula's order; zeros for an empty microbatch).
         predicted_bytes: ``model.predict(dims)``, the predicted peak in bytes (a step's first
             microbatch: the model's "without_gradients" phase, with the sampler's
-            ``gradients_set_to_none``; its last, with it too: the "synchronised" phase where the
+            ``gradients_set_to_none``, without the floor when the step has several microbatches
+            (no optimizer step runs in it); its last, with it too: the "synchronised" phase where the
             model has one, FSDP2's accumulation probed in lockstep).
         weight: the factor of the microbatch's mean loss (``world_size * units(microbatch) /
             units(outer batch)``; 0 for an empty microbatch).
@@ -467,7 +468,8 @@ class PredictiveBatchSampler(Sampler[List[int]]):
         phase, each prediction's correction."""
         microbatches, dims, predicted = plan
         if self._first_phase != "with_gradients" and len(microbatches[0]):
-            predicted[0] = float(self._model.predict(dims[0], self._first_phase))
+            # A first of several microbatches runs no optimizer step: its phase without the floor.
+            predicted[0] = float(self._model.predict(dims[0], self._first_phase, floor=len(microbatches) == 1))
         # FSDP2's last microbatch reduce-scatters, the sharded gradients set to None (as the phase was measured).
         if self._first_phase != "with_gradients" and "synchronised" in self._model.phases and len(microbatches[-1]):
             last = len(microbatches) - 1

@@ -121,6 +121,17 @@ def test_every_microbatch_from_the_third_step_is_predicted_within_1_percent_and_
           f"{sampler.calibration.log}")
 
 
+def test_a_first_of_several_microbatches_is_predicted_without_the_optimizer_steps_floor(trained):
+    outcome, rows, _, _ = trained
+    model = outcome.model
+    small = [1, 4]  # the floor (the optimizer step's peak) is above the phase's fit here
+    assert model.predict(small, "without_gradients") == model.floor_bytes
+    assert model.predict(small, "without_gradients", floor=False) < model.floor_bytes
+    assert model.predict(small, floor=False) == model.predict(small)  # no phase fit of its own: as floored
+    firsts = [row for row in rows if row[1] == 0 and not row[6]]
+    assert firsts and all(row[3] <= row[5] for row in firsts)
+
+
 def test_the_phase_travels_with_the_model_json_and_file(trained, tmp_path):
     model = trained[0].model
     again = xpm.MemoryModel.from_json(model.to_json())
