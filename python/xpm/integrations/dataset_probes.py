@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..meters import CpuMeter, CudaMeter, Meter
+from ..meters import CpuMeter, CudaMeter, Meter, allocator_settings_line
 from ..planning import MemoryBudget, MemoryModel, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome
@@ -373,6 +373,16 @@ def packer_for(packer: PackerName, model: MemoryModel) -> PackerName:
     return "adaptive" if packer == "fastest" and model.time_model is None else packer
 
 
+def allocator_line(meter: Meter) -> Optional[str]:
+    """On a GPU, the start-up line on what ``PYTORCH_ALLOC_CONF`` implies for planned
+    microbatches (``xpm.meters.allocator_settings_line``); None elsewhere.
+
+    Raises:
+        ValueError: ``PYTORCH_ALLOC_CONF`` is malformed (one line naming it).
+    """
+    return allocator_settings_line() if isinstance(meter, CudaMeter) else None
+
+
 def probes_summary(outcome: ProbeOutcome) -> str:
     """The probes in a drop-in's start-up line: "35 probes (9 out of memory) in 2.0 s, fit max
     error 0.07 %"."""
@@ -387,4 +397,4 @@ def probes_summary(outcome: ProbeOutcome) -> str:
 
 __all__ = ["PlanningMode", "VARIABLES", "dataset_record_dims", "checked_custom_dims", "ProbeRecords",
            "DROP_IN_USABLE_MAX_REL_ERROR", "PROBE_SAMPLE_RECORDS", "drop_in_probe_options", "check_device_meter",
-           "device_meter", "packer_for", "probes_summary"]
+           "device_meter", "packer_for", "allocator_line", "probes_summary"]

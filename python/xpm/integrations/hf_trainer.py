@@ -74,13 +74,12 @@ import transformers
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
-from ..meters import (CudaMeter, allocator_settings, allocator_settings_line, planned_bytes_kind,
-                      planned_peak_bytes, start_peak)
+from ..meters import allocator_settings, planned_bytes_kind, planned_peak_bytes, start_peak
 from ..planning import CostFormula, MemoryBudget, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import probe
 from ..sampler import PredictiveBatchSampler, _unplanned_memory
-from .dataset_probes import ProbeRecords, packer_for, probes_summary
+from .dataset_probes import ProbeRecords, allocator_line, packer_for, probes_summary
 from .hf_planning import (AutomaticPlanning, PlannedMemory, TrainerSnapshot, environment_parts, label_items,
                           load_agreed, loss_normalisation, model_signature, optimizer_identity, planning_mode,
                           save_cached)
@@ -403,8 +402,8 @@ class PlannedTrainerMixin:
             packer=packer_for(planning.packer, model))
         self.xpm_report = self._planning_report(mode)
         logger.info("%s", self.xpm_report)
-        if isinstance(meter, CudaMeter):
-            logger.info("xpm: %s", allocator_settings_line())
+        if allocator_line(meter) is not None:
+            logger.info("xpm: %s", allocator_line(meter))
 
     def _cache_parts(self, mode: str, optimizer, capacity: int, dims) -> Dict[str, Any]:
         """What the memory model depends on: its cache key's parts."""
