@@ -40,10 +40,6 @@ void AdaptiveDesignOptions::validate() const {
     throw std::invalid_argument("AdaptiveDesignOptions.max_probes must be >= 0, got " +
                                 std::to_string(max_probes));
   }
-  if (!(max_s >= 0)) {
-    throw std::invalid_argument("AdaptiveDesignOptions.max_s must be >= 0, got " +
-                                detail::format_double(max_s));
-  }
   if (!(tolerance > 0 && std::isfinite(tolerance))) {
     throw std::invalid_argument("AdaptiveDesignOptions.tolerance must be finite and > 0, got " +
                                 detail::format_double(tolerance));
@@ -55,10 +51,9 @@ void AdaptiveDesignOptions::validate() const {
 }
 
 namespace {
-constexpr EnumNames<AdaptiveStop, 5> kAdaptiveStopNames{{{AdaptiveStop::kNotRun, "not run"},
+constexpr EnumNames<AdaptiveStop, 4> kAdaptiveStopNames{{{AdaptiveStop::kNotRun, "not run"},
                                                           {AdaptiveStop::kAgreed, "agreed"},
                                                           {AdaptiveStop::kProbeCount, "probe count"},
-                                                          {AdaptiveStop::kProbeTime, "probe time"},
                                                           {AdaptiveStop::kNoCandidates, "no candidates"}}};
 }  // namespace
 
@@ -72,7 +67,6 @@ std::string AdaptiveDesignReport::describe(const CostFormula& formula) const {
   switch (stop) {
     case AdaptiveStop::kAgreed: os << "the candidate models agree within the tolerance"; break;
     case AdaptiveStop::kProbeCount: os << "the probe count budget is spent"; break;
-    case AdaptiveStop::kProbeTime: os << "the probe time budget is spent"; break;
     default: os << "no held-out refits to compare, or no shape left to probe"; break;
   }
   if (!std::isnan(disagreement)) {
@@ -305,9 +299,6 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
     }
     if (adaptive_report_.added_probes >= options_.adaptive.max_probes) {
       return finish(AdaptiveStop::kProbeCount);
-    }
-    if (adaptive_report_.elapsed_s >= options_.adaptive.max_s) {
-      return finish(AdaptiveStop::kProbeTime);
     }
     probes_.push_back(run_shape(executor, *worst_shape));
     ++adaptive_report_.added_probes;

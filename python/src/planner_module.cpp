@@ -364,7 +364,6 @@ void bind_probing(py::module_& m) {
   py::class_<xpm::AdaptiveDesignOptions>(m, "AdaptiveDesignOptions")
       .def(py::init<>())
       .def_readwrite("max_probes", &xpm::AdaptiveDesignOptions::max_probes)
-      .def_readwrite("max_s", &xpm::AdaptiveDesignOptions::max_s)
       .def_readwrite("tolerance", &xpm::AdaptiveDesignOptions::tolerance)
       .def_readwrite("grid_steps", &xpm::AdaptiveDesignOptions::grid_steps);
   m.def("probe_and_fit", &probe_and_fit);

@@ -50,8 +50,6 @@ class ProbeOptions:
             After the initial design it probes where the fit and its held-out refits (and, with
             "auto", the other formulas that explain the probes) disagree most, until they agree
             within ``adaptive_tolerance``.
-        adaptive_max_s: the adaptive design's budget of time, seconds (None: 120; refused with
-            ``lockstep``, where each rank's clock would stop it at a different probe).
         adaptive_tolerance: the relative disagreement the adaptive design stops at (1 %).
         device: where the model is probed (``xpm.DeviceKind``, ``"cuda:N"`` or a
             ``torch.device``). None (the default): wherever ``meter`` measures. ``"cpu"``: needs
@@ -91,7 +89,6 @@ class ProbeOptions:
     aggregation: Optional[Dict[str, RecordAggregation]] = None
     usable_max_rel_error: float = 0.05
     adaptive_max_probes: int = 8
-    adaptive_max_s: Optional[float] = None
     adaptive_tolerance: float = 0.01
     device: Union[DeviceKind, torch.device, str, None] = None
     lockstep: bool = False
@@ -301,8 +298,6 @@ def _check_option_types(o: ProbeOptions) -> None:
             refuse(name, "a number", getattr(o, name))
     if not isinstance(o.adaptive_max_probes, (int, np.integer)) or isinstance(o.adaptive_max_probes, bool):
         refuse("adaptive_max_probes", "a whole number", o.adaptive_max_probes)
-    if o.adaptive_max_s is not None and not _is_number(o.adaptive_max_s):
-        refuse("adaptive_max_s", "a number of seconds or None", o.adaptive_max_s)
     if not isinstance(o.batch_size_variable, str):
         refuse("batch_size_variable", "a variable's name", o.batch_size_variable)
 
@@ -337,10 +332,6 @@ def _resolved_formula(formula: Union[CostFormula, str], o: ProbeOptions) -> Cost
 
 def _planner_arguments(o: ProbeOptions, record_dims: Optional[np.ndarray], automatic: bool) -> Any:
     """The C++ planner's ProbeArguments of checked options."""
-    if o.adaptive_max_s is not None and o.lockstep:
-        raise ValueError("probe: adaptive_max_s with lockstep=True: each rank's clock would stop the adaptive design "
-                         "at a different probe and the ranks would wait on each other; bound it with "
-                         "adaptive_max_probes")
     if not o.probe_points and not o.design_fractions:
         raise ValueError("probe: design_fractions is empty and no probe_points are given: nothing to probe")
     args = _planner.ProbeArguments()
@@ -353,6 +344,5 @@ def _planner_arguments(o: ProbeOptions, record_dims: Optional[np.ndarray], autom
     args.usable_max_rel_error = o.usable_max_rel_error
     args.automatic_formula = automatic
     args.adaptive.max_probes = int(o.adaptive_max_probes)
-    args.adaptive.max_s = float("inf") if o.lockstep else float(120.0 if o.adaptive_max_s is None else o.adaptive_max_s)
     args.adaptive.tolerance = float(o.adaptive_tolerance)
     return args

@@ -54,7 +54,7 @@ from .probe_executor import _TorchExecutor, _enter_steady_state
 from .probe_options import ProbeOptions, _probe_setup
 
 
-AdaptiveStop = Literal["not run", "agreed", "probe count", "probe time", "no candidates"]
+AdaptiveStop = Literal["not run", "agreed", "probe count", "no candidates"]
 """Why the adaptive probe design stopped (``AdaptiveReport.stop``)."""
 
 
@@ -63,8 +63,8 @@ class AdaptiveReport:
     """What the adaptive probe design did.
 
     Attributes:
-        stop: why it stopped (``xpm.AdaptiveStop``): "not run", "agreed", "probe count",
-            "probe time" or "no candidates".
+        stop: why it stopped (``xpm.AdaptiveStop``): "not run", "agreed", "probe count" or
+            "no candidates".
         added_probes: the probes it added to the initial design.
         elapsed_s: its time, seconds.
         disagreement: the largest relative disagreement of the candidate models at the last

@@ -257,7 +257,7 @@ def test_closed_sets_are_literals_in_the_signatures_and_checked_at_run_time():
     assert hints(xpm.probe)["options"] == typing.Optional[xpm.ProbeOptions]
     assert hints(xpm.probe)["meter"] == typing.Optional[xpm.Meter]
     assert hints(xpm.AdaptiveReport)["stop"] == xpm.AdaptiveStop
-    assert set(typing.get_args(xpm.AdaptiveStop)) == {"not run", "agreed", "probe count", "probe time", "no candidates"}
+    assert set(typing.get_args(xpm.AdaptiveStop)) == {"not run", "agreed", "probe count", "no candidates"}
     assert hints(xpm.OutsideProbes)["kind"] == xpm.OutsideProbesKind
     assert typing.get_args(xpm.OutsideProbesKind) == ("gradient_buckets",)
     assert hints(xpm.ProbeOutcome)["outside_probes"] == typing.List[xpm.OutsideProbes]

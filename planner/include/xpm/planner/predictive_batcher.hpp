@@ -47,17 +47,16 @@ enum class AdaptiveStop {
   kNotRun,        // not run: explicit probe points, or max_probes = 0
   kAgreed,        // the candidate models agree within the tolerance everywhere in range
   kProbeCount,    // AdaptiveDesignOptions::max_probes probes added
-  kProbeTime,     // AdaptiveDesignOptions::max_s seconds spent
   kNoCandidates,  // no held-out refits to compare (too few probes), or no shape left to probe
 };
 
 /// After the initial design, probe next where candidate models disagree most: the fit and its
 /// leave-one-shape-out refits (models the probes explain about as well), over a grid of shapes
 /// inside the design's range whose predicted peak fits the budget. Each added probe joins the
-/// fit; the loop stops when they agree within `tolerance`, or at a budget.
+/// fit; the loop stops when they agree within `tolerance`, or at its budget of probes. Nothing
+/// in it reads a clock: the same probes give the same design on every machine and rank.
 struct AdaptiveDesignOptions {
   int max_probes = 8;        // probes added at most (0: no adaptive design)
-  double max_s = 120;        // seconds of adaptive probing (probes and refits) at most
   double tolerance = 0.01;   // relative disagreement below which the models agree
   int grid_steps = 8;        // grid values per non-batch-size variable
   void validate() const;     // throws std::invalid_argument naming the field
