@@ -42,13 +42,11 @@ def pad_collate(records):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default="data/brown")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--per-device-batch-size", type=int, default=8)
-    parser.add_argument("--memory-cap-bytes", type=int, default=24_000_000)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--output-dir", default="hf_trainer_causal_lm_output")
-    parser.add_argument("--width", type=int, default=64, help="hidden size (a multiple of 16)")
-    parser.add_argument("--layers", type=int, default=2)
+    for name, default in (("--steps", 20), ("--per-device-batch-size", 8), ("--memory-cap-bytes", 24_000_000),
+                          ("--width", 64), ("--layers", 2)):  # --width: the hidden size, a multiple of 16
+        parser.add_argument(name, type=int, default=default)
     args = parser.parse_args()
     if args.device == "cpu":  # the CPU's cap is xpm's meter (installed before the model is built)
         meter = xpm.CpuMeter.install()
@@ -71,7 +69,8 @@ def main():
                              data_collator=pad_collate)
     result = trainer.train()
     print(trainer.xpm_report)
-    ooms = (meter.oom_count if args.device == "cpu" else torch.cuda.memory_stats().get("num_ooms", 0))
+    ooms = (meter.oom_count if args.device == "cpu" else torch.cuda.memory_stats().get("num_ooms", 0)) - \
+        trainer.xpm_memory.probe_ooms  # the probes' own out-of-memory errors are not training's
     print(f"steps {trainer.state.global_step}, OOM {ooms}, training loss {result.training_loss:.3f} nats/byte")
     return 0 if ooms == 0 else 1
 

@@ -199,6 +199,12 @@ class PlannedMemory:
     outcome: Optional[ProbeOutcome]
     cache_path: Optional[str]
 
+    @property
+    def probe_ooms(self) -> int:
+        """The probes that ran out of memory on purpose (0 from the cache): subtract them from
+        the meter's or CUDA's out-of-memory count to get training's."""
+        return 0 if self.outcome is None else sum(not probe.feasible for probe in self.outcome.probes)
+
 
 @dataclass
 class AutomaticPlanning:
