@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Replays the allocation sequences of tests/caching_allocator/sequences.json against a caching
-allocator, the CPU meter's emulation of CUDA's (``--device cpu``) or a GPU's real one
+"""Replays the shared allocation sequences against a caching allocator and prints their bytes.
+
+The sequences are tests/caching_allocator/sequences.json; the allocator the CPU meter's emulation
+of CUDA's (``--device cpu``) or a GPU's real one
 (``--device cuda``), and prints each case's bytes next to the table's (the emulation's policy
 worked by hand): allocated, reserved and peak reserved bytes, and the allocations that ran out of
 memory. ``--json`` writes them. Exit code 0 when every case ran (whether or not it matched: the
@@ -99,6 +101,10 @@ def main() -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", help="writes the results here")
     args = parser.parse_args()
+    if args.json and not pathlib.Path(args.json).resolve().parent.is_dir():
+        parser.error(f"--json {args.json}: its folder does not exist")
+    if args.json and pathlib.Path(args.json).is_dir():
+        parser.error(f"--json {args.json}: is a folder; give a file path")
     table = json.loads(TABLE.read_text())
     make: Callable[[], Any] = CpuReplay if args.device == "cpu" else CudaReplay
     player = make()

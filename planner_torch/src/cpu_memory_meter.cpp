@@ -173,8 +173,9 @@ c10::DataPtr CpuMemoryMeter::allocate_cached(size_t n_bytes) {
   if (cap == 0 || cap > outside) block = emulation_->allocate(n, cap == 0 ? 0 : cap - outside);
   if (!block) {
     oom_count_.fetch_add(1);
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU memory cap exceeded: tried to allocate ", n, " bytes with ",
-                     current_bytes_.load(), " bytes allocated, ", reserved_locked(),
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU memory cap exceeded: tried to allocate ", n, " bytes (a block of ",
+                     CachingAllocatorEmulation::block_bytes(n), " bytes that no cached block holds; the segment it "
+                     "needs would pass the cap) with ", current_bytes_.load(), " bytes allocated, ", reserved_locked(),
                      " bytes reserved and a capacity of ", cap,
                      " bytes (xpm CpuMemoryMeter, emulating CUDA's caching allocator)");
   }

@@ -313,6 +313,7 @@ void bind_model(py::module_& m) {
       .def_property_readonly("batch_size_variable", &xpm::MemoryModel::batch_size_variable)
       .def_property_readonly("single_record_factor", &xpm::MemoryModel::single_record_factor)
       .def("predict_bytes", &xpm::MemoryModel::predict_bytes, py::arg("dims"))
+      .def("prediction_budget_bytes", &xpm::MemoryModel::prediction_budget_bytes, py::arg("usable_bytes"))
       .def("max_microbatch_size", &xpm::MemoryModel::max_microbatch_size, py::arg("dims"), py::arg("usable_bytes"),
            py::arg("max_size") = std::int64_t{1} << 40);
   m.def("predict", &predict);

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Dict, Literal, Optional, Protocol, Union, runtime_checkable
 
 import numpy as np
@@ -58,9 +59,10 @@ class CpuMeter:
                 ``current_reserved_bytes`` / ``peak_reserved_bytes`` read them, as on a GPU;
                 allocated bytes then count block sizes, as CUDA's do. False: stops it. None
                 (default): as it is (off at the first install).
-            expandable_segments: with caching, PyTorch's ``expandable_segments:True`` (one
-                growing segment per pool); None: as ``PYTORCH_ALLOC_CONF`` (or
-                ``PYTORCH_CUDA_ALLOC_CONF``) says.
+            expandable_segments: with ``caching=True``, PyTorch's ``expandable_segments:True``
+                (one growing segment per pool); None: as it is where caching already runs, else
+                as ``PYTORCH_ALLOC_CONF`` (or ``PYTORCH_CUDA_ALLOC_CONF``) says. Refused
+                without ``caching=True``.
 
         Returns:
             The process's CPU meter (no cap until ``capacity_bytes`` is set).
@@ -79,6 +81,8 @@ class CpuMeter:
         for name, value in (("caching", caching), ("expandable_segments", expandable_segments)):
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"CpuMeter.install: {name} must be True, False or None, got {value!r}")
+        if expandable_segments is not None and caching is not True:
+            raise ValueError(f"CpuMeter.install: expandable_segments={expandable_segments!r} needs caching=True")
         global _installed_cpu_meter
         meter = cls(load_torch_extension().CpuMemoryMeter.install())
         if caching is not None:
@@ -91,17 +95,25 @@ class CpuMeter:
 
         Args:
             enabled: True starts it, False stops it (blocks it holds are still freed into it).
-            expandable_segments: None: as ``PYTORCH_ALLOC_CONF`` says.
+            expandable_segments: None: as it is where caching already runs, else as
+                ``PYTORCH_ALLOC_CONF`` says (read only when ``enabled``).
 
         Raises:
-            ValueError: ``PYTORCH_ALLOC_CONF`` gives ``expandable_segments`` a value other than
+            ValueError: ``enabled`` is not a bool, ``expandable_segments`` not a bool or None, or
+                ``PYTORCH_ALLOC_CONF`` gives ``expandable_segments`` a value other than
                 True/False.
             RuntimeError: expandable segments changed while blocks of the emulation are live.
         """
-        expandable = expandable_segments if expandable_segments is not None else \
-            allocator_settings().get("expandable_segments", "False") == "True"
+        for name, value in (("enabled", enabled), ("expandable_segments", expandable_segments)):
+            if not isinstance(value, bool) and not (name == "expandable_segments" and value is None):
+                raise ValueError(f"CpuMeter.set_caching: {name} must be True or False"
+                                 f"{' (or None)' if name == 'expandable_segments' else ''}, got {value!r}")
+        expandable = expandable_segments
+        if expandable is None and enabled:  # as it is where caching runs, else as the environment says
+            expandable = self.caching == "expandable_segments" if self.caching is not None else \
+                allocator_settings().get("expandable_segments", "False") == "True"
         try:
-            self._native.set_caching(bool(enabled), bool(expandable))
+            self._native.set_caching(enabled, bool(expandable))
         except RuntimeError as error:
             raise RuntimeError(f"CpuMeter.set_caching: {error}") from None
 
@@ -121,7 +133,8 @@ class CpuMeter:
     @property
     def current_reserved_bytes(self) -> int:
         """Bytes the emulated caching allocator holds (segments, cache included) plus storages
-        outside it; without caching, the allocated bytes."""
+        outside it; the allocated bytes where caching never ran (after ``set_caching(False)``,
+        the emulation's cache stays until ``empty_cache()``)."""
         return self._native.current_reserved_bytes
 
     @property
@@ -131,7 +144,7 @@ class CpuMeter:
 
     def empty_cache(self) -> None:
         """Releases the emulation's cached segments that hold no block in use
-        (``torch.cuda.empty_cache()``'s counterpart; nothing without caching)."""
+        (``torch.cuda.empty_cache()``'s counterpart; nothing where caching never ran)."""
         self._native.empty_cache()
 
     @classmethod
@@ -146,14 +159,16 @@ class CpuMeter:
 
     @property
     def capacity_bytes(self) -> int:
-        """Cap on allocated bytes (0: none); an allocation past it raises out of memory."""
+        """Cap on allocated bytes, or on reserved bytes with caching (0: none); an allocation
+        past it raises out of memory."""
         return self._native.capacity_bytes
 
     @capacity_bytes.setter
     def capacity_bytes(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or \
-                not math.isfinite(value) or value < 0 or value != int(value):
-            raise ValueError(f"CpuMeter.capacity_bytes must be a whole number of bytes >= 0 (0: no cap), got {value!r}")
+                not math.isfinite(value) or value < 0 or value != int(value) or value >= 2 ** 63:
+            raise ValueError(f"CpuMeter.capacity_bytes must be a whole number of bytes in [0, 2**63) (0: no cap), "
+                             f"got {value!r}")
         self._native.capacity_bytes = int(value)
 
     @property
@@ -434,7 +449,7 @@ def allocator_settings(environ: Optional[Dict[str, str]] = None) -> Dict[str, st
     environ = os.environ if environ is None else environ
     name = "PYTORCH_ALLOC_CONF" if environ.get("PYTORCH_ALLOC_CONF") else "PYTORCH_CUDA_ALLOC_CONF"
     settings: Dict[str, str] = {}
-    for pair in filter(None, (part.strip() for part in environ.get(name, "").split(","))):
+    for pair in filter(None, (part.strip() for part in re.split(r",(?![^\[]*\])", environ.get(name, "")))):
         key, colon, value = pair.partition(":")
         if not colon:
             raise ValueError(f"{name}={environ[name]!r}: {pair!r} is not key:value")

@@ -505,11 +505,12 @@ class MemoryModel:
         gap = self._parsed().get("metadata", {}).get("reserved_gap")
         return None if gap is None else (float(gap["intercept_bytes"]), float(gap["slope"]))
 
-    def _with_reserved_gap(self, intercept_bytes: float, slope: float, probes: int) -> "MemoryModel":
-        """This model with its ``reserved_gap`` (kept in the JSON's metadata)."""
+    def _with_reserved_gap(self, intercept_bytes: float, slope: float, points: int) -> "MemoryModel":
+        """This model with its ``reserved_gap`` (kept in the JSON's metadata, with the number of
+        probe points the line covers: a probe's step and its first microbatch count apart)."""
         parsed = json.loads(self.to_json())
         parsed.setdefault("metadata", {})["reserved_gap"] = {
-            "intercept_bytes": float(intercept_bytes), "slope": float(slope), "probes": int(probes)}
+            "intercept_bytes": float(intercept_bytes), "slope": float(slope), "points": int(points)}
         return MemoryModel.from_json(json.dumps(parsed))
 
     def _phase_native(self, phase: GradientPhase, floor: bool = True) -> Optional[_planner.MemoryModel]:
@@ -599,7 +600,7 @@ class MemoryModel:
 
         Args:
             dims: the formula's variables for one record (its batch-size entry is ignored).
-            usable_bytes: the budget, bytes (> 0).
+            usable_bytes: the budget, bytes (> 0); with a ``reserved_gap``, of reserved bytes.
             max_size: the largest size searched.
 
         Returns:
@@ -610,7 +611,8 @@ class MemoryModel:
         """
         if int(usable_bytes) <= 0:
             raise ValueError(f"max_batch: usable_bytes must be > 0, got {usable_bytes}")
-        return self._native.max_microbatch_size(list(map(float, dims)), int(usable_bytes), int(max_size))
+        budget = self._native.prediction_budget_bytes(int(usable_bytes))  # a reserved gap's allocated terms
+        return self._native.max_microbatch_size(list(map(float, dims)), budget, int(max_size))
 
     def __repr__(self) -> str:
         """``MemoryModel('<canonical formula>', floor_bytes=...)``."""
@@ -765,7 +767,9 @@ def plan(record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, packe
             once. For a model of two variables, a 1-D array of lengths
             (``record_dims_from_lengths``).
         model: the fitted memory model.
-        usable_bytes: the budget every microbatch's predicted peak must fit, bytes.
+        usable_bytes: the budget every microbatch's predicted peak must fit, bytes (for a model
+            with a ``reserved_gap``, probed under a caching allocator, the budget of the reserved
+            bytes: its predictions fill ``(usable_bytes - intercept) / (1 + slope)``).
         packer: ``xpm.PackerName``: "adaptive" (grow while it fits, heaviest first by
             ``sort_by``: the fewest microbatches), "fastest" (the sorted records cut into the
             runs of least predicted time, by the model's time model, which ``xpm.probe`` fits
@@ -788,7 +792,10 @@ def plan(record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, packe
             probed at (likely columns in the wrong order).
     """
     _check_choice(packer, PACKERS, "plan: packer")
-    return _pack(_record_dims(record_dims, model, "record_dims"), model, usable_bytes, packer, sort_by)
+    if int(usable_bytes) <= 0:
+        raise ValueError(f"plan: usable_bytes must be > 0, got {usable_bytes}")
+    return _pack(_record_dims(record_dims, model, "record_dims"), model,
+                 model._native.prediction_budget_bytes(int(usable_bytes)), packer, sort_by)
 
 
 def _pack(array: np.ndarray, model: MemoryModel, usable_bytes: int, packer: PackerName,

@@ -184,12 +184,13 @@ class _TorchExecutor(_planner.ProbeExecutor):
         flags in one all-reduce; an error on another rank raises here, one out of memory
         anywhere makes the probe infeasible on every rank. Returns the ranks' largest peaks
         without gradients, synchronised, and reserved (steady, then without gradients)."""
-        world, peaks = self.lockstep.world_size, 7
+        world, peaks = self.lockstep.world_size, 8
         mine = [0.0] * (peaks + 2 * world)
         mine[0], mine[1] = result.forward_backward_peak_bytes, result.optimizer_step_peak_bytes
         mine[2], mine[3] = without_gradients_peak, synchronised_peak
         mine[4] = result.forward_backward_s  # the slowest rank's: every rank fits the same time model
         mine[5], mine[6] = reserved
+        mine[7] = -result.capacity_bytes  # the least bound (reserving meters: what the rank out of memory allocated)
         mine[peaks + self.lockstep.rank] = 0.0 if result.feasible else 1.0
         mine[peaks + world + self.lockstep.rank] = 0.0 if failure is None else 1.0
         combined = self.lockstep.max(mine)
@@ -199,6 +200,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
                                f"why); every rank stops")
         result.forward_backward_peak_bytes, result.optimizer_step_peak_bytes = combined[0], combined[1]
         result.forward_backward_s = combined[4]
+        result.capacity_bytes = -combined[7]
         out_of_memory = [r for r in range(world) if combined[peaks + r] > 0]
         if out_of_memory:
             result.feasible = False
@@ -254,6 +256,8 @@ class _TorchExecutor(_planner.ProbeExecutor):
             else:
                 result.feasible = False
                 result.error = str(error).splitlines()[0]
+                if self.reserving:  # reserved bytes reached the cap: the allocated fit's bound is what was allocated
+                    result.capacity_bytes = float(self.meter.peak_allocated_bytes)
             if not result.feasible:
                 _drain_autograd_buffers(self.meter)
                 _reset_data_parallel_reducer(self.steady.model)

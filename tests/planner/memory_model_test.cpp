@@ -54,6 +54,18 @@ TEST_CASE("prediction is the formula or the floor, whichever is larger") {
   CHECK(model.predict_bytes({4, 64}) == doctest::Approx(cost(4, 64)));
 }
 
+TEST_CASE("a reserved gap in the metadata turns a reserved budget into the predictions' one") {
+  MemoryModel model = quadratic_model();
+  CHECK(model.prediction_budget_bytes(1'000'000) == 1'000'000);  // no gap: the budget as given
+  model.metadata()["reserved_gap"] = {{"intercept_bytes", 100'000.0}, {"slope", 0.25}};
+  CHECK(model.prediction_budget_bytes(1'000'000) == 720'000);  // (1e6 - 1e5) / 1.25
+  CHECK(model.prediction_budget_bytes(50'000) == 1);            // never below one byte
+  model.metadata()["reserved_gap"] = {{"slope", 0.25}};
+  CHECK_THROWS_WITH_AS(model.prediction_budget_bytes(1'000'000),
+                       doctest::Contains("metadata.reserved_gap must hold intercept_bytes and slope"),
+                       std::invalid_argument);
+}
+
 TEST_CASE("added bytes are the formula less its value at batch size 0, the floor aside") {
   const MemoryModel model = quadratic_model(/*floor_bytes=*/5000);
   CHECK(model.added_bytes({1, 8}) == doctest::Approx(cost(1, 8) - 1000));  // under the floor still counts

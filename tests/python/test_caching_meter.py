@@ -84,10 +84,54 @@ def test_caching_reports_reserved_bytes_and_caps_them(meter: xpm.CpuMeter) -> No
 def test_bad_caching_arguments_are_refused_in_one_line(meter: xpm.CpuMeter) -> None:
     with pytest.raises(ValueError, match="caching must be True, False or None, got 'yes'"):
         xpm.CpuMeter.install(caching="yes")
+    with pytest.raises(ValueError, match="enabled must be True or False, got 'no'"):
+        meter.set_caching("no")
+    with pytest.raises(ValueError, match="expandable_segments=True needs caching=True"):
+        xpm.CpuMeter.install(expandable_segments=True)
+    assert xpm.CpuMeter.install(caching=True).caching == "segments"  # as it is: a second install changes nothing
+    assert xpm.meters.allocator_settings({"PYTORCH_ALLOC_CONF": "roundup_power2_divisions:[256:1,>:8]"}) == \
+        {"roundup_power2_divisions": "[256:1,>:8]"}
     with pytest.raises(ValueError, match="PYTORCH_ALLOC_CONF='expandable_segments:maybe'"):
         xpm.meters.allocator_settings({"PYTORCH_ALLOC_CONF": "expandable_segments:maybe"})
     assert "expandable_segments:True" in xpm.meters.allocator_settings_line(
         {"PYTORCH_ALLOC_CONF": "expandable_segments:True"})
+
+
+def test_probes_out_of_memory_on_reserved_bytes_bound_the_fit_by_what_they_allocated(meter: xpm.CpuMeter) -> None:
+    torch.manual_seed(0)
+    meter.capacity_bytes = 0
+    model = torch.nn.Sequential(torch.nn.Embedding(96, 64), torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 96))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loss_fn(dims: List[float]) -> torch.Tensor:
+        tokens = torch.randint(0, 96, (int(dims[0]), int(dims[1])))
+        return torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten(), reduction="sum")
+
+    meter.capacity_bytes = 60_000_000
+    try:
+        outcome = xpm.probe(model, optimizer, loss_fn, xpm.CostFormula("a*bs*l + d*bs + c", ["bs", "l"]), meter=meter,
+                            variable_max={"bs": 64, "l": 256})
+    finally:
+        meter.capacity_bytes = 0
+    out_of_memory = [p for p in outcome.probes if not p.feasible]
+    assert out_of_memory and all(p.capacity_bytes < 60_000_000 for p in out_of_memory)  # bound: allocated bytes
+    assert abs(outcome.fit.max_rel_error) < 0.05
+
+
+def test_plans_of_a_model_with_a_reserved_gap_fit_the_reserved_budget() -> None:
+    model, _ = xpm.fit(xpm.CostFormula("a*bs*l + c", ["bs", "l"]), [[1, 10], [2, 10], [4, 20], [8, 20], [3, 30]],
+                       [1.1e6, 1.2e6, 1.8e6, 2.6e6, 2.0e6])
+    gapped = model._with_reserved_gap(100_000.0, 0.05, 5)
+    lengths = np.arange(4, 40)
+    budget = 3_000_000
+    inner = gapped._native.prediction_budget_bytes(budget)
+    assert inner == int((budget - 100_000) / 1.05)
+    planned = xpm.plan(xpm.record_dims_from_lengths(lengths), gapped, budget)
+    assert max(planned.predicted_bytes) <= inner
+    again = xpm.plan(xpm.record_dims_from_lengths(lengths), model, inner)
+    assert np.array_equal(planned.indices, again.indices) and np.array_equal(planned.offsets, again.offsets)
+    assert gapped.max_batch([1, 20], budget) == model.max_batch([1, 20], inner) < model.max_batch([1, 20], budget)
 
 
 class TokenModel(torch.nn.Module):

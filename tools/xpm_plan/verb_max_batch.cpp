@@ -29,10 +29,12 @@ po::options_description max_batch_options() {
 }
 
 int run_max_batch(const po::variables_map& vm) {
-  const std::int64_t usable = usable_bytes_from(vm);
+  const std::int64_t usable_given = usable_bytes_from(vm);
   const std::int64_t max_size = vm["max-size"].as<std::int64_t>();
   if (max_size < 1) throw InputError("--max-size must be >= 1, got " + std::to_string(max_size));
   const xpm::MemoryModel model = load_model(vm["model"].as<std::string>());
+  // A model probed under a caching allocator: the budget in its predictions' (allocated) terms.
+  const std::int64_t usable = model.prediction_budget_bytes(usable_given);
   std::map<std::string, double> dims_map =
       vm.count("dims") ? parse_assignments(vm["dims"].as<std::vector<std::string>>(), "dims")
                        : std::map<std::string, double>{};

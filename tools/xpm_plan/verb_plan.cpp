@@ -85,10 +85,12 @@ po::options_description plan_options() {
 }
 
 int run_plan(const po::variables_map& vm) {
-  const std::int64_t usable = usable_bytes_from(vm);
+  const std::int64_t usable_given = usable_bytes_from(vm);
   const std::string packer_name = vm["packer"].as<std::string>();
   const std::string sort_by = vm["sort-by"].as<std::string>();
   const xpm::MemoryModel model = load_model(vm["model"].as<std::string>());
+  // A model probed under a caching allocator: the budget in its predictions' (allocated) terms.
+  const std::int64_t usable = model.prediction_budget_bytes(usable_given);
   xpm::PackerKind kind{};
   try {
     kind = xpm::parse_packer_kind(packer_name, "--packer");
@@ -132,6 +134,7 @@ int run_plan(const po::variables_map& vm) {
     nlohmann::json j;
     j["packer"] = packer->name();
     j["usable_bytes"] = usable;
+    if (usable != usable_given) j["usable_bytes_given"] = usable_given;  // less the model's reserved gap
     j["budget"] = budget_json(vm);
     j["records"] = records.size();
     nlohmann::json mbs = nlohmann::json::array();

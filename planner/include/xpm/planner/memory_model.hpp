@@ -151,6 +151,14 @@ class MemoryModel {
   std::int64_t max_microbatch_size(std::vector<double> dims, std::int64_t usable_bytes,
                                    std::int64_t max_size = std::int64_t{1} << 40) const;
 
+  /// The bytes this model's predictions may fill so that a step fits `usable_bytes`. A model
+  /// probed under a caching allocator predicts allocated bytes and carries in its metadata the
+  /// line to the reserved bytes its probes measured (metadata.reserved_gap: intercept_bytes,
+  /// slope; reserved ~ prediction + intercept_bytes + slope x prediction): then
+  /// (usable_bytes - intercept_bytes) / (1 + slope), at least 1; else usable_bytes. Throws
+  /// std::invalid_argument for a malformed reserved_gap.
+  std::int64_t prediction_budget_bytes(std::int64_t usable_bytes) const;
+
   /// Extra information recorded in the JSON file (fit summary, probes, device, ...).
   nlohmann::json& metadata() { return metadata_; }
   const nlohmann::json& metadata() const { return metadata_; }
