@@ -289,10 +289,9 @@ def _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, rank
         finally:
             steady.__exit__(None, None, None)
     memory_model = MemoryModel(native)
-    gradient_bytes = _local_gradient_bytes(model)
-    for phase, peaks, below in (("without_gradients", executor.without_gradients_peaks, gradient_bytes),
-                                ("synchronised", executor.synchronised_peaks, 0.0)):
-        memory_model = _with_phase_fit(memory_model, phase, executor.results, peaks, below, options.aggregation,
+    for phase, peaks in (("without_gradients", executor.without_gradients_peaks),
+                         ("synchronised", executor.synchronised_peaks)):
+        memory_model = _with_phase_fit(memory_model, phase, executor.results, peaks, options.aggregation,
                                        args.usable_max_rel_error)
     if executor.reserving:
         memory_model = _with_reserved_gap(memory_model, executor, budget)
@@ -319,22 +318,13 @@ def _with_reserved_gap(model: MemoryModel, executor: _TorchExecutor, budget) -> 
     return model._with_reserved_gap(gap.intercept_bytes, gap.slope, len(points))
 
 
-def _local_gradient_bytes(model: torch.nn.Module) -> float:
-    """The bytes of this rank's gradients of ``model``'s trainable parameters (a sharded
-    parameter's local shard)."""
-    return float(sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
-                     for p in model.parameters() if p.requires_grad))
-
-
 def _with_phase_fit(model: MemoryModel, phase: GradientPhase, results: List[_planner.ProbeResult],
-                    peaks: List[float], floor_below_bytes: float,
-                    aggregation: Optional[Dict[str, RecordAggregation]], usable_max_rel_error: float) -> MemoryModel:
+                    peaks: List[float], aggregation: Optional[Dict[str, RecordAggregation]],
+                    usable_max_rel_error: float) -> MemoryModel:
     """``model`` with a fit of ``phase``: the model's formula fitted to ``peaks`` (one per probe
-    of ``results``, 0 where not measured) at the shapes the model itself was fitted to where the
-    phase peaks above the model's floor less ``floor_below_bytes`` (the gradients a step's first
-    microbatch does not hold yet); ``model`` as it is when that phase was not measured, or its fit
-    is not identifiable or not within ``usable_max_rel_error``. Deterministic from the probes, so
-    every rank in lockstep agrees."""
+    of ``results``, 0 where not measured) at the shapes the model itself was fitted to; ``model``
+    as it is when that phase was not measured, or its fit is not identifiable or not within
+    ``usable_max_rel_error``. Deterministic from the probes, so every rank in lockstep agrees."""
     peaks_at: Dict[tuple, float] = {}
     for result, peak in zip(results, peaks):
         if result.feasible and peak > 0:
@@ -347,7 +337,7 @@ def _with_phase_fit(model: MemoryModel, phase: GradientPhase, results: List[_pla
     # floor predicts; the prediction is the larger of the two).
     width = len(model.formula.variable_names)
     floor_at = model.floor_at(_matrix(shapes, width, "dims"))
-    shapes = [dims for dims, floor in zip(shapes, floor_at) if peaks_at[tuple(dims)] > floor - floor_below_bytes]
+    shapes = [dims for dims, floor in zip(shapes, floor_at) if peaks_at[tuple(dims)] > floor]
     if len(shapes) < len(model.formula.coefficient_names):
         return model
     args = _planner.FitArguments()
