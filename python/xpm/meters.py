@@ -167,8 +167,8 @@ class CpuMeter:
     def capacity_bytes(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or \
                 not math.isfinite(value) or value < 0 or value != int(value) or value >= 2 ** 63:
-            raise ValueError(f"CpuMeter.capacity_bytes must be a whole number of bytes in [0, 2**63) (0: no cap), "
-                             f"got {value!r}")
+            raise ValueError(f"CpuMeter.capacity_bytes must be a whole number of bytes >= 0 (0: no cap) and below "
+                             f"2**63, got {value!r}")
         self._native.capacity_bytes = int(value)
 
     @property
