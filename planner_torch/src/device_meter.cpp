@@ -22,33 +22,46 @@ void check_gpu_visible(const std::string& text, const std::string& source) {
   }
 }
 
+void cap_cpu_meter(MemoryMeter& meter, const torch::Device& device, std::int64_t capacity_bytes) {
+  auto* cpu = dynamic_cast<CpuMemoryMeter*>(&meter);
+  if (cpu == nullptr) throw std::invalid_argument("set_device_capacity: the meter is not " + device.str() + "'s");
+  cpu->set_capacity_bytes(capacity_bytes);
+}
+
 std::shared_ptr<MemoryMeter> make_cpu_meter(const torch::Device&, std::int64_t capacity_bytes) {
   CpuMemoryMeter& meter = CpuMemoryMeter::install();
   meter.set_capacity_bytes(capacity_bytes);
   return std::shared_ptr<MemoryMeter>(&meter, [](MemoryMeter*) {});  // the process-wide meter
 }
 
+// A GPU's cap: its memory fraction (1.0 for none).
+void cap_cuda_meter(MemoryMeter& any, const torch::Device& device, std::int64_t capacity_bytes) {
+  auto* cuda = dynamic_cast<CudaMemoryMeter*>(&any);
+  if (cuda == nullptr) throw std::invalid_argument("set_device_capacity: the meter is not " + device.str() + "'s");
+  CudaMemoryMeter& meter = *cuda;
+  const auto total = static_cast<double>(meter.total_device_bytes());
+  if (static_cast<double>(capacity_bytes) > total) {
+    throw std::invalid_argument("memory cap of " + std::to_string(capacity_bytes) + " bytes is above " +
+                                device.str() + "'s " + std::to_string(meter.total_device_bytes()) + " bytes");
+  }
+  meter.set_memory_fraction(capacity_bytes > 0 ? static_cast<double>(capacity_bytes) / total : 1.0);
+}
+
 std::shared_ptr<MemoryMeter> make_cuda_meter(const torch::Device& device, std::int64_t capacity_bytes) {
   auto meter = std::make_shared<CudaMemoryMeter>(device.has_index() ? device.index() : 0);
-  if (capacity_bytes > 0) {
-    const auto total = static_cast<double>(meter->total_device_bytes());
-    if (static_cast<double>(capacity_bytes) > total) {
-      throw std::invalid_argument("memory cap of " + std::to_string(capacity_bytes) + " bytes is above " +
-                                  device.str() + "'s " + std::to_string(meter->total_device_bytes()) + " bytes");
-    }
-    meter->set_memory_fraction(static_cast<double>(capacity_bytes) / total);
-  }
+  if (capacity_bytes > 0) cap_cuda_meter(*meter, device, capacity_bytes);
   return meter;
 }
 
 // The meters by device type: a new device's meter is its class in a file of its own and one row
-// here (the device type and how its meter is made with a cap).
+// here (the device type, how its meter is made with a cap, and how it is capped later).
 struct MeterRegistration {
   c10::DeviceType device_type;
   std::shared_ptr<MemoryMeter> (*make)(const torch::Device& device, std::int64_t capacity_bytes);
+  void (*cap)(MemoryMeter& meter, const torch::Device& device, std::int64_t capacity_bytes);
 };
-const std::array<MeterRegistration, 2> kMeters{{{c10::DeviceType::CPU, make_cpu_meter},
-                                                {c10::DeviceType::CUDA, make_cuda_meter}}};
+const std::array<MeterRegistration, 2> kMeters{{{c10::DeviceType::CPU, make_cpu_meter, cap_cpu_meter},
+                                                {c10::DeviceType::CUDA, make_cuda_meter, cap_cuda_meter}}};
 
 std::string meter_device_list() {
   std::string list;
@@ -57,6 +70,19 @@ std::string meter_device_list() {
     list += c10::DeviceTypeName(kMeters[i].device_type, /*lower_case=*/true);
   }
   return list;
+}
+
+const MeterRegistration& registration_of(const torch::Device& device) {
+  for (const MeterRegistration& meter : kMeters) {
+    if (meter.device_type == device.type()) return meter;
+  }
+  throw std::invalid_argument("device '" + device.str() + "': only " + meter_device_list() + " are supported");
+}
+
+void check_capacity(std::int64_t capacity_bytes) {
+  if (capacity_bytes < 0) {
+    throw std::invalid_argument("memory cap must be >= 0 bytes (0: none), got " + std::to_string(capacity_bytes));
+  }
 }
 
 }  // namespace
@@ -88,13 +114,13 @@ torch::Device training_device(const std::string& text, const std::string& source
 }
 
 std::shared_ptr<MemoryMeter> make_device_meter(const torch::Device& device, std::int64_t capacity_bytes) {
-  if (capacity_bytes < 0) {
-    throw std::invalid_argument("memory cap must be >= 0 bytes (0: none), got " + std::to_string(capacity_bytes));
-  }
-  for (const MeterRegistration& meter : kMeters) {
-    if (meter.device_type == device.type()) return meter.make(device, capacity_bytes);
-  }
-  throw std::invalid_argument("device '" + device.str() + "': only " + meter_device_list() + " are supported");
+  check_capacity(capacity_bytes);
+  return registration_of(device).make(device, capacity_bytes);
+}
+
+void set_device_capacity(MemoryMeter& meter, const torch::Device& device, std::int64_t capacity_bytes) {
+  check_capacity(capacity_bytes);
+  registration_of(device).cap(meter, device, capacity_bytes);
 }
 
 }  // namespace xpm

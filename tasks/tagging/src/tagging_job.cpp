@@ -19,8 +19,7 @@
 
 #include "xpm/planner/atomic_file.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
-#include "xpm/planner_torch/cpu_memory_meter.hpp"
-#include "xpm/planner_torch/cuda_memory_meter.hpp"
+#include "xpm/planner_torch/device_meter.hpp"
 #include "xpm/tasks/brown_corpus.hpp"
 #include "xpm/trainer/loop/error_context.hpp"
 #include "xpm/trainer/steps/step_engine.hpp"
@@ -189,38 +188,6 @@ JobCapacity job_capacity(const TaggingJobConfig& config, TaggingModelSetup& setu
   if (capacity.same_layout_as_checkpoint) capacity.capacity_bytes = resume_from->state.capacity_bytes;
   return capacity;
 }
-
-// The job's meter on its device: the CPU meter (installed before the model, which it must see;
-// its cap set after the static bytes are measured), or a GPU's caching-allocator statistics
-// (the cap then a per-process memory fraction).
-class JobMeter {
- public:
-  explicit JobMeter(const torch::Device& device) : device_(device) {
-    if (!device.is_cpu()) cuda_ = std::make_shared<CudaMemoryMeter>(static_cast<int>(device.index()));
-  }
-  MemoryMeter& meter() { return cuda_ ? static_cast<MemoryMeter&>(*cuda_) : CpuMemoryMeter::instance(); }
-  /// Without a cap: the host's memory, or the GPU's.
-  std::int64_t device_bytes() const { return cuda_ ? cuda_->total_device_bytes() : physical_memory_bytes(); }
-  /// Caps the job at `capacity_bytes` (0: none). Throws std::invalid_argument for a cap above
-  /// the GPU's memory.
-  void cap(std::int64_t capacity_bytes) {
-    if (!cuda_) {
-      CpuMemoryMeter::instance().set_capacity_bytes(capacity_bytes);
-      return;
-    }
-    const std::int64_t total = cuda_->total_device_bytes();
-    if (capacity_bytes > total) {
-      throw std::invalid_argument("--memory-cap-bytes " + std::to_string(capacity_bytes) + " is above the memory of " +
-                                  device_.str() + " (" + std::to_string(total) + " bytes)");
-    }
-    cuda_->set_memory_fraction(capacity_bytes > 0 ? static_cast<double>(capacity_bytes) / static_cast<double>(total)
-                                                  : 1.0);
-  }
-
- private:
-  torch::Device device_;
-  std::shared_ptr<CudaMemoryMeter> cuda_;
-};
 
 // The config's hooks around the embedder's: freezer first, the extensions' hooks, the clipper
 // last (it must see the gradients every other hook left).
@@ -428,7 +395,8 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   // them, before the optimizer exists (freezing and sharing act before it sees the parameters);
   // then the model goes to its device, before the optimizer and its state do.
   const torch::Device device = tagging_device(config.device, "--device", dist.local_rank());
-  if (device.is_cpu()) CpuMemoryMeter::install().set_capacity_bytes(0);
+  const std::shared_ptr<MemoryMeter> meter_of_device = make_device_meter(device, 0);  // capped once measured
+  MemoryMeter& meter = *meter_of_device;
   TrainState state;
   TrainerContext context(state);
   if (resume_from) {  // initialization hooks see where the run stands (a freezer past until_step)
@@ -445,13 +413,12 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
     hooks.after_initialization(context);
     module.to(device);
   }, &dist);
-  JobMeter job_meter(device);
-  MemoryMeter& meter = job_meter.meter();
   torch::optim::AdamW& optimizer = setup.optimizer();
   state.optimizer = &optimizer;
   facts.memory = measure_static_memory(setup, meter, dist);
-  facts.capacity = job_capacity(config, setup, facts.memory, dist, resume_from, job_meter.device_bytes());
-  job_meter.cap(facts.capacity.capped ? facts.capacity.capacity_bytes : 0);
+  const std::int64_t device_bytes = device.is_cpu() ? physical_memory_bytes() : meter.capacity_bytes();  // uncapped
+  facts.capacity = job_capacity(config, setup, facts.memory, dist, resume_from, device_bytes);
+  set_device_capacity(meter, device, facts.capacity.capped ? facts.capacity.capacity_bytes : 0);
   log_static_memory(config, dist, facts.memory, facts.capacity, facts.threads, setup.sharded_optimizer() != nullptr,
                     log);
 

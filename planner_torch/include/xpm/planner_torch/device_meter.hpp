@@ -34,4 +34,10 @@ torch::Device training_device(const std::string& text, const std::string& source
 /// a negative capacity, one above a GPU's memory, or a device that is neither.
 std::shared_ptr<MemoryMeter> make_device_meter(const torch::Device& device, std::int64_t capacity_bytes);
 
+/// Caps `meter`, made by make_device_meter(device, ...), at `capacity_bytes` (0: none) once the
+/// cap is known, e.g. from the static bytes it measured: the CPU meter's cap, or a GPU's memory
+/// fraction (1.0 for none). Throws std::invalid_argument for a negative capacity or one above a
+/// GPU's memory. Not collective.
+void set_device_capacity(MemoryMeter& meter, const torch::Device& device, std::int64_t capacity_bytes);
+
 }  // namespace xpm
