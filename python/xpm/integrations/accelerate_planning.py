@@ -43,7 +43,7 @@ from ..probe_options import ProbeOptions
 from ..probing import probe
 from ..sampler import PredictiveBatchSampler
 from .accelerate import _round_robin_of, prepare_data_loader
-from .dataset_probes import (ProbeRecords, allocator_line, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
+from .dataset_probes import (ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
                              drop_in_probe_options, packer_for, probes_summary)
 
 logger = logging.getLogger(__name__)
@@ -158,8 +158,7 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
                           f"per optimizer step (batch_size {loader.batch_size} x {accumulation} accumulation steps x "
                           f"{world} process(es), the fixed batch it replaces)")
     logger.info("%s", planned.xpm_report)
-    if allocator_line(meter) is not None:
-        logger.info("xpm: %s", allocator_line(meter))
+    log_allocator_line(meter, logger)
     return model, optimizer, planned
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
@@ -373,14 +374,19 @@ def packer_for(packer: PackerName, model: MemoryModel) -> PackerName:
     return "adaptive" if packer == "fastest" and model.time_model is None else packer
 
 
-def allocator_line(meter: Meter) -> Optional[str]:
-    """On a GPU, the start-up line on what ``PYTORCH_ALLOC_CONF`` implies for planned
-    microbatches (``xpm.meters.allocator_settings_line``); None elsewhere.
+def log_allocator_line(meter: Meter, log: logging.Logger) -> None:
+    """On a GPU, logs at start-up what ``PYTORCH_ALLOC_CONF`` implies for planned microbatches
+    (``xpm.meters.allocator_settings_line``); nothing elsewhere.
+
+    Args:
+        meter: the drop-in's meter.
+        log: the drop-in's logger.
 
     Raises:
         ValueError: ``PYTORCH_ALLOC_CONF`` is malformed (one line naming it).
     """
-    return allocator_settings_line() if isinstance(meter, CudaMeter) else None
+    if isinstance(meter, CudaMeter):
+        log.info("xpm: %s", allocator_settings_line())
 
 
 def probes_summary(outcome: ProbeOutcome) -> str:
@@ -397,4 +403,4 @@ def probes_summary(outcome: ProbeOutcome) -> str:
 
 __all__ = ["PlanningMode", "VARIABLES", "dataset_record_dims", "checked_custom_dims", "ProbeRecords",
            "DROP_IN_USABLE_MAX_REL_ERROR", "PROBE_SAMPLE_RECORDS", "drop_in_probe_options", "check_device_meter",
-           "device_meter", "packer_for", "allocator_line", "probes_summary"]
+           "device_meter", "packer_for", "log_allocator_line", "probes_summary"]

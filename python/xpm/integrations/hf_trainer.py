@@ -79,7 +79,7 @@ from ..planning import CostFormula, MemoryBudget, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import probe
 from ..sampler import PredictiveBatchSampler, _unplanned_memory
-from .dataset_probes import ProbeRecords, allocator_line, packer_for, probes_summary
+from .dataset_probes import ProbeRecords, log_allocator_line, packer_for, probes_summary
 from .hf_planning import (AutomaticPlanning, PlannedMemory, TrainerSnapshot, environment_parts, label_items,
                           load_agreed, loss_normalisation, model_signature, optimizer_identity, planning_mode,
                           save_cached)
@@ -402,8 +402,7 @@ class PlannedTrainerMixin:
             packer=packer_for(planning.packer, model))
         self.xpm_report = self._planning_report(mode)
         logger.info("%s", self.xpm_report)
-        if allocator_line(meter) is not None:
-            logger.info("xpm: %s", allocator_line(meter))
+        log_allocator_line(meter, logger)
 
     def _cache_parts(self, mode: str, optimizer, capacity: int, dims) -> Dict[str, Any]:
         """What the memory model depends on: its cache key's parts."""

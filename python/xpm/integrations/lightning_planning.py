@@ -51,7 +51,7 @@ from ..planning import CostFormula, MemoryBudget, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome, probe
 from ..sampler import PredictiveBatchSampler
-from .dataset_probes import (ProbeRecords, allocator_line, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
+from .dataset_probes import (ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
                              drop_in_probe_options, packer_for, probes_summary)
 from .lightning import PlannedStep, _transfer, planned_dataloader
 
@@ -183,8 +183,7 @@ class PlannedMicrobatches(pl.Callback):
                        f"optimizer step (batch_size {loader.batch_size} x {accumulation} accumulated x "
                        f"{trainer.world_size} rank(s), the fixed batch it replaces)")
         logger.info("%s", self.report)
-        if allocator_line(self.meter) is not None:
-            logger.info("xpm: %s", allocator_line(self.meter))
+        log_allocator_line(self.meter, logger)
 
     def _record_dims(self, dataset: Any) -> np.ndarray:
         if self.record_dims is not None:
