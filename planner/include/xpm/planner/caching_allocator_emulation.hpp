@@ -31,7 +31,8 @@
 // Not emulated: several streams and their events, CUDA graphs' private pools,
 // max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold.
 //
-// Units: bytes. Not thread-safe: callers serialise (the CPU meter holds a lock).
+// Units: bytes. Per process, not collective (no rank waits on another). Not thread-safe:
+// callers serialise (the CPU meter holds a lock).
 #pragma once
 
 #include <cstdint>
