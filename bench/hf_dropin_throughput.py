@@ -30,7 +30,9 @@ Every run is one epoch over the same records, from the same initial weights (the
 for each run, with ``torch.manual_seed`` before and the meter's cap at 0 while it is built), in
 a fresh Trainer. A run that runs out of memory stops at the first error (a try, as a user's
 would be). Real tokens: the non-padding tokens trained (the records' bytes); tokens/s is over
-train()'s wall time, probing included. Prints a markdown table and writes JSON (``--json``).
+train()'s wall time, probing included. Once every way has found its setting, each setting is run
+again (``--repeats`` runs in all, the ways interleaved) and tokens/s per run is the median: one
+run's figure moves by about 5 % with the machine's load. Prints a markdown table and writes JSON (``--json``).
 
     PYTHONPATH=build/python OMP_NUM_THREADS=1 python bench/hf_dropin_throughput.py \\
         --data-dir data/brown --records 4096 --json runs/bench/hf-dropin.json
@@ -128,11 +130,21 @@ class Way:
         name: the row's name.
         tries: every run, in order; all but the last ran out of memory.
         note: what the table should say about it.
+        again: runs the setting that trained once more (a fresh trainer, a fresh model).
+        repeats: the runs ``again`` made.
     """
 
     name: str
     tries: List[Run] = field(default_factory=list)
     note: str = ""
+    again: Optional[Callable[[], Run]] = None
+    repeats: List[Run] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Real tokens/s of the setting that trained: the median over its run and its repeats
+        (the same setting run again, interleaved with the other ways')."""
+        return float(np.median([run.tokens / run.train_s for run in [self.final] + self.repeats]))
 
     @property
     def final(self) -> Run:
@@ -363,8 +375,22 @@ def drop_in(bench: Bench) -> List[Way]:
                       cache_dir=cache_dir)
     if again.probes:
         raise RuntimeError(f"drop-in: the second run probed again ({again.probes} probes): the cache missed")
-    return [Way("drop-in PlannedTrainer, probing", [first], f"probe {first.probe_s:.1f} s ({first.probes} probes)"),
-            Way("drop-in PlannedTrainer, from its cache", [again], "no probes")]
+    fresh_caches = iter(range(1, 1 << 30))
+
+    def probing_again() -> Run:
+        return bench.run("8 per device x 4, defaults, first run", PlannedTrainer, PER_DEVICE, ACCUMULATION,
+                         cache_dir=f"{cache_dir}-{next(fresh_caches)}")
+
+    def cached_again() -> Run:
+        run = bench.run("8 per device x 4, defaults, run again", PlannedTrainer, PER_DEVICE, ACCUMULATION,
+                        cache_dir=cache_dir)
+        if run.probes:
+            raise RuntimeError(f"drop-in: a repeat from the cache probed ({run.probes} probes): the cache missed")
+        return run
+
+    return [Way("drop-in PlannedTrainer, probing", [first], f"probe {first.probe_s:.1f} s ({first.probes} probes)",
+                probing_again),
+            Way("drop-in PlannedTrainer, from its cache", [again], "no probes", cached_again)]
 
 
 def auto_find_batch_size(bench: Bench) -> Way:
@@ -377,6 +403,8 @@ def auto_find_batch_size(bench: Bench) -> Way:
         way.tries.append(run)
         if not run.raised:
             way.note = auto_note(way)
+            way.again = lambda size=size: bench.run(f"{size} per device x 1", transformers.Trainer, size, 1,
+                                                    args_extra={"auto_find_batch_size": True})
             return way
         size = int(size * AUTO_FACTOR)
     raise RuntimeError("auto_find_batch_size: no batch size trains without running out of memory")
@@ -400,6 +428,8 @@ def fixed_batch(bench: Bench) -> Way:
         run = bench.run(f"m={size} x {OUTER // size}", transformers.Trainer, size, OUTER // size)
         way.tries.append(run)
         if not run.raised:
+            way.again = lambda size=size: bench.run(f"m={size} x {OUTER // size}", transformers.Trainer, size,
+                                                    OUTER // size)
             return way
         size //= 2
     raise RuntimeError("fixed batch: even one record per microbatch runs out of memory")
@@ -434,6 +464,8 @@ def token_budget(bench: Bench) -> Way:
         run = bench.run(f"T={budget_tokens} tokens", TokenBudgetTrainer, OUTER, 1, steps=steps)
         way.tries.append(run)
         if not run.raised:
+            way.again = lambda setting=run.setting, steps=steps: bench.run(setting, TokenBudgetTrainer, OUTER, 1,
+                                                                           steps=steps)
             return way
         budget_tokens = int(budget_tokens * BUDGET_FACTOR)
     raise RuntimeError("token budget: no budget fits one record of the longest length")
@@ -446,16 +478,16 @@ def table(ways: List[Way], records: int, lengths: np.ndarray, cap_bytes: int) ->
     trained (neither pays for finding its setting); over all tries, the drop-in's probing run
     (its probe paid) with every try of each way (their search paid)."""
     drop_in_run, cached_run = ways[0].final, ways[1].final
-    drop_in_rate = cached_run.tokens / cached_run.train_s
+    drop_in_rate = ways[1].tokens_per_s
     lines = [f"{records} records ({lengths.min()}-{lengths.max()} bytes, {int(lengths.sum()):,} tokens), "
              f"{OUTER} records per optimizer step, cap {cap_bytes:,} bytes, one epoch per run\n",
              "| way | setting | tries | OOM during training | time to first step s | the same, failed tries included s "
-             "| real tokens/s | drop-in / this | all tries s | tokens/s over all tries | drop-in / this |",
+             f"| real tokens/s, median of {1 + len(ways[0].repeats)} runs | drop-in / this | all tries s | tokens/s over all tries | drop-in / this |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     drop_in_overall = drop_in_run.tokens / ways[0].all_tries_s
     for way in ways:
         run = way.final
-        rate = run.tokens / run.train_s
+        rate = way.tokens_per_s
         overall = run.tokens / way.all_tries_s
         setting = run.setting + (f"; {way.note}" if way.note else "")
         lines.append(f"| {way.name} | {setting} | {len(way.tries)} | {sum(r.ooms for r in way.tries)} | "
@@ -464,8 +496,12 @@ def table(ways: List[Way], records: int, lengths: np.ndarray, cap_bytes: int) ->
                      f"{drop_in_overall / overall:.2f} |")
     lines += ["", f"- drop-in: {drop_in_run.report}; {drop_in_run.probe_ooms} probe(s) out of memory (not counted "
               f"above). Run again: {cached_run.report}.",
-              "- drop-in / this: per run, the drop-in's run from its cache against the run that trained (no way "
-              "pays there for finding its setting); over all tries, the drop-in's probing run against every try."]
+              "- drop-in / this: per run, the drop-in's runs from its cache against the setting that trained, "
+              "medians of the runs of each (no way pays there for finding its setting); over all tries, the "
+              "drop-in's probing run against every try.",
+              "- runs per setting (real tokens/s): " + "; ".join(
+                  f"{way.name} " + ", ".join(f"{r.tokens / r.train_s:,.0f}" for r in [way.final] + way.repeats)
+                  for way in ways) + "."]
     lines += [auto_finding(way) for way in ways if way.name.startswith("Trainer auto_find")]
     lines += ["- OOM during training: the runs stopped by an out-of-memory error (each try stops at its first); "
               "all tries s: train()'s wall time summed over every try, the failed ones included; tokens/s over all "
@@ -494,8 +530,12 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=4096)
     parser.add_argument("--max-bytes", type=int, default=256, help="records cut after this many bytes")
     parser.add_argument("--memory-cap-bytes", type=int, default=24_000_000)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each way's setting that trained; tokens/s per run is their median")
     parser.add_argument("--json", help="writes the results here")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     meter = xpm.CpuMeter.install()  # before any model: the meter must see the weights
@@ -507,16 +547,25 @@ def main() -> int:
             print(f"{way_of.__name__}:", file=sys.stderr, flush=True)
             found = way_of(bench)
             ways.extend(found if isinstance(found, list) else [found])
+        for repeat in range(args.repeats - 1):  # interleaved: a slow minute of the machine hits every way
+            print(f"repeat {repeat + 1}:", file=sys.stderr, flush=True)
+            for way in ways:
+                run = way.again()
+                if run.raised:
+                    raise RuntimeError(f"{way.name}: {run.setting} ran out of memory when run again")
+                way.repeats.append(run)
     meter.capacity_bytes = 0
     expected = int(bench.lengths.sum())
     for way in ways:
-        if way.final.tokens != expected:
-            raise RuntimeError(f"{way.name}: trained {way.final.tokens} tokens, the epoch holds {expected}")
+        for run in [way.final] + way.repeats:
+            if run.tokens != expected:
+                raise RuntimeError(f"{way.name}: trained {run.tokens} tokens, the epoch holds {expected}")
     print(table(ways, args.records, bench.lengths, args.memory_cap_bytes))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(
             {"records": args.records, "cap_bytes": args.memory_cap_bytes, "tokens": expected,
-             "ways": [{"name": w.name, "all_tries_s": w.all_tries_s, "tries": [asdict(r) for r in w.tries]}
+             "ways": [{"name": w.name, "all_tries_s": w.all_tries_s, "tries": [asdict(r) for r in w.tries],
+              "repeats": [asdict(r) for r in w.repeats], "tokens_per_s": w.tokens_per_s}
                       for w in ways]}, indent=1))
     return 0
 
