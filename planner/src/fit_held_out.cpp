@@ -26,8 +26,11 @@ std::vector<std::vector<double>> held_out_refits(const CostFormula& formula,
                                                  const std::vector<Measurement>& rest,
                                                  const std::vector<InfeasibleBound>& bounds,
                                                  const FitOptions& options, const FitResult& full) {
-  if (formula.is_linear() && bounds.empty() && options.robust_loss == RobustLoss::kNone) {
-    return {solve_linear(formula, rest, bounds, options, 0.0, nullptr, true).coefficients};
+  if (formula.is_linear() && options.robust_loss == RobustLoss::kNone) {
+    // The (non-negative) least-squares solution of `rest` is the optimum when no bound's hinge
+    // acts there (every probe that ran out of memory predicted above its capacity).
+    Solution exact = solve_linear(formula, rest, {}, options, 0.0, nullptr, true);
+    if (bounds_hold(formula, bounds, exact.coefficients)) return {std::move(exact.coefficients)};
   }
   const Solution from_full = solve(formula, rest, bounds, options, &full.coefficients);
   if (formula.is_linear() || !options.automatic_start || !options.initial_values.empty()) {

@@ -12,8 +12,11 @@
 // loss (identity by default). Before solving, J must have full column rank (find_dependence);
 // the start is the exact (non-negative) least-squares solution.
 //
-// Other formulas: r_i(x) = (formula.predict(x .* s, dims_i) - y_i) / y_i, central numeric
-// differences, s_k = |initial value of k| (1 when 0), same bounds and loss.
+// Other formulas: r_i(x) = (formula.predict(x .* s, dims_i) - y_i) / y_i, s_k = |initial value
+// of k| (1 when 0), same bounds and loss. Where every coefficient enters linearly inside max()
+// (max_affine_variants, fit_start.hpp), the prediction is the largest of a few affine variants
+// and its Jacobian row is the winning variant's, computed from rows built once per point (the
+// formula selection fits hundreds of such candidates); else central numeric differences.
 #include "fit_solve.hpp"
 
 #include <algorithm>
@@ -28,6 +31,7 @@
 #include <Eigen/Dense>
 
 #include "fit_identifiability.hpp"
+#include "fit_start.hpp"
 #include "nnls.hpp"
 #include "number_format.hpp"
 
@@ -79,6 +83,58 @@ class PredictRelativeResidual {
   double bytes_;
   std::vector<double> scales_;
 };
+
+// One point's relative residual of a formula that is the maximum of affine variants:
+// r = (max_v (rows_v . (x .* s) + offset_v) - y) / y, the winning variant's row as Jacobian.
+class MaxAffineRelativeResidual final : public ceres::CostFunction {
+ public:
+  // `rows` [variants, k + 1] in bytes (max_affine_variants); `scales` [k].
+  MaxAffineRelativeResidual(const Eigen::MatrixXd& rows, double bytes, const std::vector<double>& scales)
+      : rows_(rows.leftCols(rows.cols() - 1)), offsets_(rows.col(rows.cols() - 1)) {
+    for (Eigen::Index j = 0; j < rows_.cols(); ++j) rows_.col(j) *= scales[static_cast<std::size_t>(j)] / bytes;
+    offsets_ = (offsets_.array() - bytes) / bytes;
+    set_num_residuals(1);
+    mutable_parameter_block_sizes()->push_back(static_cast<int>(rows_.cols()));
+  }
+
+  bool Evaluate(double const* const* parameters, double* residuals,
+                double** jacobians) const override {
+    Eigen::Map<const Eigen::VectorXd> x(parameters[0], rows_.cols());
+    Eigen::Index winner = 0;
+    const double value = (rows_ * x + offsets_).maxCoeff(&winner);
+    residuals[0] = value;
+    if (jacobians != nullptr && jacobians[0] != nullptr) {
+      Eigen::Map<Eigen::RowVectorXd>(jacobians[0], rows_.cols()) = rows_.row(winner);
+    }
+    return std::isfinite(value);
+  }
+
+ private:
+  Eigen::MatrixXd rows_;     // [variants, k]: d(relative residual) / dx per variant
+  Eigen::VectorXd offsets_;  // [variants]: the relative residual at x = 0
+};
+
+// The analytic residuals of `formula` at the measurements when it is the maximum of affine
+// variants that reproduce its predictions at `start`; else empty (numeric differences).
+std::vector<std::unique_ptr<ceres::CostFunction>> max_affine_residuals(const CostFormula& formula,
+                                                                       const std::vector<Measurement>& measurements,
+                                                                       const std::vector<double>& start,
+                                                                       const std::vector<double>& scales) {
+  std::vector<std::vector<double>> dims;
+  for (const Measurement& m : measurements) dims.push_back(m.dims);
+  const auto variants = max_affine_variants(formula, dims);
+  if (!variants) return {};
+  const Eigen::Map<const Eigen::VectorXd> at(start.data(), static_cast<Eigen::Index>(start.size()));
+  std::vector<std::unique_ptr<ceres::CostFunction>> out;
+  for (std::size_t i = 0; i < measurements.size(); ++i) {
+    const Eigen::MatrixXd& rows = (*variants)[i];
+    const double predicted = formula.predict(start, measurements[i].dims);
+    const double rebuilt = (rows.leftCols(rows.cols() - 1) * at + rows.col(rows.cols() - 1)).maxCoeff();
+    if (!(std::abs(rebuilt - predicted) <= 1e-9 * std::max(1.0, std::abs(predicted)))) return {};
+    out.push_back(std::make_unique<MaxAffineRelativeResidual>(rows, measurements[i].bytes, scales));
+  }
+  return out;
+}
 
 // The hinge aims a little above exceeds_bytes so that the penalty's equilibrium, a hair below
 // its target, still satisfies the bound.
@@ -186,7 +242,11 @@ Solution solve_nonlinear(const CostFormula& formula, const std::vector<Measureme
     x[j] = start[j] / scales[j];
   }
   ceres::Problem problem;
-  for (const Measurement& m : measurements) {
+  std::vector<std::unique_ptr<ceres::CostFunction>> analytic = max_affine_residuals(formula, measurements, start, scales);
+  for (std::unique_ptr<ceres::CostFunction>& cost : analytic) {
+    problem.AddResidualBlock(cost.release(), make_loss(options), x.data());
+  }
+  for (const Measurement& m : analytic.empty() ? measurements : std::vector<Measurement>{}) {
     using Cost = ceres::DynamicNumericDiffCostFunction<PredictRelativeResidual, ceres::CENTRAL>;
     auto* cost = new Cost(new PredictRelativeResidual(formula, m.dims, m.bytes, scales));
     cost->AddParameterBlock(static_cast<int>(k));
@@ -364,6 +424,13 @@ Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>
     s.coefficients[static_cast<std::size_t>(j)] = c;
   }
   return s;
+}
+
+bool bounds_hold(const CostFormula& formula, const std::vector<InfeasibleBound>& bounds,
+                 const std::vector<double>& coefficients) {
+  return std::all_of(bounds.begin(), bounds.end(), [&](const InfeasibleBound& bound) {
+    return formula.predict(coefficients, bound.dims) >= hinge_target(bound);
+  });
 }
 
 Solution solve(const CostFormula& formula, const std::vector<Measurement>& measurements,

@@ -30,6 +30,12 @@ Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>
                       const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
                       double weight, const std::vector<double>* start, bool exact_is_enough = false);
 
+/// Whether no bound's hinge acts at `coefficients`: every bound predicted at or above the hinge's
+/// target (a hair above exceeds_bytes), so the least-squares optimum of the measurements alone is
+/// the optimum with the bounds.
+bool bounds_hold(const CostFormula& formula, const std::vector<InfeasibleBound>& bounds,
+                 const std::vector<double>& coefficients);
+
 /// Solves (linear or not; `start` may be null for a linear formula only); while a bound is
 /// violated at the solution, solves again from it with 10x the hinge weight (a few times at most).
 Solution solve(const CostFormula& formula, const std::vector<Measurement>& measurements,

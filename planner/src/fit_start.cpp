@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -396,6 +397,47 @@ using detail::short_double;
 using detail::and_list;
 
 }  // namespace
+
+std::optional<std::vector<Eigen::MatrixXd>> max_affine_variants(const CostFormula& formula,
+                                                                const std::vector<std::vector<double>>& dims) {
+  const fa::Sum& terms = formula.expression().terms;
+  const std::size_t k = formula.coefficient_names().size();
+  std::vector<Role> roles(k, Role::linear);
+  classify(terms, false, roles);
+  if (std::any_of(roles.begin(), roles.end(), [](Role r) { return r != Role::linear; })) return std::nullopt;
+  std::map<std::string, std::size_t> factors;
+  if (!has_resolved_max(terms, Resolver(roles, nullptr)) ||
+      !collect_max_factors(terms, Resolver(roles, nullptr), factors)) {
+    return std::nullopt;
+  }
+  const std::vector<MaxChoices> variants = max_variants(factors);
+  if (variants.size() > kMaxVariants) return std::nullopt;
+  std::vector<Eigen::MatrixXd> out;
+  out.reserve(dims.size());
+  const std::vector<double> zero(k, 0.0);
+  for (const std::vector<double>& at : dims) {
+    std::vector<Eigen::RowVectorXd> rows;
+    for (const MaxChoices& choices : variants) {
+      const Resolver resolver(roles, choices);
+      Eigen::RowVectorXd row(static_cast<Eigen::Index>(k + 1));
+      const double offset = resolver.value(terms, zero, at);
+      for (std::size_t j = 0; j < k; ++j) {
+        std::vector<double> unit = zero;
+        unit[j] = 1.0;
+        row(static_cast<Eigen::Index>(j)) = resolver.value(terms, unit, at) - offset;
+      }
+      row(static_cast<Eigen::Index>(k)) = offset;
+      if (!row.allFinite()) return std::nullopt;
+      if (std::none_of(rows.begin(), rows.end(), [&](const Eigen::RowVectorXd& r) { return r == row; })) {
+        rows.push_back(std::move(row));
+      }
+    }
+    Eigen::MatrixXd matrix(static_cast<Eigen::Index>(rows.size()), static_cast<Eigen::Index>(k + 1));
+    for (std::size_t v = 0; v < rows.size(); ++v) matrix.row(static_cast<Eigen::Index>(v)) = rows[v];
+    out.push_back(std::move(matrix));
+  }
+  return out;
+}
 
 AutomaticStart automatic_start(const CostFormula& formula,
                                const std::vector<Measurement>& measurements,

@@ -23,8 +23,11 @@
 #pragma once
 
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include <Eigen/Dense>
 
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/formula.hpp"
@@ -43,5 +46,14 @@ struct AutomaticStart {
 AutomaticStart automatic_start(const CostFormula& formula,
                                const std::vector<Measurement>& measurements,
                                const FitOptions& options, const std::vector<double>& fallback);
+
+/// A formula whose every coefficient enters linearly, possibly inside max() (max(a*bs*l + c1,
+/// b*bs + c2), max(f, a*bs*l^2 + c)), at most 64 combinations of max() arguments: at each of
+/// `dims`, the rows [variants, k + 1] of its variants affine in the coefficients, the prediction
+/// max_v rows.row(v).head(k) . coefficients + rows(v, k), bytes (duplicate rows dropped). The
+/// solver's analytic residuals (fit_solve.cpp) use them. nullopt for any other formula, or when
+/// a row is not finite.
+std::optional<std::vector<Eigen::MatrixXd>> max_affine_variants(const CostFormula& formula,
+                                                                const std::vector<std::vector<double>>& dims);
 
 }  // namespace xpm::detail
