@@ -7,6 +7,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -240,6 +241,27 @@ void iterate_assignments(const Solver& solver, Assignment assignment, Best& best
   }
 }
 
+// The single-point reassignments (point, piece) nearest the boundary of `assignment`'s region at
+// `y`: the smallest gaps between the assigned piece's residual and another piece's, at most
+// `count` (ties: lower point, then lower piece). A point deep inside its piece's region is only
+// reassigned by moving far from the fit, so the near ones are the ones that can lower the cost.
+std::vector<std::pair<std::size_t, Eigen::Index>> nearest_flips(const Solver& solver, const Eigen::VectorXd& y,
+                                                                const Assignment& assignment, std::size_t count) {
+  std::vector<std::tuple<double, std::size_t, Eigen::Index>> flips;
+  for (std::size_t i = 0; i < solver.point_count(); ++i) {
+    const Eigen::Index s = static_cast<Eigen::Index>(assignment[i]);
+    const double assigned = solver.residual(i, s, y);
+    for (Eigen::Index v = 0; v < solver.pieces(i); ++v) {
+      if (v != s) flips.emplace_back(std::abs(assigned - solver.residual(i, v, y)), i, v);
+    }
+  }
+  const std::size_t kept = std::min(count, flips.size());
+  std::partial_sort(flips.begin(), flips.begin() + static_cast<std::ptrdiff_t>(kept), flips.end());
+  std::vector<std::pair<std::size_t, Eigen::Index>> out;
+  for (std::size_t f = 0; f < kept; ++f) out.emplace_back(std::get<1>(flips[f]), std::get<2>(flips[f]));
+  return out;
+}
+
 void multi_start(const Solver& solver, const MaxAffineSearchOptions& options, Best& best,
                  std::int64_t& nodes) {
   const std::size_t n = solver.point_count();
@@ -268,15 +290,12 @@ void multi_start(const Solver& solver, const MaxAffineSearchOptions& options, Be
     const Restricted here = solver.solve_restricted(assignment);
     ++nodes;
     if (here.feasible) improved = best.offer(solver, here.x) || improved;
-    for (std::size_t i = 0; i < n; ++i) {
-      for (Eigen::Index v = 0; v < solver.pieces(i); ++v) {
-        if (static_cast<std::size_t>(v) == assignment[i]) continue;
-        Assignment flipped = assignment;
-        flipped[i] = static_cast<std::size_t>(v);
-        const Restricted r = solver.solve_restricted(flipped);
-        ++nodes;
-        if (r.feasible && best.offer(solver, r.x)) improved = true;
-      }
+    for (const auto& [i, v] : nearest_flips(solver, best.y, assignment, options.flips_per_round)) {
+      Assignment flipped = assignment;
+      flipped[i] = static_cast<std::size_t>(v);
+      const Restricted r = solver.solve_restricted(flipped);
+      ++nodes;
+      if (r.feasible && best.offer(solver, r.x)) improved = true;
     }
     if (!improved) break;
     assignment = solver.winners(best.y);

@@ -31,8 +31,9 @@
 //    constraints, reassign each point to the piece that wins at the fit, repeat while the cost
 //    falls) from several starts (the sum of the pieces, each piece alone at every point, and
 //    seeded random assignments), then the restricted problem of the best assignment and
-//    single-point reassignments while one lowers the cost. Not guaranteed global; documented as
-//    such in docs/formula.md.
+//    single-point reassignments while one lowers the cost (each round the flips_per_round
+//    nearest the region's boundary: the smallest gaps between a point's assigned and another
+//    piece's residual). Not guaranteed global; documented as such in docs/formula.md.
 #pragma once
 
 #include <cstddef>
@@ -59,6 +60,8 @@ struct MaxAffineSearchOptions {
   std::size_t exhaustive_max_points = 16;  // branch and bound up to this many points
   std::int64_t max_nodes = 200000;         // restricted problems solved by branch and bound
   int random_starts = 16;                  // beyond exhaustive_max_points: seeded random starts
+  std::size_t flips_per_round = 24;        // beyond: single-point reassignments tried per round,
+                                           // those nearest the region's boundary
 };
 
 struct MaxAffineSolution {
