@@ -375,6 +375,22 @@ void try_piece_shapes(Selector& selector, const std::vector<Term>& pool, const T
   }
 }
 
+// The candidates from the variables: linear sets, the floor, max() shapes (the header's list).
+void generate_candidates(Selector& selector, const std::vector<Term>& pool, const TermSet& with_bs,
+                         const FormulaSelectionOptions& options) {
+  const auto linear = linear_sets(selector, pool, with_bs);
+  TermSet shaped;  // the terms of the best two linear sets (at most 4) make the max() pieces
+  for (std::size_t i = 0; i < linear.size() && i < 2 && std::isfinite(linear[i].first); ++i) {
+    if (options.floor) selector.try_floor(pool, linear[i].second);
+    TermSet joined = shaped;
+    joined.insert(joined.end(), linear[i].second.begin(), linear[i].second.end());
+    std::sort(joined.begin(), joined.end());
+    joined.erase(std::unique(joined.begin(), joined.end()), joined.end());
+    if (i == 0 || joined.size() <= 4) shaped = joined;
+  }
+  try_piece_shapes(selector, pool, shaped, with_bs, options.max_pieces);
+}
+
 }  // namespace
 
 void FormulaSelectionOptions::validate() const {
@@ -425,17 +441,13 @@ FormulaSelection select_formula(const std::vector<std::string>& variable_names,
   for (std::size_t t = 0; t < pool.size(); ++t) {
     if (grows_with_records(pool[t], bs, summed)) with_bs.push_back(t);
   }
-  const auto linear = linear_sets(selector, pool, with_bs);
-  TermSet shaped;  // the terms of the best two linear sets (at most 4) make the max() pieces
-  for (std::size_t i = 0; i < linear.size() && i < 2 && std::isfinite(linear[i].first); ++i) {
-    if (options.floor) selector.try_floor(pool, linear[i].second);
-    TermSet joined = shaped;
-    joined.insert(joined.end(), linear[i].second.begin(), linear[i].second.end());
-    std::sort(joined.begin(), joined.end());
-    joined.erase(std::unique(joined.begin(), joined.end()), joined.end());
-    if (i == 0 || joined.size() <= 4) shaped = joined;
+  if (options.formulas.empty()) {
+    generate_candidates(selector, pool, with_bs, options);
+  } else {
+    for (const std::string& text : options.formulas) {
+      selector.try_formula(text, CostFormula::with_variables(text, variable_names).coefficient_names().size());
+    }
   }
-  try_piece_shapes(selector, pool, shaped, with_bs, options.max_pieces);
   std::vector<Tried>& tried = selector.tried();
   std::size_t best = tried.size();
   for (std::size_t i = 0; i < tried.size(); ++i) {

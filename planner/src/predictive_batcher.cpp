@@ -197,8 +197,8 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
   return *model_;
 }
 
-PredictiveBatcher::FitCandidate PredictiveBatcher::fit_probes(double static_bytes,
-                                                              double usable_bytes) {
+PredictiveBatcher::FitCandidate PredictiveBatcher::fit_probes(double static_bytes, double usable_bytes,
+                                                              const std::vector<std::string>& among) {
   const CostFormula& formula = options_.formula;
   // Floor: the static memory and the optimizer-step peaks, a constant or a formula of its own
   // when they grow with the dims (floor_model.hpp).
@@ -229,7 +229,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_probes(double static_byte
                                 : static_cast<double>(options_.budget.capacity_bytes);
     infeasible.push_back({probe.dims, capacity});
   }
-  FitCandidate chosen = choose_fit(formula, infeasible, usable_bytes);
+  FitCandidate chosen = choose_fit(formula, infeasible, usable_bytes, among);
   chosen.probed_ranges = MemoryModel::ranges_of(feasible_dims);
   chosen.infeasible = std::move(infeasible);
   return chosen;
@@ -289,7 +289,8 @@ void PredictiveBatcher::store_model(FitCandidate chosen, double static_bytes) {
 }
 
 // The given formula's fit, or the formula chosen from the candidates (FormulaChoice::kAutomatic).
-void PredictiveBatcher::fit_formula(FitCandidate& c, const std::vector<InfeasibleBound>& infeasible) const {
+void PredictiveBatcher::fit_formula(FitCandidate& c, const std::vector<InfeasibleBound>& infeasible,
+                                    const std::vector<std::string>& among) const {
   if (options_.formula_choice == FormulaChoice::kGiven) {
     c.formula = options_.formula;
     c.fit = fit_coefficients(*c.formula, c.measurements, infeasible, options_.fit);
@@ -299,6 +300,7 @@ void PredictiveBatcher::fit_formula(FitCandidate& c, const std::vector<Infeasibl
   selection.batch_size_variable = options_.batch_size_variable;
   selection.fit = options_.fit;
   selection.floor = false;  // the batcher's floor is its own (floor_model.hpp)
+  selection.formulas = among;
   for (const auto& [name, aggregation] : options_.aggregation) {
     if (aggregation == DimAggregation::kSum) selection.summed_variables.push_back(name);
   }
@@ -311,7 +313,7 @@ void PredictiveBatcher::fit_formula(FitCandidate& c, const std::vector<Infeasibl
 
 PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
     const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible, double floor_bytes,
-    const std::function<bool(const ProbeResult&)>& off_plateau) const {
+    const std::function<bool(const ProbeResult&)>& off_plateau, const std::vector<std::string>& among) const {
   FitCandidate c;
   c.floor_bytes = floor_bytes;
   const auto floor_at = [&](const std::vector<double>& dims) {
@@ -341,7 +343,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
         std::to_string(static_cast<long long>(floor_fit_.constant_bytes)) +
         " bytes: raise the capacity or give probe points that fit it");
   }
-  fit_formula(c, infeasible);
+  fit_formula(c, infeasible, among);
   if (!c.fit.summary.usable) return c;
   MemoryModel model(*c.formula, c.fit.coefficients, floor_bytes, options_.batch_size_variable,
                     options_.aggregation);
@@ -359,8 +361,8 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
 }
 
 PredictiveBatcher::FitCandidate PredictiveBatcher::choose_fit(
-    const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible,
-    double usable_bytes) const {
+    const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible, double usable_bytes,
+    const std::vector<std::string>& among) const {
   // Below some size the forward/backward peak stops following the activations: a
   // shape-independent moment of backward sets it (the dense gradient of the largest parameter,
   // e.g. the tagger's 10.24 MB embedding gradient, alive while it is added into .grad). Several
@@ -394,7 +396,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::choose_fit(
     try {
       FitCandidate c = fit_candidate(formula, infeasible, floor, [&](const ProbeResult& probe) {
         return !with_plateau || probe.forward_backward_peak_bytes > plateau_top_bytes;
-      });
+      }, among);
       c.plateau = with_plateau;
       candidates.push_back(std::move(c));
     } catch (const IdentifiabilityError& e) {

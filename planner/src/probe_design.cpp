@@ -252,8 +252,12 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   const std::vector<ProbeShape> grid = adaptive_grid();
+  const bool choosing = options_.formula_choice == FormulaChoice::kAutomatic;
   const auto finish = [&](AdaptiveStop stop) {
     adaptive_report_.stop = stop;
+    // Between added probes only the rivals were refitted: the choice among every candidate
+    // is made once, on every probe.
+    if (choosing && adaptive_report_.added_probes > 0) return fit_probes(static_bytes, usable_bytes);
     return std::move(chosen);
   };
   for (;;) {
@@ -302,7 +306,12 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
     }
     probes_.push_back(run_shape(executor, *worst_shape));
     ++adaptive_report_.added_probes;
-    chosen = fit_probes(static_bytes, usable_bytes);
+    std::vector<std::string> among;  // the chosen formula and its rivals, refitted on every probe
+    if (choosing) {
+      among.push_back(chosen.formula->text());
+      for (const FittedFormula& other : chosen.alternatives) among.push_back(other.formula.text());
+    }
+    chosen = fit_probes(static_bytes, usable_bytes, among);
   }
 }
 

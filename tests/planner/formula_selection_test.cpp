@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -75,6 +76,41 @@ TEST_CASE("select_formula picks max() pieces when the peak moves between operati
   CHECK(s.fit.summary.usable);
   CHECK(s.formula.canonical().find("max(") != std::string::npos);
   CHECK(worst_error(s, measure({{3, 100}, {6, 300}, {12, 230}, {16, 150}, {5, 250}}, bytes)) < 0.01);
+}
+
+TEST_CASE("select_formula gives the same formula and the same coefficients, bit for bit, every time") {
+  // Noisy peaks of three variables (a relative noise of up to 0.5 %, as an allocator's rounding
+  // gives): candidates lie close, so any dependence on time or order would show.
+  const auto bytes = [](const std::vector<double>& d) {
+    const double exact = 40000 * d[0] * d[1] + 25000 * d[0] * d[2] + 30 * d[0] * d[1] * d[1] +
+                         45 * d[0] * d[1] * d[2] + 20 * d[0] * d[2] * d[2] + 1.5e8;
+    const double phase = std::sin(d[0] * 12.9898 + d[1] * 78.233 + d[2] * 37.719) * 43758.5453;
+    return exact * (1 + 0.005 * (2 * (phase - std::floor(phase)) - 1));
+  };
+  const auto m = measure(sweeps({{64, 48}, {160, 96}, {256, 32}, {96, 128}, {192, 64}, {32, 112}, {128, 16}}), bytes);
+  const xpm::FormulaSelection first = xpm::select_formula({"bs", "ls", "lt"}, m, {});
+  INFO(first.report());
+  for (int run = 0; run < 2; ++run) {
+    const xpm::FormulaSelection again = xpm::select_formula({"bs", "ls", "lt"}, m, {});
+    CHECK(again.formula.canonical() == first.formula.canonical());
+    CHECK(again.fit.coefficients == first.fit.coefficients);  // exact: no tolerance
+    CHECK(again.report() == first.report());
+  }
+}
+
+TEST_CASE("select_formula among given formulas fits only those and picks the best held-out one") {
+  const auto bytes = [](const std::vector<double>& d) { return 10 * d[0] * d[1] * d[1] + 1000 * d[0] * d[1] + 1e6; };
+  const auto m = measure(sweeps({{64}, {96}, {128}, {80}}), bytes);
+  xpm::FormulaSelectionOptions options;
+  options.formulas = {"a1*bs*l + c", "a1*bs*l + a2*bs*l^2 + c", "max(a1*bs*l + c1, b1*bs*l^2 + c2)"};
+  const xpm::FormulaSelection s = xpm::select_formula({"bs", "l"}, m, {}, options);
+  INFO(s.report());
+  REQUIRE(s.candidates.size() == 3);
+  CHECK(s.candidates[0].text == "a1*bs*l + c");
+  CHECK(s.formula.canonical() == "a1*bs*l + a2*bs*l^2 + c");
+  CHECK(s.chosen == 1);
+  options.formulas = {"a1*bs*l + q*"};
+  CHECK_THROWS_AS(xpm::select_formula({"bs", "l"}, m, {}, options), std::invalid_argument);
 }
 
 TEST_CASE("select_formula refuses a batch-size variable that is not a variable") {

@@ -24,11 +24,16 @@
 // ranked by the root mean square of its held-out relative errors + size_penalty * coefficients
 // (the mean, not the max: one extreme shape, predicted from the others by extrapolation,
 // would decide every ranking); the best usable one is
-// chosen (the best unusable one when none is usable: its summary says why). Measurements must
-// be more than the coefficients of a candidate for it to be tried.
+// chosen (the best unusable one when none is usable: its summary says why); ties go to fewer
+// coefficients, then to the candidate tried first (the order above). Measurements must be more
+// than the coefficients of a candidate for it to be tried. With FormulaSelectionOptions::
+// formulas, those formulas are the candidates instead (each fitted with its held-out refits):
+// the adaptive probe design refits its rivals that way after each probe it adds.
 // Pure and deterministic: every rank given the same measurements gets the same formula (no
-// collective; PredictiveBatcher calls it on rank 0 and shares the model). Thread-safe. Time: one linear fit per subset, a few non-linear fits with
-// their held-out refits (seconds for tens of probes).
+// collective; PredictiveBatcher calls it on rank 0 and shares the model); no clock is read.
+// Thread-safe. Time: one linear fit per subset, quick fits of the max() shapes, a few non-linear
+// fits with their held-out refits: 0.8 s for 56 probes of two variables, 2.5 s of three
+// (bench/fit_bench.cpp, BM_SelectFormula).
 #pragma once
 
 #include <string>
@@ -48,6 +53,9 @@ struct FormulaSelectionOptions {
   int max_pieces = 3;                      // max() of up to this many pieces; 1: linear only
   bool floor = true;                       // also try max(f, best linear formula)
   double size_penalty = 0.0005;            // added to the held-out rms error per coefficient
+  /// When not empty, the candidates (formula texts over the variables, in this order) instead of
+  /// those generated from the variables; max_pieces and floor do not apply then.
+  std::vector<std::string> formulas;
   FitOptions fit;                          // for every candidate's fit (batch_size_variable set)
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;
@@ -94,8 +102,9 @@ std::string all_terms_formula(const std::vector<std::string>& variable_names,
 
 /// Chooses a formula over `variable_names` for `measurements` (bounds as in fit_coefficients).
 /// Throws std::invalid_argument when the batch-size variable is not among `variable_names`, the
-/// measurements are invalid (as fit_coefficients says), or no candidate can be fitted (too few
-/// measurements, shapes that separate no terms; the message says which).
+/// measurements are invalid (as fit_coefficients says), a text of options.formulas does not parse
+/// over them, or no candidate can be fitted (too few measurements, shapes that separate no terms;
+/// the message says which).
 FormulaSelection select_formula(const std::vector<std::string>& variable_names,
                                 const std::vector<Measurement>& measurements,
                                 const std::vector<InfeasibleBound>& bounds,

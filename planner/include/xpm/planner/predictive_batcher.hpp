@@ -53,8 +53,10 @@ enum class AdaptiveStop {
 /// After the initial design, probe next where candidate models disagree most: the fit and its
 /// leave-one-shape-out refits (models the probes explain about as well), over a grid of shapes
 /// inside the design's range whose predicted peak fits the budget. Each added probe joins the
-/// fit; the loop stops when they agree within `tolerance`, or at its budget of probes. Nothing
-/// in it reads a clock: the same probes give the same design on every machine and rank.
+/// fit (with the formula chosen from the probes, the rivals alone are refitted after each; every
+/// candidate once at the end); the loop stops when they agree within `tolerance`, or at its
+/// budget of probes. Nothing in it reads a clock: the same probes give the same design on every
+/// machine and rank.
 struct AdaptiveDesignOptions {
   int max_probes = 8;        // probes added at most (0: no adaptive design)
   double tolerance = 0.01;   // relative disagreement below which the models agree
@@ -95,8 +97,9 @@ struct PredictiveBatcherOptions {
   CostFormula formula = CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"});
   /// kAutomatic: the formula is chosen from the probes (select_formula over
   /// formula.variable_names(), e.g. formula = CostFormula::with_variables("c", {"bs", "l"})),
-  /// after the initial design and after every adaptive probe (the other formulas the probes
-  /// explain join the adaptive design's candidate models); fit_summary() is the chosen
+  /// after the initial design (the other formulas the probes explain join the adaptive design's
+  /// candidate models), again among those rivals after every adaptive probe, and among every
+  /// candidate once more when the adaptive design added probes; fit_summary() is the chosen
   /// formula's, selection_report() says what was tried; the floor formula defaults to every
   /// candidate term (all_terms_formula).
   FormulaChoice formula_choice = FormulaChoice::kGiven;
@@ -229,19 +232,22 @@ class PredictiveBatcher {
                         double usable_bytes);
   ProbeResult run_shape(ProbeExecutor& executor, const ProbeShape& shape);
   ProbeShape sample_mix(std::size_t records, double fraction, bool spread) const;
-  FitCandidate fit_probes(double static_bytes, double usable_bytes);
+  // `among`: when not empty, the formulas the automatic choice picks from (the adaptive design's
+  // rivals), instead of every candidate.
+  FitCandidate fit_probes(double static_bytes, double usable_bytes, const std::vector<std::string>& among = {});
   FitCandidate refine_design(ProbeExecutor& executor, FitCandidate chosen, double static_bytes,
                              double usable_bytes);
   std::vector<ProbeShape> adaptive_grid() const;
   double candidate_prediction(const CostFormula& formula, const std::vector<double>& coefficients,
                               double floor_bytes, const std::vector<double>& dims) const;
-  void fit_formula(FitCandidate& c, const std::vector<InfeasibleBound>& infeasible) const;
+  void fit_formula(FitCandidate& c, const std::vector<InfeasibleBound>& infeasible,
+                   const std::vector<std::string>& among) const;
   void store_model(FitCandidate chosen, double static_bytes);
   FitCandidate fit_candidate(const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible,
-                             double floor_bytes,
-                             const std::function<bool(const ProbeResult&)>& off_plateau) const;
+                             double floor_bytes, const std::function<bool(const ProbeResult&)>& off_plateau,
+                             const std::vector<std::string>& among) const;
   FitCandidate choose_fit(const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible,
-                          double usable_bytes) const;
+                          double usable_bytes, const std::vector<std::string>& among) const;
 
   PredictiveBatcherOptions options_;
   std::shared_ptr<const MicrobatchPacker> packer_;
