@@ -253,12 +253,19 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
   };
   const std::vector<ProbeShape> grid = adaptive_grid();
   const bool choosing = options_.formula_choice == FormulaChoice::kAutomatic;
-  const auto finish = [&](AdaptiveStop stop) {
+  // With the formula chosen, an added probe refits the chosen formula and its rivals only; the
+  // choice among every candidate is made again, on every probe, before the design stops: when
+  // it stops for agreement (or for want of candidates) the new choice's candidates are checked
+  // in turn, and the design goes on if they disagree.
+  bool rivals_only = false;
+  const auto stops = [&](AdaptiveStop stop) {
+    if (rivals_only) {
+      chosen = fit_probes(static_bytes, usable_bytes);
+      rivals_only = false;
+      if (stop != AdaptiveStop::kProbeCount) return false;
+    }
     adaptive_report_.stop = stop;
-    // Between added probes only the rivals were refitted: the choice among every candidate
-    // is made once, on every probe.
-    if (choosing && adaptive_report_.added_probes > 0) return fit_probes(static_bytes, usable_bytes);
-    return std::move(chosen);
+    return true;
   };
   for (;;) {
     const FitSummary& summary = chosen.fit.summary;
@@ -273,7 +280,8 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
       }
     }
     if (rivals.empty()) {
-      return finish(AdaptiveStop::kNoCandidates);
+      if (stops(AdaptiveStop::kNoCandidates)) return chosen;
+      continue;
     }
     // The shape where a held-out refit departs most from the fit, inside the budget.
     double worst = -1;
@@ -294,15 +302,15 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
       }
     }
     if (worst < 0) {
-      return finish(AdaptiveStop::kNoCandidates);
+      if (stops(AdaptiveStop::kNoCandidates)) return chosen;
+      continue;
     }
     adaptive_report_.disagreement = worst;
     adaptive_report_.disagreement_dims = worst_shape->dims;
-    if (worst <= options_.adaptive.tolerance) {
-      return finish(AdaptiveStop::kAgreed);
-    }
-    if (adaptive_report_.added_probes >= options_.adaptive.max_probes) {
-      return finish(AdaptiveStop::kProbeCount);
+    const bool agreed = worst <= options_.adaptive.tolerance;
+    if (agreed || adaptive_report_.added_probes >= options_.adaptive.max_probes) {
+      if (stops(agreed ? AdaptiveStop::kAgreed : AdaptiveStop::kProbeCount)) return chosen;
+      continue;
     }
     probes_.push_back(run_shape(executor, *worst_shape));
     ++adaptive_report_.added_probes;
@@ -312,6 +320,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::refine_design(ProbeExecutor& 
       for (const FittedFormula& other : chosen.alternatives) among.push_back(other.formula.text());
     }
     chosen = fit_probes(static_bytes, usable_bytes, among);
+    rivals_only = choosing;
   }
 }
 
