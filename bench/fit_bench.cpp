@@ -11,6 +11,13 @@
 //                                         assignments (branch and bound up to 16 probes,
 //                                         multi-start beyond); noise 0 or 50 (0.5 % relative)
 //   BM_Fit_MaxThreePieces/<probes>/<noise> max(p1, p2, f) with two quadratic pieces of one shape
+//   BM_SelectFormula/<variables>          select_formula ("auto") on the probes of an encoder-
+//                                         decoder (2: bs, l; 3: bs, ls, lt), about 56 of them
+//   BM_ProbePhase/<variables>/<noise>     PredictiveBatcher::probe_and_fit with the formula
+//                                         chosen: the design, the adaptive probes, every
+//                                         selection (probes cost nothing here: all is fitting);
+//                                         noise up to 0.3 % or 2 % (the adaptive design adds
+//                                         probes where the candidates then disagree)
 //   BM_MemoryModel_PredictBytes           one prediction
 //   BM_MemoryModel_MaxMicrobatchSize      the largest bs that fits at one length
 //
@@ -21,13 +28,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/formula.hpp"
+#include "xpm/planner/formula_selection.hpp"
 #include "xpm/planner/memory_model.hpp"
+#include "xpm/planner/packer.hpp"
+#include "xpm/planner/predictive_batcher.hpp"
 
 namespace {
 
@@ -166,6 +178,99 @@ void BM_Fit_MaxThreePieces(benchmark::State& state) {
               {300.0, 10000.0, 3e7, 20.0, 90000.0, 2.5e7, 3.3e7});
 }
 BENCHMARK(BM_Fit_MaxThreePieces)->ArgsProduct({{8, 16, 64}, {0, 50}})->Unit(benchmark::kMillisecond);
+
+// An encoder-decoder's peak at dims (bs, ls[, lt]), bytes: attention over the source and the
+// target and across them, activations per token, per-record buffers and 150 MB of weights and
+// optimizer state; times a deterministic relative noise of up to `noise` (0.003: 0.3 %, the
+// allocator's rounding).
+double encoder_decoder_peak_bytes(const std::vector<double>& d, double noise = 0.003) {
+  const double bs = d[0], ls = d[1], lt = d.size() > 2 ? d[2] : d[1] / 2;
+  const double bytes = 40000 * bs * ls + 25000 * bs * lt + 30 * bs * ls * ls + 45 * bs * ls * lt +
+                       20 * bs * lt * lt + 600000 * bs + 150e6;
+  const double phase = std::sin(bs * 12.9898 + ls * 78.233 + lt * 37.719) * 43758.5453;
+  return bytes * (1 + noise * (2 * (phase - std::floor(phase)) - 1));
+}
+
+std::vector<std::string> encoder_decoder_variables(int variables) {
+  return variables == 3 ? std::vector<std::string>{"bs", "ls", "lt"} : std::vector<std::string>{"bs", "l"};
+}
+
+// 56 probes: bs in 1..16, lengths up to 256 (source) and 128 (target).
+std::vector<xpm::Measurement> encoder_decoder_probes(int variables) {
+  std::vector<xpm::Measurement> probes;
+  const std::vector<double> batch_sizes = {1, 2, 3, 4, 6, 8, 12, 16};
+  const std::vector<double> lengths = {32, 64, 96, 128, 160, 192, 256};
+  for (std::size_t i = 0; i < batch_sizes.size() * lengths.size(); ++i) {
+    const double bs = batch_sizes[i % batch_sizes.size()];
+    const double ls = lengths[(i / batch_sizes.size() + i) % lengths.size()];
+    std::vector<double> dims = {bs, ls};
+    if (variables == 3) dims.push_back(16 + static_cast<double>((i * 37) % 113));
+    probes.push_back({dims, encoder_decoder_peak_bytes(dims)});
+  }
+  return probes;
+}
+
+void BM_SelectFormula(benchmark::State& state) {
+  const int variables = static_cast<int>(state.range(0));
+  const auto probes = encoder_decoder_probes(variables);
+  xpm::FormulaSelectionOptions options;
+  options.floor = false;  // as the predictive batcher selects (its floor is its own)
+  std::string chosen;
+  for (auto _ : state) {
+    const xpm::FormulaSelection selection =
+        xpm::select_formula(encoder_decoder_variables(variables), probes, {}, options);
+    chosen = selection.formula.canonical();
+    state.counters["candidates"] = static_cast<double>(selection.candidates.size());
+    state.counters["held_out_max_rel_error"] = selection.fit.summary.leave_one_out_max_rel_error;
+  }
+  state.SetLabel(chosen);
+}
+BENCHMARK(BM_SelectFormula)->Arg(2)->Arg(3)->Unit(benchmark::kMillisecond)->Iterations(1);
+
+class EncoderDecoderExecutor : public xpm::ProbeExecutor {
+ public:
+  EncoderDecoderExecutor(double capacity_bytes, double noise) : capacity_bytes_(capacity_bytes), noise_(noise) {}
+  xpm::ProbeResult run_probe(const std::vector<double>& dims) override {
+    xpm::ProbeResult r;
+    r.dims = dims;
+    r.capacity_bytes = capacity_bytes_;
+    r.forward_backward_peak_bytes = encoder_decoder_peak_bytes(dims, noise_);
+    r.optimizer_step_peak_bytes = 150e6 + 1e6;
+    if (r.forward_backward_peak_bytes > capacity_bytes_) {
+      r.feasible = false;
+      r.forward_backward_peak_bytes = 0;
+      r.error = "out of memory";
+    }
+    return r;
+  }
+  double static_bytes() override { return 150e6; }
+
+ private:
+  double capacity_bytes_;
+  double noise_;
+};
+
+void BM_ProbePhase(benchmark::State& state) {
+  const int variables = static_cast<int>(state.range(0));
+  xpm::PredictiveBatcherOptions options;
+  options.formula_choice = xpm::FormulaChoice::kAutomatic;
+  options.formula = xpm::CostFormula::with_variables("c", encoder_decoder_variables(variables));
+  options.variable_max = variables == 3 ? std::map<std::string, double>{{"bs", 16}, {"ls", 256}, {"lt", 128}}
+                                        : std::map<std::string, double>{{"bs", 16}, {"l", 256}};
+  options.budget = {400'000'000, 0.9, 0};
+  std::string chosen;
+  for (auto _ : state) {
+    EncoderDecoderExecutor executor(400e6, static_cast<double>(state.range(1)) * 1e-3);
+    xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
+    const xpm::MemoryModel& model = batcher.probe_and_fit(executor);
+    chosen = model.formula().canonical();
+    state.counters["probes"] = static_cast<double>(batcher.probes().size());
+    state.counters["adaptive_probes"] = static_cast<double>(batcher.adaptive_report().added_probes);
+    state.counters["held_out_max_rel_error"] = batcher.fit_summary().leave_one_out_max_rel_error;
+  }
+  state.SetLabel(chosen);
+}
+BENCHMARK(BM_ProbePhase)->ArgsProduct({{2, 3}, {3, 20}})->Unit(benchmark::kMillisecond)->Iterations(1);
 
 xpm::MemoryModel transformer_model() {
   return xpm::MemoryModel(xpm::CostFormula(kTransformer, {"a", "b", "c"}, {"bs", "l"}),

@@ -53,10 +53,10 @@ enum class AdaptiveStop {
 /// After the initial design, probe next where candidate models disagree most: the fit and its
 /// leave-one-shape-out refits (models the probes explain about as well), over a grid of shapes
 /// inside the design's range whose predicted peak fits the budget. Each added probe joins the
-/// fit (with the formula chosen from the probes, the rivals alone are refitted after each; every
-/// candidate once at the end); the loop stops when they agree within `tolerance`, or at its
-/// budget of probes. Nothing in it reads a clock: the same probes give the same design on every
-/// machine and rank.
+/// fit (with the formula chosen from the probes, the rivals alone are refitted after each, and
+/// every candidate again before the loop stops); the loop stops when they agree within
+/// `tolerance`, or at its budget of probes. Nothing in it reads a clock: the same probes give
+/// the same design on every machine and rank.
 struct AdaptiveDesignOptions {
   int max_probes = 8;        // probes added at most (0: no adaptive design)
   double tolerance = 0.01;   // relative disagreement below which the models agree
@@ -99,7 +99,8 @@ struct PredictiveBatcherOptions {
   /// formula.variable_names(), e.g. formula = CostFormula::with_variables("c", {"bs", "l"})),
   /// after the initial design (the other formulas the probes explain join the adaptive design's
   /// candidate models), again among those rivals after every adaptive probe, and among every
-  /// candidate once more when the adaptive design added probes; fit_summary() is the chosen
+  /// candidate before the adaptive design stops (it goes on when that choice's rivals
+  /// disagree); fit_summary() is the chosen
   /// formula's, selection_report() says what was tried; the floor formula defaults to every
   /// candidate term (all_terms_formula).
   FormulaChoice formula_choice = FormulaChoice::kGiven;
