@@ -21,8 +21,10 @@ by the most under-predicted large microbatch over-predicts the small ones. Each 
 rank's measured points ``(prediction, peak)`` give, for each slope of a fixed grid (-5 % to
 +20 %, 0.25 % apart), the least intercept that puts every point on or under the line; the ranks
 agree on those in one all-reduce (max). Of the lines that cover the recent steps
-(``window_steps``), the one chosen has the smallest correction relative to the prediction at
-the smallest and the largest prediction measured, and no intercept below the constant line's;
+(``window_steps``), the one chosen has the smallest sum of its corrections relative to the
+prediction at the smallest and at the largest prediction measured (the larger of the two would
+tilt the line until both are equal, over-predicting the large microbatches by what the small
+ones need), and no intercept below the constant line's;
 a headroom of 0.25 % of the prediction is added to its slope. An under-prediction (a point
 above the line in force) changes the line at once (the next step is planned with it); a line
 lower over the whole range measured is taken once ``settle_steps`` steps (8) are in the window,
@@ -306,9 +308,9 @@ class Calibration:
 def best_line(rows: np.ndarray, usable_bytes: float) -> Correction:
     """Of the lines over every point of ``rows`` (intercepts per slope, smallest and largest
     prediction) whose intercept is not below the constant line's (or 0), the one with the
-    smallest correction relative to the prediction at both ends of the predictions' range (a
-    tie to the smallest slope), with the headroom added, and bounded to half the budget at
-    the budget.
+    smallest sum of its corrections relative to the prediction at both ends of the predictions'
+    range (a tie to the smallest slope), with the headroom added, and bounded to half the budget
+    at the budget.
 
     Args:
         rows: measured steps, one row each: the least intercept per slope of ``SLOPES``, then
@@ -323,7 +325,7 @@ def best_line(rows: np.ndarray, usable_bytes: float) -> Correction:
     # microbatches alone would under-correct the small ones it has not seen.
     intercepts = np.maximum(intercepts, min(0.0, float(intercepts[ZERO_SLOPE])))
     low, high = float(rows[:, -2].min()), float(rows[:, -1].max())
-    relative = np.maximum((intercepts + SLOPES * low) / low, (intercepts + SLOPES * high) / high)
+    relative = (intercepts + SLOPES * low) / low + (intercepts + SLOPES * high) / high
     k = int(np.lexsort((np.abs(SLOPES), np.round(relative, 9)))[0])
     intercept = float(intercepts[k])
     if k + 1 < len(SLOPES):  # the headroom: the grid's next slope (0.25 % of the prediction)

@@ -83,19 +83,23 @@ def _training_ooms(meter, before, trainer):
     return meter.oom_count - before - sum(not p.feasible for p in probes)
 
 
-def _planned_errors(trainer, measured):
+def _planned_errors(trainer, measured, smallest_share=0.5):
     """(planned - measured) / measured of every microbatch from the third step whose peak is above
-    half the budget, planned being the prediction plus the calibration's correction."""
+    ``smallest_share`` of the budget (0: all of them), planned being the prediction plus the
+    calibration's correction."""
     usable = trainer.xpm_memory.usable_bytes
     return [(r.predicted_bytes + r.correction_bytes - r.peak_allocated_bytes) / r.peak_allocated_bytes
-            for r in measured if r.step >= 3 and r.peak_allocated_bytes > usable / 2]
+            for r in measured
+            if r.step >= 3 and not r.placeholder and r.peak_allocated_bytes > usable * smallest_share]
 
 
 def _assert_planned_within_the_goal(trainer, measured):
-    """From the third step, every microbatch above half the budget within -1 % / +3 % of its peak."""
-    errors = _planned_errors(trainer, measured)
+    """From the third step, every microbatch above half the budget within -1 % / +3 % of its peak
+    (the smaller ones are printed: they are not held to it yet)."""
+    errors, every = _planned_errors(trainer, measured), _planned_errors(trainer, measured, 0.0)
     print(f"planned vs measured from step 3 ({len(errors)} microbatches above half the budget): "
-          f"{100 * min(errors):+.2f} % to {100 * max(errors):+.2f} %")
+          f"{100 * min(errors):+.2f} % to {100 * max(errors):+.2f} %; all {len(every)}: "
+          f"{100 * min(every):+.2f} % to {100 * max(every):+.2f} %")
     assert errors and -0.01 <= min(errors) and max(errors) <= 0.03
 
 
@@ -295,11 +299,13 @@ def test_seq2seq_bart_whose_loss_ignores_num_items_accumulates_exactly(meter, se
     names = [name for name, _ in trainer.model.named_parameters()]
     worst = _assert_gradients_equal(gradients.by_step[1], whole, names)
     print(f"BART: max gradient difference {worst:.2e} of the largest")
-    errors = _planned_errors(trainer, measured)
+    errors, every = _planned_errors(trainer, measured), _planned_errors(trainer, measured, 0.0)
     alone = [(r.predicted_bytes - r.peak_allocated_bytes) / r.peak_allocated_bytes for r in measured]
     print(f"BART planned vs measured from step 3 ({len(errors)} microbatches above half the budget): "
-          f"{100 * min(errors):+.2f} % to {100 * max(errors):+.2f} %; the model alone, every microbatch: "
+          f"{100 * min(errors):+.2f} % to {100 * max(errors):+.2f} %; all {len(every)}: "
+          f"{100 * min(every):+.2f} % to {100 * max(every):+.2f} %; the model alone, every microbatch: "
           f"{100 * min(alone):+.2f} % to {100 * max(alone):+.2f} %")
+    assert -0.01 <= min(errors) and max(errors) <= 0.03
 
 
 def test_what_cannot_be_planned_is_refused_at_construction(meter, sentences, tmp_path):
