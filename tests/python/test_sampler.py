@@ -468,6 +468,80 @@ def test_lockstep_gives_every_rank_the_same_microbatch_count_in_every_step(model
     assert sorted(seen) == list(range(len(lengths)))
 
 
+def measured_peak_bytes(microbatch, rank):
+    """A peak that repeats whenever the same microbatch runs on the same rank: the model misses a
+    buffer (a different one per rank) and 1 % of each prediction, and now and then, for some
+    records, 50,000 to 150,000 bytes more (so that later steps raise the correction again)."""
+    extra = 50_000 * (sum(microbatch) % 4) if sum(microbatch) % 17 == 0 else 0
+    return microbatch.predicted_bytes * 1.01 + (40_000 if rank == 0 else 90_000) + extra
+
+
+def calibrated_steps(sampler, rank, count):
+    """`count` optimizer steps from the sampler's position, every microbatch's peak recorded and
+    each step ended (one all-reduce): per step, its microbatches as (records, predicted, correction)."""
+    steps, current = [], []
+    for microbatch in sampler:
+        current.append((list(microbatch), microbatch.predicted_bytes, microbatch.correction_bytes))
+        sampler.record_peak(microbatch, measured_peak_bytes(microbatch, rank))
+        if microbatch.last:
+            sampler.mark_step_done()
+            sampler.end_step(microbatch.step)
+            steps.append(current)
+            current = []
+            if len(steps) == count:
+                break
+    return steps
+
+
+def run_resumed_rank(rank, store_path, out_dir, lengths, model_json):
+    """One rank of a gloo group of 2: 12 calibrated steps uninterrupted; then 5, the state saved, a
+    fresh sampler loaded with it and 7 more."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(store_path, 2), rank=rank,
+                                         world_size=2)
+    try:
+        model, lengths = xpm.MemoryModel.from_json(model_json), np.asarray(lengths)
+
+        def fresh():
+            return xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, seed=7, units=lengths)
+
+        whole = fresh()
+        uninterrupted = calibrated_steps(whole, rank, 12)
+        first = fresh()
+        before = calibrated_steps(first, rank, 5)
+        state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint holds it
+        resumed = fresh()
+        resumed.load_state_dict(state)
+        after = calibrated_steps(resumed, rank, 7)
+        result = {"uninterrupted": uninterrupted, "resumed": before + after, "log": whole.calibration.log,
+                  "resumed_log": resumed.calibration.log, "correction": list(whole.correction.__dict__.values()),
+                  "resumed_correction": list(resumed.correction.__dict__.values())}
+    finally:
+        torch.distributed.destroy_process_group()
+    (pathlib.Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_a_run_resumed_on_two_ranks_plans_what_the_uninterrupted_run_planned_calibration_included(
+        model, lengths, tmp_path):
+    """The peaks repeat, so the resumed run must plan, microbatch for microbatch, what the
+    uninterrupted one did: the corrections agreed over the ranks travel in the state_dict."""
+    torch.multiprocessing.spawn(run_resumed_rank, args=(str(tmp_path / "store"), str(tmp_path), lengths.tolist(),
+                                                        model.to_json()), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for result in results:
+        assert result["resumed"] == result["uninterrupted"]
+        assert result["resumed_log"] == result["log"]
+        assert len([line for line in result["log"] if not line.startswith(("step 0:", "step 1:", "step 2:",
+                                                                             "step 3:", "step 4:"))]) >= 1
+        assert result["resumed_correction"] == result["correction"]
+    # One correction on both ranks, set by rank 1's larger miss (90,000 bytes).
+    assert results[0]["correction"] == results[1]["correction"] and results[0]["correction"][0] >= 90_000
+    corrections = [c for step in results[0]["uninterrupted"][1:] for _, _, c in step]
+    assert min(corrections) > 0
+    print(f"\ntwo ranks, 12 calibrated steps, resumed after 5: identical plans; {results[0]['log']}")
+
+
 def test_calibration_plans_the_steps_not_handed_out_with_the_correction_and_resumes_them_exactly(model, lengths):
     """Peaks 20 % of the budget above their predictions in step 0: from step 1 on every
     microbatch is planned with the correction, and a sampler loaded with the state taken then
