@@ -60,8 +60,8 @@ struct MaxAffineSearchOptions {
   std::size_t exhaustive_max_points = 16;  // branch and bound up to this many points
   std::int64_t max_nodes = 200000;         // restricted problems solved by branch and bound
   int random_starts = 16;                  // beyond exhaustive_max_points: seeded random starts
-  std::size_t flips_per_round = 24;        // beyond: single-point reassignments tried per round,
-                                           // those nearest the region's boundary
+  std::size_t flips_per_round = 24;        // after the starts: single-point reassignments tried
+                                           // per round, those nearest the region's boundary
 };
 
 struct MaxAffineSolution {
