@@ -32,7 +32,8 @@ a fresh Trainer. A run that runs out of memory stops at the first error (a try, 
 would be). Real tokens: the non-padding tokens trained (the records' bytes); tokens/s is over
 train()'s wall time, probing included. Once every way has found its setting, each setting is run
 again (``--repeats`` runs in all, the ways interleaved) and tokens/s per run is the median: one
-run's figure moves by about 5 % with the machine's load. Prints a markdown table and writes JSON (``--json``).
+run's figure moves by about 5 % with the machine's load. Prints a markdown table and writes JSON
+(``--json``).
 
     PYTHONPATH=build/python OMP_NUM_THREADS=1 python bench/hf_dropin_throughput.py \\
         --data-dir data/brown --records 4096 --json runs/bench/hf-dropin.json
@@ -47,6 +48,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import random  # noqa: E402
@@ -375,7 +377,7 @@ def drop_in(bench: Bench) -> List[Way]:
                       cache_dir=cache_dir)
     if again.probes:
         raise RuntimeError(f"drop-in: the second run probed again ({again.probes} probes): the cache missed")
-    fresh_caches = iter(range(1, 1 << 30))
+    fresh_caches = itertools.count(1)
 
     def probing_again() -> Run:
         return bench.run("8 per device x 4, defaults, first run", PlannedTrainer, PER_DEVICE, ACCUMULATION,
@@ -482,7 +484,8 @@ def table(ways: List[Way], records: int, lengths: np.ndarray, cap_bytes: int) ->
     lines = [f"{records} records ({lengths.min()}-{lengths.max()} bytes, {int(lengths.sum()):,} tokens), "
              f"{OUTER} records per optimizer step, cap {cap_bytes:,} bytes, one epoch per run\n",
              "| way | setting | tries | OOM during training | time to first step s | the same, failed tries included s "
-             f"| real tokens/s, median of {1 + len(ways[0].repeats)} runs | drop-in / this | all tries s | tokens/s over all tries | drop-in / this |",
+             f"| real tokens/s, median of {1 + len(ways[0].repeats)} runs | drop-in / this | all tries s "
+             "| tokens/s over all tries | drop-in / this |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     drop_in_overall = drop_in_run.tokens / ways[0].all_tries_s
     for way in ways:
