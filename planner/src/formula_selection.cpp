@@ -379,7 +379,7 @@ void try_piece_shapes(Selector& selector, const std::vector<Term>& pool, const T
 void generate_candidates(Selector& selector, const std::vector<Term>& pool, const TermSet& with_bs,
                          const FormulaSelectionOptions& options) {
   const auto linear = linear_sets(selector, pool, with_bs);
-  TermSet shaped;  // the terms of the best two linear sets (at most 4) make the max() pieces
+  TermSet shaped;  // the best linear set's terms (and the second's, together at most 4): the pieces
   for (std::size_t i = 0; i < linear.size() && i < 2 && std::isfinite(linear[i].first); ++i) {
     if (options.floor) selector.try_floor(pool, linear[i].second);
     TermSet joined = shaped;

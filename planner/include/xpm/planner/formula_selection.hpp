@@ -16,8 +16,9 @@
 //    up to 6 of them, else a forward selection), the three best then grown by the other terms
 //    while one lowers the score;
 //  - max(): 2 or 3 pieces, each an affine piece (own coefficients and constant) over a disjoint
-//    subset of the terms of the best two linear sets (at most 4 terms), or two pieces over all
-//    of them: a peak that moves between operations or regimes; each shape quickly fitted, the
+//    subset of the terms of the best linear set (with the second best's too when together
+//    they are at most 4 terms), or two pieces over all of them: a peak that moves between
+//    operations or regimes; each shape quickly fitted, the
 //    three best by fit error kept; and, with FormulaSelectionOptions::floor, max(f, best
 //    linear) (a floor in the same formula).
 // Every candidate is fitted by fit_coefficients (with held-out, leave-one-shape-out, error) and
