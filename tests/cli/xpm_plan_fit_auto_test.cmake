@@ -36,6 +36,9 @@ expect_between("predict auto" "${predicted}" 2233000 2235000)
 xpm_plan_run(0 "fit auto text" fit "${csv}" --formula auto --variables bs,ls,lt --bytes-column peak)
 expect_match("fit auto text" "${OUT}" "candidates; ranked by root-mean-square held-out error")
 
+xpm_plan_run(2 "auto in capitals" fit "${csv}" --formula AUTO --variables bs,ls,lt --bytes-column peak)
+expect_match("auto in capitals" "${ERR}" "--formula 'AUTO' is a constant named AUTO; .* write --formula auto")
+
 xpm_plan_run(2 "auto with --coefficients" fit "${csv}" --formula auto --coefficients a
              --variables bs,ls,lt --bytes-column peak)
 expect_match("auto with --coefficients" "${ERR}" "--coefficients does not apply to --formula auto")

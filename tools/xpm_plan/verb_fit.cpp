@@ -1,6 +1,7 @@
 // xpm-plan fit: fit a cost formula to measured peaks (CSV or JSON), print the fit report, save
 // the memory model and optionally a figure of measured vs predicted bytes with residuals.
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <iostream>
 #include <optional>
@@ -342,6 +343,13 @@ int run_fit(const po::variables_map& vm) {
   const double probe_capacity_bytes = probe_capacity_option(vm);
 
   const bool automatic = formula_text == "auto";
+  std::string lower = formula_text;
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (!automatic && lower == "auto") {  // a formula of one coefficient named so: a typo
+    throw InputError("--formula '" + formula_text + "' is a constant named " + formula_text +
+                     "; for a formula chosen from the measurements write --formula auto (lower case)");
+  }
   if (automatic && vm.count("coefficients")) throw InputError("--coefficients does not apply to --formula auto");
   MeasurementSet set = read_measurements(request);
   const std::vector<std::string>& variables = set.variables;
