@@ -113,6 +113,18 @@ TEST_CASE("select_formula among given formulas fits only those and picks the bes
   CHECK_THROWS_AS(xpm::select_formula({"bs", "l"}, m, {}, options), std::invalid_argument);
 }
 
+TEST_CASE("select_formula names a bad measurement before fitting any candidate") {
+  auto m = measure(sweeps({{64}, {96}, {128}}), [](const std::vector<double>& d) { return 1000 * d[0] * d[1] + 1e6; });
+  m[3].bytes = -5;
+  CHECK_THROWS_WITH_AS(xpm::select_formula({"bs", "l"}, m, {}),
+                       "select_formula: measurement 3 has bytes = -5; bytes must be finite and > 0",
+                       std::invalid_argument);
+  m[3].bytes = 1e6;
+  m[4].dims = {1.0};
+  CHECK_THROWS_WITH_AS(xpm::select_formula({"bs", "l"}, m, {}),
+                       "select_formula: measurement 4 has 1 dims, expected 2 (bs, l)", std::invalid_argument);
+}
+
 TEST_CASE("select_formula refuses a batch-size variable that is not a variable") {
   xpm::FormulaSelectionOptions options;
   options.batch_size_variable = "n";
