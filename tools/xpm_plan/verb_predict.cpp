@@ -15,14 +15,16 @@ po::options_description predict_options() {
       "Predicted peak bytes, max(floor, formula), per CSV row (variables read from the columns\n"
       "of the same names; other columns ignored) or at one point given with --dims. Dims must\n"
       "be >= 0, the batch-size variable > 0 (exit code 2 naming the line and column).\n"
-      "--json prints a JSON list with one predicted byte count (an integer) per row.\nOptions");
+      "--json prints a JSON object: predicted_bytes (one byte count, an integer, per row), rows\n"
+      "(per row its source, dims, predicted_bytes and extrapolation: the variables beyond the\n"
+      "probed ranges) and extrapolated_rows (how many rows extrapolate).\nOptions");
   desc.add_options()
       ("help,h", "show this help")
       ("model", po::value<std::string>()->required(), "memory model JSON (required)")
       ("csv", po::value<std::string>(), "CSV with one column per variable (also positional)")
       ("dims", po::value<std::vector<std::string>>()->composing(),
        "VAR=VALUE for every variable, e.g. bs=8,l=128 (repeatable or comma-separated)")
-      ("json", po::bool_switch()->default_value(false), "print a JSON list instead of text");
+      ("json", po::bool_switch()->default_value(false), "print a JSON object instead of text");
   return desc;
 }
 
