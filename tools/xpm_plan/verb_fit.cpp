@@ -326,8 +326,9 @@ po::options_description fit_options() {
       ("robust-scale", po::value<double>()->default_value(0.01, "0.01"),
        "relative residual where the robust loss bends (0.01: 1 %)")
       ("usable-max-rel-error", po::value<double>()->default_value(0.05, "0.05"),
-       "a fit whose max relative error, or held-out (leave-one-shape-out) max relative error, "
-       "exceeds this is not usable (exit code 1, no file)")
+       "a fit whose max relative error, or held-out (leave-one-shape-out) max relative error at "
+       "the shapes the others surround, exceeds this is not usable (exit code 1, no file); shapes "
+       "at the edge are extrapolation, reported apart")
       ("output,o", po::value<std::string>(), "save the memory model JSON here (atomic write)")
       ("figure", po::value<std::string>(),
        "write an SVG figure here: measured vs predicted bytes, and relative residuals")
