@@ -34,24 +34,7 @@ void validate_inputs(const CostFormula& formula, const std::vector<Measurement>&
                                 " coefficients (" + comma_list(coefs) + "); need at least " +
                                 std::to_string(coefs.size()));
   }
-  for (std::size_t i = 0; i < measurements.size(); ++i) {
-    const Measurement& m = measurements[i];
-    if (m.dims.size() != vars.size()) {
-      throw std::invalid_argument("fit: measurement " + std::to_string(i) + " has " +
-                                  std::to_string(m.dims.size()) + " dims, expected " +
-                                  std::to_string(vars.size()) + " (" + comma_list(vars) + ")");
-    }
-    for (std::size_t v = 0; v < vars.size(); ++v) {
-      if (!std::isfinite(m.dims[v])) {
-        throw std::invalid_argument("fit: measurement " + std::to_string(i) + " has " + vars[v] +
-                                    " = " + format_double(m.dims[v]) + "; dims must be finite");
-      }
-    }
-    if (!(std::isfinite(m.bytes) && m.bytes > 0)) {
-      throw std::invalid_argument("fit: measurement " + std::to_string(i) + " has bytes = " +
-                                  format_double(m.bytes) + "; bytes must be finite and > 0");
-    }
-  }
+  validate_measurements("fit", vars, measurements);
   for (std::size_t b = 0; b < bounds.size(); ++b) {
     const InfeasibleBound& bound = bounds[b];
     if (bound.dims.size() != vars.size()) {
@@ -124,6 +107,27 @@ Solution solve_from_start(const CostFormula& formula, const std::vector<Measurem
 }
 
 }  // namespace
+
+void validate_measurements(const std::string& who, const std::vector<std::string>& variable_names,
+                           const std::vector<Measurement>& measurements) {
+  for (std::size_t i = 0; i < measurements.size(); ++i) {
+    const Measurement& m = measurements[i];
+    const std::string which = who + ": measurement " + std::to_string(i);
+    if (m.dims.size() != variable_names.size()) {
+      throw std::invalid_argument(which + " has " + std::to_string(m.dims.size()) + " dims, expected " +
+                                  std::to_string(variable_names.size()) + " (" + comma_list(variable_names) + ")");
+    }
+    for (std::size_t v = 0; v < variable_names.size(); ++v) {
+      if (!std::isfinite(m.dims[v])) {
+        throw std::invalid_argument(which + " has " + variable_names[v] + " = " + format_double(m.dims[v]) +
+                                    "; dims must be finite");
+      }
+    }
+    if (!(std::isfinite(m.bytes) && m.bytes > 0)) {
+      throw std::invalid_argument(which + " has bytes = " + format_double(m.bytes) + "; bytes must be finite and > 0");
+    }
+  }
+}
 
 void validate_fit_inputs(const CostFormula& formula, const std::vector<Measurement>& measurements,
                          const std::vector<InfeasibleBound>& bounds, const FitOptions& options) {

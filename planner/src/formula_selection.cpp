@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "fit_points.hpp"
 #include "number_format.hpp"
 
 namespace xpm {
@@ -407,28 +408,6 @@ void FormulaSelectionOptions::validate() const {
 
 namespace {
 
-// A bad measurement named before any candidate is fitted (each would refuse it in its own words).
-void check_measurements(const std::vector<std::string>& variable_names, const std::vector<Measurement>& measurements) {
-  for (std::size_t i = 0; i < measurements.size(); ++i) {
-    const Measurement& m = measurements[i];
-    const std::string which = "select_formula: measurement " + std::to_string(i);
-    if (m.dims.size() != variable_names.size()) {
-      throw std::invalid_argument(which + " has " + std::to_string(m.dims.size()) + " dims, expected " +
-                                  std::to_string(variable_names.size()) + " (" + detail::comma_list(variable_names) + ")");
-    }
-    for (std::size_t v = 0; v < m.dims.size(); ++v) {
-      if (!std::isfinite(m.dims[v])) {
-        throw std::invalid_argument(which + " has " + variable_names[v] + " = " + detail::format_double(m.dims[v]) +
-                                    "; dims must be finite");
-      }
-    }
-    if (!(std::isfinite(m.bytes) && m.bytes > 0)) {
-      throw std::invalid_argument(which + " has bytes = " + detail::format_double(m.bytes) +
-                                  "; bytes must be finite and > 0");
-    }
-  }
-}
-
 std::size_t batch_size_index(const std::vector<std::string>& variable_names, const std::string& name) {
   const auto bs = std::find(variable_names.begin(), variable_names.end(), name);
   if (bs == variable_names.end()) {
@@ -455,7 +434,7 @@ FormulaSelection select_formula(const std::vector<std::string>& variable_names,
                                 const std::vector<InfeasibleBound>& bounds,
                                 const FormulaSelectionOptions& options) {
   options.validate();
-  check_measurements(variable_names, measurements);
+  detail::validate_measurements("select_formula", variable_names, measurements);  // before any candidate
   const std::size_t bs = batch_size_index(variable_names, options.batch_size_variable);
   const std::vector<bool> summed = summed_flags(variable_names, options);
   const std::vector<Term> pool = term_pool(variable_names.size(), bs, summed);
