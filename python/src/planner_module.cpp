@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "xpm/planner/budget.hpp"
+#include "xpm/planner/calibration.hpp"
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/formula.hpp"
 #include "xpm/planner/formula_selection.hpp"
@@ -382,6 +383,41 @@ void bind_fit(py::module_& m) {
   m.def("fit", &fit);
 }
 
+// The calibration's policy; its Python face (Correction, the collective) is python/xpm/calibration.py.
+void bind_calibration(py::module_& m) {
+  m.def("covering_correction", [](const std::vector<double>& predicted, const std::vector<double>& peaks,
+                                  double usable_bytes) {
+    const xpm::Correction c = xpm::covering_correction(predicted, peaks, usable_bytes);
+    return std::pair{c.intercept_bytes, c.slope};
+  });
+  py::class_<xpm::Calibration>(m, "Calibration")
+      .def(py::init([](std::int64_t usable_bytes, int window_steps, int settle_steps, double intercept_bytes,
+                       double slope) {
+        return xpm::Calibration(usable_bytes, {window_steps, settle_steps, {intercept_bytes, slope}});
+      }))
+      .def("record_peak", &xpm::Calibration::record_peak)
+      .def("step_row", &xpm::Calibration::step_row)
+      .def("end_step", &xpm::Calibration::end_step)
+      .def_property_readonly("correction", [](const xpm::Calibration& c) {
+        return std::pair{c.correction().intercept_bytes, c.correction().slope};
+      })
+      .def_property_readonly("correction_bytes", &xpm::Calibration::correction_bytes)
+      .def_property_readonly("replan_from", &xpm::Calibration::replan_from)
+      .def_property_readonly("log", &xpm::Calibration::log)
+      .def_property_readonly("measured_microbatches", &xpm::Calibration::measured_microbatches)
+      .def_property_readonly("worst_rel_error", &xpm::Calibration::worst_rel_error)
+      .def("state", [](const xpm::Calibration& c) {
+        const xpm::CalibrationState s = c.state();
+        return py::make_tuple(std::pair{s.correction.intercept_bytes, s.correction.slope}, s.window, s.steps_seen,
+                              s.log);
+      })
+      .def("load_state", [](xpm::Calibration& c, std::pair<double, double> correction,
+                            std::vector<std::vector<double>> window, std::int64_t steps_seen,
+                            std::vector<std::string> log) {
+        c.load_state({{correction.first, correction.second}, std::move(window), steps_seen, std::move(log)});
+      });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_planner, m) {
@@ -392,6 +428,7 @@ PYBIND11_MODULE(_planner, m) {
   bind_budget(m);
   bind_probing(m);
   bind_fit(m);
+  bind_calibration(m);
   m.def("pack", &pack);
   m.def("packer_names", &xpm::packer_names);
   m.def("assign_records_to_ranks", [](const std::vector<double>& costs, int world_size) {

@@ -32,24 +32,22 @@ every point of the window under it, and never because of the run's first step (n
 state yet, so lower than the rest).
 The correction at the budget is bounded to half the budget either way; an under-prediction
 beyond that is warned about once (the model is wrong: probe again).
+
+The policy is the planner's C++ ``xpm::Calibration`` (``xpm/planner/calibration.hpp``), which the
+C++ Learner uses too; this module adds the collective (``torch.distributed``) and the warning.
 """
 from __future__ import annotations
 
-import collections
-import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-SLOPES = np.round(np.linspace(-0.05, 0.20, 101), 6)
-"""The slopes a correction may take: -5 % to +20 % of the prediction, 0.25 % apart (0 included)."""
-ZERO_SLOPE = int(np.flatnonzero(SLOPES == 0.0)[0])
-HEADROOM_SLOPE = 0.0025
-"""The headroom added to a new correction: the grid's next slope, 0.25 % of the prediction."""
+from . import _planner
+
 
 @dataclass(frozen=True)
 class Correction:
@@ -86,6 +84,10 @@ class Correction:
         return (float(usable_bytes) - self.intercept_bytes) / (1.0 + self.slope)
 
 
+HEADROOM_SLOPE = 0.0025
+"""The headroom added to a new correction: the grid's next slope, 0.25 % of the prediction."""
+
+
 class Calibration:
     """The correction of a memory model's predictions from measured peaks (module docstring).
 
@@ -109,36 +111,48 @@ class Calibration:
 
     def __init__(self, usable_bytes: int, *, window_steps: int = 32, settle_steps: int = 8,
                  group: Optional[Any] = None, initial: Optional[Correction] = None) -> None:
-        if int(usable_bytes) <= 0:
-            raise ValueError(f"Calibration: usable_bytes must be > 0, got {usable_bytes}")
         for name, value in (("window_steps", window_steps), ("settle_steps", settle_steps)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise ValueError(f"Calibration: {name} must be a whole number >= 1, got {value!r}")
-        self.settle_steps = int(settle_steps)
+        start = Correction() if initial is None else initial
+        self._native = _planner.Calibration(int(usable_bytes), int(window_steps), int(settle_steps),
+                                            float(start.intercept_bytes), float(start.slope))
         self.usable_bytes = int(usable_bytes)
         self.window_steps = int(window_steps)
+        self.settle_steps = int(settle_steps)
         self.group = group
-        self.correction = Correction() if initial is None else initial
-        self.log: List[str] = []                   # one line per change of the correction
-        self.measured_microbatches = 0
-        self.worst_rel_error = 0.0                 # the most negative (corrected - peak) / peak seen
-        # Per step: the least intercept per slope of SLOPES, then the smallest and the largest
-        # prediction measured.
-        self._window: Deque[np.ndarray] = collections.deque(maxlen=self.window_steps)
-        self._step = self._empty_step()            # this step's, this rank
-        self._steps_seen = 0
         self._warned = False
-        self.replan_from = 0                       # end_step's agreed first step planned anew
 
-    @staticmethod
-    def _empty_step() -> np.ndarray:
-        return np.concatenate([np.full(len(SLOPES), -math.inf), [math.inf, -math.inf]])
+    @property
+    def correction(self) -> Correction:
+        """The correction in force."""
+        return Correction(*self._native.correction)
+
+    @property
+    def log(self) -> List[str]:
+        """One line per change of the correction."""
+        return list(self._native.log)
+
+    @property
+    def measured_microbatches(self) -> int:
+        """The microbatches recorded on this rank."""
+        return int(self._native.measured_microbatches)
+
+    @property
+    def worst_rel_error(self) -> float:
+        """The most negative ``(corrected - peak) / peak`` recorded on this rank (0 when none under)."""
+        return float(self._native.worst_rel_error)
+
+    @property
+    def replan_from(self) -> int:
+        """After ``end_step``: the agreed first step planned with the new correction."""
+        return int(self._native.replan_from)
 
     @property
     def correction_bytes(self) -> float:
         """How much the correction in force shrinks the plans' budget, bytes (``usable_bytes``
         less ``correction.planning_bytes(usable_bytes)``)."""
-        return self.usable_bytes - self.correction.planning_bytes(self.usable_bytes)
+        return float(self._native.correction_bytes)
 
     @property
     def headroom_bytes(self) -> float:
@@ -152,32 +166,21 @@ class Calibration:
         """The largest correction at the budget either way: half the budget."""
         return 0.5 * self.usable_bytes
 
-    def record_peak(self, predicted_bytes: float, peak_allocated_bytes: float) -> None:
+    def record_peak(self, predicted_bytes: float, peak_bytes: float) -> None:
         """Records one microbatch's measured peak against the model's prediction of it (this
         rank only; no communication).
 
         Args:
             predicted_bytes: the sampler's prediction of the microbatch (``Microbatch.predicted_bytes``).
-            peak_allocated_bytes: the meter's peak over its forward and backward (and the
-                optimizer step after the last microbatch).
+            peak_bytes: the meter's peak over its forward and backward (and the optimizer step
+                after the last microbatch): allocated bytes, or reserved bytes where the plans
+                bound them (``xpm.meters.planned_peak_bytes``).
 
         Raises:
             ValueError: either value is not a number, not finite or negative (0, an empty
                 microbatch's prediction or a peak not measured, is skipped).
         """
-        predicted, peak = float(predicted_bytes), float(peak_allocated_bytes)
-        for name, value in (("predicted_bytes", predicted), ("peak_allocated_bytes", peak)):
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"Calibration.record_peak: {name} must be a finite number of bytes >= 0, "
-                                 f"got {value}")
-        if peak == 0 or predicted == 0:
-            return
-        row, slopes = self._step, len(SLOPES)
-        np.maximum(row[:slopes], peak - predicted * (1.0 + SLOPES), out=row[:slopes])
-        row[slopes], row[slopes + 1] = min(row[slopes], predicted), max(row[slopes + 1], predicted)
-        self.measured_microbatches += 1
-        corrected = predicted + self.correction.bytes_for(predicted)
-        self.worst_rel_error = min(self.worst_rel_error, (corrected - peak) / peak)
+        self._native.record_peak(float(predicted_bytes), float(peak_bytes))
 
     def end_step(self, step: int, *, replan_from: int = 0) -> Optional[str]:
         """Ends an optimizer step: agrees the step's measurements over the ranks (one all-reduce
@@ -200,45 +203,11 @@ class Calibration:
         Warns:
             RuntimeWarning: once, when the model under-predicts by more than half the budget.
         """
-        measured, self.replan_from = self._agreed(self._step, int(replan_from))
-        self._step = self._empty_step()
-        self._steps_seen += 1
-        first = self._steps_seen == 1
-        if not first:  # the run's first step has no optimizer state: it may only raise
-            self._window.append(measured)
-        window = np.array(self._window) if self._window and not first else measured[None, :]
-        target = self._updated(measured, window)
-        if target == self.correction:
-            return None
-        old, self.correction = self.correction, target
-        self._warn_beyond_bound()
-        before = 100 * (self.usable_bytes - old.planning_bytes(self.usable_bytes)) / self.usable_bytes
-        after = 100 * self.correction_bytes / self.usable_bytes
-        sign = "+" if target.slope >= 0 else "-"
-        line = (f"step {int(step)}: correction {before:+.1f} % -> {after:+.1f} % of the budget "
-                f"({target.intercept_bytes:+,.0f} bytes {sign} {100 * abs(target.slope):.2f} % of the prediction)")
-        self.log.append(line)
+        row = self._agreed(self._native.step_row(int(replan_from)))
+        line = self._native.end_step(int(step), row)
+        if line is not None:
+            self._warn_beyond_bound()
         return line
-
-    def _updated(self, measured: np.ndarray, window: np.ndarray) -> Correction:
-        """The correction after a step that measured ``measured`` (a row), the window's rows
-        given: the best line over the window when a point lies above the line in force, or when
-        ``settle_steps`` steps of the window lie under a lower one; else as it is."""
-        current = self.correction
-        seen = window[np.isfinite(window[:, -1])]
-        if not len(seen):
-            return current
-        target = self._best_line(seen)
-        index = int(np.argmin(np.abs(SLOPES - current.slope)))
-        above = np.isfinite(measured[-1]) and measured[index] > current.intercept_bytes
-        span = (float(seen[:, -2].min()), float(seen[:, -1].max()))
-        lower = (len(self._window) >= min(self.settle_steps, self.window_steps) and
-                 all(target.bytes_for(p) < current.bytes_for(p) for p in span))
-        return target if above or lower else current
-
-    def _best_line(self, rows: np.ndarray) -> Correction:
-        """``best_line(rows, usable_bytes)``."""
-        return best_line(rows, self.usable_bytes)
 
     def _warn_beyond_bound(self) -> None:
         if self.correction_bytes >= self.bound_bytes and not self._warned:
@@ -247,36 +216,22 @@ class Calibration:
                           "their predictions: the memory model does not describe this step; probe again (with the "
                           "wrapped model, under the training's settings)", RuntimeWarning, stacklevel=4)
 
-    def _agreed(self, measured: np.ndarray, replan_from: int) -> Tuple[np.ndarray, int]:
-        """The step's measurements and ``replan_from`` agreed over the ranks (the largest
-        intercepts and predictions, the smallest predictions; one all-reduce, none at one rank);
-        raises ValueError on every rank when the ranks' budgets differ."""
+    def _agreed(self, row: List[float]) -> List[float]:
+        """The step's row (``step_row``) reduced by MAX over the ranks (one all-reduce, none at one rank)."""
         group_size = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
         if group_size == 1:
-            return measured, replan_from
+            return row
         device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        row = measured.copy()
-        row[-2] = -row[-2]  # the smallest prediction, as a maximum
-        mine = np.concatenate([row, [float(replan_from), float(self.usable_bytes), -float(self.usable_bytes)]])
-        mine[~np.isfinite(mine)] = -1e300
-        values = torch.tensor(mine, dtype=torch.float64, device=device)
+        values = torch.tensor(row, dtype=torch.float64, device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
-        agreed = values.cpu().numpy()
-        if agreed[-2] != -agreed[-1]:
-            raise ValueError(f"xpm: the ranks plan under different budgets ({-agreed[-1]:.0f} to {agreed[-2]:.0f} "
-                             f"usable bytes; this rank {self.usable_bytes}): give every rank the same usable_bytes, "
-                             "else their plans and corrections differ")
-        result = agreed[:-3].copy()
-        result[result < -1e299] = -math.inf
-        result[-2] = -result[-2]
-        return result, int(agreed[-3])
+        return values.cpu().tolist()
 
     def state_dict(self) -> Dict[str, Any]:
         """The correction, its window and log (plain values)."""
-        return {"correction": [self.correction.intercept_bytes, self.correction.slope],
-                "window": [rows.tolist() for rows in self._window], "steps_seen": self._steps_seen,
-                "log": list(self.log)}
+        correction, window, steps_seen, log = self._native.state()
+        return {"correction": list(correction), "window": [list(row) for row in window], "steps_seen": steps_seen,
+                "log": list(log)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores a ``state_dict()`` (also one of a calibration with a constant correction:
@@ -291,55 +246,18 @@ class Calibration:
         try:
             if "correction" in state:
                 intercept, slope = (float(v) for v in state["correction"])
-                correction = Correction(intercept, slope)
-                window = [np.asarray(row, dtype=np.float64) for row in state["window"]]
-                if any(row.shape != self._empty_step().shape for row in window):
-                    raise ValueError("window rows of another shape")
+                window = [[float(v) for v in row] for row in state["window"]]
             else:
-                correction, window = Correction(float(state["correction_bytes"])), []
+                intercept, slope, window = float(state["correction_bytes"]), 0.0, []
             steps_seen, log = int(state["steps_seen"]), [str(line) for line in state["log"]]
+            self._native.load_state((intercept, slope), window, steps_seen, log)
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"calibration state_dict: {error!r} (expected correction, window, steps_seen, "
                              "log)") from None
-        self.correction, self._steps_seen, self.log = correction, steps_seen, log
-        self._window = collections.deque(window, maxlen=self.window_steps)
-
-
-def best_line(rows: np.ndarray, usable_bytes: float) -> Correction:
-    """Of the lines over every point of ``rows`` (intercepts per slope, smallest and largest
-    prediction) whose intercept is not below the constant line's (or 0), the one with the
-    smallest sum of its corrections relative to the prediction at both ends of the predictions'
-    range (a tie to the smallest slope), with the headroom added, and bounded to half the budget
-    at the budget.
-
-    Args:
-        rows: measured steps, one row each: the least intercept per slope of ``SLOPES``, then
-            the smallest and the largest prediction.
-        usable_bytes: the budget, bytes.
-
-    Returns:
-        The line.
-    """
-    intercepts = rows[:, :len(SLOPES)].max(axis=0)
-    # No line below the constant one at a prediction of 0: a steep line through large
-    # microbatches alone would under-correct the small ones it has not seen.
-    intercepts = np.maximum(intercepts, min(0.0, float(intercepts[ZERO_SLOPE])))
-    low, high = float(rows[:, -2].min()), float(rows[:, -1].max())
-    relative = (intercepts + SLOPES * low) / low + (intercepts + SLOPES * high) / high
-    k = int(np.lexsort((np.abs(SLOPES), np.round(relative, 9)))[0])
-    intercept = float(intercepts[k])
-    if k + 1 < len(SLOPES):  # the headroom: the grid's next slope (0.25 % of the prediction)
-        k += 1
-    else:
-        intercept += HEADROOM_SLOPE * usable_bytes
-    at_budget = intercept + SLOPES[k] * usable_bytes
-    if abs(at_budget) > 0.5 * usable_bytes:
-        intercept -= at_budget - math.copysign(0.5 * usable_bytes, at_budget)
-    return Correction(intercept, float(SLOPES[k]))
 
 
 def covering_correction(predicted_bytes: List[float], peak_bytes: List[float], usable_bytes: float) -> Correction:
-    """The line ``best_line`` draws over one set of points (prediction, measured peak), with no
+    """The line a calibration draws over one set of points (prediction, measured peak), with no
     collective: e.g. the gap between a model of allocated bytes and the reserved peaks of its
     probes.
 
@@ -351,9 +269,5 @@ def covering_correction(predicted_bytes: List[float], peak_bytes: List[float], u
     Returns:
         The correction (none when no prediction is positive).
     """
-    row = np.concatenate([np.full(len(SLOPES), -math.inf), [math.inf, -math.inf]])
-    for predicted, peak in zip(predicted_bytes, peak_bytes):
-        if predicted > 0 and peak > 0:
-            np.maximum(row[:len(SLOPES)], peak - predicted * (1.0 + SLOPES), out=row[:len(SLOPES)])
-            row[-2], row[-1] = min(row[-2], predicted), max(row[-1], predicted)
-    return best_line(row[None, :], usable_bytes) if math.isfinite(row[-1]) else Correction()
+    return Correction(*_planner.covering_correction([float(p) for p in predicted_bytes],
+                                                    [float(p) for p in peak_bytes], float(usable_bytes)))

@@ -602,8 +602,8 @@ def test_calibration_fits_a_line_over_the_peaks_constant_or_proportional(missed,
 
 def test_calibration_refuses_a_peak_that_is_not_a_number_of_bytes():
     calibration = xpm.Calibration(BUDGET)
-    for predicted, peak, name in ((1e6, float("nan"), "peak_allocated_bytes"), (float("inf"), 1e6, "predicted_bytes"),
-                                  (1e6, -1.0, "peak_allocated_bytes")):
+    for predicted, peak, name in ((1e6, float("nan"), "peak_bytes"), (float("inf"), 1e6, "predicted_bytes"),
+                                  (1e6, -1.0, "peak_bytes")):
         with pytest.raises(ValueError, match=f"^Calibration.record_peak: {name} must be a finite number of bytes"):
             calibration.record_peak(predicted, peak)
     calibration.record_peak(0, 1e6)  # an empty microbatch's prediction: skipped

@@ -1,0 +1,149 @@
+// calibration_test.cpp — the calibration's line over measured peaks, its raising and lowering,
+// its agreement over ranks' rows and its state.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <functional>
+#include <stdexcept>
+#include <vector>
+
+#include "xpm/planner/calibration.hpp"
+
+using xpm::Calibration;
+using xpm::CalibrationOptions;
+using xpm::Correction;
+
+namespace {
+
+constexpr std::int64_t kBudget = 6'000'000;
+
+std::optional<std::string> end_alone(Calibration& calibration, std::int64_t step) {
+  return calibration.end_step(step, calibration.step_row(step + 1));
+}
+
+}  // namespace
+
+TEST_CASE("the line over the peaks corrects a constant and a share of the prediction") {
+  struct Case {
+    std::function<double(double)> missed;
+    double intercept_bytes, slope;
+  };
+  for (const Case& c : {Case{[](double p) { return 0.02 * p; }, 0.0, 0.0225},
+                        Case{[](double) { return 150'000.0; }, 150'000.0, 0.0025},
+                        Case{[](double p) { return 50'000.0 + 0.01 * p; }, 50'000.0, 0.0125}}) {
+    Calibration calibration(kBudget);
+    const std::vector<double> predictions{500'000, 1'200'000, 2'500'000, 4'000'000};
+    for (int step = 0; step < 3; ++step) {
+      for (double p : predictions) calibration.record_peak(p, p + c.missed(p));
+      end_alone(calibration, step);
+    }
+    const Correction& correction = calibration.correction();
+    CHECK(correction.slope == doctest::Approx(c.slope));
+    CHECK(std::fabs(correction.intercept_bytes - c.intercept_bytes) <= 1.0);
+    for (double p : predictions) {
+      const double corrected = p + correction.bytes_for(p), peak = p + c.missed(p);
+      CHECK((corrected - peak) / peak >= -1e-12);
+      CHECK((corrected - peak) / peak < 0.003);
+    }
+  }
+}
+
+TEST_CASE("a peak that is not a number of bytes is refused; an empty microbatch is skipped") {
+  Calibration calibration(kBudget);
+  CHECK_THROWS_WITH_AS(calibration.record_peak(1e6, std::nan("")),
+                       "Calibration.record_peak: peak_bytes must be a finite number of bytes >= 0, got nan",
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(calibration.record_peak(-1.0, 1e6), doctest::Contains("predicted_bytes must be"),
+                       std::invalid_argument);
+  calibration.record_peak(0, 1e6);
+  CHECK(calibration.measured_microbatches() == 0);
+  CHECK_THROWS_WITH_AS(Calibration(kBudget, CalibrationOptions{32, 0, {}}),
+                       "Calibration: settle_steps must be a whole number >= 1, got 0", std::invalid_argument);
+}
+
+TEST_CASE("a higher line is taken at once, a lower one once the window settles under it") {
+  Calibration calibration(kBudget, CalibrationOptions{4, 3, {}});
+  calibration.record_peak(1'000'000, 1'000'000);
+  end_alone(calibration, 0);  // the run's first step
+  calibration.record_peak(1'000'000, 1'100'000);
+  CHECK(end_alone(calibration, 1).has_value());  // 100,000 bytes over
+  const Correction raised = calibration.correction();
+  CHECK(raised.bytes_for(1'000'000) >= 100'000);
+  std::vector<bool> changed;
+  for (int step = 2; step < 7; ++step) {
+    calibration.record_peak(1'000'000, 1'010'000);
+    changed.push_back(end_alone(calibration, step).has_value());
+  }
+  // Settled at step 3, but the window of 4 holds step 1 until step 5: lower then, once.
+  CHECK(changed == std::vector<bool>{false, false, false, true, false});
+  CHECK(calibration.correction().bytes_for(1'000'000) >= 10'000);
+  CHECK(calibration.correction().bytes_for(1'000'000) < raised.bytes_for(1'000'000));
+  CHECK(calibration.log().size() == 2);
+  CHECK(calibration.log()[0].rfind("step 1: correction +0.0 % -> +", 0) == 0);
+}
+
+TEST_CASE("an over-prediction is lowered once settled, and the log line says by how much") {
+  Calibration calibration(kBudget, CalibrationOptions{32, 2, {}});
+  calibration.record_peak(2'000'000, 2'000'000);
+  end_alone(calibration, 0);
+  CHECK(calibration.correction() == Correction{});
+  std::optional<std::string> line;
+  for (int step : {1, 2}) {
+    calibration.record_peak(2'000'000, 1'700'000);  // 15 % over-predicted
+    line = end_alone(calibration, step);
+  }
+  REQUIRE(line.has_value());
+  CHECK(calibration.correction().bytes_for(2'000'000) == doctest::Approx(-300'000).epsilon(0.02));
+  CHECK(*line == "step 2: correction +0.0 % -> -4.7 % of the budget (-300,000 bytes + 0.25 % of the prediction)");
+}
+
+TEST_CASE("ranks agree by a MAX over their rows: the same correction on each, the latest replan step") {
+  Calibration a(kBudget), b(kBudget);
+  a.record_peak(1'000'000, 1'050'000);
+  b.record_peak(3'000'000, 3'000'000);
+  std::vector<double> row_a = a.step_row(4), row_b = b.step_row(6), agreed(row_a.size());
+  REQUIRE(row_a.size() == Calibration::row_size());
+  for (std::size_t i = 0; i < agreed.size(); ++i) agreed[i] = std::max(row_a[i], row_b[i]);
+  a.end_step(3, agreed);
+  b.end_step(3, agreed);
+  CHECK(a.correction() == b.correction());
+  CHECK(a.replan_from() == 6);
+  CHECK(b.replan_from() == 6);
+  CHECK(a.correction().bytes_for(1'000'000) >= 50'000);
+
+  Calibration other(kBudget - 1);
+  std::vector<double> mixed = a.step_row(7), row_c = other.step_row(7);
+  for (std::size_t i = 0; i < mixed.size(); ++i) mixed[i] = std::max(mixed[i], row_c[i]);
+  CHECK_THROWS_WITH_AS(a.end_step(7, mixed), doctest::Contains("the ranks plan under different budgets"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(a.end_step(7, {1.0}), doctest::Contains("the agreed row holds 1 numbers"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("a state restores the correction and its window; a malformed one changes nothing") {
+  Calibration calibration(kBudget, CalibrationOptions{32, 2, {}});
+  for (int step = 0; step < 4; ++step) {
+    calibration.record_peak(2'000'000, 1'900'000 + 50'000.0 * step);
+    end_alone(calibration, step);
+  }
+  Calibration resumed(kBudget, CalibrationOptions{32, 2, {}});
+  resumed.load_state(calibration.state());
+  calibration.record_peak(2'000'000, 2'200'000);
+  resumed.record_peak(2'000'000, 2'200'000);
+  CHECK(end_alone(calibration, 4) == end_alone(resumed, 4));
+  CHECK(calibration.correction() == resumed.correction());
+
+  xpm::CalibrationState bad = calibration.state();
+  bad.window.push_back({1.0, 2.0});
+  CHECK_THROWS_WITH_AS(resumed.load_state(bad), doctest::Contains("calibration state: window rows of another shape"),
+                       std::invalid_argument);
+  CHECK(calibration.correction() == resumed.correction());
+}
+
+TEST_CASE("covering_correction: the line over one set of points, none without points") {
+  const Correction gap = xpm::covering_correction({1e6, 2e6, 4e6}, {1.2e6, 2.2e6, 4.2e6}, 8e6);
+  CHECK(gap.intercept_bytes == doctest::Approx(200'000));
+  CHECK(gap.slope == doctest::Approx(0.0025));
+  CHECK(xpm::covering_correction({0.0}, {1e6}, 8e6) == Correction{});
+  CHECK_THROWS_AS(xpm::covering_correction({1e6}, {}, 8e6), std::invalid_argument);
+}
