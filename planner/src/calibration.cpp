@@ -237,4 +237,39 @@ void Calibration::load_state(CalibrationState state) {
   log_ = std::move(state.log);
 }
 
+nlohmann::json to_json(const CalibrationState& state) {
+  nlohmann::json window = nlohmann::json::array();
+  for (const auto& row : state.window) {
+    nlohmann::json values = nlohmann::json::array();
+    for (double v : row) values.push_back(std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr));
+    window.push_back(std::move(values));
+  }
+  return {{"correction", {state.correction.intercept_bytes, state.correction.slope}},
+          {"window", std::move(window)},
+          {"steps_seen", state.steps_seen},
+          {"log", state.log}};
+}
+
+CalibrationState calibration_state_from_json(const nlohmann::json& json) {
+  try {
+    CalibrationState state;
+    const auto correction = json.at("correction").get<std::vector<double>>();
+    if (correction.size() != 2) throw std::invalid_argument("correction must hold [intercept_bytes, slope]");
+    state.correction = {correction[0], correction[1]};
+    for (const auto& values : json.at("window")) {
+      std::vector<double> row;
+      for (std::size_t j = 0; j < values.size(); ++j) {
+        const nlohmann::json& v = values.at(j);
+        row.push_back(v.is_null() ? (j == kSlopes ? kInf : -kInf) : v.get<double>());
+      }
+      state.window.push_back(std::move(row));
+    }
+    state.steps_seen = json.at("steps_seen").get<std::int64_t>();
+    state.log = json.at("log").get<std::vector<std::string>>();
+    return state;
+  } catch (const nlohmann::json::exception& error) {
+    throw std::invalid_argument(std::string("calibration state: ") + error.what());
+  }
+}
+
 }  // namespace xpm

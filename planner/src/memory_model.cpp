@@ -350,6 +350,12 @@ bool MemoryModel::fits(const std::vector<double>& dims, double usable_bytes) con
 
 std::int64_t MemoryModel::prediction_budget_bytes(std::int64_t usable_bytes) const {
   if (!metadata_.is_object() || !metadata_.contains("reserved_gap")) return usable_bytes;
+  const double budget = reserved_gap().planning_bytes(static_cast<double>(usable_bytes));
+  return std::max<std::int64_t>(1, static_cast<std::int64_t>(budget));
+}
+
+Correction MemoryModel::reserved_gap() const {
+  if (!metadata_.is_object() || !metadata_.contains("reserved_gap")) return {};
   const nlohmann::json& gap = metadata_.at("reserved_gap");
   if (!gap.is_object() || !gap.contains("intercept_bytes") || !gap.contains("slope") ||
       !gap.at("intercept_bytes").is_number() || !gap.at("slope").is_number() ||
@@ -357,9 +363,7 @@ std::int64_t MemoryModel::prediction_budget_bytes(std::int64_t usable_bytes) con
     throw std::invalid_argument("memory model: metadata.reserved_gap must hold intercept_bytes and slope (> -1), got " +
                                 gap.dump());
   }
-  const double budget = (static_cast<double>(usable_bytes) - gap.at("intercept_bytes").get<double>()) /
-                        (1.0 + gap.at("slope").get<double>());
-  return std::max<std::int64_t>(1, static_cast<std::int64_t>(budget));
+  return {gap.at("intercept_bytes").get<double>(), gap.at("slope").get<double>()};
 }
 
 std::int64_t MemoryModel::max_microbatch_size(std::vector<double> dims, std::int64_t usable_bytes,

@@ -194,7 +194,36 @@ const MemoryModel& PredictiveBatcher::probe_and_fit(ProbeExecutor& executor) {
   chosen = refine_design(executor, std::move(chosen), static_bytes, usable_bytes);
   if (!chosen.model) throw std::runtime_error(not_usable_message(chosen.fit.summary));
   store_model(std::move(chosen), static_bytes);
+  note_reserved_gap();
+  correction_ = model_->reserved_gap();
   return *model_;
+}
+
+// Probes that measured reserved bytes: the line from the model's predictions (of allocated
+// bytes) to their reserved peaks, as a calibration draws it, and the ratios seen.
+void PredictiveBatcher::note_reserved_gap() {
+  std::vector<double> predicted, reserved;
+  double low_ratio = 0, high_ratio = 0;
+  for (const ProbeResult& probe : probes_) {
+    if (!probe.feasible || !(probe.step_peak_reserved_bytes > 0) || !(probe.step_peak_bytes() > 0)) continue;
+    predicted.push_back(model_->predict_bytes(probe.dims));
+    reserved.push_back(probe.step_peak_reserved_bytes);
+    const double ratio = probe.step_peak_reserved_bytes / probe.step_peak_bytes();
+    low_ratio = predicted.size() == 1 ? ratio : std::min(low_ratio, ratio);
+    high_ratio = std::max(high_ratio, ratio);
+  }
+  if (predicted.empty()) return;
+  const Correction gap =
+      covering_correction(predicted, reserved, static_cast<double>(options_.budget.usable_bytes()));
+  model_->metadata()["reserved_gap"] = {{"intercept_bytes", gap.intercept_bytes},
+                                        {"slope", gap.slope},
+                                        {"points", predicted.size()},
+                                        {"reserved_to_allocated", {low_ratio, high_ratio}}};
+}
+
+std::int64_t PredictiveBatcher::planning_bytes() const {
+  const double bytes = correction_.planning_bytes(static_cast<double>(options_.budget.usable_bytes()));
+  return std::max<std::int64_t>(1, static_cast<std::int64_t>(bytes));
 }
 
 PredictiveBatcher::FitCandidate PredictiveBatcher::fit_probes(double static_bytes, double usable_bytes,
@@ -423,6 +452,7 @@ void PredictiveBatcher::set_model(MemoryModel model) {
     }
   }
   corrections_ = 0;
+  correction_ = model.reserved_gap();
   model_ = std::move(model);
 }
 
@@ -506,7 +536,7 @@ const MemoryModel& PredictiveBatcher::model() const {
 }
 
 MicrobatchPlan PredictiveBatcher::plan(const std::vector<std::vector<double>>& record_dims) const {
-  return packer_->pack(record_dims, model(), options_.budget.usable_bytes());
+  return packer_->pack(record_dims, model(), planning_bytes());
 }
 
 }  // namespace xpm

@@ -25,7 +25,8 @@ nlohmann::json to_json(const ProbeResult& probe) {
           {"duration_s", probe.duration_s},
           {"forward_backward_s", probe.forward_backward_s},
           {"error", probe.error},
-          {"capacity_bytes", probe.capacity_bytes}};
+          {"capacity_bytes", probe.capacity_bytes},
+          {"step_peak_reserved_bytes", probe.step_peak_reserved_bytes}};
 }
 
 }  // namespace xpm

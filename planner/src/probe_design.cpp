@@ -163,7 +163,8 @@ void PredictiveBatcher::sweep_batch_size(ProbeExecutor& executor,
                                          double usable_bytes) {
   const double bs_max = std::floor(options_.variable_max.at(options_.batch_size_variable));
   const auto fits = [&](const ProbeResult& probe) {
-    return probe.feasible && probe.step_peak_bytes() <= usable_bytes;
+    const double reserved = probe.step_peak_reserved_bytes;  // what binds under a caching allocator
+    return probe.feasible && (reserved > 0 ? reserved : probe.step_peak_bytes()) <= usable_bytes;
   };
   double last_fit = 0, first_miss = 0;
   for (double bs = 1; bs <= bs_max; bs = (bs * 2 > bs_max && bs < bs_max) ? bs_max : bs * 2) {

@@ -62,6 +62,8 @@ std::int64_t CudaMemoryMeter::peak_reserved_bytes() const {
 
 void CudaMemoryMeter::reset_peak() { allocator::resetPeakStats(device_index_); }
 
+void CudaMemoryMeter::empty_cache() { allocator::emptyCache(); }
+
 std::int64_t CudaMemoryMeter::total_device_bytes() const {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
   std::size_t free_bytes = 0, total_bytes = 0;

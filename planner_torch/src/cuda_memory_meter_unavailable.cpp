@@ -23,6 +23,7 @@ std::int64_t CudaMemoryMeter::peak_allocated_bytes() const { unavailable(); }
 std::int64_t CudaMemoryMeter::current_reserved_bytes() const { unavailable(); }
 std::int64_t CudaMemoryMeter::peak_reserved_bytes() const { unavailable(); }
 void CudaMemoryMeter::reset_peak() { unavailable(); }
+void CudaMemoryMeter::empty_cache() { unavailable(); }
 std::int64_t CudaMemoryMeter::capacity_bytes() const { unavailable(); }
 std::int64_t CudaMemoryMeter::total_device_bytes() const { unavailable(); }
 void CudaMemoryMeter::set_memory_fraction(double) { unavailable(); }

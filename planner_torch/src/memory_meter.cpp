@@ -1,4 +1,4 @@
-// meter_budget: the plan's budget from the meter's capacity.
+// meter_budget: the plan's budget from the meter's capacity; the peaks that plans bound.
 #include "xpm/planner_torch/memory_meter.hpp"
 
 #include <stdexcept>
@@ -18,6 +18,15 @@ MemoryBudget meter_budget(const MemoryMeter& meter, double memory_fraction, std:
   budget.extra_overhead_bytes = extra_overhead_bytes;
   budget.validate();
   return budget;
+}
+
+void start_peak(MemoryMeter& meter) {
+  if (meter.reserves_segments()) meter.empty_cache();
+  meter.reset_peak();
+}
+
+std::int64_t planned_peak_bytes(const MemoryMeter& meter) {
+  return meter.reserves_segments() ? meter.peak_reserved_bytes() : meter.peak_allocated_bytes();
 }
 
 }  // namespace xpm

@@ -1,5 +1,6 @@
 #include "xpm/planner_torch/probe_runner.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <stdexcept>
@@ -34,19 +35,25 @@ ProbeResult TorchProbeExecutor::measure(const std::function<void()>& forward_bac
   result.capacity_bytes = static_cast<double>(meter_.capacity_bytes());
   const auto start = std::chrono::steady_clock::now();
   steps_.zero_grad();
+  const bool reserving = meter_.reserves_segments();
+  double reserved_bytes = 0;
   try {
-    meter_.reset_peak();
+    start_peak(meter_);
     const auto forward_start = std::chrono::steady_clock::now();
     forward_backward();
     result.forward_backward_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - forward_start).count();
     result.forward_backward_peak_bytes = static_cast<double>(meter_.peak_allocated_bytes());
+    reserved_bytes = static_cast<double>(meter_.peak_reserved_bytes());
     meter_.reset_peak();
     steps_.optimizer_step();
     result.optimizer_step_peak_bytes = static_cast<double>(meter_.peak_allocated_bytes());
+    if (reserving)
+      result.step_peak_reserved_bytes = std::max(reserved_bytes, static_cast<double>(meter_.peak_reserved_bytes()));
   } catch (const c10::OutOfMemoryError& error) {
     result.feasible = false;
     result.error = error.what_without_backtrace();
+    if (reserving) result.capacity_bytes = static_cast<double>(meter_.peak_allocated_bytes());
   }
   steps_.zero_grad();
   result.duration_s =

@@ -34,6 +34,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 namespace xpm {
 
 /// Bytes added to a memory model's prediction: intercept_bytes + slope x prediction.
@@ -76,6 +78,12 @@ struct CalibrationState {
   std::int64_t steps_seen = 0;
   std::vector<std::string> log;
 };
+
+/// {"correction": [intercept_bytes, slope], "window": [[...], ...], "steps_seen", "log"}; the
+/// window's infinities (a step with no point) as null.
+nlohmann::json to_json(const CalibrationState& state);
+/// The inverse of to_json. Throws std::invalid_argument naming the field that is missing or malformed.
+CalibrationState calibration_state_from_json(const nlohmann::json& json);
 
 class Calibration {
  public:

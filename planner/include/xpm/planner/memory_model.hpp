@@ -43,6 +43,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "xpm/planner/calibration.hpp"
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/formula.hpp"
 
@@ -158,6 +159,9 @@ class MemoryModel {
   /// (usable_bytes - intercept_bytes) / (1 + slope), at least 1; else usable_bytes. Throws
   /// std::invalid_argument for a malformed reserved_gap.
   std::int64_t prediction_budget_bytes(std::int64_t usable_bytes) const;
+  /// metadata.reserved_gap as a Correction (zero when the model has none). Throws
+  /// std::invalid_argument for a malformed reserved_gap.
+  Correction reserved_gap() const;
 
   /// Extra information recorded in the JSON file (fit summary, probes, device, ...).
   nlohmann::json& metadata() { return metadata_; }

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "xpm/planner/budget.hpp"
+#include "xpm/planner/calibration.hpp"
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/floor_model.hpp"
 #include "xpm/planner/formula.hpp"
@@ -200,8 +201,21 @@ class PredictiveBatcher {
   /// The same packer, shared (e.g. for another batcher over a snapshot of this one's model).
   std::shared_ptr<const MicrobatchPacker> shared_packer() const { return packer_; }
 
-  /// Splits one outer batch (record dims in formula.variable_names() order) into microbatches under
-  /// the budget. Deterministic: every rank gets the same plan for the same records.
+  /// The correction the plans are made with: each microbatch's prediction plus
+  /// correction().bytes_for(prediction) fits the budget's usable bytes. A model with a
+  /// metadata.reserved_gap (probed under a caching allocator: probe_and_fit writes it when the
+  /// probes measured reserved bytes, ProbeResult::step_peak_reserved_bytes) starts from that gap,
+  /// any other from none; probe_and_fit() and set_model() reset it so.
+  const Correction& correction() const { return correction_; }
+  /// Replaces the correction (e.g. Calibration::correction() after a step; the same on every rank).
+  void set_correction(const Correction& correction) { correction_ = correction; }
+  /// The bytes a microbatch's prediction may fill: correction().planning_bytes(usable bytes),
+  /// at least 1.
+  std::int64_t planning_bytes() const;
+
+  /// Splits one outer batch (record dims in formula.variable_names() order) into microbatches
+  /// whose predictions fit planning_bytes(). Deterministic: every rank gets the same plan for
+  /// the same records.
   MicrobatchPlan plan(const std::vector<std::vector<double>>& record_dims) const;
 
  private:
@@ -244,6 +258,7 @@ class PredictiveBatcher {
   void fit_formula(FitCandidate& c, const std::vector<InfeasibleBound>& infeasible,
                    const std::vector<std::string>& among) const;
   void store_model(FitCandidate chosen, double static_bytes);
+  void note_reserved_gap();
   FitCandidate fit_candidate(const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible,
                              double floor_bytes, const std::function<bool(const ProbeResult&)>& off_plateau,
                              const std::vector<std::string>& among) const;
@@ -263,6 +278,7 @@ class PredictiveBatcher {
   std::vector<DimAggregation> aggregation_;  // per variable: the batch size's kCount, the options'
   std::vector<Measurement> fit_measurements_;  // what the current coefficients were fitted to
   std::int64_t corrections_ = 0;
+  Correction correction_;  // what plans add to each prediction (correction())
 };
 
 }  // namespace xpm

@@ -32,6 +32,10 @@ struct ProbeResult {
   std::string error;                       // the OOM message when infeasible
   double capacity_bytes = 0;               // memory limit the probe ran under, bytes; 0: not
                                            // recorded (PredictiveBatcher assumes its budget's)
+  /// Under a caching allocator: the step's peak reserved bytes (allocated + cached, the cache
+  /// emptied before the step); 0: not measured. PredictiveBatcher then plans reserved bytes
+  /// (MemoryModel::prediction_budget_bytes, metadata.reserved_gap).
+  double step_peak_reserved_bytes = 0;
 
   /// Peak of the whole step: max over phases.
   double step_peak_bytes() const;

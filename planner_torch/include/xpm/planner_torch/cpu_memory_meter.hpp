@@ -102,13 +102,15 @@ class CpuMemoryMeter final : public c10::Allocator, public MemoryMeter {
   void set_caching(std::optional<CachingAllocatorOptions> options);
   /// The caching in effect (std::nullopt: none).
   std::optional<CachingAllocatorOptions> caching() const;
+  /// True while caching is on: the cap bounds reserved bytes.
+  bool reserves_segments() const override { return caching_on_.load(); }
   /// Bytes the emulated allocator holds (segments, cache included), plus storages outside it;
   /// without caching, current_allocated_bytes().
-  std::int64_t current_reserved_bytes() const;
+  std::int64_t current_reserved_bytes() const override;
   /// Maximum of current_reserved_bytes() since the last reset_peak().
-  std::int64_t peak_reserved_bytes() const;
+  std::int64_t peak_reserved_bytes() const override;
   /// Releases the emulation's cached segments that hold no block in use (no-op without caching).
-  void empty_cache();
+  void empty_cache() override;
 
   /// Counts `n_bytes` (throws c10::OutOfMemoryError over the cap, changing no counter) and
   /// allocates them through the allocator that was active before install(). The DataPtr's

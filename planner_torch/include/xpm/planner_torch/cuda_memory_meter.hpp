@@ -46,9 +46,13 @@ class CudaMemoryMeter final : public MemoryMeter {
   std::int64_t current_allocated_bytes() const override;
   /// Maximum of current_allocated_bytes() since the last reset_peak().
   std::int64_t peak_allocated_bytes() const override;
+  /// True: the caching allocator's reserved bytes are what runs the device out of memory.
+  bool reserves_segments() const override { return true; }
   /// Bytes the caching allocator holds from the driver (allocated + cached free blocks).
-  std::int64_t current_reserved_bytes() const;
-  std::int64_t peak_reserved_bytes() const;
+  std::int64_t current_reserved_bytes() const override;
+  std::int64_t peak_reserved_bytes() const override;
+  /// Releases the caching allocator's unused cached blocks (c10 emptyCache).
+  void empty_cache() override;
   /// Resets the allocator's peak statistics of this device (c10 resetPeakStats).
   void reset_peak() override;
   /// The device's total memory (cudaMemGetInfo) times the memory fraction set, if any.

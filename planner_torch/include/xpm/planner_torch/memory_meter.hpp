@@ -3,6 +3,14 @@
 //
 //   meter.set_capacity_bytes(200'000'000);         // CPU: the cap the probes and steps run under
 //   options.budget = xpm::meter_budget(meter);     // the plan's budget: the same capacity, 90 %
+//
+//   xpm::start_peak(meter);                        // a measured microbatch: cache emptied where it reserves
+//   ...forward and backward...
+//   std::int64_t peak = xpm::planned_peak_bytes(meter);  // what the budget bounds: reserved or allocated
+//
+// Reserved bytes: under a caching allocator (CUDA; CpuMemoryMeter with caching) the capacity
+// bounds the bytes the allocator holds, blocks in use and cached ones (reserves_segments());
+// plans then bound reserved bytes. A meter without one reports its allocated bytes as reserved.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +30,23 @@ class MemoryMeter {
   virtual void reset_peak() = 0;
   /// Total memory of the device or the configured cap; 0 when unlimited.
   virtual std::int64_t capacity_bytes() const = 0;
+  /// True when allocations go through a caching allocator whose reserved bytes the capacity
+  /// bounds (the default: false).
+  virtual bool reserves_segments() const { return false; }
+  /// Bytes the allocator holds (allocated + cached); default current_allocated_bytes().
+  virtual std::int64_t current_reserved_bytes() const { return current_allocated_bytes(); }
+  /// Maximum of current_reserved_bytes() since the last reset_peak(); default peak_allocated_bytes().
+  virtual std::int64_t peak_reserved_bytes() const { return peak_allocated_bytes(); }
+  /// Releases cached blocks that hold nothing (default: nothing to release).
+  virtual void empty_cache() {}
 };
+
+/// Starts a measured peak: where the meter reserves segments the cache is emptied first (cached
+/// segments would be released before an out-of-memory error anyway), then reset_peak().
+void start_peak(MemoryMeter& meter);
+/// The peak since start_peak that plans bound: peak_reserved_bytes() where the meter reserves
+/// segments, else peak_allocated_bytes().
+std::int64_t planned_peak_bytes(const MemoryMeter& meter);
 
 /// The budget of a plan under `meter`'s capacity (the capacity is given once, to the meter):
 /// capacity_bytes = meter.capacity_bytes(), the given fraction and overhead. Throws

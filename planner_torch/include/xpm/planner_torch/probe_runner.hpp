@@ -42,6 +42,10 @@ class TorchProbeExecutor : public ProbeExecutor {
   /// Runs zero_grad, forward_backward(dims), optimizer_step, measuring each phase's peak
   /// allocated bytes. c10::OutOfMemoryError in any phase gives feasible = false with the message.
   /// capacity_bytes is the meter's capacity (its cap; 0 when unlimited) at the time of the probe.
+  /// Where the meter reserves segments (MemoryMeter::reserves_segments), the cache is emptied
+  /// first, step_peak_reserved_bytes is measured, and a probe out of memory bounds the model of
+  /// allocated bytes at what it had allocated (capacity_bytes: its allocated peak), not at the
+  /// capacity its reserved bytes reached.
   ProbeResult run_probe(const std::vector<double>& dims) override;
   /// The same over steps.forward_backward_records(records) (the result's dims left empty: the
   /// batcher sets them); without it, ProbeExecutor's std::logic_error.
