@@ -390,7 +390,8 @@ void add_run_and_job_options(po::options_description& options, TrainSettings& se
        "folder of fitted memory models keyed by setup identity; a rerun reuses it (empty: off)")
       ("underprediction-tolerance",
        po::value(&config.underprediction_tolerance)->default_value(config.underprediction_tolerance),
-       "online correction when a measured peak exceeds (1 + tolerance) x the prediction")
+       "a measured peak above (1 + tolerance) x its plan is logged and counted as an underprediction "
+       "(the calibration corrects every plan from the measured peaks)")
       ("quiet,q", po::bool_switch(&config.quiet), "no progress lines")
       ("nproc", po::value(&nproc)->default_value(nproc),
        "data-parallel workers to start on this host (each also runs alone under torchrun, "

@@ -33,19 +33,19 @@ run("2 ranks" "${program}" ${common} --run-dir "${WORK_DIR}/two_ranks" --nproc 2
 message(STATUS "2 ranks:\n${OUT}")
 expect("2 ranks" "OOM 0,")
 
-# From the third step, every microbatch of both ranks: (predicted - measured) / measured within
-# -1 % and +3 % (metrics.jsonl's microbatch_rel_errors).
+# From the third step, every microbatch of both ranks: (planned - measured) / measured within
+# -1 % and +3 % (metrics.jsonl's microbatch_planned_rel_errors).
 file(STRINGS "${WORK_DIR}/two_ranks/metrics.jsonl" lines)
 set(checked 0)
 foreach(line IN LISTS lines)
   string(JSON step ERROR_VARIABLE no_step GET "${line}" step)
-  string(JSON count ERROR_VARIABLE no_errors LENGTH "${line}" microbatch_rel_errors)
+  string(JSON count ERROR_VARIABLE no_errors LENGTH "${line}" microbatch_planned_rel_errors)
   if(no_step OR no_errors OR step LESS 3 OR count EQUAL 0)
     continue()
   endif()
   math(EXPR last "${count} - 1")
   foreach(i RANGE ${last})
-    string(JSON error GET "${line}" microbatch_rel_errors ${i})
+    string(JSON error GET "${line}" microbatch_planned_rel_errors ${i})
     if(error LESS -0.01 OR error GREATER 0.03)
       message(FATAL_ERROR "2 ranks: step ${step}: a microbatch predicted ${error} off its peak (outside -1 % .. +3 %)")
     endif()
@@ -53,6 +53,6 @@ foreach(line IN LISTS lines)
   endforeach()
 endforeach()
 if(checked EQUAL 0)
-  message(FATAL_ERROR "2 ranks: no microbatch_rel_errors from step 3 in metrics.jsonl")
+  message(FATAL_ERROR "2 ranks: no microbatch_planned_rel_errors from step 3 in metrics.jsonl")
 endif()
 message(STATUS "2 ranks: ${checked} microbatches from step 3 within -1 % .. +3 % of their peaks")

@@ -71,13 +71,38 @@ nlohmann::json metric_json(double value) {
 // peak passed the floor, (predicted - measured) / measured each: positive is over-predicted,
 // negative under-predicted (the sign of the fit's own errors). A microbatch predicted at the
 // floor and measured under it is left out: the step's peak there is the optimizer step's.
+bool at_the_floor(const MicrobatchPeak& peak, const MemoryModel& model) {
+  const double floor_bytes = model.floor_bytes_at(peak.dims);
+  return peak.predicted_bytes <= floor_bytes && peak.forward_backward_peak_bytes <= floor_bytes;
+}
+
 nlohmann::json microbatch_rel_errors(const GlobalStepResult& result, const MemoryModel& model) {
   nlohmann::json errors = nlohmann::json::array();
   for (const MicrobatchPeak& peak : result.microbatch_peaks) {
-    const double floor_bytes = model.floor_bytes_at(peak.dims);
     const double measured = peak.forward_backward_peak_bytes;
-    if (measured <= 0 || (peak.predicted_bytes <= floor_bytes && measured <= floor_bytes)) continue;
+    if (measured <= 0 || at_the_floor(peak, model)) continue;
     errors.push_back((peak.predicted_bytes - measured) / measured);
+  }
+  return errors;
+}
+
+// The largest reserved peak of the step's microbatches (every rank's).
+double peak_reserved_bytes(const GlobalStepResult& result) {
+  double peak = 0;
+  for (const MicrobatchPeak& p : result.microbatch_peaks) peak = std::max(peak, p.forward_backward_peak_reserved_bytes);
+  return peak;
+}
+
+// (planned - measured) / measured of each microbatch's peak (reserved bytes under a caching
+// allocator, else allocated), planned = its prediction with the correction the step was planned
+// with; the microbatches at the floor left out as in microbatch_rel_errors.
+nlohmann::json microbatch_planned_rel_errors(const GlobalStepResult& result, const MemoryModel& model,
+                                             const Correction& correction, bool reserved) {
+  nlohmann::json errors = nlohmann::json::array();
+  for (const MicrobatchPeak& peak : result.microbatch_peaks) {
+    const double measured = reserved ? peak.forward_backward_peak_reserved_bytes : peak.forward_backward_peak_bytes;
+    if (measured <= 0 || at_the_floor(peak, model)) continue;
+    errors.push_back((peak.predicted_bytes + correction.bytes_for(peak.predicted_bytes) - measured) / measured);
   }
   return errors;
 }
@@ -211,7 +236,10 @@ std::int64_t Learner::Impl::bound_out_of_memory_microbatches(const GlobalStepRes
   for (const std::vector<double>& dims : result.oom_microbatch_dims) {
     if (dims.empty()) continue;
     const double predicted = batcher->model().predict_bytes(dims);
-    batcher->add_infeasible_bound({dims, static_cast<double>(capacity_bytes())});
+    // The model's prediction there reaches at least the capacity, less the correction (what
+    // a caching allocator reserves beyond the allocated bytes the model predicts).
+    const double bound_bytes = batcher->correction().planning_bytes(static_cast<double>(capacity_bytes()));
+    batcher->add_infeasible_bound({dims, bound_bytes});
     ++bounded;
     log(options.log_prefix + ": step " + std::to_string(step) + " ran out of memory in a microbatch at " +
         dims_text(batcher->model().formula().variable_names(), dims) + " predicted at " +
@@ -239,22 +267,24 @@ void Learner::Impl::note_extrapolation(const GlobalStepResult& result) {
   }
 }
 
-// Online correction: a microbatch (or the optimizer step) that needed more than predicted joins
-// the fit data (or raises the floor), so later plans take it into account. Every rank sees the
-// same peaks (all-reduced), so plans stay identical.
+// Online correction, every rank alike (the peaks are all-reduced): a microbatch that ran out of
+// memory bounds the model, an optimizer step above the floor raises it, and the calibration
+// draws its correction line over every microbatch's measured peak (the bytes the plans bound:
+// reserved under a caching allocator, else allocated), the policy of the Python sampler.
 void Learner::Impl::correct_memory_model(const GlobalStepResult& result, std::int64_t& underpredictions) {
   const std::int64_t step = state.step;
   note_extrapolation(result);
   underpredictions += bound_out_of_memory_microbatches(result, step);
   const double tolerance = 1 + options.underprediction_tolerance;
   for (const MicrobatchPeak& peak : result.microbatch_peaks) {
-    if (peak.forward_backward_peak_bytes > tolerance * peak.predicted_bytes) {
+    const double planned = peak.predicted_bytes + batcher->correction().bytes_for(peak.predicted_bytes);
+    const double measured = planned_peak(peak);
+    if (measured > tolerance * planned) {
       ++underpredictions;
-      batcher->add_measurement({peak.dims, peak.forward_backward_peak_bytes});
       log(options.log_prefix + ": underprediction at step " + std::to_string(step) + ": measured " +
-          std::to_string(static_cast<std::int64_t>(peak.forward_backward_peak_bytes)) + " bytes, predicted " +
-          std::to_string(static_cast<std::int64_t>(peak.predicted_bytes)) + " at " +
-          dims_text(batcher->model().formula().variable_names(), peak.dims) + "; refitted");
+          std::to_string(static_cast<std::int64_t>(measured)) + " bytes, planned " +
+          std::to_string(static_cast<std::int64_t>(planned)) + " at " +
+          dims_text(batcher->model().formula().variable_names(), peak.dims));
     }
   }
   if (result.optimizer_step_peak_bytes > tolerance * planned_floor_bytes(result)) {
@@ -264,6 +294,31 @@ void Learner::Impl::correct_memory_model(const GlobalStepResult& result, std::in
         " peaked above the floor; floor raised to " +
         std::to_string(static_cast<std::int64_t>(result.optimizer_step_peak_bytes)));
   }
+  if (calibration) calibrate(result);
+}
+
+double Learner::Impl::planned_peak(const MicrobatchPeak& peak) const {
+  return plans_reserved_bytes() ? peak.forward_backward_peak_reserved_bytes : peak.forward_backward_peak_bytes;
+}
+
+void Learner::Impl::start_calibration() {
+  CalibrationOptions calibration_options;
+  calibration_options.initial = batcher->correction();  // the model's reserved gap, or none
+  calibration.emplace(batcher->options().budget.usable_bytes(), calibration_options);
+  if (!restored_calibration.is_null()) calibration->load_state(calibration_state_from_json(restored_calibration));
+  batcher->set_correction(calibration->correction());
+}
+
+// Every rank records the same all-reduced peaks, so every rank draws the same line without a
+// collective of its own.
+void Learner::Impl::calibrate(const GlobalStepResult& result) {
+  if (!result.oom) {
+    for (const MicrobatchPeak& peak : result.microbatch_peaks)
+      calibration->record_peak(peak.predicted_bytes, planned_peak(peak));
+  }
+  const std::optional<std::string> line = calibration->end_step(state.step, calibration->step_row(state.step + 1));
+  batcher->set_correction(calibration->correction());
+  if (line) log(options.log_prefix + ": calibration: " + *line);
 }
 
 nlohmann::json Learner::Impl::step_line(const GlobalStepResult& result, double lr, std::size_t records,
@@ -291,6 +346,11 @@ nlohmann::json Learner::Impl::step_line(const GlobalStepResult& result, double l
                          {"rank_imbalance", result.imbalance},
                          {"oom_ranks", result.oom_ranks}};
   if (predictive() && !result.oom) line["microbatch_rel_errors"] = microbatch_rel_errors(result, batcher->model());
+  if (calibration && !result.oom) {
+    line["microbatch_planned_rel_errors"] = microbatch_planned_rel_errors(result, batcher->model(), step_correction, plans_reserved_bytes());
+    line["correction_bytes"] = calibration->correction_bytes();
+  }
+  if (plans_reserved_bytes() && !result.oom) line["peak_reserved_bytes"] = peak_reserved_bytes(result);
   if (result.gradient_norm >= 0) line["grad_norm"] = result.gradient_norm;  // ShardedAdamW's clipping
   if (loss_scaler) {
     line["loss_scale"] = result.loss_scale;
@@ -363,6 +423,8 @@ void Learner::Impl::train_one_step(const std::vector<std::size_t>& records) {
     return task.loss_sum(ids);
   };
   const BeforeOptimizerStepFn before_optimizer_step = [&] { hooks.before_optimizer_step(context); };
+  if (predictive() && parts.meter != nullptr && !calibration) start_calibration();
+  step_correction = predictive() ? batcher->correction() : Correction{};
   const GlobalStepResult result =
       engine->train_step(batch.record_dims, batch.record_units, loss_sum_fn, before_optimizer_step);
   stop_agreed = result.stop_requested;  // data parallel: agreed in the step's status

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "xpm/planner/calibration.hpp"
 #include "xpm/trainer/loop/learner.hpp"
 #include "xpm/trainer/loop/stop_signals.hpp"
 
@@ -33,6 +34,10 @@ struct Learner::Impl {
   void train_one_step(const std::vector<std::size_t>& records);
   void check_consecutive_ooms() const;  // throws after 10 steps in a row out of memory
   void correct_memory_model(const GlobalStepResult& result, std::int64_t& underpredictions);
+  void start_calibration();  // once, before the first step planned with a meter
+  void calibrate(const GlobalStepResult& result);
+  double planned_peak(const MicrobatchPeak& peak) const;  // reserved or allocated: what plans bound
+  bool plans_reserved_bytes() const { return predictive() && parts.meter != nullptr && parts.meter->reserves_segments(); }
   nlohmann::json step_line(const GlobalStepResult& result, double lr, std::size_t records, double step_size,
                            std::int64_t underpredictions, double prediction_error) const;
   void log_progress(const GlobalStepResult& result);
@@ -90,6 +95,11 @@ struct Learner::Impl {
   bool extrapolation_noted = false;  // logged once per run
   bool memory_model_from_checkpoint = false;
   std::int64_t consecutive_oom_steps = 0;
+  // With a meter: the correction from the model's predictions to the peaks training measures
+  // (reserved bytes under a caching allocator, starting from the model's reserved gap).
+  std::optional<Calibration> calibration;
+  Correction step_correction;  // the correction the last step was planned with
+  nlohmann::json restored_calibration;  // from the checkpoint resumed (null: none)
 };
 
 }  // namespace xpm

@@ -213,6 +213,7 @@ LearnerResumeState Learner::Impl::resume_state() const {
   saved.early_stopped = outcome.early_stopped;
   saved.task_state = task.extra_state();
   saved.learner_settings = options.resume_settings();
+  if (calibration) saved.calibration = to_json(calibration->state());
   return saved;
 }
 
@@ -316,6 +317,7 @@ void Learner::Impl::restore(const LearnerCheckpoint& checkpoint) {
     batcher->set_model(MemoryModel::from_json(saved.memory_model));
     memory_model_from_checkpoint = true;
   }
+  restored_calibration = saved.calibration;
   task.restore_extra_state(saved.task_state);
   outcome.counters = RunCounters::from_json(saved.counters);
   outcome.counters.microbatches_per_rank.resize(static_cast<std::size_t>(dist.world_size()), 0);

@@ -53,7 +53,8 @@ nlohmann::json LearnerResumeState::to_json() const {
           {"early_stopped", early_stopped},
           {"loss_scaler", loss_scaler},
           {"task_state", task_state},
-          {"learner_settings", learner_settings}};
+          {"learner_settings", learner_settings},
+          {"calibration", calibration}};
 }
 
 LearnerResumeState LearnerResumeState::from_json(const nlohmann::json& json) {
@@ -75,6 +76,7 @@ LearnerResumeState LearnerResumeState::from_json(const nlohmann::json& json) {
   if (json.contains("loss_scaler")) state.loss_scaler = required<std::vector<double>>(json, "loss_scaler");
   if (json.contains("task_state")) state.task_state = json.at("task_state");
   if (json.contains("learner_settings")) state.learner_settings = json.at("learner_settings");
+  if (json.contains("calibration")) state.calibration = json.at("calibration");
   return state;
 }
 

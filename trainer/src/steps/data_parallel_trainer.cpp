@@ -147,7 +147,7 @@ void DataParallelTrainer::split_among_ranks(const std::vector<std::vector<double
   // Every rank computes the same split and counts the units of the records that fit alone (as
   // the packer decides).
   const MemoryModel& model = batcher_.model();
-  const double usable_bytes = static_cast<double>(batcher_.options().budget.usable_bytes());
+  const double usable_bytes = static_cast<double>(batcher_.planning_bytes());
   for (std::size_t i = 0; i < record_dims.size(); ++i) {
     if (model.fits(record_dims[i], usable_bytes)) share.global_units += record_units[i];
   }
@@ -156,7 +156,7 @@ void DataParallelTrainer::split_among_ranks(const std::vector<std::vector<double
   const std::int64_t share_records = std::max<std::int64_t>(
       1, (static_cast<std::int64_t>(record_dims.size()) + world_size - 1) / world_size);
   const RankAssignment assignment = assign_records_to_ranks(
-      record_costs_bytes(model, record_dims, batcher_.options().budget.usable_bytes(), share_records),
+      record_costs_bytes(model, record_dims, batcher_.planning_bytes(), share_records),
       context_.world_size());
   share.records = assignment.records_per_rank[static_cast<std::size_t>(context_.rank())];
   for (std::size_t i : share.records) {
@@ -224,13 +224,13 @@ void DataParallelTrainer::exchange_status(const LocalShare& share, GlobalStepRes
 }
 
 void DataParallelTrainer::exchange_peaks(const LocalShare& share, GlobalStepResult& result) {
-  // Every rank's microbatch peaks, [rank][slot][dims..., predicted, measured], slots sized by
-  // the largest microbatch count of collective 1 (the same on every rank).
+  // Every rank's microbatch peaks, [rank][slot][dims..., predicted, measured, measured reserved],
+  // slots sized by the largest microbatch count of collective 1 (the same on every rank).
   const auto& counts = result.microbatches_per_rank;
   const std::int64_t max_microbatches = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
   if (meter_ == nullptr || max_microbatches == 0) return;
   const std::size_t world = static_cast<std::size_t>(context_.world_size()), rank = static_cast<std::size_t>(context_.rank());
-  const std::size_t dims = batcher_.model().formula().variable_names().size(), fields = dims + 2;
+  const std::size_t dims = batcher_.model().formula().variable_names().size(), fields = dims + 3;
   const auto slots = static_cast<std::size_t>(max_microbatches);
   std::vector<double> peaks(world * slots * fields, 0.0);
   for (std::size_t j = 0; j < share.result.microbatch_peaks.size() && j < slots; ++j) {
@@ -239,6 +239,7 @@ void DataParallelTrainer::exchange_peaks(const LocalShare& share, GlobalStepResu
     std::copy(peak.dims.begin(), peak.dims.end(), out);
     out[dims] = peak.predicted_bytes;
     out[dims + 1] = peak.forward_backward_peak_bytes;
+    out[dims + 2] = peak.forward_backward_peak_reserved_bytes;
   }
   peaks = context_.all_reduce(peaks, ReduceOp::kSum);
   for (std::size_t r = 0; r < world; ++r) {
@@ -249,6 +250,7 @@ void DataParallelTrainer::exchange_peaks(const LocalShare& share, GlobalStepResu
       peak.dims.assign(in, in + dims);
       peak.predicted_bytes = in[dims];
       peak.forward_backward_peak_bytes = in[dims + 1];
+      peak.forward_backward_peak_reserved_bytes = in[dims + 2];
       result.max_predicted_bytes = std::max(result.max_predicted_bytes, peak.predicted_bytes);
       result.microbatch_peaks.push_back(std::move(peak));
       result.microbatch_peak_ranks.push_back(static_cast<int>(r));
@@ -264,7 +266,7 @@ double DataParallelTrainer::apply_gradients(double global_units, const BeforeOpt
     result.loss = 0;
     return 0;
   }
-  if (meter_ != nullptr) meter_->reset_peak();
+  if (meter_ != nullptr) start_peak(*meter_);  // the optimizer's state in segments of its own
   if (sharded_ != nullptr) {
     if (result.microbatches > 0) {  // global count: every rank takes the same branch
       sharded_->reduce_gradients();

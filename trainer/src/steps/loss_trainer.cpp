@@ -90,7 +90,7 @@ void LossTrainer::run_microbatches(const MicrobatchPlan& plan,
     // The meter's peak is reset per microbatch; step_peak_bytes_ keeps the step's maximum.
     if (meter_ != nullptr) {
       step_peak_bytes_ = std::max(step_peak_bytes_, meter_->peak_allocated_bytes());
-      meter_->reset_peak();
+      start_peak(*meter_);
     }
     try {
       torch::Tensor loss = microbatch_loss(microbatch);
@@ -104,8 +104,9 @@ void LossTrainer::run_microbatches(const MicrobatchPlan& plan,
     }
     ++result.microbatches;
     if (meter_ != nullptr) {
-      result.microbatch_peaks.push_back({microbatch.dims, microbatch.predicted_bytes,
-                                         static_cast<double>(meter_->peak_allocated_bytes())});
+      result.microbatch_peaks.push_back(
+          {microbatch.dims, microbatch.predicted_bytes, static_cast<double>(meter_->peak_allocated_bytes()),
+           meter_->reserves_segments() ? static_cast<double>(meter_->peak_reserved_bytes()) : 0.0});
     }
   }
 }
@@ -212,9 +213,9 @@ StepResult LossTrainer::step(const std::vector<std::vector<double>>& record_dims
   StepResult result;
   try {
     result = accumulate(plan);
-    if (meter_ != nullptr) {
+    if (meter_ != nullptr) {  // cached activations' segments released: the optimizer's state packs tight
       step_peak_bytes_ = std::max(step_peak_bytes_, meter_->peak_allocated_bytes());
-      meter_->reset_peak();
+      start_peak(*meter_);
     }
     if (result.microbatches > 0) {
       if (before_optimizer_step) before_optimizer_step();

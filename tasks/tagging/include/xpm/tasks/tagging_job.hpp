@@ -125,7 +125,7 @@ struct TaggingJobConfig {
   std::int64_t freeze_until_step = 0;         // unfreeze after N steps (0: frozen for the whole run)
   double clip_grad_norm = 0;                  // GradientClipper max global L2 norm (0: no clipping)
   std::string memory_model_cache = ".cache/xpm/memory-models";  // "" disables the cache
-  double underprediction_tolerance = 0.005;   // online correction when measured > (1+tol) x predicted
+  double underprediction_tolerance = 0.005;   // counted as an underprediction when measured > (1+tol) x planned
   bool quiet = false;                         // no progress lines
   // Data-parallel runs (docs/distributed.md); ignored by a single process.
   CollectiveBackend backend = CollectiveBackend::kAuto;  // c10d backend

@@ -23,9 +23,10 @@
 // Per step (every rank): the LR of the schedule; hooks.before_step; the engine's step (gradients
 // accumulated over the microbatches, divided by the outer batch's units, all-reduced; then
 // hooks.before_optimizer_step and optimizer.step(), both only when the optimizer steps);
-// state.step += 1; with a memory model (the predictive engine), online corrections of it (a
-// microbatch measured above (1 + underprediction_tolerance) x its prediction joins the fit, an
-// optimizer step above the floor raises it, a microbatch that ran out of memory becomes an
+// state.step += 1; with a memory model (the predictive engine) and a meter, online corrections
+// (the calibration, xpm/planner/calibration.hpp, draws its correction line over the measured
+// peaks, reserved bytes where the meter reserves segments, and the batcher plans with it; an
+// optimizer step above the floor raises it; a microbatch that ran out of memory becomes an
 // infeasible bound: every rank sees the same all-reduced peaks, so plans stay identical); a
 // line of metrics.jsonl;
 // hooks.after_step unless the step ran out of memory (then it is skipped on every rank; 10 in a
@@ -113,7 +114,7 @@ struct LearnerOptions {
   std::vector<int> stop_signals;
   bool resume = false;                    // continue from the newest valid checkpoint in run_dir
   std::int64_t log_every = 10;            // progress line every N steps
-  double underprediction_tolerance = 0.005;  // online correction above (1 + tol) x predicted
+  double underprediction_tolerance = 0.005;  // a peak above (1 + tol) x planned counts as an underprediction
   bool loss_scaling = false;              // dynamic loss scaling (float16 training, precision.hpp)
   std::int64_t bucket_cap_bytes = 25 << 20;  // gradient all-reduce buckets (data parallel)
   OptimizerCheckpointLayout optimizer_checkpoint = OptimizerCheckpointLayout::kPerRankShards;

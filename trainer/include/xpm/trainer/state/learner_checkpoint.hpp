@@ -62,6 +62,7 @@ struct LearnerResumeState {
   std::vector<double> loss_scaler;  // DynamicLossScaler::state() under 16-mixed; empty otherwise (optional)
   nlohmann::json task_state;        // TrainingTask::extra_state() (optional; null: none)
   nlohmann::json learner_settings;  // LearnerOptions::resume_settings() (optional; checked on resume)
+  nlohmann::json calibration;  // the Learner's Calibration state (optional; null: none)
 
   nlohmann::json to_json() const;
   /// Throws std::invalid_argument naming the missing or malformed field.

@@ -110,6 +110,9 @@ struct MicrobatchPeak {
   std::vector<double> dims;                // aggregated dims of the microbatch
   double predicted_bytes = 0;              // model.predict_bytes(dims) when planned
   double forward_backward_peak_bytes = 0;  // measured peak allocated bytes
+  /// Measured peak reserved bytes where the meter reserves segments (a caching allocator:
+  /// MemoryMeter::reserves_segments, the cache emptied before the microbatch); else 0.
+  double forward_backward_peak_reserved_bytes = 0;
 };
 
 struct StepResult {
