@@ -152,7 +152,7 @@ struct FitArguments {
   std::string batch_size_variable;
   std::map<std::string, std::string> aggregation;
   bool non_negative = true;
-  double usable_max_rel_error = 0.05;
+  double usable_max_rel_error = xpm::FitOptions{}.usable_max_rel_error;
   std::vector<std::string> automatic_variables;  // non-empty: choose the formula over these
 };
 
@@ -219,13 +219,13 @@ class PythonProbeExecutor : public xpm::ProbeExecutor {
 };
 
 struct ProbeArguments {
-  std::string batch_size_variable = "bs";
+  std::string batch_size_variable = xpm::PredictiveBatcherOptions{}.batch_size_variable;
   std::map<std::string, std::string> aggregation;
   std::vector<std::map<std::string, double>> probe_points;
   std::map<std::string, double> variable_max;
   std::vector<std::vector<double>> record_dims_sample;
-  std::vector<double> design_fractions = {1.0, 0.75, 0.5};
-  double usable_max_rel_error = 0.05;
+  std::vector<double> design_fractions = xpm::PredictiveBatcherOptions{}.design_fractions;
+  double usable_max_rel_error = xpm::FitOptions{}.usable_max_rel_error;
   bool automatic_formula = false;  // the formula's variables only; the formula chosen from the probes
   xpm::AdaptiveDesignOptions adaptive;
 };
@@ -328,7 +328,8 @@ void bind_budget(py::module_& m) {
              budget.validate();
              return budget;
            }),
-           py::arg("capacity_bytes"), py::arg("memory_fraction") = 0.9, py::arg("extra_overhead_bytes") = 0)
+           py::arg("capacity_bytes"), py::arg("memory_fraction") = xpm::MemoryBudget{}.memory_fraction,
+           py::arg("extra_overhead_bytes") = 0)
       .def_readonly("capacity_bytes", &xpm::MemoryBudget::capacity_bytes)
       .def_readonly("memory_fraction", &xpm::MemoryBudget::memory_fraction)
       .def_readonly("extra_overhead_bytes", &xpm::MemoryBudget::extra_overhead_bytes)
@@ -431,6 +432,16 @@ PYBIND11_MODULE(_planner, m) {
   bind_calibration(m);
   m.def("pack", &pack);
   m.def("packer_names", &xpm::packer_names);
+  // The planner's defaults, so the Python options start from the same values (one source).
+  const xpm::PredictiveBatcherOptions batcher;
+  m.attr("DEFAULTS") = py::dict(
+      py::arg("usable_max_rel_error") = xpm::FitOptions{}.usable_max_rel_error,
+      py::arg("design_fractions") = py::tuple(py::cast(batcher.design_fractions)),
+      py::arg("batch_size_variable") = batcher.batch_size_variable,
+      py::arg("adaptive_max_probes") = batcher.adaptive.max_probes,
+      py::arg("adaptive_tolerance") = batcher.adaptive.tolerance,
+      py::arg("adaptive_grid_steps") = batcher.adaptive.grid_steps,
+      py::arg("memory_fraction") = xpm::MemoryBudget{}.memory_fraction);
   m.def("assign_records_to_ranks", [](const std::vector<double>& costs, int world_size) {
     return xpm::assign_records_to_ranks(costs, world_size).records_per_rank;
   });

@@ -44,6 +44,10 @@ FormulaError = _planner.FormulaError
 # ---- closed sets of string arguments: a Literal for type checkers, a tuple for the runtime check
 PackerName = Literal["adaptive", "fastest", "ffd", "uniform"]
 """A packer of ``plan`` and ``PredictiveBatchSampler``: "adaptive", "fastest", "ffd" or "uniform"."""
+DEFAULT_MEMORY_FRACTION: float = _planner.DEFAULTS["memory_fraction"]
+"""The share of the capacity a plan may use unless told (the C++ ``MemoryBudget``'s: 0.9)."""
+DEFAULT_USABLE_MAX_REL_ERROR: float = _planner.DEFAULTS["usable_max_rel_error"]
+"""The largest fit and held-out error of a usable fit unless told (the C++ ``FitOptions``': 0.05)."""
 PACKERS: Tuple[PackerName, ...] = tuple(sorted(_planner.packer_names()))  # type: ignore[assignment]
 """The C++ library's packers (its table in packer_kind.cpp), by name; ``PackerName`` is their
 ``Literal`` for type checkers (a test keeps the two equal)."""
@@ -124,7 +128,7 @@ class MemoryBudget(_planner.MemoryBudget):
         1500000000
     """
 
-    def __init__(self, capacity_bytes: Union[int, float], memory_fraction: float = 0.9,
+    def __init__(self, capacity_bytes: Union[int, float], memory_fraction: float = DEFAULT_MEMORY_FRACTION,
                  extra_overhead_bytes: Union[int, float] = 0) -> None:
         super().__init__(_whole_bytes(capacity_bytes, "capacity_bytes"), float(memory_fraction),
                          _whole_bytes(extra_overhead_bytes, "extra_overhead_bytes"))
@@ -672,7 +676,8 @@ def fit(formula: Union[CostFormula, Literal["auto"]], dims: ArrayLike, peak_byte
         variables: Optional[Sequence[str]] = None, infeasible_dims: Optional[ArrayLike] = None,
         infeasible_bytes: Optional[ArrayLike] = None, floor_bytes: float = 0.0,
         batch_size_variable: Optional[str] = None, aggregation: Optional[Dict[str, Aggregation]] = None,
-        non_negative: bool = True, usable_max_rel_error: float = 0.05) -> Tuple["MemoryModel", FitReport]:
+        non_negative: bool = True,
+        usable_max_rel_error: float = DEFAULT_USABLE_MAX_REL_ERROR) -> Tuple["MemoryModel", FitReport]:
     """Fits ``formula``'s coefficients to measured peaks (Ceres, relative residuals).
 
     Args:

@@ -51,6 +51,8 @@ class ProbeOptions:
             "auto", the other formulas that explain the probes) disagree most, until they agree
             within ``adaptive_tolerance``.
         adaptive_tolerance: the relative disagreement the adaptive design stops at (1 %).
+        adaptive_grid_steps: the values per variable other than the batch size on the grid of
+            shapes the adaptive design picks from (8).
         device: where the model is probed (``xpm.DeviceKind``, ``"cuda:N"`` or a
             ``torch.device``). None (the default): wherever ``meter`` measures. ``"cpu"``: needs
             ``meter`` a ``CpuMeter`` (it cannot be made here: it must be installed before the
@@ -84,12 +86,13 @@ class ProbeOptions:
     probe_points: Optional[List[Dict[str, float]]] = None
     record_dims: Optional[Sequence[Sequence[float]]] = None
     variables: Optional[Sequence[str]] = None
-    design_fractions: Sequence[float] = (1.0, 0.75, 0.5)
-    batch_size_variable: str = "bs"
+    design_fractions: Sequence[float] = _planner.DEFAULTS["design_fractions"]
+    batch_size_variable: str = _planner.DEFAULTS["batch_size_variable"]
     aggregation: Optional[Dict[str, RecordAggregation]] = None
-    usable_max_rel_error: float = 0.05
-    adaptive_max_probes: int = 8
-    adaptive_tolerance: float = 0.01
+    usable_max_rel_error: float = _planner.DEFAULTS["usable_max_rel_error"]
+    adaptive_max_probes: int = _planner.DEFAULTS["adaptive_max_probes"]
+    adaptive_tolerance: float = _planner.DEFAULTS["adaptive_tolerance"]
+    adaptive_grid_steps: int = _planner.DEFAULTS["adaptive_grid_steps"]
     device: Union[DeviceKind, torch.device, str, None] = None
     lockstep: bool = False
     process_group: Optional[Any] = None
@@ -296,8 +299,10 @@ def _check_option_types(o: ProbeOptions) -> None:
     for name in ("usable_max_rel_error", "adaptive_tolerance"):
         if not _is_number(getattr(o, name)):
             refuse(name, "a number", getattr(o, name))
-    if not isinstance(o.adaptive_max_probes, (int, np.integer)) or isinstance(o.adaptive_max_probes, bool):
-        refuse("adaptive_max_probes", "a whole number", o.adaptive_max_probes)
+    for name in ("adaptive_max_probes", "adaptive_grid_steps"):
+        value = getattr(o, name)
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            refuse(name, "a whole number", value)
     if not isinstance(o.batch_size_variable, str):
         refuse("batch_size_variable", "a variable's name", o.batch_size_variable)
 
@@ -345,4 +350,5 @@ def _planner_arguments(o: ProbeOptions, record_dims: Optional[np.ndarray], autom
     args.automatic_formula = automatic
     args.adaptive.max_probes = int(o.adaptive_max_probes)
     args.adaptive.tolerance = float(o.adaptive_tolerance)
+    args.adaptive.grid_steps = int(o.adaptive_grid_steps)
     return args

@@ -24,7 +24,7 @@ struct FitRequest {
   std::map<std::string, double> initial;   // --initial NAME=VALUE
   xpm::RobustLoss robust_loss = xpm::RobustLoss::kNone;  // --robust-loss none|huber|cauchy
   double robust_scale = 0.01;              // --robust-scale: relative residual where it bends
-  double usable_max_rel_error = 0.05;      // --usable-max-rel-error
+  double usable_max_rel_error = xpm::FitOptions{}.usable_max_rel_error;  // --usable-max-rel-error
 };
 
 /// Reads and checks --allow-negative, --nonlinear, --initial, --robust-loss.

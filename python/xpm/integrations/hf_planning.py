@@ -31,7 +31,8 @@ import torch
 from .._build_info import VERSION
 from ..lockstep import Lockstep
 from ..meters import Meter
-from ..planning import PACKERS, CostFormula, MemoryBudget, MemoryModel, PackerName, _check_choice
+from ..planning import (DEFAULT_MEMORY_FRACTION, PACKERS, CostFormula, MemoryBudget, MemoryModel, PackerName,
+                        _check_choice)
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome
 from .dataset_probes import (VARIABLES, PlanningMode, check_device_meter, checked_custom_dims, dataset_record_dims,
@@ -225,7 +226,7 @@ class AutomaticPlanning:
     """
 
     formula: Union[CostFormula, Literal["auto"]] = "auto"
-    memory_fraction: float = 0.9
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
     record_dims: Optional[Callable[[Any], Sequence[float]]] = None
     cache_dir: Union[str, os.PathLike, None, Literal[False]] = None
     probe_options: Optional[ProbeOptions] = None

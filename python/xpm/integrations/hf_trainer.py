@@ -75,7 +75,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
 from ..meters import allocator_settings, planned_bytes_kind, planned_peak_bytes, start_peak
-from ..planning import CostFormula, MemoryBudget, PackerName
+from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, MemoryBudget, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import probe
 from ..sampler import PredictiveBatchSampler, _unplanned_memory
@@ -291,7 +291,7 @@ class PlannedTrainerMixin:
 
     def __init__(self, *args, batch_sampler: Optional[PredictiveBatchSampler] = None, meter=None,
                  on_microbatch: Optional[Callable[[MicrobatchRecord], None]] = None,
-                 formula: Union[CostFormula, Literal["auto"]] = "auto", memory_fraction: float = 0.9,
+                 formula: Union[CostFormula, Literal["auto"]] = "auto", memory_fraction: float = DEFAULT_MEMORY_FRACTION,
                  record_dims: Optional[Callable[[Any], Sequence[float]]] = None,
                  cache_dir: Union[str, os.PathLike, None, Literal[False]] = None,
                  probe_options: Optional[ProbeOptions] = None, packer: PackerName = "fastest", **kwargs):

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, RandomSampler
 import lightning.pytorch as pl
 
 from ..meters import Meter, planned_peak_bytes, start_peak
-from ..planning import CostFormula, MemoryBudget, PackerName
+from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, MemoryBudget, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome, probe
 from ..sampler import PredictiveBatchSampler
@@ -130,7 +130,7 @@ class PlannedMicrobatches(pl.Callback):
             no loss.
     """
 
-    def __init__(self, *, formula: Union[CostFormula, str] = "auto", memory_fraction: float = 0.9,
+    def __init__(self, *, formula: Union[CostFormula, str] = "auto", memory_fraction: float = DEFAULT_MEMORY_FRACTION,
                  meter: Optional[Meter] = None, record_dims: Optional[Callable[[Any], Sequence[float]]] = None,
                  units: Optional[Callable[[Any], float]] = None, probe_options: Optional[ProbeOptions] = None,
                  packer: PackerName = "fastest", seed: int = 0) -> None:

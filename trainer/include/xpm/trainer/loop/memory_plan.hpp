@@ -27,17 +27,18 @@ struct MemoryPlanOptions {
   MemoryPlanOptions() = default;
   explicit MemoryPlanOptions(CostFormula formula_) : formula(std::move(formula_)) {}
 
-  CostFormula formula = CostFormula::with_variables("a*bs*l + b*bs + c", {"bs", "l"});
+  // Defaults: the predictive batcher's (PredictiveBatcherOptions, FitOptions, MemoryBudget).
+  CostFormula formula = PredictiveBatcherOptions{}.formula;
   FormulaChoice formula_choice = FormulaChoice::kGiven;  // kAutomatic: chosen over formula's variables
   std::map<std::string, double> variable_max;            // the probe design's upper ends (every variable)
-  std::vector<double> design_fractions = {1.0, 0.75, 0.5};  // of each non-batch-size variable's max
+  std::vector<double> design_fractions = PredictiveBatcherOptions{}.design_fractions;  // of each non-bs variable's max
   std::map<std::string, DimAggregation> aggregation;     // non-batch-size variables; default max
-  std::string batch_size_variable = "bs";
+  std::string batch_size_variable = PredictiveBatcherOptions{}.batch_size_variable;
   PackerKind packer = PackerKind::kAdaptive;
   std::string sort_by;                     // the adaptive packer's sort variables ("": record order)
-  double memory_fraction = 0.9;            // of the meter's capacity the plan may use
+  double memory_fraction = MemoryBudget{}.memory_fraction;  // of the meter's capacity the plan may use
   std::int64_t extra_overhead_bytes = 0;   // held back from the budget (bytes)
-  double usable_max_rel_error = 0.05;      // the largest fit / held-out error of a usable model
+  double usable_max_rel_error = FitOptions{}.usable_max_rel_error;  // the largest fit / held-out error of a usable model
 
   XPM_OPTION_SETTER(MemoryPlanOptions, CostFormula, formula)
   XPM_OPTION_SETTER(MemoryPlanOptions, FormulaChoice, formula_choice)
