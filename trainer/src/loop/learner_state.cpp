@@ -161,6 +161,16 @@ void Learner::Impl::obtain_memory_model() {
   log(options.log_prefix + ": memory model " + batcher->model().formula().canonical() + ", floor " +
       std::to_string(static_cast<std::int64_t>(batcher->model().floor_bytes())) + " bytes" +
       (probed.from_cache ? " (from the cache)" : ", " + std::to_string(outcome.probes) + " probes"));
+  const nlohmann::json& metadata = batcher->model().metadata();
+  if (metadata.contains("reserved_gap") && metadata.at("reserved_gap").contains("reserved_to_allocated")) {
+    const auto ratios = metadata.at("reserved_gap").at("reserved_to_allocated").get<std::vector<double>>();
+    const Correction gap = batcher->model().reserved_gap();
+    char line[200];
+    std::snprintf(line, sizeof line, ": reserved bytes planned: the probes reserved %.3fx to %.3fx what they allocated; "
+                  "gap %+.0f bytes %+.2f %% of the prediction", ratios.at(0), ratios.at(1), gap.intercept_bytes,
+                  100 * gap.slope);
+    log(options.log_prefix + line);
+  }
 }
 
 std::vector<torch::Tensor> Learner::Impl::gather_generator_states() {
