@@ -305,18 +305,24 @@ void Learner::Impl::start_calibration() {
   CalibrationOptions calibration_options;
   calibration_options.initial = batcher->correction();  // the model's reserved gap, or none
   calibration.emplace(batcher->options().budget.usable_bytes(), calibration_options);
-  if (!restored_calibration.is_null()) calibration->load_state(calibration_state_from_json(restored_calibration));
+  // The checkpoint's correction and window measured its model's predictions: kept when that is
+  // the model planning now (not after probing again, e.g. at another world size).
+  if (!restored_calibration.is_null() && restored_calibration_model == batcher->model().to_json())
+    calibration->load_state(calibration_state_from_json(restored_calibration));
+  restored_calibration = nullptr;
   batcher->set_correction(calibration->correction());
 }
 
-// Every rank records the same all-reduced peaks, so every rank draws the same line without a
-// collective of its own.
+// Every rank records the same all-reduced peaks; the rows are agreed once more (one all-reduce
+// of 106 numbers) so that ranks planning under different budgets are refused on every rank.
 void Learner::Impl::calibrate(const GlobalStepResult& result) {
   if (!result.oom) {
     for (const MicrobatchPeak& peak : result.microbatch_peaks)
       calibration->record_peak(peak.predicted_bytes, planned_peak(peak));
   }
-  const std::optional<std::string> line = calibration->end_step(state.step, calibration->step_row(state.step + 1));
+  std::vector<double> row = calibration->step_row(state.step + 1);
+  if (dist.distributed()) row = dist.all_reduce(row, ReduceOp::kMax);
+  const std::optional<std::string> line = calibration->end_step(state.step, row);
   batcher->set_correction(calibration->correction());
   if (line) log(options.log_prefix + ": calibration: " + *line);
 }

@@ -100,6 +100,7 @@ struct Learner::Impl {
   std::optional<Calibration> calibration;
   Correction step_correction;  // the correction the last step was planned with
   nlohmann::json restored_calibration;  // from the checkpoint resumed (null: none)
+  nlohmann::json restored_calibration_model;  // the memory model that checkpoint planned with
 };
 
 }  // namespace xpm

@@ -223,7 +223,11 @@ LearnerResumeState Learner::Impl::resume_state() const {
   saved.early_stopped = outcome.early_stopped;
   saved.task_state = task.extra_state();
   saved.learner_settings = options.resume_settings();
-  if (calibration) saved.calibration = to_json(calibration->state());
+  if (calibration) {
+    saved.calibration = to_json(calibration->state());
+  } else if (!restored_calibration.is_null()) {  // resumed, no step run since
+    saved.calibration = restored_calibration;
+  }
   return saved;
 }
 
@@ -327,7 +331,8 @@ void Learner::Impl::restore(const LearnerCheckpoint& checkpoint) {
     batcher->set_model(MemoryModel::from_json(saved.memory_model));
     memory_model_from_checkpoint = true;
   }
-  restored_calibration = saved.calibration;
+  restored_calibration = saved.calibration;  // used with the model it was measured against only
+  restored_calibration_model = saved.memory_model;
   task.restore_extra_state(saved.task_state);
   outcome.counters = RunCounters::from_json(saved.counters);
   outcome.counters.microbatches_per_rank.resize(static_cast<std::size_t>(dist.world_size()), 0);

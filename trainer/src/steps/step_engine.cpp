@@ -34,6 +34,7 @@ GlobalStepResult PredictiveStepEngine::train_step(const std::vector<std::vector<
 ValidationPlanFn PredictiveStepEngine::validation_planner() const {
   auto snapshot = std::make_shared<PredictiveBatcher>(batcher_.options(), batcher_.shared_packer());
   snapshot->set_model(batcher_.model());
+  snapshot->set_correction(batcher_.correction());  // the calibrated line, not the model's initial one
   return [snapshot](const std::vector<std::vector<double>>& dims) { return snapshot->plan(dims); };
 }
 
