@@ -45,7 +45,7 @@ ProbeResult TorchProbeExecutor::measure(const std::function<void()>& forward_bac
         std::chrono::duration<double>(std::chrono::steady_clock::now() - forward_start).count();
     result.forward_backward_peak_bytes = static_cast<double>(meter_.peak_allocated_bytes());
     reserved_bytes = static_cast<double>(meter_.peak_reserved_bytes());
-    meter_.reset_peak();
+    start_peak(meter_);  // as training measures it: the optimizer's state in segments of its own
     steps_.optimizer_step();
     result.optimizer_step_peak_bytes = static_cast<double>(meter_.peak_allocated_bytes());
     if (reserving)

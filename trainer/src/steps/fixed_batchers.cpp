@@ -65,6 +65,7 @@ FixedBatcher::FixedBatcher(torch::optim::Optimizer& optimizer, MemoryMeter* mete
       microbatch_size_(microbatch_size),
       unused_predictive_batcher_(placeholder_predictive_batcher()),
       local_(optimizer, unused_predictive_batcher_, meter) {
+  local_.set_measures_reserved_bytes(false);  // plans nothing: no cache emptied for it
   if (microbatch_size < 1) {
     throw std::invalid_argument("FixedBatcher: microbatch_size must be >= 1, got " +
                                 std::to_string(microbatch_size));

@@ -81,6 +81,14 @@ double executable_units(const MicrobatchPlan& plan, const std::vector<double>& r
 
 }  // namespace
 
+void LossTrainer::start_measured_peak() {
+  if (measures_reserved_bytes_) {
+    start_peak(*meter_);
+  } else {
+    meter_->reset_peak();
+  }
+}
+
 void LossTrainer::run_microbatches(const MicrobatchPlan& plan,
                                    const std::function<torch::Tensor(const Microbatch&)>& microbatch_loss,
                                    StepResult& result) {
@@ -90,7 +98,7 @@ void LossTrainer::run_microbatches(const MicrobatchPlan& plan,
     // The meter's peak is reset per microbatch; step_peak_bytes_ keeps the step's maximum.
     if (meter_ != nullptr) {
       step_peak_bytes_ = std::max(step_peak_bytes_, meter_->peak_allocated_bytes());
-      start_peak(*meter_);
+      start_measured_peak();
     }
     try {
       torch::Tensor loss = microbatch_loss(microbatch);
@@ -106,7 +114,8 @@ void LossTrainer::run_microbatches(const MicrobatchPlan& plan,
     if (meter_ != nullptr) {
       result.microbatch_peaks.push_back(
           {microbatch.dims, microbatch.predicted_bytes, static_cast<double>(meter_->peak_allocated_bytes()),
-           meter_->reserves_segments() ? static_cast<double>(meter_->peak_reserved_bytes()) : 0.0});
+           measures_reserved_bytes_ && meter_->reserves_segments() ? static_cast<double>(meter_->peak_reserved_bytes())
+                                                                   : 0.0});
     }
   }
 }
@@ -215,7 +224,7 @@ StepResult LossTrainer::step(const std::vector<std::vector<double>>& record_dims
     result = accumulate(plan);
     if (meter_ != nullptr) {  // cached activations' segments released: the optimizer's state packs tight
       step_peak_bytes_ = std::max(step_peak_bytes_, meter_->peak_allocated_bytes());
-      start_peak(*meter_);
+      start_measured_peak();
     }
     if (result.microbatches > 0) {
       if (before_optimizer_step) before_optimizer_step();

@@ -111,7 +111,7 @@ MultipleStepResult MultipleTrainer::train_step(const std::vector<OuterBatch>& ba
     }
     std::int64_t microbatches = 0;
     for (const auto& item : result.sub_results) microbatches += item.second.microbatches;
-    if (meter_ != nullptr) meter_->reset_peak();
+    if (meter_ != nullptr) start_peak(*meter_);
     if (microbatches > 0) {
       if (before_optimizer_step) before_optimizer_step();
       optimizer_.step();

@@ -183,7 +183,14 @@ class LossTrainer {
   /// accumulate_gradients / accumulate_weighted_losses is caught.
   const std::vector<double>& last_oom_microbatch_dims() const { return oom_microbatch_dims_; }
 
+  /// Where the meter reserves segments (a caching allocator), whether each microbatch and the
+  /// optimizer step start from an emptied cache and report their reserved peaks (default true:
+  /// what plans of reserved bytes measure; false for engines that plan nothing, so that a GPU's
+  /// cache is not emptied for them).
+  void set_measures_reserved_bytes(bool measures) { measures_reserved_bytes_ = measures; }
+
  private:
+  void start_measured_peak();  // start_peak, or reset_peak when reserved bytes are not measured
   // Runs each executable microbatch of `plan`: backward of microbatch_loss(microbatch) (already
   // weighted), result.loss += its value, microbatch peaks. Releases the autograd buffers and
   // rethrows on an out-of-memory error.
@@ -200,6 +207,7 @@ class LossTrainer {
   MemoryMeter* meter_;
   std::int64_t step_peak_bytes_ = 0;  // running maximum of the meter's peak within a step
   std::vector<double> oom_microbatch_dims_;  // see last_oom_microbatch_dims()
+  bool measures_reserved_bytes_ = true;
 };
 
 /// Records a step's losses in the context (under its current scope): "loss" = result.loss, and
