@@ -356,3 +356,31 @@ def test_a_malformed_phase_record_is_refused_in_one_line_naming_it():
         with pytest.raises(ValueError) as caught:
             xpm.MemoryModel.from_json(json.dumps(parsed))
         assert str(caught.value).startswith("memory model JSON: ") and expected in str(caught.value)
+
+
+def test_option_defaults_are_the_planners_own_in_every_layer():
+    """The defaults are written once, in the C++ planner (PredictiveBatcherOptions, FitOptions,
+    MemoryBudget): the Python options, the fit and the budget read them, so a value written
+    again anywhere fails here."""
+    from xpm import _planner
+    defaults = _planner.DEFAULTS
+    options = xpm.ProbeOptions()
+    for name in ("usable_max_rel_error", "batch_size_variable", "adaptive_max_probes", "adaptive_tolerance",
+                 "adaptive_grid_steps"):
+        assert getattr(options, name) == defaults[name], name
+    assert tuple(options.design_fractions) == tuple(defaults["design_fractions"])
+    assert inspect.signature(xpm.fit).parameters["usable_max_rel_error"].default == defaults["usable_max_rel_error"]
+    assert xpm.MemoryBudget(1_000_000).memory_fraction == defaults["memory_fraction"]
+    assert _planner.MemoryBudget(1_000_000).memory_fraction == defaults["memory_fraction"]
+
+
+def test_the_integrations_take_the_planners_memory_fraction():
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    pytest.importorskip("accelerate")
+    from xpm.integrations import accelerate, hf_planning, hf_trainer, lightning  # the public modules first
+    fractions = [inspect.signature(hf_trainer.PlannedTrainerMixin.__init__).parameters["memory_fraction"].default,
+                 inspect.signature(lightning.PlannedMicrobatches.__init__).parameters["memory_fraction"].default,
+                 inspect.signature(accelerate.prepare).parameters["memory_fraction"].default,
+                 hf_planning.AutomaticPlanning.memory_fraction]
+    assert fractions == [xpm.planning.DEFAULT_MEMORY_FRACTION] * 4 == [xpm._planner.DEFAULTS["memory_fraction"]] * 4

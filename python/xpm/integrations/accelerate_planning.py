@@ -90,7 +90,8 @@ def _checked_loader(loader: Any) -> DataLoader:
 
 def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             loader: DataLoader, *, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
-            formula: Union[CostFormula, str] = "auto", memory_fraction: float = DEFAULT_MEMORY_FRACTION, meter: Optional[Meter] = None,
+            formula: Union[CostFormula, str] = "auto", memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+            meter: Optional[Meter] = None,
             record_dims: Optional[Callable[[Any], Sequence[float]]] = None,
             units: Optional[Callable[[Any], float]] = None, probe_options: Optional[ProbeOptions] = None,
             packer: PackerName = "fastest", seed: int = 0) -> Tuple[torch.nn.Module, Any, DataLoader]:

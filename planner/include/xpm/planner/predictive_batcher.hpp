@@ -172,7 +172,8 @@ class PredictiveBatcher {
   /// without a model.
   const MemoryModel& add_measurement(const Measurement& measurement);
   /// Online correction after a microbatch ran out of memory at `bound.dims` under
-  /// `bound.exceeds_bytes` (the capacity): the bound joins the model's infeasible probes (no
+  /// `bound.exceeds_bytes` (the capacity in the model's terms: the Learner passes
+  /// correction().planning_bytes(capacity)): the bound joins the model's infeasible probes (no
   /// later plan dominates those dims under that capacity) and the coefficients are refitted with
   /// every bound as a lower bound of the prediction (kept as they were when that refit is not
   /// usable). Same rule as add_measurement for ranks. Throws std::logic_error without a model,

@@ -26,7 +26,7 @@
 // state.step += 1; with a memory model (the predictive engine) and a meter, online corrections
 // (the calibration, xpm/planner/calibration.hpp, draws its correction line over the measured
 // peaks, reserved bytes where the meter reserves segments, and the batcher plans with it; an
-// optimizer step above the floor raises it; a microbatch that ran out of memory becomes an
+// optimizer step above the model's floor raises that floor; a microbatch that ran out of memory becomes an
 // infeasible bound: every rank sees the same all-reduced peaks, so plans stay identical); a
 // line of metrics.jsonl;
 // hooks.after_step unless the step ran out of memory (then it is skipped on every rank; 10 in a
