@@ -373,14 +373,3 @@ def test_option_defaults_are_the_planners_own_in_every_layer():
     assert xpm.MemoryBudget(1_000_000).memory_fraction == defaults["memory_fraction"]
     assert _planner.MemoryBudget(1_000_000).memory_fraction == defaults["memory_fraction"]
 
-
-def test_the_integrations_take_the_planners_memory_fraction():
-    pytest.importorskip("transformers")
-    pytest.importorskip("lightning")
-    pytest.importorskip("accelerate")
-    from xpm.integrations import accelerate, hf_planning, hf_trainer, lightning  # the public modules first
-    fractions = [inspect.signature(hf_trainer.PlannedTrainerMixin.__init__).parameters["memory_fraction"].default,
-                 inspect.signature(lightning.PlannedMicrobatches.__init__).parameters["memory_fraction"].default,
-                 inspect.signature(accelerate.prepare).parameters["memory_fraction"].default,
-                 hf_planning.AutomaticPlanning.memory_fraction]
-    assert fractions == [xpm.planning.DEFAULT_MEMORY_FRACTION] * 4 == [xpm._planner.DEFAULTS["memory_fraction"]] * 4

@@ -11,6 +11,7 @@ the same records run whole (a decoder-only Llama, padded and padding-free; a BAR
 ``Seq2SeqTrainer``, whose loss ignores ``num_items_in_batch``), and a second run from the cache.
 """
 import gc
+import inspect
 import json
 import os
 import pathlib
@@ -494,5 +495,16 @@ def test_drop_in_on_two_ddp_ranks_probes_in_lockstep_and_shares_the_cache(senten
     print(f"\n{first[0]['report']}; microbatches per step {counts[0]} on both ranks")
 
 
+def test_the_integrations_take_the_planners_memory_fraction():
+    """Every integration's memory_fraction default is the planner's (written once, in C++)."""
+    from xpm.integrations import accelerate, hf_planning, hf_trainer, lightning  # the public modules first
+    fractions = [inspect.signature(hf_trainer.PlannedTrainerMixin.__init__).parameters["memory_fraction"].default,
+                 inspect.signature(lightning.PlannedMicrobatches.__init__).parameters["memory_fraction"].default,
+                 inspect.signature(accelerate.prepare).parameters["memory_fraction"].default,
+                 hf_planning.AutomaticPlanning.memory_fraction]
+    assert fractions == [xpm.planning.DEFAULT_MEMORY_FRACTION] * 4 == [xpm._planner.DEFAULTS["memory_fraction"]] * 4
+
+
 if __name__ == "__main__":
     _ddp_worker(sys.argv[1])
+

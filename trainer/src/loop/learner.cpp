@@ -67,15 +67,16 @@ nlohmann::json metric_json(double value) {
   return value;
 }
 
-// Every rank's microbatches (the peaks are all-reduced) whose prediction is the formula's or whose
-// peak passed the floor, (predicted - measured) / measured each: positive is over-predicted,
-// negative under-predicted (the sign of the fit's own errors). A microbatch predicted at the
-// floor and measured under it is left out: the step's peak there is the optimizer step's.
+// A microbatch predicted at the floor and measured under it: the step's peak there is the
+// optimizer step's, not the formula's.
 bool at_the_floor(const MicrobatchPeak& peak, const MemoryModel& model) {
   const double floor_bytes = model.floor_bytes_at(peak.dims);
   return peak.predicted_bytes <= floor_bytes && peak.forward_backward_peak_bytes <= floor_bytes;
 }
 
+// Every rank's microbatches (the peaks are all-reduced) but those at the floor, (predicted -
+// measured) / measured each: positive is over-predicted, negative under-predicted (the sign of
+// the fit's own errors).
 nlohmann::json microbatch_rel_errors(const GlobalStepResult& result, const MemoryModel& model) {
   nlohmann::json errors = nlohmann::json::array();
   for (const MicrobatchPeak& peak : result.microbatch_peaks) {
@@ -353,7 +354,8 @@ nlohmann::json Learner::Impl::step_line(const GlobalStepResult& result, double l
                          {"oom_ranks", result.oom_ranks}};
   if (predictive() && !result.oom) line["microbatch_rel_errors"] = microbatch_rel_errors(result, batcher->model());
   if (calibration && !result.oom) {
-    line["microbatch_planned_rel_errors"] = microbatch_planned_rel_errors(result, batcher->model(), step_correction, plans_reserved_bytes());
+    line["microbatch_planned_rel_errors"] =
+        microbatch_planned_rel_errors(result, batcher->model(), step_correction, plans_reserved_bytes());
     line["correction_bytes"] = calibration->correction_bytes();
   }
   if (plans_reserved_bytes() && !result.oom) line["peak_reserved_bytes"] = peak_reserved_bytes(result);
