@@ -109,9 +109,7 @@ Correction covering_correction(const std::vector<double>& predicted_bytes, const
                                 " predictions but " + std::to_string(peak_bytes.size()) + " peaks");
   if (!(usable_bytes > 0))
     throw std::invalid_argument("covering_correction: usable_bytes must be > 0, got " + std::to_string(usable_bytes));
-  std::vector<double> row(kSlopes, -kInf);
-  row.push_back(kInf);
-  row.push_back(-kInf);
+  std::vector<double> row = Calibration::empty_row();
   for (std::size_t i = 0; i < predicted_bytes.size(); ++i)
     if (predicted_bytes[i] > 0 && peak_bytes[i] > 0) add_point(row, predicted_bytes[i], peak_bytes[i]);
   return std::isfinite(row[kSlopes + 1]) ? best_line({row}, usable_bytes) : Correction{};

@@ -125,6 +125,10 @@ class Calibration {
   std::int64_t usable_bytes() const { return usable_bytes_; }
   const CalibrationOptions& options() const { return options_; }
 
+  /// A step's row before any point: -inf per slope, then +inf and -inf (the smallest and the
+  /// largest prediction measured).
+  static std::vector<double> empty_row();
+
   /// The correction, its window and log (what a checkpoint keeps).
   CalibrationState state() const;
   /// Restores a state() (a window longer than window_steps keeps its last rows). Throws
@@ -133,7 +137,6 @@ class Calibration {
 
  private:
   using Row = std::vector<double>;  // per slope the least intercept, then min and max prediction
-  static Row empty_row();
   Correction updated(const Row& measured, const std::vector<Row>& window) const;
 
   std::int64_t usable_bytes_;
