@@ -2,7 +2,6 @@
 // rank-0 probing shared with every rank.
 #include "xpm/planner_torch/step_probing.hpp"
 
-#include <chrono>
 #include <exception>
 #include <functional>
 #include <optional>
@@ -17,7 +16,7 @@
 #include <c10/util/Type.h>
 
 #include "xpm/planner/dims_text.hpp"
-#include "xpm/planner/memory_model_cache.hpp"
+#include "xpm/planner/memory_model_lookup.hpp"
 #include "xpm/planner/stable_hash.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 
@@ -145,29 +144,19 @@ void check_meter_sees_weights(torch::nn::Module& module, const MemoryMeter& mete
   }
 }
 
-void say(const StepProbeOptions& options, const std::string& line) {
-  if (options.log) options.log(line);
-}
-
 // Rank 0: the cached model, or probes and a fit (then stored in the cache).
-StepProbeResult look_up_or_probe(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
-                                 const ProbeLossFn& loss_fn, const StepProbeOptions& options) {
+StepProbeResult probe_on_rank0(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+                               const ProbeLossFn& loss_fn, const StepProbeOptions& options) {
   MemoryMeter& meter = options.meter != nullptr ? *options.meter : CpuMemoryMeter::instance();
-  const nlohmann::json identity = cache_identity(module, optimizer, options);
-  std::optional<MemoryModelCache> cache;
-  if (!options.memory_model_cache.empty()) cache.emplace(options.memory_model_cache);
-  std::string warning;
-  if (cache) {
-    std::optional<MemoryModel> cached = cache->lookup(identity, &warning);
-    if (!warning.empty()) say(options, "xpm: warning: " + warning);
-    if (cached) {
-      say(options, "xpm: memory model from the cache (" + cache->path_for(identity) + "), no probing");
-      return {std::move(*cached), {}, true, 0, {}, nullptr};
-    }
-  }
+  ModelLookup lookup;
+  lookup.cache_dir = options.memory_model_cache;
+  lookup.identity = cache_identity(module, optimizer, options);
+  lookup.metadata = {{"model_signature", lookup.identity.at("model_signature")},
+                     {"optimizer", lookup.identity.at("optimizer")},
+                     {"torch_version", TORCH_VERSION}};
+  lookup.log = options.log;
   PredictiveBatcher batcher(options.batcher, std::make_shared<AdaptivePacker>());
-  const auto start = std::chrono::steady_clock::now();
-  {
+  LookedUpModel found = look_up_or_probe(batcher, lookup, [&](PredictiveBatcher& probing) {
     std::optional<ProbeStateGuard> guard;
     try {
       guard.emplace(module, optimizer);
@@ -178,33 +167,22 @@ StepProbeResult look_up_or_probe(torch::nn::Module& module, torch::optim::Optimi
     }
     NamedProbeExecutor executor(probe_steps_for(module, optimizer, loss_fn, meter, options.records_loss_fn), meter,
                                 options.batcher.formula.variable_names());
-    batcher.probe_and_fit(executor);
-  }
-  StepProbeResult result{batcher.model(), batcher.probes(), false,
-                         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), {}, nullptr};
-  result.model.metadata()["model_signature"] = identity.at("model_signature");
-  result.model.metadata()["optimizer"] = identity.at("optimizer");
-  result.model.metadata()["torch_version"] = TORCH_VERSION;
-  std::size_t infeasible = 0;
-  for (const ProbeResult& probe : result.probes) infeasible += probe.feasible ? 0 : 1;
-  say(options, "xpm: " + std::to_string(result.probes.size()) + " probes (" + std::to_string(infeasible) +
-                   " out of memory) in " + std::to_string(result.probe_s) + " s; " +
-                   batcher.fit_summary().brief_report());
-  if (cache) cache->store(identity, result.model);
-  return result;
+    probing.probe_and_fit(executor);
+  });
+  return {batcher.model(), std::move(found.probes), found.from_cache, found.probe_s, {}, nullptr};
 }
 
 // Rank 0 looks up or probes; with share_from_rank0 its result or error reaches every rank.
 StepProbeResult share_or_probe(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
                                const ProbeLossFn& loss_fn, const StepProbeOptions& options) {
   if (!loss_fn) throw std::invalid_argument("probe_and_fit: loss_fn is empty");
-  if (!options.share_from_rank0) return look_up_or_probe(module, optimizer, loss_fn, options);
+  if (!options.share_from_rank0) return probe_on_rank0(module, optimizer, loss_fn, options);
   std::optional<StepProbeResult> result;
   nlohmann::json shared;
   std::exception_ptr failure;  // rank 0 rethrows its own exception as it is
   if (options.rank == 0) {
     try {
-      result = look_up_or_probe(module, optimizer, loss_fn, options);
+      result = probe_on_rank0(module, optimizer, loss_fn, options);
       shared = {{"model", result->model.to_json()}, {"from_cache", result->from_cache},
                 {"probe_s", result->probe_s}};
     } catch (const std::invalid_argument& error) {

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "xpm/planner/memory_model_lookup.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
 
 namespace {
@@ -355,4 +357,48 @@ TEST_CASE("with the formula chosen from the probes, a peak that moves between op
     for (double l : {130.0, 170.0, 200.0, 230.0, 250.0}) held_out.push_back({bs, l});
   }
   CHECK(max_held_out_error(model, executor, held_out) < 0.01);
+}
+
+TEST_CASE("look_up_or_probe probes and stores once, then sets the cached model without probing") {
+  const auto folder = std::filesystem::temp_directory_path() / "xpm_look_up_or_probe";
+  std::filesystem::remove_all(folder);
+  xpm::ModelLookup lookup;
+  lookup.cache_dir = folder.string();
+  lookup.identity = {{"model", "fake"}, {"capacity_bytes", 5'000'000}};
+  lookup.metadata = {{"optimizer", "sgd"}};
+  std::vector<std::string> lines;
+  lookup.log = [&](const std::string& line) { lines.push_back(line); };
+  FakeExecutor executor(4e6);
+  const auto probe = [&](xpm::PredictiveBatcher& batcher) { batcher.probe_and_fit(executor); };
+
+  xpm::PredictiveBatcher first(options_with_cap(5'000'000), std::make_shared<xpm::AdaptivePacker>());
+  const xpm::LookedUpModel probed = xpm::look_up_or_probe(first, lookup, probe);
+  CHECK_FALSE(probed.from_cache);
+  CHECK(probed.probes.size() == static_cast<std::size_t>(executor.calls));
+  CHECK(probed.infeasible_probes() >= 1);
+  CHECK(first.model().metadata().at("optimizer") == "sgd");
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0].rfind("xpm: " + std::to_string(executor.calls) + " probes (", 0) == 0);
+
+  const int calls = executor.calls;
+  xpm::PredictiveBatcher second(options_with_cap(5'000'000), std::make_shared<xpm::AdaptivePacker>());
+  const xpm::LookedUpModel cached = xpm::look_up_or_probe(second, lookup, probe);
+  CHECK(cached.from_cache);
+  CHECK(cached.probes.empty());
+  CHECK(cached.probe_s == 0);
+  CHECK(executor.calls == calls);
+  CHECK(second.model().coefficients() == first.model().coefficients());
+  CHECK(second.model().metadata().at("optimizer") == "sgd");
+  CHECK(lines.back().find("memory model from the cache (") != std::string::npos);
+
+  lookup.needs_time_model = true;  // the fake probes are untimed: the cached model has none
+  lookup.log_prefix = "job";
+  xpm::PredictiveBatcher third(options_with_cap(5'000'000), std::make_shared<xpm::AdaptivePacker>());
+  CHECK_FALSE(xpm::look_up_or_probe(third, lookup, probe).from_cache);
+  CHECK(executor.calls > calls);
+  CHECK(std::find(lines.begin(), lines.end(),
+                  "job: the cached memory model has no time model, which the fastest packer needs: probing again") !=
+        lines.end());
+  CHECK_THROWS_AS(xpm::look_up_or_probe(third, lookup, {}), std::invalid_argument);
+  std::filesystem::remove_all(folder);
 }

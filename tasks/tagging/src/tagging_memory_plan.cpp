@@ -1,15 +1,12 @@
 // The tagging job's memory model: batcher options, cache identity, rank-0 probe or lookup.
 #include "xpm/tasks/tagging_memory_plan.hpp"
 
-#include <chrono>
 #include <exception>
-#include <optional>
 #include <stdexcept>
 
 #include <torch/torch.h>
 
-#include "xpm/planner/memory_model_cache.hpp"
-#include "xpm/planner/time_model.hpp"
+#include "xpm/planner/memory_model_lookup.hpp"
 #include "xpm/trainer/loop/error_context.hpp"
 #include "xpm/tasks/tagging_probe.hpp"
 
@@ -80,54 +77,35 @@ namespace {
 
 // Rank 0's part: the cached model, or probes and a fit (the model then stored in the cache).
 // Returns what every rank takes: the model and where it came from.
-nlohmann::json look_up_or_probe(const TaggingJobConfig& config, TaggingModelSetup& setup,
-                                MemoryMeter& meter, std::int64_t capacity_bytes,
-                                PredictiveBatcher& batcher, int world_size,
-                                const std::function<void(const std::string&)>& log) {
-  MemoryModelOrigin origin;
-  const nlohmann::json identity = memory_model_identity(config, batcher.options(), setup.signature(),
-                                                       capacity_bytes, world_size);
-  std::optional<MemoryModelCache> cache;
-  if (!config.memory_model_cache.empty()) cache.emplace(config.memory_model_cache);
-  std::string cache_warning;
-  std::optional<MemoryModel> cached = cache ? cache->lookup(identity, &cache_warning) : std::nullopt;
-  if (!cache_warning.empty()) log("xpm-train: warning: " + cache_warning);
-  if (cached && config.packer == PackerKind::kFastest && !TimeModel::from_metadata(*cached)) {
-    log("xpm-train: the cached memory model has no time model, which --packer fastest needs: probing again");
-    cached.reset();
-  }
-  if (cached) {
-    batcher.set_model(*cached);
-    log("xpm-train: memory model from the cache (" + cache->path_for(identity) + "), no probing");
-  } else {
+nlohmann::json look_up_or_probe_on_rank0(const TaggingJobConfig& config, TaggingModelSetup& setup,
+                                         MemoryMeter& meter, std::int64_t capacity_bytes,
+                                         PredictiveBatcher& batcher, int world_size,
+                                         const std::function<void(const std::string&)>& log) {
+  ModelLookup lookup;
+  lookup.cache_dir = config.memory_model_cache;
+  lookup.identity = memory_model_identity(config, batcher.options(), setup.signature(), capacity_bytes, world_size);
+  lookup.metadata = {{"device", device_kind(config)},
+                     {"capacity_bytes", capacity_bytes},
+                     {"precision", to_string(config.precision)},
+                     {"activation_checkpointing", config.model.activation_checkpointing},
+                     {"sharding", to_string(config.sharding)},
+                     {"world_size", world_size},
+                     {"optimizer", "adamw"},
+                     {"torch_version", TORCH_VERSION},
+                     {"model_signature", setup.signature()}};
+  lookup.needs_time_model = config.packer == PackerKind::kFastest;
+  lookup.log_prefix = "xpm-train";
+  lookup.log = log;
+  const LookedUpModel found = look_up_or_probe(batcher, lookup, [&](PredictiveBatcher& probing) {
     TaggingProbeExecutor executor(setup, meter, config.variables);
-    const auto probe_start = std::chrono::steady_clock::now();
-    batcher.probe_and_fit(executor);
-    origin.probe_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - probe_start).count();
+    probing.probe_and_fit(executor);
     setup.reset_optimizer_state();  // probes fed synthetic gradients into the AdamW moments
-    origin.probes_run = static_cast<std::int64_t>(batcher.probes().size());
-    for (const ProbeResult& probe : batcher.probes()) origin.infeasible_probes += probe.feasible ? 0 : 1;
-    log("xpm-train: " + std::to_string(origin.probes_run) + " probes (" +
-        std::to_string(origin.infeasible_probes) + " out of memory) in " + std::to_string(origin.probe_s) +
-        " s; " + batcher.fit_summary().brief_report());
-    MemoryModel fitted = batcher.model();
-    fitted.metadata()["device"] = device_kind(config);
-    fitted.metadata()["capacity_bytes"] = capacity_bytes;
-    fitted.metadata()["precision"] = to_string(config.precision);
-    fitted.metadata()["activation_checkpointing"] = config.model.activation_checkpointing;
-    fitted.metadata()["sharding"] = to_string(config.sharding);
-    fitted.metadata()["world_size"] = world_size;
-    fitted.metadata()["optimizer"] = "adamw";
-    fitted.metadata()["torch_version"] = TORCH_VERSION;
-    fitted.metadata()["model_signature"] = setup.signature();
-    batcher.set_model(fitted);
-    if (cache) cache->store(identity, fitted);
-  }
+  });
   return {{"model", batcher.model().to_json()},
-          {"from_cache", cached.has_value()},
-          {"probe_s", origin.probe_s},
-          {"probes_run", origin.probes_run},
-          {"infeasible_probes", origin.infeasible_probes}};
+          {"from_cache", found.from_cache},
+          {"probe_s", found.probe_s},
+          {"probes_run", static_cast<std::int64_t>(found.probes.size())},
+          {"infeasible_probes", static_cast<std::int64_t>(found.infeasible_probes())}};
 }
 
 }  // namespace
@@ -140,7 +118,7 @@ MemoryModelOrigin obtain_memory_model(const TaggingJobConfig& config, TaggingMod
   std::exception_ptr failure;  // rank 0 rethrows its own error as it is (its class, its backtrace)
   if (dist.is_main()) {
     try {
-      shared_model = look_up_or_probe(config, setup, meter, capacity_bytes, batcher, dist.world_size(), log);
+      shared_model = look_up_or_probe_on_rank0(config, setup, meter, capacity_bytes, batcher, dist.world_size(), log);
     } catch (...) {
       failure = std::current_exception();
       const ErrorDescription error = describe_current_exception();
