@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "xpm/trainer/loop/learner.hpp"
+#include "xpm/trainer/steps/fixed_step_engines.hpp"
 
 namespace xpm {
 

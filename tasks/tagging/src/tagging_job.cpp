@@ -22,7 +22,7 @@
 #include "xpm/planner_torch/device_meter.hpp"
 #include "xpm/tasks/brown_corpus.hpp"
 #include "xpm/trainer/loop/error_context.hpp"
-#include "xpm/trainer/steps/step_engine.hpp"
+#include "xpm/trainer/steps/fixed_step_engines.hpp"
 #include "xpm/trainer/distributed/gradient_buckets.hpp"
 #include "xpm/trainer/loop/hook_library.hpp"
 #include "xpm/trainer/loop/learner.hpp"

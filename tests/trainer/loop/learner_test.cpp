@@ -15,6 +15,7 @@
 #include "xpm/planner/packer_kind.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/loop/learner.hpp"
+#include "xpm/trainer/steps/fixed_step_engines.hpp"
 #include "xpm/trainer/loop/stop_signals.hpp"
 
 namespace {

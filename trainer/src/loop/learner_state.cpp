@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "learner_impl.hpp"
+#include "xpm/trainer/steps/predictive_step_engine.hpp"
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/loop/error_context.hpp"
 

@@ -1,14 +1,16 @@
 // xpm/trainer/steps/step_engine.hpp — how one optimizer step over an outer batch runs, behind
 // one small interface the Learner (learner.hpp) drives: StepEngine, with one result type
-// (GlobalStepResult). Three engines:
+// (GlobalStepResult). This header holds the interface; three engines implement it:
 //
-//   PredictiveStepEngine: microbatches planned by a PredictiveBatcher's memory model, data
-//     parallel or single process (DataParallelTrainer); the Learner probes the model, corrects
-//     it online and checkpoints it through memory_planner().
-//   FixedStepEngine: one microbatch size chosen by hand, no fallback (FixedBatcher). Single
-//     process.
-//   PowerAdaptiveStepEngine: shrinks the microbatch to outer_batch_size // n on out-of-memory
-//     errors and redoes the step (PowerAdaptativeBatcher). Single process.
+//   PredictiveStepEngine (predictive_step_engine.hpp): microbatches planned by a
+//     PredictiveBatcher's memory model, data parallel or single process (DataParallelTrainer);
+//     the Learner probes the model, corrects it online and checkpoints it through
+//     memory_planner().
+//   FixedStepEngine (fixed_step_engines.hpp): one microbatch size chosen by hand, no fallback
+//     (FixedBatcher). Single process.
+//   PowerAdaptiveStepEngine (fixed_step_engines.hpp): shrinks the microbatch to
+//     outer_batch_size // n on out-of-memory errors and redoes the step
+//     (PowerAdaptativeBatcher). Single process.
 //
 //   // The Learner builds the predictive engine itself (LearnerOptions::memory_plan, or
 //   // LearnerComponents::batcher); the others are given to it:
@@ -34,18 +36,14 @@
 
 #include <torch/torch.h>
 
-#include "xpm/planner/predictive_batcher.hpp"
-#include "xpm/planner_torch/memory_meter.hpp"
-#include "xpm/trainer/distributed/distributed.hpp"
-#include "xpm/trainer/distributed/gradient_buckets.hpp"
-#include "xpm/trainer/distributed/sharded_optimizer.hpp"
 #include "xpm/trainer/loop/training_task.hpp"
 #include "xpm/trainer/options/precision.hpp"
 #include "xpm/trainer/steps/data_parallel_trainer.hpp"
-#include "xpm/trainer/steps/fixed_batchers.hpp"
 #include "xpm/trainer/steps/loss_trainer.hpp"
 
 namespace xpm {
+
+class PredictiveBatcher;
 
 /// What a checkpoint keeps of an engine besides the memory model (LearnerResumeState's
 /// microbatch_size and power_divisor).
@@ -98,87 +96,6 @@ class StepEngine {
   /// state it cannot take; the default keeps nothing and ignores it).
   virtual StepEngineState state() const { return {}; }
   virtual void restore_state(const StepEngineState& /*saved*/) {}
-};
-
-/// Microbatches planned by a PredictiveBatcher's memory model; data parallel when `dist` is
-/// (DataParallelTrainer: the same outer batch on every rank, records split by predicted cost).
-class PredictiveStepEngine : public StepEngine {
- public:
-  /// As DataParallelTrainer's constructor; the batcher may get its model later (before the first
-  /// step). Every reference and pointer must outlive the engine; none is owned.
-  PredictiveStepEngine(torch::optim::Optimizer& optimizer, PredictiveBatcher& batcher, MemoryMeter* meter,
-                       DistributedContext& dist, GradientBuckets* buckets, ShardedAdamW* sharded = nullptr);
-
-  /// DataParallelTrainer::train_step; oom_errors is 1 for a skipped step, attempts 1.
-  GlobalStepResult train_step(const std::vector<std::vector<double>>& record_dims,
-                              const std::vector<double>& record_units, const MicrobatchLossFn& loss_sum_fn,
-                              const BeforeOptimizerStepFn& before_optimizer_step = {}) override;
-  ValidationPlanFn validation_planner() const override;
-  PredictiveBatcher* memory_planner() override { return &batcher_; }
-  void check_world_size(int) const override {}
-  void set_stop_flag(const std::atomic<bool>* flag) override { trainer_.set_stop_flag(flag); }
-  void set_loss_scaler(DynamicLossScaler* scaler) override { trainer_.set_loss_scaler(scaler); }
-  bool supports_loss_scaling() const override { return true; }
-
- private:
-  PredictiveBatcher& batcher_;
-  DataParallelTrainer trainer_;
-};
-
-/// One microbatch size chosen by hand, no fallback: an out-of-memory error skips the step.
-class FixedStepEngine : public StepEngine {
- public:
-  /// `meter` may be null (no peaks). The optimizer and meter must outlive the engine. Throws
-  /// std::invalid_argument when microbatch_size < 1.
-  FixedStepEngine(torch::optim::Optimizer& optimizer, MemoryMeter* meter, std::int64_t microbatch_size);
-
-  /// FixedBatcher::train_step over record_units (the dims are not used); oom_errors, attempts and
-  /// microbatch_size from its BatcherStepResult.
-  GlobalStepResult train_step(const std::vector<std::vector<double>>& record_dims,
-                              const std::vector<double>& record_units, const MicrobatchLossFn& loss_sum_fn,
-                              const BeforeOptimizerStepFn& before_optimizer_step = {}) override;
-  /// Slices of microbatch_size() records (fixed_size_plan).
-  ValidationPlanFn validation_planner() const override;
-  /// Refuses world_size > 1: the data-parallel step exists for the predictive engine only.
-  void check_world_size(int world_size) const override;
-  void set_stop_flag(const std::atomic<bool>* flag) override { stop_flag_ = flag; }
-  StepEngineState state() const override { return {microbatch_size(), 1}; }
-
-  /// Records per microbatch (the last microbatch of an outer batch may be shorter).
-  std::int64_t microbatch_size() const { return batcher_->microbatch_size(); }
-  /// The batcher the steps run through (its counters: ooms()).
-  const FixedBatcher& batcher() const { return *batcher_; }
-
- protected:
-  explicit FixedStepEngine(std::unique_ptr<FixedBatcher> batcher);
-
- private:
-  std::unique_ptr<FixedBatcher> batcher_;
-  const std::atomic<bool>* stop_flag_ = nullptr;
-};
-
-/// Shrinks the microbatch on out-of-memory errors and redoes the step (PowerAdaptativeBatcher:
-/// its shrink sequence, clean retries, and the error rethrown when 1 record still does not fit).
-class PowerAdaptiveStepEngine : public FixedStepEngine {
- public:
-  /// Throws std::invalid_argument for bad options, and for world_size > 1
-  /// (PowerAdaptativeBatcher::check_single_process), so that every rank refuses before training.
-  PowerAdaptiveStepEngine(torch::optim::Optimizer& optimizer, MemoryMeter* meter,
-                          PowerAdaptativeBatcherOptions options, int world_size);
-
-  /// Refuses world_size > 1 with PowerAdaptativeBatcher::check_single_process's reason.
-  void check_world_size(int world_size) const override;
-  StepEngineState state() const override { return {microbatch_size(), power_.divisor()}; }
-  /// PowerAdaptativeBatcher::restore_size.
-  void restore_state(const StepEngineState& saved) override;
-
-  /// The batcher the steps run through (its counters: retried_steps(), failed_steps()).
-  const PowerAdaptativeBatcher& power_batcher() const { return power_; }
-
- private:
-  explicit PowerAdaptiveStepEngine(PowerAdaptativeBatcher* owned_batcher);  // takes ownership
-
-  PowerAdaptativeBatcher& power_;  // the object FixedStepEngine owns (batcher())
 };
 
 }  // namespace xpm
