@@ -67,47 +67,6 @@ nlohmann::json metric_json(double value) {
   return value;
 }
 
-// A microbatch predicted at the floor and measured under it: the step's peak there is the
-// optimizer step's, not the formula's.
-bool at_the_floor(const MicrobatchPeak& peak, const MemoryModel& model) {
-  const double floor_bytes = model.floor_bytes_at(peak.dims);
-  return peak.predicted_bytes <= floor_bytes && peak.forward_backward_peak_bytes <= floor_bytes;
-}
-
-// Every rank's microbatches (the peaks are all-reduced) but those at the floor, (predicted -
-// measured) / measured each: positive is over-predicted, negative under-predicted (the sign of
-// the fit's own errors).
-nlohmann::json microbatch_rel_errors(const GlobalStepResult& result, const MemoryModel& model) {
-  nlohmann::json errors = nlohmann::json::array();
-  for (const MicrobatchPeak& peak : result.microbatch_peaks) {
-    const double measured = peak.forward_backward_peak_bytes;
-    if (measured <= 0 || at_the_floor(peak, model)) continue;
-    errors.push_back((peak.predicted_bytes - measured) / measured);
-  }
-  return errors;
-}
-
-// The largest reserved peak of the step's microbatches (every rank's).
-double peak_reserved_bytes(const GlobalStepResult& result) {
-  double peak = 0;
-  for (const MicrobatchPeak& p : result.microbatch_peaks) peak = std::max(peak, p.forward_backward_peak_reserved_bytes);
-  return peak;
-}
-
-// (planned - measured) / measured of each microbatch's peak (reserved bytes under a caching
-// allocator, else allocated), planned = its prediction with the correction the step was planned
-// with; the microbatches at the floor left out as in microbatch_rel_errors.
-nlohmann::json microbatch_planned_rel_errors(const GlobalStepResult& result, const MemoryModel& model,
-                                             const Correction& correction, bool reserved) {
-  nlohmann::json errors = nlohmann::json::array();
-  for (const MicrobatchPeak& peak : result.microbatch_peaks) {
-    const double measured = reserved ? peak.forward_backward_peak_reserved_bytes : peak.forward_backward_peak_bytes;
-    if (measured <= 0 || at_the_floor(peak, model)) continue;
-    errors.push_back((peak.predicted_bytes + correction.bytes_for(peak.predicted_bytes) - measured) / measured);
-  }
-  return errors;
-}
-
 }  // namespace
 
 std::string to_string(OptimizerCheckpointLayout layout) { return enum_name(kLayoutNames, layout); }
@@ -221,111 +180,14 @@ void Learner::Impl::write_metrics_line(const nlohmann::json& line) {
   if (!metrics.flush()) throw std::runtime_error("cannot write '" + options.run_dir + "/metrics.jsonl'");
 }
 
-double Learner::Impl::planned_floor_bytes(const GlobalStepResult& result) const {
-  // Constant, or a formula of the microbatches' dims (a moving floor).
-  const MemoryModel& model = batcher->model();
-  double floor_bytes = model.floor_bytes();
-  for (const MicrobatchPeak& peak : result.microbatch_peaks) {
-    floor_bytes = std::max(floor_bytes, model.floor_bytes_at(peak.dims));
-  }
-  return floor_bytes;
-}
-
-std::int64_t Learner::Impl::bound_out_of_memory_microbatches(const GlobalStepResult& result,
-                                                            std::int64_t step) {
-  std::int64_t bounded = 0;
-  for (const std::vector<double>& dims : result.oom_microbatch_dims) {
-    if (dims.empty()) continue;
-    const double predicted = batcher->model().predict_bytes(dims);
-    // The model's prediction there reaches at least the capacity, less the correction (what
-    // a caching allocator reserves beyond the allocated bytes the model predicts).
-    const double bound_bytes = batcher->correction().planning_bytes(static_cast<double>(capacity_bytes()));
-    batcher->add_infeasible_bound({dims, bound_bytes});
-    ++bounded;
-    log(options.log_prefix + ": step " + std::to_string(step) + " ran out of memory in a microbatch at " +
-        dims_text(batcher->model().formula().variable_names(), dims) + " predicted at " +
-        std::to_string(static_cast<std::int64_t>(predicted)) + " bytes (capacity " +
-        std::to_string(capacity_bytes()) + "): it bounds the memory model from now on; refitted");
-  }
-  return bounded;
-}
-
-void Learner::Impl::note_extrapolation(const GlobalStepResult& result) {
-  if (extrapolation_noted) return;
-  std::vector<std::vector<double>> planned = result.oom_microbatch_dims;
-  for (const MicrobatchPeak& peak : result.microbatch_peaks) planned.push_back(peak.dims);
-  for (const std::vector<double>& dims : planned) {
-    if (dims.empty()) continue;
-    const std::vector<Extrapolation> beyond = batcher->model().extrapolation(dims);
-    if (beyond.empty()) continue;
-    std::string what;
-    for (const Extrapolation& e : beyond) what += (what.empty() ? "" : ", ") + e.describe();
-    log(options.log_prefix + ": note: step " + std::to_string(state.step) + " planned a microbatch " +
-        "beyond the probed range (" + what + "); its prediction is an extrapolation of the " +
-        "fit (noted once per run)");
-    extrapolation_noted = true;
-    return;
-  }
-}
-
-// Online correction, every rank alike (the peaks are all-reduced): a microbatch that ran out of
-// memory bounds the model, an optimizer step above the floor raises it, and the calibration
-// draws its correction line over every microbatch's measured peak (the bytes the plans bound:
-// reserved under a caching allocator, else allocated), the policy of the Python sampler.
-void Learner::Impl::correct_memory_model(const GlobalStepResult& result, std::int64_t& underpredictions) {
-  const std::int64_t step = state.step;
-  note_extrapolation(result);
-  underpredictions += bound_out_of_memory_microbatches(result, step);
-  const double tolerance = 1 + options.underprediction_tolerance;
-  for (const MicrobatchPeak& peak : result.microbatch_peaks) {
-    const double planned = peak.predicted_bytes + batcher->correction().bytes_for(peak.predicted_bytes);
-    const double measured = planned_peak(peak);
-    if (measured > tolerance * planned) {
-      ++underpredictions;
-      log(options.log_prefix + ": underprediction at step " + std::to_string(step) + ": measured " +
-          std::to_string(static_cast<std::int64_t>(measured)) + " bytes, planned " +
-          std::to_string(static_cast<std::int64_t>(planned)) + " at " +
-          dims_text(batcher->model().formula().variable_names(), peak.dims));
-    }
-  }
-  if (result.optimizer_step_peak_bytes > tolerance * planned_floor_bytes(result)) {
-    ++underpredictions;
-    batcher->raise_floor_bytes(result.optimizer_step_peak_bytes);
-    log(options.log_prefix + ": optimizer step at step " + std::to_string(step) +
-        " peaked above the floor; floor raised to " +
-        std::to_string(static_cast<std::int64_t>(result.optimizer_step_peak_bytes)));
-  }
-  if (calibration) calibrate(result);
-}
-
-double Learner::Impl::planned_peak(const MicrobatchPeak& peak) const {
-  return plans_reserved_bytes() ? peak.forward_backward_peak_reserved_bytes : peak.forward_backward_peak_bytes;
-}
-
-void Learner::Impl::start_calibration() {
-  CalibrationOptions calibration_options;
-  calibration_options.initial = batcher->correction();  // the model's reserved gap, or none
-  calibration.emplace(batcher->options().budget.usable_bytes(), calibration_options);
-  // The checkpoint's correction and window measured its model's predictions: kept when that is
-  // the model planning now (not after probing again, e.g. at another world size).
-  if (!restored_calibration.is_null() && restored_calibration_model == batcher->model().to_json())
-    calibration->load_state(calibration_state_from_json(restored_calibration));
-  restored_calibration = nullptr;
-  batcher->set_correction(calibration->correction());
-}
-
-// Every rank records the same all-reduced peaks; the rows are agreed once more (one all-reduce
-// of 106 numbers) so that ranks planning under different budgets are refused on every rank.
-void Learner::Impl::calibrate(const GlobalStepResult& result) {
-  if (!result.oom) {
-    for (const MicrobatchPeak& peak : result.microbatch_peaks)
-      calibration->record_peak(peak.predicted_bytes, planned_peak(peak));
-  }
-  std::vector<double> row = calibration->step_row(state.step + 1);
-  if (dist.distributed()) row = dist.all_reduce(row, ReduceOp::kMax);
-  const std::optional<std::string> line = calibration->end_step(state.step, row);
-  batcher->set_correction(calibration->correction());
-  if (line) log(options.log_prefix + ": calibration: " + *line);
+EngineLog Learner::Impl::engine_log() const {
+  EngineLog engine;
+  engine.prefix = options.log_prefix;
+  engine.line = [this](const std::string& line) { log(line); };
+  engine.underprediction_tolerance = options.underprediction_tolerance;
+  engine.capacity_bytes = capacity_bytes();
+  engine.out_of_memory_advice = options.oom_advice;
+  return engine;
 }
 
 nlohmann::json Learner::Impl::step_line(const GlobalStepResult& result, double lr, std::size_t records,
@@ -352,13 +214,7 @@ nlohmann::json Learner::Impl::step_line(const GlobalStepResult& result, double l
                          {"microbatches_per_rank", result.microbatches_per_rank},
                          {"rank_imbalance", result.imbalance},
                          {"oom_ranks", result.oom_ranks}};
-  if (predictive() && !result.oom) line["microbatch_rel_errors"] = microbatch_rel_errors(result, batcher->model());
-  if (calibration && !result.oom) {
-    line["microbatch_planned_rel_errors"] =
-        microbatch_planned_rel_errors(result, batcher->model(), step_correction, plans_reserved_bytes());
-    line["correction_bytes"] = calibration->correction_bytes();
-  }
-  if (plans_reserved_bytes() && !result.oom) line["peak_reserved_bytes"] = peak_reserved_bytes(result);
+  engine->add_step_metrics(result, line);
   if (result.gradient_norm >= 0) line["grad_norm"] = result.gradient_norm;  // ShardedAdamW's clipping
   if (loss_scaler) {
     line["loss_scale"] = result.loss_scale;
@@ -431,8 +287,8 @@ void Learner::Impl::train_one_step(const std::vector<std::size_t>& records) {
     return task.loss_sum(ids);
   };
   const BeforeOptimizerStepFn before_optimizer_step = [&] { hooks.before_optimizer_step(context); };
-  if (predictive() && parts.meter != nullptr && !calibration) start_calibration();
-  step_correction = predictive() ? batcher->correction() : Correction{};
+  const EngineLog engine_lines = engine_log();
+  engine->begin_step(engine_lines);
   const GlobalStepResult result =
       engine->train_step(batch.record_dims, batch.record_units, loss_sum_fn, before_optimizer_step);
   stop_agreed = result.stop_requested;  // data parallel: agreed in the step's status
@@ -443,11 +299,10 @@ void Learner::Impl::train_one_step(const std::vector<std::size_t>& records) {
     log(options.log_prefix + ": step " + std::to_string(step) + ": " + std::to_string(result.oom_errors) +
         " out-of-memory error(s), redone with microbatch size " + std::to_string(result.microbatch_size));
   }
-  std::int64_t underpredictions = 0;
-  if (predictive()) correct_memory_model(result, underpredictions);
+  const std::int64_t underpredictions = engine->learn_from_step(result, step, engine_lines);
   consecutive_oom_steps = result.oom ? consecutive_oom_steps + 1 : 0;
   const double prediction_error =
-      result.oom || !predictive()
+      result.oom || result.max_predicted_bytes <= 0
           ? 0.0
           : (static_cast<double>(result.peak_allocated_bytes) - result.max_predicted_bytes) /
                 static_cast<double>(result.peak_allocated_bytes);
@@ -472,8 +327,7 @@ void Learner::Impl::check_consecutive_ooms() const {
   throw std::runtime_error(
       std::to_string(consecutive_oom_steps) + " consecutive steps ran out of memory under the capacity of " +
       std::to_string(capacity_bytes()) + " bytes: " +
-      (predictive() ? "the memory model keeps under-predicting this job (" + options.oom_advice + ")"
-                    : "the microbatch does not fit (a smaller microbatch size, or the predictive batcher)"));
+      engine->out_of_memory_cause(engine_log()));
 }
 
 bool Learner::Impl::validate(std::int64_t epoch) {
@@ -586,12 +440,13 @@ void Learner::Impl::finish() {
   }
   outcome.best = early_stopping.state();
   outcome.loss_scale_skipped_steps = loss_scaler ? loss_scaler->skipped_steps() : 0;
-  outcome.counters.earlier_online_corrections += batcher != nullptr && batcher->has_model() ? batcher->corrections() : 0;
+  const EngineMemorySummary memory = engine->memory_summary();
+  outcome.counters.earlier_online_corrections += memory.corrections;
   outcome.steps = state.step;
   outcome.total_steps = state.total_steps;
-  if (batcher != nullptr && batcher->has_model()) {
-    outcome.memory_formula = batcher->model().formula().canonical();
-    outcome.floor_bytes = batcher->model().floor_bytes();
+  if (memory.has_model) {
+    outcome.memory_formula = memory.formula;
+    outcome.floor_bytes = memory.floor_bytes;
   }
 }
 
@@ -600,7 +455,7 @@ LearnerOutcome Learner::Impl::run() {
   if (!options.stop_signals.empty()) stop_signals.emplace(options.stop_signals);
   if (!parts.resume_from && options.resume) find_checkpoint_to_resume();
   if (parts.resume_from) restore(*parts.resume_from);
-  if (predictive() && !batcher->has_model()) obtain_memory_model();
+  obtain_memory_model();
   if (dist.is_main()) {
     const std::string metrics_path = options.run_dir + "/metrics.jsonl";
     if (parts.resume_from) {

@@ -11,7 +11,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "xpm/planner/calibration.hpp"
 #include "xpm/trainer/loop/learner.hpp"
 #include "xpm/trainer/loop/stop_signals.hpp"
 
@@ -33,11 +32,6 @@ struct Learner::Impl {
   OuterBatchRecords read_outer_batch(const std::vector<std::size_t>& records) const;
   void train_one_step(const std::vector<std::size_t>& records);
   void check_consecutive_ooms() const;  // throws after 10 steps in a row out of memory
-  void correct_memory_model(const GlobalStepResult& result, std::int64_t& underpredictions);
-  void start_calibration();  // once, before the first step planned with a meter
-  void calibrate(const GlobalStepResult& result);
-  double planned_peak(const MicrobatchPeak& peak) const;  // reserved or allocated: what plans bound
-  bool plans_reserved_bytes() const { return predictive() && parts.meter != nullptr && parts.meter->reserves_segments(); }
   nlohmann::json step_line(const GlobalStepResult& result, double lr, std::size_t records, double step_size,
                            std::int64_t underpredictions, double prediction_error) const;
   void log_progress(const GlobalStepResult& result);
@@ -45,10 +39,7 @@ struct Learner::Impl {
   bool run_validation(std::int64_t epoch);
   void write_metrics_line(const nlohmann::json& line);
   void log(const std::string& line) const;
-  void note_extrapolation(const GlobalStepResult& result);
-  std::int64_t bound_out_of_memory_microbatches(const GlobalStepResult& result, std::int64_t step);
-  double planned_floor_bytes(const GlobalStepResult& result) const;
-  bool predictive() const { return batcher != nullptr; }  // the engine follows a memory model
+  EngineLog engine_log() const;  // what the engine's memory model logs and judges with
 
   // learner_state.cpp
   void build_memory_plan();
@@ -79,7 +70,6 @@ struct Learner::Impl {
   HookList& hooks;
   std::optional<PredictiveBatcher> own_batcher;  // built from options.memory_plan
   std::shared_ptr<StepEngine> engine;            // parts.engine, or the predictive one built here
-  PredictiveBatcher* batcher = nullptr;          // engine->memory_planner(): null without a model
   std::optional<GradientBuckets> own_buckets;
   EarlyStopping early_stopping;
   std::optional<CheckpointStore> store;
@@ -92,15 +82,8 @@ struct Learner::Impl {
   std::int64_t steps_per_epoch = 0;
   std::int64_t last_validation_step = -1;
   std::int64_t last_checkpoint_step = -1;
-  bool extrapolation_noted = false;  // logged once per run
   bool memory_model_from_checkpoint = false;
   std::int64_t consecutive_oom_steps = 0;
-  // With a meter: the correction from the model's predictions to the peaks training measures
-  // (reserved bytes under a caching allocator, starting from the model's reserved gap).
-  std::optional<Calibration> calibration;
-  Correction step_correction;  // the correction the last step was planned with
-  nlohmann::json restored_calibration;  // from the checkpoint resumed (null: none)
-  nlohmann::json restored_calibration_model;  // the memory model that checkpoint planned with
 };
 
 }  // namespace xpm

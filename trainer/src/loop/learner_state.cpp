@@ -89,7 +89,6 @@ void Learner::Impl::build_step_engine() {
   engine = parts.engine != nullptr ? parts.engine
                                    : std::make_shared<PredictiveStepEngine>(optimizer, *parts.batcher, parts.meter,
                                                                             dist, buckets, parts.sharded);
-  batcher = engine->memory_planner();
   if (options.loss_scaling && engine->supports_loss_scaling()) {
     loss_scaler.emplace();
     engine->set_loss_scaler(&*loss_scaler);
@@ -122,8 +121,7 @@ void Learner::Impl::set_up_data_parallel() {
 }
 
 std::int64_t Learner::Impl::capacity_bytes() const {
-  if (parts.capacity_bytes > 0 || batcher == nullptr) return parts.capacity_bytes;
-  return batcher->options().budget.capacity_bytes;
+  return parts.capacity_bytes > 0 ? parts.capacity_bytes : engine->planned_capacity_bytes();
 }
 
 void Learner::Impl::find_checkpoint_to_resume() {
@@ -140,38 +138,12 @@ void Learner::Impl::find_checkpoint_to_resume() {
 }
 
 void Learner::Impl::obtain_memory_model() {
-  StepProbeOptions probing = options.probing;
-  probing.batcher = batcher->options();
-  probing.rank = dist.rank();
-  if (probing.meter == nullptr) probing.meter = parts.meter;
-  if (dist.distributed()) {
-    const auto wait = dist.options().rendezvous_timeout;
-    probing.share_from_rank0 = [this, wait](const std::string& payload) { return dist.share_from(0, payload, wait); };
-  }
-  if (!probing.log) {
-    probing.log = [this](const std::string& line) {  // the probe's lines start with "xpm: "
-      log(options.log_prefix + ": " + (line.rfind("xpm: ", 0) == 0 ? line.substr(5) : line));
-    };
-  }
-  const StepProbeResult probed = probe_and_fit(
-      task.module(), optimizer, [this](const std::vector<double>& dims) { return task.probe_loss_sum(dims); }, probing);
-  batcher->set_model(probed.model);
-  outcome.probes = static_cast<std::int64_t>(probed.probes.size());
-  outcome.memory_model_from_cache = probed.from_cache;
-  outcome.probe_s = probed.probe_s;
-  log(options.log_prefix + ": memory model " + batcher->model().formula().canonical() + ", floor " +
-      std::to_string(static_cast<std::int64_t>(batcher->model().floor_bytes())) + " bytes" +
-      (probed.from_cache ? " (from the cache)" : ", " + std::to_string(outcome.probes) + " probes"));
-  const nlohmann::json& metadata = batcher->model().metadata();
-  if (metadata.contains("reserved_gap") && metadata.at("reserved_gap").contains("reserved_to_allocated")) {
-    const auto ratios = metadata.at("reserved_gap").at("reserved_to_allocated").get<std::vector<double>>();
-    const Correction gap = batcher->model().reserved_gap();
-    char line[200];
-    std::snprintf(line, sizeof line, ": reserved bytes planned: the probes reserved %.3fx to %.3fx what they allocated; "
-                  "gap %+.0f bytes %+.2f %% of the prediction", ratios.at(0), ratios.at(1), gap.intercept_bytes,
-                  100 * gap.slope);
-    log(options.log_prefix + line);
-  }
+  const EngineModelOrigin origin = engine->ensure_memory_model(
+      task.module(), optimizer, [this](const std::vector<double>& dims) { return task.probe_loss_sum(dims); },
+      options.probing, engine_log());
+  outcome.probes += origin.probes;
+  outcome.memory_model_from_cache = outcome.memory_model_from_cache || origin.from_cache;
+  outcome.probe_s += origin.probe_s;
 }
 
 std::vector<torch::Tensor> Learner::Impl::gather_generator_states() {
@@ -212,23 +184,20 @@ LearnerResumeState Learner::Impl::resume_state() const {
   sampler_text << sampler;
   saved.sampler_state = sampler_text.str();
   saved.epoch_order.assign(order.begin(), order.end());
-  saved.memory_model = predictive() ? batcher->model().to_json() : nlohmann::json();
+  const EngineMemoryState memory = engine->memory_state();
+  saved.memory_model = memory.memory_model;
+  saved.calibration = memory.calibration;
   const StepEngineState engine_state = engine->state();
   saved.microbatch_size = engine_state.microbatch_size;
   saved.power_divisor = engine_state.divisor;
   if (loss_scaler) saved.loss_scaler = loss_scaler->state();
   RunCounters counters = outcome.counters;
-  counters.earlier_online_corrections += batcher != nullptr && batcher->has_model() ? batcher->corrections() : 0;
+  counters.earlier_online_corrections += engine->memory_summary().corrections;
   saved.counters = counters.to_json();
   saved.early_stopping = early_stopping.to_json();
   saved.early_stopped = outcome.early_stopped;
   saved.task_state = task.extra_state();
   saved.learner_settings = options.resume_settings();
-  if (calibration) {
-    saved.calibration = to_json(calibration->state());
-  } else if (!restored_calibration.is_null()) {  // resumed, no step run since
-    saved.calibration = restored_calibration;
-  }
   return saved;
 }
 
@@ -327,13 +296,9 @@ void Learner::Impl::restore(const LearnerCheckpoint& checkpoint) {
   engine->restore_state({saved.microbatch_size, saved.power_divisor});
   if (loss_scaler && !saved.loss_scaler.empty()) loss_scaler->load_state(saved.loss_scaler);
   // The memory model training used at that step (online corrections included), unless another
-  // world size changes what a rank holds; the caller may have set it already.
-  if (predictive() && !batcher->has_model() && saved.world_size == dist.world_size() && !saved.memory_model.is_null()) {
-    batcher->set_model(MemoryModel::from_json(saved.memory_model));
-    memory_model_from_checkpoint = true;
-  }
-  restored_calibration = saved.calibration;  // used with the model it was measured against only
-  restored_calibration_model = saved.memory_model;
+  // world size changes what a rank holds.
+  memory_model_from_checkpoint =
+      engine->restore_memory_state({saved.memory_model, saved.calibration}, saved.world_size == dist.world_size());
   task.restore_extra_state(saved.task_state);
   outcome.counters = RunCounters::from_json(saved.counters);
   outcome.counters.microbatches_per_rank.resize(static_cast<std::size_t>(dist.world_size()), 0);

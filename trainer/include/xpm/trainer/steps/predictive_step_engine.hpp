@@ -5,12 +5,21 @@
 //   xpm::GlobalStepResult r = engine.train_step(record_dims, record_units, loss_sum_of_records);
 //
 // The Learner builds it itself (LearnerOptions::memory_plan or LearnerComponents::batcher).
+// Its memory model is its own: it probes when the batcher has none (ensure_memory_model),
+// corrects it from every step's measured peaks (learn_from_step: a microbatch that ran out of
+// memory bounds the model, an optimizer step above the floor raises it, and with a meter a
+// Calibration draws the correction line over the peaks the plans bound, reserved bytes under a
+// caching allocator), and keeps model and calibration in checkpoints (memory_state).
 #pragma once
 
 #include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
 
 #include <torch/torch.h>
 
+#include "xpm/planner/calibration.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner_torch/memory_meter.hpp"
 #include "xpm/trainer/distributed/distributed.hpp"
@@ -41,9 +50,40 @@ class PredictiveStepEngine : public StepEngine {
   void set_loss_scaler(DynamicLossScaler* scaler) override { trainer_.set_loss_scaler(scaler); }
   bool supports_loss_scaling() const override { return true; }
 
+  EngineModelOrigin ensure_memory_model(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+                                        const ProbeLossFn& loss_fn, const StepProbeOptions& probing,
+                                        const EngineLog& log) override;
+  EngineMemoryState memory_state() const override;
+  bool restore_memory_state(const EngineMemoryState& saved, bool same_layout) override;
+  void begin_step(const EngineLog& log) override;
+  std::int64_t learn_from_step(const GlobalStepResult& result, std::int64_t step, const EngineLog& log) override;
+  void add_step_metrics(const GlobalStepResult& result, nlohmann::json& line) const override;
+  EngineMemorySummary memory_summary() const override;
+  std::int64_t planned_capacity_bytes() const override { return batcher_.options().budget.capacity_bytes; }
+  std::string out_of_memory_cause(const EngineLog& log) const override;
+
+  /// Whether the plans bound reserved bytes (a meter whose allocator reserves segments).
+  bool plans_reserved_bytes() const { return meter_ != nullptr && meter_->reserves_segments(); }
+
  private:
+  double planned_peak(const MicrobatchPeak& peak) const;  // reserved or allocated: what plans bound
+  double planned_floor_bytes(const GlobalStepResult& result) const;
+  std::int64_t bound_out_of_memory_microbatches(const GlobalStepResult& result, std::int64_t step,
+                                                const EngineLog& log);
+  void note_extrapolation(const GlobalStepResult& result, std::int64_t step, const EngineLog& log);
+  void calibrate(const GlobalStepResult& result, std::int64_t step, const EngineLog& log);
+
   PredictiveBatcher& batcher_;
+  MemoryMeter* meter_;
+  DistributedContext& dist_;
   DataParallelTrainer trainer_;
+  // With a meter: the correction from the model's predictions to the peaks training measures
+  // (reserved bytes under a caching allocator, starting from the model's reserved gap).
+  std::optional<Calibration> calibration_;
+  Correction step_correction_;               // the correction the last step was planned with
+  nlohmann::json restored_calibration_;      // from the checkpoint resumed (null: none)
+  nlohmann::json restored_calibration_model_;  // the memory model that checkpoint planned with
+  bool extrapolation_noted_ = false;         // logged once per run
 };
 
 }  // namespace xpm

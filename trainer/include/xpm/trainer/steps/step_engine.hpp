@@ -4,8 +4,8 @@
 //
 //   PredictiveStepEngine (predictive_step_engine.hpp): microbatches planned by a
 //     PredictiveBatcher's memory model, data parallel or single process (DataParallelTrainer);
-//     the Learner probes the model, corrects it online and checkpoints it through
-//     memory_planner().
+//     the engine probes its model, corrects it from every step's peaks and checkpoints it
+//     (the memory-model functions below, which the Learner calls on every engine alike).
 //   FixedStepEngine (fixed_step_engines.hpp): one microbatch size chosen by hand, no fallback
 //     (FixedBatcher). Single process.
 //   PowerAdaptiveStepEngine (fixed_step_engines.hpp): shrinks the microbatch to
@@ -31,10 +31,15 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
+
+#include "xpm/planner_torch/step_probing.hpp"
 
 #include "xpm/trainer/loop/training_task.hpp"
 #include "xpm/trainer/options/precision.hpp"
@@ -50,6 +55,42 @@ class PredictiveBatcher;
 struct StepEngineState {
   std::int64_t microbatch_size = 0;  // records per microbatch now (0: planned per step)
   std::int64_t divisor = 1;          // power-adaptive: n of outer_batch_size // n (1: not shrunk)
+};
+
+/// What the Learner lends an engine's memory model for its log lines and judgements, on each
+/// call.
+struct EngineLog {
+  std::string prefix = "xpm";                    // lines start "<prefix>: "
+  std::function<void(const std::string&)> line;  // called on every rank; empty: silent
+  double underprediction_tolerance = 0.005;      // a peak above (1 + it) x planned is counted
+  std::int64_t capacity_bytes = 0;               // what the plans run under (bounds, messages)
+  std::string out_of_memory_advice;              // what to do when steps keep running out
+
+  void operator()(const std::string& text) const {
+    if (line) line(prefix + ": " + text);
+  }
+};
+
+/// Where an engine's memory model came from (StepEngine::ensure_memory_model).
+struct EngineModelOrigin {
+  std::int64_t probes = 0;  // probes run (0: none, from the cache or already set)
+  bool from_cache = false;
+  double probe_s = 0;       // rank 0's probing wall time (s)
+};
+
+/// What a checkpoint keeps of an engine's memory model (LearnerResumeState's memory_model and
+/// calibration); null where the engine has none.
+struct EngineMemoryState {
+  nlohmann::json memory_model;
+  nlohmann::json calibration;
+};
+
+/// An engine's memory model now, for the run's outcome.
+struct EngineMemorySummary {
+  bool has_model = false;
+  std::string formula;          // canonical
+  double floor_bytes = 0;
+  std::int64_t corrections = 0;  // online corrections of the model (refits, raised floors)
 };
 
 class StepEngine {
@@ -74,8 +115,8 @@ class StepEngine {
   /// validation measures changes training's.
   virtual ValidationPlanFn validation_planner() const = 0;
 
-  /// The planner whose memory model the steps follow, or null (an engine without one). The
-  /// Learner probes it when it has no model, corrects it online and checkpoints its model.
+  /// The planner whose memory model the steps follow, or null (an engine without one), for a
+  /// caller who reads it; the engine probes, corrects and checkpoints it itself (below).
   virtual PredictiveBatcher* memory_planner() { return nullptr; }
 
   /// Throws std::invalid_argument, saying why, when the engine cannot run at `world_size`
@@ -96,6 +137,42 @@ class StepEngine {
   /// state it cannot take; the default keeps nothing and ignores it).
   virtual StepEngineState state() const { return {}; }
   virtual void restore_state(const StepEngineState& /*saved*/) {}
+
+  // ---- The engine's memory model, for an engine that plans by one (the predictive engine).
+  // The Learner calls these on every engine, on every rank; the defaults fit an engine without
+  // a model and do nothing.
+
+  /// Before the first step, every rank: without a model yet, probes `module` trained by
+  /// `optimizer` (probe_and_fit with `probing`: rank 0 probes or reads the cache and shares).
+  virtual EngineModelOrigin ensure_memory_model(torch::nn::Module& /*module*/, torch::optim::Optimizer& /*optimizer*/,
+                                                const ProbeLossFn& /*loss_fn*/, const StepProbeOptions& /*probing*/,
+                                                const EngineLog& /*log*/) {
+    return {};
+  }
+  /// The memory model and its calibration, for a checkpoint.
+  virtual EngineMemoryState memory_state() const { return {}; }
+  /// From a checkpoint: its model when `same_layout` (the same world size) and the engine has
+  /// none yet, and its calibration when that model is the one planning. Returns whether the
+  /// model was taken.
+  virtual bool restore_memory_state(const EngineMemoryState& /*saved*/, bool /*same_layout*/) { return false; }
+  /// Just before each train_step (the calibration starts at the first).
+  virtual void begin_step(const EngineLog& /*log*/) {}
+  /// Just after each train_step, every rank with the same (all-reduced) result: the model learns
+  /// from the step's measured peaks (collective when data parallel). Returns the peaks it counted
+  /// above their plans by more than log.underprediction_tolerance.
+  virtual std::int64_t learn_from_step(const GlobalStepResult& /*result*/, std::int64_t /*step*/,
+                                       const EngineLog& /*log*/) {
+    return 0;
+  }
+  /// The step's fields of the metrics line (microbatch_rel_errors, correction_bytes, ...).
+  virtual void add_step_metrics(const GlobalStepResult& /*result*/, nlohmann::json& /*line*/) const {}
+  virtual EngineMemorySummary memory_summary() const { return {}; }
+  /// The capacity the plans run under (bytes), or 0 when the engine has no budget.
+  virtual std::int64_t planned_capacity_bytes() const { return 0; }
+  /// Why steps keep running out of memory, for the error that stops the run.
+  virtual std::string out_of_memory_cause(const EngineLog& /*log*/) const {
+    return "the microbatch does not fit (a smaller microbatch size, or the predictive batcher)";
+  }
 };
 
 }  // namespace xpm
