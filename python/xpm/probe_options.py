@@ -18,8 +18,9 @@ import torch
 
 from . import _planner
 from .meters import METERS, CpuMeter, DeviceKind, Meter
-from .planning import (RECORD_AGGREGATIONS, CostFormula, MemoryBudget, RecordAggregation, _check_aggregation,
-                       _check_one_record_each, _matrix)
+from .choices import RECORD_AGGREGATIONS, RecordAggregation, _check_aggregation
+from .planning import CostFormula, MemoryBudget
+from .record_dims import _check_one_record_each, _matrix
 from .probe_executor import _local_tensor
 
 

@@ -49,7 +49,9 @@ from .calibration import covering_correction
 from .lockstep import Lockstep
 from .outside_probes import OutsideProbes, describe_outside_probes, outside_probes_of, sharded_by_fsdp
 from .meters import Meter, PlannedBytes, planned_bytes_kind
-from .planning import CostFormula, FitReport, GradientPhase, MemoryModel, RecordAggregation, _matrix, _report
+from .fitting import _report
+from .planning import CostFormula, FitReport, GradientPhase, MemoryModel, RecordAggregation
+from .record_dims import _matrix
 from .probe_executor import _TorchExecutor, _enter_steady_state
 from .probe_options import ProbeOptions, _probe_setup
 

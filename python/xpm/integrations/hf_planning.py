@@ -31,8 +31,8 @@ import torch
 from .._build_info import VERSION
 from ..lockstep import Lockstep
 from ..meters import Meter
-from ..planning import (DEFAULT_MEMORY_FRACTION, PACKERS, CostFormula, MemoryBudget, MemoryModel, PackerName,
-                        _check_choice)
+from ..choices import _check_choice
+from ..planning import DEFAULT_MEMORY_FRACTION, PACKERS, CostFormula, MemoryBudget, MemoryModel, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome
 from .dataset_probes import (VARIABLES, PlanningMode, check_device_meter, checked_custom_dims, dataset_record_dims,

@@ -54,181 +54,41 @@ sampler decides the order), a sampler planned for another world size, and
 ``average_tokens_across_devices=False`` on several ranks. ``per_device_train_batch_size`` and
 ``dataloader_drop_last`` are not used (the sampler's ``outer_batch_size`` and ``drop_last``
 decide) with a sampler of one's own. Importing this module imports ``transformers``.
+
+This module holds the mixin and the classes made with it; its parts are in ``hf_step_loader``
+(the step loader, ``PlannedStep``, ``MicrobatchRecord``), ``hf_settings`` (the settings refused),
+``hf_self_planning`` (planning by itself), ``hf_model_checks`` (the model's checks before the
+first step) and ``hf_checkpoints`` (the sampler's state, ``SAMPLER_STATE_NAME``); every name
+stays importable from here.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
-import json
 import logging
 import os
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 import transformers
-from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
-from ..meters import allocator_settings, planned_bytes_kind, planned_peak_bytes, start_peak
-from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, MemoryBudget, PackerName
+from ..meters import planned_peak_bytes, start_peak
+from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, PackerName
 from ..probe_options import ProbeOptions
-from ..probing import probe
-from ..sampler import PredictiveBatchSampler, _unplanned_memory
-from .dataset_probes import ProbeRecords, log_allocator_line, packer_for, probes_summary
-from .hf_planning import (AutomaticPlanning, PlannedMemory, TrainerSnapshot, environment_parts, label_items,
-                          load_agreed, loss_normalisation, model_signature, optimizer_identity, planning_mode,
-                          save_cached)
+from ..sampler import PredictiveBatchSampler
+from ..unplanned_memory import _unplanned_memory
+from .hf_checkpoints import SAMPLER_STATE_NAME, _sampler_state_path, check_sampler_checkpoint, save_sampler_state
+from .hf_model_checks import check_records_kept_apart, loss_divides_by_items
+from .hf_planning import AutomaticPlanning, PlannedMemory, label_items, planning_mode
+from .hf_self_planning import plan_by_itself
+from .hf_settings import _REFUSED_SAMPLING_STRATEGIES, _one_item_per_step, check_settings
+from .hf_step_loader import (MicrobatchRecord, PlannedStep, _masked_labels, _only_item, _StepBatchSampler,
+                             _StepDataset, _StepKey, _StepLoader)
 
 logger = logging.getLogger(__name__)
-
-SAMPLER_STATE_NAME = "xpm_sampler_state.json"
-"""File in each checkpoint folder holding the sampler's ``state_dict()``."""
-
-_REFUSED_SAMPLING_STRATEGIES = ("group_by_length", "batch_rebalance", "sequential")
-
-
-@dataclass(frozen=True)
-class _StepKey:
-    """What the batch sampler hands the DataLoader for one step (small, picklable for workers)."""
-
-    epoch: int
-    index: int
-    microbatches: Tuple[Tuple[int, ...], ...]
-    weights: Tuple[float, ...]
-    placeholder: bool
-    predicted_bytes: Tuple[float, ...] = ()
-    correction_bytes: Tuple[float, ...] = ()
-
-
-@dataclass
-class PlannedStep:
-    """One optimizer step as the Trainer receives it from the loader.
-
-    Attributes:
-        epoch: the sampler's epoch.
-        index: the step's index in the epoch (0-based).
-        microbatches: the collated microbatches (``data_collator`` of their records), in order.
-        records: each microbatch's dataset indices.
-        weights: each microbatch's sampler weight (used for losses without ``num_items_in_batch``).
-        placeholder: True when this rank's share of the outer batch is empty: ``microbatches``
-            then holds one batch of record 0 whose loss is multiplied by 0, so the rank still
-            joins the step's gradient all-reduce.
-        predicted_bytes: each microbatch's predicted peak (``Step.predicted_bytes``; empty for
-            a placeholder), for the sampler's calibration.
-        correction_bytes: each microbatch's correction, as the calibration planned the step
-            (``predicted_bytes[k] + correction_bytes[k]`` is within the budget; empty for a
-            placeholder).
-    """
-
-    epoch: int
-    index: int
-    microbatches: List[Any]
-    records: List[Tuple[int, ...]]
-    weights: List[float]
-    placeholder: bool = False
-    predicted_bytes: List[float] = field(default_factory=list)
-    correction_bytes: List[float] = field(default_factory=list)
-
-    def pin_memory(self) -> "PlannedStep":
-        """Pins every microbatch's tensors (called by a DataLoader with ``pin_memory=True``)."""
-        from torch.utils.data._utils.pin_memory import pin_memory
-
-        self.microbatches = [pin_memory(batch) for batch in self.microbatches]
-        return self
-
-
-@dataclass(frozen=True)
-class MicrobatchRecord:
-    """What ``PlannedTrainer`` reports after each microbatch's forward and backward.
-
-    Attributes:
-        step: the optimizer step it belongs to (the Trainer's ``global_step`` after that step).
-        epoch: the sampler's epoch.
-        records: the dataset indices of its records.
-        peak_allocated_bytes: the meter's peak over its forward and backward (None without a meter).
-        placeholder: True for the zero-weight batch of a rank whose share is empty.
-        predicted_bytes: the memory model's prediction of its peak (None for a placeholder).
-        correction_bytes: the calibration's correction of its prediction, as its step was planned.
-    """
-
-    step: int
-    epoch: int
-    records: Tuple[int, ...]
-    peak_allocated_bytes: Optional[int]
-    placeholder: bool
-    predicted_bytes: Optional[float] = None
-    correction_bytes: float = 0.0
-
-
-class _StepDataset(torch.utils.data.Dataset):
-    """Item ``_StepKey``: the step's microbatches collated (runs in the DataLoader's workers)."""
-
-    def __init__(self, dataset, collate_fn: Callable):
-        self.dataset, self.collate_fn = dataset, collate_fn
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: _StepKey) -> PlannedStep:
-        batches = [self.collate_fn([self.dataset[i] for i in microbatch]) for microbatch in key.microbatches]
-        return PlannedStep(key.epoch, key.index, batches, list(key.microbatches), list(key.weights), key.placeholder,
-                           list(key.predicted_bytes), list(key.correction_bytes))
-
-
-def _only_item(items: List[PlannedStep]) -> PlannedStep:
-    return items[0]
-
-
-class _StepBatchSampler(torch.utils.data.Sampler):
-    """Yields ``[_StepKey]`` for each step of the epoch from its first (the Trainer skips the
-    steps done itself on resume); ``len``: the steps per epoch. The sampler is asked for when
-    iterating starts: a trainer that plans by itself makes it after the model is prepared."""
-
-    def __init__(self, sampler_of: Callable[[], PredictiveBatchSampler], steps_per_epoch: int):
-        self.sampler_of, self.steps_per_epoch, self.epoch = sampler_of, steps_per_epoch, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
-    def __iter__(self) -> Iterator[List[_StepKey]]:
-        sampler = self.sampler_of()
-        sampler.set_epoch(self.epoch)
-        for index, step in enumerate(sampler.steps()):
-            microbatches = tuple(tuple(int(i) for i in np.asarray(mb, dtype=np.int64).reshape(-1))
-                                 for mb in step.microbatches)
-            weights = tuple(float(w) for w in step.weights)
-            kept = [(mb, w, float(p), float(c)) for mb, w, p, c in
-                    zip(microbatches, weights, step.predicted_bytes, step.correction_bytes) if len(mb) > 0]
-            if kept:
-                yield [_StepKey(self.epoch, index, tuple(k[0] for k in kept), tuple(k[1] for k in kept), False,
-                                tuple(k[2] for k in kept), tuple(k[3] for k in kept))]
-            else:  # this rank's share is empty: one zero-weight batch of record 0 joins the all-reduce
-                yield [_StepKey(self.epoch, index, ((0,),), (0.0,), True)]
-
-
-class _StepLoader(torch.utils.data.DataLoader):
-    """The DataLoader over steps; ``set_epoch`` reaches the step sampler (the Trainer calls it)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
-
-
-def _masked_labels(batch: Mapping) -> dict:
-    """``batch`` with every label ignored (-100), for a placeholder's token count of 0."""
-    masked = dict(batch)
-    for key in ("labels", "shift_labels"):
-        if key in masked and torch.is_tensor(masked[key]):
-            masked[key] = torch.full_like(masked[key], -100)
-    return masked
-
 
 _MIXIN_ORDER = ("{name}: PlannedTrainerMixin goes before a transformers.Trainer class in the bases, e.g. "
                 "class MyTrainer(PlannedTrainerMixin, Seq2SeqTrainer)")
@@ -313,7 +173,7 @@ class PlannedTrainerMixin:
         self._loss_divides_by_items: Optional[bool] = None
         self._unplanned_warned = False
         self._pending_checkpoint: Optional[str] = None
-        self._check_settings()
+        check_settings(self)
         if batch_sampler is not None:
             self.set_batch_sampler(batch_sampler)
         else:
@@ -365,196 +225,21 @@ class PlannedTrainerMixin:
         n, outer = len(self.train_dataset), self._outer_batch_size()
         return n // outer if self.args.dataloader_drop_last else -(-n // outer)
 
-    # ---- planning by itself (no batch_sampler)
+    # ---- before the first step (hf_self_planning, hf_model_checks, hf_checkpoints)
     def _before_training(self) -> None:
         """Once the Trainer has prepared the model and optimizer, before the first step: plans
         (no sampler given), checks the loss's normalisation, then a resumed checkpoint's sampler."""
-        if self.xpm_sampler is None:
-            self._plan_automatically()
-        self._check_loss_normalisation()
+        if self.xpm_sampler is None:  # hf_self_planning
+            plan_by_itself(self, self._outer_batch_size(), logger)
+        if self._loss_divides_by_items is None:  # hf_model_checks
+            self._loss_divides_by_items = loss_divides_by_items(self, logger)
         if planning_mode(self) == "padding_free":
-            self._check_records_kept_apart()
+            check_records_kept_apart(self, logger)
         if self._pending_checkpoint is not None:
             checkpoint, self._pending_checkpoint = self._pending_checkpoint, None
-            self._check_sampler_checkpoint(checkpoint)
+            check_sampler_checkpoint(self.xpm_sampler, checkpoint)
 
-    def _plan_automatically(self) -> None:
-        planning, args = self.xpm_planning, self.args
-        mode = planning_mode(self)
-        meter = self.xpm_meter = planning.meter_of(self, self.xpm_meter)
-        dims = planning.record_dims_of(self, mode)
-        capacity = int(meter.capacity_bytes)
-        budget = MemoryBudget(capacity, planning.memory_fraction)
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper skips unsynced steps
-        path = planning.cache_path(self, self._cache_parts(mode, optimizer, capacity, dims))
-        model = load_agreed(path, args.world_size)
-        outcome = None
-        if model is None:
-            per_rank = -(-self._outer_batch_size() // args.world_size)
-            outcome = self._probe(mode, dims, budget, per_rank, optimizer, meter)
-            model = outcome.model
-            if path is not None and args.process_index == 0:
-                save_cached(model, path)
-        self.xpm_memory = PlannedMemory(model, budget.usable_bytes, capacity, meter, dims, outcome, path)
-        self.xpm_sampler = PredictiveBatchSampler(
-            dims, model, budget.usable_bytes, outer_batch_size=self._outer_batch_size(), rank=args.process_index,
-            world_size=args.world_size, seed=args.seed, drop_last=args.dataloader_drop_last,
-            packer=packer_for(planning.packer, model))
-        self.xpm_report = self._planning_report(mode)
-        logger.info("%s", self.xpm_report)
-        log_allocator_line(meter, logger)
-
-    def _cache_parts(self, mode: str, optimizer, capacity: int, dims) -> Dict[str, Any]:
-        """What the memory model depends on: its cache key's parts."""
-        planning, model = self.xpm_planning, self.model
-        formula = planning.formula if planning.formula == "auto" else planning.formula.canonical
-        collator = getattr(self.data_collator, "data_collator", self.data_collator)
-        return {"formula": formula, "variables": planning.variables(mode), "mode": mode,
-                "trainer": type(self).__name__, "model": model_signature(model),
-                "config": model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None,
-                "optimizer": optimizer_identity(optimizer), "precision": str(self.accelerator.mixed_precision),
-                "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
-                "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
-                "collator": f"{type(collator).__module__}.{type(collator).__qualname__}",
-                "world_size": self.args.world_size, "device": self.args.device.type, "capacity_bytes": capacity,
-                "memory_fraction": planning.memory_fraction, "dims_max": dims.max(axis=0).tolist(),
-                "probe_options": repr(planning.probe_options), "allocator": self._allocator_part(),
-                **environment_parts()}
-
-    def _allocator_part(self) -> str:
-        """The allocator the peaks come from: plain allocated bytes, or a caching allocator's
-        reserved bytes under its settings (the GPU's, or the CPU meter's emulation)."""
-        meter = self.xpm_meter
-        if meter is None or planned_bytes_kind(meter) == "allocated":
-            return "allocated"
-        emulated = getattr(meter, "caching", None)
-        return f"reserved: {emulated}" if emulated else f"reserved: {sorted(allocator_settings().items())}"
-
-    def _probe(self, mode: str, dims, budget: MemoryBudget, per_rank_records: int, optimizer, meter):
-        """Probes the prepared model through this trainer's ``compute_loss`` on the dataset's
-        own records, leaving the trainer's state as it was."""
-        records = ProbeRecords(self.train_dataset, dims, mode)
-        collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
-        model = self.model_wrapped
-
-        def loss_of(rows):
-            batch = self._prepare_inputs(collator(records.at(rows)))
-            with self.accelerator.autocast(), self.compute_loss_context_manager():
-                return self.compute_loss(model, batch)
-
-        options = self.xpm_planning.probe_options_for(mode, dims, budget, per_rank_records, self.args.world_size)
-        snapshot = TrainerSnapshot(self)
-        model.train()
-        try:
-            return probe(model, optimizer, loss_of, self.xpm_planning.formula, meter=meter, options=options)
-        finally:
-            snapshot.restore()
-            model.zero_grad(set_to_none=True)
-
-    def _planning_report(self, mode: str) -> str:
-        """The start-up line: where the model came from, its formula and fit, the budget, and the
-        microbatches per step it expects against the fixed batch it replaces."""
-        args, memory, sampler = self.args, self.xpm_memory, self.xpm_sampler
-        outcome = memory.outcome
-        if outcome is None:
-            source = f"memory model from the cache {memory.cache_path} (no probes)"
-        else:
-            source = probes_summary(outcome)
-        counts = [len(sampler.planned_step(i).microbatches) for i in range(min(sampler.steps_per_epoch(), 32))]
-        return (f"xpm: {mode} records; {source}; formula {memory.model.formula.canonical}; budget "
-                f"{memory.usable_bytes:,} of {memory.capacity_bytes:,} bytes; {self._outer_batch_size()} records per "
-                f"optimizer step (per device {args.per_device_train_batch_size} x {self.xpm_accumulation_steps} "
-                f"accumulation steps x {args.world_size} rank(s), the fixed batch it replaces) in {min(counts)} to "
-                f"{max(counts)} microbatches on this rank (mean {sum(counts) / len(counts):.2f}, first "
-                f"{len(counts)} steps)")
-
-    def _check_loss_normalisation(self) -> None:
-        """Checks on one real microbatch that a loss given ``num_items_in_batch`` divides by it;
-        a model that ignores it (its ``forward`` takes ``**kwargs`` but its loss is a plain mean)
-        has ``model_accepts_loss_kwargs`` set False and its microbatch losses weighted instead."""
-        if self._loss_divides_by_items is not None:
-            return
-        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
-            self._loss_divides_by_items = False
-            return
-        collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
-        batch = self._prepare_inputs(collator(self._small_records()))
-        items = label_items(batch, getattr(self, "_loss_shifts_labels", False)) if isinstance(batch, Mapping) else None
-        if not items:
-            self._loss_divides_by_items = True
-            return
-        model = self.model
-
-        def loss_of(count: int) -> torch.Tensor:
-            with self.accelerator.autocast(), self.compute_loss_context_manager():
-                return self.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(count,
-                                                                                               device=self.args.device))
-
-        snapshot = TrainerSnapshot(self)
-        try:
-            verdict, ratio = loss_normalisation(loss_of, items)
-        finally:
-            snapshot.restore()
-        self._loss_divides_by_items = verdict != "ignores"
-        name = type(getattr(model, "module", model)).__name__
-        if verdict == "ignores":
-            if self.compute_loss_func is None:
-                self.model_accepts_loss_kwargs = False
-            logger.warning("xpm: %s's loss ignores num_items_in_batch (the same loss at %d and %d items), though the "
-                           "Trainer passes it; each microbatch's mean loss is weighted by its share of the outer "
-                           "batch's label items instead", name, items, 2 * items)
-        elif verdict == "unclear":
-            logger.warning("xpm: %s's loss given num_items_in_batch %d and %d changed by a factor %.4f, neither 2 "
-                           "(divides) nor 1 (ignores); left as the Trainer passes it", name, items, 2 * items, ratio)
-
-    def _check_records_kept_apart(self) -> None:
-        """Warns when the model attends across the records a padding-free collator flattens: the
-        logits of one record, alone and after another, through this trainer's ``compute_loss``."""
-        dataset = self.train_dataset
-        if dataset is None or len(dataset) < 2:
-            return
-        collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
-        model = self.model
-        first, second = self._small_records()
-        tokens = len(second["input_ids"])
-
-        def logits_of(records) -> Optional[torch.Tensor]:
-            batch = self._prepare_inputs(collator(records))
-            with torch.no_grad(), self.accelerator.autocast(), self.compute_loss_context_manager(), \
-                    warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # TRL deprecates return_outputs for its own users
-                outputs = self.compute_loss(model, batch, return_outputs=True)[1]
-            logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
-            return None if logits is None else logits.reshape(-1, logits.shape[-1])[-tokens:].float()
-
-        snapshot, training = TrainerSnapshot(self), model.training
-        model.eval()
-        try:
-            alone, after = logits_of([second]), logits_of([first, second])
-        finally:
-            model.train(training)
-            snapshot.restore()
-        if alone is None or after is None or alone.shape != after.shape:
-            return
-        change = float((alone - after).abs().max())
-        if change > 1e-3 * max(1e-6, float(alone.abs().max())):
-            logger.warning("xpm: %s attends across the records a padding-free collator flattens (a record's logits "
-                           "change by up to %.3g after another record): a microbatch's loss then depends on which "
-                           "records share it, with or without xpm; under sdpa attention pass use_cache=False (packed "
-                           "records are then told apart by their position_ids) or use flash attention",
-                           type(getattr(model, "module", model)).__name__, change)
-
-    def _small_records(self) -> List[Dict[str, Any]]:
-        """Two short records made from the dataset's shortest (``ProbeRecords.small``; the
-        shortest twice where its shape is not one ``ProbeRecords`` knows), for the checks before
-        training: they fit the budget wherever anything does."""
-        dataset = self.train_dataset
-        shortest = int(np.argmin(self.xpm_sampler._dims[:, 1:].sum(axis=1)))
-        try:
-            return ProbeRecords(dataset, None, planning_mode(self), source_index=shortest).small()
-        except (KeyError, ValueError, TypeError):  # records of the user's own shape: two of them as they are
-            return [dataset[shortest], dataset[shortest]]
-
+    # ---- the losses
     def _trainer_scales_by_processes(self) -> bool:
         """Whether the Trainer's ``compute_loss`` multiplies the loss by the number of processes."""
         return bool(self.args.average_tokens_across_devices and
@@ -594,32 +279,6 @@ class PlannedTrainerMixin:
         # default bf16 halves TRL's loss buffers), then the Trainer's own context.
         with self.accelerator.autocast(), self.compute_loss_context_manager():
             return self.compute_loss(self.model, inputs)
-
-    # ---- settings
-    def _check_settings(self) -> None:
-        args = self.args
-        if args.gradient_accumulation_steps != 1:
-            raise ValueError(f"PlannedTrainer: gradient_accumulation_steps must be 1 with a batch_sampler of your "
-                             f"own (its outer_batch_size sets the step), got {args.gradient_accumulation_steps}; "
-                             "without one, the trainer takes it as part of the outer batch")
-        if self.is_deepspeed_enabled:
-            raise ValueError("PlannedTrainer: DeepSpeed is not supported (its backward steps the optimizer itself; "
-                             "run without a deepspeed config)")
-        if args.n_gpu > 1:
-            raise ValueError(f"PlannedTrainer: DataParallel over {args.n_gpu} GPUs is not supported; launch one "
-                             "process per GPU (torchrun) for DistributedDataParallel")
-        if args.auto_find_batch_size:
-            raise ValueError("PlannedTrainer: auto_find_batch_size must be False (the sampler plans the microbatches)")
-        if args.train_sampling_strategy in _REFUSED_SAMPLING_STRATEGIES:
-            raise ValueError(f"PlannedTrainer: train_sampling_strategy '{args.train_sampling_strategy}' is not used "
-                             "by the planned loader; leave it at 'random' (the sampler's shuffle decides the order)")
-        config = getattr(self.accelerator, "parallelism_config", None)
-        if config is not None and any(getattr(config, name, 1) > 1 for name in ("tp_size", "cp_size", "sp_size")):
-            raise ValueError("PlannedTrainer: tensor, context and sequence parallelism are not supported "
-                             "(only data parallelism: one process per device)")
-        if args.world_size > 1 and not args.average_tokens_across_devices:
-            raise ValueError("PlannedTrainer: average_tokens_across_devices must be True on several ranks (each "
-                             "microbatch's loss is normalised by the whole outer batch's label tokens)")
 
     # ---- data
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -809,8 +468,7 @@ class PlannedTrainerMixin:
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            with open(os.path.join(folder, SAMPLER_STATE_NAME), "w") as out:
-                json.dump(self.xpm_sampler.state_dict(), out, indent=1)
+            save_sampler_state(folder, self.xpm_sampler)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """``transformers.Trainer.train``; on resume, first checks the checkpoint's sampler state.
@@ -836,39 +494,12 @@ class PlannedTrainerMixin:
         if resume_from_checkpoint:
             checkpoint = str(resume_from_checkpoint)
             if self.xpm_sampler is not None:
-                self._check_sampler_checkpoint(checkpoint)
+                check_sampler_checkpoint(self.xpm_sampler, checkpoint)
             else:  # planned once the model is prepared, checked then; a missing state is refused now
                 _sampler_state_path(checkpoint)
                 self._pending_checkpoint = checkpoint
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval)
-
-    def _check_sampler_checkpoint(self, checkpoint: str) -> None:
-        path = _sampler_state_path(checkpoint)
-        with open(path) as source:
-            saved = json.load(source)
-        try:
-            self.xpm_sampler.load_state_dict(saved)  # ValueError for other settings
-        except ValueError as error:
-            raise ValueError(f"PlannedTrainer: {path} was written by another plan: {error} (the outer batch is "
-                             "per_device_train_batch_size x gradient_accumulation_steps x world size; resume with "
-                             "the arguments the checkpoint was trained with)") from None
-        with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as source:
-            global_step = json.load(source)["global_step"]
-        done = saved["epoch"] * self.xpm_sampler.steps_per_epoch() + saved["steps_done"]
-        if done != global_step:
-            raise ValueError(f"PlannedTrainer: checkpoint '{checkpoint}' is at global step {global_step} but its "
-                             f"sampler state is at step {done} (epoch {saved['epoch']}, step {saved['steps_done']})")
-
-
-def _sampler_state_path(checkpoint: str) -> str:
-    """The sampler state file of ``checkpoint``; ValueError in one line when it has none."""
-    path = os.path.join(checkpoint, SAMPLER_STATE_NAME)
-    if not os.path.isfile(path):
-        raise ValueError(f"PlannedTrainer: checkpoint '{checkpoint}' has no {SAMPLER_STATE_NAME} (not written by "
-                         "PlannedTrainer); resume from one that is, or start without resume_from_checkpoint")
-    return path
-
 
 class _BeforeTraining(transformers.TrainerCallback):
     """Runs ``PlannedTrainerMixin._before_training`` when training begins (the model and the
@@ -881,23 +512,6 @@ class _BeforeTraining(transformers.TrainerCallback):
         trainer = self._trainer()
         if trainer is not None:
             trainer._before_training()
-
-
-def _one_item_per_step(args: tuple, kwargs: dict, planned: bool) -> Tuple[tuple, dict, int]:
-    """The Trainer's arguments with ``gradient_accumulation_steps`` 1 in a copy of its
-    ``TrainingArguments`` (each loader item is a whole optimizer step), and the user's count,
-    which sets the outer batch when the trainer plans by itself."""
-    training = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
-    steps = getattr(training, "gradient_accumulation_steps", 1)
-    if not planned or training is None or steps == 1:
-        return args, kwargs, 1
-    training = copy.copy(training)
-    training.gradient_accumulation_steps = 1
-    if "args" in kwargs:
-        kwargs = {**kwargs, "args": training}
-    else:
-        args = (args[0], training) + tuple(args[2:])
-    return args, kwargs, int(steps)
 
 
 class PlannedTrainer(PlannedTrainerMixin, transformers.Trainer):
@@ -924,4 +538,7 @@ def planned_trainer_class(base: type) -> type:
 
 
 __all__ = ["PlannedTrainer", "PlannedTrainerMixin", "planned_trainer_class", "PlannedStep", "MicrobatchRecord",
-           "SAMPLER_STATE_NAME"]
+           "SAMPLER_STATE_NAME",
+           # private, kept importable from here for code written before the split
+           "_StepKey", "_StepDataset", "_only_item", "_StepBatchSampler", "_StepLoader", "_masked_labels",
+           "_REFUSED_SAMPLING_STRATEGIES", "_sampler_state_path", "_one_item_per_step"]

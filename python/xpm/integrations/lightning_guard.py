@@ -13,7 +13,7 @@ rank before the first training step, naming ``planned_dataloader``:
 It costs nothing where no ``xpm.PredictiveBatchSampler`` exists (the sampler's module is not even
 imported then) and imports nothing of xpm's torch side. Where xpm is imported without its entry
 point (from a build tree), the sampler refuses the same loader itself when Lightning's loop first
-iterates it (``xpm.sampler._refuse_lightning_training_loop``).
+iterates it (``xpm.sampler_lightning._refuse_lightning_training_loop``).
 """
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ class PlainLoaderGuard(pl.Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Raises ValueError (one line naming ``planned_dataloader``) for a plain loader over the sampler."""
-        sampler_module = sys.modules.get("xpm.sampler")
+        sampler_module = sys.modules.get("xpm.predictive_batch_sampler")  # where the class is defined
         if sampler_module is None:
             return
         loaders: List[DataLoader] = []
         apply_to_collection(trainer.train_dataloader, DataLoader, loaders.append)
         if any(isinstance(loader.batch_sampler, sampler_module.PredictiveBatchSampler) for loader in loaders):
-            raise ValueError(sampler_module.LIGHTNING_PLAIN_LOADER_ERROR)
+            raise ValueError(sys.modules["xpm.sampler_lightning"].LIGHTNING_PLAIN_LOADER_ERROR)
 
 
 def callbacks() -> List[Any]:

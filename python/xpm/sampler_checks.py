@@ -1,0 +1,90 @@
+"""The checks of ``PredictiveBatchSampler``'s arguments: whole numbers, the rank and world size
+(torch.distributed's when its process group is initialised), the records' dims and units (finite,
+>= 0, named with the first bad index) and the budget, each a one-line ``ValueError``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed
+
+from .memory_model import MemoryModel
+
+
+def _whole_number(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def _rank_and_world_size(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
+    """``(rank, world_size)``: the given values, else torch.distributed's when it is initialised,
+    else 0 and 1; ValueError when a given value contradicts an initialised process group."""
+    rank = None if rank is None else _whole_number("rank", rank)
+    world_size = None if world_size is None else _whole_number("world_size", world_size)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        actual_rank, actual_world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        for name, given in (("rank", rank), ("world_size", world_size)):
+            if given is not None and given != (actual_rank if name == "rank" else actual_world):
+                raise ValueError(f"{name}={given} but torch.distributed says this process is rank {actual_rank} "
+                                 f"of {actual_world}; leave {name} out to use torch.distributed's")
+        return actual_rank, actual_world
+    return (0 if rank is None else rank), (1 if world_size is None else world_size)
+
+
+def _first_bad(values: np.ndarray) -> Optional[int]:
+    """Index of the first row with a NaN, an infinity or a negative value, or None."""
+    bad = ~np.isfinite(values) | (values < 0)
+    if values.ndim > 1:
+        bad = bad.reshape(len(values), -1).any(axis=1)
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) if len(hits) else None
+
+
+def _checked_record_dims(record_dims) -> np.ndarray:
+    try:
+        array = np.asarray(record_dims, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"record_dims must be numbers ([n] lengths or [n, variables] dims): {error}") from None
+    if array.ndim >= 1:
+        bad = _first_bad(array)
+        if bad is not None:
+            value = array[bad].tolist()
+            raise ValueError(f"record_dims[{bad}] is {value}: every record's dims must be finite and >= 0")
+    return array
+
+
+def _checked_outer_and_ranks(outer_batch_size: Any, rank: Optional[int],
+                             world_size: Optional[int]) -> Tuple[int, int, int]:
+    """``(outer_batch_size, rank, world_size)``, checked (see ``_rank_and_world_size``)."""
+    outer_batch_size = _whole_number("outer_batch_size", outer_batch_size)
+    if outer_batch_size < 1:
+        raise ValueError(f"outer_batch_size must be >= 1, got {outer_batch_size}")
+    rank, world_size = _rank_and_world_size(rank, world_size)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
+    return outer_batch_size, rank, world_size
+
+
+def _check_usable_bytes(usable_bytes: Any, model: MemoryModel) -> None:
+    """A number of bytes > 0, at least the model's ``floor_bytes`` (else no microbatch can fit)."""
+    if isinstance(usable_bytes, bool) or not isinstance(usable_bytes, (int, float, np.integer, np.floating)) \
+            or not usable_bytes > 0:
+        raise ValueError(f"usable_bytes must be a number of bytes > 0, got {usable_bytes!r}")
+    if usable_bytes < model.floor_bytes:
+        raise ValueError(f"usable_bytes {int(usable_bytes)} is below the model's floor_bytes "
+                         f"{model.floor_bytes:.0f} (its steady state and optimizer step): no microbatch can fit; "
+                         "raise the budget")
+
+
+def _checked_units(units: Any, records: int) -> np.ndarray:
+    """[records] loss units, finite and >= 0 (default 1 each)."""
+    array = np.ones(records) if units is None else np.asarray(units, dtype=np.float64)
+    if array.shape != (records,):
+        raise ValueError(f"units must be {records} values >= 0 (one per record), got shape {array.shape}")
+    bad = _first_bad(array)
+    if bad is not None:
+        raise ValueError(f"units[{bad}] is {array[bad]}: every record's units must be finite and >= 0")
+    return array

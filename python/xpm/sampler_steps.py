@@ -1,0 +1,95 @@
+"""What ``PredictiveBatchSampler`` hands out: ``Microbatch`` (a microbatch's record indices with
+its plan's figures, what ``iter(sampler)`` yields) and ``Step`` (one optimizer step of a rank,
+what ``sampler.steps()`` yields), and where each step begins among an epoch's microbatches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, List
+
+import numpy as np
+
+
+class Microbatch(list):
+    """The record indices of one microbatch (a ``list`` of ``int``, what
+    ``DataLoader(batch_sampler=...)`` expects), with the plan's figures as attributes.
+
+    Attributes:
+        dims: the formula's variables for the padded microbatch (``np.ndarray`` [variables],
+            in the formula's order; zeros for an empty microbatch).
+        predicted_bytes: ``model.predict(dims)``, the predicted peak in bytes (a step's first
+            microbatch: the model's "without_gradients" phase, with the sampler's
+            ``gradients_set_to_none``, without the floor when the step has several microbatches
+            (no optimizer step runs in it); its last, with it too: the "synchronised" phase where the
+            model has one, FSDP2's accumulation probed in lockstep).
+        weight: the factor of the microbatch's mean loss (``world_size * units(microbatch) /
+            units(outer batch)``; 0 for an empty microbatch).
+        last: whether the microbatch ends its optimizer step.
+        step: the index of its optimizer step in the epoch.
+        correction_bytes: the calibration's correction of its prediction, as its step was
+            planned (``predicted_bytes + correction_bytes <= usable_bytes``; 0 without
+            calibration).
+
+    Args:
+        indices: the record indices.
+        dims: see Attributes.
+        predicted_bytes: see Attributes.
+        weight: see Attributes.
+        last: see Attributes.
+        step: see Attributes.
+        correction_bytes: see Attributes.
+    """
+
+    dims: np.ndarray
+    predicted_bytes: float
+    weight: float
+    last: bool
+    step: int
+    correction_bytes: float
+
+    def __init__(self, indices: Iterable[int], *, dims: np.ndarray, predicted_bytes: float, weight: float,
+                 last: bool, step: int, correction_bytes: float = 0.0) -> None:
+        super().__init__(indices)
+        self.dims, self.predicted_bytes = dims, predicted_bytes
+        self.weight, self.last, self.step = weight, last, step
+        self.correction_bytes = correction_bytes
+
+    def __repr__(self) -> str:
+        """The indices and the plan's figures, one line."""
+        return (f"Microbatch({list.__repr__(self)}, step={self.step}, weight={self.weight:.6g}, last={self.last}, "
+                f"dims={self.dims.tolist()}, predicted_bytes={self.predicted_bytes:.0f})")
+
+
+@dataclass
+class Step:
+    """One optimizer step of this rank.
+
+    Attributes:
+        microbatches: record index arrays (int64) into the dataset, one per microbatch.
+        weights: the weight of each microbatch's mean loss.
+        units: the whole outer batch's units (all ranks).
+        dims: each microbatch's planned dims (``np.ndarray`` [variables]).
+        predicted_bytes: each microbatch's predicted peak bytes (``model.predict(dims)``).
+        correction_bytes: each microbatch's correction, as the step was planned with the
+            calibration (``predicted_bytes + correction_bytes <= usable_bytes``).
+    """
+
+    microbatches: List[np.ndarray]
+    weights: List[float]
+    units: float
+    dims: List[np.ndarray] = field(default_factory=list)
+    predicted_bytes: List[float] = field(default_factory=list)
+    correction_bytes: List[float] = field(default_factory=list)
+
+
+
+def step_offsets(steps: List[Step]) -> List[int]:
+    """Where each step begins among the epoch's microbatches.
+
+    Args:
+        steps: the epoch's steps, in order.
+
+    Returns:
+        ``offsets``: ``offsets[k]``, the microbatches before step k; ``offsets[-1]``, the epoch's.
+    """
+    return np.concatenate([[0], np.cumsum([len(s.microbatches) for s in steps], dtype=np.int64)]).astype(int).tolist()
