@@ -123,6 +123,35 @@ class Calibration:
         self.group = group
         self._warned = False
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """What pickling keeps: the settings and ``state_dict()`` (the correction, its window,
+        the log); the microbatches recorded since the last ``end_step`` are not kept.
+
+        Raises:
+            TypeError: the calibration agrees over a process group of its own (a group is a
+                handle of this process, not data; ``copy.deepcopy`` shares it).
+        """
+        if self.group is not None:
+            raise TypeError("xpm.Calibration with a process group of its own cannot be pickled (the group is a "
+                            "handle of this process); copy.deepcopy shares it")
+        return self._settings_and_state(None)
+
+    def __setstate__(self, saved: Dict[str, Any]) -> None:
+        Calibration.__init__(self, saved["usable_bytes"], window_steps=saved["window_steps"],
+                             settle_steps=saved["settle_steps"], group=saved["group"])
+        self.load_state_dict(saved["state"])
+        self._warned = saved["warned"]
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Calibration":
+        copied = Calibration.__new__(Calibration)
+        copied.__setstate__(self._settings_and_state(self.group))
+        return copied
+
+    def _settings_and_state(self, group: Optional[Any]) -> Dict[str, Any]:
+        return {"usable_bytes": self.usable_bytes, "window_steps": self.window_steps,
+                "settle_steps": self.settle_steps, "group": group, "state": self.state_dict(),
+                "warned": self._warned}
+
     @property
     def correction(self) -> Correction:
         """The correction in force."""

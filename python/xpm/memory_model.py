@@ -31,6 +31,10 @@ class MemoryModel:
         self._phase_natives: Dict[str, _planner.MemoryModel] = {}  # each phase's, built on first use
         self._floor: Optional[_planner.MemoryModel] = None  # the model with its formula at 0, on first use
 
+    def __reduce__(self) -> Tuple[Any, Tuple[str]]:
+        """Pickled (and deep-copied) as its ``to_json()`` text, rebuilt by ``from_json``."""
+        return MemoryModel.from_json, (self.to_json(),)
+
     def _parsed(self) -> dict:
         if self._json is None:
             self._json = json.loads(self._native.to_json())

@@ -2,9 +2,11 @@
 the same plan on every rank (defaults from a real gloo process group), an exact len, exact
 resume (its own state_dict and torchdata's StatefulDataLoader), the plan's figures on every
 microbatch, weights that make the accumulated gradient the outer batch's."""
+import copy
 import json
 import os
 import pathlib
+import pickle
 import warnings
 
 import numpy as np
@@ -691,3 +693,35 @@ def test_ranks_get_balanced_shares_under_a_formula_with_a_branch_without_the_bat
           f"{heaviest:.3f}x the mean, microbatches {sum(len(s.microbatches) for s in ranks[0])} per rank")
     assert sum(records) == len(lengths)
     assert heaviest < 1.03
+
+
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda sampler: pickle.loads(pickle.dumps(sampler))],
+                         ids=["deepcopy", "pickle"])
+def test_a_calibrated_sampler_copied_between_steps_yields_what_the_original_yields(model, lengths, copy_of):
+    """A copy (``copy.deepcopy``, or pickled as a DataLoader's spawned workers or a checkpoint
+    would) taken after a calibrated step keeps the model, the correction and its window: it
+    yields the remaining microbatches the original yields, with the same corrections."""
+    sampler = xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, seed=3, units=lengths)
+    passing = iter(sampler)
+    microbatch = next(passing)
+    while not microbatch.last:
+        sampler.record_peak(microbatch, microbatch.predicted_bytes + 0.1 * BUDGET)
+        microbatch = next(passing)
+    sampler.record_peak(microbatch, microbatch.predicted_bytes + 0.1 * BUDGET)
+    sampler.mark_step_done()
+    line = sampler.end_step(0)
+    copied = copy_of(sampler)
+    rest = list(passing)
+    assert copied.calibration.log == [line] and copied.correction == sampler.correction
+    again = list(copied)
+    assert [list(m) for m in again] == [list(m) for m in rest]
+    assert [m.correction_bytes for m in again] == [m.correction_bytes for m in rest]
+    assert copied.state_dict() == sampler.state_dict()
+
+
+def test_a_calibration_with_a_group_of_its_own_is_deep_copied_sharing_it_but_not_pickled():
+    group = object()  # stands for a process group: a handle of this process
+    calibration = xpm.Calibration(BUDGET, group=group)
+    assert copy.deepcopy(calibration).group is group
+    with pytest.raises(TypeError, match="process group of its own cannot be pickled"):
+        pickle.dumps(calibration)
