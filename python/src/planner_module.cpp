@@ -22,6 +22,7 @@
 #include "xpm/planner/packer_kind.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner/rank_assignment.hpp"
+#include "xpm/planner/step_plan.hpp"
 #include "xpm/planner/record_dims_view.hpp"
 
 namespace py = pybind11;
@@ -100,6 +101,23 @@ py::tuple pack(const std::string& packer, const std::string& sort_by, const Doub
     plan = chosen->pack(view, model, usable_bytes);
   }
   return flat_plan(plan, variables);
+}
+
+// plan_step (step_plan.hpp): (shares, [flat plan of each rank]), indices into the outer batch.
+py::tuple plan_step(const std::string& packer, const std::string& sort_by, const DoubleArray& record_dims,
+                    const xpm::MemoryModel& model, std::int64_t planning_bytes, int world_size, bool lockstep,
+                    int only_rank) {
+  const std::size_t variables = model.formula().variable_names().size();
+  const std::vector<std::vector<double>> rows = rows_of(record_dims, variables, "record dims");
+  const std::shared_ptr<const xpm::MicrobatchPacker> chosen = packer_named(packer, sort_by);
+  xpm::StepPlan step;
+  {
+    py::gil_scoped_release release;
+    step = xpm::plan_step(rows, model, *chosen, planning_bytes, {world_size, lockstep, only_rank});
+  }
+  py::list plans;
+  for (const xpm::MicrobatchPlan& plan : step.rank_plans) plans.append(flat_plan(plan, variables));
+  return py::make_tuple(step.assignment.records_per_rank, plans);
 }
 
 py::array_t<double> predict(const xpm::MemoryModel& model, const DoubleArray& dims) {
@@ -431,6 +449,7 @@ PYBIND11_MODULE(_planner, m) {
   bind_fit(m);
   bind_calibration(m);
   m.def("pack", &pack);
+  m.def("plan_step", &plan_step);
   m.def("packer_names", &xpm::packer_names);
   // The planner's defaults, so the Python options start from the same values (one source).
   const xpm::PredictiveBatcherOptions batcher;

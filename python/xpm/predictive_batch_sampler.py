@@ -1,6 +1,6 @@
 """``PredictiveBatchSampler``, assembled from its parts: its arguments checked
 (``sampler_checks``), each epoch's order (``sampler_order``), each outer batch shared among the
-ranks (``sampler_ranks``) and packed (``sampler_packing``), the calibration's corrections
+ranks and packed (``sampler_packing``), the calibration's corrections
 (``sampler_calibration``), its resume state (``sampler_state``) and its passes
 (``sampler_pass``). ``xpm.sampler`` has the guide and its example; import it from there.
 """
@@ -26,7 +26,6 @@ from .sampler_lightning import _refuse_lightning_training_loop
 from .sampler_order import outer_batch_count, outer_batches
 from .sampler_packing import StepPacking
 from .sampler_pass import _MicrobatchIterator
-from .sampler_ranks import rank_shares, record_costs
 from .sampler_state import check_settings, checked_steps_done, plan_fingerprint
 from .sampler_steps import Microbatch, Step, step_offsets
 
@@ -112,7 +111,6 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         self._first_phase: GradientPhase = "without_gradients" if gradients_set_to_none else "with_gradients"
         # The correction each step of this epoch is planned with: (first step, correction), ...
         self._corrections: Corrections = [(0, self.correction)]
-        self._costs = record_costs(model, dims, self._usable_bytes, outer_batch_size, world_size)  # rank assignment's
         self._packing = StepPacking(dims, self._units, model, packer, sort_by, world_size, self._lockstep)
         self._epoch = 0
         self._steps_done = 0                  # steps counted done (microbatch_loop, mark_step_done)
@@ -257,8 +255,7 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
     def _steps_of(self, records: np.ndarray, index: int, ranks: Sequence[int]) -> List[Step]:
         """Step ``index`` (an outer batch's ``records``) of each of ``ranks``; with lockstep
         every share is packed once, for the counts and for the ranks asked."""
-        shares = rank_shares(records, self._costs, self._world)
-        plans = self._packing.packed_shares(shares, ranks, self._planning_bytes(index))
+        plans = self._packing.packed_shares(records, ranks, self._planning_bytes(index))
         total_units, correction = float(self._units[records].sum()), self.planned_correction(index)
         return [self._packing.step_of(plan, total_units, self._first_phase, correction) for plan in plans]
 

@@ -47,7 +47,7 @@ Resuming: ``state_dict()`` / ``load_state_dict()`` resume at the step ``microbat
 iterator's state and resumes at the exact microbatch.
 
 This module gathers the sampler's parts, each importable from here: ``predictive_batch_sampler``
-(the sampler, assembled from ``sampler_checks``, ``sampler_order``, ``sampler_ranks``,
+(the sampler, assembled from ``sampler_checks``, ``sampler_order``,
 ``sampler_packing``, ``sampler_calibration``, ``sampler_state`` and ``sampler_pass``),
 ``sampler_steps`` (``Microbatch``, ``Step``), ``sampler_loop`` (``microbatch_loop``),
 ``unplanned_memory`` (``check_unplanned_memory``) and ``sampler_lightning`` (its refusal of

@@ -1,7 +1,8 @@
-"""The sampler's packing: each rank's share of an outer batch packed into microbatches under the
-budget (``xpm.plan``'s packers), in lockstep split further to the count the largest share packs
-into, and the ``Step`` of a packed share (its weights, the gradient phase of its first and last
-microbatch, each prediction's correction).
+"""The sampler's packing: an outer batch shared among the ranks and each share packed into
+microbatches under the budget, in lockstep split further to the count the largest share packs
+into (the planner core's ``plan_step``, the policy the C++ data-parallel step runs too), and the
+``Step`` of a packed share (its weights, the gradient phase of its first and last microbatch,
+each prediction's correction).
 """
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import _planner
 from .calibration import Correction
 from .choices import GradientPhase, PackerName
 from .memory_model import MemoryModel
-from .planning import _pack
+from .planning import Plan
 from .sampler_steps import Step
 
 Packed = Tuple[List[np.ndarray], List[np.ndarray], List[float]]
@@ -42,68 +44,34 @@ class StepPacking:
     world_size: int
     lockstep: bool
 
-    def packed(self, share: np.ndarray, budget: int) -> Packed:
-        """A share's microbatches (one empty microbatch for an empty share), their dims and
-        predicted bytes.
+    def packed_shares(self, records: np.ndarray, ranks: Sequence[int], budget: int) -> List[Packed]:
+        """The packed shares of ``ranks`` of one outer batch, by the planner core's step plan
+        (``plan_step``, step_plan.hpp: the shares balanced by predicted cost, each packed under
+        the budget, in lockstep split to the most microbatches any share packs into). A share
+        without records packs into one empty microbatch.
 
         Args:
-            share: the share's record indices.
-            budget: what each microbatch's prediction must fit, bytes.
-
-        Returns:
-            The packed share.
-        """
-        if len(share) == 0:
-            empty = np.zeros(len(self.model.formula.variable_names))
-            return [np.zeros(0, dtype=np.int64)], [empty], [self.model.predict(empty)]
-        planned = _pack(self.dims[share], self.model, budget, self.packer, self.sort_by)
-        return ([share[k] for k in planned.microbatches], [row.copy() for row in planned.dims],
-                [float(b) for b in planned.predicted_bytes])
-
-    def split_to(self, target: int, packed: Packed) -> Packed:
-        """``target`` microbatches: the one with the most records halved (in record order) until
-        there are enough, then empty ones when every microbatch holds one record.
-
-        Args:
-            target: the number of microbatches.
-            packed: a packed share of at most ``target`` microbatches (left unchanged).
-
-        Returns:
-            The share in ``target`` microbatches.
-        """
-        microbatches, dims, predicted = (list(part) for part in packed)
-        while len(microbatches) < target:
-            k = max(range(len(microbatches)), key=lambda i: len(microbatches[i]))
-            if len(microbatches[k]) < 2:
-                empty = np.zeros(len(self.model.formula.variable_names))
-                microbatches.append(np.zeros(0, dtype=np.int64))
-                dims.append(empty)
-                predicted.append(self.model.predict(empty))
-                continue
-            halves = np.array_split(microbatches[k], 2)
-            whole = [_pack(self.dims[half], self.model, 1 << 62, "uniform", "") for half in halves]
-            microbatches[k:k + 1] = halves
-            dims[k:k + 1] = [plan.dims[0].copy() for plan in whole]
-            predicted[k:k + 1] = [float(plan.predicted_bytes[0]) for plan in whole]
-        return microbatches, dims, predicted
-
-    def packed_shares(self, shares: List[np.ndarray], ranks: Sequence[int], budget: int) -> List[Packed]:
-        """The packed shares of ``ranks``; with lockstep every share is packed once, for the
-        common count (the most microbatches any share packs into) and for the ranks asked.
-
-        Args:
-            shares: every rank's share of the outer batch.
+            records: the outer batch's record indices (into the dataset).
             ranks: the ranks whose shares are wanted.
             budget: what each microbatch's prediction must fit, bytes.
 
         Returns:
-            One packed share per rank of ``ranks``, in that order.
+            One packed share per rank of ``ranks``, in that order; record indices into the dataset.
         """
-        if not self.lockstep:
-            return [self.packed(shares[rank], budget) for rank in ranks]
-        packed = [self.packed(share, budget) for share in shares]
-        target = max(len(plan[0]) for plan in packed)
-        return [self.split_to(target, packed[rank]) for rank in ranks]
+        sort_by = self.sort_by
+        if sort_by is None:
+            sort_by = next((v for v in self.model.formula.variable_names if v != self.model.batch_size_variable), "")
+        only_rank = ranks[0] if len(ranks) == 1 and not self.lockstep else -1
+        _, plans = _planner.plan_step(self.packer, sort_by, self.dims[records], self.model._native, int(budget),
+                                      self.world_size, self.lockstep, int(only_rank))
+        return [self._of_outer_batch(Plan(*plans[rank]), records) for rank in ranks]
+
+    def _of_outer_batch(self, plan: Plan, records: np.ndarray) -> Packed:
+        if len(plan) == 0:
+            empty = np.zeros(len(self.model.formula.variable_names))
+            return [np.zeros(0, dtype=np.int64)], [empty], [float(self.model.predict(empty)[0])]
+        return ([records[k] for k in plan.microbatches], [row.copy() for row in plan.dims],
+                [float(b) for b in plan.predicted_bytes])
 
     def step_of(self, packed: Packed, total_units: float, first_phase: GradientPhase,
                 correction: Correction) -> Step:

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include "xpm/planner/rank_assignment.hpp"
+#include "xpm/planner/step_plan.hpp"
 
 namespace xpm {
 namespace {
@@ -58,6 +59,7 @@ struct DataParallelTrainer::LocalShare {
   std::vector<std::size_t> records;  // indices into the global batch
   std::vector<std::vector<double>> dims;  // their dims and units
   std::vector<double> units;
+  MicrobatchPlan plan;               // this rank's microbatches, indices into `records`
   double global_units = 0;           // units of the global batch's records that fit alone
   StepResult result;
   bool oom = false;
@@ -151,18 +153,25 @@ void DataParallelTrainer::split_among_ranks(const std::vector<std::vector<double
   for (std::size_t i = 0; i < record_dims.size(); ++i) {
     if (model.fits(record_dims[i], usable_bytes)) share.global_units += record_units[i];
   }
-  // A rank's microbatch holds at most its share of the global batch.
-  const auto world_size = static_cast<std::int64_t>(context_.world_size());
-  const std::int64_t share_records = std::max<std::int64_t>(
-      1, (static_cast<std::int64_t>(record_dims.size()) + world_size - 1) / world_size);
-  const RankAssignment assignment = assign_records_to_ranks(
-      record_costs_bytes(model, record_dims, batcher_.planning_bytes(), share_records),
-      context_.world_size());
+  // The step's plan, the policy the Python sampler follows too (step_plan.hpp); this rank's
+  // microbatches renumbered into its share.
+  StepPlanOptions options;
+  options.world_size = context_.world_size();
+  options.only_rank = context_.rank();
+  StepPlan step = plan_step(record_dims, model, *batcher_.shared_packer(), batcher_.planning_bytes(), options);
+  const RankAssignment& assignment = step.assignment;
   share.records = assignment.records_per_rank[static_cast<std::size_t>(context_.rank())];
-  for (std::size_t i : share.records) {
-    share.dims.push_back(record_dims[i]);
-    share.units.push_back(record_units[i]);
+  std::vector<std::size_t> position_in_share(record_dims.size(), 0);
+  for (std::size_t k = 0; k < share.records.size(); ++k) {
+    position_in_share[share.records[k]] = k;
+    share.dims.push_back(record_dims[share.records[k]]);
+    share.units.push_back(record_units[share.records[k]]);
   }
+  share.plan = std::move(step.rank_plans[static_cast<std::size_t>(context_.rank())]);
+  for (Microbatch& microbatch : share.plan.microbatches) {
+    for (std::size_t& index : microbatch.record_indices) index = position_in_share[index];
+  }
+  for (std::size_t& index : share.plan.over_budget_records) index = position_in_share[index];
   for (const auto& records : assignment.records_per_rank) {
     result.records_per_rank.push_back(static_cast<std::int64_t>(records.size()));
   }
@@ -175,9 +184,8 @@ void DataParallelTrainer::run_local_share(LocalShare& share, const MicrobatchLos
   if (meter_ != nullptr) meter_->reset_peak();
   zero_grad();
   try {
-    const MicrobatchPlan plan = batcher_.plan(share.dims);
     share.result = local_.accumulate_gradients(
-        plan, share.units,
+        share.plan, share.units,
         [&](const std::vector<std::size_t>& local_records) {
           const torch::Tensor loss_sum = loss_sum_fn(local_records);
           return loss_scaler_ != nullptr ? loss_scaler_->scale(loss_sum) : loss_sum;

@@ -1,0 +1,51 @@
+// xpm/planner/step_plan.hpp — one optimizer step's plan, the same on every rank: the outer
+// batch shared among the ranks by predicted cost, each share packed into microbatches under the
+// budget, and in lockstep the shares split further to one microbatch count.
+//
+//   xpm::StepPlanOptions options;
+//   options.world_size = 4;
+//   options.lockstep = true;  // every rank the same number of microbatches
+//   xpm::StepPlan step = xpm::plan_step(outer_batch_dims, model, packer, planning_bytes, options);
+//   const xpm::MicrobatchPlan& mine = step.rank_plans[rank];  // indices into the outer batch
+//
+// The one policy of both trainers: the C++ DataParallelTrainer (and so the Learner) and the
+// Python PredictiveBatchSampler call it (tests/planner/step_plans.json is the table both check).
+// Shares: assign_records_to_ranks over record_costs_bytes(model, dims, planning_bytes,
+// ceil(records / world_size)) (rank_assignment.hpp). Packing: `packer` over each share at
+// planning_bytes (a prediction plus its calibration's correction must fit the budget:
+// Correction::planning_bytes). Lockstep: while a share has fewer microbatches than the most any
+// share packs into, its microbatch of the most records (the first such) is halved in record
+// order (the first half one record longer when odd), which fits as the whole did; when every
+// microbatch holds one record, empty microbatches (zero dims) are added. An empty share's plan
+// has no microbatch (without lockstep). Pure and deterministic: every rank computes every
+// rank's plan alike from the same inputs, without communicating; nothing here communicates.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "xpm/planner/memory_model.hpp"
+#include "xpm/planner/packer.hpp"
+#include "xpm/planner/rank_assignment.hpp"
+
+namespace xpm {
+
+struct StepPlanOptions {
+  int world_size = 1;     // ranks sharing the outer batch, >= 1
+  bool lockstep = false;  // every rank's plan the same number of microbatches
+  int only_rank = -1;     // >= 0 and no lockstep: that rank's share alone is packed (the others' plans empty)
+};
+
+struct StepPlan {
+  RankAssignment assignment;               // each rank's records (indices into the outer batch)
+  std::vector<MicrobatchPlan> rank_plans;  // world_size plans; record indices into the outer batch
+};
+
+/// The step's plan of the outer batch `record_dims` (one row per record, the formula's variable
+/// order) under `model` and `planning_bytes` (above). Throws std::invalid_argument when
+/// world_size < 1, only_rank is out of range, planning_bytes <= 0, or a row's width is not the
+/// formula's variable count.
+StepPlan plan_step(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
+                   const MicrobatchPacker& packer, std::int64_t planning_bytes, const StepPlanOptions& options);
+
+}  // namespace xpm
