@@ -533,7 +533,7 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=4096)
     parser.add_argument("--max-bytes", type=int, default=256, help="records cut after this many bytes")
     parser.add_argument("--memory-cap-bytes", type=int, default=24_000_000)
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=5,
                         help="runs of each way's setting that trained; tokens/s per run is their median")
     parser.add_argument("--json", help="writes the results here")
     args = parser.parse_args()
