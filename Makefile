@@ -53,7 +53,7 @@ wheel: setup
 # prediction of both bundled models, the end-to-end batcher comparison (bench/*.cpp say what
 # each measures), and Python's predictive batching against a fixed microbatch and a hand-set token
 # budget (bench/python_batching_throughput.py), and the HF Trainer drop-in against what its users
-# do today (bench/hf_dropin_throughput.py). Raw outputs go to $(BENCH_DIR). About 15 minutes on
+# do today (bench/hf_dropin_throughput.py). Raw outputs go to $(BENCH_DIR). About 20 minutes on
 # the 2-core machine.
 BENCH_DIR ?= runs/bench
 BENCH_STEPS ?= 150

@@ -32,7 +32,7 @@ a fresh Trainer. A run that runs out of memory stops at the first error (a try, 
 would be). Real tokens: the non-padding tokens trained (the records' bytes); tokens/s is over
 train()'s wall time, probing included. Once every way has found its setting, each setting is run
 again (``--repeats`` runs in all, the ways interleaved) and tokens/s per run is the median: one
-run's figure moves by about 5 % with the machine's load. Prints a markdown table and writes JSON
+run's figure moves by up to 15 % with the machine's load. Prints a markdown table and writes JSON
 (``--json``).
 
     PYTHONPATH=build/python OMP_NUM_THREADS=1 python bench/hf_dropin_throughput.py \\
