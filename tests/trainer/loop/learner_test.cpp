@@ -16,6 +16,7 @@
 #include "xpm/planner_torch/cpu_memory_meter.hpp"
 #include "xpm/trainer/loop/learner.hpp"
 #include "xpm/trainer/steps/fixed_step_engines.hpp"
+#include "xpm/trainer/steps/predictive_step_engine.hpp"
 #include "xpm/trainer/loop/stop_signals.hpp"
 
 namespace {
@@ -497,11 +498,15 @@ TEST_CASE("under a caching allocator the Learner plans reserved bytes and calibr
   std::filesystem::remove_all(kWork + "/reserved");
   const ReservedRun planned = run_under_caching("reserved/run", nullptr);
   CHECK(planned.outcome.counters.ooms == 0);
-  double highest_reserved = 0, worst_under = 0, worst_over = 0;
+  double highest_reserved = 0, highest_optimizer_reserved = 0, worst_under = 0, worst_over = 0;
   int measured = 0;
   for (const nlohmann::json& entry : planned.steps) {
     REQUIRE(entry.contains("peak_reserved_bytes"));
     highest_reserved = std::max(highest_reserved, entry.at("peak_reserved_bytes").get<double>());
+    // The optimizer step's reserved peak is measured too (and bounds the floor when above it).
+    const double optimizer_reserved = entry.at("optimizer_step_peak_reserved_bytes").get<double>();
+    CHECK(optimizer_reserved > 0);
+    highest_optimizer_reserved = std::max(highest_optimizer_reserved, optimizer_reserved);
     const auto& errors = entry.at("microbatch_planned_rel_errors");
     for (std::size_t k = 0; k < errors.size() && entry.at("step").get<int>() >= 3; ++k) {
       worst_under = std::min(worst_under, errors[k].get<double>());
@@ -511,9 +516,11 @@ TEST_CASE("under a caching allocator the Learner plans reserved bytes and calibr
   }
   MESSAGE("reserved bytes planned: " << planned.steps.size() << " steps, highest reserved peak "
           << highest_reserved / kReservedCap * 100 << " % of the cap; from step 3, " << measured
-          << " microbatches planned vs measured reserved " << worst_under * 100 << " % to " << worst_over * 100 << " %");
+          << " microbatches planned vs measured reserved " << worst_under * 100 << " % to " << worst_over * 100
+          << " %; optimizer steps reserved at most " << highest_optimizer_reserved / kReservedCap * 100 << " %");
   CHECK(planned.steps.size() == 6);
   CHECK(highest_reserved <= kReservedCap);
+  CHECK(highest_optimizer_reserved <= kReservedCap);
   // From step 3 within 2 % under what it reserved (measured: -1.34 %; a reserved peak is a step
   // function of the shapes, which the calibration's line follows from above once it has seen it).
   CHECK(worst_under >= -0.02);
@@ -562,4 +569,41 @@ TEST_CASE("under a caching allocator a Learner run resumed after step 3 plans an
     // in the allocator's segments (measured: step 4 reserved 169.9 MB resumed, 190.8 MB whole).
   }
   CHECK(second.weight == whole.weight);
+}
+
+TEST_CASE("under a caching allocator an optimizer step reserving above the floor and its correction raises the floor") {
+  xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();
+  const std::int64_t cap_before = meter.capacity_bytes();
+  meter.set_caching(xpm::CachingAllocatorOptions{});
+  meter.set_capacity_bytes(kReservedCap);
+  {
+    torch::nn::Linear layer(4, 4);
+    torch::optim::SGD optimizer(layer->parameters(), torch::optim::SGDOptions(0.1));
+    const xpm::MemoryPlanOptions plan = wide_memory_plan();
+    xpm::PredictiveBatcher batcher(plan.batcher_options(meter), xpm::make_packer(plan.packer, plan.sort_by));
+    // a*bs*l + c with a floor of 10 MB, and a reserved gap of 1 MB + 10 % of a prediction.
+    xpm::MemoryModel model(xpm::CostFormula("a*bs*l + c", {"a", "c"}, {"bs", "l"}), {100.0, 5e6}, 10e6, "bs");
+    model.metadata()["reserved_gap"] = {{"intercept_bytes", 1e6}, {"slope", 0.1}, {"points", 4}};
+    batcher.set_model(model);
+    REQUIRE(batcher.correction() == xpm::Correction{1e6, 0.1});
+    xpm::DistributedContext dist;
+    xpm::PredictiveStepEngine engine(optimizer, batcher, &meter, dist, nullptr);
+    REQUIRE(engine.plans_reserved_bytes());
+    std::vector<std::string> lines;
+    xpm::EngineLog log;
+    log.line = [&lines](const std::string& line) { lines.push_back(line); };
+    xpm::GlobalStepResult result;
+    result.optimizer_step_peak_bytes = 9e6;             // allocated: under the floor
+    result.optimizer_step_peak_reserved_bytes = 11.5e6;  // within 10 MB + 1 MB + 1 MB: nothing to do
+    CHECK(engine.learn_from_step(result, 1, log) == 0);
+    CHECK(batcher.model().floor_bytes() == 10e6);
+    result.optimizer_step_peak_reserved_bytes = 14.2e6;  // above: the floor whose correction reaches it
+    CHECK(engine.learn_from_step(result, 2, log) == 1);
+    CHECK(batcher.model().floor_bytes() == doctest::Approx((14.2e6 - 1e6) / 1.1));
+    REQUIRE(!lines.empty());
+    CHECK(lines.back().find("xpm: optimizer step at step 2 reserved 14200000 bytes, above the floor and its correction "
+                            "(12000000); floor raised to 12000000") == 0);
+  }
+  meter.set_capacity_bytes(cap_before);
+  meter.set_caching(std::nullopt);
 }

@@ -134,11 +134,15 @@ GlobalStepResult DataParallelTrainer::train_step(const std::vector<std::vector<d
   exchange_status(share, result);
   exchange_peaks(share, result);
   const double optimizer_step_peak_bytes = apply_gradients(share.global_units, before_optimizer_step, result);
+  const double optimizer_step_peak_reserved_bytes =
+      meter_ != nullptr && meter_->reserves_segments() && !result.oom
+          ? static_cast<double>(meter_->peak_reserved_bytes()) : 0.0;
   // Collective 4: the peaks over ranks.
-  const std::vector<double> peaks =
-      context_.all_reduce({share.step_peak_bytes, optimizer_step_peak_bytes}, ReduceOp::kMax);
+  const std::vector<double> peaks = context_.all_reduce(
+      {share.step_peak_bytes, optimizer_step_peak_bytes, optimizer_step_peak_reserved_bytes}, ReduceOp::kMax);
   result.peak_allocated_bytes = static_cast<std::int64_t>(std::max(peaks[0], peaks[1]));
   result.optimizer_step_peak_bytes = peaks[1];
+  result.optimizer_step_peak_reserved_bytes = peaks[2];
   result.duration_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
 }

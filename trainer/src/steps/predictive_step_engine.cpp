@@ -3,6 +3,7 @@
 #include "xpm/trainer/steps/predictive_step_engine.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <vector>
@@ -229,8 +230,29 @@ std::int64_t PredictiveStepEngine::learn_from_step(const GlobalStepResult& resul
     log("optimizer step at step " + std::to_string(step) + " peaked above the floor; floor raised to " +
         std::to_string(static_cast<std::int64_t>(result.optimizer_step_peak_bytes)));
   }
+  underpredictions += check_optimizer_step_reserved(result, step, tolerance, log);
   if (calibration_) calibrate(result, step, log);
   return underpredictions;
+}
+
+// Under a caching allocator the plans bound reserved bytes, the optimizer step's too: the
+// floor plus its correction (the allocator's gap at the floor) must hold the step's reserved
+// peak, else the floor rises to the allocated bytes whose correction reaches it.
+std::int64_t PredictiveStepEngine::check_optimizer_step_reserved(const GlobalStepResult& result, std::int64_t step,
+                                                                 double tolerance, const EngineLog& log) {
+  if (!plans_reserved_bytes() || result.oom || result.optimizer_step_peak_reserved_bytes <= 0) return 0;
+  const Correction& correction = batcher_.correction();
+  const double floor_bytes = planned_floor_bytes(result);
+  const double planned = floor_bytes + correction.bytes_for(floor_bytes);
+  const double reserved = result.optimizer_step_peak_reserved_bytes;
+  if (reserved <= tolerance * planned) return 0;
+  const double raised = (reserved - correction.intercept_bytes) / (1 + correction.slope);
+  if (raised > floor_bytes) batcher_.raise_floor_bytes(raised);
+  log("optimizer step at step " + std::to_string(step) + " reserved " +
+      std::to_string(static_cast<std::int64_t>(reserved)) + " bytes, above the floor and its correction (" +
+      std::to_string(std::llround(planned)) + "); floor raised to " +
+      std::to_string(std::llround(std::max(raised, floor_bytes))));
+  return 1;
 }
 
 double PredictiveStepEngine::planned_peak(const MicrobatchPeak& peak) const {
@@ -259,7 +281,10 @@ void PredictiveStepEngine::add_step_metrics(const GlobalStepResult& result, nloh
         microbatch_planned_rel_errors(result, batcher_.model(), step_correction_, plans_reserved_bytes());
     line["correction_bytes"] = calibration_->correction_bytes();
   }
-  if (plans_reserved_bytes()) line["peak_reserved_bytes"] = peak_reserved_bytes(result);
+  if (plans_reserved_bytes()) {
+    line["peak_reserved_bytes"] = peak_reserved_bytes(result);
+    line["optimizer_step_peak_reserved_bytes"] = result.optimizer_step_peak_reserved_bytes;
+  }
 }
 
 EngineMemorySummary PredictiveStepEngine::memory_summary() const {

@@ -60,6 +60,7 @@ struct GlobalStepResult {
   std::vector<MicrobatchPeak> microbatch_peaks;  // every rank's, rank order; same on every rank
   std::vector<int> microbatch_peak_ranks;        // rank of each entry of microbatch_peaks
   double optimizer_step_peak_bytes = 0;          // max over ranks
+  double optimizer_step_peak_reserved_bytes = 0;  // the same in reserved bytes (0: a meter without segments)
   std::int64_t peak_allocated_bytes = 0;         // max over ranks of the step's peak
   double max_predicted_bytes = 0;                // largest predicted microbatch over all ranks
   double duration_s = 0;                         // wall time of the step on this rank

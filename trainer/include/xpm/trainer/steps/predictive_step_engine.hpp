@@ -71,6 +71,8 @@ class PredictiveStepEngine : public StepEngine {
   std::int64_t bound_out_of_memory_microbatches(const GlobalStepResult& result, std::int64_t step,
                                                 const EngineLog& log);
   void note_extrapolation(const GlobalStepResult& result, std::int64_t step, const EngineLog& log);
+  std::int64_t check_optimizer_step_reserved(const GlobalStepResult& result, std::int64_t step, double tolerance,
+                                             const EngineLog& log);
   void calibrate(const GlobalStepResult& result, std::int64_t step, const EngineLog& log);
 
   PredictiveBatcher& batcher_;
