@@ -207,19 +207,23 @@ HookList job_hooks(const TaggingJobConfig& config, const HookList& extension_hoo
   return hooks;
 }
 
-// The step engine without a memory model (world size 1, checked by check_job_config); null
-// for the predictive one, which the Learner builds over the job's PredictiveBatcher.
+// The step engine of the fixed or power batcher (world size 1, checked by check_job_config);
+// the predictive one the Learner builds over the job's PredictiveBatcher.
 std::shared_ptr<FixedStepEngine> make_fixed_step_engine(const TaggingJobConfig& config,
                                                         torch::optim::Optimizer& optimizer, MemoryMeter& meter,
                                                         const DistributedContext& dist) {
   const std::int64_t size = config.microbatch_size > 0 ? config.microbatch_size : config.outer_batch_size;
-  if (config.batcher == BatcherKind::kFixed) return std::make_shared<FixedStepEngine>(optimizer, &meter, size);
-  if (config.batcher == BatcherKind::kPower) {
-    return std::make_shared<PowerAdaptiveStepEngine>(
-        optimizer, &meter, PowerAdaptativeBatcherOptions{config.outer_batch_size, config.microbatch_size},
-        dist.world_size());
+  switch (config.batcher) {
+    case BatcherKind::kFixed:
+      return std::make_shared<FixedStepEngine>(optimizer, &meter, size);
+    case BatcherKind::kPower:
+      return std::make_shared<PowerAdaptiveStepEngine>(
+          optimizer, &meter, PowerAdaptativeBatcherOptions{config.outer_batch_size, config.microbatch_size},
+          dist.world_size());
+    case BatcherKind::kPredictive:
+      break;
   }
-  return nullptr;
+  throw std::logic_error("make_fixed_step_engine: the predictive batcher has no fixed step engine");
 }
 
 // What the summary reports besides the Learner's outcome.
@@ -446,13 +450,17 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
     if (predictive) batcher.model().save(config.run_dir + "/memory_model.json");
     write_file_atomically(config.run_dir + "/config.json", config.to_json().dump(2) + "\n");
   }
-  const std::shared_ptr<FixedStepEngine> fixed_engine = make_fixed_step_engine(config, optimizer, meter, dist);
+  const std::shared_ptr<FixedStepEngine> fixed_engine =
+      predictive ? nullptr : make_fixed_step_engine(config, optimizer, meter, dist);
 
   TaggingTrainingTask task(setup, data.train, data.validation, dist);
   LearnerComponents parts;
   parts.dist = &dist;
-  parts.engine = fixed_engine;
-  parts.batcher = fixed_engine ? nullptr : &batcher;
+  if (predictive) {
+    parts.batcher = &batcher;  // the Learner builds the predictive engine over it
+  } else {
+    parts.engine = fixed_engine;
+  }
   parts.meter = &meter;
   parts.sharded = setup.sharded_optimizer();
   parts.hooks = &hooks;
@@ -466,7 +474,7 @@ nlohmann::json run_tagging_job(const TaggingJobConfig& config, DistributedContex
   Learner learner(task, optimizer, std::move(learner_options), std::move(parts));
   const LearnerOutcome outcome = learner.run();
   if (outcome.finished) log_final_validation(outcome, facts.baseline_accuracy, log);
-  facts.microbatch_size = fixed_engine ? fixed_engine->microbatch_size() : 0;
+  facts.microbatch_size = predictive ? 0 : fixed_engine->microbatch_size();
   facts.restart_count = extensions.restart_count;
   facts.total_s = seconds_since(job_start);
   const nlohmann::json summary = job_summary(config, dist, outcome, facts);
