@@ -21,9 +21,20 @@ every rank. ``docs/python.md`` has the guide.
   (``AdaptiveReport.stop``), ``OutsideProbesKind``; ``Meter``, the meters ``probe`` takes;
 - ``__version__``, the version of this copy (the same as the installed distribution's).
 """
+import importlib as _importlib
 from typing import TYPE_CHECKING, Any, List
 
 from ._build_info import VERSION as __version__
+
+try:  # the compiled planner core, without which nothing here works
+    _importlib.import_module(f"{__name__}._planner")
+except ModuleNotFoundError as _missing:
+    if _missing.name != f"{__name__}._planner":
+        raise
+    raise ImportError(f"xpm: the compiled planner core (_planner) is not in {__path__[0]}: in a build tree, build it "
+                      "with `cmake --build build --target xpm_python_planner xpm_python_torch` (make test builds "
+                      "it); else install the package (pip install xpm-*.whl)") from None
+
 from .planning import (GRADIENT_PHASES, PACKERS, Aggregation, CostFormula, FitReport, FormulaError, GradientPhase,
                        MemoryBudget, MemoryModel, PackerName, Plan, RecordAggregation, fit, plan,
                        record_dims_from_lengths)

@@ -122,7 +122,7 @@ def fit(formula: Union[CostFormula, Literal["auto"]], dims: ArrayLike, peak_byte
             shapes cannot identify.
     """
     automatic = isinstance(formula, str)
-    if automatic and formula != "auto":
+    if (automatic and formula != "auto") or not (automatic or isinstance(formula, CostFormula)):
         raise ValueError(f"fit: formula must be a CostFormula or 'auto', got {formula!r}")
     _check_aggregation(aggregation, AGGREGATIONS, "fit")
     if automatic != (variables is not None):

@@ -335,3 +335,15 @@ class MemoryModel:
     def __repr__(self) -> str:
         """``MemoryModel('<canonical formula>', floor_bytes=...)``."""
         return f"MemoryModel('{self.formula.canonical}', floor_bytes={self.floor_bytes:.0f})"
+
+
+def _checked_model(model: Any, where: str) -> MemoryModel:
+    """``model`` when it is a ``MemoryModel``.
+
+    Raises:
+        TypeError: anything else, named with ``where`` (a path: how to read one).
+    """
+    if not isinstance(model, MemoryModel):
+        hint = " (xpm.MemoryModel.load(path) reads a model file)" if isinstance(model, (str, os.PathLike)) else ""
+        raise TypeError(f"{where}: model must be an xpm.MemoryModel{hint}, got {type(model).__name__} {model!r}")
+    return model

@@ -44,7 +44,7 @@ from .choices import (AGGREGATIONS, GRADIENT_PHASES, PACKERS, RECORD_AGGREGATION
                       PackerName, RecordAggregation, _check_aggregation, _check_choice, _name_list)
 from .cost_formula import CostFormula, FormulaError
 from .fitting import DEFAULT_USABLE_MAX_REL_ERROR, FitReport, _batch_size_variable, _report, _vector, fit
-from .memory_model import MemoryModel
+from .memory_model import MemoryModel, _checked_model
 from .record_dims import (FAR_BEYOND_PROBED, _check_one_record_each, _matrix, _record_dims, _warn_far_beyond_probed,
                           record_dims_from_lengths)
 
@@ -150,6 +150,7 @@ def plan(record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, packe
         same model file. Deterministic: every rank gets the same plan.
 
     Raises:
+        TypeError: ``model`` is not an ``xpm.MemoryModel`` (a path: ``xpm.MemoryModel.load`` reads it).
         ValueError: an unknown packer (``plan: packer must be 'adaptive', 'fastest', 'ffd' or
             'uniform', got 'FFD'``), "fastest" with a model without a time model, dims of the wrong shape, a negative or non-finite dim (named
             with its record's index), a record whose batch-size entry is not 1 (dims in the wrong
@@ -159,9 +160,11 @@ def plan(record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, packe
         RuntimeWarning: a column reaches more than 4 times the largest value its variable was
             probed at (likely columns in the wrong order).
     """
+    _checked_model(model, "plan")
     _check_choice(packer, PACKERS, "plan: packer")
-    if int(usable_bytes) <= 0:
-        raise ValueError(f"plan: usable_bytes must be > 0, got {usable_bytes}")
+    if isinstance(usable_bytes, bool) or not isinstance(usable_bytes, (int, float, np.integer, np.floating)) \
+            or not usable_bytes > 0:
+        raise ValueError(f"plan: usable_bytes must be a number of bytes > 0, got {usable_bytes!r}")
     return _pack(_record_dims(record_dims, model, "record_dims"), model,
                  model._native.prediction_budget_bytes(int(usable_bytes)), packer, sort_by)
 

@@ -16,7 +16,7 @@ from numpy.typing import ArrayLike
 
 from .calibration import Calibration, Correction
 from .choices import PACKERS, GradientPhase, PackerName, _check_choice
-from .memory_model import MemoryModel
+from .memory_model import MemoryModel, _checked_model
 from .record_dims import _record_dims
 from .sampler_calibration import (Corrections, calibration_state, correction_in_force, corrections_from,
                                   first_step_not_handed_out, loaded_corrections, new_calibration, planning_bytes)
@@ -73,6 +73,7 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             way (every microbatch fits with gradients held).
 
     Raises:
+        TypeError: ``model`` is not an ``xpm.MemoryModel`` (a path: ``xpm.MemoryModel.load`` reads it).
         ValueError: a bad argument (named, with its value: ``PredictiveBatchSampler: packer must
             be 'adaptive', 'fastest', 'ffd' or 'uniform', got 'FFD'``); a NaN, infinite or negative entry of
             ``record_dims`` or ``units`` (named with the first bad index); a record whose
@@ -92,6 +93,7 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
                  packer: PackerName = "adaptive", sort_by: Optional[str] = None, lockstep: Optional[bool] = None,
                  calibrate: bool = True, gradients_set_to_none: bool = True) -> None:
         super().__init__()
+        _checked_model(model, "PredictiveBatchSampler")
         dims = _record_dims(_checked_record_dims(record_dims), model, "record_dims")
         if len(dims) == 0:
             raise ValueError("record_dims: no records")

@@ -153,6 +153,20 @@ def test_plan_refuses_dims_of_the_wrong_width():
         xpm.plan(np.ones((5, 2)), model, 10**6, packer="best")
 
 
+def test_a_model_budget_or_formula_of_the_wrong_kind_is_refused_in_one_line_naming_it():
+    formula = xpm.CostFormula("a*bs*l + c", ["bs", "l"])
+    dims = np.array([[1, 10], [2, 10], [4, 20]], dtype=float)
+    model, _ = xpm.fit(formula, dims, [2000, 3000, 9000])
+    with pytest.raises(ValueError, match=r"^fit: formula must be a CostFormula or 'auto', got None$"):
+        xpm.fit(None, dims, [2000, 3000, 9000])
+    with pytest.raises(TypeError, match=r"^plan: model must be an xpm.MemoryModel, got NoneType None$"):
+        xpm.plan([[1, 10]], None, 10**6)
+    with pytest.raises(ValueError, match=r"^plan: usable_bytes must be a number of bytes > 0, got '20MB'$"):
+        xpm.plan([[1, 10]], model, "20MB")
+    with pytest.raises(TypeError, match=r"MemoryModel.load\(path\) reads a model file\), got str 'model.json'$"):
+        xpm.PredictiveBatchSampler([3, 4], "model.json", 10**6, outer_batch_size=2)
+
+
 def test_shapes_and_variable_names_are_checked_not_guessed(tmp_path):
     formula = xpm.CostFormula("a*bs*l + c", ["l", "bs"])  # the batch size second
     dims = np.array([[10, 1], [10, 2], [20, 4]], dtype=float)
@@ -222,7 +236,7 @@ def test_plan_rejects_non_finite_dims_and_plans_no_records():
             xpm.plan(np.array(bad), model, 10**6)
     empty = xpm.plan(np.zeros((0, 2)), model, 10**6)
     assert len(empty) == 0 and empty.indices.tolist() == [] and empty.offsets.tolist() == [0]
-    with pytest.raises(ValueError, match="usable_bytes must be > 0"):
+    with pytest.raises(ValueError, match="usable_bytes must be a number of bytes > 0"):
         xpm.plan(np.ones((3, 2)), model, 0)
 
 
