@@ -44,7 +44,7 @@ from ..probing import probe
 from ..sampler import PredictiveBatchSampler
 from .accelerate import _round_robin_of, prepare_data_loader
 from .dataset_probes import (ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
-                             drop_in_probe_options, packer_for, probes_summary)
+                             drop_in_probe_options, packer_for, probes_summary, refuse_records_over_budget)
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
     outcome = _probe(accelerator, model, optimizer, loader, loss_fn, formula, meter, dims, budget,
                      probe_options, -(-outer // world))
     memory_model = outcome.model
+    refuse_records_over_budget("xpm.integrations.accelerate.prepare", memory_model, dims, budget.usable_bytes, budget.capacity_bytes)
     sampler = PredictiveBatchSampler(
         dims, memory_model, budget.usable_bytes, outer_batch_size=outer, rank=accelerator.process_index,
         world_size=world, seed=seed, packer=packer_for(packer, memory_model), shuffle=isinstance(loader.sampler, RandomSampler),

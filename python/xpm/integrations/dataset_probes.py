@@ -404,3 +404,28 @@ def probes_summary(outcome: ProbeOutcome) -> str:
 __all__ = ["PlanningMode", "VARIABLES", "dataset_record_dims", "checked_custom_dims", "ProbeRecords",
            "DROP_IN_USABLE_MAX_REL_ERROR", "PROBE_SAMPLE_RECORDS", "drop_in_probe_options", "check_device_meter",
            "device_meter", "packer_for", "log_allocator_line", "probes_summary"]
+
+
+def refuse_records_over_budget(who: str, model: MemoryModel, dims: np.ndarray, usable_bytes: int,
+                               capacity: int) -> None:
+    """Refuses to train records that no microbatch can hold: each would run out of memory in
+    its own microbatch part way into training (on every rank alike: the same model and dims).
+
+    Args:
+        who: the integration, for the message ("PlannedTrainer", ...).
+        model: the memory model.
+        dims: [n, variables] every record's dims.
+        usable_bytes: the budget.
+        capacity: the meter's capacity, for the message.
+
+    Raises:
+        ValueError: some record is predicted over the budget even alone (how many, the largest).
+    """
+    alone = np.asarray(model.predict(dims))
+    over = np.flatnonzero(alone > usable_bytes)
+    if len(over):
+        largest = int(over[np.argmax(alone[over])])
+        raise ValueError(f"{who}: {len(over)} of {len(dims)} records are predicted over the budget of "
+                         f"{usable_bytes:,} bytes even alone (train_dataset[{largest}] at {alone[largest]:,.0f} "
+                         f"bytes): no microbatch can hold them; raise the memory cap ({capacity:,} bytes) or "
+                         "memory_fraction, or shorten or drop those records")

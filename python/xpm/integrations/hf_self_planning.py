@@ -15,7 +15,7 @@ from ..meters import Meter, allocator_settings, planned_bytes_kind
 from ..planning import MemoryBudget
 from ..probing import ProbeOutcome, probe
 from ..sampler import PredictiveBatchSampler
-from .dataset_probes import ProbeRecords, log_allocator_line, packer_for, probes_summary
+from .dataset_probes import ProbeRecords, log_allocator_line, packer_for, probes_summary, refuse_records_over_budget
 from .hf_planning import (PlannedMemory, TrainerSnapshot, environment_parts, load_agreed, model_signature,
                           optimizer_identity, planning_mode, save_cached)
 
@@ -47,6 +47,7 @@ def plan_by_itself(trainer: transformers.Trainer, outer_batch_size: int, logger:
         model = outcome.model
         if path is not None and args.process_index == 0:
             save_cached(model, path)
+    refuse_records_over_budget("PlannedTrainer", model, dims, budget.usable_bytes, capacity)
     trainer.xpm_memory = PlannedMemory(model, budget.usable_bytes, capacity, meter, dims, outcome, path)
     trainer.xpm_sampler = PredictiveBatchSampler(
         dims, model, budget.usable_bytes, outer_batch_size=outer_batch_size, rank=args.process_index,

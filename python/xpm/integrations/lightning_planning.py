@@ -52,7 +52,7 @@ from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome, probe
 from ..sampler import PredictiveBatchSampler
 from .dataset_probes import (ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
-                             drop_in_probe_options, packer_for, probes_summary)
+                             drop_in_probe_options, packer_for, probes_summary, refuse_records_over_budget)
 from .lightning import PlannedStep, _transfer, planned_dataloader
 
 logger = logging.getLogger(__name__)
@@ -168,6 +168,8 @@ class PlannedMicrobatches(pl.Callback):
         dims = self._record_dims(loader.dataset)
         memory_model, budget, outcome = self._probe(trainer, pl_module, loader, dims, outer)
         self.outcome = outcome
+        refuse_records_over_budget("PlannedMicrobatches", memory_model, dims, budget.usable_bytes,
+                                   budget.capacity_bytes)
         units = None if self.units is None else [float(self.units(loader.dataset[i])) for i in range(len(dims))]
         self.sampler = PredictiveBatchSampler(dims, memory_model, budget.usable_bytes, outer_batch_size=outer,
                                               rank=trainer.global_rank, world_size=trainer.world_size,

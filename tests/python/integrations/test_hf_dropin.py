@@ -343,6 +343,20 @@ def test_what_cannot_be_planned_is_refused_at_construction(meter, sentences, tmp
         trainer.train()
 
 
+def test_records_no_microbatch_can_hold_are_refused_before_training(meter, sentences, tmp_path):
+    """Under a cap the probes fit but the longest records do not, even alone: refused in one line
+    when training starts, before any step (each would run out of memory in its own microbatch)."""
+    model = _capped_model(meter, byte_llama.build_model)
+    meter.capacity_bytes = 4_000_000
+    trainer = PlannedTrainer(model=model, args=_arguments(tmp_path, max_steps=3), train_dataset=_records(sentences[:300]),
+                             data_collator=byte_llama.pad_collate)
+    with pytest.raises(ValueError, match=r"^PlannedTrainer: \d+ of 300 records are predicted over the budget of "
+                                         r"3,600,000 bytes even alone \(train_dataset\[\d+\] at [\d,]+ bytes\): no "
+                                         r"microbatch can hold them; raise the memory cap \(4,000,000 bytes\)"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
 def test_drop_in_resumes_from_a_checkpoint_as_an_uninterrupted_run(meter, sentences, tmp_path):
     """2 steps, a checkpoint, then resumed to 4: bitwise the weights of 4 steps run straight
     (the sampler's place and calibration come back with the checkpoint; the plan is checked
