@@ -106,38 +106,6 @@ struct ChoiceTexts {
 
 }  // namespace
 
-std::string with_option_names(std::string message) {
-  static const std::vector<std::pair<std::string, std::string>> renamed = {
-      {"learning_rate", "lr"}, {"model.nhead", "heads"}, {"model.d_model", "d-model"},
-      {"model.dim_feedforward", "ff-dim"}, {"model.num_layers", "layers"},
-      {"model.dropout", "dropout"}, {"model.activation_checkpointing", "activation-checkpointing"},
-      {"coefficients", "coefficients"}};
-  const std::string prefix = "TaggingJobConfig.";
-  for (std::size_t at = message.find(prefix); at != std::string::npos; at = message.find(prefix)) {
-    std::size_t end = at + prefix.size();
-    while (end < message.size() && (std::isalnum(static_cast<unsigned char>(message[end])) ||
-                                    message[end] == '_' || message[end] == '.')) {
-      ++end;
-    }
-    std::string field = message.substr(at + prefix.size(), end - at - prefix.size());
-    std::string option = field;
-    for (const auto& [from, to] : renamed) {
-      if (field == from) option = to;
-    }
-    std::replace(option.begin(), option.end(), '_', '-');
-    message.replace(at, end - at, "--" + option);
-  }
-  const std::string batcher_prefix = "PredictiveBatcher: ";
-  if (message.rfind(batcher_prefix, 0) == 0) {
-    message.replace(0, batcher_prefix.size(),
-                    "memory budget (--memory-cap-bytes or --memory-cap-factor, --memory-fraction, "
-                    "--extra-overhead-bytes): ");
-  }
-  const std::string model_prefix = "TransformerTaggerOptions.";
-  if (message.rfind(model_prefix, 0) == 0) message.replace(0, model_prefix.size(), "model ");
-  return message;
-}
-
 namespace {
 
 // The checks after parsing: the dependent defaults, then TaggingJobConfig::validate (renamed to
@@ -167,7 +135,7 @@ void complete_and_validate(TrainSettings& settings, const po::variables_map& vm,
   } catch (const xpm::FormulaError& error) {
     throw std::invalid_argument("--formula: " + error.brief());
   } catch (const std::invalid_argument& error) {
-    throw std::invalid_argument(with_option_names(error.what()));
+    throw std::invalid_argument(xpm::with_option_names(error.what()));
   }
   if (!std::filesystem::exists(config.data_dir + "/cats.txt")) {
     throw std::invalid_argument("--data-dir '" + config.data_dir +

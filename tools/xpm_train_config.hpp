@@ -38,8 +38,4 @@ struct TrainSettings {
 /// TaggingJobConfig::validate refuses (renamed to option names), and a missing corpus.
 TrainSettings parse_train_settings(int argc, char** argv);
 
-/// "TaggingJobConfig.max_steps must ..." -> "--max-steps must ...": errors name the option the
-/// user typed, not our field.
-std::string with_option_names(std::string message);
-
 }  // namespace xpm_train

@@ -80,7 +80,7 @@ void remove_error_logs(const std::string& run_dir) {
 // invocation created and left empty is removed).
 int fail(TrainProcess& process) {
   const xpm::ErrorDescription error = xpm::describe_current_exception();
-  std::string line = xpm_train::with_option_names(error.line);
+  std::string line = xpm::with_option_names(error.line);
   const std::string rank_prefix = "rank " + std::to_string(process.rank) + ": ";
   if (line.rfind(rank_prefix, 0) == 0) line.erase(0, rank_prefix.size());  // said by `who`
   std::cerr << process.who + line + "\n" << std::flush;  // one write: ranks share stderr

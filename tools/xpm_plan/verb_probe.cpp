@@ -160,7 +160,7 @@ xpm::TaggingJobConfig probe_config(const po::variables_map& vm) {
   try {
     config.validate();
   } catch (const std::invalid_argument& e) {
-    throw InputError("probe: " + first_line(e.what()));
+    throw InputError("probe: " + xpm::with_option_names(first_line(e.what())));
   }
   if (!std::filesystem::exists(config.data_dir + "/cats.txt")) {
     throw InputError("--data-dir '" + config.data_dir +
@@ -277,7 +277,7 @@ int run_probe(const po::variables_map& vm) {
   try {
     report = xpm::probe_tagging_task(config, points);
   } catch (const std::invalid_argument& e) {
-    throw InputError("probe: " + first_line(e.what()));
+    throw InputError("probe: " + xpm::with_option_names(first_line(e.what())));
   } catch (const std::runtime_error& e) {
     throw InputError("probe: --data-dir '" + config.data_dir + "': " + first_line(e.what()));
   }

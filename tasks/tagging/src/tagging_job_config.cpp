@@ -1,9 +1,12 @@
 // TaggingJobConfig: validation (errors name the field and its value) and the resolved config as
 // JSON (config.json of the run folder).
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "xpm/planner/formula.hpp"
 #include "xpm/planner_torch/device_meter.hpp"
@@ -243,6 +246,40 @@ DistributedOptions TaggingJobConfig::distributed_options() const {
 
 torch::Device tagging_device(const std::string& text, const std::string& source, int local_rank) {
   return training_device(text, source, local_rank);
+}
+
+std::string with_option_names(std::string message) {
+  static const std::vector<std::pair<std::string, std::string>> renamed = {
+      {"learning_rate", "lr"}, {"model.nhead", "heads"}, {"model.d_model", "d-model"},
+      {"model.dim_feedforward", "ff-dim"}, {"model.num_layers", "layers"},
+      {"model.dropout", "dropout"}, {"model.activation_checkpointing", "activation-checkpointing"},
+      {"coefficients", "coefficients"}};
+  const std::string prefix = "TaggingJobConfig.";
+  for (std::size_t at = message.find(prefix); at != std::string::npos; at = message.find(prefix)) {
+    std::size_t end = at + prefix.size();
+    while (end < message.size() && (std::isalnum(static_cast<unsigned char>(message[end])) ||
+                                    message[end] == '_' || message[end] == '.')) {
+      ++end;
+    }
+    std::string field = message.substr(at + prefix.size(), end - at - prefix.size());
+    std::string option = field;
+    for (const auto& [from, to] : renamed) {
+      if (field == from) option = to;
+    }
+    std::replace(option.begin(), option.end(), '_', '-');
+    message.replace(at, end - at, "--" + option);
+  }
+  const std::string batcher_prefix = "PredictiveBatcher: ";
+  if (message.rfind(batcher_prefix, 0) == 0) {
+    message.replace(0, batcher_prefix.size(),
+                    "memory budget (--memory-cap-bytes or --memory-cap-factor, --memory-fraction, "
+                    "--extra-overhead-bytes): ");
+  }
+  const std::string model_prefix = "TransformerTaggerOptions.";
+  if (message.rfind(model_prefix, 0) == 0) {  // the model's own check: its fields are options too
+    return with_option_names("TaggingJobConfig.model." + message.substr(model_prefix.size()));
+  }
+  return message;
 }
 
 }  // namespace xpm

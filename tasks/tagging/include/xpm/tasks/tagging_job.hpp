@@ -149,6 +149,11 @@ struct TaggingJobConfig {
   nlohmann::json to_json() const;
 };
 
+/// A configuration error in the command line's words, for the programs whose options are
+/// TaggingJobConfig's fields (xpm-train, xpm-plan probe): "TaggingJobConfig.max_steps must ..."
+/// -> "--max-steps must ...", "TransformerTaggerOptions.dropout ..." -> "--dropout ...".
+std::string with_option_names(std::string message);
+
 /// What embedders plug into the job's Learner loop. Hooks are called on every rank at the
 /// points hooks.hpp documents: before_initialization / after_initialization once (model built
 /// / parameters final, loaded from the checkpoint when resuming, before the optimizer is built
