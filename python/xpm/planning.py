@@ -172,9 +172,14 @@ def plan(record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, packe
 def _pack(array: np.ndarray, model: MemoryModel, usable_bytes: int, packer: PackerName,
           sort_by: Optional[str]) -> Plan:
     """``plan`` of record dims already checked (a float64 [n, variables] array)."""
-    if sort_by is None:
-        sort_by = next((v for v in model.formula.variable_names if v != model.batch_size_variable), "")
-    return Plan(*_planner.pack(packer, sort_by, array, model._native, int(usable_bytes)))
+    return Plan(*_planner.pack(packer, _sort_by_or_default(sort_by, model), array, model._native, int(usable_bytes)))
+
+
+def _sort_by_or_default(sort_by: Optional[str], model: MemoryModel) -> str:
+    """``sort_by``, or by default the formula's first variable other than the batch size."""
+    if sort_by is not None:
+        return sort_by
+    return next((v for v in model.formula.variable_names if v != model.batch_size_variable), "")
 
 
 __all__ = ["FormulaError", "PackerName", "PACKERS", "Aggregation", "AGGREGATIONS", "RecordAggregation",
@@ -184,4 +189,4 @@ __all__ = ["FormulaError", "PackerName", "PACKERS", "Aggregation", "AGGREGATIONS
            # private, kept importable from here for code written before the split
            "_name_list", "_check_choice", "_check_aggregation", "_whole_bytes", "_matrix", "_vector",
            "_batch_size_variable", "_record_dims", "_check_one_record_each", "_warn_far_beyond_probed", "_report",
-           "_pack"]
+           "_pack", "_sort_by_or_default"]

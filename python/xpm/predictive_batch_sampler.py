@@ -21,7 +21,7 @@ from .record_dims import _record_dims
 from .sampler_calibration import (Corrections, calibration_state, correction_in_force, corrections_from,
                                   first_step_not_handed_out, loaded_corrections, new_calibration, planning_bytes)
 from .sampler_checks import (_check_usable_bytes, _checked_outer_and_ranks, _checked_record_dims, _checked_units,
-                             _whole_number)
+                             _whole_number, records_over_budget)
 from .sampler_lightning import _refuse_lightning_training_loop
 from .sampler_order import outer_batch_count, outer_batches
 from .sampler_packing import StepPacking
@@ -452,8 +452,8 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
                 yield self._step(records, rank, k)
 
     def _warn_over_budget(self) -> None:
-        alone = self._model.predict(self._dims)
-        over = int((alone > self._usable_bytes).sum())
+        indices, alone = records_over_budget(self._model, self._dims, self._usable_bytes)
+        over = len(indices)
         if over:
             warnings.warn(f"xpm: {over} record(s) are predicted over the budget of {self._usable_bytes} bytes even "
                           f"alone (the largest at {alone.max():.0f} bytes); each gets a microbatch of its own",

@@ -88,3 +88,18 @@ def _checked_units(units: Any, records: int) -> np.ndarray:
     if bad is not None:
         raise ValueError(f"units[{bad}] is {array[bad]}: every record's units must be finite and >= 0")
     return array
+
+
+def records_over_budget(model: MemoryModel, dims: np.ndarray, usable_bytes: float) -> Tuple[np.ndarray, np.ndarray]:
+    """The records predicted over ``usable_bytes`` even alone.
+
+    Args:
+        model: the memory model.
+        dims: [n, variables] every record's dims.
+        usable_bytes: the budget, bytes.
+
+    Returns:
+        Their indices (int64, ascending) and every record's prediction alone ([n], bytes).
+    """
+    alone = np.asarray(model.predict(dims))
+    return np.flatnonzero(alone > usable_bytes), alone

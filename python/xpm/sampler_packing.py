@@ -15,7 +15,7 @@ from . import _planner
 from .calibration import Correction
 from .choices import GradientPhase, PackerName
 from .memory_model import MemoryModel
-from .planning import Plan
+from .planning import Plan, _sort_by_or_default
 from .sampler_steps import Step
 
 Packed = Tuple[List[np.ndarray], List[np.ndarray], List[float]]
@@ -58,9 +58,7 @@ class StepPacking:
         Returns:
             One packed share per rank of ``ranks``, in that order; record indices into the dataset.
         """
-        sort_by = self.sort_by
-        if sort_by is None:
-            sort_by = next((v for v in self.model.formula.variable_names if v != self.model.batch_size_variable), "")
+        sort_by = _sort_by_or_default(self.sort_by, self.model)
         only_rank = ranks[0] if len(ranks) == 1 and not self.lockstep else -1
         _, plans = _planner.plan_step(self.packer, sort_by, self.dims[records], self.model._native, int(budget),
                                       self.world_size, self.lockstep, int(only_rank))

@@ -34,6 +34,7 @@ from ..meters import CpuMeter, CudaMeter, Meter, allocator_settings_line
 from ..planning import MemoryBudget, MemoryModel, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome
+from ..sampler_checks import records_over_budget
 
 PlanningMode = Literal["padded", "encoder_decoder", "padding_free"]
 """How a microbatch's records combine into the model's inputs (module docstring)."""
@@ -421,8 +422,7 @@ def refuse_records_over_budget(who: str, model: MemoryModel, dims: np.ndarray, u
     Raises:
         ValueError: some record is predicted over the budget even alone (how many, the largest).
     """
-    alone = np.asarray(model.predict(dims))
-    over = np.flatnonzero(alone > usable_bytes)
+    over, alone = records_over_budget(model, dims, usable_bytes)
     if len(over):
         largest = int(over[np.argmax(alone[over])])
         raise ValueError(f"{who}: {len(over)} of {len(dims)} records are predicted over the budget of "
