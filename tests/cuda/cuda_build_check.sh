@@ -6,6 +6,7 @@
 # in torch's CUDA libraries. A GPU machine then never meets a compile error first.
 #
 # Usage: tests/cuda/cuda_build_check.sh PYTHON_WITH_CUDA_TORCH SOURCE_DIR BUILD_DIR
+#   BUILD_DIR (about 700 MB) is removed once the check passes; BUILD_DIR.log stays.
 set -euo pipefail
 python=$1 source=$2 build=$3
 
@@ -42,3 +43,4 @@ trainer_symbols=$(nm -DC "$build/lib/libxpm_trainer.so")
 grep -q "ProcessGroupNCCL" <<<"$trainer_symbols" ||
   { echo "cuda_build_check: libxpm_trainer.so does not use the NCCL process group" >&2; exit 1; }
 echo "cuda_build_check: CudaMemoryMeter and the NCCL process group compiled and linked (no undefined symbols)"
+rm -rf "$build"

@@ -8,8 +8,10 @@
 # with torch 2.13), mounted read-only into the chroot at the same path.
 #
 # Usage: tests/debian13/debian13_check.sh PYTHON_WITH_TORCH WORK_DIR
-#   WORK_DIR holds the chroot and its build, kept: a second run reuses both (set-up installs
-#   nothing new, the build is incremental).
+#   WORK_DIR holds the chroot and its build (about 2.7 GB), removed when the check ends, passed
+#   or not: debootstrap's log stays in WORK_DIR, a failing step prints its log's tail.
+#   XPM_DEBIAN13_KEEP=1 keeps them; a second run then reuses both (set-up installs nothing new,
+#   the build is incremental).
 # Needs root (debootstrap, chroot, unshare -m) and the network to Debian's mirror; exit code 77
 # (CTest: skipped) without root or debootstrap.
 set -euo pipefail
@@ -23,6 +25,18 @@ mirror=${XPM_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 chroot_dir=$work/trixie
 start_s=$(date +%s)
 say() { echo "debian13 [$(( $(date +%s) - start_s )) s]: $*"; }
+
+# The chroot's mounts live in the private mount namespace below and end with it; a mount still
+# seen under the chroot here would be the host's, so nothing is removed then.
+remove_chroot() {
+  [ "${XPM_DEBIAN13_KEEP:-0}" = 1 ] && return
+  if grep -q " $chroot_dir/" /proc/self/mounts; then
+    echo "debian13_check.sh: $chroot_dir still has mounts; not removed" >&2
+    return
+  fi
+  rm -rf "$chroot_dir"
+}
+trap remove_chroot EXIT
 
 if [ ! -f "$chroot_dir/.xpm-debootstrap-done" ]; then
   rm -rf "$chroot_dir"
@@ -56,7 +70,7 @@ python=$1
 cd /src
 echo "debian13: $(. /etc/os-release && echo "$PRETTY_NAME"), kernel-independent userland; set-up:"
 tools/setup.sh --packages-only 2>&1 | tail -2
-apt-get clean  # the downloaded packages: the chroot stays in the build folder
+apt-get clean  # the downloaded packages, whether or not the chroot is kept
 echo "debian13: $(dpkg-query -W -f='${Package} ${Version}\n' libceres-dev libsuitesparse-dev libboost-program-options-dev cmake g++ 2>/dev/null | tr '\n' ';')"
 cmake -S . -B /build -DCMAKE_BUILD_TYPE=Release -DXPM_PYTHON_EXECUTABLE="$python" -DXPM_BUILD_TESTS=OFF \
   -DXPM_BUILD_BENCHMARKS=OFF > /build-configure.log 2>&1 || { tail -30 /build-configure.log; exit 1; }
