@@ -1,6 +1,6 @@
 # Helpers of the command-line tests of the project's programs: every error is one line, without a
-# C++ backtrace, with its exit code; a correct command line still runs. Included by the
-# *_arguments_test.cmake and *_errors_test.cmake scripts.
+# C++ backtrace, with its exit code; a correct command line still runs; a passed script removes its
+# run folders. Included by the *_arguments_test.cmake, *_errors_test.cmake and xpm_train_* scripts.
 cmake_minimum_required(VERSION 3.22)
 
 # cli_expect_no_backtrace(<label> <text>): no line of a C++ or LibTorch backtrace in <text>.
@@ -43,4 +43,20 @@ function(cli_expect_success label)
   endif()
   set(OUT "${out}" PARENT_SCOPE)
   set(ERR "${err}" PARENT_SCOPE)
+endfunction()
+
+# cli_remove_run_folders(<folder>...): a script's last step, removing the folders it wrote under
+# WORK_DIR (training runs hold ~24 MB of parameters and checkpoints each). A failed check stops
+# the script with FATAL_ERROR before this step, so a failing test keeps its folders. WORK_DIR
+# itself, shared by every command-line test, and anything outside it are refused.
+function(cli_remove_run_folders)
+  foreach(folder IN LISTS ARGN)
+    cmake_path(SET relative NORMALIZE "${folder}")
+    cmake_path(RELATIVE_PATH relative BASE_DIRECTORY "${WORK_DIR}")
+    if(relative STREQUAL "" OR relative STREQUAL "." OR relative MATCHES "^\\.\\.(/|$)"
+       OR NOT IS_ABSOLUTE "${folder}" OR NOT IS_ABSOLUTE "${WORK_DIR}")
+      message(FATAL_ERROR "cli_remove_run_folders: '${folder}' is not a folder under WORK_DIR '${WORK_DIR}'")
+    endif()
+    file(REMOVE_RECURSE "${folder}")
+  endforeach()
 endfunction()

@@ -58,3 +58,5 @@ string(JSON steps GET "${summary}" train_steps)
 if(NOT steps EQUAL 1)
   message(FATAL_ERROR "the correct command line trained ${steps} steps, expected 1")
 endif()
+# Passed (a failed check above stops the script): its run folders are removed.
+cli_remove_run_folders("${dir}")

@@ -3,6 +3,7 @@
 # run (--nproc 2) with code 2, every rank saying why, before any training.
 # Run as: cmake -DXPM_TRAIN=<xpm-train> -DDATA_DIR=<data/brown> -DWORK_DIR=<dir> -P ...
 cmake_minimum_required(VERSION 3.22)
+include("${CMAKE_CURRENT_LIST_DIR}/cli_test_helpers.cmake")
 if(NOT EXISTS "${DATA_DIR}/cats.txt")
   message(FATAL_ERROR "no corpus in ${DATA_DIR}: run tools/setup.sh (make test does)")
 endif()
@@ -56,3 +57,5 @@ endfunction()
 expect_every_rank_refuses(power
   "PowerAdaptativeBatcher refuses world_size 2: [^\n]*desynchronize at the next collective[^\n]*https://github.com/pytorch/pytorch/issues/50820")
 expect_every_rank_refuses(fixed "--batcher 'fixed' runs in a single process only, got world_size 2")
+# Passed (a failed check above stops the script): its run folders are removed.
+cli_remove_run_folders("${run}")

@@ -3,6 +3,7 @@
 # Run as: cmake -DXPM_TRAIN=<xpm-train> -DDATA_DIR=<data/brown> -DEXAMPLE=<examples/default.ini>
 #               -DWORK_DIR=<dir> -P ...
 cmake_minimum_required(VERSION 3.22)
+include("${CMAKE_CURRENT_LIST_DIR}/cli_test_helpers.cmake")
 if(NOT EXISTS "${DATA_DIR}/cats.txt")
   message(FATAL_ERROR "no corpus in ${DATA_DIR}: run tools/setup.sh (make test does)")
 endif()
@@ -79,3 +80,5 @@ string(JSON steps GET "${summary}" train_steps)
 if(NOT steps EQUAL 2)
   message(FATAL_ERROR "train_steps ${steps}, expected 2")
 endif()
+# Passed (a failed check above stops the script): its run folders are removed.
+cli_remove_run_folders("${dir}")

@@ -88,3 +88,5 @@ foreach(rank 0 1)
 endforeach()
 expect_error_log("--nproc 2, rank 0" "${dir}/pair/error.log" "xpm-train: rank 0: error: ${where}")
 expect_error_log("--nproc 2, rank 1" "${dir}/pair/error-rank1.log" "xpm-train: rank 1: error: ${where}")
+# Passed (a failed check above stops the script): its run folders are removed.
+cli_remove_run_folders("${dir}")

@@ -5,6 +5,7 @@
 # microbatch_size, retried_steps and oom_skipped_steps; predicted fields are 0.
 # Run as: cmake -DXPM_TRAIN=<xpm-train> -DDATA_DIR=<data/brown> -DWORK_DIR=<dir> -P ...
 cmake_minimum_required(VERSION 3.22)
+include("${CMAKE_CURRENT_LIST_DIR}/cli_test_helpers.cmake")
 if(NOT EXISTS "${DATA_DIR}/cats.txt")
   message(FATAL_ERROR "no corpus in ${DATA_DIR}: run tools/setup.sh (make test does)")
 endif()
@@ -89,3 +90,6 @@ if(NOT summary_ooms EQUAL 0 OR NOT summary_microbatches EQUAL 32)
   message(FATAL_ERROR "fixed: ooms=${summary_ooms} microbatches=${summary_microbatches}, "
                       "expected 0 and 2 steps x 64 / 4")
 endif()
+# Passed (a failed check above stops the script): its run folders are removed.
+cli_remove_run_folders("${WORK_DIR}/xpm_train_power_run_test"
+                       "${WORK_DIR}/xpm_train_fixed_run_test")

@@ -5,6 +5,7 @@
 # the folder, or the file and line number.
 # Run as: cmake -DXPM_TRAIN=<xpm-train> -DWORK_DIR=<dir> -P xpm_train_report_test.cmake
 cmake_minimum_required(VERSION 3.22)
+include("${CMAKE_CURRENT_LIST_DIR}/cli_test_helpers.cmake")
 set(run "${WORK_DIR}/xpm_train_report_test")
 file(REMOVE_RECURSE "${run}")
 file(MAKE_DIRECTORY "${run}")
@@ -115,3 +116,5 @@ expect_input_error("bad summary" "summary.json: not valid JSON" "${run}/bad")
 if(EXISTS "${run}/bad/report")
   message(FATAL_ERROR "bad input: a report folder was written")
 endif()
+# Passed (a failed check above stops the script): its run folders are removed.
+cli_remove_run_folders("${run}")

@@ -6,6 +6,7 @@
 # with A's bytes.
 # Run as: cmake -DXPM_TRAIN=<xpm-train> -DDATA_DIR=<data/brown> -DWORK_DIR=<dir> -P ...
 cmake_minimum_required(VERSION 3.22)
+include("${CMAKE_CURRENT_LIST_DIR}/cli_test_helpers.cmake")
 if(NOT EXISTS "${DATA_DIR}/cats.txt")
   message(FATAL_ERROR "no corpus in ${DATA_DIR}: run tools/setup.sh (make test does)")
 endif()
@@ -79,3 +80,5 @@ if(NOT resumed EQUAL 3)
   message(FATAL_ERROR "resumed from step ${resumed} past the corrupt step-4 checkpoint, expected 3")
 endif()
 expect_same_parameters(c)
+# Passed (a failed check above stops the script): its run folders are removed.
+cli_remove_run_folders("${dir}")

@@ -3,6 +3,7 @@
 # fields checks rely on; no OOM and the peak under the cap.
 # Run as: cmake -DXPM_TRAIN=<xpm-train> -DDATA_DIR=<data/brown> -DWORK_DIR=<dir> -P ...
 cmake_minimum_required(VERSION 3.22)
+include("${CMAKE_CURRENT_LIST_DIR}/cli_test_helpers.cmake")
 if(NOT EXISTS "${DATA_DIR}/cats.txt")
   message(FATAL_ERROR "no corpus in ${DATA_DIR}: run tools/setup.sh (make test does)")
 endif()
@@ -53,3 +54,5 @@ string(JSON canonical GET "${model}" formula canonical)
 if(NOT canonical STREQUAL "a*bs*l^2 + b*bs*l + c")
   message(FATAL_ERROR "memory_model.json canonical formula is '${canonical}'")
 endif()
+# Passed (a failed check above stops the script): its run folders are removed.
+cli_remove_run_folders("${run}")

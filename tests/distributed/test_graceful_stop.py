@@ -69,12 +69,13 @@ def interrupt(run_dir, nproc, targets, sig, after_steps=3):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted():
+def uninterrupted(remove_when_module_passed):
     WORK.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["rm", "-rf", str(WORK / "a1"), str(WORK / "a2")], check=True)
-    run(WORK / "a1")
-    run(WORK / "a2", "--nproc", "2")
-    return {1: digest(WORK / "a1" / "final_parameters.pt"), 2: digest(WORK / "a2" / "final_parameters.pt")}
+    a1, a2 = remove_when_module_passed(WORK / "a1"), remove_when_module_passed(WORK / "a2")
+    subprocess.run(["rm", "-rf", str(a1), str(a2)], check=True)
+    run(a1)
+    run(a2, "--nproc", "2")
+    return {1: digest(a1 / "final_parameters.pt"), 2: digest(a2 / "final_parameters.pt")}
 
 
 def check_interrupted(run_dir, code, err):
@@ -94,8 +95,10 @@ def check_interrupted(run_dir, code, err):
     (2, [0], signal.SIGUSR1, False),         # rank 0 only, the preemption signal
     (2, "launcher", signal.SIGINT, False),   # both: the launcher passes it to every rank
 ])
-def test_a_signal_stops_every_rank_at_one_step_with_a_checkpoint(uninterrupted, nproc, targets, sig, resume):
+def test_a_signal_stops_every_rank_at_one_step_with_a_checkpoint(uninterrupted, nproc, targets, sig, resume,
+                                                                 remove_when_passed):
     run_dir = WORK / f"stop-{nproc}-{targets if isinstance(targets, str) else '-'.join(map(str, targets))}-{sig.name}"
+    remove_when_passed(run_dir)
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     code, err, exit_s = interrupt(run_dir, nproc, targets, sig)
     summary = check_interrupted(run_dir, code, err)
@@ -109,8 +112,8 @@ def test_a_signal_stops_every_rank_at_one_step_with_a_checkpoint(uninterrupted, 
         assert digest(run_dir / "final_parameters.pt") == uninterrupted[nproc]
 
 
-def test_a_second_signal_ends_the_process_at_once():
-    run_dir = WORK / "twice"
+def test_a_second_signal_ends_the_process_at_once(remove_when_passed):
+    run_dir = remove_when_passed(WORK / "twice")
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     # Outer batches of 4,096 sentences under the cap: a step takes seconds, so the second signal
     # (1.2 s after the first, past the 1 s in which a repeat counts as the same delivery) comes

@@ -130,17 +130,17 @@ def fresh(name):
 
 
 @pytest.fixture(scope="module")
-def loopback():
+def loopback(remove_when_module_passed):
     """final_parameters.pt of the same job at --nproc 2 on loopback, and its train_s."""
     WORK.mkdir(parents=True, exist_ok=True)
-    run_dir = fresh("loopback")
+    run_dir = remove_when_module_passed(fresh("loopback"))
     done = subprocess.run(train_arguments(run_dir, "--nproc", "2"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return digest(run_dir / "final_parameters.pt"), json.loads((run_dir / "summary.json").read_text())
 
 
-def test_ranks_on_two_hosts_train_like_loopback(hosts, loopback):
-    run_dir = fresh("two-hosts")
+def test_ranks_on_two_hosts_train_like_loopback(hosts, loopback, remove_when_passed):
+    run_dir = remove_when_passed(fresh("two-hosts"))
     codes, errors, _ = finish(start_ranks(hosts, run_dir))
     assert codes == [0, 0], errors
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -150,8 +150,8 @@ def test_ranks_on_two_hosts_train_like_loopback(hosts, loopback):
     assert digest(run_dir / "final_parameters.pt") == loopback[0]
 
 
-def test_a_cut_link_ends_both_ranks_within_the_collective_timeout(hosts, loopback):
-    run_dir = fresh("cut-link")
+def test_a_cut_link_ends_both_ranks_within_the_collective_timeout(hosts, loopback, remove_when_passed):
+    run_dir = remove_when_passed(fresh("cut-link"))
     processes = start_ranks(hosts, run_dir)
     deadline = time.monotonic() + 240
     while steps_written(run_dir) < 6:
@@ -190,12 +190,12 @@ def netem_refused(hosts):
     return None
 
 
-def test_delay_and_loss_slow_the_job_but_it_finishes(hosts, loopback):
+def test_delay_and_loss_slow_the_job_but_it_finishes(hosts, loopback, remove_when_passed):
     reason = netem_refused(hosts)
     if reason:
         pytest.skip("tc netem is not available in this kernel (" + reason + "): the delay and loss case is skipped")
     try:
-        run_dir = fresh("netem")
+        run_dir = remove_when_passed(fresh("netem"))
         codes, errors, _ = finish(start_ranks(hosts, run_dir))
     finally:
         for host in (0, 1):
@@ -208,8 +208,8 @@ def test_delay_and_loss_slow_the_job_but_it_finishes(hosts, loopback):
     assert digest(run_dir / "final_parameters.pt") == loopback[0]
 
 
-def test_rank_0_host_lost_during_rendezvous_is_reported_within_the_rendezvous_timeout(hosts):
-    run_dir = fresh("no-rendezvous")
+def test_rank_0_host_lost_during_rendezvous_is_reported_within_the_rendezvous_timeout(hosts, remove_when_passed):
+    run_dir = remove_when_passed(fresh("no-rendezvous"))
     hosts.link(0, "down")
     try:
         codes, errors, elapsed_s = finish(start_ranks(hosts, run_dir, rendezvous_timeout_s=RENDEZVOUS_TIMEOUT_S),

@@ -36,17 +36,18 @@ def summary_of(run_dir):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted():
+def uninterrupted(remove_when_module_passed):
     WORK.mkdir(parents=True, exist_ok=True)
-    done = run(WORK / "whole", "--nproc", "2")
+    whole = remove_when_module_passed(WORK / "whole")
+    done = run(whole, "--nproc", "2")
     assert done.returncode == 0, done.stderr
-    assert summary_of(WORK / "whole")["restarts"] == 0
-    return digest(WORK / "whole" / "final_parameters.pt")
+    assert summary_of(whole)["restarts"] == 0
+    return digest(whole / "final_parameters.pt")
 
 
 @pytest.mark.parametrize("fault", ["1:5", "0:6:kill"])
-def test_a_failed_rank_restarts_the_group_from_the_newest_checkpoint(uninterrupted, fault):
-    run_dir = WORK / f"restart-{fault.replace(':', '-')}"
+def test_a_failed_rank_restarts_the_group_from_the_newest_checkpoint(uninterrupted, fault, remove_when_passed):
+    run_dir = remove_when_passed(WORK / f"restart-{fault.replace(':', '-')}")
     done = run(run_dir, "--nproc", "2", "--max-restarts", "2", env={"XPM_FAULT_EXIT_AT": fault})
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("restarting all 2 ranks from the newest checkpoint (restart 1 of 2)") == 1, done.stderr
@@ -57,28 +58,28 @@ def test_a_failed_rank_restarts_the_group_from_the_newest_checkpoint(uninterrupt
     assert digest(run_dir / "final_parameters.pt") == uninterrupted
 
 
-def test_a_fault_in_every_attempt_gives_up_after_max_restarts():
-    done = run(WORK / "exhausted", "--nproc", "2", "--max-restarts", "1",
+def test_a_fault_in_every_attempt_gives_up_after_max_restarts(remove_when_passed):
+    done = run(remove_when_passed(WORK / "exhausted"), "--nproc", "2", "--max-restarts", "1",
                env={"XPM_FAULT_EXIT_AT": "1:3", "XPM_FAULT_ATTEMPTS": "9"})
     assert done.returncode == 17, done.stderr
     assert done.stderr.count("restarting all 2 ranks") == 1, done.stderr
     assert "giving up after 1 restart (--max-restarts 1)" in done.stderr
 
 
-def test_bad_input_is_not_restarted():
-    done = run(WORK / "bad", "--nproc", "2", "--max-restarts", "3",
+def test_bad_input_is_not_restarted(remove_when_passed):
+    done = run(remove_when_passed(WORK / "bad"), "--nproc", "2", "--max-restarts", "3",
                env={"XPM_FAULT_EXIT_AT": "1:x"})
     assert done.returncode == 2, done.stderr
     assert "restarting" not in done.stderr
     assert "XPM_FAULT_EXIT_AT='1:x'" in done.stderr
 
 
-def test_max_restarts_is_checked():
-    done = run(WORK / "negative", "--max-restarts", "-1")
+def test_max_restarts_is_checked(remove_when_passed):
+    done = run(remove_when_passed(WORK / "negative"), "--max-restarts", "-1")
     assert done.returncode == 2 and "--max-restarts must be >= 0, got -1" in done.stderr, done.stderr
     # A worker of another launcher is restarted by it: torchrun's own --max-restarts.
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29599"}
-    done = run(WORK / "foreign", "--max-restarts", "2", env=env)
+    done = run(remove_when_passed(WORK / "foreign"), "--max-restarts", "2", env=env)
     assert done.returncode == 2 and "torchrun --max-restarts" in done.stderr, done.stderr
     done = run(WORK / "foreign", "--max-restarts", "2", env=dict(env, TORCHELASTIC_MAX_RESTARTS="1"))
     assert done.returncode == 2 and "disagrees with TORCHELASTIC_MAX_RESTARTS=1" in done.stderr, done.stderr

@@ -51,9 +51,9 @@ def torchrun(*args):
     return [*launcher, "--standalone", "--nproc-per-node", "2", *args]
 
 
-def test_every_rank_joins_the_agents_store_and_a_late_restarted_rank_trains_like_nproc_2():
+def test_every_rank_joins_the_agents_store_and_a_late_restarted_rank_trains_like_nproc_2(remove_when_passed):
     WORK.mkdir(parents=True, exist_ok=True)
-    reference, restarted = WORK / "nproc2", WORK / "torchrun"
+    reference, restarted = remove_when_passed(WORK / "nproc2"), remove_when_passed(WORK / "torchrun")
     subprocess.run(["rm", "-rf", str(reference), str(restarted)], check=True)
     done = run(command(reference, "--nproc", "2"))
     assert done.returncode == 0, done.stderr

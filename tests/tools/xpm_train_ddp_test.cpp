@@ -28,7 +28,7 @@
 using namespace xpm_train_runs;
 
 TEST_CASE("DDP: world 2 gives the same parameters as world 1 with different microbatch counts per rank") {
-  const std::string one = kWork + "/world1", two = kWork + "/world2";
+  const std::string one = scratch("world1"), two = scratch("world2");
   const Run single = run_train(kCommon + "--max-steps 4 --nproc 1 --run-dir '" + one + "'");
   REQUIRE_MESSAGE(single.exit_code == 0, single.output);
   const Run pair = run_train(kCommon + "--max-steps 4 --nproc 2 --run-dir '" + two + "'");
@@ -74,7 +74,7 @@ TEST_CASE("DDP: world 2 gives the same parameters as world 1 with different micr
 TEST_CASE("DDP: a probe failure on rank 0 stops every rank with the same message") {
   // Every probe has l = 16: the formula's a and b cannot be separated (IdentifiabilityError).
   const Run run = run_train("--max-steps 2 --threads 1 --memory-cap-factor 2.0 --memory-model-cache '' "
-                            "--probe-points 1x16,2x16,4x16 --nproc 2 --run-dir '" + kWork + "/probe_fail'");
+                            "--probe-points 1x16,2x16,4x16 --nproc 2 --run-dir '" + scratch("probe_fail") + "'");
   INFO(run.output);
   CHECK(run.exit_code == 2);
   CHECK(run.wall_s < 120);
@@ -92,7 +92,7 @@ TEST_CASE("DDP: a probe failure on rank 0 stops every rank with the same message
 
 TEST_CASE("DDP: a rank killed mid-training makes the other fail within the collective timeout, naming it") {
   const Run run = run_train(kCommon + "--max-steps 6 --nproc 2 --collective-timeout-s 30 --run-dir '" +
-                                kWork + "/rank_dies'",
+                                scratch("rank_dies") + "'",
                             "XPM_FAULT_EXIT_AT=1:3:kill");
   INFO(run.output);
   CHECK(run.exit_code != 0);
@@ -105,7 +105,7 @@ TEST_CASE("DDP: a rank killed mid-training makes the other fail within the colle
 TEST_CASE("DDP: bad distributed settings are rejected with exit code 2") {
   CHECK(run_train("--nproc 0").exit_code == 2);
   CHECK(run_train("--backend mpi").exit_code == 2);
-  const Run nccl = run_train("--backend nccl --max-steps 1 --nproc 1 --run-dir '" + kWork + "/nccl'");
+  const Run nccl = run_train("--backend nccl --max-steps 1 --nproc 1 --run-dir '" + scratch("nccl") + "'");
   CHECK(nccl.exit_code == 2);
   CHECK(nccl.output.find("NCCL") != std::string::npos);
   const Run bad_env = run_train("--max-steps 1", "RANK=3 WORLD_SIZE=2");
@@ -129,13 +129,13 @@ int free_port() {
 }  // namespace
 
 TEST_CASE("DDP: workers started by hand with torchrun's variables form one job") {
-  const std::string run_dir = kWork + "/torchrun_style";
+  const std::string run_dir = scratch("torchrun_style");
   std::filesystem::remove_all(run_dir);
   const std::string env = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
                           std::to_string(free_port());
   const std::string args = " '" + kTrain + "' --data-dir '" + kData + "' " + kCommon +
                            "--max-steps 2 --run-dir '" + run_dir + "'";
-  const std::string log0 = kWork + "/torchrun_rank0.log", log1 = kWork + "/torchrun_rank1.log";
+  const std::string log0 = scratch("torchrun_rank0.log"), log1 = scratch("torchrun_rank1.log");
   const std::string command = env + " RANK=0 LOCAL_RANK=0" + args + " > '" + log0 + "' 2>&1 & p=$!; " +
                               env + " RANK=1 LOCAL_RANK=1" + args + " > '" + log1 + "' 2>&1; r1=$?; " +
                               "wait $p; r0=$?; exit $((r0 * 16 + r1))";
@@ -157,7 +157,7 @@ TEST_CASE("DDP: workers started by hand with torchrun's variables form one job")
 }
 
 TEST_CASE("DDP: world 3 splits every global batch among three ranks") {
-  const std::string run_dir = kWork + "/world3";
+  const std::string run_dir = scratch("world3");
   const Run run = run_train(kCommon + "--max-steps 2 --nproc 3 --run-dir '" + run_dir + "' -q");
   REQUIRE_MESSAGE(run.exit_code == 0, run.output);
   for (const nlohmann::json& line : read_step_metrics(run_dir)) {
@@ -172,7 +172,7 @@ TEST_CASE("DDP: world 3 splits every global batch among three ranks") {
 TEST_CASE("DDP: from the third step no microbatch is under-predicted by 1 % nor over-predicted by 3 %") {
   // kCommon's cap splits each rank's share into microbatches of different shapes; every rank's
   // microbatch peaks are all-reduced, so each step line lists both ranks' microbatches.
-  const std::string run_dir = kWork + "/microbatch_errors";
+  const std::string run_dir = scratch("microbatch_errors");
   const Run run = run_train(kCommon + "--max-steps 8 --outer-batch-size 256 --nproc 2 --run-dir '" + run_dir + "' -q");
   REQUIRE_MESSAGE(run.exit_code == 0, run.output);
   double worst_under = 1, worst_over = -1;  // the first microbatch sets both
@@ -194,7 +194,7 @@ TEST_CASE("DDP: from the third step no microbatch is under-predicted by 1 % nor 
 }
 
 TEST_CASE("DDP: --packer fastest plans with the probes' time model on both ranks, 0 OOM") {
-  const std::string run_dir = kWork + "/fastest";
+  const std::string run_dir = scratch("fastest");
   const Run run = run_train(kCommon + "--max-steps 4 --outer-batch-size 256 --packer fastest --nproc 2 --run-dir '" +
                             run_dir + "' -q");
   REQUIRE_MESSAGE(run.exit_code == 0, run.output);

@@ -18,11 +18,20 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "scratch_folders.hpp"
+
 namespace xpm_train_runs {
 
 const std::string kTrain = std::string(XPM_BINARY_DIR) + "/bin/xpm-train";
 const std::string kData = std::string(XPM_SOURCE_DIR) + "/data/brown";
 const std::string kWork = std::string(XPM_BINARY_DIR) + "/tests/ddp";
+
+// kWork/NAME (a run folder or a log), removed when the running test case passes, kept if it fails.
+inline std::string scratch(const std::string& name) {
+  const std::string path = kWork + "/" + name;
+  xpm_test::remove_when_passed(path);
+  return path;
+}
 
 struct Run {
   int exit_code = -1;
@@ -30,12 +39,14 @@ struct Run {
   double wall_s = 0;
 };
 
-// Runs xpm-train with `arguments` (and `environment`, "NAME=value ..."), capturing output.
+// Runs xpm-train with `arguments` (and `environment`, "NAME=value ..."), capturing output. The
+// log is removed when the test case passes; the caller registers the run folders it names.
 inline Run run_train(const std::string& arguments, const std::string& environment = "") {
   std::filesystem::create_directories(kWork);
   // One log per run: CTest runs these cases as separate processes, possibly at the same time.
   static int runs = 0;  // one counter per test executable (inline function)
   const std::string log = kWork + "/run_" + std::to_string(::getpid()) + "_" + std::to_string(++runs) + ".log";
+  xpm_test::remove_when_passed(log);
   const std::string command = environment + " '" + kTrain + "' --data-dir '" + kData + "' " +
                               arguments + " > '" + log + "' 2>&1";
   const auto start = std::chrono::steady_clock::now();

@@ -16,6 +16,8 @@ using namespace xpm_train_runs;
 namespace {
 
 const std::string kSharded = kWork + "/sharded";
+// kSharded/NAME, removed when the running test case passes.
+std::string sharded_dir(const std::string& name) { return scratch("sharded/" + name); }
 // Checkpoints every 2 steps of a 4-step run (the world-2 stop/resume cases stop after step 2).
 const std::string kFourSteps = kCommon + "--max-steps 4 --checkpoint-every-steps 2 ";
 
@@ -25,7 +27,7 @@ struct StoppedRuns {
   std::string whole, cut, checkpoint;
 };
 StoppedRuns run_whole_and_stopped(const std::string& name, const std::string& args) {
-  StoppedRuns runs{kSharded + "/" + name + "_whole", kSharded + "/" + name + "_cut", ""};
+  StoppedRuns runs{sharded_dir(name + "_whole"), sharded_dir(name + "_cut"), ""};
   runs.checkpoint = runs.cut + "/checkpoints/step-00000002";
   std::filesystem::remove_all(runs.whole);
   std::filesystem::remove_all(runs.cut);
@@ -39,8 +41,7 @@ StoppedRuns run_whole_and_stopped(const std::string& name, const std::string& ar
 }  // namespace
 
 TEST_CASE("sharding: shard_grad_op at world 2 trains like no_shard with half the AdamW state per rank") {
-  std::filesystem::remove_all(kSharded + "/plain");
-  std::filesystem::remove_all(kSharded + "/sharded");
+  for (const char* name : {"plain", "sharded"}) std::filesystem::remove_all(sharded_dir(name));
   const Run plain = run_train(kCommon + "--max-steps 4 --nproc 2 --run-dir '" + kSharded + "/plain'");
   REQUIRE_MESSAGE(plain.exit_code == 0, plain.output);
   const Run sharded = run_train(kCommon + "--max-steps 4 --nproc 2 --sharding shard_grad_op --run-dir '" +
@@ -141,14 +142,14 @@ TEST_CASE("sharding: a consolidated checkpoint of world 2 resumes at world 1 wit
 }
 
 TEST_CASE("sharding: bad sharding settings exit 2 naming the option") {
-  const Run full_shard = run_train("--sharding full_shard --max-steps 1 --run-dir '" + kSharded + "/bad1'");
+  const Run full_shard = run_train("--sharding full_shard --max-steps 1 --run-dir '" + sharded_dir("bad1") + "'");
   CHECK(full_shard.exit_code == 2);
   CHECK_MESSAGE(full_shard.output.find("full_shard") != std::string::npos, full_shard.output);
-  const Run format = run_train("--optimizer-checkpoint zip --max-steps 1 --run-dir '" + kSharded + "/bad2'");
+  const Run format = run_train("--optimizer-checkpoint zip --max-steps 1 --run-dir '" + sharded_dir("bad2") + "'");
   CHECK(format.exit_code == 2);
   CHECK_MESSAGE(format.output.find("--optimizer-checkpoint") != std::string::npos, format.output);
   const Run fixed = run_train("--sharding shard_grad_op --batcher fixed --max-steps 1 --run-dir '" +
-                              kSharded + "/bad3'");
+                              sharded_dir("bad3") + "'");
   CHECK(fixed.exit_code == 2);
   CHECK_MESSAGE(fixed.output.find("--sharding") != std::string::npos, fixed.output);
 }
@@ -157,7 +158,7 @@ TEST_CASE("sharding: shard_grad_op at world 3 fits above the backward plateau an
   // At world 3 a rank's optimizer step (1/3 of the AdamW state) peaks below the plateau small
   // microbatches reach in backward (the embedding's dense gradient); the planner takes that
   // plateau as the floor (predictive_batcher.cpp) instead of failing the fit.
-  const std::string run_dir = kSharded + "/world3";
+  const std::string run_dir = sharded_dir("world3");
   std::filesystem::remove_all(run_dir);
   const Run run = run_train(kCommon + "--max-steps 2 --nproc 3 --sharding shard_grad_op -q --run-dir '" +
                             run_dir + "'");

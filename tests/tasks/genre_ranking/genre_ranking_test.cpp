@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include "torch_doctest.hpp"
+#include "scratch_folders.hpp"
 
 #include <cmath>
 #include <cstdlib>
@@ -27,6 +28,13 @@ const std::string kProgram = std::string(XPM_BINARY_DIR) + "/bin/xpm-rank-exampl
 const std::string kData = std::string(XPM_SOURCE_DIR) + "/data/brown";
 const std::string kWork = std::string(XPM_BINARY_DIR) + "/tests/genre_ranking";
 
+// kWork/NAME (a run folder or a log), removed when the running test case passes.
+std::string scratch(const std::string& name) {
+  const std::string path = kWork + "/" + name;
+  xpm_test::remove_when_passed(path);
+  return path;
+}
+
 const xpm::GenreRankingData& corpus_data() {
   static const xpm::GenreRankingData data =
       xpm::build_genre_ranking_data(xpm::read_brown_corpus(kData));
@@ -42,7 +50,7 @@ struct Run {
 Run run_example(const std::string& arguments) {
   std::filesystem::create_directories(kWork);
   // One log per process: ctest runs the test cases of this file in parallel.
-  const std::string log = kWork + "/run-" + std::to_string(::getpid()) + ".log";
+  const std::string log = scratch("run-" + std::to_string(::getpid()) + ".log");
   const std::string command = "'" + kProgram + "' " + arguments + " > '" + log + "' 2>&1";
   const int status = std::system(command.c_str());
   Run run;
@@ -110,7 +118,7 @@ TEST_CASE("pairwise cross-entropy trains the genre ranker well above chance and 
   const double prior = xpm::genre_prior_pairwise_accuracy(data);
   xpm::GenreRankingTrainOptions options;
   options.steps = 200;
-  options.run_dir = kWork + "/in_process";
+  options.run_dir = scratch("in_process");
   const xpm::GenreRankingTrainResult trained = xpm::train_genre_ranker(ranker, data, loss, options);
   const double after = xpm::heldout_pairwise_accuracy(ranker, data);
   MESSAGE("before " << before << ", after " << after << ", prior " << prior << ", loss "
@@ -135,7 +143,7 @@ TEST_CASE("training refuses a loss whose output type is not the ranker's") {
 
 TEST_CASE("xpm-rank-example trains with the hinge loss: accuracy after > before") {
   const Run run = run_example("--data-dir '" + kData + "' --loss hinge --steps 150 --threads 1 --run-dir '" +
-                              kWork + "/hinge'");
+                              scratch("hinge") + "'");
   INFO(run.output);
   REQUIRE(run.exit_code == 0);
   REQUIRE(run.values.count("heldout_pairwise_accuracy_before") == 1);
@@ -149,7 +157,7 @@ TEST_CASE("xpm-rank-example trains with the hinge loss: accuracy after > before"
 TEST_CASE("xpm-rank-example trains pointwise cross-entropy on log-probabilities") {
   const Run run = run_example("--data-dir '" + kData +
                               "' --loss pointwise-cross-entropy --output-type log-probability "
-                              "--steps 150 --threads 1 --run-dir '" + kWork + "/pointwise'");
+                              "--steps 150 --threads 1 --run-dir '" + scratch("pointwise") + "'");
   INFO(run.output);
   REQUIRE(run.exit_code == 0);
   CHECK(run.values.at("heldout_pairwise_accuracy_after") >

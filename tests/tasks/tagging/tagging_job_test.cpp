@@ -2,6 +2,7 @@
 // documented points and counts, listeners' votes stopping the job, exact resume from a
 // checkpoint (torch::equal on every parameter) and the fallback past a corrupt checkpoint.
 #include "torch_doctest.hpp"
+#include "scratch_folders.hpp"
 #include "tools/xpm_train_runs.hpp"
 
 #include <filesystem>
@@ -24,12 +25,14 @@ namespace {
 const std::string kData = std::string(XPM_SOURCE_DIR) + "/data/brown";
 const std::string kScratch = std::string(XPM_BINARY_DIR) + "/test_scratch/tagging_job_test";
 
-// A short job on the real corpus: 16 sentences per step under a 2 x static-memory cap.
+// A short job on the real corpus: 16 sentences per step under a 2 x static-memory cap. Its run
+// folder is fresh, and removed when the test case passes.
 xpm::TaggingJobConfig short_job(const std::string& name, std::int64_t max_steps) {
   xpm::TaggingJobConfig config;
   config.data_dir = kData;
   config.run_dir = kScratch + "/" + name;
   std::filesystem::remove_all(config.run_dir);
+  xpm_test::remove_when_passed(config.run_dir);
   config.max_steps = max_steps;
   config.outer_batch_size = 16;
   config.threads = 1;

@@ -2,6 +2,7 @@
 // xpm-sharding-worker processes over gloo): the same parameters as unsharded AdamW, state bytes
 // halved (CpuMemoryMeter), per-rank shard files, and a consolidated state resumed at world 1.
 #include "torch_doctest.hpp"
+#include "scratch_folders.hpp"
 
 #include <filesystem>
 #include <fstream>
@@ -62,9 +63,11 @@ double relative_difference(const torch::Tensor& a, const torch::Tensor& b) {
   return (a - b).abs().max().item<double>() / b.abs().max().item<double>();
 }
 
+// A folder of this process under the build tree, removed when the test case passes.
 std::string work_dir(const std::string& name) {
   const std::string dir = std::string(XPM_BINARY_DIR) + "/tests/sharding/" + name + "_" + std::to_string(::getpid());
   std::filesystem::create_directories(dir);
+  xpm_test::remove_when_passed(dir);
   return dir;
 }
 

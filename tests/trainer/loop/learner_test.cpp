@@ -1,6 +1,7 @@
 // The generic Learner on a task of its own (a linear regression over variable-size records,
 // nothing of the tagging job): steps, validation, the task's extra state, exact resume, errors.
 #include "torch_doctest.hpp"
+#include "scratch_folders.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -78,9 +79,11 @@ class RegressionTask : public xpm::TrainingTask {
   std::int64_t restored_loss_calls_ = -1;
 };
 
+// Options of a run in kWork/RUN_DIR ("case/run"); kWork/case is removed when the test case passes.
 xpm::LearnerOptions options_in(const std::string& run_dir) {
   xpm::LearnerOptions options;
   options.run_dir = kWork + "/" + run_dir;
+  xpm_test::remove_when_passed(std::filesystem::path(kWork) / *std::filesystem::path(run_dir).begin());
   options.epochs = 3;
   options.outer_batch_size = 8;  // 4 steps per epoch, 12 in all
   options.lr_schedule.peak_learning_rate = 0.05;

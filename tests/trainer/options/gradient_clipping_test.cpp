@@ -1,6 +1,7 @@
 // Clipping by the global norm: whole gradients against LibTorch's clip_grad_norm_, and at world 2
 // (two xpm-sharding-worker processes over gloo) each rank's shards against the unsharded clip.
 #include "torch_doctest.hpp"
+#include "scratch_folders.hpp"
 
 #include <cmath>
 #include <filesystem>
@@ -75,6 +76,7 @@ TEST_CASE("at world 2, clipping each rank's shard by the global norm equals clip
 
   const std::string out = std::string(XPM_BINARY_DIR) + "/tests/sharding/clip_" + std::to_string(::getpid());
   std::filesystem::create_directories(out);
+  xpm_test::remove_when_passed(out);
   for (const double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
     const double limit = norm_type == 2.0 ? max_norm : max_abs(unclipped) / 4;
     const std::vector<int> codes =

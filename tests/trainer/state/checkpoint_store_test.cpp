@@ -5,6 +5,7 @@
 // (xpm-checkpoint-writer) at varied moments, after which the newest valid checkpoint loads and
 // holds exactly what the writer wrote for its step.
 #include "torch_doctest.hpp"
+#include "scratch_folders.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -34,11 +35,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-/// A fresh, empty folder under the build tree for one test.
+/// A fresh, empty folder under the build tree for one test, removed when the test passes.
 std::string fresh_dir(const std::string& name) {
   const fs::path dir = fs::path(XPM_BINARY_DIR) / "tests" / "checkpoint_store_test" / name;
   fs::remove_all(dir);
   fs::create_directories(dir);
+  xpm_test::remove_when_passed(dir);
   return dir.string();
 }
 
