@@ -122,7 +122,7 @@ class CharLanguageModel(lightning.LightningModule):
     def on_train_start(self) -> None:
         self.start = time.perf_counter()  # the probe is done
 
-    def training_step(self, step: xpm_lightning.PlannedStep, index: int) -> None:
+    def training_step(self, step: xpm.PlannedStep, index: int) -> None:
         loss = torch.zeros(())
         for k, (batch, weight, last) in enumerate(xpm_lightning.microbatches(self, step, sampler=self.sampler,
                                                                               meter=METER)):
@@ -148,7 +148,7 @@ class CharLanguageModel(lightning.LightningModule):
         optimizer.step()
         optimizer.zero_grad()
         self.stats["losses"].append(float(loss))
-        self.log("loss", loss, batch_size=max(step.records, 1), sync_dist=True, prog_bar=True)
+        self.log("loss", loss, batch_size=max(step.record_count, 1), sync_dist=True, prog_bar=True)
 
     def on_train_end(self) -> None:
         elapsed = time.perf_counter() - self.start

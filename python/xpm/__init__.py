@@ -12,6 +12,8 @@ every rank. ``docs/python.md`` has the guide.
   ``check_unplanned_memory`` (memory allocated after probing), ``Calibration`` and ``Correction`` (predictions
   corrected by the peaks training measures, the same on every rank);
 - ``StepDataset``, ``accumulate`` (one item per optimizer step, for the HF Trainer, Lightning);
+  ``PlannedStep``, the item of the HF Trainer's and Lightning's step loaders (one optimizer step
+  of one rank: its collated microbatches, their records and weights; imports without torch);
 - the closed sets of string arguments, as ``typing.Literal`` aliases for type checkers (each
   also checked at run time, a one-line ``ValueError`` naming the value): ``PackerName``
   (``plan``'s and the sampler's ``packer``), ``Aggregation`` (``fit``'s ``aggregation`` values),
@@ -38,6 +40,7 @@ except ModuleNotFoundError as _missing:
 from .planning import (GRADIENT_PHASES, PACKERS, Aggregation, CostFormula, FitReport, FormulaError, GradientPhase,
                        MemoryBudget, MemoryModel, PackerName, Plan, RecordAggregation, fit, plan,
                        record_dims_from_lengths)
+from .planned_step import PlannedStep
 
 # The torch side, imported on first use: the planner core above imports without torch.
 _TORCH_SIDE = {
@@ -89,7 +92,7 @@ def __dir__() -> List[str]:
 
 __all__ = ["__version__", "PACKERS", "CostFormula", "FitReport", "FormulaError", "MemoryBudget", "MemoryModel", "Plan",
            "fit", "plan", "record_dims_from_lengths", "PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop",
-           "check_unplanned_memory", "Calibration", "Correction", "StepDataset", "accumulate",
+           "check_unplanned_memory", "Calibration", "Correction", "StepDataset", "accumulate", "PlannedStep",
            "probe", "ProbeOptions", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport", "OutsideProbes",
            "OutsideProbesKind",
            "PackerName", "Aggregation", "RecordAggregation", "DeviceKind", "AdaptiveStop", "Meter", "stop_together",

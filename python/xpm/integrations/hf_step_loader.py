@@ -1,16 +1,17 @@
-"""The step loader of ``PlannedTrainer``: a ``DataLoader`` with one item per optimizer step (a
-``PlannedStep``, the step's collated microbatches), the batch sampler of the steps that draws them
-from ``PredictiveBatchSampler.steps()``, and what the trainer reports after each microbatch
+"""The step loader of ``PlannedTrainer``: a ``DataLoader`` with one item per optimizer step (an
+``xpm.PlannedStep``, the step's collated microbatches), the batch sampler of the steps that draws
+them from ``PredictiveBatchSampler.steps()``, and what the trainer reports after each microbatch
 (``MicrobatchRecord``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
 
+from ..planned_step import PlannedStep
 from ..sampler import PredictiveBatchSampler
 
 
@@ -20,48 +21,13 @@ class _StepKey:
 
     epoch: int
     index: int
+    rank: int
+    world_size: int
     microbatches: Tuple[Tuple[int, ...], ...]
     weights: Tuple[float, ...]
     placeholder: bool
     predicted_bytes: Tuple[float, ...] = ()
     correction_bytes: Tuple[float, ...] = ()
-
-
-@dataclass
-class PlannedStep:
-    """One optimizer step as the Trainer receives it from the loader.
-
-    Attributes:
-        epoch: the sampler's epoch.
-        index: the step's index in the epoch (0-based).
-        microbatches: the collated microbatches (``data_collator`` of their records), in order.
-        records: each microbatch's dataset indices.
-        weights: each microbatch's sampler weight (used for losses without ``num_items_in_batch``).
-        placeholder: True when this rank's share of the outer batch is empty: ``microbatches``
-            then holds one batch of record 0 whose loss is multiplied by 0, so the rank still
-            joins the step's gradient all-reduce.
-        predicted_bytes: each microbatch's predicted peak (``Step.predicted_bytes``; empty for
-            a placeholder), for the sampler's calibration.
-        correction_bytes: each microbatch's correction, as the calibration planned the step
-            (``predicted_bytes[k] + correction_bytes[k]`` is within the budget; empty for a
-            placeholder).
-    """
-
-    epoch: int
-    index: int
-    microbatches: List[Any]
-    records: List[Tuple[int, ...]]
-    weights: List[float]
-    placeholder: bool = False
-    predicted_bytes: List[float] = field(default_factory=list)
-    correction_bytes: List[float] = field(default_factory=list)
-
-    def pin_memory(self) -> "PlannedStep":
-        """Pins every microbatch's tensors (called by a DataLoader with ``pin_memory=True``)."""
-        from torch.utils.data._utils.pin_memory import pin_memory
-
-        self.microbatches = [pin_memory(batch) for batch in self.microbatches]
-        return self
 
 
 @dataclass(frozen=True)
@@ -98,8 +64,8 @@ class _StepDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key: _StepKey) -> PlannedStep:
         batches = [self.collate_fn([self.dataset[i] for i in microbatch]) for microbatch in key.microbatches]
-        return PlannedStep(key.epoch, key.index, batches, list(key.microbatches), list(key.weights), key.placeholder,
-                           list(key.predicted_bytes), list(key.correction_bytes))
+        return PlannedStep(key.epoch, key.index, key.rank, key.world_size, batches, key.microbatches, key.weights,
+                           key.placeholder, key.predicted_bytes, key.correction_bytes)
 
 
 def _only_item(items: List[PlannedStep]) -> PlannedStep:
@@ -123,6 +89,7 @@ class _StepBatchSampler(torch.utils.data.Sampler):
     def __iter__(self) -> Iterator[List[_StepKey]]:
         sampler = self.sampler_of()
         sampler.set_epoch(self.epoch)
+        rank, world = int(sampler.rank), int(sampler.world_size)
         for index, step in enumerate(sampler.steps()):
             microbatches = tuple(tuple(int(i) for i in np.asarray(mb, dtype=np.int64).reshape(-1))
                                  for mb in step.microbatches)
@@ -130,10 +97,10 @@ class _StepBatchSampler(torch.utils.data.Sampler):
             kept = [(mb, w, float(p), float(c)) for mb, w, p, c in
                     zip(microbatches, weights, step.predicted_bytes, step.correction_bytes) if len(mb) > 0]
             if kept:
-                yield [_StepKey(self.epoch, index, tuple(k[0] for k in kept), tuple(k[1] for k in kept), False,
-                                tuple(k[2] for k in kept), tuple(k[3] for k in kept))]
+                yield [_StepKey(self.epoch, index, rank, world, tuple(k[0] for k in kept), tuple(k[1] for k in kept),
+                                False, tuple(k[2] for k in kept), tuple(k[3] for k in kept))]
             else:  # this rank's share is empty: one zero-weight batch of record 0 joins the all-reduce
-                yield [_StepKey(self.epoch, index, ((0,),), (0.0,), True)]
+                yield [_StepKey(self.epoch, index, rank, world, ((0,),), (0.0,), True)]
 
 
 class _StepLoader(torch.utils.data.DataLoader):

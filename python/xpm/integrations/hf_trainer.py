@@ -24,8 +24,8 @@ Or a sampler of one's own (``batch_sampler=``), probed and built by hand:
 
 How it fits the Trainer's loop (transformers 5.17):
 
-- ``get_train_dataloader`` returns a ``DataLoader`` with one item per optimizer step (a
-  ``PlannedStep``: the step's collated microbatches). Its length is the sampler's steps per
+- ``get_train_dataloader`` returns a ``DataLoader`` with one item per optimizer step (an
+  ``xpm.PlannedStep``: the step's collated microbatches). Its length is the sampler's steps per
   epoch, so the Trainer's epoch arithmetic, its prefetch of ``gradient_accumulation_steps``
   items (1) and ``skip_first_batches`` on resume work on whole steps. The loader is not passed
   through ``accelerator.prepare``: the sampler already gives every rank its own share of every
@@ -56,10 +56,11 @@ sampler decides the order), a sampler planned for another world size, and
 decide) with a sampler of one's own. Importing this module imports ``transformers``.
 
 This module holds the mixin and the classes made with it; its parts are in ``hf_step_loader``
-(the step loader, ``PlannedStep``, ``MicrobatchRecord``), ``hf_settings`` (the settings refused),
-``hf_self_planning`` (planning by itself), ``hf_model_checks`` (the model's checks before the
-first step) and ``hf_checkpoints`` (the sampler's state, ``SAMPLER_STATE_NAME``); every name
-stays importable from here.
+(the step loader, whose items are ``xpm.PlannedStep``, and ``MicrobatchRecord``),
+``hf_settings`` (the settings refused), ``hf_self_planning`` (planning by itself),
+``hf_model_checks`` (the model's checks before the first step) and ``hf_checkpoints`` (the
+sampler's state, ``SAMPLER_STATE_NAME``); every name stays importable from here (``PlannedStep``
+too, the same class as ``xpm.PlannedStep``).
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
 from ..meters import planned_peak_bytes, start_peak
+from ..planned_step import PlannedStep
 from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, PackerName
 from ..probe_options import ProbeOptions
 from ..sampler import PredictiveBatchSampler
@@ -85,8 +87,8 @@ from .hf_model_checks import check_records_kept_apart, loss_divides_by_items
 from .hf_planning import AutomaticPlanning, PlannedMemory, label_items, planning_mode
 from .hf_self_planning import plan_by_itself
 from .hf_settings import _REFUSED_SAMPLING_STRATEGIES, _one_item_per_step, check_settings
-from .hf_step_loader import (MicrobatchRecord, PlannedStep, _masked_labels, _only_item, _StepBatchSampler,
-                             _StepDataset, _StepKey, _StepLoader)
+from .hf_step_loader import (MicrobatchRecord, _masked_labels, _only_item, _StepBatchSampler, _StepDataset, _StepKey,
+                             _StepLoader)
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +284,7 @@ class PlannedTrainerMixin:
 
     # ---- data
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
-        """One item per optimizer step (a ``PlannedStep``); not passed through
+        """One item per optimizer step (an ``xpm.PlannedStep``); not passed through
         ``accelerator.prepare`` (module docstring).
 
         Returns:
@@ -342,7 +344,7 @@ class PlannedTrainerMixin:
                 break
         for step in steps:
             if not isinstance(step, PlannedStep):
-                raise ValueError(f"PlannedTrainer: the train loader must yield xpm PlannedStep items (from "
+                raise ValueError(f"PlannedTrainer: the train loader must yield xpm.PlannedStep items (from "
                                  f"get_train_dataloader), got {type(step).__name__}")
         counted = [_masked_labels(batch) if step.placeholder else batch
                    for step in steps for batch in step.microbatches]

@@ -25,13 +25,16 @@ optimizer step, manual optimization, one gradient all-reduce per step.
             optimizer = self.optimizers()
             optimizer.step()
             optimizer.zero_grad()
-            self.log("loss", loss, batch_size=max(step.records, 1), sync_dist=True)   # the outer batch's mean loss
+            self.log("loss", loss, batch_size=max(step.record_count, 1), sync_dist=True)   # the outer batch's mean loss
 
 Why this shape:
 
 - Lightning's ``accumulate_grad_batches`` is a fixed count; the planner gives every step as many
-  microbatches as fit, so each dataloader item is a whole step (``PlannedStep``) and the
-  LightningModule runs its microbatches with manual optimization.
+  microbatches as fit, so each dataloader item is a whole step (``xpm.PlannedStep``, also
+  importable from here) and the LightningModule runs its microbatches with manual optimization.
+  It is a plain object, not a collection: Lightning hands it to ``training_step`` as it is, and
+  ``microbatches`` moves each microbatch to the device just before its forward. A rank whose
+  share of an outer batch is empty gets a step with no microbatch.
 - Under DDP, every rank issues the same collectives per step: ``backward_microbatches`` runs all
   but a rank's last microbatch inside ``strategy.block_backward_sync()`` (DDP's ``no_sync``), so
   each rank all-reduces once per step, at its last backward; a rank whose share of an outer batch
@@ -65,6 +68,7 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
 
 from ..meters import planned_peak_bytes, start_peak
 from ..outside_probes import trainable_gradient_bytes
+from ..planned_step import PlannedStep
 from ..planning import CostFormula, MemoryModel
 from ..sampler import PredictiveBatchSampler
 
@@ -78,51 +82,8 @@ def _sampler_rank_and_world(sampler: PredictiveBatchSampler) -> Tuple[int, int]:
     return int(sampler.rank), int(sampler.world_size)
 
 
-class PlannedStep:
-    """One optimizer step of one rank: its microbatches, collated, with their weights.
-
-    A plain object (not a tensor collection), so Lightning hands it to ``training_step`` as it
-    is; ``microbatches`` moves each microbatch to the module's device just before its forward,
-    so only one microbatch's inputs are on the device at a time.
-
-    Attributes:
-        epoch: the epoch it was planned for.
-        index: the step's index in the epoch (the same step index on every rank).
-        rank: the rank whose share it is.
-        world_size: the ranks sharing the outer batch.
-        batches: ``[(batch, weight), ...]``: ``collate_fn`` of each microbatch's records and the
-            weight of its mean loss; empty when this rank's share of the outer batch is empty.
-        indices: each microbatch's record indices into the dataset.
-        records: records of this rank's share.
-        predicted_bytes: each microbatch's predicted peak (for the sampler's calibration).
-        correction_bytes: each microbatch's correction, as the calibration planned the step
-            (``predicted_bytes[k] + correction_bytes[k]`` is within the budget).
-    """
-
-    __slots__ = ("epoch", "index", "rank", "world_size", "batches", "indices", "predicted_bytes", "correction_bytes")
-
-    def __init__(self, epoch: int, index: int, rank: int, world_size: int, batches: List[Tuple[Any, float]],
-                 indices: List[List[int]], predicted_bytes: Optional[List[float]] = None,
-                 correction_bytes: Optional[List[float]] = None):
-        self.epoch, self.index, self.rank, self.world_size = epoch, index, rank, world_size
-        self.batches, self.indices = batches, indices
-        self.predicted_bytes = list(predicted_bytes or [])
-        self.correction_bytes = list(correction_bytes or [0.0] * len(self.predicted_bytes))
-
-    @property
-    def records(self) -> int:
-        return sum(len(i) for i in self.indices)
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __repr__(self) -> str:
-        return (f"PlannedStep(epoch={self.epoch}, index={self.index}, rank={self.rank}/{self.world_size}, "
-                f"microbatches={len(self.batches)}, records={self.records})")
-
-
 class PlannedSteps(IterableDataset):
-    """This rank's steps of one epoch, one ``PlannedStep`` per item, planned by ``sampler``.
+    """This rank's steps of one epoch, one ``xpm.PlannedStep`` per item, planned by ``sampler``.
 
     An ``IterableDataset``, so Lightning does not re-shard it among the ranks. With
     ``num_workers > 0`` each DataLoader worker collates every ``num_workers``-th step, and the
@@ -161,17 +122,17 @@ class PlannedSteps(IterableDataset):
         for index, step in enumerate(self.sampler.steps()):
             if index % workers != worker_id:
                 continue
-            batches, indices, predicted, corrections = [], [], [], []
-            for microbatch, weight, bytes_, correction in zip(step.microbatches, step.weights, step.predicted_bytes,
-                                                              step.correction_bytes):
-                if len(microbatch) == 0:
-                    continue
-                records = [int(i) for i in microbatch]
-                batches.append((self.collate_fn([self.dataset[i] for i in records]), float(weight)))
-                indices.append(records)
-                predicted.append(float(bytes_))
-                corrections.append(float(correction))
-            yield PlannedStep(epoch, index, rank, world, batches, indices, predicted, corrections)
+            yield self._collated(epoch, index, rank, world, step)
+
+    def _collated(self, epoch: int, index: int, rank: int, world: int, step: Any) -> PlannedStep:
+        """``step`` (an ``xpm.Step``) with its non-empty microbatches collated; an empty share has none."""
+        kept = [(tuple(int(i) for i in microbatch), float(weight), float(bytes_), float(correction))
+                for microbatch, weight, bytes_, correction in zip(step.microbatches, step.weights,
+                                                                  step.predicted_bytes, step.correction_bytes)
+                if len(microbatch) > 0]
+        batches = [self.collate_fn([self.dataset[i] for i in k[0]]) for k in kept]
+        return PlannedStep(epoch, index, rank, world, batches, [k[0] for k in kept], [k[1] for k in kept],
+                           predicted_bytes=[k[2] for k in kept], correction_bytes=[k[3] for k in kept])
 
 
 class _PlannedStepLoader(DataLoader):
@@ -189,7 +150,7 @@ class _PlannedStepLoader(DataLoader):
 
 def planned_dataloader(trainer: "pl.Trainer", dataset: Any, sampler: PredictiveBatchSampler,
                        collate_fn: Callable[[list], Any], *, num_workers: int = 0, **dataloader_kwargs: Any) -> DataLoader:
-    """The training DataLoader: one ``PlannedStep`` per optimizer step, re-planned each epoch.
+    """The training DataLoader: one ``xpm.PlannedStep`` per optimizer step, re-planned each epoch.
 
     Return it from ``train_dataloader()`` (or a ``LightningDataModule``'s). Works with any
     ``Trainer(use_distributed_sampler=...)``: the loader is already this rank's share.
@@ -201,12 +162,13 @@ def planned_dataloader(trainer: "pl.Trainer", dataset: Any, sampler: PredictiveB
         sampler: the planner, built with ``rank=trainer.global_rank``, ``world_size=trainer.world_size``.
         collate_fn: records to a microbatch.
         num_workers: DataLoader worker processes (each collates every ``num_workers``-th step).
-        **dataloader_kwargs: other DataLoader arguments (``pin_memory``, ``prefetch_factor``, ...);
+        **dataloader_kwargs: other DataLoader arguments (``pin_memory``: pins each step's
+            microbatches, ``prefetch_factor``, ...);
             not ``batch_size``, ``shuffle``, ``sampler``, ``batch_sampler``, ``collate_fn`` (the
             plan decides them) nor ``persistent_workers`` (workers must see each epoch's plan).
 
     Returns:
-        A ``torch.utils.data.DataLoader`` of ``PlannedStep`` items, ``len()`` steps per epoch.
+        A ``torch.utils.data.DataLoader`` of ``xpm.PlannedStep`` items, ``len()`` steps per epoch.
 
     Raises:
         ValueError: the sampler's rank or world size is not the trainer's, or an argument the plan
@@ -293,11 +255,11 @@ def microbatches(module: "pl.LightningModule", step: PlannedStep, *, sampler: Op
     """
     _check_step(module, step)
     calibrating = sampler is not None and meter is not None and sampler.calibration is not None
-    if not step.batches:
+    if not step.microbatches:
         module.manual_backward(_zero_loss(module))
     block = getattr(module.trainer.strategy, "block_backward_sync", contextlib.nullcontext)
-    last = len(step.batches) - 1
-    for k, (batch, weight) in enumerate(step.batches):
+    last = len(step.microbatches) - 1
+    for k, (batch, weight) in enumerate(zip(step.microbatches, step.weights)):
         moved = _transfer(module, batch)
         if calibrating:
             start_peak(meter)

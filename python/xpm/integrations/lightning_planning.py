@@ -47,13 +47,14 @@ from torch.utils.data import DataLoader, RandomSampler
 import lightning.pytorch as pl
 
 from ..meters import Meter, planned_peak_bytes, start_peak
+from ..planned_step import PlannedStep
 from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, MemoryBudget, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome, probe
 from ..sampler import PredictiveBatchSampler
 from .dataset_probes import (ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
                              drop_in_probe_options, packer_for, probes_summary, refuse_records_over_budget)
-from .lightning import PlannedStep, _transfer, planned_dataloader
+from .lightning import _transfer, planned_dataloader
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ class PlannedMicrobatches(pl.Callback):
 
     # ---- every step
     def _wrap_training_step(self, pl_module: "pl.LightningModule") -> None:
-        """The module's ``training_step`` as Lightning calls it with a whole step's ``PlannedStep``,
+        """The module's ``training_step`` as Lightning calls it with a whole step's ``xpm.PlannedStep``,
         and its ``optimizer_zero_grad``, which Lightning calls between ``training_step`` and the
         backward: the step's gradients are zeroed before its first microbatch instead, and that
         call keeps what the earlier microbatches accumulated."""
@@ -266,8 +267,8 @@ class PlannedMicrobatches(pl.Callback):
         step, self._pending = self._pending, None
         if step is None or self.sampler is None:
             return
-        if step.batches:
-            self._record(step, len(step.batches) - 1)
+        if step.microbatches:
+            self._record(step, len(step.microbatches) - 1)
         if self.sampler.calibration is not None:
             line = self.sampler.end_step(step.index)
             if line is not None:

@@ -186,8 +186,10 @@ def test_accumulated_gradient_of_a_planned_outer_batch_equals_one_big_batch(setu
     loader.set_epoch(0)
     steps, num_items = trainer.get_batch_samples(iter(loader), 1, trainer.args.device)
     step = steps[0]
-    assert isinstance(step, PlannedStep) and len(step.microbatches) >= 2
+    assert type(step) is PlannedStep is xpm.PlannedStep and len(step.microbatches) >= 2
+    assert (step.rank, step.world_size, step.placeholder) == (0, 1, False)
     records = [i for microbatch in step.records for i in microbatch]
+    assert step.record_count == len(records) and step.indices == [list(r) for r in step.records]
     big = example.pad_collate([trainer.train_dataset[i] for i in records])
     label_tokens = int(big["labels"][..., 1:].ne(-100).sum())
     assert int(num_items) == label_tokens == int(sum(setup["lengths"][records] - 1))

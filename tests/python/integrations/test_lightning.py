@@ -13,6 +13,7 @@ lengths.
 import json
 import os
 import pathlib
+import pickle
 import signal
 import subprocess
 import sys
@@ -448,6 +449,52 @@ def test_workers_collate_the_same_steps_in_the_same_order():
     finally:
         METER.capacity_bytes = 0
     assert runs[0] == runs[1] and len(runs[0]) == module.sampler.steps_per_epoch()
+
+
+def test_both_integrations_yield_xpm_planned_step_with_lightnings_earlier_fields(monkeypatch):
+    """One step type: the HF Trainer's and Lightning's loaders yield ``xpm.PlannedStep``, whose
+    ``batches``, ``indices`` and ``record_count`` (Lightning's earlier fields) follow its
+    ``microbatches``, ``records`` and ``weights``; Lightning's batch transfer hands it on as it is
+    (no collection, unlike a dataclass), and it pickles for DataLoader workers."""
+    pytest.importorskip("transformers")
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    from xpm.integrations import hf_trainer
+
+    assert hf_trainer.PlannedStep is xpm_lightning.PlannedStep is xpm.PlannedStep
+    texts = _texts(50)
+    module = BigramModule(texts, sampler_world_size=1)
+    module.setup("fit")
+    try:
+        steps = list(xpm_lightning.planned_dataloader(_trainer(1), texts, module.sampler, _collate))
+        module.sampler.set_epoch(0)
+        planned = [[tuple(m.tolist()) for m in step.microbatches if len(m)] for step in module.sampler.steps()]
+    finally:
+        METER.capacity_bytes = 0
+    assert [step.records for step in steps] == planned and any(len(step) > 1 for step in steps)
+    for step in steps:
+        assert type(step) is xpm.PlannedStep and (step.rank, step.world_size, step.placeholder) == (0, 1, False)
+        assert [(id(b), w) for b, w in step.batches] == [(id(b), w) for b, w in zip(step.microbatches, step.weights)]
+        assert step.indices == [list(r) for r in step.records] and len(step) == len(step.microbatches)
+        rows = sum(b["chars"].shape[0] for b in step.microbatches)
+        assert step.record_count == sum(len(r) for r in step.records) == rows
+        assert len(step.predicted_bytes) == len(step.correction_bytes) == len(step)
+        assert move_data_to_device(step, torch.device("cpu")) is step
+        again = pickle.loads(pickle.dumps(step))
+        assert (again.epoch, again.index, again.records, again.weights, again.predicted_bytes) == \
+            (step.epoch, step.index, step.records, step.weights, step.predicted_bytes)
+        assert all(torch.equal(a["chars"], b["chars"]) for a, b in zip(again.microbatches, step.microbatches))
+    assert repr(steps[0]).startswith("PlannedStep(epoch=0, index=0, rank=0/1, microbatches=")
+    assert "tensor" not in repr(steps[0])
+    empty = xpm.PlannedStep(0, 3, 1, 2, [], [], [])  # Lightning's empty share: no microbatch
+    assert (empty.batches, empty.indices, empty.record_count, len(empty)) == ([], [], 0, 0)
+    stand_in = xpm.PlannedStep(0, 3, 1, 2, [{"chars": torch.zeros(1, 3)}], [(0,)], [0.0], placeholder=True)
+    assert stand_in.record_count == 0 and stand_in.indices == [[0]] and "placeholder" in repr(stand_in)
+    monkeypatch.setattr("torch.utils.data._utils.pin_memory.pin_memory", lambda batch: ("pinned", batch))
+    first = steps[0].microbatches[0]
+    assert steps[0].pin_memory() is steps[0] and steps[0].batches[0][0] == ("pinned", first)
+    with pytest.raises(ValueError, match="microbatches, records and weights must be as long as each other"):
+        xpm.PlannedStep(0, 0, 0, 1, [first], [(0,), (1,)], [1.0])
 
 
 class _PlainLoaderModule(BigramModule):
