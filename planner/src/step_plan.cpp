@@ -55,6 +55,36 @@ void split_to(std::size_t target, MicrobatchPlan& plan, const std::vector<std::v
   }
 }
 
+// The prediction of `microbatch` by `phase` where it has a fit: never above the steady one.
+double phase_prediction(const Microbatch& microbatch, const MemoryModel* phase) {
+  return phase == nullptr ? microbatch.predicted_bytes
+                          : std::min(microbatch.predicted_bytes, phase->predict_bytes(microbatch.dims));
+}
+
+// `plan`'s first and last microbatches with records predicted in their phases (step_plan.hpp).
+void predict_phases(MicrobatchPlan& plan, const StepPhaseModels& phases) {
+  std::vector<Microbatch>& microbatches = plan.microbatches;
+  if (microbatches.empty()) return;
+  const bool alone = microbatches.size() == 1;
+  Microbatch& first = microbatches.front();
+  Microbatch& last = microbatches.back();
+  const double last_synchronised = phase_prediction(last, phases.synchronised);
+  if (!first.record_indices.empty()) {
+    first.predicted_bytes = phase_prediction(first, alone ? phases.first_alone : phases.first_of_several);
+  }
+  if (last.record_indices.empty() || phases.synchronised == nullptr) return;
+  last.predicted_bytes = alone ? std::max(last.predicted_bytes, last_synchronised) : last_synchronised;
+}
+
+void check_phase_formulas(const StepPhaseModels& phases, const MemoryModel& model) {
+  for (const MemoryModel* phase : {phases.first_of_several, phases.first_alone, phases.synchronised}) {
+    if (phase != nullptr && phase->formula().canonical() != model.formula().canonical()) {
+      throw std::invalid_argument("plan_step: a phase model's formula '" + phase->formula().canonical() +
+                                  "' is not the model's '" + model.formula().canonical() + "'");
+    }
+  }
+}
+
 }  // namespace
 
 StepPlan plan_step(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
@@ -69,6 +99,7 @@ StepPlan plan_step(const std::vector<std::vector<double>>& record_dims, const Me
   if (planning_bytes <= 0) {
     throw std::invalid_argument("plan_step: planning_bytes must be > 0, got " + std::to_string(planning_bytes));
   }
+  check_phase_formulas(options.phases, model);
   const auto world = static_cast<std::int64_t>(options.world_size);
   const std::int64_t share_records =
       std::max<std::int64_t>(1, (static_cast<std::int64_t>(record_dims.size()) + world - 1) / world);
@@ -82,10 +113,12 @@ StepPlan plan_step(const std::vector<std::vector<double>>& record_dims, const Me
         pack_share(record_dims, step.assignment.records_per_rank[static_cast<std::size_t>(rank)], model, packer,
                    planning_bytes);
   }
-  if (!options.lockstep) return step;
-  std::size_t target = 1;
-  for (const MicrobatchPlan& plan : step.rank_plans) target = std::max(target, plan.microbatches.size());
-  for (MicrobatchPlan& plan : step.rank_plans) split_to(target, plan, record_dims, model);
+  if (options.lockstep) {
+    std::size_t target = 1;
+    for (const MicrobatchPlan& plan : step.rank_plans) target = std::max(target, plan.microbatches.size());
+    for (MicrobatchPlan& plan : step.rank_plans) split_to(target, plan, record_dims, model);
+  }
+  for (MicrobatchPlan& plan : step.rank_plans) predict_phases(plan, options.phases);
   return step;
 }
 

@@ -103,17 +103,20 @@ py::tuple pack(const std::string& packer, const std::string& sort_by, const Doub
   return flat_plan(plan, variables);
 }
 
-// plan_step (step_plan.hpp): (shares, [flat plan of each rank]), indices into the outer batch.
+// plan_step (step_plan.hpp): (shares, [flat plan of each rank]), indices into the outer batch;
+// the phase models (StepPhaseModels) None where the model has no fit of that phase.
 py::tuple plan_step(const std::string& packer, const std::string& sort_by, const DoubleArray& record_dims,
                     const xpm::MemoryModel& model, std::int64_t planning_bytes, int world_size, bool lockstep,
-                    int only_rank) {
+                    int only_rank, const xpm::MemoryModel* first_of_several, const xpm::MemoryModel* first_alone,
+                    const xpm::MemoryModel* synchronised) {
   const std::size_t variables = model.formula().variable_names().size();
   const std::vector<std::vector<double>> rows = rows_of(record_dims, variables, "record dims");
   const std::shared_ptr<const xpm::MicrobatchPacker> chosen = packer_named(packer, sort_by);
   xpm::StepPlan step;
   {
     py::gil_scoped_release release;
-    step = xpm::plan_step(rows, model, *chosen, planning_bytes, {world_size, lockstep, only_rank});
+    step = xpm::plan_step(rows, model, *chosen, planning_bytes,
+                          {world_size, lockstep, only_rank, {first_of_several, first_alone, synchronised}});
   }
   py::list plans;
   for (const xpm::MicrobatchPlan& plan : step.rank_plans) plans.append(flat_plan(plan, variables));
@@ -449,7 +452,9 @@ PYBIND11_MODULE(_planner, m) {
   bind_fit(m);
   bind_calibration(m);
   m.def("pack", &pack);
-  m.def("plan_step", &plan_step);
+  m.def("plan_step", &plan_step, py::arg("packer"), py::arg("sort_by"), py::arg("record_dims"), py::arg("model"),
+        py::arg("planning_bytes"), py::arg("world_size"), py::arg("lockstep"), py::arg("only_rank"),
+        py::arg("first_of_several") = nullptr, py::arg("first_alone") = nullptr, py::arg("synchronised") = nullptr);
   m.def("packer_names", &xpm::packer_names);
   // The planner's defaults, so the Python options start from the same values (one source).
   const xpm::PredictiveBatcherOptions batcher;

@@ -257,9 +257,9 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
     def _steps_of(self, records: np.ndarray, index: int, ranks: Sequence[int]) -> List[Step]:
         """Step ``index`` (an outer batch's ``records``) of each of ``ranks``; with lockstep
         every share is packed once, for the counts and for the ranks asked."""
-        plans = self._packing.packed_shares(records, ranks, self._planning_bytes(index))
+        plans = self._packing.packed_shares(records, ranks, self._planning_bytes(index), self._first_phase)
         total_units, correction = float(self._units[records].sum()), self.planned_correction(index)
-        return [self._packing.step_of(plan, total_units, self._first_phase, correction) for plan in plans]
+        return [self._packing.step_of(plan, total_units, correction) for plan in plans]
 
     def planned_correction(self, step: int) -> Correction:
         """The calibration's correction step ``step`` of this epoch is planned with (each of its

@@ -1,13 +1,13 @@
 """The sampler's packing: an outer batch shared among the ranks and each share packed into
 microbatches under the budget, in lockstep split further to the count the largest share packs
-into (the planner core's ``plan_step``, the policy the C++ data-parallel step runs too), and the
-``Step`` of a packed share (its weights, the gradient phase of its first and last microbatch,
-each prediction's correction).
+into, and each rank's first and last microbatch predicted in its gradient phase (the planner
+core's ``plan_step``, the policy the C++ data-parallel step runs too), and the ``Step`` of a
+packed share (its weights, each prediction's correction).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -44,16 +44,22 @@ class StepPacking:
     world_size: int
     lockstep: bool
 
-    def packed_shares(self, records: np.ndarray, ranks: Sequence[int], budget: int) -> List[Packed]:
+    def packed_shares(self, records: np.ndarray, ranks: Sequence[int], budget: int,
+                      first_phase: GradientPhase) -> List[Packed]:
         """The packed shares of ``ranks`` of one outer batch, by the planner core's step plan
         (``plan_step``, step_plan.hpp: the shares balanced by predicted cost, each packed under
-        the budget, in lockstep split to the most microbatches any share packs into). A share
-        without records packs into one empty microbatch.
+        the budget, in lockstep split to the most microbatches any share packs into; a share's
+        first microbatch predicted in ``first_phase``, without the floor when the share has
+        several, and its last one, under FSDP2's accumulation, in the "synchronised" phase,
+        where the model has fits of them). A share without records packs into one empty
+        microbatch.
 
         Args:
             records: the outer batch's record indices (into the dataset).
             ranks: the ranks whose shares are wanted.
             budget: what each microbatch's prediction must fit, bytes.
+            first_phase: the phase each step's first microbatch runs in ("with_gradients":
+                every microbatch predicted by the steady model).
 
         Returns:
             One packed share per rank of ``ranks``, in that order; record indices into the dataset.
@@ -61,8 +67,18 @@ class StepPacking:
         sort_by = _sort_by_or_default(self.sort_by, self.model)
         only_rank = ranks[0] if len(ranks) == 1 and not self.lockstep else -1
         _, plans = _planner.plan_step(self.packer, sort_by, self.dims[records], self.model._native, int(budget),
-                                      self.world_size, self.lockstep, int(only_rank))
+                                      self.world_size, self.lockstep, int(only_rank), **self._phase_models(first_phase))
         return [self._of_outer_batch(Plan(*plans[rank]), records) for rank in ranks]
+
+    def _phase_models(self, first_phase: GradientPhase) -> Dict[str, Optional[_planner.MemoryModel]]:
+        """plan_step's phase models (step_plan.hpp, StepPhaseModels): None where the model has no
+        fit of the phase, all None when the first microbatch runs with the gradients held."""
+        if first_phase == "with_gradients":
+            return {}
+        model = self.model
+        return {"first_of_several": model._phase_native(first_phase, floor=False),
+                "first_alone": model._phase_native(first_phase),
+                "synchronised": model._phase_native("synchronised")}
 
     def _of_outer_batch(self, plan: Plan, records: np.ndarray) -> Packed:
         if len(plan) == 0:
@@ -71,32 +87,19 @@ class StepPacking:
         return ([records[k] for k in plan.microbatches], [row.copy() for row in plan.dims],
                 [float(b) for b in plan.predicted_bytes])
 
-    def step_of(self, packed: Packed, total_units: float, first_phase: GradientPhase,
-                correction: Correction) -> Step:
-        """A ``Step`` of a share's packed microbatches: their weights, the first microbatch's
-        phase, each prediction's correction.
+    def step_of(self, packed: Packed, total_units: float, correction: Correction) -> Step:
+        """A ``Step`` of a share's packed microbatches: their weights, each prediction's
+        correction.
 
         Args:
-            packed: the packed share (its predictions are updated in place).
+            packed: the packed share.
             total_units: the whole outer batch's units (all ranks).
-            first_phase: the phase of each step's first microbatch.
             correction: the calibration's correction the step is planned with.
 
         Returns:
             The step.
         """
         microbatches, dims, predicted = packed
-        model = self.model
-        if first_phase != "with_gradients" and len(microbatches[0]):
-            # A first of several microbatches runs no optimizer step: its phase without the floor.
-            predicted[0] = float(model.predict(dims[0], first_phase, floor=len(microbatches) == 1))
-        # FSDP2's last microbatch reduce-scatters, the sharded gradients set to None (as the phase was measured).
-        if first_phase != "with_gradients" and "synchronised" in model.phases and len(microbatches[-1]):
-            last = len(microbatches) - 1
-            synchronised = float(model.predict(dims[last], "synchronised"))
-            # A step of one microbatch starts without gradients and reduce-scatters too: the larger
-            # of its two phases (each at most the steady prediction), never the smaller.
-            predicted[last] = max(predicted[last], synchronised) if last == 0 else min(predicted[last], synchronised)
         scale = self.world_size / total_units if total_units > 0 else 0.0
         return Step(microbatches, [scale * float(self.units[mb].sum()) for mb in microbatches], total_units,
                     dims, predicted, [correction.bytes_for(p) if len(mb) else 0.0

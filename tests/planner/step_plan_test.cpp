@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,21 +25,43 @@ std::vector<std::vector<double>> outer_batch_dims(const nlohmann::json& lengths)
   return dims;
 }
 
+// The table's phase models (StepPhaseModels) for a case marked "phases", else none.
+struct CasePhases {
+  std::optional<xpm::MemoryModel> first_of_several, first_alone, synchronised;
+
+  CasePhases(const nlohmann::json& table, const nlohmann::json& c) {
+    if (!c.value("phases", false)) return;
+    const nlohmann::json& models = table.at("phase_models");
+    first_of_several.emplace(xpm::MemoryModel::from_json(models.at("first_of_several")));
+    first_alone.emplace(xpm::MemoryModel::from_json(models.at("first_alone")));
+    synchronised.emplace(xpm::MemoryModel::from_json(models.at("synchronised")));
+  }
+
+  xpm::StepPhaseModels models() const {
+    if (!first_of_several) return {};
+    return {&*first_of_several, &*first_alone, &*synchronised};
+  }
+};
+
 }  // namespace
 
 // The table the Python sampler checks too (tests/python/test_step_plans.py): the C++
 // data-parallel step and the sampler plan every step alike.
 TEST_CASE("plan_step gives the shared table's shares and microbatches, every rank's plan within the budget") {
   const nlohmann::json table = step_plan_table();
-  const xpm::MemoryModel model = xpm::MemoryModel::from_json(table.at("model"));
-  REQUIRE(table.at("cases").size() >= 6);
+  const xpm::MemoryModel steady_model = xpm::MemoryModel::from_json(table.at("model"));
+  const xpm::MemoryModel phase_model = xpm::MemoryModel::from_json(table.at("phase_model"));
+  REQUIRE(table.at("cases").size() >= 8);
   for (const auto& c : table.at("cases")) {
     CAPTURE(c.at("name").get<std::string>());
+    const CasePhases phases(table, c);
+    const xpm::MemoryModel& model = c.value("phases", false) ? phase_model : steady_model;
     const xpm::PackerKind kind = xpm::parse_packer_kind(c.at("packer").get<std::string>(), "packer");
     const auto packer = xpm::make_packer(kind, xpm::packer_takes_sort_by(kind) ? "l" : "");
     xpm::StepPlanOptions options;
     options.world_size = c.at("world_size").get<int>();
     options.lockstep = c.at("lockstep").get<bool>();
+    options.phases = phases.models();
     const auto budget = c.at("planning_bytes").get<std::int64_t>();
     const xpm::StepPlan step = xpm::plan_step(outer_batch_dims(c.at("lengths")), model, *packer, budget, options);
     const auto& ranks = c.at("ranks");
@@ -82,4 +105,9 @@ TEST_CASE("plan_step packs only the rank asked for without lockstep, and refuses
   options.world_size = 0;
   CHECK_THROWS_AS(xpm::plan_step(dims, model, *packer, 2'500'000, options), std::invalid_argument);
   CHECK_THROWS_AS(xpm::plan_step(dims, model, *packer, 0, {}), std::invalid_argument);
+  const xpm::MemoryModel other(xpm::CostFormula("a*bs*l + c", {"a", "c"}, {"bs", "l"}), {900.0, 1e6}, 0, "bs");
+  options = {};
+  options.phases.synchronised = &other;
+  CHECK_THROWS_WITH_AS(xpm::plan_step(dims, model, *packer, 2'500'000, options),
+                       doctest::Contains("plan_step: a phase model's formula"), std::invalid_argument);
 }

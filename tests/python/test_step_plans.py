@@ -1,7 +1,7 @@
 """The shared table of step plans (tests/planner/step_plans.json, written by
 tests/planner/make_step_plans.py): the Python sampler plans each step as the C++ plan_step does
 (tests/planner/step_plan_test.cpp checks the same table), so the sampler and the C++
-data-parallel step give the same shares and microbatches."""
+data-parallel step give the same shares and microbatches, and predict the gradient phases alike."""
 import json
 import pathlib
 
@@ -15,7 +15,7 @@ TABLE = json.loads((pathlib.Path(__file__).resolve().parents[1] / "planner" / "s
 
 @pytest.mark.parametrize("case", TABLE["cases"], ids=[c["name"] for c in TABLE["cases"]])
 def test_the_sampler_plans_each_rank_as_the_shared_table_says(case):
-    model = xpm.MemoryModel.from_json(json.dumps(TABLE["model"]))
+    model = xpm.MemoryModel.from_json(json.dumps(TABLE["phase_model" if case.get("phases") else "model"]))
     dims = np.array([[1.0, float(length)] for length in case["lengths"]])
     for rank, expected in enumerate(case["ranks"]):
         sampler = xpm.PredictiveBatchSampler(dims, model, case["planning_bytes"], outer_batch_size=len(dims),

@@ -17,7 +17,10 @@
 // share packs into, its microbatch of the most records (the first such) is halved in record
 // order (the first half one record longer when odd), which fits as the whole did; when every
 // microbatch holds one record, empty microbatches (zero dims) are added. An empty share's plan
-// has no microbatch (without lockstep). Pure and deterministic: every rank computes every
+// has no microbatch (without lockstep). Phases: where `options.phases` holds fits of the gradient
+// phases (StepPhaseModels), each rank's first and last microbatch are predicted in the phase they
+// run in; the packing is the steady model's, so each phase's prediction fits as the steady one
+// did. Pure and deterministic: every rank computes every
 // rank's plan alike from the same inputs, without communicating; nothing here communicates.
 #pragma once
 
@@ -30,10 +33,26 @@
 
 namespace xpm {
 
+/// Fits of the gradient phases a step's microbatches run in (the Python package probes them:
+/// docs/python.md), each a model of its own over the same formula; null: that phase is predicted
+/// by the steady model ("with gradients", what the probes measure). Not owned. A rank's first
+/// microbatch with records, when the step starts without gradients held (zero_grad(set_to_none)),
+/// is predicted by min(steady, first_of_several) when the plan has several microbatches (no
+/// optimizer step in it: a fit without the floor) or min(steady, first_alone) when it is the only
+/// one (with the floor). Its last microbatch with records, when it reduce-scatters the gradients
+/// (FSDP2's accumulation), by min(steady, synchronised); a plan of one microbatch by the larger
+/// of that and its first-phase prediction.
+struct StepPhaseModels {
+  const MemoryModel* first_of_several = nullptr;
+  const MemoryModel* first_alone = nullptr;
+  const MemoryModel* synchronised = nullptr;
+};
+
 struct StepPlanOptions {
   int world_size = 1;     // ranks sharing the outer batch, >= 1
   bool lockstep = false;  // every rank's plan the same number of microbatches
   int only_rank = -1;     // >= 0 and no lockstep: that rank's share alone is packed (the others' plans empty)
+  StepPhaseModels phases;  // none by default: every microbatch predicted by the steady model
 };
 
 struct StepPlan {
@@ -44,7 +63,7 @@ struct StepPlan {
 /// The step's plan of the outer batch `record_dims` (one row per record, the formula's variable
 /// order) under `model` and `planning_bytes` (above). Throws std::invalid_argument when
 /// world_size < 1, only_rank is out of range, planning_bytes <= 0, or a row's width is not the
-/// formula's variable count.
+/// formula's variable count, or a phase model's formula is not the model's.
 StepPlan plan_step(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
                    const MicrobatchPacker& packer, std::int64_t planning_bytes, const StepPlanOptions& options);
 
