@@ -258,22 +258,27 @@ class MemoryModel:
             parsed.pop("floor_formula", None)
         return _planner.MemoryModel.from_json(json.dumps(parsed))
 
-    def floor_at(self, dims: ArrayLike) -> np.ndarray:
-        """The prediction's floor at each row of ``dims`` (the constant floor, or the floor
-        formula where the optimizer step's peak grows with the dims), bytes.
+    def floor_at(self, dims: ArrayLike) -> Union[float, np.ndarray]:
+        """The prediction's floor at ``dims`` (the constant floor, or the floor formula where the
+        optimizer step's peak grows with the dims), bytes.
 
         Args:
-            dims: [n, variables] rows in the formula's variable order.
+            dims: one row of the formula's variables (in its order), or one row per microbatch
+                ([n, variables]); finite and >= 0.
 
         Returns:
-            A float64 [n] array.
+            A ``float`` for one row, a float64 [n] array for rows.
 
         Raises:
-            ValueError: dims of the wrong width, or a NaN, infinite or negative value.
+            ValueError: dims of the wrong width or shape, or a NaN, infinite or negative value.
         """
         if self._floor is None:
             self._floor = self._native_with({name: 0.0 for name in self.formula.coefficient_names}, 1.0)
-        return _planner.predict(self._floor, _matrix(dims, len(self.formula.variable_names), "dims"))
+        array = np.asarray(dims, dtype=np.float64)
+        single = array.ndim == 1
+        rows = _matrix(array.reshape(1, -1) if single else array, len(self.formula.variable_names), "dims")
+        out = _planner.predict(self._floor, rows)
+        return float(out[0]) if single else out
 
     def predict(self, dims: ArrayLike, phase: GradientPhase = "with_gradients", *,
                 floor: bool = True) -> Union[float, np.ndarray]:

@@ -66,10 +66,11 @@ class Step:
 
     Attributes:
         microbatches: record index arrays (int64) into the dataset, one per microbatch.
-        weights: the weight of each microbatch's mean loss.
+        weights: the weight of each microbatch's mean loss (``Microbatch.weight``).
         units: the whole outer batch's units (all ranks).
         dims: each microbatch's planned dims (``np.ndarray`` [variables]).
-        predicted_bytes: each microbatch's predicted peak bytes (``model.predict(dims)``).
+        predicted_bytes: each microbatch's predicted peak bytes (``Microbatch.predicted_bytes``:
+            ``model.predict(dims)``, the first and last microbatch in their gradient phases).
         correction_bytes: each microbatch's correction, as the step was planned with the
             calibration (``predicted_bytes + correction_bytes <= usable_bytes``).
     """

@@ -495,6 +495,17 @@ def test_both_integrations_yield_xpm_planned_step_with_lightnings_earlier_fields
     assert steps[0].pin_memory() is steps[0] and steps[0].batches[0][0] == ("pinned", first)
     with pytest.raises(ValueError, match="microbatches, records and weights must be as long as each other"):
         xpm.PlannedStep(0, 0, 0, 1, [first], [(0,), (1,)], [1.0])
+    assert empty and pickle.loads(pickle.dumps(stand_in, protocol=0)).records == [(0,)]
+    for kwargs, error, message in (
+            ({"records": [(1.5,)]}, TypeError, r"records\[0\]\[0\] must be an int, got 1.5"),
+            ({"microbatches": {"chars": first}}, TypeError, "microbatches must be a list or tuple"),
+            ({"rank": 2}, ValueError, r"rank must be in \[0, world_size\) = \[0, 2\), got 2"),
+            ({"weights": [float("nan")]}, ValueError, r"weights\[0\] must be a finite number >= 0"),
+            ({"predicted_bytes": [1.0, 2.0]}, ValueError, r"predicted_bytes must be empty or one per microbatch")):
+        arguments = {"epoch": 0, "index": 0, "rank": 0, "world_size": 2, "microbatches": [first], "records": [(0,)],
+                     "weights": [1.0], **kwargs}
+        with pytest.raises(error, match="^PlannedStep: " + message):
+            xpm.PlannedStep(**arguments)
 
 
 class _PlainLoaderModule(BigramModule):
