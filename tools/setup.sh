@@ -155,10 +155,23 @@ fetch_corpus() {
   log "Brown corpus unpacked into $target ($(ls "$target" | grep -c '^c[a-r][0-9]') files)"
 }
 
+# make test's peak on the repository's disk, measured on a fresh clone: .venv and .venv-cuda
+# (7 GB), the build with the Debian 13 chroot of its check (5 GB); the tests remove their
+# outputs as they pass. A warning, not a refusal: the need varies with the packages' sizes.
+test_disk_need_gb=12
+warn_if_disk_short() {
+  local free_kb
+  free_kb=$(df -Pk "$root" | awk 'NR == 2 { print $4 }')
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt $((test_disk_need_gb * 1024 * 1024)) ]; then
+    log "warning: $((free_kb / 1024 / 1024)) GB free on $root's disk; make test needs about $test_disk_need_gb GB on a fresh clone (less where .venv, .venv-cuda and build/ exist)"
+  fi
+}
+
 for_tests=0
 if [ "${1:-}" = "--test" ]; then
   for_tests=1
   shift
+  warn_if_disk_short
 fi
 case "${1:-}" in
   --packages-only) install_packages ;;
