@@ -6,7 +6,6 @@ It imports without torch (``pin_memory`` imports it when a DataLoader calls it).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from numbers import Integral, Real
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -140,15 +139,20 @@ def _count(value: Any, name: str, minimum: int = 0) -> int:
     return int(value)
 
 
+def _is_list(value: Any) -> bool:
+    """A list, tuple or range: not a string, a mapping (a collated dict) nor a tensor."""
+    return isinstance(value, (list, tuple, range))
+
+
 def _sequence(value: Any, name: str) -> Sequence[Any]:
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple, range)):
+    if not _is_list(value):
         raise TypeError(f"PlannedStep: {name} must be a list or tuple (one entry per microbatch), got "
                         f"{type(value).__name__}")
     return value
 
 
 def _record(value: Any, name: str) -> Tuple[int, ...]:
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple, range)):
+    if not _is_list(value):
         raise TypeError(f"PlannedStep: {name} must be a sequence of record indices (ints >= 0), got {value!r}")
     return tuple(_count(i, f"{name}[{k}]") for k, i in enumerate(value))
 

@@ -5,7 +5,7 @@ what ``sampler.steps()`` yields), and where each step begins among an epoch's mi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, List
+from typing import Iterable, List, Tuple
 
 import numpy as np
 
@@ -81,6 +81,19 @@ class Step:
     dims: List[np.ndarray] = field(default_factory=list)
     predicted_bytes: List[float] = field(default_factory=list)
     correction_bytes: List[float] = field(default_factory=list)
+
+    def nonempty_microbatches(self) -> Tuple[List[Tuple[int, ...]], List[float], List[float], List[float]]:
+        """The microbatches that hold records (lockstep pads a share with empty ones), as the
+        step loaders hand them out (``xpm.PlannedStep``'s fields).
+
+        Returns:
+            ``(records, weights, predicted_bytes, correction_bytes)``: each such microbatch's
+            record indices (a tuple of ints), weight, prediction and correction, in order.
+        """
+        kept = [(tuple(int(i) for i in np.asarray(mb, dtype=np.int64).reshape(-1)), float(w), float(p), float(c))
+                for mb, w, p, c in zip(self.microbatches, self.weights, self.predicted_bytes, self.correction_bytes)
+                if len(mb) > 0]
+        return ([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept], [k[3] for k in kept])
 
 
 

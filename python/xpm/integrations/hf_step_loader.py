@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Mapping, Optional, Tuple
 
-import numpy as np
 import torch
 
 from ..planned_step import PlannedStep
@@ -91,14 +90,10 @@ class _StepBatchSampler(torch.utils.data.Sampler):
         sampler.set_epoch(self.epoch)
         rank, world = int(sampler.rank), int(sampler.world_size)
         for index, step in enumerate(sampler.steps()):
-            microbatches = tuple(tuple(int(i) for i in np.asarray(mb, dtype=np.int64).reshape(-1))
-                                 for mb in step.microbatches)
-            weights = tuple(float(w) for w in step.weights)
-            kept = [(mb, w, float(p), float(c)) for mb, w, p, c in
-                    zip(microbatches, weights, step.predicted_bytes, step.correction_bytes) if len(mb) > 0]
-            if kept:
-                yield [_StepKey(self.epoch, index, rank, world, tuple(k[0] for k in kept), tuple(k[1] for k in kept),
-                                False, tuple(k[2] for k in kept), tuple(k[3] for k in kept))]
+            records, weights, predicted, corrections = step.nonempty_microbatches()
+            if records:
+                yield [_StepKey(self.epoch, index, rank, world, tuple(records), tuple(weights), False, tuple(predicted),
+                                tuple(corrections))]
             else:  # this rank's share is empty: one zero-weight batch of record 0 joins the all-reduce
                 yield [_StepKey(self.epoch, index, rank, world, ((0,),), (0.0,), True)]
 

@@ -126,13 +126,10 @@ class PlannedSteps(IterableDataset):
 
     def _collated(self, epoch: int, index: int, rank: int, world: int, step: Any) -> PlannedStep:
         """``step`` (an ``xpm.Step``) with its non-empty microbatches collated; an empty share has none."""
-        kept = [(tuple(int(i) for i in microbatch), float(weight), float(bytes_), float(correction))
-                for microbatch, weight, bytes_, correction in zip(step.microbatches, step.weights,
-                                                                  step.predicted_bytes, step.correction_bytes)
-                if len(microbatch) > 0]
-        batches = [self.collate_fn([self.dataset[i] for i in k[0]]) for k in kept]
-        return PlannedStep(epoch, index, rank, world, batches, [k[0] for k in kept], [k[1] for k in kept],
-                           predicted_bytes=[k[2] for k in kept], correction_bytes=[k[3] for k in kept])
+        records, weights, predicted, corrections = step.nonempty_microbatches()
+        batches = [self.collate_fn([self.dataset[i] for i in microbatch]) for microbatch in records]
+        return PlannedStep(epoch, index, rank, world, batches, records, weights, predicted_bytes=predicted,
+                           correction_bytes=corrections)
 
 
 class _PlannedStepLoader(DataLoader):
