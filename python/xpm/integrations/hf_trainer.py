@@ -334,7 +334,7 @@ class PlannedTrainerMixin:
             ``([step], num_items_in_batch)``, or ``([], None)`` at the epoch's end.
 
         Raises:
-            ValueError: the loader yields something other than a ``PlannedStep``.
+            TypeError: the loader yields something other than a ``PlannedStep``.
         """
         steps: List[PlannedStep] = []
         for _ in range(num_batches):
@@ -344,7 +344,7 @@ class PlannedTrainerMixin:
                 break
         for step in steps:
             if not isinstance(step, PlannedStep):
-                raise ValueError(f"PlannedTrainer: the train loader must yield xpm.PlannedStep items (from "
+                raise TypeError(f"PlannedTrainer: the train loader must yield xpm.PlannedStep items (from "
                                  f"get_train_dataloader), got {type(step).__name__}")
         counted = [_masked_labels(batch) if step.placeholder else batch
                    for step in steps for batch in step.microbatches]
@@ -390,10 +390,10 @@ class PlannedTrainerMixin:
             The step's loss (the outer batch's mean over this rank's share), detached.
 
         Raises:
-            ValueError: ``inputs`` is not a ``PlannedStep``.
+            TypeError: ``inputs`` is not a ``PlannedStep``.
         """
         if not isinstance(inputs, PlannedStep):
-            raise ValueError(f"PlannedTrainer.training_step takes a PlannedStep (one optimizer step's "
+            raise TypeError(f"PlannedTrainer.training_step takes a PlannedStep (one optimizer step's "
                              f"microbatches), got {type(inputs).__name__}")
         # One item is a whole optimizer step: the Trainer's division of the loss by the items of a
         # step is by 1; the sampler's weights (or num_items_in_batch) do the accumulation.

@@ -104,6 +104,8 @@ def test_any_trainer_subclass_runs_planned_steps_without_oom(setup, tmp_path):
     assert example.oom_count(setup["meter"]) == ooms and trainer.state.global_step == 3
     assert sorted(_steps_of(measured)) == [1, 2, 3] and len(measured) > 3
     assert planned_trainer_class(transformers.Seq2SeqTrainer).__name__ == "PlannedSeq2SeqTrainer"
+    with pytest.raises(TypeError, match=r"^PlannedTrainer.training_step takes a PlannedStep .*, got dict$"):
+        trainer.training_step(trainer.model, {"input_ids": torch.zeros(1, 2, dtype=torch.long)})
 
     with pytest.raises(TypeError, match=r"^Backwards: PlannedTrainerMixin goes before a transformers.Trainer class"):
         class Backwards(transformers.Trainer, PlannedTrainerMixin):
