@@ -1,5 +1,6 @@
 // fit_regimes.cpp — fit_coefficients: the fit of every point, or of every point but the
-// single-record probes when they lie below the trend of the others, or above it (then scaled:
+// single-record probes when they lie below the trend of the others (then fitted on their own
+// where they can be: FitSummary::single_record_coefficients), or above it (then scaled:
 // FitSummary::single_record_factor) (see fit.hpp, FitOptions::single_record_regime).
 #include <algorithm>
 #include <cmath>
@@ -50,11 +51,38 @@ double rel_error(const CostFormula& formula, const FitResult& fit, const Measure
   return (formula.predict(fit.coefficients, m.dims) - m.bytes) / m.bytes;
 }
 
+std::size_t distinct_shapes(const std::vector<Measurement>& measurements) {
+  std::vector<std::vector<double>> shapes;
+  for (const Measurement& m : measurements) shapes.push_back(m.dims);
+  std::sort(shapes.begin(), shapes.end());
+  return static_cast<std::size_t>(std::unique(shapes.begin(), shapes.end()) - shapes.begin());
+}
+
+// The fit of the single-record points alone (below the trend of the others): taken when they
+// hold two more distinct shapes than coefficients, and it is usable and explains each of them
+// within kExplained, fitted and held out. Empty otherwise (the formula cannot tell its terms
+// apart at batch size 1, or the points do not follow it).
+std::vector<double> single_record_coefficients(const CostFormula& formula, const std::vector<Measurement>& singles,
+                                               const FitOptions& options) {
+  if (distinct_shapes(singles) < formula.coefficient_names().size() + 2) return {};
+  FitOptions alone = options;
+  alone.single_record_regime = false;
+  try {
+    const FitResult fit = detail::fit_points(formula, singles, {}, alone);
+    const FitSummary& s = fit.summary;
+    if (s.usable && s.max_rel_error <= kExplained && s.leave_one_out_max_rel_error <= kExplained)
+      return fit.coefficients;
+  } catch (const std::invalid_argument&) {
+  }
+  return {};
+}
+
 // The fit of the other points, with the single-record points put back into the per-point
-// errors (the leave-one-out error of a left-out point is its error: it was left out).
+// errors (the leave-one-out error of a left-out point is its error: it was left out); below
+// the trend, with the fit of their own when they follow the formula alone.
 FitResult without_single_records(const CostFormula& formula,
                                  const std::vector<Measurement>& measurements, const Split& split,
-                                 FitResult rest) {
+                                 FitResult rest, const FitOptions& options) {
   FitSummary& s = rest.summary;
   std::vector<double> errors(measurements.size()), loo;
   const bool has_loo = !s.leave_one_out_rel_errors.empty();
@@ -75,6 +103,15 @@ FitResult without_single_records(const CostFormula& formula,
   for (std::size_t i : split.single) {
     errors[i] = (1 + errors[i]) * s.single_record_factor - 1;  // as the model predicts them
     if (has_loo) loo[i] = errors[i];
+  }
+  if (!above)
+    s.single_record_coefficients = single_record_coefficients(formula, select(measurements, split.single), options);
+  if (!s.single_record_coefficients.empty()) {
+    for (std::size_t i : split.single) {  // the smaller of the two fits, as the model predicts them
+      const double own = formula.predict(s.single_record_coefficients, measurements[i].dims);
+      errors[i] = std::min(errors[i], (own - measurements[i].bytes) / measurements[i].bytes);
+      if (has_loo) loo[i] = errors[i];
+    }
   }
   s.rel_errors = std::move(errors);
   if (has_loo) s.leave_one_out_rel_errors = std::move(loo);
@@ -97,9 +134,13 @@ FitResult without_single_records(const CostFormula& formula,
       "fit of the others over-predicts them by " + detail::percent(lowest) + " to " +
       detail::percent(highest) + "): a microbatch of one record often takes other kernels or "
       "skips copies (a transpose of a size-1 batch dimension is already contiguous). They are "
-      "left out of the fit; predictions at " + s.batch_size_variable + " = 1 err on the safe side "
-      "by up to " + detail::percent(highest) +
-      (lowest < 0 ? " (and under by at most " + detail::percent(-lowest) + ")" : "");
+      "left out of the fit; " +
+      (s.single_record_coefficients.empty()
+           ? "predictions at " + s.batch_size_variable + " = 1 err on the safe side by up to " +
+                 detail::percent(highest) +
+                 (lowest < 0 ? " (and under by at most " + detail::percent(-lowest) + ")" : "")
+           : "fitted on their own, they predict " + s.batch_size_variable + " = 1 by coefficients of their own "
+             "(within " + detail::percent(kExplained) + ", held out)");
   return rest;
 }
 
@@ -149,7 +190,7 @@ FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measure
       !(rest.summary.max_rel_error < all.summary.max_rel_error) || !lower_held_out(rest, all)) {
     return all;
   }
-  return without_single_records(formula, measurements, split, std::move(rest));
+  return without_single_records(formula, measurements, split, std::move(rest), options);
 }
 
 }  // namespace xpm

@@ -199,8 +199,10 @@ MemoryModel::MemoryModel(CostFormula formula, std::vector<double> coefficients, 
 
 double MemoryModel::predict_bytes(const std::vector<double>& dims) const {
   double formula_bytes = formula_.predict(coefficients_, dims);
-  if (single_record_factor_ != 1 && dims.size() > batch_size_index_ && dims[batch_size_index_] == 1) {
+  if (dims.size() > batch_size_index_ && dims[batch_size_index_] == 1) {
     formula_bytes *= single_record_factor_;
+    if (!single_record_coefficients_.empty())
+      formula_bytes = std::min(formula_bytes, formula_.predict(single_record_coefficients_, dims));
   }
   return std::max(floor_bytes_at(dims), formula_bytes);
 }
@@ -221,6 +223,17 @@ void MemoryModel::set_single_record_factor(double factor) {
                                 format_double(factor));
   }
   single_record_factor_ = factor;
+}
+
+void MemoryModel::set_single_record_coefficients(std::vector<double> coefficients) {
+  const std::size_t expected = formula_.coefficient_names().size();
+  if (!coefficients.empty() && coefficients.size() != expected)
+    throw std::invalid_argument("MemoryModel: " + std::to_string(coefficients.size()) +
+                                " single_record_coefficients given for " + std::to_string(expected) + " coefficients");
+  for (double c : coefficients)
+    if (!std::isfinite(c))
+      throw std::invalid_argument("MemoryModel: a single_record_coefficient is not finite: " + format_double(c));
+  single_record_coefficients_ = std::move(coefficients);
 }
 
 double MemoryModel::floor_bytes_at(const std::vector<double>& dims) const {
@@ -481,6 +494,11 @@ nlohmann::json MemoryModel::to_json() const {
     j["probed_ranges"] = std::move(ranges);
   }
   if (single_record_factor_ != 1) j["single_record_factor"] = single_record_factor_;
+  if (!single_record_coefficients_.empty()) {
+    nlohmann::json single = nlohmann::json::object();
+    for (std::size_t k = 0; k < coef_names.size(); ++k) single[coef_names[k]] = single_record_coefficients_[k];
+    j["single_record_coefficients"] = std::move(single);
+  }
   j["metadata"] = metadata_;
   return j;
 }
@@ -586,6 +604,14 @@ MemoryModel MemoryModel::from_json(const nlohmann::json& j) {
   if (auto it = j.find("single_record_factor"); it != j.end()) {
     if (!it->is_number()) bad_field("single_record_factor", "expected a number >= 1");
     model.set_single_record_factor(it->get<double>());
+  }
+  if (auto it = j.find("single_record_coefficients"); it != j.end()) {
+    if (!it->is_object()) bad_field("single_record_coefficients", "expected an object name -> bytes");
+    std::vector<double> single;
+    for (const std::string& name : model.formula().coefficient_names())
+      single.push_back(get_number(required(*it, name, "single_record_coefficients." + name),
+                                  "single_record_coefficients." + name));
+    model.set_single_record_coefficients(std::move(single));
   }
   model.metadata_ = std::move(metadata);
   return model;

@@ -20,6 +20,7 @@ void keep_floor_and_range(const MemoryModel& from, MemoryModel& to) {
   if (const FloorFormula* moving = from.floor_formula()) to.set_floor_formula(*moving);
   to.set_probed_ranges(from.probed_ranges());
   to.set_single_record_factor(from.single_record_factor());
+  to.set_single_record_coefficients(from.single_record_coefficients());
 }
 
 // The sample's records: the formula's width, batch-size column 1, finite and >= 0; with the
@@ -378,6 +379,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
                     options_.aggregation);
   model.set_infeasible_probes(infeasible);
   model.set_single_record_factor(c.fit.summary.single_record_factor);
+  model.set_single_record_coefficients(c.fit.summary.single_record_coefficients);
   if (floor_fit_.formula) model.set_floor_formula(*floor_fit_.formula);
   // Score: the largest relative error of the model over every feasible probe's step peak.
   for (const ProbeResult& probe : probes_) {

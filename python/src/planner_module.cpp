@@ -219,6 +219,7 @@ py::tuple fit(const xpm::CostFormula& given, const DoubleArray& dims, const Doub
   xpm::MemoryModel model(formula, result.coefficients, args.floor_bytes, bs, aggregation_of(args.aggregation));
   model.set_infeasible_probes(bounds);
   model.set_single_record_factor(result.summary.single_record_factor);
+  model.set_single_record_coefficients(result.summary.single_record_coefficients);
   model.set_probed_ranges(xpm::MemoryModel::ranges_of(rows));
   if (!selection_report.empty()) {
     model.metadata()["formula_selection"] = {{"chosen", formula.canonical()}, {"report", selection_report}};
@@ -334,6 +335,7 @@ void bind_model(py::module_& m) {
       .def_property_readonly("floor_bytes", &xpm::MemoryModel::floor_bytes)
       .def_property_readonly("batch_size_variable", &xpm::MemoryModel::batch_size_variable)
       .def_property_readonly("single_record_factor", &xpm::MemoryModel::single_record_factor)
+      .def_property_readonly("single_record_coefficients", &xpm::MemoryModel::single_record_coefficients)
       .def("predict_bytes", &xpm::MemoryModel::predict_bytes, py::arg("dims"))
       .def("prediction_budget_bytes", &xpm::MemoryModel::prediction_budget_bytes, py::arg("usable_bytes"))
       .def("max_microbatch_size", &xpm::MemoryModel::max_microbatch_size, py::arg("dims"), py::arg("usable_bytes"),

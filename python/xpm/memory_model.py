@@ -147,6 +147,14 @@ class MemoryModel:
         return self._native.single_record_factor
 
     @property
+    def single_record_coefficients(self) -> Dict[str, float]:
+        """Microbatches of one record peak below the trend of larger ones and follow the formula
+        on their own (a padded batch's attention mask is not built for one record): their own
+        coefficients ``{name: bytes}``; at batch size 1 the prediction is the smaller of the
+        formula's with these and with ``coefficients``. Empty otherwise."""
+        return dict(zip(self.formula.coefficient_names, self._native.single_record_coefficients))
+
+    @property
     def probed_ranges(self) -> Dict[str, Tuple[float, float]]:
         """``{variable: (min, max)}`` over the shapes the model was fitted to (its feasible probes,
         or the dims given to ``fit``); empty for a model file that does not record them."""
@@ -203,14 +211,18 @@ class MemoryModel:
         return dict(self._phase_records()[phase])
 
     def _with_phase(self, phase: GradientPhase, coefficients: Sequence[float], single_record_factor: float,
-                    max_rel_error: float, fitted_points: int) -> "MemoryModel":
+                    max_rel_error: float, fitted_points: int,
+                    single_record_coefficients: Sequence[float] = ()) -> "MemoryModel":
         """This model with a fit of ``phase``: the same formula and floor, its own coefficients
         (kept in the JSON, so the phase travels with ``to_json`` and ``save``)."""
         parsed = json.loads(self.to_json())
-        parsed.setdefault("metadata", {}).setdefault("phases", {})[phase] = {
-            "coefficients": dict(zip(self.formula.coefficient_names, map(float, coefficients))),
-            "single_record_factor": float(single_record_factor), "max_rel_error": float(max_rel_error),
-            "fitted_points": int(fitted_points)}
+        names = self.formula.coefficient_names
+        record = {"coefficients": dict(zip(names, map(float, coefficients))),
+                  "single_record_factor": float(single_record_factor), "max_rel_error": float(max_rel_error),
+                  "fitted_points": int(fitted_points)}
+        if len(single_record_coefficients):
+            record["single_record_coefficients"] = dict(zip(names, map(float, single_record_coefficients)))
+        parsed.setdefault("metadata", {}).setdefault("phases", {})[phase] = record
         return MemoryModel.from_json(json.dumps(parsed))
 
     @property
@@ -241,18 +253,23 @@ class MemoryModel:
         key = phase if floor else f"{phase} without floor"
         if key not in self._phase_natives:
             self._phase_natives[key] = self._native_with(record["coefficients"],
-                                                         record.get("single_record_factor", 1.0), floor)
+                                                         record.get("single_record_factor", 1.0), floor,
+                                                         record.get("single_record_coefficients"))
         return self._phase_natives[key]
 
     def _native_with(self, coefficients: Dict[str, float], single_record_factor: float,
-                     floor: bool = True) -> _planner.MemoryModel:
-        """This model (formula, floor unless ``floor`` is False, ranges) with other coefficients
-        and single-record factor."""
+                     floor: bool = True,
+                     single_record_coefficients: Optional[Dict[str, float]] = None) -> _planner.MemoryModel:
+        """This model (formula, floor unless ``floor`` is False, ranges) with other coefficients,
+        single-record factor and single-record coefficients (None: none)."""
         parsed = dict(self._parsed())
         parsed["coefficients"] = coefficients
         parsed.pop("single_record_factor", None)
+        parsed.pop("single_record_coefficients", None)
         if single_record_factor != 1.0:
             parsed["single_record_factor"] = single_record_factor
+        if single_record_coefficients:
+            parsed["single_record_coefficients"] = single_record_coefficients
         if not floor:
             parsed["floor_bytes"] = 0.0
             parsed.pop("floor_formula", None)

@@ -355,7 +355,7 @@ def _with_phase_fit(model: MemoryModel, phase: GradientPhase, results: List[_pla
     if not np.isfinite(summary["max_rel_error"]) or abs(summary["max_rel_error"]) > usable_max_rel_error:
         return model
     return model._with_phase(phase, native.coefficients, native.single_record_factor,
-                             summary["max_rel_error"], len(shapes))
+                             summary["max_rel_error"], len(shapes), native.single_record_coefficients)
 
 
 def _release_frames(error: BaseException) -> None:

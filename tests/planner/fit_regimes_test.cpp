@@ -60,6 +60,38 @@ TEST_CASE("single-record probes below the trend are left out and over-predicted"
   CHECK(r.summary.usable);
 }
 
+TEST_CASE("single-record probes below the trend that follow the formula alone predict batch size 1") {
+  // Five lengths at bs = 1 (two more distinct shapes than coefficients): a fit of their own.
+  std::vector<Measurement> m = with_single_records();
+  for (double l : {32.0, 128.0}) m.push_back({{1, l}, 4000 * l + 2e6});
+  const FitResult r = xpm::fit_coefficients(kFormula, m, with_batch_size());
+  INFO(r.summary.full_report());
+  CHECK(r.coefficients[0] == doctest::Approx(5000).epsilon(1e-9));
+  REQUIRE(r.summary.single_record_coefficients.size() == 2);
+  CHECK(r.summary.single_record_coefficients[0] == doctest::Approx(4000).epsilon(1e-6));
+  CHECK(r.summary.single_record_coefficients[1] == doctest::Approx(2e6).epsilon(1e-6));
+  CHECK(contains(r.summary.left_out_note, "fitted on their own"));
+  for (std::size_t i : r.summary.left_out) CHECK(std::fabs(r.summary.rel_errors[i]) < 1e-6);
+
+  xpm::MemoryModel model(kFormula, r.coefficients, 0, "bs");
+  model.set_single_record_coefficients(r.summary.single_record_coefficients);
+  CHECK(model.predict_bytes({1, 200}) == doctest::Approx(4000 * 200 + 2e6));  // between the probes
+  CHECK(model.predict_bytes({2, 200}) == doctest::Approx(5000 * 400 + 2e6));  // larger ones by the others' fit
+  const xpm::MemoryModel read = xpm::MemoryModel::from_json(model.to_json());
+  CHECK(read.single_record_coefficients() == model.single_record_coefficients());
+  CHECK_THROWS_WITH_AS(model.set_single_record_coefficients({1.0}),
+                       "MemoryModel: 1 single_record_coefficients given for 2 coefficients", std::invalid_argument);
+
+  // Terms a batch of one cannot tell apart (a*bs*l and b*l): no fit of their own, the safe side.
+  const CostFormula both("a*bs*l + b*l + c", {"a", "b", "c"}, {"bs", "l"});
+  std::vector<Measurement> mixed;
+  for (const Measurement& point : m) mixed.push_back({point.dims, point.bytes + 300 * point.dims[1]});
+  for (double l : {48.0, 96.0}) mixed.push_back({{1, l}, 4300 * l + 2e6});
+  const FitResult unsplit = xpm::fit_coefficients(both, mixed, with_batch_size());
+  INFO(unsplit.summary.full_report());
+  CHECK(unsplit.summary.single_record_coefficients.empty());
+}
+
 TEST_CASE("single-record probes are fitted when asked") {
   FitOptions options = with_batch_size();
   options.single_record_regime = false;

@@ -288,14 +288,16 @@ void print_residuals(std::ostream& os, const xpm::MemoryModel& model, const Meas
   for (std::size_t i = 0; i < set.measurements.size(); ++i) {
     const auto& m = set.measurements[i];
     const bool left_out = is_left_out(s, i);
-    const double predicted = model.formula().predict(model.coefficients(), m.dims) *
-                             (left_out ? s.single_record_factor : 1.0);
+    const double predicted =
+        left_out ? model.predict_bytes(m.dims) : model.formula().predict(model.coefficients(), m.dims);
     os << "  " << dims_text(model, m.dims) << ": measured " << bytes_text(m.bytes)
        << ", predicted " << bytes_text(predicted) << ", " << percent((predicted - m.bytes) / m.bytes);
     if (left_out && s.single_record_factor > 1) {
       char factor[32];
       std::snprintf(factor, sizeof factor, "%.4g", s.single_record_factor);
       os << ", not fitted (above the trend; scaled by " << factor << ")";
+    } else if (left_out && !s.single_record_coefficients.empty()) {
+      os << ", not fitted with the others (below the trend; fitted on its own)";
     } else if (left_out) {
       os << ", not fitted (below the trend)";
     } else if (i < s.leave_one_out_rel_errors.size() && std::isfinite(s.leave_one_out_rel_errors[i])) {

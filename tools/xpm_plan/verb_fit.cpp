@@ -391,6 +391,7 @@ int run_fit(const po::variables_map& vm) {
                          floor.bytes, bs_variable, aggregation);
   model.set_infeasible_probes(bounds);
   model.set_single_record_factor(outcome.result.summary.single_record_factor);
+  model.set_single_record_coefficients(outcome.result.summary.single_record_coefficients);
   if (floor.moving()) model.set_floor_formula(*floor.fit->formula);
   model.set_probed_ranges(probed_ranges);
   set_fit_metadata(model, set, outcome, request, bounds.size(), floor, automatic);

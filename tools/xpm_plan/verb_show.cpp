@@ -112,6 +112,8 @@ nlohmann::json shown_json(ShownModel shown) {
   j["floor_bytes"] = model.floor_bytes();
   j["single_record_factor"] = model.single_record_factor();
   const nlohmann::json file = model.to_json();
+  j["single_record_coefficients"] = file.contains("single_record_coefficients") ? file["single_record_coefficients"]
+                                                                                : nlohmann::json(nullptr);
   j["floor_formula"] = file.contains("floor_formula") ? file["floor_formula"] : nlohmann::json(nullptr);
   j["probed_ranges"] = file.contains("probed_ranges") ? file["probed_ranges"] : nlohmann::json(nullptr);
   nlohmann::json limits = nlohmann::json::array();
@@ -165,6 +167,13 @@ void print_model_text(std::ostream& os, const ShownModel& shown) {
   if (model.single_record_factor() != 1) {
     os << "one record    the formula's prediction at " << model.batch_size_variable() << " = 1 times "
        << number_text(model.single_record_factor()) << " (probes of one record peaked above the trend)\n";
+  }
+  if (const auto& single = model.single_record_coefficients(); !single.empty()) {
+    os << "one record    at " << model.batch_size_variable() << " = 1 the smaller of the formula and its fit of the "
+       << "probes of one record (";
+    for (std::size_t k = 0; k < single.size(); ++k)
+      os << (k ? ", " : "") << model.formula().coefficient_names()[k] << " = " << bytes_text(single[k]);
+    os << ")\n";
   }
   if (!model.probed_ranges().empty()) {
     os << "probed range  ";

@@ -163,6 +163,16 @@ def test_drop_in_trains_the_users_arguments_under_the_cap_and_caches_its_model(m
     _assert_planned_within_the_goal(trainer, measured)
     cached = list((tmp_path / "xpm-memory-models").glob("memory-model-*.json"))
     assert len(cached) == 1
+    # A record alone is not padded, so no attention mask: its probes lie below the trend and
+    # are fitted on their own (the steady model's and the first microbatch's phase), and the
+    # one-record microbatches are planned within the goal too.
+    memory_model = xpm.MemoryModel.load(cached[0])
+    assert set(memory_model.single_record_coefficients) == set(memory_model.formula.coefficient_names)
+    assert "single_record_coefficients" in memory_model.phase_report("without_gradients")
+    single = [(r.predicted_bytes + r.correction_bytes - r.peak_allocated_bytes) / r.peak_allocated_bytes
+              for r in measured if r.step >= 3 and not r.placeholder and len(r.records) == 1]
+    print(f"one-record microbatches from step 3: {', '.join(f'{100 * e:+.2f} %' for e in single)}")
+    assert all(-0.01 <= error <= 0.03 for error in single)
 
     # The same job again: the model comes from the cache, nothing is probed; and the probes left no
     # trace: the same plan trains to the same weights, bit for bit, with and without probing.

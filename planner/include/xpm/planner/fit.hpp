@@ -125,7 +125,11 @@ struct FitOptions {
   /// fit explains is never left out: it may be the only one where a max() piece wins. In PyTorch a
   /// microbatch of one record often peaks below the trend of larger ones (other kernels, copies
   /// of a transposed size-1 batch dimension skipped); fitted with them, a formula misses the
-  /// others. Predictions at batch size 1 then err on the safe side. The same when every one
+  /// others. Predictions at batch size 1 then err on the safe side, unless the probes at batch
+  /// size 1 fit the formula on their own (at least two more distinct shapes than coefficients,
+  /// every one within 1 % held out): then FitSummary::single_record_coefficients predict batch
+  /// size 1 (a padded batch's attention mask, absent at one record, leaves a term out there).
+  /// The same when every one
   /// lies above the fit of the others or on it (over-predicted by at most 0.1 %), one of them
   /// under-predicted by more than 1 % (a convolution's im2col path at batch 1): they are left
   /// out and FitSummary::single_record_factor (> 1) scales every prediction at batch size 1 to
@@ -192,6 +196,10 @@ struct FitSummary {
   /// Batch size 1 above the trend (FitOptions::single_record_regime): the formula's prediction
   /// at batch size 1 times this (MemoryModel::single_record_factor); 1 otherwise.
   double single_record_factor = 1;
+  /// Batch size 1 below the trend and fitted on its own (FitOptions::single_record_regime): the
+  /// coefficients that predict batch size 1 (MemoryModel::single_record_coefficients), in
+  /// coefficient_names() order; empty otherwise.
+  std::vector<double> single_record_coefficients;
   /// Coefficients of a non-linear fit that have no effect at any measurement at the fitted point:
   /// a max() argument that never wins there, whose zeroing changes no prediction at the
   /// measurements, and which a sibling argument of the same shape covers (e.g. the second of two

@@ -96,7 +96,8 @@ class MemoryModel {
   const std::vector<DimAggregation>& aggregation() const { return aggregation_; }  // per variable
 
   /// max(floor_bytes, floor formula(dims) when set, formula(dims)), the formula's part times
-  /// single_record_factor() at batch size 1; dims in variable_names() order.
+  /// single_record_factor() at batch size 1 (or by single_record_coefficients(), above); dims
+  /// in variable_names() order.
   double predict_bytes(const std::vector<double>& dims) const;
   /// The bytes `dims`' records add: formula(dims) less formula(dims at batch size 0), at least
   /// 0 (floor and single_record_factor aside); dims in variable_names() order. Throws
@@ -109,6 +110,14 @@ class MemoryModel {
   double single_record_factor() const { return single_record_factor_; }
   /// Sets it. Throws std::invalid_argument unless finite and >= 1.
   void set_single_record_factor(double factor);
+  /// Microbatches of one record peak below the trend of larger ones and follow the formula on
+  /// their own (FitSummary::single_record_coefficients): at batch size 1 the formula's part is
+  /// the smaller of its prediction with these coefficients and with coefficients(); empty (the
+  /// default): coefficients() alone. coefficient_names() order.
+  const std::vector<double>& single_record_coefficients() const { return single_record_coefficients_; }
+  /// Sets them (empty: none). Throws std::invalid_argument unless one finite number per
+  /// coefficient.
+  void set_single_record_coefficients(std::vector<double> coefficients);
 
   /// The floor formula, or nullptr when the floor is the constant floor_bytes() alone.
   const FloorFormula* floor_formula() const { return floor_formula_ ? &*floor_formula_ : nullptr; }
@@ -174,7 +183,7 @@ class MemoryModel {
   /// floor_formula {text, canonical, coefficient_names, coefficients {name: bytes}} (optional),
   /// probed_ranges {variable: [min, max]} (optional; when missing, taken from the feasible
   /// metadata.probes[].dims if there are any), single_record_factor (optional, default 1),
-  /// metadata {...}.
+  /// single_record_coefficients {name: bytes} (optional, default none), metadata {...}.
   nlohmann::json to_json() const;
   /// Throws std::invalid_argument naming the missing or bad field (e.g. "coefficients.b").
   /// formula.text is re-parsed with the stored names; formula.canonical is informative only.
@@ -196,6 +205,7 @@ class MemoryModel {
   std::optional<FloorFormula> floor_formula_;
   std::vector<ProbedRange> probed_ranges_;
   double single_record_factor_ = 1;
+  std::vector<double> single_record_coefficients_;
   nlohmann::json metadata_ = nlohmann::json::object();
 };
 
