@@ -58,11 +58,22 @@ std::size_t distinct_shapes(const std::vector<Measurement>& measurements) {
   return static_cast<std::size_t>(std::unique(shapes.begin(), shapes.end()) - shapes.begin());
 }
 
+// Whether `coefficients` predict at least what every out-of-memory probe of one record ran out at.
+bool above_single_record_bounds(const CostFormula& formula, const std::vector<double>& coefficients,
+                                const std::vector<InfeasibleBound>& bounds, std::size_t batch_size_index) {
+  for (const InfeasibleBound& bound : bounds)
+    if (bound.dims[batch_size_index] == 1 && formula.predict(coefficients, bound.dims) < bound.exceeds_bytes)
+      return false;
+  return true;
+}
+
 // The fit of the single-record points alone (below the trend of the others): taken when they
-// hold two more distinct shapes than coefficients, and it is usable and explains each of them
-// within kExplained, fitted and held out. Empty otherwise (the formula cannot tell its terms
-// apart at batch size 1, or the points do not follow it).
+// hold two more distinct shapes than coefficients, and it is usable, explains each of them
+// within kExplained, fitted and held out, and predicts at least what each out-of-memory probe
+// of one record ran out at. Empty otherwise (the formula cannot tell its terms apart at batch
+// size 1, or the points do not follow it).
 std::vector<double> single_record_coefficients(const CostFormula& formula, const std::vector<Measurement>& singles,
+                                               const std::vector<InfeasibleBound>& bounds,
                                                const FitOptions& options) {
   if (distinct_shapes(singles) < formula.coefficient_names().size() + 2) return {};
   FitOptions alone = options;
@@ -70,11 +81,38 @@ std::vector<double> single_record_coefficients(const CostFormula& formula, const
   try {
     const FitResult fit = detail::fit_points(formula, singles, {}, alone);
     const FitSummary& s = fit.summary;
-    if (s.usable && s.max_rel_error <= kExplained && s.leave_one_out_max_rel_error <= kExplained)
+    if (s.usable && s.max_rel_error <= kExplained && s.leave_one_out_max_rel_error <= kExplained &&
+        above_single_record_bounds(formula, fit.coefficients, bounds,
+                                   formula.variable_index(options.batch_size_variable)))
       return fit.coefficients;
   } catch (const std::invalid_argument&) {
   }
   return {};
+}
+
+// FitSummary::left_out_note for `count` single-record probes left out, above or below the trend;
+// lowest and highest: their errors under the others' fit.
+std::string single_records_note(const FitSummary& s, std::size_t count, bool above, double lowest, double highest) {
+  const std::string probes =
+      std::to_string(count) + " probe" + (count == 1 ? "" : "s") + " at " + s.batch_size_variable + " = 1";
+  if (above) {
+    return probes + " lie above the trend of the larger microbatches (the fit of the others under-predicts them by "
+           "up to " + detail::percent(-lowest) + "): a microbatch of one record can take other kernels (a "
+           "convolution's im2col path at batch 1, with a column buffer). They are left out of the fit, and "
+           "predictions at " + s.batch_size_variable + " = 1 are scaled by " +
+           detail::short_double(s.single_record_factor) + " (the largest measured / predicted), so they err on "
+           "the safe side";
+  }
+  return probes + " lie below the trend of the larger microbatches (the fit of the others over-predicts them by " +
+         detail::percent(lowest) + " to " + detail::percent(highest) + "): a microbatch of one record often "
+         "takes other kernels or skips copies (a transpose of a size-1 batch dimension is already contiguous). "
+         "They are left out of the fit; " +
+         (s.single_record_coefficients.empty()
+              ? "predictions at " + s.batch_size_variable + " = 1 err on the safe side by up to " +
+                    detail::percent(highest) +
+                    (lowest < 0 ? " (and under by at most " + detail::percent(-lowest) + ")" : "")
+              : "fitted on their own (within " + detail::percent(kExplained) + ", held out), they predict " +
+                    s.batch_size_variable + " = 1 by the smaller of that fit and the others'");
 }
 
 // The fit of the other points, with the single-record points put back into the per-point
@@ -82,7 +120,8 @@ std::vector<double> single_record_coefficients(const CostFormula& formula, const
 // the trend, with the fit of their own when they follow the formula alone.
 FitResult without_single_records(const CostFormula& formula,
                                  const std::vector<Measurement>& measurements, const Split& split,
-                                 FitResult rest, const FitOptions& options) {
+                                 FitResult rest, const std::vector<InfeasibleBound>& bounds,
+                                 const FitOptions& options) {
   FitSummary& s = rest.summary;
   std::vector<double> errors(measurements.size()), loo;
   const bool has_loo = !s.leave_one_out_rel_errors.empty();
@@ -105,7 +144,8 @@ FitResult without_single_records(const CostFormula& formula,
     if (has_loo) loo[i] = errors[i];
   }
   if (!above)
-    s.single_record_coefficients = single_record_coefficients(formula, select(measurements, split.single), options);
+    s.single_record_coefficients =
+        single_record_coefficients(formula, select(measurements, split.single), bounds, options);
   if (!s.single_record_coefficients.empty()) {
     for (std::size_t i : split.single) {  // the smaller of the two fits, as the model predicts them
       const double own = formula.predict(s.single_record_coefficients, measurements[i].dims);
@@ -118,29 +158,7 @@ FitResult without_single_records(const CostFormula& formula,
   for (std::size_t& i : s.held_out_undetermined) i = split.rest[i];
   for (std::size_t& i : s.held_out_extrapolated) i = split.rest[i];
   s.left_out = split.single;
-  const std::string probes = std::to_string(split.single.size()) + " probe" +
-                             (split.single.size() == 1 ? "" : "s") + " at " + s.batch_size_variable + " = 1";
-  if (above) {
-    s.left_out_note =
-        probes + " lie above the trend of the larger microbatches (the fit of the others under-predicts them by up "
-        "to " + detail::percent(-lowest) + "): a microbatch of one record can take other kernels (a convolution's "
-        "im2col path at batch 1, with a column buffer). They are left out of the fit, and predictions at " +
-        s.batch_size_variable + " = 1 are scaled by " + detail::short_double(factor) +
-        " (the largest measured / predicted), so they err on the safe side";
-    return rest;
-  }
-  s.left_out_note =
-      probes + " lie below the trend of the larger microbatches (the "
-      "fit of the others over-predicts them by " + detail::percent(lowest) + " to " +
-      detail::percent(highest) + "): a microbatch of one record often takes other kernels or "
-      "skips copies (a transpose of a size-1 batch dimension is already contiguous). They are "
-      "left out of the fit; " +
-      (s.single_record_coefficients.empty()
-           ? "predictions at " + s.batch_size_variable + " = 1 err on the safe side by up to " +
-                 detail::percent(highest) +
-                 (lowest < 0 ? " (and under by at most " + detail::percent(-lowest) + ")" : "")
-           : "fitted on their own, they predict " + s.batch_size_variable + " = 1 by coefficients of their own "
-             "(within " + detail::percent(kExplained) + ", held out)");
+  s.left_out_note = single_records_note(s, split.single.size(), above, lowest, highest);
   return rest;
 }
 
@@ -190,7 +208,7 @@ FitResult fit_coefficients(const CostFormula& formula, const std::vector<Measure
       !(rest.summary.max_rel_error < all.summary.max_rel_error) || !lower_held_out(rest, all)) {
     return all;
   }
-  return without_single_records(formula, measurements, split, std::move(rest), options);
+  return without_single_records(formula, measurements, split, std::move(rest), bounds, options);
 }
 
 }  // namespace xpm

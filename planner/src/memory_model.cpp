@@ -62,6 +62,19 @@ double get_number(const nlohmann::json& v, const std::string& field) {
   return v.get<double>();
 }
 
+// {name: bytes} with exactly the formula's coefficient names, in their order.
+std::vector<double> coefficients_from_json(const nlohmann::json& j, const std::vector<std::string>& names,
+                                           const std::string& field) {
+  if (!j.is_object()) bad_field(field, "expected an object name -> bytes");
+  std::vector<double> values;
+  for (const std::string& name : names)
+    values.push_back(get_number(required(j, name, field + "." + name), field + "." + name));
+  for (const auto& item : j.items())
+    if (std::find(names.begin(), names.end(), item.key()) == names.end())
+      bad_field(field + "." + item.key(), "not a coefficient of the formula");
+  return values;
+}
+
 std::vector<std::string> get_string_array(const nlohmann::json& j, const std::string& key,
                                           const std::string& field) {
   const nlohmann::json& v = required(j, key, field);
@@ -230,9 +243,10 @@ void MemoryModel::set_single_record_coefficients(std::vector<double> coefficient
   if (!coefficients.empty() && coefficients.size() != expected)
     throw std::invalid_argument("MemoryModel: " + std::to_string(coefficients.size()) +
                                 " single_record_coefficients given for " + std::to_string(expected) + " coefficients");
-  for (double c : coefficients)
-    if (!std::isfinite(c))
-      throw std::invalid_argument("MemoryModel: a single_record_coefficient is not finite: " + format_double(c));
+  for (std::size_t k = 0; k < coefficients.size(); ++k)
+    if (!std::isfinite(coefficients[k]))
+      throw std::invalid_argument("MemoryModel: single-record coefficient '" + formula_.coefficient_names()[k] +
+                                  "' = " + format_double(coefficients[k]) + " is not finite");
   single_record_coefficients_ = std::move(coefficients);
 }
 
@@ -533,18 +547,8 @@ MemoryModel MemoryModel::from_json(const nlohmann::json& j) {
     }
   }();
 
-  const nlohmann::json& jc = required(j, "coefficients", "coefficients");
-  if (!jc.is_object()) bad_field("coefficients", "expected an object name -> bytes");
-  std::vector<double> coefficients;
-  for (const std::string& name : coef_names) {
-    coefficients.push_back(get_number(required(jc, name, "coefficients." + name),
-                                      "coefficients." + name));
-  }
-  for (const auto& item : jc.items()) {
-    if (std::find(coef_names.begin(), coef_names.end(), item.key()) == coef_names.end()) {
-      bad_field("coefficients." + item.key(), "not a coefficient of the formula");
-    }
-  }
+  std::vector<double> coefficients = coefficients_from_json(required(j, "coefficients", "coefficients"), coef_names,
+                                                            "coefficients");
 
   const double floor_bytes = get_number(required(j, "floor_bytes", "floor_bytes"), "floor_bytes");
   const std::string bs = get_string(j, "batch_size_variable", "batch_size_variable");
@@ -606,12 +610,7 @@ MemoryModel MemoryModel::from_json(const nlohmann::json& j) {
     model.set_single_record_factor(it->get<double>());
   }
   if (auto it = j.find("single_record_coefficients"); it != j.end()) {
-    if (!it->is_object()) bad_field("single_record_coefficients", "expected an object name -> bytes");
-    std::vector<double> single;
-    for (const std::string& name : model.formula().coefficient_names())
-      single.push_back(get_number(required(*it, name, "single_record_coefficients." + name),
-                                  "single_record_coefficients." + name));
-    model.set_single_record_coefficients(std::move(single));
+    model.set_single_record_coefficients(coefficients_from_json(*it, coef_names, "single_record_coefficients"));
   }
   model.metadata_ = std::move(metadata);
   return model;

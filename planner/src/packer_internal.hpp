@@ -12,7 +12,8 @@
 namespace xpm::packer_internal {
 
 /// model.fits(dims, usable_bytes) for one model and budget, many times: for a linear formula and
-/// a model without infeasible probes or floor formula it evaluates the expanded monomials directly, with the
+/// a model without infeasible probes or floor formula (and at batch size 1 without a
+/// single-record factor or coefficients) it evaluates the expanded monomials directly, with the
 /// same operations in the same order as CostFormula::predict (so the same result, bit for
 /// bit) but without its per-call argument checks; otherwise it calls model.fits. The model must
 /// outlive it; dims must have one entry per variable (the packers' inputs are validated).
@@ -30,6 +31,7 @@ class FitTest {
   const MemoryModel& model_;
   double usable_bytes_;
   bool direct_;
+  bool single_record_own_;  // batch size 1 predicted otherwise than by the formula (model.fits)
   std::vector<Term> terms_;
 };
 

@@ -23,6 +23,13 @@ void keep_floor_and_range(const MemoryModel& from, MemoryModel& to) {
   to.set_single_record_coefficients(from.single_record_coefficients());
 }
 
+// A refitted model predicts batch size 1 as its own fit says (FitSummary's single-record factor
+// and coefficients), not as the model it replaces did.
+void take_single_record_fit(const FitSummary& fit, MemoryModel& to) {
+  to.set_single_record_factor(fit.single_record_factor);
+  to.set_single_record_coefficients(fit.single_record_coefficients);
+}
+
 // The sample's records: the formula's width, batch-size column 1, finite and >= 0; with the
 // automatic design only, whose range of every other variable it sets.
 void validate_record_dims_sample(const PredictiveBatcherOptions& options) {
@@ -481,6 +488,7 @@ const MemoryModel& PredictiveBatcher::add_measurement(const Measurement& measure
                        model_->batch_size_variable(), options_.aggregation);
   refitted.set_infeasible_probes(model_->infeasible_probes());
   keep_floor_and_range(*model_, refitted);
+  take_single_record_fit(fit.summary, refitted);
   refitted.metadata() = model_->metadata();
   refitted.metadata()["fit_measurements"].push_back(
       {{"dims", measurement.dims}, {"bytes", measurement.bytes}, {"online", true}});
@@ -497,12 +505,14 @@ const MemoryModel& PredictiveBatcher::add_infeasible_bound(const InfeasibleBound
   std::vector<InfeasibleBound> bounds = model_->infeasible_probes();
   bounds.push_back(bound);
   std::vector<double> coefficients = model_->coefficients();
+  std::optional<FitSummary> refit;
   if (fit_measurements_.size() >= formula.coefficient_names().size()) {
     try {
       const FitResult fit = fit_coefficients(formula, fit_measurements_, bounds, options_.fit);
       if (fit.summary.usable) {
         coefficients = fit.coefficients;
         fit_summary_ = fit.summary;
+        refit = fit.summary;
       }
     } catch (const std::invalid_argument&) {
       // The fit data cannot separate the coefficients: the bound still limits every plan.
@@ -512,6 +522,11 @@ const MemoryModel& PredictiveBatcher::add_infeasible_bound(const InfeasibleBound
                         options_.aggregation);
   corrected.set_infeasible_probes(std::move(bounds));
   keep_floor_and_range(*model_, corrected);
+  if (refit) {
+    take_single_record_fit(*refit, corrected);
+  } else if (bound.dims.at(corrected.batch_size_index()) == 1) {
+    corrected.set_single_record_coefficients({});  // the bound may be below their fit: the trend's safe side
+  }
   corrected.metadata() = model_->metadata();
   corrected.metadata()["fit"]["infeasible_bound_count"] = corrected.infeasible_probes().size();
   ++corrections_;

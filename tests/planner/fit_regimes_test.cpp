@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/formula.hpp"
 #include "xpm/planner/memory_model.hpp"
@@ -79,8 +81,18 @@ TEST_CASE("single-record probes below the trend that follow the formula alone pr
   CHECK(model.predict_bytes({2, 200}) == doctest::Approx(5000 * 400 + 2e6));  // larger ones by the others' fit
   const xpm::MemoryModel read = xpm::MemoryModel::from_json(model.to_json());
   CHECK(read.single_record_coefficients() == model.single_record_coefficients());
+  nlohmann::json file = model.to_json();
+  file["single_record_coefficients"]["zz"] = 3.0;
+  CHECK_THROWS_WITH_AS(xpm::MemoryModel::from_json(file),
+                       "memory model: field 'single_record_coefficients.zz': not a coefficient of the formula",
+                       std::invalid_argument);
   CHECK_THROWS_WITH_AS(model.set_single_record_coefficients({1.0}),
                        "MemoryModel: 1 single_record_coefficients given for 2 coefficients", std::invalid_argument);
+
+  // A probe of one record that ran out of memory above their fit: no fit of their own.
+  const FitResult bounded = xpm::fit_coefficients(kFormula, m, {{{1, 512}, 4100.0 * 512 + 2e6}}, with_batch_size());
+  CHECK(bounded.summary.single_record_coefficients.empty());
+  CHECK(contains(bounded.summary.left_out_note, "err on the safe side"));
 
   // Terms a batch of one cannot tell apart (a*bs*l and b*l): no fit of their own, the safe side.
   const CostFormula both("a*bs*l + b*l + c", {"a", "b", "c"}, {"bs", "l"});

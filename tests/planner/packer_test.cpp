@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "xpm/planner/ffd_packer.hpp"
 #include "xpm/planner/packer.hpp"
 #include "xpm/planner/record_dims_view.hpp"
 
@@ -518,5 +519,23 @@ TEST_CASE("AdaptivePackerOptions refuses an empty variable name in sort_by") {
     CHECK_THROWS_WITH_AS(AdaptivePacker(AdaptivePackerOptions().set_sort_by(bad)),
                          ("AdaptivePackerOptions.sort_by '" + std::string(bad) + "' has an empty variable name").c_str(),
                          std::invalid_argument);
+  }
+}
+
+TEST_CASE("a record that fits alone by the single-record fit is not over budget in any packer") {
+  // The trend says 5000 bytes per token at bs = 1 too; the probes of one record said 4000.
+  MemoryModel model(CostFormula("a*bs*l + c", {"a", "c"}, {"bs", "l"}), {5000.0, 2e6}, 0, "bs",
+                    {{"l", DimAggregation::kMax}});
+  model.set_single_record_coefficients({4000.0, 2e6});
+  const Records records = records_of_lengths({256});
+  const std::int64_t budget = 3'279'000;  // 4000 x 256 + 2e6 = 3,024,000 fits; 5000 x 256 + 2e6 does not
+  REQUIRE(model.fits({1, 256}, budget));
+  for (const MicrobatchPlan& plan : {UniformPacker().pack(records, model, budget),
+                                     AdaptivePacker().pack(records, model, budget),
+                                     xpm::FirstFitDecreasingPacker().pack(records, model, budget)}) {
+    CHECK(plan.over_budget_records.empty());
+    REQUIRE(plan.microbatches.size() == 1);
+    CHECK_FALSE(plan.microbatches[0].over_budget);
+    CHECK(plan.microbatches[0].predicted_bytes == doctest::Approx(3'024'000));
   }
 }

@@ -125,15 +125,17 @@ struct FitOptions {
   /// fit explains is never left out: it may be the only one where a max() piece wins. In PyTorch a
   /// microbatch of one record often peaks below the trend of larger ones (other kernels, copies
   /// of a transposed size-1 batch dimension skipped); fitted with them, a formula misses the
-  /// others. Predictions at batch size 1 then err on the safe side, unless the probes at batch
-  /// size 1 fit the formula on their own (at least two more distinct shapes than coefficients,
-  /// every one within 1 % held out): then FitSummary::single_record_coefficients predict batch
-  /// size 1 (a padded batch's attention mask, absent at one record, leaves a term out there).
-  /// The same when every one
-  /// lies above the fit of the others or on it (over-predicted by at most 0.1 %), one of them
-  /// under-predicted by more than 1 % (a convolution's im2col path at batch 1): they are left
-  /// out and FitSummary::single_record_factor (> 1) scales every prediction at batch size 1 to
-  /// the largest measured / predicted ratio among them. false: fit every point.
+  /// others. Predictions at batch size 1 then err on the safe side, unless those probes follow
+  /// the formula on their own: at least two more distinct shapes than coefficients, a usable
+  /// fit of them alone within 1 % at each, fitted and left out, and not below any out-of-memory
+  /// bound at batch size 1. Then FitSummary::single_record_coefficients hold that fit, and
+  /// batch size 1 is predicted by the smaller of the two fits (measured: a padded LM's
+  /// attention mask is not built for a batch without padding, so one record lacks that term).
+  /// Probes at batch size 1 above the trend are left out the same way (every one above the fit
+  /// of the others or on it, over-predicted by at most 0.1 %, one of them under-predicted by
+  /// more than 1 %: a convolution's im2col path at batch 1), and
+  /// FitSummary::single_record_factor (> 1) scales every prediction at batch size 1 to the
+  /// largest measured / predicted ratio among them. false: fit every point.
   bool single_record_regime = true;
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;

@@ -95,12 +95,12 @@ class MemoryModel {
   std::size_t batch_size_index() const { return batch_size_index_; }
   const std::vector<DimAggregation>& aggregation() const { return aggregation_; }  // per variable
 
-  /// max(floor_bytes, floor formula(dims) when set, formula(dims)), the formula's part times
-  /// single_record_factor() at batch size 1 (or by single_record_coefficients(), above); dims
-  /// in variable_names() order.
+  /// max(floor_bytes, floor formula(dims) when set, formula(dims)); at batch size 1 the
+  /// formula's part is times single_record_factor(), and the smaller of that and the formula
+  /// with single_record_coefficients() when set (below); dims in variable_names() order.
   double predict_bytes(const std::vector<double>& dims) const;
   /// The bytes `dims`' records add: formula(dims) less formula(dims at batch size 0), at least
-  /// 0 (floor and single_record_factor aside); dims in variable_names() order. Throws
+  /// 0 (floor and single-record factor and coefficients aside); dims in variable_names() order. Throws
   /// std::invalid_argument for dims of the wrong width.
   double added_bytes(const std::vector<double>& dims) const;
 
