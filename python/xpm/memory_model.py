@@ -96,10 +96,13 @@ class MemoryModel:
                 raise ValueError(f"{source}: metadata.phases has {phase!r}; a phase fitted apart is "
                                  f"{_name_list(GRADIENT_PHASES[1:])}")
             coefficients = record.get("coefficients") if isinstance(record, dict) else None
-            if not isinstance(coefficients, dict) or set(coefficients) != names or \
-                    not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in coefficients.values()):
+            if not _names_to_numbers(coefficients, names):
                 raise ValueError(f"{source}: metadata.phases[{phase!r}] must hold 'coefficients', a number of bytes "
                                  f"for each of {', '.join(sorted(names))}; got {record!r}")
+            single = record.get("single_record_coefficients")
+            if single is not None and not _names_to_numbers(single, names):
+                raise ValueError(f"{source}: metadata.phases[{phase!r}].single_record_coefficients must hold a "
+                                 f"number of bytes for each of {', '.join(sorted(names))}; got {single!r}")
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Writes the model (temporary file, then rename: never half-written).
@@ -369,3 +372,10 @@ def _checked_model(model: Any, where: str) -> MemoryModel:
         hint = " (xpm.MemoryModel.load(path) reads a model file)" if isinstance(model, (str, os.PathLike)) else ""
         raise TypeError(f"{where}: model must be an xpm.MemoryModel{hint}, got {type(model).__name__} {model!r}")
     return model
+
+
+def _names_to_numbers(values: Any, names: set) -> bool:
+    """Whether ``values`` is ``{name: number}`` over exactly ``names`` (a phase record's
+    coefficients)."""
+    return isinstance(values, dict) and set(values) == names and \
+        all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values.values())

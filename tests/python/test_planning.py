@@ -360,12 +360,21 @@ def test_a_malformed_phase_record_is_refused_in_one_line_naming_it():
     phased = xpm.MemoryModel.from_json(json.dumps(parsed))
     assert phased.phases == ["with_gradients", "without_gradients"]
     assert phased.predict([2, 10], "without_gradients") == pytest.approx(90 * 20 + 60 + 1000)
+    # A phase's own fit of the probes of one record predicts batch size 1 (the smaller of the two).
+    single = dict(good, single_record_coefficients={"a": 80.0, "b": 30.0, "c": 1000.0})
+    parsed["metadata"]["phases"] = {"without_gradients": single}
+    with_single = xpm.MemoryModel.from_json(json.dumps(parsed))
+    assert with_single.predict([1, 10], "without_gradients") == pytest.approx(80 * 10 + 30 + 1000)
+    assert with_single.predict([2, 10], "without_gradients") == pytest.approx(90 * 20 + 60 + 1000)
     for phases, expected in (
             ({"without_gradients": 5}, "metadata.phases['without_gradients'] must hold 'coefficients', a number "
                                        "of bytes for each of a, b, c; got 5"),
             ({"without_gradients": {"coefficients": {"a": 1.0}}}, "for each of a, b, c; got {'coefficients'"),
             ({"sideways": good}, "metadata.phases has 'sideways'; a phase fitted apart is 'without_gradients' or "
-                                 "'synchronised'")):
+                                 "'synchronised'"),
+            ({"without_gradients": dict(good, single_record_coefficients={"a": 1.0})},
+             "metadata.phases['without_gradients'].single_record_coefficients must hold a number of bytes for each "
+             "of a, b, c; got {'a': 1.0}")):
         parsed["metadata"]["phases"] = phases
         with pytest.raises(ValueError) as caught:
             xpm.MemoryModel.from_json(json.dumps(parsed))

@@ -168,13 +168,20 @@ bool is_left_out(const xpm::FitSummary& s, std::size_t i) {
   return std::find(s.left_out.begin(), s.left_out.end(), i) != s.left_out.end();
 }
 
+// A measurement's prediction in the residuals: the formula's, or for a point left out of the fit
+// (at batch size 1) the model's, single-record factor or coefficients included.
+double residual_prediction(const xpm::MemoryModel& model, const xpm::FitSummary& s, std::size_t i,
+                           const std::vector<double>& dims) {
+  return is_left_out(s, i) ? model.predict_bytes(dims) : model.formula().predict(model.coefficients(), dims);
+}
+
 // Every fitted point: measured, predicted, relative and held-out errors.
 nlohmann::json residuals_json(const xpm::MemoryModel& model, const MeasurementSet& set,
                               const xpm::FitSummary& s) {
   nlohmann::json points = nlohmann::json::array();
   for (std::size_t i = 0; i < set.measurements.size(); ++i) {
     const auto& m = set.measurements[i];
-    const double predicted = model.formula().predict(model.coefficients(), m.dims);
+    const double predicted = residual_prediction(model, s, i, m.dims);
     nlohmann::json point = {{"source", set.labels[i]},
                             {"dims", dims_json(model, m.dims)},
                             {"measured_bytes", m.bytes},
@@ -288,8 +295,7 @@ void print_residuals(std::ostream& os, const xpm::MemoryModel& model, const Meas
   for (std::size_t i = 0; i < set.measurements.size(); ++i) {
     const auto& m = set.measurements[i];
     const bool left_out = is_left_out(s, i);
-    const double predicted =
-        left_out ? model.predict_bytes(m.dims) : model.formula().predict(model.coefficients(), m.dims);
+    const double predicted = residual_prediction(model, s, i, m.dims);
     os << "  " << dims_text(model, m.dims) << ": measured " << bytes_text(m.bytes)
        << ", predicted " << bytes_text(predicted) << ", " << percent((predicted - m.bytes) / m.bytes);
     if (left_out && s.single_record_factor > 1) {

@@ -170,10 +170,9 @@ void print_model_text(std::ostream& os, const ShownModel& shown) {
   }
   if (const auto& single = model.single_record_coefficients(); !single.empty()) {
     os << "one record    at " << model.batch_size_variable() << " = 1 the smaller of the formula and its fit of the "
-       << "probes of one record (";
+       << "probes of one record (they peaked below the trend):\n";
     for (std::size_t k = 0; k < single.size(); ++k)
-      os << (k ? ", " : "") << model.formula().coefficient_names()[k] << " = " << bytes_text(single[k]);
-    os << ")\n";
+      os << "  " << names[k] << " = " << coefficient_text(single[k], terms[k], formula.is_linear()) << "\n";
   }
   if (!model.probed_ranges().empty()) {
     os << "probed range  ";

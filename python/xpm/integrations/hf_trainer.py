@@ -345,7 +345,7 @@ class PlannedTrainerMixin:
         for step in steps:
             if not isinstance(step, PlannedStep):
                 raise TypeError(f"PlannedTrainer: the train loader must yield xpm.PlannedStep items (from "
-                                 f"get_train_dataloader), got {type(step).__name__}")
+                                f"get_train_dataloader), got {type(step).__name__}")
         counted = [_masked_labels(batch) if step.placeholder else batch
                    for step in steps for batch in step.microbatches]
         if not counted or not all(isinstance(batch, Mapping) for batch in counted):
@@ -394,7 +394,7 @@ class PlannedTrainerMixin:
         """
         if not isinstance(inputs, PlannedStep):
             raise TypeError(f"PlannedTrainer.training_step takes a PlannedStep (one optimizer step's "
-                             f"microbatches), got {type(inputs).__name__}")
+                            f"microbatches), got {type(inputs).__name__}")
         # One item is a whole optimizer step: the Trainer's division of the loss by the items of a
         # step is by 1; the sampler's weights (or num_items_in_batch) do the accumulation.
         self.current_gradient_accumulation_steps = 1
