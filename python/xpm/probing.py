@@ -335,11 +335,9 @@ def _with_phase_fit(model: MemoryModel, phase: GradientPhase, results: List[_pla
     shapes = [m["dims"] for m in model._parsed().get("metadata", {}).get("fit_measurements", [])]
     if not shapes or any(tuple(dims) not in peaks_at for dims in shapes):
         return model
-    # As the model's own fit: the shapes where the phase peaks above the floor (below it, the
-    # floor predicts; the prediction is the larger of the two).
+    # A phase's peaks are forward/backward peaks (no optimizer step in them), so every shape the
+    # model was fitted to counts, also where the phase peaks below the optimizer step's floor.
     width = len(model.formula.variable_names)
-    floor_at = model.floor_at(_matrix(shapes, width, "dims"))
-    shapes = [dims for dims, floor in zip(shapes, floor_at) if peaks_at[tuple(dims)] > floor]
     if len(shapes) < len(model.formula.coefficient_names):
         return model
     args = _planner.FitArguments()

@@ -9,10 +9,11 @@ The training case: a token model (embedding, a wide MLP block, an output layer) 
 microbatches change shape every step (records of 8 to 256 tokens), under a cap on reserved bytes
 that binds, trained through ``xpm.microbatch_loop``. Planned by the reserved bytes the emulated
 allocator holds (probes and calibration from an emptied cache): 0 out-of-memory errors, and from
-the third optimizer step every microbatch above half the budget planned within -1 % / +3 % of
-its measured reserved peak. The same model and cap planned by allocated bytes alone (a meter
-that hides its segments) runs out of memory: the segments' rounding and fragmentation are what
-the plan must hold.
+the third optimizer step no microbatch above half the budget planned more than 1 % under its
+measured reserved peak (the over side is printed: at this scale a 20 MiB segment is about 8 %
+of the budget, and the reserved peaks of neighbouring shapes differ by whole segments). The
+same model and cap planned by allocated bytes alone (a meter that hides its segments) runs out
+of memory: the segments' rounding and fragmentation are what the plan must hold.
 """
 from __future__ import annotations
 
@@ -204,6 +205,9 @@ def probed_model(meter: xpm.CpuMeter, capacity_bytes: int) -> Tuple[xpm.MemoryMo
     finally:
         meter.capacity_bytes = 0
     assert outcome.planned_bytes == "reserved" and outcome.model.reserved_gap is not None
+    # A step's first microbatch peaks below the optimizer step's floor at every probed shape (the
+    # weights' and AdamW's bytes dwarf the activations): its phase is fitted all the same.
+    assert "without_gradients" in outcome.model.phases
     print(f"\n{outcome.reserved_report}; reserved gap {outcome.model.reserved_gap}")
     return outcome.model, int(budget.usable_bytes)
 
@@ -281,8 +285,8 @@ def test_planning_reserved_bytes_never_runs_out_where_allocated_planning_does(me
           f"highest reserved peak {highest / capacity:.2%} of the cap; from step 3 above half the budget planned "
           f"{min(errors):+.2%} to {max(errors):+.2%} of the measured reserved peak ({len(errors)} microbatches)")
     # Under-prediction is what runs out of memory: at most 1 % from the third step (the goal). The
-    # over-prediction is reported: one correction for every phase and shape leaves the first
-    # microbatch of a step (its gradients placed among the activations) well over.
+    # over-prediction is reported: one line from allocated to reserved bytes for every phase and
+    # shape covers the largest gap the probes and the window saw (whole 20 MiB segments here).
     assert errors and min(errors) >= -0.01, errors
 
     allocated = train(meter, HiddenSegments(meter), without_reserved_gap(memory_model), capacity, usable_bytes)
