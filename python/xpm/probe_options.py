@@ -321,8 +321,9 @@ def _resolved_formula(formula: Union[CostFormula, str], o: ProbeOptions) -> Cost
     """``formula``, or for ``"auto"`` a constant one over the variables the options name (the
     formula is chosen from the probes)."""
     if not isinstance(formula, str):
-        if o.variables is not None:
-            raise ValueError("probe: variables= names the variables of formula='auto'; a CostFormula has its own")
+        if o.variables is not None and list(o.variables) != list(formula.variable_names):
+            raise ValueError(f"probe: variables={list(o.variables)!r} names the variables of formula='auto'; the "
+                             f"CostFormula has its own, {list(formula.variable_names)!r}")
         return formula
     if formula != "auto":
         raise ValueError(f"probe: formula must be a CostFormula or 'auto', got {formula!r}")

@@ -312,6 +312,10 @@ def test_with_a_record_sample_the_loss_gets_each_probes_records_and_bad_records_
         with pytest.raises(ValueError, match=r"probe: aggregation has 'T', which is not a variable"):
             xpm.probe(model, optimizer, loss_of_records, formula, meter=METER, aggregation={"T": "sum"},
                       record_dims=sample, variable_max={"bs": 16})
+        with pytest.raises(ValueError, match=r"probe: variables=\['bs', 't', 'l'\] names the variables of "
+                                             r"formula='auto'; the CostFormula has its own, \['bs', 'l', 't'\]"):
+            xpm.probe(model, optimizer, loss_of_records, formula, meter=METER, aggregation={"t": "sum"},
+                      record_dims=sample, variable_max={"bs": 16}, variables=["bs", "t", "l"])
         with pytest.raises(ValueError, match=r"formula='auto' with record_dims needs variables="):
             xpm.probe(model, optimizer, loss_of_records, "auto", meter=METER, aggregation={"t": "sum"},
                       record_dims=sample, variable_max={"bs": 16})

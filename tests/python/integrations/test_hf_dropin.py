@@ -192,10 +192,12 @@ def test_drop_in_trains_the_users_arguments_under_the_cap_and_caches_its_model(m
 def test_drop_in_accumulates_an_outer_batch_exactly(meter, sentences, tmp_path):
     measured, gradients, records = [], _Gradients(), _records(sentences)
     model = _capped_model(meter, byte_llama.build_model)
+    formula = xpm.CostFormula("a*bs*l^2 + b*bs*l + c", ["bs", "l"])  # the user's, over the trainer's variables
     trainer = PlannedTrainer(model=model, args=_arguments(tmp_path, max_steps=1), train_dataset=records,
                              data_collator=byte_llama.pad_collate, on_microbatch=measured.append,
-                             callbacks=[gradients], cache_dir=False)
+                             callbacks=[gradients], cache_dir=False, formula=formula)
     trainer.train()
+    assert trainer.xpm_memory.model.formula.canonical == formula.canonical
     step = [i for r in measured for i in r.records]
     assert len(measured) > 1 and len(step) == OUTER
     whole = _whole_batch_gradients(byte_llama.build_model, byte_llama.pad_collate, [records[i] for i in step], meter)
