@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "xpm/planner/fit.hpp"
 #include "xpm/planner/memory_model_lookup.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
 
@@ -401,4 +402,43 @@ TEST_CASE("look_up_or_probe probes and stores once, then sets the cached model w
         lines.end());
   CHECK_THROWS_AS(xpm::look_up_or_probe(third, lookup, {}), std::invalid_argument);
   std::filesystem::remove_all(folder);
+}
+
+TEST_CASE("an out-of-memory bound keeps batch size 1's own fit when the refit does, drops it when not") {
+  // 5000 bytes per token and 2e6 bytes; a record alone skips a copy of 1000 bytes per token.
+  xpm::PredictiveBatcherOptions o = options_with_cap(100'000'000);
+  o.formula = xpm::CostFormula("a*bs*l + c", {"a", "c"}, {"bs", "l"});
+  const auto truth = [](double bs, double l) { return (bs == 1 ? 4000 : 5000) * bs * l + 2e6; };
+  std::vector<xpm::Measurement> measurements;
+  for (double bs : {1.0, 2.0, 4.0, 8.0}) {
+    for (double l : {16.0, 32.0, 64.0, 128.0, 256.0}) measurements.push_back({{bs, l}, truth(bs, l)});
+  }
+  const xpm::FitResult fit = xpm::fit_coefficients(o.formula, measurements, {}, [] {
+    xpm::FitOptions options;
+    options.batch_size_variable = "bs";
+    return options;
+  }());
+  REQUIRE(fit.summary.single_record_coefficients.size() == 2);
+  xpm::MemoryModel model(o.formula, fit.coefficients, 0, "bs");
+  model.set_single_record_coefficients(fit.summary.single_record_coefficients);
+  REQUIRE(model.predict_bytes({1, 200}) == doctest::Approx(truth(1, 200)));
+
+  SUBCASE("with the fit data: the refit's own fit of batch size 1") {
+    for (const auto& m : measurements) model.metadata()["fit_measurements"].push_back({{"dims", m.dims}, {"bytes", m.bytes}});
+    xpm::PredictiveBatcher batcher(o, std::make_shared<xpm::AdaptivePacker>());
+    batcher.set_model(model);
+    batcher.add_infeasible_bound({{64, 128}, 5e6});  // far above: the refit is the fit
+    REQUIRE(batcher.corrections() == 1);
+    CHECK(batcher.model().single_record_coefficients().size() == 2);
+    CHECK(batcher.model().predict_bytes({1, 200}) == doctest::Approx(truth(1, 200)).epsilon(1e-6));
+    CHECK(batcher.model().predict_bytes({2, 200}) == doctest::Approx(truth(2, 200)).epsilon(1e-6));
+  }
+  SUBCASE("without it, a bound at batch size 1 drops that fit: the trend's safe side") {
+    xpm::PredictiveBatcher batcher(o, std::make_shared<xpm::AdaptivePacker>());
+    batcher.set_model(model);
+    batcher.add_infeasible_bound({{1, 512}, truth(1, 512) - 1});
+    CHECK(batcher.model().single_record_coefficients().empty());
+    CHECK(batcher.model().predict_bytes({1, 200}) == doctest::Approx(truth(2, 100)).epsilon(1e-6));
+    CHECK(batcher.model().predict_bytes({1, 512}) >= truth(1, 512) - 1);
+  }
 }
