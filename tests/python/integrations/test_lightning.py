@@ -579,10 +579,12 @@ class _FirstStep(lightning.Callback):
             self.gradients = [p.grad.detach().clone() for p in module.parameters()]
 
 
-def test_one_callback_plans_an_automatic_module_and_accumulates_exactly():
+@pytest.mark.parametrize("formula", ["auto", xpm.CostFormula("a*bs*l + c", ["bs", "l"])], ids=["auto", "given"])
+def test_one_callback_plans_an_automatic_module_and_accumulates_exactly(formula):
     texts = _texts(200)
     module = _TokenMeanModule(texts)
-    planned, first = xpm_lightning.PlannedMicrobatches(units=lambda text: len(text) - 1), _FirstStep()
+    planned = xpm_lightning.PlannedMicrobatches(units=lambda text: len(text) - 1, formula=formula)
+    first = _FirstStep()
     METER.capacity_bytes = 3_000_000
     try:
         trainer = lightning.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False,
@@ -595,6 +597,8 @@ def test_one_callback_plans_an_automatic_module_and_accumulates_exactly():
     finally:
         METER.capacity_bytes = 0
     assert "16 records per optimizer step (batch_size 8 x 2 accumulated x 1 rank(s)" in planned.report
+    if formula != "auto":
+        assert planned.outcome.model.formula.canonical == formula.canonical
     assert trainer.global_step == 2 * -(-len(texts) // 16)  # one optimizer step per outer batch of 8 x 2
     assert len(first.indices) == 16
     # The step's gradient is the outer batch's token-mean gradient computed in one batch.
