@@ -39,7 +39,7 @@ import re
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Literal, Optional, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -324,9 +324,10 @@ def _with_phase_fit(model: MemoryModel, phase: GradientPhase, results: List[_pla
                     peaks: List[float], aggregation: Optional[Dict[str, RecordAggregation]],
                     usable_max_rel_error: float) -> MemoryModel:
     """``model`` with a fit of ``phase``: the model's formula fitted to ``peaks`` (one per probe
-    of ``results``, 0 where not measured) at the shapes the model itself was fitted to; ``model``
-    as it is when that phase was not measured, or its fit is not identifiable or not within
-    ``usable_max_rel_error``. Deterministic from the probes, so every rank in lockstep agrees."""
+    of ``results``, 0 where not measured) at the shapes the model itself was fitted to, else at
+    those of them where the phase peaks above the floor; ``model`` as it is when that phase was
+    not measured, or neither fit is identifiable and within ``usable_max_rel_error``.
+    Deterministic from the probes, so every rank in lockstep agrees."""
     peaks_at: Dict[tuple, float] = {}
     for result, peak in zip(results, peaks):
         if result.feasible and peak > 0:
@@ -336,10 +337,29 @@ def _with_phase_fit(model: MemoryModel, phase: GradientPhase, results: List[_pla
     if not shapes or any(tuple(dims) not in peaks_at for dims in shapes):
         return model
     # A phase's peaks are forward/backward peaks (no optimizer step in them), so every shape the
-    # model was fitted to counts, also where the phase peaks below the optimizer step's floor.
+    # model was fitted to counts, also where the phase peaks below the optimizer step's floor (a
+    # model whose weights and optimizer state dwarf its activations); where that fit misses,
+    # the shapes above the floor alone, where the prediction is the phase's fit anyway.
+    width = len(model.formula.variable_names)
+    floor_at = model.floor_at(_matrix(shapes, width, "dims"))
+    above = [dims for dims, floor in zip(shapes, floor_at) if peaks_at[tuple(dims)] > floor]
+    for chosen in [shapes] + ([above] if len(above) < len(shapes) else []):
+        fitted = _phase_fit(model, chosen, peaks_at, aggregation, usable_max_rel_error)
+        if fitted is not None:
+            native, max_rel_error = fitted
+            return model._with_phase(phase, native.coefficients, native.single_record_factor, max_rel_error,
+                                     len(chosen), native.single_record_coefficients)
+    return model  # the phase's microbatches are predicted as the others
+
+
+def _phase_fit(model: MemoryModel, shapes: List[List[float]], peaks_at: Dict[tuple, float],
+               aggregation: Optional[Dict[str, RecordAggregation]],
+               usable_max_rel_error: float) -> Optional[Tuple[_planner.MemoryModel, float]]:
+    """The model's formula fitted to the phase's peaks at ``shapes`` and its max relative
+    error, or None when too few shapes, not identifiable, or not within ``usable_max_rel_error``."""
     width = len(model.formula.variable_names)
     if len(shapes) < len(model.formula.coefficient_names):
-        return model
+        return None
     args = _planner.FitArguments()
     args.batch_size_variable = model.batch_size_variable
     args.aggregation = dict(aggregation or {})
@@ -349,11 +369,10 @@ def _with_phase_fit(model: MemoryModel, phase: GradientPhase, results: List[_pla
                                           np.array([peaks_at[tuple(dims)] for dims in shapes]),
                                           np.zeros((0, width)), np.zeros(0), args)
     except (ValueError, RuntimeError):
-        return model  # not identifiable from these shapes: the phase's microbatches are predicted as the others
+        return None
     if not np.isfinite(summary["max_rel_error"]) or abs(summary["max_rel_error"]) > usable_max_rel_error:
-        return model
-    return model._with_phase(phase, native.coefficients, native.single_record_factor,
-                             summary["max_rel_error"], len(shapes), native.single_record_coefficients)
+        return None
+    return native, float(summary["max_rel_error"])
 
 
 def _release_frames(error: BaseException) -> None:
