@@ -1,6 +1,8 @@
 // The calibration's line over measured peaks and its agreement over ranks (calibration.hpp).
 #include "xpm/planner/calibration.hpp"
 
+#include "xpm/planner/enum_names.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -35,13 +37,34 @@ std::string signed_bytes(double value) {
   return (std::signbit(value) ? "-" : "+") + grouped;
 }
 
-std::string change_line(std::int64_t step, double before_percent, double after_percent, const Correction& c) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "step %lld: correction %+.1f %% -> %+.1f %% of the budget (%s bytes %c %.2f %% of "
-                "the prediction)", static_cast<long long>(step), before_percent, after_percent,
-                signed_bytes(c.intercept_bytes).c_str(), c.slope >= 0 ? '+' : '-', 100.0 * std::fabs(c.slope));
+constexpr EnumNames<MicrobatchPosition, kMicrobatchPositions> kPositionNames{{{MicrobatchPosition::kFirst, "first"},
+                                                                              {MicrobatchPosition::kMiddle, "middle"},
+                                                                              {MicrobatchPosition::kLast, "last"},
+                                                                              {MicrobatchPosition::kAlone, "alone"}}};
+
+// What `line` takes off a budget of `usable` bytes, as a percentage of it.
+double budget_percent(const CorrectionLine& line, double usable) {
+  return 100.0 * (usable - (usable - line.intercept_bytes) / (1.0 + line.slope)) / usable;
+}
+
+// "step 40: correction +4.1 % -> +0.3 % of the budget (...)"; `what` names a position's line.
+std::string change_line(std::int64_t step, const std::string& what, const CorrectionLine& before,
+                        const CorrectionLine& after, double usable) {
+  char buf[320];
+  std::snprintf(buf, sizeof buf, "step %lld: %scorrection %+.1f %% -> %+.1f %% of the budget (%s bytes %c %.2f %% "
+                "of the prediction)", static_cast<long long>(step), what.c_str(), budget_percent(before, usable),
+                budget_percent(after, usable), signed_bytes(after.intercept_bytes).c_str(), after.slope >= 0 ? '+' : '-',
+                100.0 * std::fabs(after.slope));
   return buf;
 }
+
+CorrectionLine line_of(const Correction& c) { return {c.intercept_bytes, c.slope, 0, 0}; }
+
+bool same_line(const CorrectionLine& a, const CorrectionLine& b) {
+  return a.intercept_bytes == b.intercept_bytes && a.slope == b.slope;
+}
+
+bool has_point(const std::vector<double>& row) { return std::isfinite(row[kSlopes + 1]); }
 
 // Of the lines over every point of `rows`, the one calibration.hpp describes.
 Correction best_line(const std::vector<std::vector<double>>& rows, double usable_bytes) {
@@ -102,6 +125,36 @@ const std::vector<double>& correction_slopes() {
   return slopes;
 }
 
+MicrobatchPosition microbatch_position(std::size_t index, std::size_t count) {
+  if (index >= count)
+    throw std::invalid_argument("microbatch_position: index " + std::to_string(index) + " of a step of " +
+                                std::to_string(count) + " microbatches");
+  if (count == 1) return MicrobatchPosition::kAlone;
+  if (index == 0) return MicrobatchPosition::kFirst;
+  return index + 1 == count ? MicrobatchPosition::kLast : MicrobatchPosition::kMiddle;
+}
+
+std::string to_string(MicrobatchPosition position) { return enum_name(kPositionNames, position); }
+
+MicrobatchPosition parse_microbatch_position(const std::string& text, const std::string& source) {
+  return parse_enum(kPositionNames, text, source);
+}
+
+double Correction::bytes_for(double predicted_bytes, MicrobatchPosition position) const {
+  const std::optional<CorrectionLine>& own = positions[static_cast<std::size_t>(position)];
+  if (!own) return bytes_for(predicted_bytes);
+  const double bytes = own->intercept_bytes + own->slope * predicted_bytes;
+  const bool measured = own->low_bytes <= predicted_bytes && predicted_bytes <= own->high_bytes;
+  return measured ? bytes : std::max(bytes, bytes_for(predicted_bytes));
+}
+
+double Correction::planning_bytes(double usable_bytes) const {
+  double least = (usable_bytes - intercept_bytes) / (1.0 + slope);
+  for (const std::optional<CorrectionLine>& own : positions)
+    if (own) least = std::min(least, (usable_bytes - own->intercept_bytes) / (1.0 + own->slope));
+  return least;
+}
+
 Correction covering_correction(const std::vector<double>& predicted_bytes, const std::vector<double>& peak_bytes,
                                double usable_bytes) {
   if (predicted_bytes.size() != peak_bytes.size())
@@ -117,6 +170,7 @@ Correction covering_correction(const std::vector<double>& predicted_bytes, const
 
 Calibration::Calibration(std::int64_t usable_bytes, CalibrationOptions options)
     : usable_bytes_(usable_bytes), options_(options), correction_(options.initial), step_(empty_row()) {
+  position_steps_.fill(empty_row());
   if (usable_bytes <= 0)
     throw std::invalid_argument("Calibration: usable_bytes must be > 0, got " + std::to_string(usable_bytes));
   check_option("window_steps", options.window_steps);
@@ -130,9 +184,9 @@ Calibration::Row Calibration::empty_row() {
   return row;
 }
 
-std::size_t Calibration::row_size() { return kSlopes + 2 + 3; }
+std::size_t Calibration::row_size() { return (1 + kMicrobatchPositions) * (kSlopes + 2) + 3; }
 
-void Calibration::record_peak(double predicted_bytes, double peak_bytes) {
+void Calibration::record_peak(double predicted_bytes, double peak_bytes, std::optional<MicrobatchPosition> position) {
   for (const auto& [name, value] : {std::pair{"predicted_bytes", predicted_bytes}, std::pair{"peak_bytes", peak_bytes}})
     if (!(std::isfinite(value) && value >= 0)) {
       char buf[64];
@@ -142,14 +196,20 @@ void Calibration::record_peak(double predicted_bytes, double peak_bytes) {
     }
   if (peak_bytes == 0 || predicted_bytes == 0) return;
   add_point(step_, predicted_bytes, peak_bytes);
+  if (position) add_point(position_steps_[static_cast<std::size_t>(*position)], predicted_bytes, peak_bytes);
   ++measured_microbatches_;
-  const double corrected = predicted_bytes + correction_.bytes_for(predicted_bytes);
+  const double corrected =
+      predicted_bytes + (position ? correction_.bytes_for(predicted_bytes, *position) : correction_.bytes_for(predicted_bytes));
   worst_rel_error_ = std::min(worst_rel_error_, (corrected - peak_bytes) / peak_bytes);
 }
 
 std::vector<double> Calibration::step_row(std::int64_t replan_from) const {
-  std::vector<double> row = step_;
-  row[kSlopes] = -row[kSlopes];  // the smallest prediction, as a maximum
+  std::vector<double> row;
+  row.reserve(row_size());
+  for (const Row* part : {&step_, &position_steps_[0], &position_steps_[1], &position_steps_[2], &position_steps_[3]}) {
+    row.insert(row.end(), part->begin(), part->end());
+    row[row.size() - 2] = -row[row.size() - 2];  // the smallest prediction, as a maximum
+  }
   const double usable = static_cast<double>(usable_bytes_);
   row.insert(row.end(), {static_cast<double>(replan_from), usable, -usable});
   for (double& v : row)
@@ -157,7 +217,10 @@ std::vector<double> Calibration::step_row(std::int64_t replan_from) const {
   return row;
 }
 
-std::optional<std::string> Calibration::end_step(std::int64_t step, const std::vector<double>& agreed_row) {
+// The agreed row's parts (the correction's, then each position's), infinities decoded, after
+// checking its size and that every rank plans under the same budget.
+std::array<std::vector<double>, 1 + kMicrobatchPositions> Calibration::agreed_parts(
+    const std::vector<double>& agreed_row) const {
   if (agreed_row.size() != row_size())
     throw std::invalid_argument("Calibration.end_step: the agreed row holds " + std::to_string(agreed_row.size()) +
                                 " numbers, expected " + std::to_string(row_size()) + " (step_row())");
@@ -169,49 +232,117 @@ std::optional<std::string> Calibration::end_step(std::int64_t step, const std::v
     throw std::invalid_argument(std::string("xpm: the ranks plan under different budgets (") + buf +
                                 "): give every rank the same usable_bytes, else their plans and corrections differ");
   }
-  Row measured(agreed_row.begin(), agreed_row.end() - 3);
-  for (double& v : measured)
-    if (v < -1e299) v = -kInf;
-  measured[kSlopes] = -measured[kSlopes];
-  replan_from_ = static_cast<std::int64_t>(agreed_row[n - 3]);
+  std::array<Row, 1 + kMicrobatchPositions> parts;
+  for (std::size_t part = 0; part < parts.size(); ++part) {
+    const auto begin = agreed_row.begin() + static_cast<std::ptrdiff_t>(part * (kSlopes + 2));
+    parts[part].assign(begin, begin + static_cast<std::ptrdiff_t>(kSlopes + 2));
+    for (double& v : parts[part])
+      if (v < -1e299) v = -kInf;
+    parts[part][kSlopes] = -parts[part][kSlopes];
+  }
+  return parts;
+}
+
+std::optional<std::string> Calibration::end_step(std::int64_t step, const std::vector<double>& agreed_row) {
+  const std::array<Row, 1 + kMicrobatchPositions> measured = agreed_parts(agreed_row);
+  replan_from_ = static_cast<std::int64_t>(agreed_row[agreed_row.size() - 3]);
   step_ = empty_row();
+  position_steps_.fill(empty_row());
   const bool first = ++steps_seen_ == 1;
   if (!first) {  // the run's first step has no optimizer state: it may only raise
-    window_.push_back(measured);
-    if (window_.size() > static_cast<std::size_t>(options_.window_steps)) window_.erase(window_.begin());
+    push_row(window_, measured[0], static_cast<std::size_t>(options_.window_steps));
+    for (std::size_t p = 0; p < kMicrobatchPositions; ++p)
+      push_row(position_windows_[p], measured[1 + p], static_cast<std::size_t>(options_.window_steps));
   }
-  const Correction target = updated(measured, window_.empty() || first ? std::vector<Row>{measured} : window_);
-  if (target == correction_) return std::nullopt;
-  const Correction old = correction_;
-  correction_ = target;
-  const double usable = static_cast<double>(usable_bytes_);
-  log_.push_back(change_line(step, 100.0 * (usable - old.planning_bytes(usable)) / usable,
-                             100.0 * correction_bytes() / usable, target));
+  const std::vector<std::string> lines = update_lines(step, measured, first);
+  if (lines.empty()) return std::nullopt;
+  std::string joined;
+  for (const std::string& line : lines) joined += (joined.empty() ? "" : "; ") + line;
+  log_.push_back(joined);
   return log_.back();
+}
+
+// The correction's line and each position's updated from the step's points; one log line per
+// line that changed (a position's that became the correction's new line is said once).
+std::vector<std::string> Calibration::update_lines(std::int64_t step,
+                                                   const std::array<Row, 1 + kMicrobatchPositions>& measured,
+                                                   bool first) {
+  const double usable = static_cast<double>(usable_bytes_);
+  std::vector<std::string> lines;
+  const CorrectionLine before = line_of(correction_);
+  const CorrectionLine after =
+      updated(before, measured[0], window_.empty() || first ? std::vector<Row>{measured[0]} : window_, first);
+  if (!(after == before)) lines.push_back(change_line(step, "", before, after, usable));
+  std::array<std::optional<CorrectionLine>, kMicrobatchPositions> positions;
+  for (std::size_t p = 0; p < kMicrobatchPositions; ++p) {
+    positions[p] = updated_position(p, measured[1 + p], first);
+    if (!positions[p]) continue;
+    const CorrectionLine was = correction_.positions[p].value_or(line_of(options_.initial));
+    const bool said = same_line(*positions[p], after) && !same_line(after, before);
+    if (!same_line(*positions[p], was) && !said) {
+      lines.push_back(change_line(step, "the " + to_string(static_cast<MicrobatchPosition>(p)) + " microbatch's ",
+                                  was, *positions[p], usable));
+    }
+  }
+  correction_.intercept_bytes = after.intercept_bytes;
+  correction_.slope = after.slope;
+  correction_.positions = positions;
+  return lines;
+}
+
+void Calibration::push_row(std::vector<Row>& window, const Row& row, std::size_t window_steps) {
+  window.push_back(row);
+  if (window.size() > window_steps) window.erase(window.begin());
+}
+
+// A position's line: none until a microbatch at that position is measured; then, from the
+// initial correction, updated over its own window as the correction's line is.
+std::optional<CorrectionLine> Calibration::updated_position(std::size_t position, const Row& measured,
+                                                            bool first) const {
+  const std::vector<Row>& window = position_windows_[position];
+  const std::optional<CorrectionLine>& in_force = correction_.positions[position];
+  const bool measured_now = has_point(measured);
+  if (!in_force && !measured_now) return std::nullopt;
+  CorrectionLine line = updated(in_force.value_or(line_of(options_.initial)), measured,
+                                window.empty() || first ? std::vector<Row>{measured} : window, first);
+  // The predictions it holds for: every one measured at this position so far.
+  line.low_bytes = in_force ? in_force->low_bytes : kInf;
+  line.high_bytes = in_force ? in_force->high_bytes : -kInf;
+  if (measured_now) {
+    line.low_bytes = std::min(line.low_bytes, measured[kSlopes]);
+    line.high_bytes = std::max(line.high_bytes, measured[kSlopes + 1]);
+  }
+  return line;
 }
 
 // The best line over the window when the step's point lies above the line in force, or when
 // settle_steps steps of the window lie under a lower one; else the line in force.
-Correction Calibration::updated(const Row& measured, const std::vector<Row>& window) const {
+CorrectionLine Calibration::updated(const CorrectionLine& in_force, const Row& measured, const std::vector<Row>& window,
+                                    bool first) const {
   std::vector<Row> seen;
   for (const Row& row : window)
-    if (std::isfinite(row[kSlopes + 1])) seen.push_back(row);
-  if (seen.empty()) return correction_;
+    if (has_point(row)) seen.push_back(row);
+  if (seen.empty()) return in_force;
   const Correction target = best_line(seen, static_cast<double>(usable_bytes_));
   const std::vector<double>& slopes = correction_slopes();
   std::size_t index = 0;
   for (std::size_t j = 1; j < kSlopes; ++j)
-    if (std::fabs(slopes[j] - correction_.slope) < std::fabs(slopes[index] - correction_.slope)) index = j;
-  const bool above = std::isfinite(measured[kSlopes + 1]) && measured[index] > correction_.intercept_bytes;
+    if (std::fabs(slopes[j] - in_force.slope) < std::fabs(slopes[index] - in_force.slope)) index = j;
+  const bool above = has_point(measured) && measured[index] > in_force.intercept_bytes;
   double low = kInf, high = -kInf;
   for (const Row& row : seen) {
     low = std::min(low, row[kSlopes]);
     high = std::max(high, row[kSlopes + 1]);
   }
-  const bool settled = window_.size() >= static_cast<std::size_t>(std::min(options_.settle_steps, options_.window_steps));
-  const bool lower = settled && target.bytes_for(low) < correction_.bytes_for(low) &&
-                     target.bytes_for(high) < correction_.bytes_for(high);
-  return above || lower ? target : correction_;
+  const auto at = [](const CorrectionLine& line, double p) { return line.intercept_bytes + line.slope * p; };
+  const bool settled =
+      !first && window_.size() >= static_cast<std::size_t>(std::min(options_.settle_steps, options_.window_steps));
+  const bool lower = settled && target.bytes_for(low) < at(in_force, low) && target.bytes_for(high) < at(in_force, high);
+  if (!(above || lower)) return in_force;
+  CorrectionLine drawn = line_of(target);
+  drawn.low_bytes = in_force.low_bytes;
+  drawn.high_bytes = in_force.high_bytes;
+  return drawn;
 }
 
 double Calibration::correction_bytes() const {
@@ -219,54 +350,105 @@ double Calibration::correction_bytes() const {
   return usable - correction_.planning_bytes(usable);
 }
 
-CalibrationState Calibration::state() const { return {correction_, window_, steps_seen_, log_}; }
+CalibrationState Calibration::state() const {
+  return {correction_, window_, steps_seen_, log_, position_windows_};
+}
 
 void Calibration::load_state(CalibrationState state) {
   if (state.steps_seen < 0)
     throw std::invalid_argument("calibration state: steps_seen must be >= 0, got " + std::to_string(state.steps_seen));
-  for (const Row& row : state.window)
-    if (row.size() != kSlopes + 2)
-      throw std::invalid_argument("calibration state: window rows of another shape (" + std::to_string(row.size()) +
-                                  " numbers, expected " + std::to_string(kSlopes + 2) + ")");
-  while (state.window.size() > static_cast<std::size_t>(options_.window_steps)) state.window.erase(state.window.begin());
+  std::vector<std::vector<Row>*> windows{&state.window};
+  for (auto& window : state.position_windows) windows.push_back(&window);
+  for (std::vector<Row>* window : windows) {
+    for (const Row& row : *window)
+      if (row.size() != kSlopes + 2)
+        throw std::invalid_argument("calibration state: window rows of another shape (" + std::to_string(row.size()) +
+                                    " numbers, expected " + std::to_string(kSlopes + 2) + ")");
+    while (window->size() > static_cast<std::size_t>(options_.window_steps)) window->erase(window->begin());
+  }
   correction_ = state.correction;
   window_ = std::move(state.window);
+  position_windows_ = std::move(state.position_windows);
   steps_seen_ = state.steps_seen;
   log_ = std::move(state.log);
 }
 
-nlohmann::json to_json(const CalibrationState& state) {
+namespace {
+
+nlohmann::json window_to_json(const std::vector<std::vector<double>>& rows) {
   nlohmann::json window = nlohmann::json::array();
-  for (const auto& row : state.window) {
+  for (const auto& row : rows) {
     nlohmann::json values = nlohmann::json::array();
     for (double v : row) values.push_back(std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr));
     window.push_back(std::move(values));
   }
+  return window;
+}
+
+std::vector<std::vector<double>> window_from_json(const nlohmann::json& window) {
+  std::vector<std::vector<double>> rows;
+  for (const auto& values : window) {
+    std::vector<double> row;
+    for (std::size_t j = 0; j < values.size(); ++j) {
+      const nlohmann::json& v = values.at(j);
+      row.push_back(v.is_null() ? (j == kSlopes ? kInf : -kInf) : v.get<double>());
+    }
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
+CorrectionLine line_from_json(const nlohmann::json& json, const std::string& field, std::size_t size) {
+  const auto values = json.get<std::vector<double>>();
+  if (values.size() != size)
+    throw std::invalid_argument(field + (size == 2 ? " must hold [intercept_bytes, slope]"
+                                                   : " must hold [intercept_bytes, slope, low_bytes, high_bytes]"));
+  return {values[0], values[1], size == 4 ? values[2] : 0.0, size == 4 ? values[3] : 0.0};
+}
+
+}  // namespace
+
+nlohmann::json to_json(const CalibrationState& state) {
+  nlohmann::json positions = nlohmann::json::object();
+  for (std::size_t p = 0; p < kMicrobatchPositions; ++p) {
+    const std::optional<CorrectionLine>& line = state.correction.positions[p];
+    if (!line && state.position_windows[p].empty()) continue;
+    positions[to_string(static_cast<MicrobatchPosition>(p))] = {
+        {"correction", line ? nlohmann::json{line->intercept_bytes, line->slope, line->low_bytes, line->high_bytes}
+                            : nlohmann::json(nullptr)},
+        {"window", window_to_json(state.position_windows[p])}};
+  }
   return {{"correction", {state.correction.intercept_bytes, state.correction.slope}},
-          {"window", std::move(window)},
+          {"window", window_to_json(state.window)},
           {"steps_seen", state.steps_seen},
-          {"log", state.log}};
+          {"log", state.log},
+          {"positions", std::move(positions)}};
 }
 
 CalibrationState calibration_state_from_json(const nlohmann::json& json) {
   try {
     CalibrationState state;
-    const auto correction = json.at("correction").get<std::vector<double>>();
-    if (correction.size() != 2) throw std::invalid_argument("correction must hold [intercept_bytes, slope]");
-    state.correction = {correction[0], correction[1]};
-    for (const auto& values : json.at("window")) {
-      std::vector<double> row;
-      for (std::size_t j = 0; j < values.size(); ++j) {
-        const nlohmann::json& v = values.at(j);
-        row.push_back(v.is_null() ? (j == kSlopes ? kInf : -kInf) : v.get<double>());
-      }
-      state.window.push_back(std::move(row));
-    }
+    const CorrectionLine line = line_from_json(json.at("correction"), "correction", 2);
+    state.correction.intercept_bytes = line.intercept_bytes;
+    state.correction.slope = line.slope;
+    state.window = window_from_json(json.at("window"));
     state.steps_seen = json.at("steps_seen").get<std::int64_t>();
     state.log = json.at("log").get<std::vector<std::string>>();
+    if (json.contains("positions")) {
+      for (const auto& [name, record] : json.at("positions").items()) {
+        const auto p = static_cast<std::size_t>(parse_microbatch_position(name, "calibration state: positions' key"));
+        if (!record.at("correction").is_null())
+          state.correction.positions[p] =
+              line_from_json(record.at("correction"), "positions." + name + ".correction", 4);
+        state.position_windows[p] = window_from_json(record.at("window"));
+      }
+    }
     return state;
   } catch (const nlohmann::json::exception& error) {
     throw std::invalid_argument(std::string("calibration state: ") + error.what());
+  } catch (const std::invalid_argument& error) {
+    const std::string what = error.what();
+    throw std::invalid_argument(what.rfind("calibration state: ", 0) == 0 ? what : "calibration state: " + what);
   }
 }
 

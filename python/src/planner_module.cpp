@@ -407,8 +407,22 @@ void bind_fit(py::module_& m) {
   m.def("fit", &fit);
 }
 
+// (intercept_bytes, slope, {position: (intercept_bytes, slope, low_bytes, high_bytes)}) of a correction.
+py::tuple correction_tuple(const xpm::Correction& c) {
+  py::dict positions;
+  for (std::size_t p = 0; p < xpm::kMicrobatchPositions; ++p)
+    if (const auto& line = c.positions[p]) {
+      positions[py::str(xpm::to_string(static_cast<xpm::MicrobatchPosition>(p)))] =
+          py::make_tuple(line->intercept_bytes, line->slope, line->low_bytes, line->high_bytes);
+    }
+  return py::make_tuple(c.intercept_bytes, c.slope, positions);
+}
+
 // The calibration's policy; its Python face (Correction, the collective) is python/xpm/calibration.py.
 void bind_calibration(py::module_& m) {
+  m.def("microbatch_position", [](std::size_t index, std::size_t count) {
+    return xpm::to_string(xpm::microbatch_position(index, count));
+  });
   m.def("covering_correction", [](const std::vector<double>& predicted, const std::vector<double>& peaks,
                                   double usable_bytes) {
     const xpm::Correction c = xpm::covering_correction(predicted, peaks, usable_bytes);
@@ -419,26 +433,30 @@ void bind_calibration(py::module_& m) {
                        double slope) {
         return xpm::Calibration(usable_bytes, {window_steps, settle_steps, {intercept_bytes, slope}});
       }))
-      .def("record_peak", &xpm::Calibration::record_peak)
+      .def("record_peak",
+           [](xpm::Calibration& c, double predicted_bytes, double peak_bytes, std::optional<std::string> position) {
+             c.record_peak(predicted_bytes, peak_bytes,
+                           position ? std::optional(xpm::parse_microbatch_position(*position, "position"))
+                                    : std::nullopt);
+           },
+           py::arg("predicted_bytes"), py::arg("peak_bytes"), py::arg("position") = py::none())
       .def("step_row", &xpm::Calibration::step_row)
       .def("end_step", &xpm::Calibration::end_step)
-      .def_property_readonly("correction", [](const xpm::Calibration& c) {
-        return std::pair{c.correction().intercept_bytes, c.correction().slope};
-      })
+      .def_property_readonly("correction", [](const xpm::Calibration& c) { return correction_tuple(c.correction()); })
       .def_property_readonly("correction_bytes", &xpm::Calibration::correction_bytes)
       .def_property_readonly("replan_from", &xpm::Calibration::replan_from)
       .def_property_readonly("log", &xpm::Calibration::log)
       .def_property_readonly("measured_microbatches", &xpm::Calibration::measured_microbatches)
       .def_property_readonly("worst_rel_error", &xpm::Calibration::worst_rel_error)
-      .def("state", [](const xpm::Calibration& c) {
-        const xpm::CalibrationState s = c.state();
-        return py::make_tuple(std::pair{s.correction.intercept_bytes, s.correction.slope}, s.window, s.steps_seen,
-                              s.log);
-      })
-      .def("load_state", [](xpm::Calibration& c, std::pair<double, double> correction,
-                            std::vector<std::vector<double>> window, std::int64_t steps_seen,
-                            std::vector<std::string> log) {
-        c.load_state({{correction.first, correction.second}, std::move(window), steps_seen, std::move(log)});
+      .def("state_json", [](const xpm::Calibration& c) { return xpm::to_json(c.state()).dump(); })
+      .def("load_state_json", [](xpm::Calibration& c, const std::string& text) {
+        nlohmann::json parsed;
+        try {
+          parsed = nlohmann::json::parse(text);
+        } catch (const nlohmann::json::exception& error) {
+          throw std::invalid_argument(std::string("calibration state: ") + error.what());
+        }
+        c.load_state(xpm::calibration_state_from_json(parsed));
       });
 }
 

@@ -19,6 +19,8 @@ every rank. ``docs/python.md`` has the guide.
   (``plan``'s and the sampler's ``packer``), ``Aggregation`` (``fit``'s ``aggregation`` values),
   ``RecordAggregation`` (``probe``'s), ``GradientPhase`` (``MemoryModel.predict``'s ``phase``:
   a step's first microbatch after ``zero_grad(set_to_none=True)`` runs without gradients),
+  ``MicrobatchPosition`` (a microbatch's place in its step, ``microbatch_position``: the
+  calibration draws a line per position, ``Correction.positions``),
   ``DeviceKind`` (``probe``'s ``device``), ``AdaptiveStop``
   (``AdaptiveReport.stop``), ``OutsideProbesKind``; ``Meter``, the meters ``probe`` takes;
 - ``__version__``, the version of this copy (the same as the installed distribution's).
@@ -41,6 +43,7 @@ from .planning import (GRADIENT_PHASES, PACKERS, Aggregation, CostFormula, FitRe
                        MemoryBudget, MemoryModel, PackerName, Plan, RecordAggregation, fit, plan,
                        record_dims_from_lengths)
 from .planned_step import PlannedStep
+from .choices import MICROBATCH_POSITIONS, MicrobatchPosition, microbatch_position
 
 # The torch side, imported on first use: the planner core above imports without torch.
 _TORCH_SIDE = {
@@ -96,4 +99,4 @@ __all__ = ["__version__", "PACKERS", "CostFormula", "FitReport", "FormulaError",
            "probe", "ProbeOptions", "CpuMeter", "CudaMeter", "ProbeOutcome", "AdaptiveReport", "OutsideProbes",
            "OutsideProbesKind",
            "PackerName", "Aggregation", "RecordAggregation", "DeviceKind", "AdaptiveStop", "Meter", "stop_together",
-           "GradientPhase", "GRADIENT_PHASES"]
+           "GradientPhase", "GRADIENT_PHASES", "MicrobatchPosition", "MICROBATCH_POSITIONS", "microbatch_position"]

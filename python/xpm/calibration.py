@@ -33,55 +33,90 @@ state yet, so lower than the rest).
 The correction at the budget is bounded to half the budget either way; an under-prediction
 beyond that is warned about once (the model is wrong: probe again).
 
+Points recorded with their ``MicrobatchPosition`` in the step ("first", "middle", "last",
+"alone") also draw a line per position, by the same rules from the same initial correction:
+a step's first microbatch (gradients allocated among its activations) and its last (the
+optimizer step, clipping, synchronisation) miss other amounts than the rest. A position's line
+holds for the predictions it has measured, the larger of it and the common line outside them;
+plans fit every line (``Correction.planning_bytes``), and ``Microbatch.correction_bytes`` is
+its position's.
+
 The policy is the planner's C++ ``xpm::Calibration`` (``xpm/planner/calibration.hpp``), which the
 C++ Learner uses too; this module adds the collective (``torch.distributed``) and the warning.
 """
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from . import _planner
+from .choices import MICROBATCH_POSITIONS, MicrobatchPosition, _check_choice
+
+_POSITION_ORDER = {name: k for k, name in enumerate(MICROBATCH_POSITIONS)}
 
 
 @dataclass(frozen=True)
 class Correction:
-    """Bytes added to a memory model's prediction: ``intercept_bytes + slope * prediction``.
+    """Bytes added to a memory model's prediction: ``intercept_bytes + slope * prediction``, or
+    for a microbatch at a position of its step with a line of its own (``positions``), that line.
 
     Attributes:
         intercept_bytes: the constant part, bytes (may be negative).
         slope: the part proportional to the prediction (0.01: 1 % of it).
+        positions: ``((position, intercept_bytes, slope, low_bytes, high_bytes), ...)``, the
+            lines the calibration drew for the microbatches of a ``MicrobatchPosition``
+            ("first", "middle", "last", "alone") once it measured them, each holding for the
+            predictions from ``low_bytes`` to ``high_bytes`` it measured (outside them, the
+            larger of it and the line above); a position not listed takes the line above.
     """
 
     intercept_bytes: float = 0.0
     slope: float = 0.0
+    positions: Tuple[Tuple[MicrobatchPosition, float, float, float, float], ...] = ()
 
-    def bytes_for(self, predicted_bytes: float) -> float:
+    def bytes_for(self, predicted_bytes: float, position: Optional[MicrobatchPosition] = None) -> float:
         """The correction of one prediction.
 
         Args:
             predicted_bytes: the model's prediction, bytes.
+            position: the microbatch's position in its step (``xpm.microbatch_position``), or
+                None: the line every position without one of its own takes.
 
         Returns:
             The bytes to add to it.
         """
-        return self.intercept_bytes + self.slope * float(predicted_bytes)
+        predicted = float(predicted_bytes)
+        common = self.intercept_bytes + self.slope * predicted
+        for name, intercept, slope, low, high in self.positions:
+            if name == position:
+                own = intercept + slope * predicted
+                return own if low <= predicted <= high else max(own, common)
+        return common
 
     def planning_bytes(self, usable_bytes: float) -> float:
-        """The largest prediction whose corrected value fits ``usable_bytes``.
+        """The largest prediction whose corrected value fits ``usable_bytes`` at every position
+        (a step's positions are known once it is packed).
 
         Args:
             usable_bytes: the budget, bytes.
 
         Returns:
-            ``(usable_bytes - intercept_bytes) / (1 + slope)``, bytes.
+            The least ``(usable_bytes - intercept_bytes) / (1 + slope)`` over the lines, bytes.
         """
-        return (float(usable_bytes) - self.intercept_bytes) / (1.0 + self.slope)
+        lines = [(self.intercept_bytes, self.slope)] + [(i, s) for _, i, s, _, _ in self.positions]
+        return min((float(usable_bytes) - intercept) / (1.0 + slope) for intercept, slope in lines)
+
+    @staticmethod
+    def _from_native(native: Tuple[float, float, Dict[str, Tuple[float, float, float, float]]]) -> "Correction":
+        intercept, slope, positions = native
+        return Correction(intercept, slope, tuple((name, *(float(v) for v in line)) for name, line in
+                                                  sorted(positions.items(), key=lambda item: _POSITION_ORDER[item[0]])))
 
 
 HEADROOM_SLOPE = 0.0025
@@ -154,8 +189,8 @@ class Calibration:
 
     @property
     def correction(self) -> Correction:
-        """The correction in force."""
-        return Correction(*self._native.correction)
+        """The correction in force (its line, and the positions' lines drawn so far)."""
+        return Correction._from_native(self._native.correction)
 
     @property
     def log(self) -> List[str]:
@@ -195,7 +230,8 @@ class Calibration:
         """The largest correction at the budget either way: half the budget."""
         return 0.5 * self.usable_bytes
 
-    def record_peak(self, predicted_bytes: float, peak_bytes: float) -> None:
+    def record_peak(self, predicted_bytes: float, peak_bytes: float,
+                    position: Optional[MicrobatchPosition] = None) -> None:
         """Records one microbatch's measured peak against the model's prediction of it (this
         rank only; no communication).
 
@@ -204,16 +240,22 @@ class Calibration:
             peak_bytes: the meter's peak over its forward and backward (and the optimizer step
                 after the last microbatch): allocated bytes, or reserved bytes where the plans
                 bound them (``xpm.meters.planned_peak_bytes``).
+            position: the microbatch's position in its step (``xpm.microbatch_position``;
+                ``Microbatch.position``), which then draws that position's line too; None:
+                the correction's line alone.
 
         Raises:
             ValueError: either value is not a number, not finite or negative (0, an empty
-                microbatch's prediction or a peak not measured, is skipped).
+                microbatch's prediction or a peak not measured, is skipped), or ``position`` is
+                not a ``MicrobatchPosition``.
         """
-        self._native.record_peak(float(predicted_bytes), float(peak_bytes))
+        if position is not None:
+            _check_choice(position, MICROBATCH_POSITIONS, "Calibration.record_peak: position")
+        self._native.record_peak(float(predicted_bytes), float(peak_bytes), position)
 
     def end_step(self, step: int, *, replan_from: int = 0) -> Optional[str]:
         """Ends an optimizer step: agrees the step's measurements over the ranks (one all-reduce
-        of 106 numbers under an initialised process group of more than one rank; every rank
+        of 518 numbers under an initialised process group of more than one rank; every rank
         must call it, once per step) and updates the correction.
 
         Args:
@@ -257,14 +299,17 @@ class Calibration:
         return values.cpu().tolist()
 
     def state_dict(self) -> Dict[str, Any]:
-        """The correction, its window and log (plain values)."""
-        correction, window, steps_seen, log = self._native.state()
-        return {"correction": list(correction), "window": [list(row) for row in window], "steps_seen": steps_seen,
-                "log": list(log)}
+        """The correction, its window and log, and each position's line and window.
+
+        Returns:
+            Plain values (JSON; a step of the window with no point as None).
+        """
+        return json.loads(self._native.state_json())  # type: ignore[no-any-return]
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restores a ``state_dict()`` (also one of a calibration with a constant correction:
-        that correction kept as the intercept, its window dropped).
+        """Restores a ``state_dict()`` (also one written before positions had lines of their
+        own, or of a calibration with a constant correction: that correction kept as the
+        intercept, its window dropped).
 
         Args:
             state: a ``state_dict()`` of a calibration.
@@ -273,16 +318,25 @@ class Calibration:
             ValueError: ``state`` is not a calibration state.
         """
         try:
-            if "correction" in state:
-                intercept, slope = (float(v) for v in state["correction"])
-                window = [[float(v) for v in row] for row in state["window"]]
-            else:
-                intercept, slope, window = float(state["correction_bytes"]), 0.0, []
-            steps_seen, log = int(state["steps_seen"]), [str(line) for line in state["log"]]
-            self._native.load_state((intercept, slope), window, steps_seen, log)
+            if "correction" not in state:
+                state = {"correction": [float(state["correction_bytes"]), 0.0], "window": [],
+                         "steps_seen": state["steps_seen"], "log": state["log"]}
+            self._native.load_state_json(json.dumps(_finite_or_none(state), allow_nan=False))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"calibration state_dict: {error!r} (expected correction, window, steps_seen, "
                              "log)") from None
+
+
+def _finite_or_none(value: Any) -> Any:
+    """``value`` with every float that is not finite (a window row's empty step, as earlier
+    states held it) as None."""
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
 
 
 def covering_correction(predicted_bytes: List[float], peak_bytes: List[float], usable_bytes: float) -> Correction:

@@ -1,5 +1,5 @@
 """The closed sets of string arguments of the planner (``PackerName``, ``Aggregation``,
-``RecordAggregation``, ``GradientPhase``): each a ``typing.Literal`` alias for type checkers and a
+``RecordAggregation``, ``GradientPhase``, ``MicrobatchPosition``): each a ``typing.Literal`` alias for type checkers and a
 tuple of its values for the run-time check, and that check, whose one-line ``ValueError`` names
 the argument and the value, as the C++ library's messages do.
 """
@@ -36,6 +36,29 @@ last microbatch of a step under FSDP2's accumulation (``set_requires_gradient_sy
 the earlier ones), whose backward reduce-scatters and frees each layer's accumulated unsharded
 gradient as it goes."""
 GRADIENT_PHASES: Tuple[GradientPhase, ...] = ("with_gradients", "without_gradients", "synchronised")
+
+MicrobatchPosition = Literal["first", "middle", "last", "alone"]
+"""Where a microbatch runs in its rank's optimizer step (``xpm.Correction`` has a line per
+position): "first" of several (after ``zero_grad(set_to_none=True)`` its backward allocates the
+gradients among its activations), "middle", "last" of several (the gradients' synchronisation,
+and the optimizer step where the peak measured includes it), or "alone" (a step of one)."""
+MICROBATCH_POSITIONS: Tuple[MicrobatchPosition, ...] = ("first", "middle", "last", "alone")
+
+
+def microbatch_position(index: int, count: int) -> MicrobatchPosition:
+    """The position of microbatch ``index`` (0-based) of a step of ``count`` microbatches.
+
+    Args:
+        index: the microbatch's index in its rank's step.
+        count: the step's microbatches on that rank (placeholders included).
+
+    Returns:
+        "alone" when ``count`` is 1, else "first", "last" or "middle".
+
+    Raises:
+        ValueError: ``index`` is not below ``count``.
+    """
+    return _planner.microbatch_position(int(index), int(count))  # type: ignore[no-any-return]
 
 
 def _name_list(choices: Sequence[str]) -> str:

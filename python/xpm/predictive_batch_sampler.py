@@ -315,11 +315,12 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
                 optimizer step after the step's last microbatch).
         """
         if self._calibration is not None and len(microbatch) > 0:
-            self._calibration.record_peak(microbatch.predicted_bytes, peak_allocated_bytes)
+            self._calibration.record_peak(microbatch.predicted_bytes, peak_allocated_bytes,
+                                          getattr(microbatch, "position", None))
 
     def end_step(self, step: int, *, replan_from: Optional[int] = None) -> Optional[str]:
         """Ends optimizer step ``step`` for calibration: the ranks agree on the correction (one
-        all-reduce of 106 numbers when torch.distributed runs more than one rank; every rank
+        all-reduce of 518 numbers when torch.distributed runs more than one rank; every rank
         calls it once per step), and when it changed, the steps of the epoch not yet handed out
         are planned anew with it (``len(sampler)`` may change). ``microbatch_loop(...,
         meter=...)`` calls it after each step's last microbatch.
@@ -337,7 +338,8 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             return None
         first = self._first_step_not_handed_out(step) if replan_from is None else max(step + 1, int(replan_from))
         line = self._calibration.end_step(step, replan_from=first)
-        if line is not None:
+        # A new line, or a position's line now holding for more predictions (no log line).
+        if line is not None or self._calibration.correction != self._corrections[-1][1]:
             self._replan_from(self._calibration.replan_from, self._calibration.correction)
         return line
 

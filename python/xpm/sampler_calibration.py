@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from .calibration import Calibration, Correction
+from .choices import MICROBATCH_POSITIONS
 from .memory_model import MemoryModel
 
 if TYPE_CHECKING:
@@ -100,9 +101,11 @@ def calibration_state(corrections: Corrections, calibration: Optional[Calibratio
         calibration: the sampler's calibration, or None.
 
     Returns:
-        ``{"corrections": [[step, intercept_bytes, slope], ...], "calibration": its state or None}``.
+        ``{"corrections": [[step, intercept_bytes, slope, {position: [intercept_bytes, slope,
+        low_bytes, high_bytes]}], ...], "calibration": its state or None}``.
     """
-    return {"corrections": [[first, c.intercept_bytes, c.slope] for first, c in corrections],
+    return {"corrections": [[first, c.intercept_bytes, c.slope, {p[0]: list(p[1:]) for p in c.positions}]
+                            for first, c in corrections],
             "calibration": None if calibration is None else calibration.state_dict()}
 
 
@@ -123,13 +126,25 @@ def loaded_corrections(state: Dict[str, Any], what: str, calibration: Optional[C
         ValueError: malformed corrections.
     """
     corrections = state.get("corrections", [[0, 0.0, 0.0]])
-    try:  # [step, intercept bytes, slope], or [step, bytes] of a constant correction
-        loaded = [(int(entry[0]), Correction(*(float(v) for v in entry[1:]))) for entry in corrections]
-        if any(not 2 <= len(entry) <= 3 for entry in corrections):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} corrections must be [[step, intercept_bytes, slope], ...], got "
-                         f"{corrections!r}") from None
+    try:  # [step, intercept bytes, slope, {position: line}], [step, intercept bytes, slope], or [step, bytes]
+        loaded = [(int(entry[0]), _correction_of(entry[1:])) for entry in corrections]
+    except (TypeError, ValueError, KeyError, IndexError):
+        raise ValueError(f"{what} corrections must be [[step, intercept_bytes, slope, {{position: [intercept_bytes, "
+                         f"slope, low_bytes, high_bytes]}}], ...], got {corrections!r}") from None
     if calibration is not None and state.get("calibration") is not None:
         calibration.load_state_dict(state["calibration"])
     return loaded
+
+
+def _correction_of(entry: List[Any]) -> Correction:
+    """A ``Correction`` from ``[intercept_bytes, slope, {position: [intercept_bytes, slope,
+    low_bytes, high_bytes]}]`` (the positions and the slope optional). Raises ValueError when
+    malformed."""
+    if not 1 <= len(entry) <= 3:
+        raise ValueError
+    positions = entry[2] if len(entry) == 3 else {}
+    if not isinstance(positions, dict) or any(p not in MICROBATCH_POSITIONS or len(positions[p]) != 4
+                                              for p in positions):
+        raise ValueError
+    lines = tuple((p, *(float(v) for v in positions[p])) for p in MICROBATCH_POSITIONS if p in positions)
+    return Correction(float(entry[0]), float(entry[1]) if len(entry) > 1 else 0.0, lines)  # type: ignore[arg-type]

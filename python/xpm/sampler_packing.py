@@ -16,7 +16,7 @@ from .calibration import Correction
 from .choices import GradientPhase, PackerName
 from .memory_model import MemoryModel
 from .planning import Plan, _sort_by_or_default
-from .sampler_steps import Step
+from .sampler_steps import Step, positions_with_records
 
 Packed = Tuple[List[np.ndarray], List[np.ndarray], List[float]]
 """A share's microbatches (record index arrays into the dataset), their dims and predicted bytes."""
@@ -102,5 +102,5 @@ class StepPacking:
         microbatches, dims, predicted = packed
         scale = self.world_size / total_units if total_units > 0 else 0.0
         return Step(microbatches, [scale * float(self.units[mb].sum()) for mb in microbatches], total_units,
-                    dims, predicted, [correction.bytes_for(p) if len(mb) else 0.0
-                                      for mb, p in zip(microbatches, predicted)])
+                    dims, predicted, [0.0 if position is None else correction.bytes_for(p, position)
+                                      for position, p in zip(positions_with_records(microbatches), predicted)])

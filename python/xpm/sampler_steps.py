@@ -5,9 +5,11 @@ what ``sampler.steps()`` yields), and where each step begins among an epoch's mi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from .choices import MicrobatchPosition, microbatch_position
 
 
 class Microbatch(list):
@@ -28,7 +30,9 @@ class Microbatch(list):
         step: the index of its optimizer step in the epoch.
         correction_bytes: the calibration's correction of its prediction, as its step was
             planned (``predicted_bytes + correction_bytes <= usable_bytes``; 0 without
-            calibration).
+            calibration): its position's line (``xpm.Correction``).
+        position: its ``MicrobatchPosition`` among its step's microbatches with records
+            ("first", "middle", "last" or "alone"; None for an empty one).
 
     Args:
         indices: the record indices.
@@ -38,6 +42,7 @@ class Microbatch(list):
         last: see Attributes.
         step: see Attributes.
         correction_bytes: see Attributes.
+        position: see Attributes.
     """
 
     dims: np.ndarray
@@ -46,13 +51,15 @@ class Microbatch(list):
     last: bool
     step: int
     correction_bytes: float
+    position: Optional[MicrobatchPosition]
 
     def __init__(self, indices: Iterable[int], *, dims: np.ndarray, predicted_bytes: float, weight: float,
-                 last: bool, step: int, correction_bytes: float = 0.0) -> None:
+                 last: bool, step: int, correction_bytes: float = 0.0,
+                 position: Optional[MicrobatchPosition] = None) -> None:
         super().__init__(indices)
         self.dims, self.predicted_bytes = dims, predicted_bytes
         self.weight, self.last, self.step = weight, last, step
-        self.correction_bytes = correction_bytes
+        self.correction_bytes, self.position = correction_bytes, position
 
     def __repr__(self) -> str:
         """The indices and the plan's figures, one line."""
@@ -95,6 +102,23 @@ class Step:
                 if len(mb) > 0]
         return ([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept], [k[3] for k in kept])
 
+
+
+def positions_with_records(microbatches: Sequence[Sequence[int]]) -> List[Optional[MicrobatchPosition]]:
+    """Each microbatch's position among those with records (what the calibration's lines are
+    drawn by; lockstep's empty microbatches have none).
+
+    Args:
+        microbatches: a step's microbatches (record indices), in order.
+
+    Returns:
+        Per microbatch its ``MicrobatchPosition``, or None for an empty one.
+    """
+    kept = [j for j, mb in enumerate(microbatches) if len(mb) > 0]
+    positions: List[Optional[MicrobatchPosition]] = [None] * len(microbatches)
+    for k, j in enumerate(kept):
+        positions[j] = microbatch_position(k, len(kept))
+    return positions
 
 
 def step_offsets(steps: List[Step]) -> List[int]:

@@ -2,6 +2,7 @@
 // its agreement over ranks' rows and its state.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <stdexcept>
@@ -146,4 +147,70 @@ TEST_CASE("covering_correction: the line over one set of points, none without po
   CHECK(gap.slope == doctest::Approx(0.0025));
   CHECK(xpm::covering_correction({0.0}, {1e6}, 8e6) == Correction{});
   CHECK_THROWS_AS(xpm::covering_correction({1e6}, {}, 8e6), std::invalid_argument);
+}
+
+TEST_CASE("a microbatch's position in its step: first, middle, last, or alone; named both ways") {
+  using xpm::MicrobatchPosition;
+  CHECK(xpm::microbatch_position(0, 1) == MicrobatchPosition::kAlone);
+  CHECK(xpm::microbatch_position(0, 3) == MicrobatchPosition::kFirst);
+  CHECK(xpm::microbatch_position(1, 3) == MicrobatchPosition::kMiddle);
+  CHECK(xpm::microbatch_position(2, 3) == MicrobatchPosition::kLast);
+  CHECK_THROWS_AS(xpm::microbatch_position(3, 3), std::invalid_argument);
+  CHECK(xpm::to_string(MicrobatchPosition::kLast) == "last");
+  CHECK(xpm::parse_microbatch_position("middle", "position") == MicrobatchPosition::kMiddle);
+  CHECK_THROWS_WITH_AS(xpm::parse_microbatch_position("end", "position"),
+                       "position must be 'first', 'middle', 'last' or 'alone', got 'end'", std::invalid_argument);
+}
+
+TEST_CASE("each position draws a line of its own; plans fit every line") {
+  // The model over-predicts a step's first microbatch by 1 % and misses 280,000 bytes in its
+  // last (the optimizer step's temporaries): one line over both over-corrects the small last
+  // microbatches' neighbours and under-corrects a large last one.
+  using xpm::MicrobatchPosition;
+  Calibration calibration(kBudget);
+  for (int step = 0; step < 3; ++step) {
+    calibration.record_peak(5'000'000, 4'950'000, MicrobatchPosition::kFirst);
+    calibration.record_peak(1'200'000 + 100'000.0 * step, 1'480'000 + 100'000.0 * step, MicrobatchPosition::kLast);
+    end_alone(calibration, step);
+  }
+  const Correction c = calibration.correction();
+  REQUIRE(c.positions[static_cast<std::size_t>(MicrobatchPosition::kFirst)].has_value());
+  REQUIRE(c.positions[static_cast<std::size_t>(MicrobatchPosition::kLast)].has_value());
+  CHECK_FALSE(c.positions[static_cast<std::size_t>(MicrobatchPosition::kMiddle)].has_value());
+  CHECK(c.bytes_for(5'000'000, MicrobatchPosition::kFirst) == 0);  // over-predicted: not lowered before settling
+  const double last = c.bytes_for(1'300'000, MicrobatchPosition::kLast);
+  CHECK(last >= 280'000);
+  CHECK((1'300'000 + last) / 1'580'000 - 1 < 0.01);
+  CHECK(c.bytes_for(5'000'000, MicrobatchPosition::kLast) >= 280'000);  // a large last one too
+  CHECK(c.bytes_for(5'000'000, MicrobatchPosition::kMiddle) == c.bytes_for(5'000'000));  // none: the line
+  // A position's line holds for the predictions it measured; outside them the larger of the two.
+  CHECK(c.positions[2]->low_bytes == 1'200'000);
+  CHECK(c.positions[2]->high_bytes == 1'400'000);
+  CHECK(c.bytes_for(1'000'000, MicrobatchPosition::kFirst) == std::max(0.0, c.bytes_for(1'000'000)));
+  CHECK(c.bytes_for(1'000'000, MicrobatchPosition::kFirst) > 0);
+  const double usable = static_cast<double>(kBudget);
+  CHECK(c.planning_bytes(usable) <= Correction{c.intercept_bytes, c.slope}.planning_bytes(usable));
+  CHECK(c.planning_bytes(usable) <= (usable - 280'000) / (1 + c.positions[2]->slope));
+  const std::vector<std::string>& log = calibration.log();
+  CHECK(std::any_of(log.begin(), log.end(), [](const std::string& line) {
+    return line.find("the last microbatch's correction +0.0 % -> ") != std::string::npos;
+  }));
+
+  // The state keeps the positions' lines and windows; one written without positions still loads.
+  const nlohmann::json saved = xpm::to_json(calibration.state());
+  CHECK(saved.at("positions").contains("last"));
+  Calibration resumed(kBudget);
+  resumed.load_state(xpm::calibration_state_from_json(saved));
+  CHECK(resumed.correction() == calibration.correction());
+  calibration.record_peak(1'400'000, 1'900'000, MicrobatchPosition::kLast);
+  resumed.record_peak(1'400'000, 1'900'000, MicrobatchPosition::kLast);
+  CHECK(end_alone(calibration, 3) == end_alone(resumed, 3));
+  nlohmann::json older = saved;
+  older.erase("positions");
+  Calibration from_older(kBudget);
+  from_older.load_state(xpm::calibration_state_from_json(older));
+  CHECK(from_older.correction() == Correction{c.intercept_bytes, c.slope});
+  older["positions"] = {{"end", {{"correction", nullptr}, {"window", nlohmann::json::array()}}}};
+  CHECK_THROWS_WITH_AS(xpm::calibration_state_from_json(older),
+                       doctest::Contains("calibration state: positions' key must be 'first'"), std::invalid_argument);
 }

@@ -562,7 +562,8 @@ def test_calibration_plans_the_steps_not_handed_out_with_the_correction_and_resu
     line = sampler.end_step(0)
     # A constant: the line of slope 0 through the points, then the headroom (0.25 % of each prediction).
     assert line == "step 0: correction +0.0 % -> +20.2 % of the budget (+1,200,000 bytes + 0.25 % of the prediction)"
-    assert sampler.correction == xpm.Correction(0.2 * BUDGET, 0.0025)
+    assert _lines(sampler.correction) == {(0.2 * BUDGET, 0.0025)}  # each position's line too: the same miss
+    assert [p[0] for p in sampler.correction.positions] == ["first", "middle", "last"]
     assert sampler.correction_bytes == pytest.approx(BUDGET - 0.8 * BUDGET / 1.0025)
     state = sampler.state_dict()
     rest = list(passing)
@@ -576,7 +577,12 @@ def test_calibration_plans_the_steps_not_handed_out_with_the_correction_and_resu
     assert [list(m) for m in resumed] == [list(m) for m in rest]
     assert resumed.calibration.log == [line]
     # A step with nothing measured changes nothing.
-    assert sampler.end_step(1) is None and sampler.correction == xpm.Correction(0.2 * BUDGET, 0.0025)
+    assert sampler.end_step(1) is None and _lines(sampler.correction) == {(0.2 * BUDGET, 0.0025)}
+
+
+def _lines(correction):
+    """The (intercept_bytes, slope) of a correction's line and of each position's."""
+    return {(correction.intercept_bytes, correction.slope)} | {(i, s) for _, i, s, _, _ in correction.positions}
 
 
 @pytest.mark.parametrize("missed, intercept_bytes, slope", [
@@ -725,3 +731,42 @@ def test_a_calibration_with_a_group_of_its_own_is_deep_copied_sharing_it_but_not
     assert copy.deepcopy(calibration).group is group
     with pytest.raises(TypeError, match="process group of its own cannot be pickled"):
         pickle.dumps(calibration)
+
+
+def test_each_position_of_a_step_is_corrected_by_its_own_line(model, lengths):
+    """The last microbatch of every step peaks 300,000 bytes above its prediction (an optimizer
+    step's temporaries), the others as predicted: from the next step on the last microbatches
+    are planned with that miss and the others without it, the packing fits both lines, and a
+    resumed sampler plans the same."""
+    sampler = xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, seed=3, units=lengths)
+    passing = iter(sampler)
+    for microbatch in passing:
+        assert microbatch.position == xpm.microbatch_position(*_index_and_count(sampler, microbatch))
+        sampler.record_peak(microbatch, microbatch.predicted_bytes + (300_000 if microbatch.last else 0))
+        if microbatch.last:
+            sampler.mark_step_done()
+            sampler.end_step(microbatch.step)
+            break
+    state = sampler.state_dict()
+    rest = [m for m in passing if len(m)]
+    assert {m.position for m in rest} >= {"first", "middle", "last"}
+    for m in rest:
+        expected = sampler.correction.bytes_for(m.predicted_bytes, m.position)
+        assert m.correction_bytes == pytest.approx(expected)
+        assert m.predicted_bytes + m.correction_bytes <= BUDGET
+    # Outside the predictions a position measured (one step: one or a few), the larger of its
+    # line and the common one, which tilts to cover both kinds of points.
+    assert all(m.correction_bytes >= 300_000 for m in rest if m.position == "last")
+    assert all(m.correction_bytes < 200_000 for m in rest if m.position != "last")
+    resumed = xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, seed=3, units=lengths)
+    resumed.load_state_dict(state)
+    again = [m for m in resumed if len(m)]
+    assert [(list(m), m.correction_bytes, m.position) for m in again] == \
+        [(list(m), m.correction_bytes, m.position) for m in rest]
+
+
+def _index_and_count(sampler, microbatch):
+    """The microbatch's index among its step's microbatches with records, and their count."""
+    step = list(sampler.steps())[microbatch.step]
+    kept = [list(mb) for mb in step.microbatches if len(mb)]
+    return kept.index(list(microbatch)), len(kept)

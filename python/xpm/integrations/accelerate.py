@@ -46,7 +46,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..meters import Meter, planned_peak_bytes, start_peak
+from ..choices import MicrobatchPosition
 from ..sampler import PredictiveBatchSampler, Step
+from ..sampler_steps import positions_with_records
 
 __all__ = ["PlannedMicrobatch", "RoundRobinMicrobatches", "data_loader", "prepare_data_loader", "check_prepared",
            "microbatch_loop", "accumulate", "prepare"]
@@ -66,7 +68,8 @@ class PlannedMicrobatch(NamedTuple):
     empty microbatches that even out the ranks' counts at the end of an epoch (no forward, no
     backward: ``microbatch_loop`` skips them); ``correction_bytes``: the calibration's correction
     of ``predicted_bytes`` as its step was planned (``predicted_bytes + correction_bytes`` fits
-    the budget).
+    the budget); ``position``: its ``xpm.MicrobatchPosition`` among the step's microbatches with
+    records (None for an empty one).
     """
 
     batch: Any
@@ -78,6 +81,7 @@ class PlannedMicrobatch(NamedTuple):
     predicted_bytes: float
     padding: bool
     correction_bytes: float = 0.0
+    position: Optional[MicrobatchPosition] = None
 
 
 class _PlannedIndices(list):
@@ -85,11 +89,12 @@ class _PlannedIndices(list):
     ``BatchSamplerShard`` and ``DataLoader`` pass it through unchanged (and pickle it to workers)."""
 
     def __init__(self, indices: Sequence[int], *, weight: float, last: bool, rank: int, step: int,
-                 predicted_bytes: float, padding: bool, correction_bytes: float = 0.0):
+                 predicted_bytes: float, padding: bool, correction_bytes: float = 0.0,
+                 position: Optional[MicrobatchPosition] = None):
         super().__init__(int(i) for i in indices)
         self.weight, self.last, self.rank, self.step = float(weight), bool(last), int(rank), int(step)
         self.predicted_bytes, self.padding = float(predicted_bytes), bool(padding)
-        self.correction_bytes = float(correction_bytes)
+        self.correction_bytes, self.position = float(correction_bytes), position
 
 
 def _rank_and_world(sampler: PredictiveBatchSampler) -> Tuple[int, int]:
@@ -157,9 +162,10 @@ class RoundRobinMicrobatches:
 
     @staticmethod
     def _planned(step: Step, rank: int, index: int) -> List[_PlannedIndices]:
+        positions = positions_with_records(step.microbatches)
         return [_PlannedIndices(microbatch.tolist(), weight=weight, last=j == len(step.microbatches) - 1, rank=rank,
                                 step=index, predicted_bytes=step.predicted_bytes[j], padding=False,
-                                correction_bytes=step.correction_bytes[j])
+                                correction_bytes=step.correction_bytes[j], position=positions[j])
                 for j, (microbatch, weight) in enumerate(zip(step.microbatches, step.weights))]
 
     def _lockstep_order(self) -> Iterator[_PlannedIndices]:
@@ -244,7 +250,8 @@ class _PlannedCollate:
         records, planned = fetched
         batch = None if planned.padding else self.collate_fn(records)
         return PlannedMicrobatch(batch, planned.weight, planned.last, tuple(planned), planned.rank, planned.step,
-                                 planned.predicted_bytes, planned.padding, planned.correction_bytes)
+                                 planned.predicted_bytes, planned.padding, planned.correction_bytes,
+                                 planned.position)
 
 
 def data_loader(dataset, sampler: PredictiveBatchSampler, collate_fn: Optional[Callable] = None,
@@ -434,7 +441,7 @@ def _measured(sampler: PredictiveBatchSampler, round_robin: RoundRobinMicrobatch
               meter: Meter) -> None:
     """Feeds a trained microbatch's peak to the calibration; after a step's last, ends the step
     (collective) with the steps accelerate has read kept as they were planned."""
-    sampler.calibration.record_peak(microbatch.predicted_bytes, planned_peak_bytes(meter))
+    sampler.calibration.record_peak(microbatch.predicted_bytes, planned_peak_bytes(meter), microbatch.position)
     if microbatch.last:
         sampler.end_step(microbatch.step, replan_from=round_robin.taken_step + 1)
 

@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 import lightning.pytorch as pl
 
+from ..choices import microbatch_position
 from ..meters import Meter, planned_peak_bytes, start_peak
 from ..planned_step import PlannedStep
 from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, MemoryBudget, PackerName
@@ -259,7 +260,8 @@ class PlannedMicrobatches(pl.Callback):
     def _record(self, step: PlannedStep, k: int) -> None:
         calibration = self.sampler.calibration
         if calibration is not None and k < len(step.predicted_bytes):
-            calibration.record_peak(step.predicted_bytes[k], planned_peak_bytes(self.meter))
+            calibration.record_peak(step.predicted_bytes[k], planned_peak_bytes(self.meter),
+                                    microbatch_position(k, len(step.predicted_bytes)))
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "xpm/planner/dims_text.hpp"
@@ -40,16 +42,36 @@ double peak_reserved_bytes(const GlobalStepResult& result) {
   return peak;
 }
 
+// Each peak's position in its rank's step (the order the rank ran them in); none where the
+// result does not say each peak's rank.
+std::vector<std::optional<MicrobatchPosition>> peak_positions(const GlobalStepResult& result) {
+  const std::vector<int>& ranks = result.microbatch_peak_ranks;
+  std::vector<std::optional<MicrobatchPosition>> positions(result.microbatch_peaks.size());
+  if (ranks.size() != positions.size()) return positions;
+  std::map<int, std::size_t> count, seen;
+  for (int rank : ranks) ++count[rank];
+  for (std::size_t i = 0; i < positions.size(); ++i) positions[i] = microbatch_position(seen[ranks[i]]++, count[ranks[i]]);
+  return positions;
+}
+
+// The correction of a prediction at `position` (the correction's line without one).
+double correction_at(const Correction& correction, double predicted_bytes, std::optional<MicrobatchPosition> position) {
+  return position ? correction.bytes_for(predicted_bytes, *position) : correction.bytes_for(predicted_bytes);
+}
+
 // (planned - measured) / measured of each microbatch's peak (reserved bytes under a caching
 // allocator, else allocated), planned = its prediction with the correction the step was planned
-// with; the microbatches at the floor left out as in microbatch_rel_errors.
+// with at its position; the microbatches at the floor left out as in microbatch_rel_errors.
 nlohmann::json microbatch_planned_rel_errors(const GlobalStepResult& result, const MemoryModel& model,
                                              const Correction& correction, bool reserved) {
   nlohmann::json errors = nlohmann::json::array();
-  for (const MicrobatchPeak& peak : result.microbatch_peaks) {
+  const std::vector<std::optional<MicrobatchPosition>> positions = peak_positions(result);
+  for (std::size_t i = 0; i < result.microbatch_peaks.size(); ++i) {
+    const MicrobatchPeak& peak = result.microbatch_peaks[i];
     const double measured = reserved ? peak.forward_backward_peak_reserved_bytes : peak.forward_backward_peak_bytes;
     if (measured <= 0 || at_the_floor(peak, model)) continue;
-    errors.push_back((peak.predicted_bytes + correction.bytes_for(peak.predicted_bytes) - measured) / measured);
+    errors.push_back((peak.predicted_bytes + correction_at(correction, peak.predicted_bytes, positions[i]) - measured) /
+                     measured);
   }
   return errors;
 }
@@ -213,8 +235,10 @@ std::int64_t PredictiveStepEngine::learn_from_step(const GlobalStepResult& resul
   note_extrapolation(result, step, log);
   std::int64_t underpredictions = bound_out_of_memory_microbatches(result, step, log);
   const double tolerance = 1 + log.underprediction_tolerance;
-  for (const MicrobatchPeak& peak : result.microbatch_peaks) {
-    const double planned = peak.predicted_bytes + batcher_.correction().bytes_for(peak.predicted_bytes);
+  const std::vector<std::optional<MicrobatchPosition>> positions = peak_positions(result);
+  for (std::size_t i = 0; i < result.microbatch_peaks.size(); ++i) {
+    const MicrobatchPeak& peak = result.microbatch_peaks[i];
+    const double planned = peak.predicted_bytes + correction_at(batcher_.correction(), peak.predicted_bytes, positions[i]);
     const double measured = planned_peak(peak);
     if (measured > tolerance * planned) {
       ++underpredictions;
@@ -260,11 +284,13 @@ double PredictiveStepEngine::planned_peak(const MicrobatchPeak& peak) const {
 }
 
 // Every rank records the same all-reduced peaks; the rows are agreed once more (one all-reduce
-// of 106 numbers) so that ranks planning under different budgets are refused on every rank.
+// of 518 numbers) so that ranks planning under different budgets are refused on every rank.
 void PredictiveStepEngine::calibrate(const GlobalStepResult& result, std::int64_t step, const EngineLog& log) {
   if (!result.oom) {
-    for (const MicrobatchPeak& peak : result.microbatch_peaks)
-      calibration_->record_peak(peak.predicted_bytes, planned_peak(peak));
+    const std::vector<std::optional<MicrobatchPosition>> positions = peak_positions(result);
+    for (std::size_t i = 0; i < result.microbatch_peaks.size(); ++i)
+      calibration_->record_peak(result.microbatch_peaks[i].predicted_bytes, planned_peak(result.microbatch_peaks[i]),
+                                positions[i]);
   }
   std::vector<double> row = calibration_->step_row(step + 1);
   if (dist_.distributed()) row = dist_.all_reduce(row, ReduceOp::kMax);

@@ -2,15 +2,25 @@
 // training measures: one policy for the Python sampler and the C++ Learner.
 //
 //   xpm::Calibration calibration(budget.usable_bytes());          // every rank, the same budget
-//   for (const auto& mb : step_microbatches)                       // as they run
-//     calibration.record_peak(mb.predicted_bytes, mb.measured_peak_bytes);
+//   for (std::size_t k = 0; k < step_microbatches.size(); ++k) {  // as they run
+//     const auto& mb = step_microbatches[k];
+//     calibration.record_peak(mb.predicted_bytes, mb.measured_peak_bytes,
+//                             xpm::microbatch_position(k, step_microbatches.size()));
+//   }
 //   std::vector<double> row = calibration.step_row(/*replan_from=*/step + 1);
 //   all_reduce_max(row);                                           // only where there are ranks
 //   if (auto line = calibration.end_step(step, row)) log(*line);   // the correction changed
 //   double fill = calibration.correction().planning_bytes(budget.usable_bytes());
 //   // plan the steps from calibration.replan_from() on with predictions up to `fill`
 //
-// The correction is a line, intercept_bytes + slope x prediction, added to every prediction.
+// The correction is a line, intercept_bytes + slope x prediction, added to every prediction,
+// and a line of their own for the microbatches of a position in their step (MicrobatchPosition:
+// a step's first microbatch allocates the gradients among its activations, its last runs the
+// optimizer step, so their peaks exceed the model's by other amounts) once those are measured
+// (record_peak's position); each line is drawn as below over its own points from the same
+// initial correction and holds for the predictions it has measured (outside them, the larger
+// of it and the common line), and a plan fits every line: Correction::planning_bytes is the
+// least of their planning bytes.
 // Its slope lies on a grid of -5 % to +20 % of the prediction, 0.25 % apart (0 included). Of
 // the lines on or above every (prediction, measured peak) point of the last window_steps steps
 // (the run's first step, which has no optimizer state, only raises), whose intercept is not
@@ -29,6 +39,8 @@
 // Units: bytes. Not thread-safe.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -38,17 +50,54 @@
 
 namespace xpm {
 
-/// Bytes added to a memory model's prediction: intercept_bytes + slope x prediction.
+/// Where a microbatch runs in its rank's optimizer step, which changes what its peak holds
+/// besides the activations the model predicts: kFirst, the first of several (after
+/// zero_grad(set_to_none) the gradients are allocated among its activations); kMiddle; kLast,
+/// the last of several (the gradients' synchronisation, and the optimizer step where the peak
+/// measured includes it); kAlone, a step of one microbatch.
+enum class MicrobatchPosition { kFirst = 0, kMiddle = 1, kLast = 2, kAlone = 3 };
+inline constexpr std::size_t kMicrobatchPositions = 4;
+
+/// The position of microbatch `index` (0-based) of a step of `count` microbatches. Throws
+/// std::invalid_argument when index >= count.
+MicrobatchPosition microbatch_position(std::size_t index, std::size_t count);
+/// "first", "middle", "last" or "alone".
+std::string to_string(MicrobatchPosition position);
+/// The position named `text`; throws std::invalid_argument "<source> must be 'first', ... got 'x'".
+MicrobatchPosition parse_microbatch_position(const std::string& text, const std::string& source);
+
+/// One line, intercept_bytes + slope x prediction, drawn over predictions from low_bytes to
+/// high_bytes (a position's line: the predictions it has measured).
+struct CorrectionLine {
+  double intercept_bytes = 0;
+  double slope = 0;
+  double low_bytes = 0;
+  double high_bytes = 0;
+  bool operator==(const CorrectionLine& o) const {
+    return intercept_bytes == o.intercept_bytes && slope == o.slope && low_bytes == o.low_bytes &&
+           high_bytes == o.high_bytes;
+  }
+};
+
+/// Bytes added to a memory model's prediction: intercept_bytes + slope x prediction, or for a
+/// microbatch at a position with a line of its own (`positions`), that line between the
+/// predictions it has measured and the larger of the two lines outside them.
 struct Correction {
   double intercept_bytes = 0;  // may be negative
   double slope = 0;            // 0.01: 1 % of the prediction
+  /// Per MicrobatchPosition (its value as index): a line of its own, or none (the line above).
+  std::array<std::optional<CorrectionLine>, kMicrobatchPositions> positions{};
 
-  /// The correction of one prediction, bytes.
+  /// The correction of one prediction, bytes (the line above).
   double bytes_for(double predicted_bytes) const { return intercept_bytes + slope * predicted_bytes; }
-  /// The largest prediction whose corrected value fits `usable_bytes`:
-  /// (usable_bytes - intercept_bytes) / (1 + slope).
-  double planning_bytes(double usable_bytes) const { return (usable_bytes - intercept_bytes) / (1.0 + slope); }
-  bool operator==(const Correction& o) const { return intercept_bytes == o.intercept_bytes && slope == o.slope; }
+  /// The correction of a prediction of a microbatch at `position`, bytes.
+  double bytes_for(double predicted_bytes, MicrobatchPosition position) const;
+  /// The largest prediction whose corrected value fits `usable_bytes` at every position:
+  /// the least (usable_bytes - intercept_bytes) / (1 + slope) over the lines.
+  double planning_bytes(double usable_bytes) const;
+  bool operator==(const Correction& o) const {
+    return intercept_bytes == o.intercept_bytes && slope == o.slope && positions == o.positions;
+  }
   bool operator!=(const Correction& o) const { return !(*this == o); }
 };
 
@@ -77,10 +126,15 @@ struct CalibrationState {
   std::vector<std::vector<double>> window;
   std::int64_t steps_seen = 0;
   std::vector<std::string> log;
+  /// The same window per MicrobatchPosition, of the microbatches recorded with that position
+  /// (empty: none recorded).
+  std::array<std::vector<std::vector<double>>, kMicrobatchPositions> position_windows{};
 };
 
-/// {"correction": [intercept_bytes, slope], "window": [[...], ...], "steps_seen", "log"}; the
-/// window's infinities (a step with no point) as null.
+/// {"correction": [intercept_bytes, slope], "window": [[...], ...], "steps_seen", "log",
+/// "positions": {"first": {"correction": [intercept_bytes, slope] or null, "window": [...]},
+/// ...}}; the window's infinities (a step with no point) as null. "positions" is optional on
+/// reading (a state written before positions had lines).
 nlohmann::json to_json(const CalibrationState& state);
 /// The inverse of to_json. Throws std::invalid_argument naming the field that is missing or malformed.
 CalibrationState calibration_state_from_json(const nlohmann::json& json);
@@ -92,10 +146,12 @@ class Calibration {
   explicit Calibration(std::int64_t usable_bytes, CalibrationOptions options = {});
 
   /// Records one microbatch's measured peak against the prediction it was planned with (this
-  /// rank; no communication). A prediction or peak of 0 is skipped. Throws
+  /// rank; no communication), with its position in the step where known (the point then also
+  /// draws that position's line). A prediction or peak of 0 is skipped. Throws
   /// std::invalid_argument when either is not finite or negative ("Calibration.record_peak:
   /// peak_bytes must be a finite number of bytes >= 0, got nan").
-  void record_peak(double predicted_bytes, double peak_bytes);
+  void record_peak(double predicted_bytes, double peak_bytes,
+                   std::optional<MicrobatchPosition> position = std::nullopt);
 
   /// This rank's step so far, encoded for an element-wise MAX all-reduce over the ranks
   /// (row_size() numbers), with `replan_from`, the first step this rank could still plan anew.
@@ -104,12 +160,16 @@ class Calibration {
   static std::size_t row_size();
 
   /// Ends an optimizer step with the agreed row (step_row(), MAX-reduced over the ranks; one
-  /// rank: its own) and updates the correction. Returns the log line when it changed ("step 40:
-  /// correction +4.1 % -> +0.3 % of the budget (+25,600 bytes + 0.50 % of the prediction)").
+  /// rank: its own) and updates the correction. Returns the log line when a line changed ("step
+  /// 40: correction +4.1 % -> +0.3 % of the budget (+25,600 bytes + 0.50 % of the prediction)",
+  /// "; step 40: the last microbatch's correction ..." for a position's); a position's range of
+  /// predictions grows without a line (correction() has it: plans made before keep the older,
+  /// where its line holds for fewer predictions).
   /// Throws std::invalid_argument when the row has the wrong size or the ranks' usable bytes
   /// differ (every rank throws: their plans would differ).
   std::optional<std::string> end_step(std::int64_t step, const std::vector<double>& agreed_row);
 
+  /// The correction in force: its line, and the positions' lines drawn so far.
   const Correction& correction() const { return correction_; }
   /// How much the correction shrinks the plans' budget: usable - planning_bytes(usable).
   double correction_bytes() const;
@@ -137,7 +197,13 @@ class Calibration {
 
  private:
   using Row = std::vector<double>;  // per slope the least intercept, then min and max prediction
-  Correction updated(const Row& measured, const std::vector<Row>& window) const;
+  CorrectionLine updated(const CorrectionLine& in_force, const Row& measured, const std::vector<Row>& window,
+                         bool first) const;
+  std::optional<CorrectionLine> updated_position(std::size_t position, const Row& measured, bool first) const;
+  std::array<Row, 1 + kMicrobatchPositions> agreed_parts(const std::vector<double>& agreed_row) const;
+  std::vector<std::string> update_lines(std::int64_t step, const std::array<Row, 1 + kMicrobatchPositions>& measured,
+                                        bool first);
+  static void push_row(std::vector<Row>& window, const Row& row, std::size_t window_steps);
 
   std::int64_t usable_bytes_;
   CalibrationOptions options_;
@@ -146,7 +212,9 @@ class Calibration {
   std::int64_t measured_microbatches_ = 0;
   double worst_rel_error_ = 0;
   std::vector<Row> window_;  // the last window_steps steps' rows, oldest first
+  std::array<std::vector<Row>, kMicrobatchPositions> position_windows_;  // the same, per position
   Row step_;
+  std::array<Row, kMicrobatchPositions> position_steps_;
   std::int64_t steps_seen_ = 0;
   std::int64_t replan_from_ = 0;
 };
