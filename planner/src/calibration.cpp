@@ -270,8 +270,10 @@ std::vector<std::string> Calibration::update_lines(std::int64_t step,
   const double usable = static_cast<double>(usable_bytes_);
   std::vector<std::string> lines;
   const CorrectionLine before = line_of(correction_);
+  const bool settled =
+      !first && window_.size() >= static_cast<std::size_t>(std::min(options_.settle_steps, options_.window_steps));
   const CorrectionLine after =
-      updated(before, measured[0], window_.empty() || first ? std::vector<Row>{measured[0]} : window_, first);
+      updated(before, measured[0], window_.empty() || first ? std::vector<Row>{measured[0]} : window_, settled);
   if (!(after == before)) lines.push_back(change_line(step, "", before, after, usable));
   std::array<std::optional<CorrectionLine>, kMicrobatchPositions> positions;
   for (std::size_t p = 0; p < kMicrobatchPositions; ++p) {
@@ -302,15 +304,21 @@ std::optional<CorrectionLine> Calibration::updated_position(std::size_t position
   const std::vector<Row>& window = position_windows_[position];
   const std::optional<CorrectionLine>& in_force = correction_.positions[position];
   const bool measured_now = has_point(measured);
-  if (!in_force && !measured_now) return std::nullopt;
-  CorrectionLine line = updated(in_force.value_or(line_of(options_.initial)), measured,
-                                window.empty() || first ? std::vector<Row>{measured} : window, first);
-  // The predictions it holds for: every one measured at this position so far.
-  line.low_bytes = in_force ? in_force->low_bytes : kInf;
-  line.high_bytes = in_force ? in_force->high_bytes : -kInf;
-  if (measured_now) {
-    line.low_bytes = std::min(line.low_bytes, measured[kSlopes]);
-    line.high_bytes = std::max(line.high_bytes, measured[kSlopes + 1]);
+  const std::vector<Row> rows = window.empty() || first ? std::vector<Row>{measured} : window;
+  const std::size_t with_points = static_cast<std::size_t>(std::count_if(rows.begin(), rows.end(), has_point));
+  // None measured yet, or none left in its window: the correction's line again.
+  if (!measured_now && (!in_force || (!first && with_points == 0))) return std::nullopt;
+  const bool settled = !first && with_points >= static_cast<std::size_t>(std::min(options_.settle_steps,
+                                                                                   options_.window_steps));
+  const CorrectionLine was = in_force.value_or(line_of(options_.initial));
+  CorrectionLine line = updated(was, measured, rows, settled);
+  // The predictions it holds for: those its line was drawn over, and those measured under it since.
+  const bool drawn = !in_force || !same_line(line, was);
+  line.low_bytes = drawn ? kInf : in_force->low_bytes;
+  line.high_bytes = drawn ? -kInf : in_force->high_bytes;
+  for (const Row& row : drawn ? rows : std::vector<Row>{measured}) {  // rows without a point change nothing
+    line.low_bytes = std::min(line.low_bytes, row[kSlopes]);
+    line.high_bytes = std::max(line.high_bytes, row[kSlopes + 1]);
   }
   return line;
 }
@@ -318,7 +326,7 @@ std::optional<CorrectionLine> Calibration::updated_position(std::size_t position
 // The best line over the window when the step's point lies above the line in force, or when
 // settle_steps steps of the window lie under a lower one; else the line in force.
 CorrectionLine Calibration::updated(const CorrectionLine& in_force, const Row& measured, const std::vector<Row>& window,
-                                    bool first) const {
+                                    bool settled) const {
   std::vector<Row> seen;
   for (const Row& row : window)
     if (has_point(row)) seen.push_back(row);
@@ -335,8 +343,6 @@ CorrectionLine Calibration::updated(const CorrectionLine& in_force, const Row& m
     high = std::max(high, row[kSlopes + 1]);
   }
   const auto at = [](const CorrectionLine& line, double p) { return line.intercept_bytes + line.slope * p; };
-  const bool settled =
-      !first && window_.size() >= static_cast<std::size_t>(std::min(options_.settle_steps, options_.window_steps));
   const bool lower = settled && target.bytes_for(low) < at(in_force, low) && target.bytes_for(high) < at(in_force, high);
   if (!(above || lower)) return in_force;
   CorrectionLine drawn = line_of(target);

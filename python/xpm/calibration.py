@@ -90,7 +90,12 @@ class Correction:
 
         Returns:
             The bytes to add to it.
+
+        Raises:
+            ValueError: ``position`` is not a ``MicrobatchPosition``.
         """
+        if position is not None:
+            _check_choice(position, MICROBATCH_POSITIONS, "Correction.bytes_for: position")
         predicted = float(predicted_bytes)
         common = self.intercept_bytes + self.slope * predicted
         for name, intercept, slope, low, high in self.positions:
@@ -136,12 +141,13 @@ class Calibration:
             after 2, an FSDP2 step 4 % of the budget above its plan).
         group: the process group whose ranks agree on the correction (None: the default group,
             when torch.distributed is initialised with more than one rank; else no collective).
-        initial: the correction in force before anything is measured (default none); a model
-            probed under a caching allocator starts from its ``reserved_gap``.
+        initial: the correction in force before anything is measured (default none), a line
+            (no ``positions``: each position starts from it); a model probed under a caching
+            allocator starts from its ``reserved_gap``.
 
     Raises:
-        ValueError: ``usable_bytes`` is not positive, or ``window_steps`` or ``settle_steps`` is
-            not a whole number >= 1.
+        ValueError: ``usable_bytes`` is not positive, ``window_steps`` or ``settle_steps`` is
+            not a whole number >= 1, or ``initial`` has ``positions``.
     """
 
     def __init__(self, usable_bytes: int, *, window_steps: int = 32, settle_steps: int = 8,
@@ -150,6 +156,9 @@ class Calibration:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise ValueError(f"Calibration: {name} must be a whole number >= 1, got {value!r}")
         start = Correction() if initial is None else initial
+        if start.positions:
+            raise ValueError("Calibration: initial must be a line (intercept_bytes, slope), without positions; got "
+                             f"{start!r}")
         self._native = _planner.Calibration(int(usable_bytes), int(window_steps), int(settle_steps),
                                             float(start.intercept_bytes), float(start.slope))
         self.usable_bytes = int(usable_bytes)

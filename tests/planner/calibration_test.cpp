@@ -214,3 +214,31 @@ TEST_CASE("each position draws a line of its own; plans fit every line") {
   CHECK_THROWS_WITH_AS(xpm::calibration_state_from_json(older),
                        doctest::Contains("calibration state: positions' key must be 'first'"), std::invalid_argument);
 }
+
+TEST_CASE("a position's line lowers after settle_steps steps of its own, and lapses with its window") {
+  using xpm::MicrobatchPosition;
+  constexpr auto kFirst = static_cast<std::size_t>(MicrobatchPosition::kFirst);
+  Calibration calibration(kBudget, CalibrationOptions{4, 3, {}});
+  for (int step = 0; step < 6; ++step) {  // the window full of middle microbatches, as predicted
+    calibration.record_peak(2'000'000, 2'000'000, MicrobatchPosition::kMiddle);
+    end_alone(calibration, step);
+  }
+  std::vector<double> first_intercepts;
+  for (int step = 6; step < 9; ++step) {  // first microbatches 10 % over-predicted
+    calibration.record_peak(3'000'000, 2'700'000, MicrobatchPosition::kFirst);
+    end_alone(calibration, step);
+    first_intercepts.push_back(calibration.correction().positions[kFirst]->intercept_bytes);
+  }
+  // Two steps of its own are not settled (settle_steps 3), whatever the common window holds.
+  CHECK(first_intercepts[0] == 0);
+  CHECK(first_intercepts[1] == 0);
+  CHECK(first_intercepts[2] < -250'000);
+  CHECK(calibration.correction().positions[kFirst]->low_bytes == 3'000'000);
+  for (int step = 9; step < 13; ++step) {  // no first microbatch for a whole window
+    calibration.record_peak(2'000'000, 2'000'000, MicrobatchPosition::kMiddle);
+    end_alone(calibration, step);
+  }
+  CHECK_FALSE(calibration.correction().positions[kFirst].has_value());
+  CHECK(calibration.correction().bytes_for(3'000'000, MicrobatchPosition::kFirst) ==
+        calibration.correction().bytes_for(3'000'000));
+}

@@ -42,15 +42,22 @@ double peak_reserved_bytes(const GlobalStepResult& result) {
   return peak;
 }
 
-// Each peak's position in its rank's step (the order the rank ran them in); none where the
-// result does not say each peak's rank.
+// Each peak's position among its rank's microbatches with records (the order the rank ran them
+// in, as the Python sampler counts them); none for an empty one (lockstep's, zero dims) or
+// where the result does not say each peak's rank.
 std::vector<std::optional<MicrobatchPosition>> peak_positions(const GlobalStepResult& result) {
   const std::vector<int>& ranks = result.microbatch_peak_ranks;
   std::vector<std::optional<MicrobatchPosition>> positions(result.microbatch_peaks.size());
   if (ranks.size() != positions.size()) return positions;
+  const auto holds_records = [&](std::size_t i) {
+    const std::vector<double>& dims = result.microbatch_peaks[i].dims;
+    return std::any_of(dims.begin(), dims.end(), [](double d) { return d != 0; });
+  };
   std::map<int, std::size_t> count, seen;
-  for (int rank : ranks) ++count[rank];
-  for (std::size_t i = 0; i < positions.size(); ++i) positions[i] = microbatch_position(seen[ranks[i]]++, count[ranks[i]]);
+  for (std::size_t i = 0; i < positions.size(); ++i)
+    if (holds_records(i)) ++count[ranks[i]];
+  for (std::size_t i = 0; i < positions.size(); ++i)
+    if (holds_records(i)) positions[i] = microbatch_position(seen[ranks[i]]++, count[ranks[i]]);
   return positions;
 }
 

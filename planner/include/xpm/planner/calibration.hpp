@@ -163,8 +163,8 @@ class Calibration {
   /// rank: its own) and updates the correction. Returns the log line when a line changed ("step
   /// 40: correction +4.1 % -> +0.3 % of the budget (+25,600 bytes + 0.50 % of the prediction)",
   /// "; step 40: the last microbatch's correction ..." for a position's); a position's range of
-  /// predictions grows without a line (correction() has it: plans made before keep the older,
-  /// where its line holds for fewer predictions).
+  /// predictions may grow, or a position without points left in its window fall back to the
+  /// correction's line, without a log line: correction() says it, compare it to replan.
   /// Throws std::invalid_argument when the row has the wrong size or the ranks' usable bytes
   /// differ (every rank throws: their plans would differ).
   std::optional<std::string> end_step(std::int64_t step, const std::vector<double>& agreed_row);
@@ -198,7 +198,7 @@ class Calibration {
  private:
   using Row = std::vector<double>;  // per slope the least intercept, then min and max prediction
   CorrectionLine updated(const CorrectionLine& in_force, const Row& measured, const std::vector<Row>& window,
-                         bool first) const;
+                         bool settled) const;
   std::optional<CorrectionLine> updated_position(std::size_t position, const Row& measured, bool first) const;
   std::array<Row, 1 + kMicrobatchPositions> agreed_parts(const std::vector<double>& agreed_row) const;
   std::vector<std::string> update_lines(std::int64_t step, const std::array<Row, 1 + kMicrobatchPositions>& measured,
