@@ -1,7 +1,7 @@
 """The closed sets of string arguments of the planner (``PackerName``, ``Aggregation``,
-``RecordAggregation``, ``GradientPhase``, ``MicrobatchPosition``): each a ``typing.Literal`` alias for type checkers and a
-tuple of its values for the run-time check, and that check, whose one-line ``ValueError`` names
-the argument and the value, as the C++ library's messages do.
+``RecordAggregation``, ``GradientPhase``, ``MicrobatchPosition``): each a ``typing.Literal``
+alias for type checkers and a tuple of its values for the run-time check, and that check, whose
+one-line ``ValueError`` names the argument and the value, as the C++ library's messages do.
 """
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ def microbatch_position(index: int, count: int) -> MicrobatchPosition:
     """The position of microbatch ``index`` (0-based) of a step of ``count`` microbatches.
 
     Args:
-        index: the microbatch's index in its rank's step.
-        count: the step's microbatches on that rank (placeholders included).
+        index: the microbatch's index among its rank's microbatches with records in the step.
+        count: how many microbatches with records the step has on that rank (lockstep's empty
+            ones have no position).
 
     Returns:
         "alone" when ``count`` is 1, else "first", "last" or "middle".
