@@ -101,6 +101,7 @@ class StepPacking:
         """
         microbatches, dims, predicted = packed
         scale = self.world_size / total_units if total_units > 0 else 0.0
+        positions = positions_with_records(microbatches)
         return Step(microbatches, [scale * float(self.units[mb].sum()) for mb in microbatches], total_units,
                     dims, predicted, [0.0 if position is None else correction.bytes_for(p, position)
-                                      for position, p in zip(positions_with_records(microbatches), predicted)])
+                                      for position, p in zip(positions, predicted)], positions)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Tuple
 
 from .sampler_checks import _whole_number
 from .sampler_state import check_settings, checked_pass_position
-from .sampler_steps import Microbatch, positions_with_records
+from .sampler_steps import Microbatch
 
 if TYPE_CHECKING:
     from .predictive_batch_sampler import PredictiveBatchSampler
@@ -41,7 +41,7 @@ class _MicrobatchIterator(Iterator[List[int]]):
                           predicted_bytes=step.predicted_bytes[j], weight=step.weights[j],
                           last=j == len(step.microbatches) - 1, step=k,
                           correction_bytes=step.correction_bytes[j],
-                          position=positions_with_records(step.microbatches)[j])
+                          position=step.positions[j])
 
     def _is_current(self) -> bool:
         return self._sampler._current is self and self._sampler._generation == self._generation

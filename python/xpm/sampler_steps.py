@@ -80,6 +80,8 @@ class Step:
             ``model.predict(dims)``, the first and last microbatch in their gradient phases).
         correction_bytes: each microbatch's correction, as the step was planned with the
             calibration (``predicted_bytes + correction_bytes <= usable_bytes``).
+        positions: each microbatch's ``MicrobatchPosition`` among those with records (None
+            for an empty one; ``positions_with_records``), worked out once when not given.
     """
 
     microbatches: List[np.ndarray]
@@ -88,6 +90,11 @@ class Step:
     dims: List[np.ndarray] = field(default_factory=list)
     predicted_bytes: List[float] = field(default_factory=list)
     correction_bytes: List[float] = field(default_factory=list)
+    positions: List[Optional[MicrobatchPosition]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.positions:
+            self.positions = positions_with_records(self.microbatches)
 
     def nonempty_microbatches(self) -> Tuple[List[Tuple[int, ...]], List[float], List[float], List[float]]:
         """The microbatches that hold records (lockstep pads a share with empty ones), as the

@@ -48,7 +48,6 @@ from torch.utils.data._utils.collate import default_collate
 from ..meters import Meter, planned_peak_bytes, start_peak
 from ..choices import MicrobatchPosition
 from ..sampler import PredictiveBatchSampler, Step
-from ..sampler_steps import positions_with_records
 
 __all__ = ["PlannedMicrobatch", "RoundRobinMicrobatches", "data_loader", "prepare_data_loader", "check_prepared",
            "microbatch_loop", "accumulate", "prepare"]
@@ -162,10 +161,9 @@ class RoundRobinMicrobatches:
 
     @staticmethod
     def _planned(step: Step, rank: int, index: int) -> List[_PlannedIndices]:
-        positions = positions_with_records(step.microbatches)
         return [_PlannedIndices(microbatch.tolist(), weight=weight, last=j == len(step.microbatches) - 1, rank=rank,
                                 step=index, predicted_bytes=step.predicted_bytes[j], padding=False,
-                                correction_bytes=step.correction_bytes[j], position=positions[j])
+                                correction_bytes=step.correction_bytes[j], position=step.positions[j])
                 for j, (microbatch, weight) in enumerate(zip(step.microbatches, step.weights))]
 
     def _lockstep_order(self) -> Iterator[_PlannedIndices]:
