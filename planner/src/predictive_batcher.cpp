@@ -66,9 +66,8 @@ void validate_record_dims_sample(const PredictiveBatcherOptions& options) {
   }
 }
 
-// The sample's record indices in ascending order: by the summed variables (formula order),
-// then by the others.
-std::vector<std::size_t> sample_order(const PredictiveBatcherOptions& options) {
+// The variables the sample is ordered by: the summed ones (formula order), then the others.
+std::vector<std::size_t> sample_sort_keys(const PredictiveBatcherOptions& options) {
   const std::vector<std::string>& names = options.formula.variable_names();
   std::vector<std::size_t> keys;
   for (int summed = 1; summed >= 0; --summed) {
@@ -78,6 +77,12 @@ std::vector<std::size_t> sample_order(const PredictiveBatcherOptions& options) {
       if (names[v] != options.batch_size_variable && is_sum == (summed == 1)) keys.push_back(v);
     }
   }
+  return keys;
+}
+
+// The sample's record indices in ascending order of `keys`.
+std::vector<std::size_t> sample_order(const PredictiveBatcherOptions& options,
+                                      const std::vector<std::size_t>& keys) {
   std::vector<std::size_t> order(options.record_dims_sample.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
   std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
@@ -161,7 +166,11 @@ PredictiveBatcher::PredictiveBatcher(PredictiveBatcherOptions options,
     options_.fit.batch_size_variable = options_.batch_size_variable;
   }
   options_.validate();
-  sample_order_ = sample_order(options_);
+  const std::vector<std::size_t> keys = sample_sort_keys(options_);
+  sample_order_ = sample_order(options_, keys);
+  for (std::size_t i : sample_order_) {
+    sample_first_key_.push_back(keys.empty() ? 0.0 : options_.record_dims_sample[i][keys[0]]);
+  }
   for (const std::vector<double>& record : options_.record_dims_sample) {
     sample_rows_.insert(sample_rows_.end(), record.begin(), record.end());
   }

@@ -138,12 +138,20 @@ ProbeResult PredictiveBatcher::run_shape(ProbeExecutor& executor, const ProbeSha
   return result;
 }
 
-// `records` of the sample up to its `fraction`-quantile (record_dims_sample's order): the
-// ones just below it (spread false; repeated when fewer), or ones spread evenly up to it.
+// `records` of the sample up to its `fraction`-quantile (record_dims_sample's order), or up to
+// the last record whose first sorting variable is at most `fraction` of the largest, whichever
+// comes first: the ones just below it (spread false; repeated when fewer), or ones spread evenly
+// up to it. (A sample whose records are mostly cut at one length has its quantiles there, yet a
+// sorting packer's last microbatch holds its shortest records: the fraction of the length
+// reaches them.)
 PredictiveBatcher::ProbeShape PredictiveBatcher::sample_mix(std::size_t records, double fraction,
                                                             bool spread) const {
   const std::size_t n = sample_order_.size();
-  const auto top = std::clamp<std::size_t>(static_cast<std::size_t>(std::ceil(fraction * n)), 1, n);
+  const auto by_value = static_cast<std::size_t>(
+      std::upper_bound(sample_first_key_.begin(), sample_first_key_.end(), fraction * sample_first_key_.back()) -
+      sample_first_key_.begin());
+  const auto by_count = static_cast<std::size_t>(std::ceil(fraction * n));
+  const auto top = std::clamp<std::size_t>(std::min(by_count, by_value), 1, n);
   ProbeShape shape;
   std::vector<std::size_t> indices;
   for (std::size_t i = 0; i < records; ++i) {

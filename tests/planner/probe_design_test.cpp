@@ -113,6 +113,28 @@ TEST_CASE("the sample's mixes: near-equal records below a quantile, and records 
   CHECK(dims == expected);
 }
 
+TEST_CASE("a sample mostly cut at one length is probed below it too: a fraction of the length") {
+  // 700 records cut at 120, 300 of 10..119: every quantile from the 30 % one lies at 120, yet a
+  // sorting packer's last microbatch of a step holds the shortest records.
+  PackedStepExecutor executor;
+  xpm::PredictiveBatcherOptions options = packed_options();
+  options.record_dims_sample.clear();
+  for (int i = 0; i < 1000; ++i) {
+    const double l = i < 700 ? 120 : 10 + (i - 700) % 110;
+    options.record_dims_sample.push_back({1, l, l});
+  }
+  options.design_fractions = {1.0, 0.5};
+  options.variable_max = {{"bs", 8}};
+  options.adaptive.max_probes = 0;
+  xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
+  batcher.probe_and_fit(executor);
+  const std::vector<xpm::ProbeResult>& probes = batcher.probes();
+  REQUIRE(probes.size() == 16);  // 2 fractions x 2 mixes x bs 1, 2, 4, 8
+  for (std::size_t i = 0; i < 8; ++i) CHECK(probes[i].dims[1] == 120);    // f = 1: the longest
+  for (std::size_t i = 8; i < 16; ++i) CHECK(probes[i].dims[1] <= 60);    // f = 0.5: half the length
+  CHECK(probes[8].dims == std::vector<double>{1, 60, 60});  // the longest record within half
+}
+
 TEST_CASE("an executor that cannot build a mix says so when a sample asks for one") {
   class DimsOnly : public xpm::ProbeExecutor {
    public:

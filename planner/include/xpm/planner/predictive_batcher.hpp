@@ -114,9 +114,11 @@ struct PredictiveBatcherOptions {
   /// batch-size column 1), e.g. a few thousand drawn from the dataset. Given, the automatic
   /// design probes mixes of them rather than equal records (ProbeExecutor::run_probe_records):
   /// for every design fraction f (of the records, ordered by their summed variables, then the
-  /// others), one sweep of the microbatch size over the m records just below the f-quantile
-  /// (the near-equal mixes a sorting packer makes) and one over m records spread evenly up to
-  /// it (an unsorted mix); the adaptive design probes such mixes too. A summed variable
+  /// others), one sweep of the microbatch size over the m records just below the f-quantile,
+  /// or below the last record whose first ordering variable is at most f of the largest where
+  /// that comes first (a sample mostly cut at one length), the near-equal mixes a sorting
+  /// packer makes, and one over m records spread evenly up to it (an unsorted mix); the
+  /// adaptive design probes such mixes too. A summed variable
   /// (DimAggregation::kSum, e.g. real tokens) needs it beside the padded length it moves
   /// with: equal records make the two proportional, so the fit cannot tell them apart, and a
   /// formula of the sum alone under-predicts mixes. The sample sets every variable's range
@@ -275,6 +277,7 @@ class PredictiveBatcher {
   FloorFit floor_fit_;
   std::vector<ProbeResult> probes_;
   std::vector<std::size_t> sample_order_;  // record_dims_sample, summed variables first, ascending
+  std::vector<double> sample_first_key_;    // sample_order_'s records' first sorting variable
   std::vector<double> sample_rows_;        // record_dims_sample, row-major (aggregate_dims' view)
   std::vector<DimAggregation> aggregation_;  // per variable: the batch size's kCount, the options'
   std::vector<Measurement> fit_measurements_;  // what the current coefficients were fitted to
