@@ -251,12 +251,16 @@ class ProbeRecords:
 
     def at(self, rows: Sequence[Sequence[float]]) -> List[Any]:
         """One record per row of dims (``xpm.probe``'s ``loss_fn(records)`` argument). Where a
-        padded probe asks for several records all of one length, the last is one token shorter:
-        a training microbatch of several records nearly always holds padding, and a batch
-        without any lets attention skip its mask (a smaller kernel, a lower peak)."""
+        padded probe asks for several records all of one length in a variable (the sources, or
+        the targets), the last is one token shorter there: a training microbatch of several
+        records nearly always holds padding, and a batch without any lets attention skip its
+        mask (a smaller kernel, a lower peak, measured 7 % lower on a BART whose sources were of
+        one length and targets not)."""
         rows = [list(row) for row in rows]
-        if self.mode != "padding_free" and len(rows) > 1 and all(row[1:] == rows[0][1:] for row in rows):
-            rows[-1][1:] = [max(1.0, value - 1.0) for value in rows[-1][1:]]
+        if self.mode != "padding_free" and len(rows) > 1:
+            for column in range(1, len(rows[0])):
+                if all(row[column] == rows[0][column] for row in rows):
+                    rows[-1][column] = max(1.0, rows[-1][column] - 1.0)
         return [self.record(row) for row in rows]
 
 

@@ -95,13 +95,13 @@ def _planned_errors(trainer, measured, smallest_share=0.5):
 
 
 def _assert_planned_within_the_goal(trainer, measured):
-    """From the third step, every microbatch above half the budget within -1 % / +3 % of its peak
-    (the smaller ones are printed: they are not held to it yet)."""
+    """From the third step, every microbatch within -1 % / +3 % of its peak, the small ones too
+    (those above half the budget, where the budget binds, are printed apart)."""
     errors, every = _planned_errors(trainer, measured), _planned_errors(trainer, measured, 0.0)
     print(f"planned vs measured from step 3 ({len(errors)} microbatches above half the budget): "
           f"{100 * min(errors):+.2f} % to {100 * max(errors):+.2f} %; all {len(every)}: "
           f"{100 * min(every):+.2f} % to {100 * max(every):+.2f} %")
-    assert errors and -0.01 <= min(errors) and max(errors) <= 0.03
+    assert errors and -0.01 <= min(every) and max(every) <= 0.03
 
 
 def _records_by_step(measured):
@@ -292,10 +292,7 @@ def test_seq2seq_bart_whose_loss_ignores_num_items_accumulates_exactly(meter, se
     trainer_class = planned_trainer_class(transformers.Seq2SeqTrainer)
     trainer = trainer_class(model=model, args=_arguments(tmp_path, transformers.Seq2SeqTrainingArguments, max_steps=6),
                             train_dataset=records, data_collator=_seq2seq_collate, on_microbatch=measured.append,
-                            callbacks=[gradients], cache_dir=False,
-                            probe_options=xpm.ProbeOptions(usable_max_rel_error=0.10, adaptive_max_probes=0))
-    # (with the adaptive design, 8 more probes: 50 in 13.6 s, but a formula of 3 max() pieces
-    # fitted within 6.1 %, planned +0.14 % to +3.85 %: left out)
+                            callbacks=[gradients], cache_dir=False)
     assert trainer.model_accepts_loss_kwargs  # what transformers decided from the signature
     before = meter.oom_count
     with caplog.at_level("WARNING", logger="xpm"):
@@ -319,7 +316,25 @@ def test_seq2seq_bart_whose_loss_ignores_num_items_accumulates_exactly(meter, se
           f"{100 * min(errors):+.2f} % to {100 * max(errors):+.2f} %; all {len(every)}: "
           f"{100 * min(every):+.2f} % to {100 * max(every):+.2f} %; the model alone, every microbatch: "
           f"{100 * min(alone):+.2f} % to {100 * max(alone):+.2f} %")
-    assert -0.01 <= min(errors) and max(errors) <= 0.03
+    # Every microbatch from the third step, the short last ones of a step too: the sources are
+    # mostly cut at 120 tokens, so only probes of a fraction of that length reach them.
+    assert -0.01 <= min(every) and max(every) <= 0.03
+
+
+def test_padded_probes_hold_padding_in_every_variable_whose_records_are_of_one_length():
+    """A probe of records whose sources are all of one length (the targets not) would let the
+    encoder skip its mask: its last record's source is one token shorter; in padding-free mode
+    nothing changes."""
+    from xpm.integrations.dataset_probes import ProbeRecords
+
+    dataset = [{"input_ids": list(range(120)), "labels": list(range(80))}]
+    records = ProbeRecords(dataset, np.array([[1.0, 120.0, 80.0]]), "encoder_decoder")
+    made = records.at([[1, 90, 80], [1, 90, 70], [1, 90, 60]])
+    assert [(len(r["input_ids"]), len(r["labels"])) for r in made] == [(90, 80), (90, 70), (89, 60)]
+    made = records.at([[1, 90, 80], [1, 90, 80]])
+    assert [(len(r["input_ids"]), len(r["labels"])) for r in made] == [(90, 80), (89, 79)]
+    packed = ProbeRecords([{"input_ids": list(range(120))}], np.array([[1.0, 120.0]]), "padding_free")
+    assert [len(r["input_ids"]) for r in packed.at([[1, 50], [1, 50]])] == [50, 50]
 
 
 def test_what_cannot_be_planned_is_refused_at_construction(meter, sentences, tmp_path):
