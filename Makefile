@@ -53,8 +53,10 @@ wheel: setup
 # prediction of both bundled models, the end-to-end batcher comparison (bench/*.cpp say what
 # each measures), and Python's predictive batching against a fixed microbatch and a hand-set token
 # budget (bench/python_batching_throughput.py), and the HF Trainer drop-in against what its users
-# do today (bench/hf_dropin_throughput.py). Raw outputs go to $(BENCH_DIR). About 20 minutes on
-# the 2-core machine.
+# do today (bench/hf_dropin_throughput.py); the order of a step's microbatches on the emulated
+# caching allocator (bench/allocator_order.py: printed to $(BENCH_DIR), its table in
+# docs/benchmarks.md written by hand). Raw outputs go to $(BENCH_DIR). About 23 minutes on the
+# 2-core machine.
 BENCH_DIR ?= runs/bench
 BENCH_STEPS ?= 150
 BENCH_MIN_TIME ?= 0.2
@@ -100,3 +102,7 @@ bench: setup configure
 	  --data-dir data/brown --records 4096 --json $(BENCH_DIR)/hf-dropin.json > $(BENCH_DIR)/hf-dropin.md
 	bench/splice_section.sh hf-dropin $(BENCH_DIR)/hf-dropin.md docs/benchmarks.md \
 	  "make bench (bench/hf_dropin_throughput.py, 4,096 Brown sentences, 1 thread)"
+	PYTHONPATH=$(BUILD_DIR)/python OMP_NUM_THREADS=1 $(PYTHON) bench/allocator_order.py \
+	  --json $(BENCH_DIR)/allocator-order.json > $(BENCH_DIR)/allocator-order.txt
+	PYTHONPATH=$(BUILD_DIR)/python OMP_NUM_THREADS=1 $(PYTHON) bench/allocator_order.py --expandable-segments \
+	  --json $(BENCH_DIR)/allocator-order-expandable.json > $(BENCH_DIR)/allocator-order-expandable.txt
