@@ -132,10 +132,10 @@ def main() -> int:
                         help="emulate PYTORCH_ALLOC_CONF=expandable_segments:True")
     parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
     args = parser.parse_args()
-    if args.steps < 1 or args.budget_bytes <= 0:
-        print(f"allocator_order.py: --steps {args.steps} and --budget-bytes {args.budget_bytes} must be positive",
-              file=sys.stderr)
-        return 2
+    for option, value in (("--steps", args.steps), ("--budget-bytes", args.budget_bytes)):
+        if value < 1:
+            print(f"allocator_order.py: {option} {value} must be at least 1", file=sys.stderr)
+            return 2
     torch.set_num_threads(1)
     meter = xpm.CpuMeter.install(caching=True, expandable_segments=args.expandable_segments)
     lengths = np.random.default_rng(2).integers(4, MAX_LENGTH + 1, OUTER_BATCH * args.steps)
