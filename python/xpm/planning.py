@@ -185,8 +185,4 @@ def _sort_by_or_default(sort_by: Optional[str], model: MemoryModel) -> str:
 __all__ = ["FormulaError", "PackerName", "PACKERS", "Aggregation", "AGGREGATIONS", "RecordAggregation",
            "RECORD_AGGREGATIONS", "GradientPhase", "GRADIENT_PHASES", "DEFAULT_MEMORY_FRACTION",
            "DEFAULT_USABLE_MAX_REL_ERROR", "MemoryBudget", "CostFormula", "record_dims_from_lengths",
-           "FAR_BEYOND_PROBED", "MemoryModel", "FitReport", "fit", "Plan", "plan",
-           # private, kept importable from here for code written before the split
-           "_name_list", "_check_choice", "_check_aggregation", "_whole_bytes", "_matrix", "_vector",
-           "_batch_size_variable", "_record_dims", "_check_one_record_each", "_warn_far_beyond_probed", "_report",
-           "_pack", "_sort_by_or_default"]
+           "FAR_BEYOND_PROBED", "MemoryModel", "FitReport", "fit", "Plan", "plan"]

@@ -64,7 +64,4 @@ from .sampler_steps import Microbatch, Step
 from .unplanned_memory import UNPLANNED_SHARE_WITHOUT_CAPACITY, _unplanned_memory, check_unplanned_memory
 
 __all__ = ["PredictiveBatchSampler", "Microbatch", "Step", "microbatch_loop", "check_unplanned_memory",
-           "UNPLANNED_SHARE_WITHOUT_CAPACITY", "LIGHTNING_PLAIN_LOADER_ERROR",
-           # private, kept importable from here for code written before the split
-           "_whole_number", "_rank_and_world_size", "_first_bad", "_checked_record_dims", "_MicrobatchIterator",
-           "_LIGHTNING_PACKAGES", "_refuse_lightning_training_loop", "_unplanned_memory", "_holds_gradients"]
+           "UNPLANNED_SHARE_WITHOUT_CAPACITY", "LIGHTNING_PLAIN_LOADER_ERROR"]

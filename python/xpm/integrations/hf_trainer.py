@@ -542,7 +542,4 @@ def planned_trainer_class(base: type) -> type:
 
 
 __all__ = ["PlannedTrainer", "PlannedTrainerMixin", "planned_trainer_class", "PlannedStep", "MicrobatchRecord",
-           "SAMPLER_STATE_NAME",
-           # private, kept importable from here for code written before the split
-           "_StepKey", "_StepDataset", "_only_item", "_StepBatchSampler", "_StepLoader", "_masked_labels",
-           "_REFUSED_SAMPLING_STRATEGIES", "_sampler_state_path", "_one_item_per_step"]
+           "SAMPLER_STATE_NAME"]
