@@ -716,6 +716,32 @@ def test_the_probes_time_the_step_and_the_fastest_packer_plans_with_it(trained):
         xpm.plan(lengths, fitted, usable, packer="fastest")
 
 
+def test_the_drop_ins_plan_with_the_fewest_microbatches_where_the_time_model_misses_the_probes(timed, caplog):
+    """A time model fitted to timings other work disturbed (99 % off, almost no cost per
+    microbatch) would split every step into single records: the drop-ins' default "fastest"
+    falls back to "adaptive" and says why in one warning; a model within 50 % keeps "fastest"."""
+    from xpm.integrations.dataset_probes import TIME_MODEL_USABLE_MAX_REL_ERROR, packer_for
+
+    dims = np.array([[1, 8], [2, 16], [4, 32], [8, 48], [16, 8], [2, 40]], dtype=float)
+    fitted, _ = xpm.fit(xpm.CostFormula("a*bs*l + c", ["bs", "l"]), dims, 1e6 + 5000 * dims[:, 0] * dims[:, 1])
+
+    def with_error(error):
+        parsed = json.loads(timed(fitted).to_json())
+        parsed["metadata"]["time_model"].update(max_rel_error=error, overhead_s=1.2e-5)
+        return xpm.MemoryModel.from_json(json.dumps(parsed))
+
+    assert TIME_MODEL_USABLE_MAX_REL_ERROR == 0.5
+    assert packer_for("fastest", fitted) == "adaptive"  # no time model at all: no warning
+    assert packer_for("fastest", with_error(-0.3)) == "fastest"
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="xpm"):
+        assert packer_for("fastest", with_error(0.993)) == "adaptive"
+        assert packer_for("ffd", with_error(0.993)) == "ffd"  # the user's own choice of another packer
+    assert [r.getMessage() for r in caplog.records] == [
+        "xpm: the probes' time model misses their timings by up to 99 % (over 50 %; were they taken while other work "
+        "ran?): planning with packer 'adaptive' (the fewest microbatches that fit) instead of 'fastest'"]
+
+
 def test_arguments_of_the_wrong_kind_are_refused_in_one_line_before_anything_runs(trained):
     model, optimizer = trained
     loss = lambda dims: model.loss_sum(random_chars(dims))  # noqa: E731

@@ -114,7 +114,8 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
             loss); default 1 each.
         probe_options: ``xpm.ProbeOptions`` to probe with (its ``record_dims``, ``variables`` and
             ``lockstep`` are set here); default ``usable_max_rel_error=0.10``.
-        packer: the sampler's packer (``xpm.PackerName``).
+        packer: the sampler's packer (``xpm.PackerName``; "fastest", "adaptive" where the probes'
+            time model is missing or more than 50 % off their timings).
         seed: the shuffle's seed (the records are shuffled each epoch where the loader
             shuffles: a ``RandomSampler``; else they go in order).
 

@@ -129,7 +129,8 @@ class PlannedTrainerMixin:
             ``<output_dir>/xpm-memory-models``; False: no cache).
         probe_options: without ``batch_sampler``: ``xpm.ProbeOptions`` to probe with (its
             ``record_dims``, ``variables`` and ``lockstep`` are set by the trainer).
-        packer: without ``batch_sampler``: the sampler's packer (``xpm.PackerName``, "fastest").
+        packer: without ``batch_sampler``: the sampler's packer (``xpm.PackerName``, "fastest";
+            "adaptive" where the probes' time model is missing or more than 50 % off their timings).
         **kwargs: as ``transformers.Trainer``; ``data_collator`` collates one microbatch (a
             list of records) into the model's inputs.
 

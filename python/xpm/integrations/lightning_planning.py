@@ -116,7 +116,7 @@ class PlannedMicrobatches(pl.Callback):
         probe_options: ``xpm.ProbeOptions`` to probe with (its ``record_dims``, ``variables``
             and ``lockstep`` are set here); default ``usable_max_rel_error=0.10``.
         packer: the sampler's packer (``xpm.PackerName``; "fastest", "adaptive" when the model
-            has no time model).
+            has no time model or one more than 50 % off the probes' timings).
         seed: the shuffle's seed (the records are shuffled each epoch where the loader
             shuffles: a ``RandomSampler``; else they go in order).
 
