@@ -118,8 +118,8 @@ def fit(formula: Union[CostFormula, Literal["auto"]], dims: ArrayLike, peak_byte
     Raises:
         ValueError: bad arguments (``variables`` missing with "auto" or given without it; an
             ``aggregation`` value that is not "count", "max" or "sum", named with its variable;
-            arrays of the wrong shape or with a NaN, infinite or negative value), a formula the
-            shapes cannot identify.
+            arrays of the wrong shape or with a NaN, infinite or negative value, a batch size
+            that is not a whole number >= 1), a formula the shapes cannot identify.
     """
     automatic = isinstance(formula, str)
     if (automatic and formula != "auto") or not (automatic or isinstance(formula, CostFormula)):
@@ -137,6 +137,13 @@ def fit(formula: Union[CostFormula, Literal["auto"]], dims: ArrayLike, peak_byte
     args = _planner.FitArguments()
     args.floor_bytes = float(floor_bytes)
     args.batch_size_variable = _batch_size_variable(formula.variable_names, batch_size_variable)
+    column = list(formula.variable_names).index(args.batch_size_variable)
+    for array, what in ((dims_array, "dims"), (bounds, "infeasible_dims")):
+        counts = array[:, column]
+        bad = np.flatnonzero((counts < 1) | (counts != np.floor(counts)))
+        if len(bad):
+            raise ValueError(f"fit: {what}[{int(bad[0])}] is {array[bad[0]].tolist()}: its {args.batch_size_variable} "
+                             f"{counts[bad[0]]:g} is not a whole number >= 1 (the batch-size variable counts records)")
     args.aggregation = dict(aggregation or {})
     args.non_negative = non_negative
     args.usable_max_rel_error = usable_max_rel_error

@@ -33,6 +33,7 @@ A formula fitted to measured peaks, then records planned into microbatches under
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
@@ -83,12 +84,13 @@ class MemoryBudget(_planner.MemoryBudget):
 
     def __init__(self, capacity_bytes: Union[int, float], memory_fraction: float = DEFAULT_MEMORY_FRACTION,
                  extra_overhead_bytes: Union[int, float] = 0) -> None:
-        super().__init__(_whole_bytes(capacity_bytes, "capacity_bytes"), float(memory_fraction),
-                         _whole_bytes(extra_overhead_bytes, "extra_overhead_bytes"))
+        super().__init__(_whole_bytes(capacity_bytes, "MemoryBudget: capacity_bytes"), float(memory_fraction),
+                         _whole_bytes(extra_overhead_bytes, "MemoryBudget: extra_overhead_bytes"))
 
 
 def _whole_bytes(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or \
+            not math.isfinite(value) or value != int(value):
         raise ValueError(f"{what} must be a whole number of bytes, got {value!r}")
     if not -(1 << 63) <= int(value) < (1 << 63):
         raise ValueError(f"{what} is out of range: {value!r}")

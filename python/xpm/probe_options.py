@@ -8,6 +8,7 @@ anything is probed: one-line ``ValueError``s naming the option and the value.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -291,6 +292,10 @@ def _check_option_types(o: ProbeOptions) -> None:
     if o.variable_max is not None and not (isinstance(o.variable_max, Mapping) and
                                            all(isinstance(k, str) and _is_number(v) for k, v in o.variable_max.items())):
         refuse("variable_max", "a dict {variable: number}", o.variable_max)
+    for name, value in (o.variable_max or {}).items():
+        if not (math.isfinite(value) and value >= 1):
+            raise ValueError(f"probe: variable_max[{name!r}] is {value!r}: the design's upper end of a variable must "
+                             "be a finite number >= 1")
     if o.probe_points is not None and (isinstance(o.probe_points, (str, Mapping)) or not all(
             isinstance(p, Mapping) and all(isinstance(k, str) and _is_number(v) for k, v in p.items())
             for p in o.probe_points)):

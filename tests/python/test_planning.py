@@ -116,6 +116,23 @@ def test_budget_names_its_bad_field():
     assert xpm.MemoryBudget(1000, 0.9, 100).usable_bytes == 800
     with pytest.raises(ValueError, match="capacity_bytes"):
         xpm.MemoryBudget(0)
+    with pytest.raises(ValueError, match=r"^MemoryBudget: capacity_bytes must be a whole number of bytes, got nan$"):
+        xpm.MemoryBudget(float("nan"))
+    with pytest.raises(ValueError, match=r"^MemoryBudget: extra_overhead_bytes must be a whole number of bytes, got inf$"):
+        xpm.MemoryBudget(1000, 0.9, float("inf"))
+
+
+def test_fit_refuses_a_batch_size_that_does_not_count_records():
+    formula = xpm.CostFormula("a*bs*l + c", ["bs", "l"])
+    dims = np.array([[1, 10], [2, 10], [4, 20], [0, 43]], dtype=float)
+    with pytest.raises(ValueError, match=r"^fit: dims\[3\] is \[0.0, 43.0\]: its bs 0 is not a whole number >= 1 "
+                                         r"\(the batch-size variable counts records\)$"):
+        xpm.fit(formula, dims, [2000, 3000, 9000, 5000])
+    dims[3] = [2.5, 43]
+    with pytest.raises(ValueError, match=r"^fit: dims\[3\] is \[2.5, 43.0\]: its bs 2.5 is not a whole number"):
+        xpm.fit(formula, dims, [2000, 3000, 9000, 5000])
+    with pytest.raises(ValueError, match=r"^fit: infeasible_dims\[0\] is \[0.0, 90.0\]: its bs 0"):
+        xpm.fit(formula, dims[:3], [2000, 3000, 9000], infeasible_dims=[[0, 90]], infeasible_bytes=[10**6])
 
 
 @pytest.mark.parametrize("packer", xpm.PACKERS)

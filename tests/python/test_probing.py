@@ -212,6 +212,13 @@ def test_a_variable_max_key_that_is_not_a_formula_variable_is_refused_in_one_lin
     assert str(error.value) == ("probe: variable_max has 'length', which is not a variable of the formula "
                                 f"'{FORMULA.canonical}' (its variables: bs, l)")
     assert _untouched(model, optimizer, 1e-2)
+    for value in (-100, float("nan"), 0.5):
+        with pytest.raises(ValueError) as error:
+            xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)), FORMULA, meter=METER,
+                      variable_max={"bs": 16, "l": value})
+        assert str(error.value) == (f"probe: variable_max['l'] is {value!r}: the design's upper end of a variable "
+                                    "must be a finite number >= 1")
+    assert _untouched(model, optimizer, 1e-2)
 
 
 class WideMlp(torch.nn.Module):
