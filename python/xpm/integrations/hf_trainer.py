@@ -223,6 +223,10 @@ class PlannedTrainerMixin:
         args = self.args
         return args.per_device_train_batch_size * self.xpm_accumulation_steps * args.world_size
 
+    def _sampler_outer_batch_size(self) -> int:
+        """Records per optimizer step: the sampler's where one is given or planned, else the Trainer's."""
+        return int(getattr(self.xpm_sampler, "_outer", 0) or self._outer_batch_size())
+
     def _steps_per_epoch(self) -> int:
         if self.xpm_sampler is not None:
             return self.xpm_sampler.steps_per_epoch()
@@ -319,7 +323,12 @@ class PlannedTrainerMixin:
             "prefetch_factor": args.dataloader_prefetch_factor,
             "worker_init_fn": partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
         }
-        steps = _StepBatchSampler(self._planned_sampler, self._steps_per_epoch())
+        steps_per_epoch = self._steps_per_epoch()
+        if steps_per_epoch == 0 and len(dataset) > 0:  # else the Trainer fails on a loader of no length
+            raise ValueError(f"PlannedTrainer: the {len(dataset)} records of train_dataset make no whole outer batch of "
+                             f"{self._sampler_outer_batch_size()} records, which dataloader_drop_last=True leaves out: "
+                             "give more records or set dataloader_drop_last=False")
+        steps = _StepBatchSampler(self._planned_sampler, steps_per_epoch)
         return _StepLoader(_StepDataset(dataset, collator), batch_sampler=steps, collate_fn=_only_item, **options)
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,

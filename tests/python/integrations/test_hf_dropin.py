@@ -364,6 +364,13 @@ def test_what_cannot_be_planned_is_refused_at_construction(meter, sentences, tmp
         PlannedTrainer(model=model, args=_arguments(tmp_path), train_dataset=records,
                        data_collator=byte_llama.pad_collate, meter=meter)
     meter.capacity_bytes = CAP_BYTES
+    trainer = PlannedTrainer(model=model, args=_arguments(tmp_path, max_steps=-1, num_train_epochs=1,
+                                                          dataloader_drop_last=True),
+                             train_dataset=records[:20], data_collator=byte_llama.pad_collate)
+    with pytest.raises(ValueError, match=r"^PlannedTrainer: the 20 records of train_dataset make no whole outer batch "
+                                         r"of 32 records, which dataloader_drop_last=True leaves out: give more records "
+                                         r"or set dataloader_drop_last=False$"):
+        trainer.train()
     with_empty = records[:5] + [{"input_ids": []}] + records[5:]
     trainer = PlannedTrainer(model=model, args=_arguments(tmp_path, max_steps=1), train_dataset=with_empty,
                              data_collator=byte_llama.pad_collate)
