@@ -34,6 +34,7 @@ A formula fitted to measured peaks, then records planned into microbatches under
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
@@ -160,15 +161,22 @@ def plan(record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, packe
 
     Warns:
         RuntimeWarning: a column reaches more than 4 times the largest value its variable was
-            probed at (likely columns in the wrong order).
+            probed at (likely columns in the wrong order); records predicted over the budget
+            even alone (each planned alone, marked in ``Plan.over_budget``), as the sampler warns.
     """
     _checked_model(model, "plan")
     _check_choice(packer, PACKERS, "plan: packer")
     if isinstance(usable_bytes, bool) or not isinstance(usable_bytes, (int, float, np.integer, np.floating)) \
             or not usable_bytes > 0:
         raise ValueError(f"plan: usable_bytes must be a number of bytes > 0, got {usable_bytes!r}")
-    return _pack(_record_dims(record_dims, model, "record_dims"), model,
-                 model._native.prediction_budget_bytes(int(usable_bytes)), packer, sort_by)
+    planned = _pack(_record_dims(record_dims, model, "record_dims"), model,
+                    model._native.prediction_budget_bytes(int(usable_bytes)), packer, sort_by)
+    over = int(np.count_nonzero(planned.over_budget))
+    if over:
+        warnings.warn(f"xpm: {over} record(s) are predicted over the budget of {int(usable_bytes)} bytes even alone "
+                      f"(the largest at {planned.predicted_bytes[planned.over_budget].max():.0f} bytes); each gets "
+                      "a microbatch of its own (Plan.over_budget marks them)", RuntimeWarning, stacklevel=2)
+    return planned
 
 
 def _pack(array: np.ndarray, model: MemoryModel, usable_bytes: int, packer: PackerName,

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import typing
+import warnings
 
 import numpy as np
 import pytest
@@ -209,6 +210,19 @@ def test_shapes_and_variable_names_are_checked_not_guessed(tmp_path):
         xpm.MemoryModel.load(tmp_path)
     with pytest.raises(ValueError, match="memory model JSON"):
         xpm.MemoryModel.from_json("[1,2")
+
+
+def test_plan_warns_of_records_over_the_budget_even_alone_as_the_sampler_does():
+    formula = xpm.CostFormula("a*bs*l + c", ["bs", "l"])
+    dims = np.array([[1, 10], [2, 10], [4, 20]], dtype=float)
+    model, _ = xpm.fit(formula, dims, 100 * dims[:, 0] * dims[:, 1] + 1000)
+    with pytest.warns(RuntimeWarning, match=r"^xpm: 2 record\(s\) are predicted over the budget of 5000 bytes even "
+                                            r"alone \(the largest at 9000 bytes\); each gets a microbatch of its own"):
+        planned = xpm.plan([5, 50, 80, 8], model, 5000)
+    assert planned.over_budget.tolist().count(True) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        xpm.plan([5, 8, 12], model, 5000)
 
 
 def _plan_arrays(plan):
