@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iomanip>
 #include <map>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -359,6 +361,22 @@ void bind_budget(py::module_& m) {
       .def_property_readonly("usable_bytes", &xpm::MemoryBudget::usable_bytes);
 }
 
+// "ProbeResult(dims=[8, 120], feasible=True, forward_backward_peak_bytes=..., ...)": what a
+// probe measured, readable where a probe list is printed.
+std::string probe_result_repr(const xpm::ProbeResult& r) {
+  std::ostringstream os;
+  os << "ProbeResult(dims=[";
+  for (std::size_t i = 0; i < r.dims.size(); ++i) os << (i ? ", " : "") << r.dims[i];
+  os << "], feasible=" << (r.feasible ? "True" : "False")
+     << ", forward_backward_peak_bytes=" << std::fixed << std::setprecision(0) << r.forward_backward_peak_bytes
+     << ", optimizer_step_peak_bytes=" << r.optimizer_step_peak_bytes;
+  if (!r.feasible) os << ", capacity_bytes=" << r.capacity_bytes;
+  os << std::defaultfloat << std::setprecision(6) << ", forward_backward_s=" << r.forward_backward_s;
+  if (!r.error.empty()) os << ", error=" << py::repr(py::str(r.error)).cast<std::string>();
+  os << ")";
+  return os.str();
+}
+
 void bind_probing(py::module_& m) {
   py::class_<xpm::ProbeResult>(m, "ProbeResult")
       .def(py::init<>())
@@ -370,7 +388,8 @@ void bind_probing(py::module_& m) {
       .def_readwrite("forward_backward_s", &xpm::ProbeResult::forward_backward_s)
       .def_readwrite("error", &xpm::ProbeResult::error)
       .def_readwrite("capacity_bytes", &xpm::ProbeResult::capacity_bytes)
-      .def_property_readonly("step_peak_bytes", &xpm::ProbeResult::step_peak_bytes);
+      .def_property_readonly("step_peak_bytes", &xpm::ProbeResult::step_peak_bytes)
+      .def("__repr__", &probe_result_repr);
   py::class_<xpm::ProbeExecutor, PythonProbeExecutor>(m, "ProbeExecutor")
       .def(py::init<>())
       .def("run_probe", &xpm::ProbeExecutor::run_probe)

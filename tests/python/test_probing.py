@@ -703,6 +703,11 @@ def test_the_probes_time_the_step_and_the_fastest_packer_plans_with_it(trained):
     assert time_model is not None and time_model["fitted_points"] >= 6
     assert time_model["overhead_s"] >= 0 and time_model["seconds_per_byte"] >= 0
     assert all(p.forward_backward_s > 0 for p in outcome.probes if p.feasible)
+    first = outcome.probes[0]
+    assert repr(first) == (f"ProbeResult(dims=[{first.dims[0]:g}, {first.dims[1]:g}], feasible=True, "
+                           f"forward_backward_peak_bytes={first.forward_backward_peak_bytes:.0f}, "
+                           f"optimizer_step_peak_bytes={first.optimizer_step_peak_bytes:.0f}, "
+                           f"forward_backward_s={first.forward_backward_s:g})")
     lengths = np.random.default_rng(3).integers(2, 48, 300)
     usable = int(outcome.model.predict([16, 48]))
     fastest = xpm.plan(lengths, outcome.model, usable, packer="fastest")
