@@ -46,6 +46,8 @@ expect_bad_dims("negative --dims" "predict: --dims l: -4 is negative; dims must 
                 predict --model "${model}" --dims bs=1,l=-4)
 expect_bad_dims("zero bs --dims" "predict: --dims bs: 0 is not a valid bs"
                 predict --model "${model}" --dims bs=0,l=16)
+expect_bad_dims("trailing comma --dims" "--dims: empty item in 'bs=8,l=120,'"
+                predict --model "${model}" --dims "bs=8,l=120,")
 
 # max-batch --dims.
 expect_bad_dims("max-batch negative" "max-batch: --dims l: -1 is negative"

@@ -39,6 +39,8 @@ std::vector<std::string> split_list(const std::string& text, const std::string& 
     items.push_back(item);
   }
   if (items.empty()) throw InputError("--" + option + ": expected a comma-separated list");
+  const std::string whole = trim(text);
+  if (whole.back() == ',') throw InputError("--" + option + ": empty item in '" + text + "'");  // getline drops it
   return items;
 }
 
