@@ -109,6 +109,10 @@ xpm_plan_run(0 "ffd packer" plan --model "${model}" --csv "${records}" --capacit
 expect_match("ffd packer" "${OUT}" "packer ffd")
 xpm_plan_run(2 "bad packer" plan --model "${model}" --csv "${records}" --capacity-bytes 1580000 --packer best-fit)
 expect_match("bad packer" "${ERR}" "--packer must be 'adaptive', 'uniform', 'ffd' or 'fastest', got 'best-fit'")
+xpm_plan_run(2 "fastest without a time model" plan --model "${model}" --csv "${records}" --capacity-bytes 1580000
+             --packer fastest)
+expect_match("fastest without a time model" "${ERR}"
+             "^xpm-plan: error: --packer fastest: the model .*model[.]json has no time model \\(fitted to given")
 xpm_plan_run(2 "bad sort-by" plan --model "${model}" --csv "${records}" --capacity-bytes 1580000 --sort-by len)
 expect_match("bad sort-by" "${ERR}" "--sort-by: 'len' is not a variable")
 xpm_plan_run(2 "sort-by uniform" plan --model "${model}" --csv "${records}" --capacity-bytes 1580000

@@ -12,6 +12,7 @@
 #include "verbs.hpp"
 #include "xpm/planner/packer_kind.hpp"
 #include "xpm/planner/packer.hpp"
+#include "xpm/planner/time_model.hpp"
 
 namespace xpm_plan {
 namespace {
@@ -107,6 +108,11 @@ int run_plan(const po::variables_map& vm) {
     }
   } else if (!sort_by.empty()) {
     throw InputError("--sort-by applies to the adaptive packer only");
+  }
+  if (kind == xpm::PackerKind::kFastest && !xpm::TimeModel::from_metadata(model)) {
+    throw InputError("--packer fastest: the model " + vm["model"].as<std::string>() +
+                     " has no time model (fitted to given measurements: only a probed model has one); "
+                     "use --packer adaptive");
   }
   const std::shared_ptr<const xpm::MicrobatchPacker> packer = xpm::make_packer(kind, sort_by);
 
