@@ -65,7 +65,8 @@ class CpuMeter:
                 without ``caching=True``.
 
         Returns:
-            The process's CPU meter (no cap until ``capacity_bytes`` is set).
+            The process's CPU meter (no cap until ``capacity_bytes`` is set): the same object at
+            every call.
 
         Raises:
             ImportError: the running torch is not the one xpm was built against (one line naming
@@ -84,7 +85,8 @@ class CpuMeter:
         if expandable_segments is not None and caching is not True:
             raise ValueError(f"CpuMeter.install: expandable_segments={expandable_segments!r} needs caching=True")
         global _installed_cpu_meter
-        meter = cls(load_torch_extension().CpuMemoryMeter.install())
+        native = load_torch_extension().CpuMemoryMeter.install()
+        meter = _installed_cpu_meter if isinstance(_installed_cpu_meter, cls) else cls(native)
         if caching is not None:
             meter.set_caching(caching, expandable_segments=expandable_segments)
         _installed_cpu_meter = meter

@@ -90,6 +90,7 @@ def test_bad_caching_arguments_are_refused_in_one_line(meter: xpm.CpuMeter) -> N
     with pytest.raises(ValueError, match="expandable_segments=True needs caching=True"):
         xpm.CpuMeter.install(expandable_segments=True)
     assert xpm.CpuMeter.install(caching=True).caching == "segments"  # as it is: a second install changes nothing
+    assert xpm.CpuMeter.install() is meter is xpm.CpuMeter.installed()  # the same meter, not a second view of it
     assert xpm.meters.allocator_settings({"PYTORCH_ALLOC_CONF": "roundup_power2_divisions:[256:1,>:8]"}) == \
         {"roundup_power2_divisions": "[256:1,>:8]"}
     with pytest.raises(ValueError, match="PYTORCH_ALLOC_CONF='expandable_segments:maybe'"):
