@@ -139,19 +139,22 @@ ProbeResult PredictiveBatcher::run_shape(ProbeExecutor& executor, const ProbeSha
 }
 
 // `records` of the sample up to its `fraction`-quantile (record_dims_sample's order), or up to
-// the last record whose first sorting variable is at most `fraction` of the largest, whichever
-// comes first: the ones just below it (spread false; repeated when fewer), or ones spread evenly
-// up to it. (A sample whose records are mostly cut at one length has its quantiles there, yet a
-// sorting packer's last microbatch holds its shortest records: the fraction of the length
-// reaches them.)
+// the last record whose first sorting variable is at most `fraction` of the largest where that
+// comes first and still holds records enough for the largest microbatch probed (else a few
+// outliers, or none, would stand for every mix): the ones just below it (spread false; repeated
+// when fewer), or ones spread evenly up to it. (A sample whose records are mostly cut at one
+// length has its quantiles there, yet a sorting packer's last microbatch holds its shortest
+// records: the fraction of the length reaches them.)
 PredictiveBatcher::ProbeShape PredictiveBatcher::sample_mix(std::size_t records, double fraction,
                                                             bool spread) const {
   const std::size_t n = sample_order_.size();
+  const double cut = fraction * sample_first_key_.back() * (1 + 1e-12);  // a grid's 1 - ulp is 1
   const auto by_value = static_cast<std::size_t>(
-      std::upper_bound(sample_first_key_.begin(), sample_first_key_.end(), fraction * sample_first_key_.back()) -
-      sample_first_key_.begin());
+      std::upper_bound(sample_first_key_.begin(), sample_first_key_.end(), cut) - sample_first_key_.begin());
   const auto by_count = static_cast<std::size_t>(std::ceil(fraction * n));
-  const auto top = std::clamp<std::size_t>(std::min(by_count, by_value), 1, n);
+  const double bs_max = std::floor(options_.variable_max.at(options_.batch_size_variable));
+  const std::size_t enough = std::min(n, static_cast<std::size_t>(std::max(1.0, bs_max)));
+  const auto top = std::clamp<std::size_t>(by_value >= enough ? std::min(by_count, by_value) : by_count, 1, n);
   ProbeShape shape;
   std::vector<std::size_t> indices;
   for (std::size_t i = 0; i < records; ++i) {

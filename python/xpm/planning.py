@@ -169,13 +169,16 @@ def plan(record_dims: ArrayLike, model: MemoryModel, usable_bytes: int, *, packe
     if isinstance(usable_bytes, bool) or not isinstance(usable_bytes, (int, float, np.integer, np.floating)) \
             or not usable_bytes > 0:
         raise ValueError(f"plan: usable_bytes must be a number of bytes > 0, got {usable_bytes!r}")
-    planned = _pack(_record_dims(record_dims, model, "record_dims"), model,
-                    model._native.prediction_budget_bytes(int(usable_bytes)), packer, sort_by)
-    over = int(np.count_nonzero(planned.over_budget))
+    inner = model._native.prediction_budget_bytes(int(usable_bytes))
+    planned = _pack(_record_dims(record_dims, model, "record_dims"), model, inner, packer, sort_by)
+    over = int(np.count_nonzero(planned.over_budget))  # each such microbatch holds one record
     if over:
-        warnings.warn(f"xpm: {over} record(s) are predicted over the budget of {int(usable_bytes)} bytes even alone "
-                      f"(the largest at {planned.predicted_bytes[planned.over_budget].max():.0f} bytes); each gets "
-                      "a microbatch of its own (Plan.over_budget marks them)", RuntimeWarning, stacklevel=2)
+        room = f"{int(usable_bytes)} bytes" if inner == int(usable_bytes) else \
+            f"{int(usable_bytes)} bytes (its predictions {inner} bytes)"
+        warnings.warn(f"xpm: {over} record(s) do not fit the budget of {room} even alone (predicted up to "
+                      f"{planned.predicted_bytes[planned.over_budget].max():.0f} bytes, or at a shape a probe ran out "
+                      "of memory at); each gets a microbatch of its own (Plan.over_budget marks them)",
+                      RuntimeWarning, stacklevel=2)
     return planned
 
 

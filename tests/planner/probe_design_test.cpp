@@ -135,6 +135,28 @@ TEST_CASE("a sample mostly cut at one length is probed below it too: a fraction 
   CHECK(probes[8].dims == std::vector<double>{1, 60, 60});  // the longest record within half
 }
 
+TEST_CASE("where too few records lie below a fraction of the length, the mixes keep the quantiles") {
+  // Records of 100 to 120 and one outlier of 10: at f = 0.5 only the outlier lies below half the
+  // length, too few for a microbatch of 8; the mixes stay at the median's records.
+  PackedStepExecutor executor;
+  xpm::PredictiveBatcherOptions options = packed_options();
+  options.record_dims_sample.clear();
+  for (int i = 0; i < 400; ++i) {
+    const double l = 100 + i % 21;
+    options.record_dims_sample.push_back({1, l, l});
+  }
+  options.record_dims_sample.push_back({1, 10, 10});
+  options.design_fractions = {1.0, 0.5};
+  options.variable_max = {{"bs", 8}};
+  options.adaptive.max_probes = 0;
+  xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
+  batcher.probe_and_fit(executor);
+  const std::vector<xpm::ProbeResult>& probes = batcher.probes();
+  REQUIRE(probes.size() == 16);
+  for (std::size_t i = 8; i < 16; ++i) CHECK(probes[i].dims[1] >= 100);  // f = 0.5: never the outlier alone
+  CHECK(probes[8].dims == std::vector<double>{1, 110, 110});                // the median record
+}
+
 TEST_CASE("an executor that cannot build a mix says so when a sample asks for one") {
   class DimsOnly : public xpm::ProbeExecutor {
    public:

@@ -748,10 +748,13 @@ def test_the_drop_ins_plan_with_the_fewest_microbatches_where_the_time_model_mis
     assert not caplog.records
     with caplog.at_level("WARNING", logger="xpm"):
         assert packer_for("fastest", with_error(0.993)) == "adaptive"
+        assert packer_for("fastest", with_error(None)) == "adaptive"  # a NaN, written as null
         assert packer_for("ffd", with_error(0.993)) == "ffd"  # the user's own choice of another packer
     assert [r.getMessage() for r in caplog.records] == [
         "xpm: the probes' time model misses their timings by up to 99 % (over 50 %; were they taken while other work "
-        "ran?): planning with packer 'adaptive' (the fewest microbatches that fit) instead of 'fastest'"]
+        "ran?): planning with packer 'adaptive' (the fewest microbatches that fit) instead of 'fastest'",
+        "xpm: the probes' time model misses their timings by an unrecorded amount (over 50 %; were they taken while "
+        "other work ran?): planning with packer 'adaptive' (the fewest microbatches that fit) instead of 'fastest'"]
 
 
 def test_arguments_of_the_wrong_kind_are_refused_in_one_line_before_anything_runs(trained):

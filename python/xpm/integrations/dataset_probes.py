@@ -389,12 +389,14 @@ def packer_for(packer: PackerName, model: MemoryModel) -> PackerName:
     time_model = model.time_model
     if time_model is None:
         return "adaptive"
-    error = abs(float(time_model.get("max_rel_error", 0.0)))
-    if error > TIME_MODEL_USABLE_MAX_REL_ERROR:
+    recorded = time_model.get("max_rel_error")
+    error = abs(float(recorded)) if isinstance(recorded, (int, float)) else math.inf  # JSON null: a NaN written
+    if not error <= TIME_MODEL_USABLE_MAX_REL_ERROR:
+        by = f"by up to {100 * error:.0f} %" if math.isfinite(error) else "by an unrecorded amount"
         logging.getLogger("xpm").warning(
-            "xpm: the probes' time model misses their timings by up to %.0f %% (over %.0f %%; were they taken while "
-            "other work ran?): planning with packer 'adaptive' (the fewest microbatches that fit) instead of "
-            "'fastest'", 100 * error, 100 * TIME_MODEL_USABLE_MAX_REL_ERROR)
+            "xpm: the probes' time model misses their timings %s (over %.0f %%; were they taken while other work "
+            "ran?): planning with packer 'adaptive' (the fewest microbatches that fit) instead of 'fastest'",
+            by, 100 * TIME_MODEL_USABLE_MAX_REL_ERROR)
         return "adaptive"
     return packer
 

@@ -225,7 +225,9 @@ class PlannedTrainerMixin:
 
     def _sampler_outer_batch_size(self) -> int:
         """Records per optimizer step: the sampler's where one is given or planned, else the Trainer's."""
-        return int(getattr(self.xpm_sampler, "_outer", 0) or self._outer_batch_size())
+        if self.xpm_sampler is not None:
+            return int(self.xpm_sampler.state_dict()["outer_batch_size"])
+        return self._outer_batch_size()
 
     def _steps_per_epoch(self) -> int:
         if self.xpm_sampler is not None:
@@ -325,9 +327,11 @@ class PlannedTrainerMixin:
         }
         steps_per_epoch = self._steps_per_epoch()
         if steps_per_epoch == 0 and len(dataset) > 0:  # else the Trainer fails on a loader of no length
+            own = self.xpm_sampler is not None and not self.args.dataloader_drop_last  # a sampler given with its own
+            setting = "the batch sampler's drop_last=True" if own else "dataloader_drop_last=True"
             raise ValueError(f"PlannedTrainer: the {len(dataset)} records of train_dataset make no whole outer batch of "
-                             f"{self._sampler_outer_batch_size()} records, which dataloader_drop_last=True leaves out: "
-                             "give more records or set dataloader_drop_last=False")
+                             f"{self._sampler_outer_batch_size()} records, which {setting} leaves out: give more "
+                             f"records or set {setting.replace('True', 'False')}")
         steps = _StepBatchSampler(self._planned_sampler, steps_per_epoch)
         return _StepLoader(_StepDataset(dataset, collator), batch_sampler=steps, collate_fn=_only_item, **options)
 
