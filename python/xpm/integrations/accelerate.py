@@ -168,7 +168,7 @@ class RoundRobinMicrobatches:
 
     def _lockstep_order(self) -> Iterator[_PlannedIndices]:
         """Step by step, each planned when accelerate reads its first slot (every rank's step
-        has the same count)."""
+        has the same count: lockstep, or one process)."""
         sampler = self.predictive_sampler
         for index in range(self._start_step(), sampler.steps_per_epoch()):
             self.taken_step = index
@@ -196,7 +196,9 @@ class RoundRobinMicrobatches:
         if state["steps_done"] >= self.predictive_sampler.steps_per_epoch():
             self.predictive_sampler.set_epoch(state["epoch"])  # done: iterating again starts the epoch over
         self.taken_step = -1
-        yield from self._lockstep_order() if self.predictive_sampler.lockstep else self._order()
+        # One process, or lockstep: each step planned when read, so corrections reach later steps.
+        step_by_step = self.predictive_sampler.lockstep or self.world_size == 1
+        yield from self._lockstep_order() if step_by_step else self._order()
 
     def __len__(self) -> int:
         """Slots of the rest of the epoch: ``world_size`` x the most microbatches of any rank."""

@@ -351,6 +351,28 @@ def test_one_process_epoch_every_record_once(memory_model, lengths):
     assert list(weights.values()) == pytest.approx([1.0] * steps)
 
 
+def test_one_process_calibration_reaches_the_steps_accelerate_has_not_read(memory_model, lengths):
+    """At one process (no lockstep) each step is planned when accelerate reads it, so the
+    correction the calibration draws from step 0's peaks (every microbatch 10 % over its
+    prediction here) is in the plans of the steps after the one accelerate read ahead."""
+    meter = xpm.CpuMeter.install()
+    accelerator = accelerate.Accelerator(cpu=True)
+    sampler = _sampler(memory_model, lengths)
+    assert not sampler.lockstep
+    loader = xpm_accelerate.prepare_data_loader(accelerator, _records(lengths), sampler, collate_fn=_pad)
+    corrections = {}
+    for microbatch in xpm_accelerate.microbatch_loop(loader, meter=meter):
+        held = torch.empty(int(1.1 * microbatch.predicted_bytes), dtype=torch.uint8)  # 10 % over the plan
+        del held
+        corrections.setdefault(microbatch.step, []).append((microbatch.predicted_bytes, microbatch.correction_bytes))
+        if microbatch.step == 3 and microbatch.last:
+            break
+    assert sampler.calibration.log and all(correction == 0 for _, correction in corrections[0])
+    # Step 1's first microbatch was read before step 0 ended: step 1 keeps its plan; 2 and 3 not.
+    assert all(correction >= 0.09 * predicted for predicted, correction in corrections[2] + corrections[3]), \
+        corrections
+
+
 @pytest.mark.parametrize("setting, config, named", [
     ("world_size", {}, "world_size"),
     ("gradient_accumulation_steps", {"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=1"),
