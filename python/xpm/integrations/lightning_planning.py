@@ -263,6 +263,17 @@ class PlannedMicrobatches(pl.Callback):
             calibration.record_peak(step.predicted_bytes[k], planned_peak_bytes(self.meter),
                                     microbatch_position(k, len(step.predicted_bytes)))
 
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Refuses a fit resumed from a checkpoint saved in the middle of an epoch: Lightning
+        would restart the epoch's planned steps from its first and end the epoch at the count it
+        had left, so the steps from there on would never train."""
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # as restored from the checkpoint
+        if getattr(trainer.fit_loop, "restarting", False) and 0 < done < trainer.num_training_batches:
+            raise ValueError(f"PlannedMicrobatches: resumed from a checkpoint saved after {done} of the "
+                             f"{trainer.num_training_batches} steps of epoch {trainer.current_epoch}: resuming in the "
+                             "middle of an epoch is not supported (its planned steps would start over and the last "
+                             "ones never train); resume from a checkpoint saved at an epoch's end, or start anew")
+
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
         """The step's last microbatch measured, then the calibration agreed across ranks."""

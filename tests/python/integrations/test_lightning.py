@@ -611,6 +611,39 @@ def test_one_callback_plans_an_automatic_module_and_accumulates_exactly(formula)
     print(f"\n{planned.report}")
 
 
+def test_one_callback_refuses_a_checkpoint_from_the_middle_of_an_epoch(tmp_path):
+    """Lightning restarts a planned epoch's steps from the first and stops at the count it had
+    left, so the last steps would never train: a mid-epoch checkpoint is refused in one line; one
+    saved at an epoch's end resumes."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    texts = _texts(96)  # 6 steps of 8 x 2 records an epoch
+
+    def fit(ckpt_path=None, every=None):
+        callbacks = [xpm_lightning.PlannedMicrobatches(units=lambda text: len(text) - 1)]
+        if every:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1,
+                                             filename="{step}"))
+        trainer = lightning.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                                    enable_checkpointing=bool(every), enable_progress_bar=False,
+                                    enable_model_summary=False, accumulate_grad_batches=2, callbacks=callbacks)
+        trainer.fit(_TokenMeanModule(texts), ckpt_path=ckpt_path)
+        return trainer
+
+    METER.capacity_bytes = 3_000_000
+    try:
+        assert fit(every=4).global_step == 12
+        with pytest.raises(ValueError, match=r"^PlannedMicrobatches: resumed from a checkpoint saved after 4 of the "
+                                             r"6 steps of epoch 0: resuming in the middle of an epoch is not "
+                                             r"supported"):
+            fit(ckpt_path=str(tmp_path / "step=4.ckpt"))
+        assert fit(ckpt_path=str(tmp_path / "step=12.ckpt")).global_step == 12  # the fit's end: nothing left
+        assert fit(every=6).global_step == 12
+        assert fit(ckpt_path=str(tmp_path / "step=6.ckpt")).global_step == 12  # the first epoch's end: the second
+    finally:
+        METER.capacity_bytes = 0
+
+
 CALLBACK_WORKER = textwrap.dedent(r'''
     """One rank of a Lightning DDP run planned by PlannedMicrobatches alone; writes rank<r>.json."""
     import json
