@@ -251,6 +251,9 @@ def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, meter: Any, optio
         refuse("loss_fn", "a function of the dims returning a scalar loss tensor", loss_fn)
     if meter is not None and not isinstance(meter, Meter):
         refuse("meter", "an xpm.CpuMeter or xpm.CudaMeter (or None with device='cuda')", meter)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"probe: model {type(model).__name__} has no parameter that requires grad: a training step "
+                         "of it has nothing to train (unfreeze some parameters)")
     for name in ("lockstep", "measure_phases"):
         if not isinstance(getattr(options, name), bool):
             refuse(name, "True or False", getattr(options, name))

@@ -769,6 +769,10 @@ def test_arguments_of_the_wrong_kind_are_refused_in_one_line_before_anything_run
         with pytest.raises(ValueError) as caught:
             xpm.probe(*args, FORMULA, **{"meter": METER, **keywords})
         assert str(caught.value).startswith(expected) and "\n" not in str(caught.value)
+    frozen = CharGru().requires_grad_(False)
+    with pytest.raises(ValueError, match=r"^probe: model CharGru has no parameter that requires grad: a training "
+                                         r"step of it has nothing to train \(unfreeze some parameters\)$"):
+        xpm.probe(frozen, torch.optim.SGD(frozen.parameters(), lr=0.1), loss, FORMULA, meter=METER)
 
 
 class _ConvClassifier(torch.nn.Module):

@@ -44,7 +44,8 @@ from ..probing import probe
 from ..sampler import PredictiveBatchSampler
 from .accelerate import _round_robin_of, prepare_data_loader
 from .dataset_probes import (ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
-                             drop_in_probe_options, packer_for, probes_summary, refuse_records_over_budget)
+                             drop_in_probe_options, packer_for, probes_summary, refuse_records_over_budget,
+                             check_drop_in_arguments)
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
             ``memory_fraction`` outside (0, 1], no meter to be had (on the CPU no
             ``xpm.CpuMeter`` installed or no cap), and what ``prepare_data_loader`` refuses.
     """
+    check_drop_in_arguments("xpm.integrations.accelerate.prepare", formula, record_dims, units, packer)
     loader = _checked_loader(loader)
     if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
             or not 0 < memory_fraction <= 1:

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 from ..meters import CpuMeter, CudaMeter, Meter, allocator_settings_line
+from ..choices import PACKERS, _check_choice
+from ..cost_formula import CostFormula
 from ..planning import MemoryBudget, MemoryModel, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome
@@ -295,6 +297,28 @@ def _with_shorter_records(sample: np.ndarray) -> np.ndarray:
     return combined[np.random.default_rng(1).choice(len(combined), PROBE_SAMPLE_RECORDS, replace=False)]
 
 
+def check_drop_in_arguments(where: str, formula: Any, record_dims: Any, units: Any, packer: Any) -> None:
+    """Refuses, in one line naming the argument, what a drop-in would otherwise find wrong only
+    after probing (or deep in its own code).
+
+    Args:
+        where: the error's start (the class or function).
+        formula: ``"auto"`` or an ``xpm.CostFormula``.
+        record_dims: None or ``record_dims(record) -> dims``.
+        units: None or ``units(record) -> float``.
+        packer: an ``xpm.PackerName``.
+
+    Raises:
+        ValueError: any of them of another kind.
+    """
+    if not (isinstance(formula, str) and formula == "auto" or isinstance(formula, CostFormula)):
+        raise ValueError(f"{where}: formula must be 'auto' or an xpm.CostFormula, got {formula!r}")
+    for name, value in (("record_dims", record_dims), ("units", units)):
+        if value is not None and not callable(value):
+            raise ValueError(f"{where}: {name} must be a function of a record (or None), got {value!r}")
+    _check_choice(packer, PACKERS, f"{where}: packer")
+
+
 def check_device_meter(device: torch.device, meter: Optional[Meter], where: str, instead: str) -> None:
     """Refuses, in one line, a device whose memory cannot be planned without a meter given.
 
@@ -429,6 +453,7 @@ def probes_summary(outcome: ProbeOutcome) -> str:
 
 
 __all__ = ["PlanningMode", "VARIABLES", "dataset_record_dims", "checked_custom_dims", "ProbeRecords",
+           "check_drop_in_arguments",
            "DROP_IN_USABLE_MAX_REL_ERROR", "PROBE_SAMPLE_RECORDS", "drop_in_probe_options", "check_device_meter",
            "device_meter", "TIME_MODEL_USABLE_MAX_REL_ERROR", "packer_for", "log_allocator_line", "probes_summary"]
 

@@ -54,7 +54,8 @@ from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome, probe
 from ..sampler import PredictiveBatchSampler
 from .dataset_probes import (ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
-                             drop_in_probe_options, packer_for, probes_summary, refuse_records_over_budget)
+                             drop_in_probe_options, packer_for, probes_summary, refuse_records_over_budget,
+                             check_drop_in_arguments)
 from .lightning import _transfer, planned_dataloader
 
 logger = logging.getLogger(__name__)
@@ -136,8 +137,7 @@ class PlannedMicrobatches(pl.Callback):
                  meter: Optional[Meter] = None, record_dims: Optional[Callable[[Any], Sequence[float]]] = None,
                  units: Optional[Callable[[Any], float]] = None, probe_options: Optional[ProbeOptions] = None,
                  packer: PackerName = "fastest", seed: int = 0) -> None:
-        if not (formula == "auto" or isinstance(formula, CostFormula)):
-            raise ValueError(f"PlannedMicrobatches: formula must be 'auto' or an xpm.CostFormula, got {formula!r}")
+        check_drop_in_arguments("PlannedMicrobatches", formula, record_dims, units, packer)
         if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
                 or not 0 < memory_fraction <= 1:
             raise ValueError(f"PlannedMicrobatches: memory_fraction must be in (0, 1], got {memory_fraction!r}")

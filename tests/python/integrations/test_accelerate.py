@@ -389,6 +389,21 @@ def test_a_set_up_that_would_shard_wrong_is_refused(memory_model, lengths, setti
     assert "\n" not in str(raised.value)
 
 
+def test_prepares_arguments_are_refused_before_anything_is_prepared():
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader([torch.zeros(4)] * 8, batch_size=4)
+    for keywords, expected in (({"units": 3}, "units must be a function of a record (or None), got 3"),
+                               ({"packer": "FFD"}, "packer must be 'adaptive', 'fastest', 'ffd' or 'uniform', got "
+                                                   "'FFD'"),
+                               ({"formula": "a*bs + c"}, "formula must be 'auto' or an xpm.CostFormula")):
+        with pytest.raises(ValueError) as caught:
+            xpm_accelerate.prepare(accelerator, model, optimizer, loader, **keywords)
+        assert str(caught.value).startswith(f"xpm.integrations.accelerate.prepare: {expected}"), caught.value
+    assert accelerator._models == []  # nothing prepared
+
+
 def test_a_loader_prepared_without_this_module_is_refused(memory_model, lengths):
     accelerator = accelerate.Accelerator(cpu=True)
     plain = accelerator.prepare(torch.utils.data.DataLoader(_records(lengths), collate_fn=_pad,

@@ -435,6 +435,16 @@ def test_errors_name_the_fix():
         _trainer(1).fit(BigramModule(texts, sampler_world_size=2))
     with pytest.raises(ValueError, match="batch_size cannot be given"):
         xpm_lightning.planned_dataloader(_trainer(1), texts, None, _collate, batch_size=4)
+    # The one callback's arguments, refused when it is built (not after probing).
+    for keywords, expected in (({"formula": "a*bs*l + c"}, "formula must be 'auto' or an xpm.CostFormula, got "
+                                                           "'a*bs*l + c'"),
+                               ({"units": 3}, "units must be a function of a record (or None), got 3"),
+                               ({"record_dims": [1, 2]}, "record_dims must be a function of a record"),
+                               ({"packer": "FFD"}, "packer must be 'adaptive', 'fastest', 'ffd' or 'uniform', "
+                                                   "got 'FFD'")):
+        with pytest.raises(ValueError) as caught:
+            xpm_lightning.PlannedMicrobatches(**keywords)
+        assert str(caught.value).startswith(f"PlannedMicrobatches: {expected}"), caught.value
 
 
 def test_workers_collate_the_same_steps_in_the_same_order():
