@@ -116,8 +116,9 @@ struct PredictiveBatcherOptions {
   /// for every design fraction f (of the records, ordered by their summed variables, then the
   /// others), one sweep of the microbatch size over the m records just below the f-quantile,
   /// or below the last record whose first ordering variable is at most f of the largest where
-  /// that comes first (a sample mostly cut at one length), the near-equal mixes a sorting
-  /// packer makes, and one over m records spread evenly up to it (an unsorted mix); the
+  /// that comes first and holds records enough for the largest microbatch probed (a sample
+  /// mostly cut at one length), the near-equal mixes a sorting packer makes, and one over m
+  /// records spread evenly up to it (an unsorted mix); the
   /// adaptive design probes such mixes too. A summed variable
   /// (DimAggregation::kSum, e.g. real tokens) needs it beside the padded length it moves
   /// with: equal records make the two proportional, so the fit cannot tell them apart, and a
