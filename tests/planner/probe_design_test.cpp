@@ -113,22 +113,31 @@ TEST_CASE("the sample's mixes: near-equal records below a quantile, and records 
   CHECK(dims == expected);
 }
 
-TEST_CASE("a sample mostly cut at one length is probed below it too: a fraction of the length") {
-  // 700 records cut at 120, 300 of 10..119: every quantile from the 30 % one lies at 120, yet a
-  // sorting packer's last microbatch of a step holds the shortest records.
+namespace {
+
+// The automatic design's probes over records of these lengths (l = t), design fractions 1 and
+// 0.5, microbatches up to 8, no adaptive probes: 2 fractions x 2 mixes x bs 1, 2, 4, 8.
+std::vector<xpm::ProbeResult> half_length_design_probes(const std::vector<double>& lengths) {
   PackedStepExecutor executor;
   xpm::PredictiveBatcherOptions options = packed_options();
   options.record_dims_sample.clear();
-  for (int i = 0; i < 1000; ++i) {
-    const double l = i < 700 ? 120 : 10 + (i - 700) % 110;
-    options.record_dims_sample.push_back({1, l, l});
-  }
+  for (double l : lengths) options.record_dims_sample.push_back({1, l, l});
   options.design_fractions = {1.0, 0.5};
   options.variable_max = {{"bs", 8}};
   options.adaptive.max_probes = 0;
   xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
   batcher.probe_and_fit(executor);
-  const std::vector<xpm::ProbeResult>& probes = batcher.probes();
+  return batcher.probes();
+}
+
+}  // namespace
+
+TEST_CASE("a sample mostly cut at one length is probed below it too: a fraction of the length") {
+  // 700 records cut at 120, 300 of 10..119: every quantile from the 30 % one lies at 120, yet a
+  // sorting packer's last microbatch of a step holds the shortest records.
+  std::vector<double> lengths;
+  for (int i = 0; i < 1000; ++i) lengths.push_back(i < 700 ? 120 : 10 + (i - 700) % 110);
+  const std::vector<xpm::ProbeResult> probes = half_length_design_probes(lengths);
   REQUIRE(probes.size() == 16);  // 2 fractions x 2 mixes x bs 1, 2, 4, 8
   for (std::size_t i = 0; i < 8; ++i) CHECK(probes[i].dims[1] == 120);    // f = 1: the longest
   for (std::size_t i = 8; i < 16; ++i) CHECK(probes[i].dims[1] <= 60);    // f = 0.5: half the length
@@ -138,20 +147,10 @@ TEST_CASE("a sample mostly cut at one length is probed below it too: a fraction 
 TEST_CASE("where too few records lie below a fraction of the length, the mixes keep the quantiles") {
   // Records of 100 to 120 and one outlier of 10: at f = 0.5 only the outlier lies below half the
   // length, too few for a microbatch of 8; the mixes stay at the median's records.
-  PackedStepExecutor executor;
-  xpm::PredictiveBatcherOptions options = packed_options();
-  options.record_dims_sample.clear();
-  for (int i = 0; i < 400; ++i) {
-    const double l = 100 + i % 21;
-    options.record_dims_sample.push_back({1, l, l});
-  }
-  options.record_dims_sample.push_back({1, 10, 10});
-  options.design_fractions = {1.0, 0.5};
-  options.variable_max = {{"bs", 8}};
-  options.adaptive.max_probes = 0;
-  xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
-  batcher.probe_and_fit(executor);
-  const std::vector<xpm::ProbeResult>& probes = batcher.probes();
+  std::vector<double> lengths;
+  for (int i = 0; i < 400; ++i) lengths.push_back(100 + i % 21);
+  lengths.push_back(10);
+  const std::vector<xpm::ProbeResult> probes = half_length_design_probes(lengths);
   REQUIRE(probes.size() == 16);
   for (std::size_t i = 8; i < 16; ++i) CHECK(probes[i].dims[1] >= 100);  // f = 0.5: never the outlier alone
   CHECK(probes[8].dims == std::vector<double>{1, 110, 110});                // the median record

@@ -31,12 +31,11 @@ import torch
 from .._build_info import VERSION
 from ..lockstep import Lockstep
 from ..meters import Meter
-from ..choices import _check_choice
-from ..planning import DEFAULT_MEMORY_FRACTION, PACKERS, CostFormula, MemoryBudget, MemoryModel, PackerName
+from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, MemoryBudget, MemoryModel, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome
-from .dataset_probes import (VARIABLES, PlanningMode, check_device_meter, checked_custom_dims, dataset_record_dims,
-                             device_meter, drop_in_probe_options)
+from .dataset_probes import (VARIABLES, PlanningMode, check_device_meter, check_drop_in_arguments, checked_custom_dims,
+                             dataset_record_dims, device_meter, drop_in_probe_options)
 
 logger = logging.getLogger(__name__)
 
@@ -240,18 +239,13 @@ class AutomaticPlanning:
                 ``memory_fraction`` outside (0, 1], a ``record_dims`` that is not callable, a
                 ``probe_options`` that is not a ``ProbeOptions``, an unknown packer.
         """
-        if not (self.formula == "auto" or isinstance(self.formula, CostFormula)):
-            raise ValueError(f"PlannedTrainer: formula must be 'auto' or an xpm.CostFormula, got {self.formula!r}")
+        check_drop_in_arguments("PlannedTrainer", self.formula, self.record_dims, None, self.packer)
         if isinstance(self.memory_fraction, bool) or not isinstance(self.memory_fraction, (int, float)) \
                 or not 0 < self.memory_fraction <= 1:
             raise ValueError(f"PlannedTrainer: memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
-        if self.record_dims is not None and not callable(self.record_dims):
-            raise ValueError(f"PlannedTrainer: record_dims must be a callable(record) -> dims, got "
-                             f"{type(self.record_dims).__name__}")
         if self.probe_options is not None and not isinstance(self.probe_options, ProbeOptions):
             raise ValueError(f"PlannedTrainer: probe_options must be an xpm.ProbeOptions, got "
                              f"{type(self.probe_options).__name__}")
-        _check_choice(self.packer, PACKERS, "PlannedTrainer: packer")
 
     def variables(self, mode: PlanningMode) -> List[str]:
         """The formula's variables: a given formula's, else the mode's."""
