@@ -472,4 +472,10 @@ def accumulate(accelerator: "accelerate.Accelerator", model: torch.nn.Module, mi
         yield
 
 
-from .accelerate_planning import prepare  # noqa: E402,F401 - the one-call planning, built on the above
+def __getattr__(attribute: str) -> Any:
+    """``prepare``, the one-call planning built on this module, read from ``accelerate_planning`` when first asked for
+    (importing it here at once would make ``import xpm.integrations.accelerate_planning`` circular)."""
+    if attribute == "prepare":
+        from .accelerate_planning import prepare
+        return prepare
+    raise AttributeError(f"module {__name__!r} has no attribute {attribute!r}")

@@ -355,4 +355,10 @@ def ddp_bucket_bytes(model: torch.nn.Module) -> int:
     return trainable_gradient_bytes(model)
 
 
-from .lightning_planning import PlannedMicrobatches  # noqa: E402,F401 - the one-callback planning, built on the above
+def __getattr__(attribute: str) -> Any:
+    """``PlannedMicrobatches``, the one-callback planning built on this module, read from ``lightning_planning`` when first asked for
+    (importing it here at once would make ``import xpm.integrations.lightning_planning`` circular)."""
+    if attribute == "PlannedMicrobatches":
+        from .lightning_planning import PlannedMicrobatches
+        return PlannedMicrobatches
+    raise AttributeError(f"module {__name__!r} has no attribute {attribute!r}")

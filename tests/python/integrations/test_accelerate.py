@@ -561,3 +561,11 @@ def test_one_call_in_place_of_prepare_trains_its_own_model_on_two_processes(tmp_
     assert f"{outer} records per optimizer step (batch_size 8 x 2 accumulation steps x 2 process(es)" in ranks[0]["report"]
     print(f"\n{ranks[0]['report']}; microbatches {[r['microbatches'] for r in ranks]}, first step's gradient within "
           f"{max(r['max_rel_diff'] for r in ranks):.1e} of the whole batch's")
+
+
+@pytest.mark.parametrize("module", ["xpm.integrations.accelerate_planning", "xpm.integrations.accelerate"])
+def test_each_module_imports_on_its_own(module):
+    """Either module imported first, in a fresh interpreter (a circular import failed before)."""
+    run = subprocess.run([sys.executable, "-c", f"import {module}; from xpm.integrations.accelerate import prepare"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]

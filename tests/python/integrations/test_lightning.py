@@ -774,3 +774,12 @@ def test_one_callback_trains_an_automatic_module_on_two_ddp_ranks(tmp_path):
     assert ranks[0]["global_step"] == ranks[1]["global_step"]
     print(f"\n{ranks[0]['report']}; microbatches per rank {[seen['microbatches'] for seen in ranks]}, "
           f"first step's gradient within {max(seen['max_rel_diff'] for seen in ranks):.1e} of the whole batch's")
+
+
+@pytest.mark.parametrize("module", ["xpm.integrations.lightning_planning", "xpm.integrations.lightning"])
+def test_each_module_imports_on_its_own(module):
+    """Either module imported first, in a fresh interpreter (a circular import failed before)."""
+    run = subprocess.run([sys.executable, "-c",
+                          f"import {module}; from xpm.integrations.lightning import PlannedMicrobatches"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
