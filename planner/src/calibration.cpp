@@ -143,9 +143,13 @@ MicrobatchPosition parse_microbatch_position(const std::string& text, const std:
 double Correction::bytes_for(double predicted_bytes, MicrobatchPosition position) const {
   const std::optional<CorrectionLine>& own = positions[static_cast<std::size_t>(position)];
   if (!own) return bytes_for(predicted_bytes);
-  const double bytes = own->intercept_bytes + own->slope * predicted_bytes;
-  const bool measured = own->low_bytes <= predicted_bytes && predicted_bytes <= own->high_bytes;
-  return measured ? bytes : std::max(bytes, bytes_for(predicted_bytes));
+  const auto at = [&own](double p) { return own->intercept_bytes + own->slope * p; };
+  // Above its range a larger microbatch nears the budget: the common line, drawn over the
+  // other positions' larger predictions too, may know more. Below it the common line's slope
+  // is the other positions' (extrapolated, a negative one grows without bound).
+  if (predicted_bytes > own->high_bytes) return std::max(at(predicted_bytes), bytes_for(predicted_bytes));
+  if (predicted_bytes < own->low_bytes) return std::min(at(predicted_bytes), at(own->low_bytes));
+  return at(predicted_bytes);
 }
 
 double Correction::planning_bytes(double usable_bytes) const {

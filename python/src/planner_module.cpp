@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <iomanip>
 #include <map>
@@ -437,8 +438,28 @@ py::tuple correction_tuple(const xpm::Correction& c) {
   return py::make_tuple(c.intercept_bytes, c.slope, positions);
 }
 
+// The correction of (intercept_bytes, slope, {position: (intercept_bytes, slope, low_bytes, high_bytes)}).
+xpm::Correction correction_of(double intercept_bytes, double slope,
+                              const std::map<std::string, std::array<double, 4>>& positions) {
+  xpm::Correction c{intercept_bytes, slope, {}};
+  for (const auto& [name, line] : positions)
+    c.positions[static_cast<std::size_t>(xpm::parse_microbatch_position(name, "Correction.positions"))] =
+        xpm::CorrectionLine{line[0], line[1], line[2], line[3]};
+  return c;
+}
+
 // The calibration's policy; its Python face (Correction, the collective) is python/xpm/calibration.py.
 void bind_calibration(py::module_& m) {
+  m.def("correction_bytes_for",
+        [](double intercept_bytes, double slope, const std::map<std::string, std::array<double, 4>>& positions,
+           double predicted_bytes, std::optional<std::string> position) {
+          const xpm::Correction c = correction_of(intercept_bytes, slope, positions);
+          return position ? c.bytes_for(predicted_bytes, xpm::parse_microbatch_position(*position, "position"))
+                          : c.bytes_for(predicted_bytes);
+        });
+  m.def("correction_planning_bytes",
+        [](double intercept_bytes, double slope, const std::map<std::string, std::array<double, 4>>& positions,
+           double usable_bytes) { return correction_of(intercept_bytes, slope, positions).planning_bytes(usable_bytes); });
   m.def("microbatch_position", [](std::size_t index, std::size_t count) {
     return xpm::to_string(xpm::microbatch_position(index, count));
   });

@@ -37,8 +37,9 @@ Points recorded with their ``MicrobatchPosition`` in the step ("first", "middle"
 "alone") also draw a line per position, by the same rules from the same initial correction:
 a step's first microbatch (gradients allocated among its activations) and its last (the
 optimizer step, clipping, synchronisation) miss other amounts than the rest. A position's line
-holds for the predictions it has measured, the larger of it and the common line outside them;
-plans fit every line (``Correction.planning_bytes``), and ``Microbatch.correction_bytes`` is
+holds for the predictions it has measured; above them, the larger of it and the common line
+(larger microbatches near the budget); below them, itself, no higher than at the smallest it
+measured (the common line's slope is the other positions'); plans fit every line (``Correction.planning_bytes``), and ``Microbatch.correction_bytes`` is
 its position's.
 
 The policy is the planner's C++ ``xpm::Calibration`` (``xpm/planner/calibration.hpp``), which the
@@ -72,8 +73,10 @@ class Correction:
         positions: ``((position, intercept_bytes, slope, low_bytes, high_bytes), ...)``, the
             lines the calibration drew for the microbatches of a ``MicrobatchPosition``
             ("first", "middle", "last", "alone") once it measured them, each holding for the
-            predictions from ``low_bytes`` to ``high_bytes`` it measured (outside them, the
-            larger of it and the line above); a position not listed takes the line above.
+            predictions from ``low_bytes`` to ``high_bytes`` it measured (above them, the
+            larger of it and the line above; below them, itself, no higher than at
+            ``low_bytes``); a position not listed takes the line above. The rule is the
+            planner's C++ ``xpm::Correction``, which ``bytes_for`` and ``planning_bytes`` call.
     """
 
     intercept_bytes: float = 0.0
@@ -96,13 +99,7 @@ class Correction:
         """
         if position is not None:
             _check_choice(position, MICROBATCH_POSITIONS, "Correction.bytes_for: position")
-        predicted = float(predicted_bytes)
-        common = self.intercept_bytes + self.slope * predicted
-        for name, intercept, slope, low, high in self.positions:
-            if name == position:
-                own = intercept + slope * predicted
-                return own if low <= predicted <= high else max(own, common)
-        return common
+        return float(_planner.correction_bytes_for(*self._native(), float(predicted_bytes), position))
 
     def planning_bytes(self, usable_bytes: float) -> float:
         """The largest prediction whose corrected value fits ``usable_bytes`` at every position
@@ -114,8 +111,11 @@ class Correction:
         Returns:
             The least ``(usable_bytes - intercept_bytes) / (1 + slope)`` over the lines, bytes.
         """
-        lines = [(self.intercept_bytes, self.slope)] + [(i, s) for _, i, s, _, _ in self.positions]
-        return min((float(usable_bytes) - intercept) / (1.0 + slope) for intercept, slope in lines)
+        return float(_planner.correction_planning_bytes(*self._native(), float(usable_bytes)))
+
+    def _native(self) -> Tuple[float, float, Dict[str, Tuple[float, float, float, float]]]:
+        return (float(self.intercept_bytes), float(self.slope),
+                {name: (float(i), float(s), float(low), float(high)) for name, i, s, low, high in self.positions})
 
     @staticmethod
     def _from_native(native: Tuple[float, float, Dict[str, Tuple[float, float, float, float]]]) -> "Correction":

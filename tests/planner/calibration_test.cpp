@@ -183,11 +183,14 @@ TEST_CASE("each position draws a line of its own; plans fit every line") {
   CHECK((1'300'000 + last) / 1'580'000 - 1 < 0.01);
   CHECK(c.bytes_for(5'000'000, MicrobatchPosition::kLast) >= 280'000);  // a large last one too
   CHECK(c.bytes_for(5'000'000, MicrobatchPosition::kMiddle) == c.bytes_for(5'000'000));  // none: the line
-  // A position's line holds for the predictions it measured; outside them the larger of the two.
+  // A position's line holds for the predictions it measured; above them the larger of the two;
+  // below them its own (the first microbatches were over-predicted at 5 MB, the last ones'
+  // +280,000 bytes are not theirs).
   CHECK(c.positions[2]->low_bytes == 1'200'000);
   CHECK(c.positions[2]->high_bytes == 1'400'000);
-  CHECK(c.bytes_for(1'000'000, MicrobatchPosition::kFirst) == std::max(0.0, c.bytes_for(1'000'000)));
-  CHECK(c.bytes_for(1'000'000, MicrobatchPosition::kFirst) > 0);
+  CHECK(c.bytes_for(1'000'000) > 0);
+  CHECK(c.bytes_for(1'000'000, MicrobatchPosition::kFirst) == 0);
+  CHECK(c.bytes_for(6'000'000, MicrobatchPosition::kFirst) == std::max(0.0, c.bytes_for(6'000'000)));
   const double usable = static_cast<double>(kBudget);
   CHECK(c.planning_bytes(usable) <= Correction{c.intercept_bytes, c.slope}.planning_bytes(usable));
   CHECK(c.planning_bytes(usable) <= (usable - 280'000) / (1 + c.positions[2]->slope));
@@ -241,4 +244,19 @@ TEST_CASE("a position's line lowers after settle_steps steps of its own, and lap
   CHECK_FALSE(calibration.correction().positions[kFirst].has_value());
   CHECK(calibration.correction().bytes_for(3'000'000, MicrobatchPosition::kFirst) ==
         calibration.correction().bytes_for(3'000'000));
+}
+
+TEST_CASE("a position's line: its own in its range, the larger of the two above, no higher than its low end below") {
+  constexpr auto kLast = xpm::MicrobatchPosition::kLast;
+  Correction falling{10'000, -0.01, {}};
+  falling.positions[static_cast<std::size_t>(kLast)] = xpm::CorrectionLine{20'000, -0.01, 1'000'000, 2'000'000};
+  CHECK(falling.bytes_for(1'500'000, kLast) == doctest::Approx(5'000));
+  CHECK(falling.bytes_for(3'000'000, kLast) == doctest::Approx(-10'000));  // the larger: its own
+  CHECK(falling.bytes_for(500'000, kLast) == doctest::Approx(10'000));     // as at 1 MB, not 15,000
+  CHECK(falling.bytes_for(500'000, xpm::MicrobatchPosition::kFirst) == doctest::Approx(5'000));  // none: the line
+  Correction rising{50'000, 0.0, {}};
+  rising.positions[static_cast<std::size_t>(kLast)] = xpm::CorrectionLine{5'000, 0.01, 1'000'000, 2'000'000};
+  CHECK(rising.bytes_for(500'000, kLast) == doctest::Approx(10'000));     // its own line, below the common one
+  CHECK(rising.bytes_for(3'000'000, kLast) == doctest::Approx(50'000));   // above: the common line, larger
+  CHECK(rising.planning_bytes(1e7) == doctest::Approx(std::min(1e7 - 50'000, (1e7 - 5'000) / 1.01)));
 }

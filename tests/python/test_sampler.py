@@ -649,6 +649,20 @@ def test_calibration_lowers_an_over_prediction_once_settled():
         xpm.Calibration(BUDGET, settle_steps=0)
 
 
+def test_a_positions_line_below_and_above_the_predictions_it_measured():
+    """Its own line in its range; above, the larger of it and the common line; below, its own,
+    no higher than at its smallest measured prediction (the planner's rule, one copy)."""
+    falling = xpm.Correction(10_000.0, -0.01, (("last", 20_000.0, -0.01, 1_000_000.0, 2_000_000.0),))
+    assert falling.bytes_for(1_500_000, "last") == pytest.approx(5_000)
+    assert falling.bytes_for(3_000_000, "last") == pytest.approx(-10_000)
+    assert falling.bytes_for(500_000, "last") == pytest.approx(10_000)       # not 15,000
+    assert falling.bytes_for(500_000, "first") == pytest.approx(5_000)       # no line of its own
+    assert falling.bytes_for(500_000) == pytest.approx(5_000)
+    assert falling.planning_bytes(10_000_000) == pytest.approx((10_000_000 - 20_000) / 0.99)
+    with pytest.raises(ValueError, match="position"):
+        falling.bytes_for(500_000, "end")  # type: ignore[arg-type]
+
+
 def test_a_calibration_state_of_a_constant_correction_still_loads():
     calibration = xpm.Calibration(BUDGET)
     calibration.load_state_dict({"correction_bytes": 120_000.0, "window": [130_000.0], "steps_seen": 3,
