@@ -21,7 +21,7 @@ from .record_dims import _record_dims
 from .sampler_calibration import (Corrections, calibration_state, correction_in_force, corrections_from,
                                   first_step_not_handed_out, loaded_corrections, new_calibration, planning_bytes)
 from .sampler_checks import (_check_usable_bytes, _checked_outer_and_ranks, _checked_record_dims, _checked_units,
-                             _whole_number, records_over_budget)
+                             _seed_number, _whole_number, records_over_budget)
 from .sampler_lightning import _refuse_lightning_training_loop
 from .sampler_order import outer_batch_count, outer_batches
 from .sampler_packing import StepPacking
@@ -105,7 +105,7 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         self._dims, self._units = dims, _checked_units(units, len(dims))
         self._model, self._usable_bytes = model, int(usable_bytes)
         self._outer, self._rank, self._world = outer_batch_size, rank, world_size
-        self._seed, self._shuffle, self._drop_last = _whole_number("seed", seed), bool(shuffle), bool(drop_last)
+        self._seed, self._shuffle, self._drop_last = _seed_number("seed", seed), bool(shuffle), bool(drop_last)
         self._packer, self._sort_by = packer, sort_by
         self._lockstep = world_size > 1 if lockstep is None else bool(lockstep)
         self._calibration = new_calibration(self._usable_bytes, model, calibrate)
@@ -173,9 +173,9 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             epoch: the epoch; its permutation uses ``seed + epoch``.
 
         Raises:
-            ValueError: ``epoch`` is not a whole number.
+            ValueError: ``epoch`` is not a whole number >= 0.
         """
-        self._enter_epoch(_whole_number("epoch", epoch))
+        self._enter_epoch(_seed_number("epoch", epoch))
         self._steps_done, self._start = 0, (0, 0)
 
     def _enter_epoch(self, epoch: int) -> None:

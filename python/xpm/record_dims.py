@@ -52,7 +52,10 @@ def record_dims_from_lengths(lengths: ArrayLike, variables: Sequence[str] = ("bs
     if len(variables) < 2 or batch_size_variable not in variables:
         raise ValueError(f"record_dims_from_lengths: two variables or more, one of them '{batch_size_variable}', "
                          f"expected, got {variables}")
-    lengths = np.asarray(lengths, dtype=np.float64)
+    try:
+        lengths = np.asarray(lengths, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"record_dims_from_lengths: lengths must be numbers: {error}") from None
     if lengths.ndim != 1:
         raise ValueError(f"record_dims_from_lengths: lengths must be a 1-D array, got shape {list(lengths.shape)}")
     bad = np.flatnonzero(~np.isfinite(lengths) | (lengths < 0))

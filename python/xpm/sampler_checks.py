@@ -19,6 +19,14 @@ def _whole_number(name: str, value) -> int:
     return int(value)
 
 
+def _seed_number(name: str, value) -> int:
+    """A shuffle's seed or epoch: a whole number >= 0 (numpy's generator takes no negative seed)."""
+    number = _whole_number(name, value)
+    if number < 0:
+        raise ValueError(f"{name} must be a whole number >= 0 (it seeds the shuffle), got {number}")
+    return number
+
+
 def _rank_and_world_size(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
     """``(rank, world_size)``: the given values, else torch.distributed's when it is initialised,
     else 0 and 1; ValueError when a given value contradicts an initialised process group."""
@@ -48,6 +56,8 @@ def _checked_record_dims(record_dims) -> np.ndarray:
         array = np.asarray(record_dims, dtype=np.float64)
     except (TypeError, ValueError) as error:
         raise ValueError(f"record_dims must be numbers ([n] lengths or [n, variables] dims): {error}") from None
+    if array.ndim >= 1 and array.shape[0] == 0:
+        raise ValueError("record_dims: no records")
     if array.ndim >= 1:
         bad = _first_bad(array)
         if bad is not None:
@@ -80,13 +90,19 @@ def _check_usable_bytes(usable_bytes: Any, model: MemoryModel) -> None:
 
 
 def _checked_units(units: Any, records: int) -> np.ndarray:
-    """[records] loss units, finite and >= 0 (default 1 each)."""
-    array = np.ones(records) if units is None else np.asarray(units, dtype=np.float64)
+    """[records] loss units, finite and >= 0, not all 0 (default 1 each)."""
+    try:
+        array = np.ones(records) if units is None else np.asarray(units, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"units must be {records} numbers >= 0 (one per record): {error}") from None
     if array.shape != (records,):
         raise ValueError(f"units must be {records} values >= 0 (one per record), got shape {array.shape}")
     bad = _first_bad(array)
     if bad is not None:
         raise ValueError(f"units[{bad}] is {array[bad]}: every record's units must be finite and >= 0")
+    if records and not array.any():
+        raise ValueError("units are 0 for every record: every microbatch's weight would be 0 and nothing would "
+                         "train (units count what a record adds to the loss, e.g. its tokens)")
     return array
 
 

@@ -344,6 +344,19 @@ def test_bad_arguments_name_the_value(model, lengths):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, rank=2, world_size=2)
     with pytest.raises(ValueError, match="units must be"):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, units=[1, 2])
+    # numpy's generator takes no negative seed: refused here, not when the epoch is first shuffled.
+    with pytest.raises(ValueError, match="seed must be a whole number >= 0 .*, got -1"):
+        xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, seed=-1)
+    with pytest.raises(ValueError, match="^units are 0 for every record: "):
+        xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, units=np.zeros(len(lengths)))
+    with pytest.raises(ValueError, match="units must be .* numbers >= 0 .one per record.: "):
+        xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, units=["a"] * len(lengths))
+    with pytest.raises(ValueError, match="^record_dims: no records$"):
+        xpm.PredictiveBatchSampler(np.zeros((0, 2)), model, 10**6, outer_batch_size=4)
+    with pytest.raises(ValueError, match="^record_dims_from_lengths: lengths must be numbers: "):
+        xpm.record_dims_from_lengths(["a", "b"], ["bs", "l"])
+    with pytest.raises(ValueError, match="epoch must be a whole number >= 0 .*, got -1"):
+        xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4).set_epoch(-1)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])

@@ -285,7 +285,21 @@ def data_loader(dataset, sampler: PredictiveBatchSampler, collate_fn: Optional[C
                       collate_fn=_PlannedCollate(collate_fn), **dataloader_kwargs)
 
 
+def _check_processes(accelerator: "accelerate.Accelerator", where: str) -> None:
+    """Raises ValueError, naming ``where``, when torch.distributed runs more ranks than
+    ``accelerator`` knows of (torchrun without a GPU and without ``Accelerator(cpu=True)``:
+    accelerate then sets up no distributed run and each process would train alone)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    ranks = torch.distributed.get_world_size()
+    if ranks != accelerator.num_processes:
+        raise ValueError(f"{where}: the accelerator runs {accelerator.num_processes} process(es) but torch.distributed "
+                         f"has {ranks} ranks, so accelerate set up no distributed run; without GPUs build it with "
+                         f"accelerate.Accelerator(cpu=True)")
+
+
 def _check_accelerator(accelerator: "accelerate.Accelerator", rank: int, world_size: int) -> None:
+    _check_processes(accelerator, "xpm.integrations.accelerate")
     if accelerator.num_processes != world_size:
         raise ValueError(f"the sampler's world_size {world_size} differs from the accelerator's "
                          f"{accelerator.num_processes} processes: build the sampler with "

@@ -42,7 +42,7 @@ from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, MemoryBudget, Packe
 from ..probe_options import ProbeOptions
 from ..probing import probe
 from ..sampler import PredictiveBatchSampler
-from .accelerate import _round_robin_of, prepare_data_loader
+from .accelerate import _round_robin_of, _check_processes, prepare_data_loader
 from .dataset_probes import (ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
                              drop_in_probe_options, packer_for, probes_summary, refuse_records_over_budget,
                              check_drop_in_arguments)
@@ -127,9 +127,13 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
     Raises:
         ValueError: a loader without ``batch_size`` or over an iterable dataset, a
             ``memory_fraction`` outside (0, 1], no meter to be had (on the CPU no
-            ``xpm.CpuMeter`` installed or no cap), and what ``prepare_data_loader`` refuses.
+            ``xpm.CpuMeter`` installed or no cap), torch.distributed running more ranks than the
+            accelerator knows of (torchrun without GPUs needs ``Accelerator(cpu=True)``), and what
+            ``prepare_data_loader`` refuses.
     """
-    check_drop_in_arguments("xpm.integrations.accelerate.prepare", formula, record_dims, units, packer)
+    seed = check_drop_in_arguments("xpm.integrations.accelerate.prepare", formula, record_dims, units, packer, seed,
+                                   "padded")
+    _check_processes(accelerator, "xpm.integrations.accelerate.prepare")
     loader = _checked_loader(loader)
     if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
             or not 0 < memory_fraction <= 1:

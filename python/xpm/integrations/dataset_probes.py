@@ -36,7 +36,7 @@ from ..cost_formula import CostFormula
 from ..planning import MemoryBudget, MemoryModel, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome
-from ..sampler_checks import records_over_budget
+from ..sampler_checks import _seed_number, records_over_budget
 
 PlanningMode = Literal["padded", "encoder_decoder", "padding_free"]
 """How a microbatch's records combine into the model's inputs (module docstring)."""
@@ -297,7 +297,8 @@ def _with_shorter_records(sample: np.ndarray) -> np.ndarray:
     return combined[np.random.default_rng(1).choice(len(combined), PROBE_SAMPLE_RECORDS, replace=False)]
 
 
-def check_drop_in_arguments(where: str, formula: Any, record_dims: Any, units: Any, packer: Any) -> None:
+def check_drop_in_arguments(where: str, formula: Any, record_dims: Any, units: Any, packer: Any, seed: Any = 0,
+                            dims_mode: Optional[str] = None) -> int:
     """Refuses, in one line naming the argument, what a drop-in would otherwise find wrong only
     after probing (or deep in its own code).
 
@@ -307,9 +308,16 @@ def check_drop_in_arguments(where: str, formula: Any, record_dims: Any, units: A
         record_dims: None or ``record_dims(record) -> dims``.
         units: None or ``units(record) -> float``.
         packer: an ``xpm.PackerName``.
+        seed: the shuffle's seed, a whole number >= 0.
+        dims_mode: the mode of the records' dims the drop-in reads without ``record_dims``
+            (a key of ``VARIABLES``), or None: not checked against the formula's variables.
+
+    Returns:
+        The seed.
 
     Raises:
-        ValueError: any of them of another kind.
+        ValueError: any of them of another kind, or a formula with another number of
+            variables than the records' dims of ``dims_mode`` without ``record_dims``.
     """
     if not (isinstance(formula, str) and formula == "auto" or isinstance(formula, CostFormula)):
         raise ValueError(f"{where}: formula must be 'auto' or an xpm.CostFormula, got {formula!r}")
@@ -317,6 +325,14 @@ def check_drop_in_arguments(where: str, formula: Any, record_dims: Any, units: A
         if value is not None and not callable(value):
             raise ValueError(f"{where}: {name} must be a function of a record (or None), got {value!r}")
     _check_choice(packer, PACKERS, f"{where}: packer")
+    if dims_mode is not None and record_dims is None and isinstance(formula, CostFormula):
+        read = VARIABLES[dims_mode]
+        if len(formula.variable_names) != len(read):
+            raise ValueError(f"{where}: the formula's variables {list(formula.variable_names)} are "
+                             f"{len(formula.variable_names)}, but without record_dims= each record's dims are "
+                             f"{len(read)} ({', '.join(read)}): give record_dims=, a function of a record that returns "
+                             f"its {len(formula.variable_names)} dims in the formula's order")
+    return _seed_number(f"{where}: seed", seed)
 
 
 def check_device_meter(device: torch.device, meter: Optional[Meter], where: str, instead: str) -> None:

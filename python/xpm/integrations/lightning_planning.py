@@ -127,7 +127,8 @@ class PlannedMicrobatches(pl.Callback):
         report: the start-up line, also logged at INFO.
 
     Raises:
-        ValueError: when fitting starts: no meter can be had (on the CPU no ``xpm.CpuMeter``
+        ValueError: at construction, ``formula``, ``record_dims``, ``units``, ``packer`` or
+            ``seed`` of another kind (named); when fitting starts: no meter can be had (on the CPU no ``xpm.CpuMeter``
             installed or no cap), the train loader has no ``batch_size`` (a batch sampler of its
             own) or no map-style dataset, manual optimization, or a ``training_step`` that returns
             no loss.
@@ -137,13 +138,13 @@ class PlannedMicrobatches(pl.Callback):
                  meter: Optional[Meter] = None, record_dims: Optional[Callable[[Any], Sequence[float]]] = None,
                  units: Optional[Callable[[Any], float]] = None, probe_options: Optional[ProbeOptions] = None,
                  packer: PackerName = "fastest", seed: int = 0) -> None:
-        check_drop_in_arguments("PlannedMicrobatches", formula, record_dims, units, packer)
+        seed = check_drop_in_arguments("PlannedMicrobatches", formula, record_dims, units, packer, seed, "padded")
         if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
                 or not 0 < memory_fraction <= 1:
             raise ValueError(f"PlannedMicrobatches: memory_fraction must be in (0, 1], got {memory_fraction!r}")
         self.formula, self.memory_fraction, self.meter = formula, float(memory_fraction), meter
         self.record_dims, self.units, self.probe_options = record_dims, units, probe_options
-        self.packer, self.seed = packer, int(seed)
+        self.packer, self.seed = packer, seed
         self.sampler: Optional[PredictiveBatchSampler] = None
         self.outcome: Optional[ProbeOutcome] = None
         self.report: Optional[str] = None

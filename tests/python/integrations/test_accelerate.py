@@ -397,7 +397,11 @@ def test_prepares_arguments_are_refused_before_anything_is_prepared():
     for keywords, expected in (({"units": 3}, "units must be a function of a record (or None), got 3"),
                                ({"packer": "FFD"}, "packer must be 'adaptive', 'fastest', 'ffd' or 'uniform', got "
                                                    "'FFD'"),
-                               ({"formula": "a*bs + c"}, "formula must be 'auto' or an xpm.CostFormula")):
+                               ({"formula": "a*bs + c"}, "formula must be 'auto' or an xpm.CostFormula"),
+                               ({"seed": -1}, "seed must be a whole number >= 0"),
+                               ({"formula": xpm.CostFormula("a*bs*l + b*t + c", ["bs", "l", "t"])},
+                                "the formula's variables ['bs', 'l', 't'] are 3, but without record_dims= each "
+                                "record's dims are 2 (bs, l): give record_dims=")):
         with pytest.raises(ValueError) as caught:
             xpm_accelerate.prepare(accelerator, model, optimizer, loader, **keywords)
         assert str(caught.value).startswith(f"xpm.integrations.accelerate.prepare: {expected}"), caught.value
@@ -569,3 +573,36 @@ def test_each_module_imports_on_its_own(module):
     run = subprocess.run([sys.executable, "-c", f"import {module}; from xpm.integrations.accelerate import prepare"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+WITHOUT_CPU_SCRIPT = r'''
+import sys, torch, accelerate, xpm
+from xpm.integrations import accelerate as xpm_accelerate
+meter = xpm.CpuMeter.install()
+model = torch.nn.Linear(4, 4)
+meter.capacity_bytes = 10_000_000
+accelerator = accelerate.Accelerator()  # no cpu=True: accelerate sets up no distributed run
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = torch.utils.data.DataLoader([torch.zeros(4)] * 8, batch_size=4)
+try:
+    xpm_accelerate.prepare(accelerator, model, optimizer, loader, loss_fn=lambda m, b: m(b).sum())
+except ValueError as error:
+    print(f"refused: {error}; models prepared {len(accelerator._models)}", flush=True)
+    sys.exit(0)
+sys.exit(1)
+'''
+
+
+def test_torchrun_without_cpu_true_is_refused_before_probing(tmp_path):
+    """Under torchrun on a machine without GPUs, Accelerator() without cpu=True runs one process
+    each: prepare says so, naming the fix, before it prepares or probes anything."""
+    script = tmp_path / "without_cpu.py"
+    script.write_text(WITHOUT_CPU_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::UserWarning")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], env=env, capture_output=True, text=True, timeout=120)
+    refused = [line for line in run.stdout.splitlines() if line.startswith("refused: ")]
+    assert run.returncode == 0 and len(refused) == 2, f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    assert refused[0] == ("refused: xpm.integrations.accelerate.prepare: the accelerator runs 1 process(es) but "
+                          "torch.distributed has 2 ranks, so accelerate set up no distributed run; without GPUs build "
+                          "it with accelerate.Accelerator(cpu=True); models prepared 0")

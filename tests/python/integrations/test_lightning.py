@@ -441,7 +441,12 @@ def test_errors_name_the_fix():
                                ({"units": 3}, "units must be a function of a record (or None), got 3"),
                                ({"record_dims": [1, 2]}, "record_dims must be a function of a record"),
                                ({"packer": "FFD"}, "packer must be 'adaptive', 'fastest', 'ffd' or 'uniform', "
-                                                   "got 'FFD'")):
+                                                   "got 'FFD'"),
+                               ({"seed": -1}, "seed must be a whole number >= 0"),
+                               ({"seed": "3"}, "seed must be a whole number, got '3'"),
+                               ({"formula": xpm.CostFormula("a*bs + c", ["bs"])},
+                                "the formula's variables ['bs'] are 1, but without record_dims= each record's dims "
+                                "are 2 (bs, l): give record_dims=")):
         with pytest.raises(ValueError) as caught:
             xpm_lightning.PlannedMicrobatches(**keywords)
         assert str(caught.value).startswith(f"PlannedMicrobatches: {expected}"), caught.value
