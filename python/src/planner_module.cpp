@@ -459,7 +459,9 @@ void bind_calibration(py::module_& m) {
         });
   m.def("correction_planning_bytes",
         [](double intercept_bytes, double slope, const std::map<std::string, std::array<double, 4>>& positions,
-           double usable_bytes) { return correction_of(intercept_bytes, slope, positions).planning_bytes(usable_bytes); });
+           double usable_bytes) {
+          return correction_of(intercept_bytes, slope, positions).planning_bytes(usable_bytes);
+        });
   m.def("microbatch_position", [](std::size_t index, std::size_t count) {
     return xpm::to_string(xpm::microbatch_position(index, count));
   });

@@ -39,8 +39,8 @@ a step's first microbatch (gradients allocated among its activations) and its la
 optimizer step, clipping, synchronisation) miss other amounts than the rest. A position's line
 holds for the predictions it has measured; above them, the larger of it and the common line
 (larger microbatches near the budget); below them, itself, no higher than at the smallest it
-measured (the common line's slope is the other positions'); plans fit every line (``Correction.planning_bytes``), and ``Microbatch.correction_bytes`` is
-its position's.
+measured (the common line's slope is the other positions'); plans fit every line
+(``Correction.planning_bytes``), and ``Microbatch.correction_bytes`` is its position's.
 
 The policy is the planner's C++ ``xpm::Calibration`` (``xpm/planner/calibration.hpp``), which the
 C++ Learner uses too; this module adds the collective (``torch.distributed``) and the warning.

@@ -487,8 +487,9 @@ def accumulate(accelerator: "accelerate.Accelerator", model: torch.nn.Module, mi
 
 
 def __getattr__(attribute: str) -> Any:
-    """``prepare``, the one-call planning built on this module, read from ``accelerate_planning`` when first asked for
-    (importing it here at once would make ``import xpm.integrations.accelerate_planning`` circular)."""
+    """``prepare``, the one-call planning built on this module, read from ``accelerate_planning``
+    when first asked for (importing it here at once would make
+    ``import xpm.integrations.accelerate_planning`` circular)."""
     if attribute == "prepare":
         from .accelerate_planning import prepare
         return prepare

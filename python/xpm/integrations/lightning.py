@@ -356,8 +356,9 @@ def ddp_bucket_bytes(model: torch.nn.Module) -> int:
 
 
 def __getattr__(attribute: str) -> Any:
-    """``PlannedMicrobatches``, the one-callback planning built on this module, read from ``lightning_planning`` when first asked for
-    (importing it here at once would make ``import xpm.integrations.lightning_planning`` circular)."""
+    """``PlannedMicrobatches``, the one-callback planning built on this module, read from
+    ``lightning_planning`` when first asked for (importing it here at once would make
+    ``import xpm.integrations.lightning_planning`` circular)."""
     if attribute == "PlannedMicrobatches":
         from .lightning_planning import PlannedMicrobatches
         return PlannedMicrobatches

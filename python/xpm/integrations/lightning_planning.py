@@ -128,8 +128,8 @@ class PlannedMicrobatches(pl.Callback):
 
     Raises:
         ValueError: at construction, ``formula``, ``record_dims``, ``units``, ``packer`` or
-            ``seed`` of another kind (named); when fitting starts: no meter can be had (on the CPU no ``xpm.CpuMeter``
-            installed or no cap), the train loader has no ``batch_size`` (a batch sampler of its
+            ``seed`` of another kind (named); when fitting starts: no meter can be had (on the
+            CPU no ``xpm.CpuMeter`` installed or no cap), the train loader has no ``batch_size`` (a batch sampler of its
             own) or no map-style dataset, manual optimization, or a ``training_step`` that returns
             no loss.
     """
