@@ -143,13 +143,16 @@ MicrobatchPosition parse_microbatch_position(const std::string& text, const std:
 double Correction::bytes_for(double predicted_bytes, MicrobatchPosition position) const {
   const std::optional<CorrectionLine>& own = positions[static_cast<std::size_t>(position)];
   if (!own) return bytes_for(predicted_bytes);
-  const auto at = [&own](double p) { return own->intercept_bytes + own->slope * p; };
-  // Above its range a larger microbatch nears the budget: the common line, drawn over the
-  // other positions' larger predictions too, may know more. Below it the common line's slope
-  // is the other positions' (extrapolated, a negative one grows without bound).
-  if (predicted_bytes > own->high_bytes) return std::max(at(predicted_bytes), bytes_for(predicted_bytes));
-  if (predicted_bytes < own->low_bytes) return std::min(at(predicted_bytes), at(own->low_bytes));
-  return at(predicted_bytes);
+  const double bytes = own->intercept_bytes + own->slope * predicted_bytes;
+  if (own->low_bytes <= predicted_bytes && predicted_bytes <= own->high_bytes) return bytes;
+  // Outside its range, the larger of it and the common line, which below the range grows no
+  // further than at its low end: the common line's slope mixes the positions (large first
+  // microbatches over-predicted and small last ones under tilt it down), and extrapolated to
+  // smaller predictions a negative one grows without bound.
+  const double common = predicted_bytes > own->high_bytes
+                            ? bytes_for(predicted_bytes)
+                            : std::min(bytes_for(predicted_bytes), bytes_for(own->low_bytes));
+  return std::max(bytes, common);
 }
 
 double Correction::planning_bytes(double usable_bytes) const {

@@ -37,9 +37,9 @@ Points recorded with their ``MicrobatchPosition`` in the step ("first", "middle"
 "alone") also draw a line per position, by the same rules from the same initial correction:
 a step's first microbatch (gradients allocated among its activations) and its last (the
 optimizer step, clipping, synchronisation) miss other amounts than the rest. A position's line
-holds for the predictions it has measured; above them, the larger of it and the common line
-(larger microbatches near the budget); below them, itself, no higher than at the smallest it
-measured (the common line's slope is the other positions'); plans fit every line
+holds for the predictions it has measured; outside them, the larger of it and the common line,
+the common line below them no higher than at the smallest it measured (a slope that mixes the
+positions, extrapolated down, would grow without bound); plans fit every line
 (``Correction.planning_bytes``), and ``Microbatch.correction_bytes`` is its position's.
 
 The policy is the planner's C++ ``xpm::Calibration`` (``xpm/planner/calibration.hpp``), which the
@@ -73,9 +73,9 @@ class Correction:
         positions: ``((position, intercept_bytes, slope, low_bytes, high_bytes), ...)``, the
             lines the calibration drew for the microbatches of a ``MicrobatchPosition``
             ("first", "middle", "last", "alone") once it measured them, each holding for the
-            predictions from ``low_bytes`` to ``high_bytes`` it measured (above them, the
-            larger of it and the line above; below them, itself, no higher than at
-            ``low_bytes``); a position not listed takes the line above. The rule is the
+            predictions from ``low_bytes`` to ``high_bytes`` it measured (outside them, the
+            larger of it and the line above, which below ``low_bytes`` grows no further than
+            at it); a position not listed takes the line above. The rule is the
             planner's C++ ``xpm::Correction``, which ``bytes_for`` and ``planning_bytes`` call.
     """
 

@@ -183,13 +183,13 @@ TEST_CASE("each position draws a line of its own; plans fit every line") {
   CHECK((1'300'000 + last) / 1'580'000 - 1 < 0.01);
   CHECK(c.bytes_for(5'000'000, MicrobatchPosition::kLast) >= 280'000);  // a large last one too
   CHECK(c.bytes_for(5'000'000, MicrobatchPosition::kMiddle) == c.bytes_for(5'000'000));  // none: the line
-  // A position's line holds for the predictions it measured; above them the larger of the two;
-  // below them its own (the first microbatches were over-predicted at 5 MB, the last ones'
-  // +280,000 bytes are not theirs).
+  // A position's line holds for the predictions it measured; outside them the larger of the two
+  // (below them, the common line no higher than at their smallest).
   CHECK(c.positions[2]->low_bytes == 1'200'000);
   CHECK(c.positions[2]->high_bytes == 1'400'000);
-  CHECK(c.bytes_for(1'000'000) > 0);
-  CHECK(c.bytes_for(1'000'000, MicrobatchPosition::kFirst) == 0);
+  CHECK(c.bytes_for(1'000'000, MicrobatchPosition::kFirst) ==
+        std::max(0.0, std::min(c.bytes_for(1'000'000), c.bytes_for(5'000'000))));
+  CHECK(c.bytes_for(1'000'000, MicrobatchPosition::kFirst) > 0);
   CHECK(c.bytes_for(6'000'000, MicrobatchPosition::kFirst) == std::max(0.0, c.bytes_for(6'000'000)));
   const double usable = static_cast<double>(kBudget);
   CHECK(c.planning_bytes(usable) <= Correction{c.intercept_bytes, c.slope}.planning_bytes(usable));
@@ -246,17 +246,24 @@ TEST_CASE("a position's line lowers after settle_steps steps of its own, and lap
         calibration.correction().bytes_for(3'000'000));
 }
 
-TEST_CASE("a position's line: its own in its range, the larger of the two above, no higher than its low end below") {
+TEST_CASE("a position's line: its own in its range, outside it the larger of the two, the common capped below") {
   constexpr auto kLast = xpm::MicrobatchPosition::kLast;
-  Correction falling{10'000, -0.01, {}};
-  falling.positions[static_cast<std::size_t>(kLast)] = xpm::CorrectionLine{20'000, -0.01, 1'000'000, 2'000'000};
-  CHECK(falling.bytes_for(1'500'000, kLast) == doctest::Approx(5'000));
-  CHECK(falling.bytes_for(3'000'000, kLast) == doctest::Approx(-10'000));  // the larger: its own
-  CHECK(falling.bytes_for(500'000, kLast) == doctest::Approx(10'000));     // as at 1 MB, not 15,000
-  CHECK(falling.bytes_for(500'000, xpm::MicrobatchPosition::kFirst) == doctest::Approx(5'000));  // none: the line
+  // Accelerate's test: large microbatches over-predicted and small last ones under tilt the
+  // common line down; below the last microbatches' range it grows no further than at its low end.
+  Correction tilted{31'692, -0.01, {}};
+  tilted.positions[static_cast<std::size_t>(kLast)] = xpm::CorrectionLine{10'256, 0.005, 1'374'005, 1'432'373};
+  CHECK(tilted.bytes_for(1'400'000, kLast) == doctest::Approx(10'256 + 7'000));
+  CHECK(tilted.bytes_for(473'484, kLast) == doctest::Approx(31'692 - 13'740.05));  // not 26,957
+  CHECK(tilted.bytes_for(473'484, xpm::MicrobatchPosition::kFirst) == doctest::Approx(31'692 - 4'734.84));
+  CHECK(tilted.bytes_for(3'000'000, kLast) == doctest::Approx(std::max(10'256 + 15'000, 31'692 - 30'000)));
+  // Its own line extrapolates as it is: a last microbatch whose peak is the optimizer step's
+  // needs more the smaller its prediction.
+  Correction falling{10'000, 0.0, {}};
+  falling.positions[static_cast<std::size_t>(kLast)] = xpm::CorrectionLine{200'000, -0.01, 10'000'000, 20'000'000};
+  CHECK(falling.bytes_for(5'000'000, kLast) == doctest::Approx(150'000));
   Correction rising{50'000, 0.0, {}};
   rising.positions[static_cast<std::size_t>(kLast)] = xpm::CorrectionLine{5'000, 0.01, 1'000'000, 2'000'000};
-  CHECK(rising.bytes_for(500'000, kLast) == doctest::Approx(10'000));     // its own line, below the common one
-  CHECK(rising.bytes_for(3'000'000, kLast) == doctest::Approx(50'000));   // above: the common line, larger
+  CHECK(rising.bytes_for(500'000, kLast) == doctest::Approx(50'000));
+  CHECK(rising.bytes_for(3'000'000, kLast) == doctest::Approx(50'000));
   CHECK(rising.planning_bytes(1e7) == doctest::Approx(std::min(1e7 - 50'000, (1e7 - 5'000) / 1.01)));
 }

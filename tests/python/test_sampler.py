@@ -663,17 +663,18 @@ def test_calibration_lowers_an_over_prediction_once_settled():
 
 
 def test_a_positions_line_below_and_above_the_predictions_it_measured():
-    """Its own line in its range; above, the larger of it and the common line; below, its own,
-    no higher than at its smallest measured prediction (the planner's rule, one copy)."""
-    falling = xpm.Correction(10_000.0, -0.01, (("last", 20_000.0, -0.01, 1_000_000.0, 2_000_000.0),))
-    assert falling.bytes_for(1_500_000, "last") == pytest.approx(5_000)
-    assert falling.bytes_for(3_000_000, "last") == pytest.approx(-10_000)
-    assert falling.bytes_for(500_000, "last") == pytest.approx(10_000)       # not 15,000
-    assert falling.bytes_for(500_000, "first") == pytest.approx(5_000)       # no line of its own
-    assert falling.bytes_for(500_000) == pytest.approx(5_000)
-    assert falling.planning_bytes(10_000_000) == pytest.approx((10_000_000 - 20_000) / 0.99)
+    """Its own line in its range; outside it, the larger of it and the common line, which below
+    the range grows no further than at its low end (the planner's rule, one copy)."""
+    tilted = xpm.Correction(31_692.0, -0.01, (("last", 10_256.0, 0.005, 1_374_005.0, 1_432_373.0),))
+    assert tilted.bytes_for(1_400_000, "last") == pytest.approx(17_256)
+    assert tilted.bytes_for(473_484, "last") == pytest.approx(31_692 - 13_740.05)   # not 26,957
+    assert tilted.bytes_for(473_484, "first") == pytest.approx(31_692 - 4_734.84)   # no line of its own
+    assert tilted.bytes_for(473_484) == pytest.approx(31_692 - 4_734.84)
+    assert tilted.bytes_for(3_000_000, "last") == pytest.approx(25_256)
+    assert tilted.planning_bytes(10_000_000) == pytest.approx(min((10_000_000 - 31_692) / 0.99,
+                                                                 (10_000_000 - 10_256) / 1.005))
     with pytest.raises(ValueError, match="position"):
-        falling.bytes_for(500_000, "end")  # type: ignore[arg-type]
+        tilted.bytes_for(500_000, "end")  # type: ignore[arg-type]
 
 
 def test_a_calibration_state_of_a_constant_correction_still_loads():
