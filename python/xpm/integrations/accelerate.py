@@ -409,7 +409,8 @@ def microbatch_loop(loader, *, meter: Optional[Meter] = None) -> Iterator[Planne
             with, for its loader); given, with the sampler's calibration on
             and its lockstep packing (the default at world size > 1, or one process), every
             microbatch's peak is measured (the meter's peak reset before it is handed out, read
-            when the loop resumes) and fed to the calibration, which after each step's last
+            when the caller asks for the next one, before accelerate reads a batch further
+            ahead) and fed to the calibration, which after each step's last
             microbatch agrees the correction over the ranks (one all-reduce; every process) and
             plans the steps accelerate has not yet read anew.
 
@@ -431,11 +432,7 @@ def microbatch_loop(loader, *, meter: Optional[Meter] = None) -> Iterator[Planne
                          "packing at more than one process: build it with lockstep=True (the default) or "
                          "calibrate=False")
     process_index = accelerate.PartialState().process_index
-    handed_out: Optional[PlannedMicrobatch] = None
     for microbatch in loader:
-        if handed_out is not None:
-            _measured(sampler, round_robin, handed_out, meter)
-            handed_out = None
         if microbatch.rank != process_index:
             raise RuntimeError(f"process {process_index} was dealt rank {microbatch.rank}'s microbatch (step "
                                f"{microbatch.step}): the loader was re-sharded after preparation; {_HOW_TO}")
@@ -444,11 +441,10 @@ def microbatch_loop(loader, *, meter: Optional[Meter] = None) -> Iterator[Planne
         if microbatch.last:
             sampler.mark_step_done()
         if measuring:
-            handed_out = microbatch
             start_peak(meter)
         yield microbatch
-    if handed_out is not None:
-        _measured(sampler, round_robin, handed_out, meter)
+        if measuring:  # trained: measured before accelerate reads (and moves) the next batch ahead
+            _measured(sampler, round_robin, microbatch, meter)
 
 
 def _measured(sampler: PredictiveBatchSampler, round_robin: RoundRobinMicrobatches, microbatch: PlannedMicrobatch,
