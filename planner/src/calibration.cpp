@@ -202,7 +202,10 @@ void Calibration::record_peak(double predicted_bytes, double peak_bytes, std::op
                                   " must be a finite number of bytes >= 0, got " + buf);
     }
   if (peak_bytes == 0 || predicted_bytes == 0) return;
-  add_point(step_, predicted_bytes, peak_bytes);
+  // A step's only microbatch holds both ends of a step at once (the gradients allocated among
+  // its activations, the synchronisation and the optimizer step): its gap is its own line's,
+  // not the common line's, which the other positions fall back on outside their ranges.
+  if (position != MicrobatchPosition::kAlone) add_point(step_, predicted_bytes, peak_bytes);
   if (position) add_point(position_steps_[static_cast<std::size_t>(*position)], predicted_bytes, peak_bytes);
   ++measured_microbatches_;
   const double corrected =

@@ -250,8 +250,9 @@ class Calibration:
                 after the last microbatch): allocated bytes, or reserved bytes where the plans
                 bound them (``xpm.meters.planned_peak_bytes``).
             position: the microbatch's position in its step (``xpm.microbatch_position``;
-                ``Microbatch.position``), which then draws that position's line too; None:
-                the correction's line alone.
+                ``Microbatch.position``), which then draws that position's line too ("alone":
+                that line only, the gap of a step's only microbatch being its own); None: the
+                correction's line alone.
 
         Raises:
             ValueError: either value is not a number, not finite or negative (0, an empty

@@ -267,3 +267,21 @@ TEST_CASE("a position's line: its own in its range, outside it the larger of the
   CHECK(rising.bytes_for(3'000'000, kLast) == doctest::Approx(50'000));
   CHECK(rising.planning_bytes(1e7) == doctest::Approx(std::min(1e7 - 50'000, (1e7 - 5'000) / 1.01)));
 }
+
+TEST_CASE("an alone microbatch's point draws the alone line only, not the common one") {
+  using xpm::MicrobatchPosition;
+  Calibration calibration(kBudget);
+  for (int step = 0; step < 2; ++step) {
+    calibration.record_peak(4'000'000, 4'000'000, MicrobatchPosition::kFirst);
+    calibration.record_peak(3'000'000, 3'000'000, MicrobatchPosition::kLast);
+    end_alone(calibration, step);
+  }
+  calibration.record_peak(2'000'000, 2'300'000, MicrobatchPosition::kAlone);  // 15 % under
+  end_alone(calibration, 2);
+  const Correction& c = calibration.correction();
+  REQUIRE(c.positions[static_cast<std::size_t>(MicrobatchPosition::kAlone)].has_value());
+  CHECK(c.bytes_for(2'000'000, MicrobatchPosition::kAlone) >= 300'000);
+  CHECK(c.bytes_for(2'000'000) == 0);  // the common line did not move
+  CHECK(c.bytes_for(2'000'000, MicrobatchPosition::kLast) == 0);
+  CHECK(c.planning_bytes(kBudget) < kBudget - 300'000);  // plans fit the alone line too
+}

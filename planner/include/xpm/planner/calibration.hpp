@@ -150,7 +150,9 @@ class Calibration {
 
   /// Records one microbatch's measured peak against the prediction it was planned with (this
   /// rank; no communication), with its position in the step where known (the point then also
-  /// draws that position's line). A prediction or peak of 0 is skipped. Throws
+  /// draws that position's line; a kAlone point draws only its own: a step's only microbatch
+  /// holds both ends of a step at once, a gap the other positions, which fall back on the
+  /// common line, do not have). A prediction or peak of 0 is skipped. Throws
   /// std::invalid_argument when either is not finite or negative ("Calibration.record_peak:
   /// peak_bytes must be a finite number of bytes >= 0, got nan").
   void record_peak(double predicted_bytes, double peak_bytes,
