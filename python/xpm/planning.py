@@ -43,12 +43,11 @@ from numpy.typing import ArrayLike
 
 from . import _planner
 from .choices import (AGGREGATIONS, GRADIENT_PHASES, PACKERS, RECORD_AGGREGATIONS, Aggregation, GradientPhase,
-                      PackerName, RecordAggregation, _check_aggregation, _check_choice, _name_list)
+                      PackerName, RecordAggregation, _check_choice)
 from .cost_formula import CostFormula, FormulaError
-from .fitting import DEFAULT_USABLE_MAX_REL_ERROR, FitReport, _batch_size_variable, _report, _vector, fit
+from .fitting import DEFAULT_USABLE_MAX_REL_ERROR, FitReport, fit
 from .memory_model import MemoryModel, _checked_model
-from .record_dims import (FAR_BEYOND_PROBED, _check_one_record_each, _matrix, _record_dims, _warn_far_beyond_probed,
-                          record_dims_from_lengths)
+from .record_dims import FAR_BEYOND_PROBED, _record_dims, record_dims_from_lengths
 
 DEFAULT_MEMORY_FRACTION: float = _planner.DEFAULTS["memory_fraction"]
 """The share of the capacity a plan may use unless told (the C++ ``MemoryBudget``'s: 0.9)."""
