@@ -295,9 +295,12 @@ double PredictiveStepEngine::planned_peak(const MicrobatchPeak& peak) const {
 void PredictiveStepEngine::calibrate(const GlobalStepResult& result, std::int64_t step, const EngineLog& log) {
   if (!result.oom) {
     const std::vector<std::optional<MicrobatchPosition>> positions = peak_positions(result);
+    // A microbatch predicted and measured under the model's floor says nothing of the line
+    // (the floor, not the prediction, bounds its step); its over-prediction would lower it.
     for (std::size_t i = 0; i < result.microbatch_peaks.size(); ++i)
-      calibration_->record_peak(result.microbatch_peaks[i].predicted_bytes, planned_peak(result.microbatch_peaks[i]),
-                                positions[i]);
+      if (!at_the_floor(result.microbatch_peaks[i], batcher_.model()))
+        calibration_->record_peak(result.microbatch_peaks[i].predicted_bytes,
+                                  planned_peak(result.microbatch_peaks[i]), positions[i]);
   }
   std::vector<double> row = calibration_->step_row(step + 1);
   if (dist_.distributed()) row = dist_.all_reduce(row, ReduceOp::kMax);
