@@ -143,22 +143,35 @@ MicrobatchPosition parse_microbatch_position(const std::string& text, const std:
 double Correction::bytes_for(double predicted_bytes, MicrobatchPosition position) const {
   const std::optional<CorrectionLine>& own = positions[static_cast<std::size_t>(position)];
   if (!own) return bytes_for(predicted_bytes);
-  const double bytes = own->intercept_bytes + own->slope * predicted_bytes;
-  if (own->low_bytes <= predicted_bytes && predicted_bytes <= own->high_bytes) return bytes;
-  // Outside its range, the larger of it and the common line, which below the range grows no
-  // further than at its low end: the common line's slope mixes the positions (large first
-  // microbatches over-predicted and small last ones under tilt it down), and extrapolated to
-  // smaller predictions a negative one grows without bound.
-  const double common = predicted_bytes > own->high_bytes
-                            ? bytes_for(predicted_bytes)
-                            : std::min(bytes_for(predicted_bytes), bytes_for(own->low_bytes));
+  const auto own_at = [&own](double p) { return own->intercept_bytes + own->slope * p; };
+  if (own->low_bytes <= predicted_bytes && predicted_bytes <= own->high_bytes) return own_at(predicted_bytes);
+  // Outside its range a line that lowers takes off no larger a share of the prediction than at
+  // the nearest prediction it measured (a constant drawn over large microbatches would take most
+  // of a small one's prediction away), and above its range that share holds: what a position
+  // adds beyond the model (gradients, the optimizer step) grows slower than the prediction.
+  const bool above = predicted_bytes > own->high_bytes;
+  const double end = above ? own->high_bytes : own->low_bytes;
+  const double share = own_at(end) / end;
+  const double bytes = std::max(own_at(predicted_bytes), std::min(0.0, share) * predicted_bytes);
+  if (above && share < 0) return bytes;
+  // Else the larger of it and the common line, which below the range grows no further than at
+  // its low end: the common line's slope mixes the positions (large first microbatches
+  // over-predicted and small last ones under tilt it down), and extrapolated to smaller
+  // predictions a negative one grows without bound.
+  const double common =
+      above ? bytes_for(predicted_bytes) : std::min(bytes_for(predicted_bytes), bytes_for(own->low_bytes));
   return std::max(bytes, common);
 }
 
 double Correction::planning_bytes(double usable_bytes) const {
   double least = (usable_bytes - intercept_bytes) / (1.0 + slope);
   for (const std::optional<CorrectionLine>& own : positions)
-    if (own) least = std::min(least, (usable_bytes - own->intercept_bytes) / (1.0 + own->slope));
+    if (own) {
+      least = std::min(least, (usable_bytes - own->intercept_bytes) / (1.0 + own->slope));
+      // Above its range a lowering line takes off its share at the range's high end, no more.
+      const double share = (own->intercept_bytes + own->slope * own->high_bytes) / own->high_bytes;
+      if (own->high_bytes > 0 && share < 0) least = std::min(least, usable_bytes / (1.0 + share));
+    }
   return least;
 }
 

@@ -37,9 +37,11 @@ Points recorded with their ``MicrobatchPosition`` in the step ("first", "middle"
 "alone") also draw a line per position, by the same rules from the same initial correction:
 a step's first microbatch (gradients allocated among its activations) and its last (the
 optimizer step, clipping, synchronisation) miss other amounts than the rest. A position's line
-holds for the predictions it has measured; outside them, the larger of it and the common line,
-the common line below them no higher than at the smallest it measured (a slope that mixes the
-positions, extrapolated down, would grow without bound); plans fit every line
+holds for the predictions it has measured; outside them a lowering line takes off no larger a
+share of the prediction than at the nearest it measured (above them that alone); else the
+larger of it and the common line, the common line below them no higher than at the smallest
+it measured (a slope that mixes the positions, extrapolated down, would grow without bound);
+plans fit every line
 (``Correction.planning_bytes``), and ``Microbatch.correction_bytes`` is its position's.
 
 The policy is the planner's C++ ``xpm::Calibration`` (``xpm/planner/calibration.hpp``), which the

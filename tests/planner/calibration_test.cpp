@@ -268,6 +268,30 @@ TEST_CASE("a position's line: its own in its range, outside it the larger of the
   CHECK(rising.planning_bytes(1e7) == doctest::Approx(std::min(1e7 - 50'000, (1e7 - 5'000) / 1.01)));
 }
 
+TEST_CASE("a lowering line outside its range takes off no larger a share than at its nearest end") {
+  using xpm::MicrobatchPosition;
+  // TRL's SFTTrainer (chunked loss): every microbatch over-predicted by 7.5 to 9.4 %, each
+  // position's line drawn over one step's microbatch.
+  Correction sft{-1'792'588, -0.0475, {}};
+  const xpm::CorrectionLine last{-5'962'060, 0.0025, 83'389'448, 83'389'448};
+  const xpm::CorrectionLine first{-14'029'049, 0.0025, 164'881'656, 164'881'656};
+  sft.positions[static_cast<std::size_t>(MicrobatchPosition::kLast)] = last;
+  sft.positions[static_cast<std::size_t>(MicrobatchPosition::kFirst)] = first;
+  // Below its range: its share at the low end (-6.9 %), not the constant (-18.7 % of 31.5 MB).
+  const double last_share = (last.intercept_bytes + last.slope * last.high_bytes) / last.high_bytes;
+  CHECK(sft.bytes_for(31'514'365, MicrobatchPosition::kLast) == doctest::Approx(last_share * 31'514'365));
+  // Above its range: its own line (-8.07 % here), not the common one that mixes in the last
+  // microbatches' smaller over-prediction (-5.8 %).
+  CHECK(sft.bytes_for(168'603'001, MicrobatchPosition::kFirst) ==
+        doctest::Approx(first.intercept_bytes + first.slope * 168'603'001));
+  // A line that falls faster than the prediction keeps its share above its range, and plans fit it.
+  Correction falling{-1'000'000, 0.0, {}};
+  falling.positions[static_cast<std::size_t>(MicrobatchPosition::kFirst)] =
+      xpm::CorrectionLine{20'000, -0.05, 1'000'000, 2'000'000};
+  CHECK(falling.bytes_for(4'000'000, MicrobatchPosition::kFirst) == doctest::Approx(-0.04 * 4'000'000));
+  CHECK(falling.planning_bytes(1e7) == doctest::Approx(1e7 / 0.96));
+}
+
 TEST_CASE("an alone microbatch's point draws the alone line only, not the common one") {
   using xpm::MicrobatchPosition;
   Calibration calibration(kBudget);

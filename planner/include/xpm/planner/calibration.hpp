@@ -18,11 +18,12 @@
 // a step's first microbatch allocates the gradients among its activations, its last runs the
 // optimizer step, so their peaks exceed the model's by other amounts) once those are measured
 // (record_peak's position); each line is drawn as below over its own points from the same
-// initial correction and holds for the predictions it has measured; outside them, the larger
-// of it and the common line, which below them grows no further than at their smallest (its
-// slope mixes the positions: large first microbatches over-predicted and small last ones
-// under tilt it down); and a plan fits every line: Correction::planning_bytes is the least of
-// their planning bytes.
+// initial correction and holds for the predictions it has measured. Outside them a line that
+// lowers takes off no larger a share of the prediction than at their nearest end, and above
+// them that alone; else the larger of it and the common line, which below them grows no
+// further than at their smallest (its slope mixes the positions: large first microbatches
+// over-predicted and small last ones under tilt it down). A plan fits every line:
+// Correction::planning_bytes is the least of their planning bytes.
 // Its slope lies on a grid of -5 % to +20 % of the prediction, 0.25 % apart (0 included). Of
 // the lines on or above every (prediction, measured peak) point of the last window_steps steps
 // (the run's first step, which has no optimizer state, only raises), whose intercept is not
@@ -83,8 +84,7 @@ struct CorrectionLine {
 
 /// Bytes added to a memory model's prediction: intercept_bytes + slope x prediction, or for a
 /// microbatch at a position with a line of its own (`positions`), that line between the
-/// predictions it has measured and the larger of the two lines outside them, the common line
-/// below them no higher than at the smallest they hold.
+/// predictions it has measured and outside them as the header comment says.
 struct Correction {
   double intercept_bytes = 0;  // may be negative
   double slope = 0;            // 0.01: 1 % of the prediction
