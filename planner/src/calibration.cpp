@@ -15,6 +15,7 @@ namespace {
 
 constexpr std::size_t kSlopes = 101;
 constexpr double kHeadroomSlope = 0.0025;  // the grid's next slope: 0.25 % of the prediction
+constexpr double kEarlyHeadroomSlope = 0.01;  // a lower line's more, until settle_steps steps
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kEncodedMinusInf = -1e300;  // a MAX all-reduce carries finite numbers only
 
@@ -99,6 +100,15 @@ Correction best_line(const std::vector<std::vector<double>>& rows, double usable
   const double at_budget = intercept + slopes[k] * usable_bytes;
   if (std::fabs(at_budget) > 0.5 * usable_bytes) intercept -= at_budget - std::copysign(0.5 * usable_bytes, at_budget);
   return {intercept, slopes[k]};
+}
+
+// `line` with kEarlyHeadroomSlope more of the prediction (the grid's largest slope at most,
+// the rest as bytes at the budget): a line drawn over fewer than settle_steps steps.
+Correction with_early_headroom(Correction line, double usable_bytes) {
+  const double slope = std::min(line.slope + kEarlyHeadroomSlope, correction_slopes().back());
+  line.intercept_bytes += (line.slope + kEarlyHeadroomSlope - slope) * usable_bytes;
+  line.slope = rounded(slope, 1e6);
+  return line;
 }
 
 void add_point(std::vector<double>& row, double predicted_bytes, double peak_bytes) {
@@ -293,10 +303,9 @@ std::vector<std::string> Calibration::update_lines(std::int64_t step,
   const double usable = static_cast<double>(usable_bytes_);
   std::vector<std::string> lines;
   const CorrectionLine before = line_of(correction_);
-  const bool settled =
-      !first && window_.size() >= static_cast<std::size_t>(std::min(options_.settle_steps, options_.window_steps));
-  const CorrectionLine after =
-      updated(before, measured[0], window_.empty() || first ? std::vector<Row>{measured[0]} : window_, settled);
+  const CorrectionLine after = updated(before, measured[0],
+                                      window_.empty() || first ? std::vector<Row>{measured[0]} : window_,
+                                      first ? 0 : window_.size());
   if (!(after == before)) lines.push_back(change_line(step, "", before, after, usable));
   std::array<std::optional<CorrectionLine>, kMicrobatchPositions> positions;
   for (std::size_t p = 0; p < kMicrobatchPositions; ++p) {
@@ -331,10 +340,8 @@ std::optional<CorrectionLine> Calibration::updated_position(std::size_t position
   const std::size_t with_points = static_cast<std::size_t>(std::count_if(rows.begin(), rows.end(), has_point));
   // None measured yet, or none left in its window: the correction's line again.
   if (!measured_now && (!in_force || (!first && with_points == 0))) return std::nullopt;
-  const bool settled = !first && with_points >= static_cast<std::size_t>(std::min(options_.settle_steps,
-                                                                                   options_.window_steps));
   const CorrectionLine was = in_force.value_or(line_of(options_.initial));
-  CorrectionLine line = updated(was, measured, rows, settled);
+  CorrectionLine line = updated(was, measured, rows, first ? 0 : with_points);
   // The predictions it holds for: those its line was drawn over, and those measured under it since.
   const bool drawn = !in_force || !same_line(line, was);
   line.low_bytes = drawn ? kInf : in_force->low_bytes;
@@ -346,15 +353,16 @@ std::optional<CorrectionLine> Calibration::updated_position(std::size_t position
   return line;
 }
 
-// The best line over the window when the step's point lies above the line in force, or when
-// settle_steps steps of the window lie under a lower one; else the line in force.
+// The best line over the window when the step's point lies above the line in force; a lower
+// one when the window's `measured_steps` steps (the run's first not counted) lie under it, with
+// kEarlyHeadroomSlope more headroom until settle_steps of them do; else the line in force.
 CorrectionLine Calibration::updated(const CorrectionLine& in_force, const Row& measured, const std::vector<Row>& window,
-                                    bool settled) const {
+                                    std::size_t measured_steps) const {
   std::vector<Row> seen;
   for (const Row& row : window)
     if (has_point(row)) seen.push_back(row);
   if (seen.empty()) return in_force;
-  const Correction target = best_line(seen, static_cast<double>(usable_bytes_));
+  Correction target = best_line(seen, static_cast<double>(usable_bytes_));
   const std::vector<double>& slopes = correction_slopes();
   std::size_t index = 0;
   for (std::size_t j = 1; j < kSlopes; ++j)
@@ -366,7 +374,11 @@ CorrectionLine Calibration::updated(const CorrectionLine& in_force, const Row& m
     high = std::max(high, row[kSlopes + 1]);
   }
   const auto at = [](const CorrectionLine& line, double p) { return line.intercept_bytes + line.slope * p; };
-  const bool lower = settled && target.bytes_for(low) < at(in_force, low) && target.bytes_for(high) < at(in_force, high);
+  const bool settled =
+      measured_steps >= static_cast<std::size_t>(std::min(options_.settle_steps, options_.window_steps));
+  if (!above && !settled) target = with_early_headroom(target, static_cast<double>(usable_bytes_));
+  const bool lower = (settled || options_.lower_early) && measured_steps > 0 &&
+                     target.bytes_for(low) < at(in_force, low) && target.bytes_for(high) < at(in_force, high);
   if (!(above || lower)) return in_force;
   CorrectionLine drawn = line_of(target);
   drawn.low_bytes = in_force.low_bytes;

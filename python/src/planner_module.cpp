@@ -472,8 +472,8 @@ void bind_calibration(py::module_& m) {
   });
   py::class_<xpm::Calibration>(m, "Calibration")
       .def(py::init([](std::int64_t usable_bytes, int window_steps, int settle_steps, double intercept_bytes,
-                       double slope) {
-        return xpm::Calibration(usable_bytes, {window_steps, settle_steps, {intercept_bytes, slope}});
+                       double slope, bool lower_early) {
+        return xpm::Calibration(usable_bytes, {window_steps, settle_steps, {intercept_bytes, slope}, lower_early});
       }))
       .def("record_peak",
            [](xpm::Calibration& c, double predicted_bytes, double peak_bytes, std::optional<std::string> position) {

@@ -31,7 +31,10 @@ def new_calibration(usable_bytes: int, model: MemoryModel, calibrate: bool) -> O
         The calibration, or None when ``calibrate`` is False.
     """
     gap = model.reserved_gap
-    return Calibration(usable_bytes, initial=None if gap is None else Correction(*gap)) if calibrate else None
+    if not calibrate:
+        return None
+    # Reserved bytes move by whole segments from step to step: lowered only once settled.
+    return Calibration(usable_bytes, initial=None if gap is None else Correction(*gap), lower_early=gap is None)
 
 
 def correction_in_force(corrections: Corrections, step: int) -> Correction:

@@ -83,19 +83,22 @@ TEST_CASE("a higher line is taken at once, a lower one once the window settles u
   CHECK(calibration.log()[0].rfind("step 1: correction +0.0 % -> +", 0) == 0);
 }
 
-TEST_CASE("an over-prediction is lowered once settled, and the log line says by how much") {
+TEST_CASE("an over-prediction is lowered after a step with 1 % more headroom, fully once settled; logged") {
   Calibration calibration(kBudget, CalibrationOptions{32, 2, {}});
   calibration.record_peak(2'000'000, 2'000'000);
   end_alone(calibration, 0);
   CHECK(calibration.correction() == Correction{});
-  std::optional<std::string> line;
-  for (int step : {1, 2}) {
+  std::vector<std::optional<std::string>> lines;
+  for (int step : {1, 2, 3}) {
     calibration.record_peak(2'000'000, 1'700'000);  // 15 % over-predicted
-    line = end_alone(calibration, step);
+    lines.push_back(end_alone(calibration, step));
   }
-  REQUIRE(line.has_value());
+  REQUIRE(lines[0].has_value());
+  CHECK(*lines[0] == "step 1: correction +0.0 % -> -3.7 % of the budget (-300,000 bytes + 1.25 % of the prediction)");
+  REQUIRE(lines[1].has_value());
+  CHECK(*lines[1] == "step 2: correction -3.7 % -> -4.7 % of the budget (-300,000 bytes + 0.25 % of the prediction)");
+  CHECK_FALSE(lines[2].has_value());
   CHECK(calibration.correction().bytes_for(2'000'000) == doctest::Approx(-300'000).epsilon(0.02));
-  CHECK(*line == "step 2: correction +0.0 % -> -4.7 % of the budget (-300,000 bytes + 0.25 % of the prediction)");
 }
 
 TEST_CASE("ranks agree by a MAX over their rows: the same correction on each, the latest replan step") {
@@ -218,7 +221,7 @@ TEST_CASE("each position draws a line of its own; plans fit every line") {
                        doctest::Contains("calibration state: positions' key must be 'first'"), std::invalid_argument);
 }
 
-TEST_CASE("a position's line lowers after settle_steps steps of its own, and lapses with its window") {
+TEST_CASE("a position's line lowers with 1 % more headroom until settle_steps steps of its own, and lapses") {
   using xpm::MicrobatchPosition;
   constexpr auto kFirst = static_cast<std::size_t>(MicrobatchPosition::kFirst);
   Calibration calibration(kBudget, CalibrationOptions{4, 3, {}});
@@ -226,16 +229,17 @@ TEST_CASE("a position's line lowers after settle_steps steps of its own, and lap
     calibration.record_peak(2'000'000, 2'000'000, MicrobatchPosition::kMiddle);
     end_alone(calibration, step);
   }
-  std::vector<double> first_intercepts;
+  std::vector<double> first_corrections;
   for (int step = 6; step < 9; ++step) {  // first microbatches 10 % over-predicted
     calibration.record_peak(3'000'000, 2'700'000, MicrobatchPosition::kFirst);
     end_alone(calibration, step);
-    first_intercepts.push_back(calibration.correction().positions[kFirst]->intercept_bytes);
+    first_corrections.push_back(calibration.correction().bytes_for(3'000'000, MicrobatchPosition::kFirst));
   }
-  // Two steps of its own are not settled (settle_steps 3), whatever the common window holds.
-  CHECK(first_intercepts[0] == 0);
-  CHECK(first_intercepts[1] == 0);
-  CHECK(first_intercepts[2] < -250'000);
+  // Two steps of its own are not settled (settle_steps 3), whatever the common window holds:
+  // lowered with 1.25 % of the prediction as headroom, then 0.25 %.
+  CHECK(first_corrections[0] == doctest::Approx(-300'000 + 0.0125 * 3'000'000));
+  CHECK(first_corrections[1] == doctest::Approx(-300'000 + 0.0125 * 3'000'000));
+  CHECK(first_corrections[2] == doctest::Approx(-300'000 + 0.0025 * 3'000'000));
   CHECK(calibration.correction().positions[kFirst]->low_bytes == 3'000'000);
   for (int step = 9; step < 13; ++step) {  // no first microbatch for a whole window
     calibration.record_peak(2'000'000, 2'000'000, MicrobatchPosition::kMiddle);

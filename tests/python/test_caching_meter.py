@@ -232,6 +232,8 @@ def train(meter: xpm.CpuMeter, plan_meter: Any, memory_model: xpm.MemoryModel, c
         records = np.stack([np.ones_like(lengths), lengths], axis=1)
         sampler = xpm.PredictiveBatchSampler(records, memory_model, usable_bytes, outer_batch_size=OUTER_BATCH,
                                              seed=3, drop_last=True)
+        # Reserved peaks move by whole segments from step to step: lowered only once settled.
+        assert sampler.calibration.lower_early == (memory_model.reserved_gap is None)
         before = meter.oom_count
         optimizer.zero_grad()
         for microbatch, weight, last in xpm.microbatch_loop(iter(sampler), sampler, meter=plan_meter, module=model):

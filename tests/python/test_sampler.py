@@ -649,17 +649,39 @@ def test_calibration_raises_at_once_and_lowers_once_the_window_settles_under_a_l
     assert 10_000 <= calibration.correction.bytes_for(1_000_000) < raised.bytes_for(1_000_000)
 
 
-def test_calibration_lowers_an_over_prediction_once_settled():
-    calibration = xpm.Calibration(BUDGET, settle_steps=2)
+@pytest.mark.parametrize("lower_early", [True, False])
+def test_calibration_lowers_an_over_prediction_early_with_more_headroom_and_fully_once_settled(lower_early):
+    calibration = xpm.Calibration(BUDGET, settle_steps=2, lower_early=lower_early)
     calibration.record_peak(2_000_000, 2_000_000)
     calibration.end_step(0)
     assert calibration.correction == xpm.Correction()
+    after = []
     for step in (1, 2):
         calibration.record_peak(2_000_000, 1_700_000)             # 15 % over-predicted
         line = calibration.end_step(step)
-    assert line is not None and calibration.correction.bytes_for(2_000_000) == pytest.approx(-300_000, rel=0.02)
+        after.append(calibration.correction.bytes_for(2_000_000))
+    # After one step: 1 % of the prediction more headroom (EARLY_HEADROOM_SLOPE), or no change.
+    early = -300_000 + (0.0025 + xpm.calibration.EARLY_HEADROOM_SLOPE) * 2_000_000
+    assert after[0] == (pytest.approx(early) if lower_early else 0.0)
+    assert line is not None and after[1] == pytest.approx(-300_000, rel=0.02)
+
+
+def test_calibration_settings_that_are_not_whole_numbers_or_bools_are_refused():
     with pytest.raises(ValueError, match="settle_steps must be a whole number >= 1, got 0"):
         xpm.Calibration(BUDGET, settle_steps=0)
+    with pytest.raises(ValueError, match="^Calibration: lower_early must be True or False, got 'yes'$"):
+        xpm.Calibration(BUDGET, lower_early="yes")  # type: ignore[arg-type]
+
+
+def test_a_lowering_positions_line_keeps_its_share_outside_its_range():
+    """TRL's SFTTrainer: a constant of -6.0 MB drawn over 83 MB last microbatches takes off no
+    more than its share there (-6.9 %) of a 31.5 MB one; a first microbatch above its range
+    keeps its own line, not the common one over the less over-predicted last ones."""
+    sft = xpm.Correction(-1_792_588.0, -0.0475, (("first", -14_029_049.0, 0.0025, 164_881_656.0, 164_881_656.0),
+                                                 ("last", -5_962_060.0, 0.0025, 83_389_448.0, 83_389_448.0)))
+    share = (-5_962_060.0 + 0.0025 * 83_389_448.0) / 83_389_448.0
+    assert sft.bytes_for(31_514_365, "last") == pytest.approx(share * 31_514_365)
+    assert sft.bytes_for(168_603_001, "first") == pytest.approx(-14_029_049.0 + 0.0025 * 168_603_001)
 
 
 def test_a_positions_line_below_and_above_the_predictions_it_measured():

@@ -295,6 +295,8 @@ def test_trl_sft_trainer_is_probed_through_its_own_step_and_trains_without_oom(s
     plain_errors = [(plain.predict([len(r.records), int(lengths[list(r.records)].max())]) - r.peak_allocated_bytes)
                     / r.peak_allocated_bytes for r in measured]
     assert min(planned) > -0.01, f"under-planned by {-100 * min(planned):.2f} %"
+    # The formula over-predicts SFT's chunked loss by 7.5 % to 9.4 %: lowered after step 2.
+    assert max(planned) < 0.03, f"over-planned by {100 * max(planned):.2f} %"
     assert max(plain_errors) < -0.5  # the plain forward's model would have run out of memory
     print(f"SFTTrainer (bf16): microbatches per step {per_step}, OOM 0; from step 3 planned "
           f"{100 * min(planned):+.2f} % to {100 * max(planned):+.2f} % of the measured peaks; the plain forward's "

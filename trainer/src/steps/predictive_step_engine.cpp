@@ -175,6 +175,7 @@ void PredictiveStepEngine::begin_step(const EngineLog& /*log*/) {
   if (meter_ != nullptr && !calibration_) {
     CalibrationOptions options;
     options.initial = batcher_.correction();  // the model's reserved gap, or none
+    options.lower_early = !plans_reserved_bytes();
     calibration_.emplace(batcher_.options().budget.usable_bytes(), options);
     // The checkpoint's correction and window measured its model's predictions: kept when that
     // is the model planning now (not after probing again, e.g. at another world size).

@@ -31,8 +31,9 @@
 // the smallest and the largest prediction measured is taken, a tie to the smallest slope; then
 // the grid's next slope (0.25 % of the prediction) is added as headroom, and the correction at
 // a prediction of the whole budget is bounded to half the budget either way. A step whose
-// point lies above the line in force raises it at once; a lower line is taken only once
-// settle_steps steps of the window lie under it.
+// point lies above the line in force raises it at once; a lower line is taken once a step
+// (not the run's first) lies under it with 1 % of the prediction more headroom
+// (CalibrationOptions::lower_early), and as drawn once settle_steps steps of the window do.
 //
 // Ranks: every rank records its own microbatches; step_row() encodes them (and the budget and
 // the first step a rank could still plan anew) so that an element-wise MAX all-reduce of the
@@ -119,6 +120,10 @@ struct CalibrationOptions {
   int window_steps = 32;  // the steps whose measurements the correction covers, >= 1
   int settle_steps = 8;   // steps measured (besides the run's first) before a lower line, >= 1
   Correction initial;     // in force before anything is measured (e.g. a model's reserved gap)
+  /// A lower line after one step, with 1 % of the prediction more headroom until settle_steps
+  /// steps: for allocated bytes, which repeat from step to step; false for reserved bytes,
+  /// which move by whole segments with what the cache kept.
+  bool lower_early = true;
 };
 
 /// What a checkpoint keeps of a Calibration.
@@ -203,7 +208,7 @@ class Calibration {
  private:
   using Row = std::vector<double>;  // per slope the least intercept, then min and max prediction
   CorrectionLine updated(const CorrectionLine& in_force, const Row& measured, const std::vector<Row>& window,
-                         bool settled) const;
+                         std::size_t measured_steps) const;
   std::optional<CorrectionLine> updated_position(std::size_t position, const Row& measured, bool first) const;
   std::array<Row, 1 + kMicrobatchPositions> agreed_parts(const std::vector<double>& agreed_row) const;
   std::vector<std::string> update_lines(std::int64_t step, const std::array<Row, 1 + kMicrobatchPositions>& measured,
