@@ -162,7 +162,7 @@ double Correction::bytes_for(double predicted_bytes, MicrobatchPosition position
   const bool above = predicted_bytes > own->high_bytes;
   const double end = above ? own->high_bytes : own->low_bytes;
   const double share = own_at(end) / end;
-  const double bytes = std::max(own_at(predicted_bytes), std::min(0.0, share) * predicted_bytes);
+  const double bytes = share < 0 ? std::max(own_at(predicted_bytes), share * predicted_bytes) : own_at(predicted_bytes);
   if (above && share < 0) return bytes;
   // Else the larger of it and the common line, which below the range grows no further than at
   // its low end: the common line's slope mixes the positions (large first microbatches
@@ -178,9 +178,13 @@ double Correction::planning_bytes(double usable_bytes) const {
   for (const std::optional<CorrectionLine>& own : positions)
     if (own) {
       least = std::min(least, (usable_bytes - own->intercept_bytes) / (1.0 + own->slope));
-      // Above its range a lowering line takes off its share at the range's high end, no more.
-      const double share = (own->intercept_bytes + own->slope * own->high_bytes) / own->high_bytes;
-      if (own->high_bytes > 0 && share < 0) least = std::min(least, usable_bytes / (1.0 + share));
+      // Outside its range a lowering line takes off its share at the nearest end, no more:
+      // above the range, and below it where the budget lies below the range.
+      const auto share_at = [&own](double p) { return p > 0 ? (own->intercept_bytes + own->slope * p) / p : 0.0; };
+      const double high = share_at(own->high_bytes), low = share_at(own->low_bytes);
+      if (-1 < high && high < 0) least = std::min(least, usable_bytes / (1.0 + high));
+      if (-1 < low && low < 0 && usable_bytes / (1.0 + low) < own->low_bytes)
+        least = std::min(least, usable_bytes / (1.0 + low));
     }
   return least;
 }
@@ -303,9 +307,10 @@ std::vector<std::string> Calibration::update_lines(std::int64_t step,
   const double usable = static_cast<double>(usable_bytes_);
   std::vector<std::string> lines;
   const CorrectionLine before = line_of(correction_);
+  const std::size_t with_points = static_cast<std::size_t>(std::count_if(window_.begin(), window_.end(), has_point));
   const CorrectionLine after = updated(before, measured[0],
                                       window_.empty() || first ? std::vector<Row>{measured[0]} : window_,
-                                      first ? 0 : window_.size());
+                                      first ? 0 : with_points);
   if (!(after == before)) lines.push_back(change_line(step, "", before, after, usable));
   std::array<std::optional<CorrectionLine>, kMicrobatchPositions> positions;
   for (std::size_t p = 0; p < kMicrobatchPositions; ++p) {

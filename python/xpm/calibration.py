@@ -76,9 +76,11 @@ class Correction:
         positions: ``((position, intercept_bytes, slope, low_bytes, high_bytes), ...)``, the
             lines the calibration drew for the microbatches of a ``MicrobatchPosition``
             ("first", "middle", "last", "alone") once it measured them, each holding for the
-            predictions from ``low_bytes`` to ``high_bytes`` it measured (outside them, the
-            larger of it and the line above, which below ``low_bytes`` grows no further than
-            at it); a position not listed takes the line above. The rule is the
+            predictions from ``low_bytes`` to ``high_bytes`` it measured (outside them a line
+            that lowers takes off no larger a share of the prediction than at the nearest end,
+            above them that alone; else the larger of it and the line above, which below
+            ``low_bytes`` grows no further than at it); a position not listed takes the line
+            above. The rule is the
             planner's C++ ``xpm::Correction``, which ``bytes_for`` and ``planning_bytes`` call.
     """
 
@@ -112,7 +114,9 @@ class Correction:
             usable_bytes: the budget, bytes.
 
         Returns:
-            The least ``(usable_bytes - intercept_bytes) / (1 + slope)`` over the lines, bytes.
+            The least ``(usable_bytes - intercept_bytes) / (1 + slope)`` over the lines, and for
+            a lowering position line ``usable_bytes / (1 + share)`` at an end it is extrapolated
+            from, bytes.
         """
         return float(_planner.correction_planning_bytes(*self._native(), float(usable_bytes)))
 

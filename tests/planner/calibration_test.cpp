@@ -3,8 +3,10 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
+#include <random>
 #include <stdexcept>
 #include <vector>
 
@@ -294,6 +296,67 @@ TEST_CASE("a lowering line outside its range takes off no larger a share than at
       xpm::CorrectionLine{20'000, -0.05, 1'000'000, 2'000'000};
   CHECK(falling.bytes_for(4'000'000, MicrobatchPosition::kFirst) == doctest::Approx(-0.04 * 4'000'000));
   CHECK(falling.planning_bytes(1e7) == doctest::Approx(1e7 / 0.96));
+}
+
+TEST_CASE("a plan at planning_bytes fits the budget at every position, whatever the lines and their ranges") {
+  // Lines of either sign on the slope grid, ranges below, around and above the budget: the
+  // largest prediction planned, and any smaller, stays within the budget once corrected.
+  using xpm::MicrobatchPosition;
+  constexpr double kUsable = 1e9;
+  std::mt19937 random(1);
+  const auto uniform = [&random](double low, double high) {
+    return std::uniform_real_distribution<double>(low, high)(random);
+  };
+  const std::vector<double>& slopes = xpm::correction_slopes();
+  const auto slope = [&] { return slopes[std::uniform_int_distribution<std::size_t>(0, slopes.size() - 1)(random)]; };
+  std::size_t checked = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    Correction c{uniform(-0.3, 0.3) * kUsable, slope(), {}};
+    for (std::size_t p = 0; p < xpm::kMicrobatchPositions; ++p) {
+      if (uniform(0, 1) < 0.5) continue;
+      const double low = uniform(0.01, 2.0) * kUsable;
+      const double scale = std::array<double, 3>{1, 0.1, 0.01}[static_cast<std::size_t>(trial) % 3];
+      c.positions[p] = xpm::CorrectionLine{uniform(-0.3, 0.3) * kUsable * scale, slope(), low, low * uniform(1, 1.5)};
+    }
+    const double planned = c.planning_bytes(kUsable);
+    for (int k = 1; k <= 40; ++k) {
+      const double predicted = planned * k / 40;
+      for (std::size_t p = 0; p < xpm::kMicrobatchPositions; ++p) {
+        const double corrected = predicted + c.bytes_for(predicted, static_cast<MicrobatchPosition>(p));
+        REQUIRE(std::isfinite(corrected));
+        CHECK(corrected <= kUsable * (1 + 1e-12));
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked == 2000 * 40 * 4);
+  // Examples it found: a rising line that goes negative above its range, and a lowering one
+  // whose range lies above the budget.
+  Correction falling_last{0, -0.05, {}};
+  falling_last.positions[static_cast<std::size_t>(MicrobatchPosition::kLast)] =
+      xpm::CorrectionLine{5e6, -0.05, 5e7, 1e8};
+  const double p1 = falling_last.planning_bytes(kUsable);
+  CHECK(p1 + falling_last.bytes_for(p1, MicrobatchPosition::kLast) <= kUsable * (1 + 1e-12));
+  Correction high_range{-5e8, 0, {}};
+  high_range.positions[static_cast<std::size_t>(MicrobatchPosition::kFirst)] =
+      xpm::CorrectionLine{-1e8, 0.05, 1.5e9, 2.5e9};
+  const double p2 = high_range.planning_bytes(kUsable);
+  CHECK(p2 + high_range.bytes_for(p2, MicrobatchPosition::kFirst) <= kUsable * (1 + 1e-12));
+}
+
+TEST_CASE("steps without a point of the common line do not settle it") {
+  using xpm::MicrobatchPosition;
+  Calibration calibration(kBudget);  // settle_steps 8
+  calibration.record_peak(2'000'000, 2'000'000, MicrobatchPosition::kFirst);
+  end_alone(calibration, 0);
+  for (int step = 1; step < 8; ++step) {  // steps of one microbatch: the alone line's points only
+    calibration.record_peak(1'000'000, 1'000'000, MicrobatchPosition::kAlone);
+    end_alone(calibration, step);
+  }
+  calibration.record_peak(2'000'000, 1'700'000, MicrobatchPosition::kFirst);  // 15 % over-predicted
+  end_alone(calibration, 8);
+  // One step of points: lowered with the early headroom, not as drawn.
+  CHECK(calibration.correction().bytes_for(2'000'000) == doctest::Approx(-300'000 + 0.0125 * 2'000'000));
 }
 
 TEST_CASE("an alone microbatch's point draws the alone line only, not the common one") {

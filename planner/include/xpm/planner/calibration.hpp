@@ -97,7 +97,8 @@ struct Correction {
   /// The correction of a prediction of a microbatch at `position`, bytes.
   double bytes_for(double predicted_bytes, MicrobatchPosition position) const;
   /// The largest prediction whose corrected value fits `usable_bytes` at every position:
-  /// the least (usable_bytes - intercept_bytes) / (1 + slope) over the lines.
+  /// the least (usable_bytes - intercept_bytes) / (1 + slope) over the lines, and for a lowering
+  /// position line the budget over 1 + its share at an end it may be extrapolated from.
   double planning_bytes(double usable_bytes) const;
   bool operator==(const Correction& o) const {
     return intercept_bytes == o.intercept_bytes && slope == o.slope && positions == o.positions;
@@ -118,7 +119,7 @@ Correction covering_correction(const std::vector<double>& predicted_bytes, const
 
 struct CalibrationOptions {
   int window_steps = 32;  // the steps whose measurements the correction covers, >= 1
-  int settle_steps = 8;   // steps measured (besides the run's first) before a lower line, >= 1
+  int settle_steps = 8;   // steps measured (besides the run's first) before a lower line as drawn, >= 1
   Correction initial;     // in force before anything is measured (e.g. a model's reserved gap)
   /// A lower line after one step, with 1 % of the prediction more headroom until settle_steps
   /// steps: for allocated bytes, which repeat from step to step; false for reserved bytes,
