@@ -482,6 +482,7 @@ void bind_calibration(py::module_& m) {
                                     : std::nullopt);
            },
            py::arg("predicted_bytes"), py::arg("peak_bytes"), py::arg("position") = py::none())
+      .def("lower_only_once_settled", &xpm::Calibration::lower_only_once_settled)
       .def("step_row", &xpm::Calibration::step_row)
       .def("end_step", &xpm::Calibration::end_step)
       .def_property_readonly("correction", [](const xpm::Calibration& c) { return correction_tuple(c.correction()); })

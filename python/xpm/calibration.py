@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from . import _planner
 from .choices import MICROBATCH_POSITIONS, MicrobatchPosition, _check_choice
+from .meters import Meter, planned_bytes_kind, planned_peak_bytes
 
 _POSITION_ORDER = {name: k for k, name in enumerate(MICROBATCH_POSITIONS)}
 
@@ -281,6 +282,31 @@ class Calibration:
         if position is not None:
             _check_choice(position, MICROBATCH_POSITIONS, "Calibration.record_peak: position")
         self._native.record_peak(float(predicted_bytes), float(peak_bytes), position)
+
+    def record_meter_peak(self, predicted_bytes: float, meter: Meter,
+                          position: Optional[MicrobatchPosition] = None) -> None:
+        """``record_peak`` with the peak ``meter`` measured since ``xpm.meters.start_peak``:
+        reserved bytes where the plans bound them (``xpm.meters.planned_bytes_kind``), and then
+        lower corrections only once settled (``lower_only_once_settled``), else allocated bytes.
+
+        Args:
+            predicted_bytes: as ``record_peak``'s.
+            meter: the meter that measured the microbatch.
+            position: as ``record_peak``'s.
+
+        Raises:
+            ValueError: as ``record_peak``.
+        """
+        if self.lower_early and planned_bytes_kind(meter) == "reserved":
+            self.lower_only_once_settled()
+        self.record_peak(predicted_bytes, planned_peak_bytes(meter), position)
+
+    def lower_only_once_settled(self) -> None:
+        """From now on, a lower correction is taken only once ``settle_steps`` steps lie under it
+        (``lower_early`` off): the peaks recorded are a caching allocator's reserved bytes, which
+        move by whole segments with what the cache kept."""
+        self._native.lower_only_once_settled()
+        self.lower_early = False
 
     def end_step(self, step: int, *, replan_from: int = 0) -> Optional[str]:
         """Ends an optimizer step: agrees the step's measurements over the ranks (one all-reduce

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Iterator, Optional, Tuple
 
 import torch
 
-from .meters import Meter, planned_peak_bytes, start_peak
+from .meters import Meter, planned_bytes_kind, planned_peak_bytes, start_peak
 from .predictive_batch_sampler import PredictiveBatchSampler
 from .sampler_pass import _MicrobatchIterator
 from .sampler_steps import Microbatch
@@ -63,6 +63,8 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
     position: Optional[int] = None
     check, step_starts = meter is not None, True
     measuring = meter is not None and sampler.calibration is not None
+    if measuring and planned_bytes_kind(meter) == "reserved":
+        sampler.calibration.lower_only_once_settled()  # reserved peaks move by whole segments
     handed_out: Optional[Microbatch] = None  # the microbatch being trained on, when measuring
     started_steps = 0                         # steps whose first microbatch this loop handed out
     while True:

@@ -257,6 +257,21 @@ def train(meter: xpm.CpuMeter, plan_meter: Any, memory_model: xpm.MemoryModel, c
         meter.capacity_bytes = 0
 
 
+def test_a_calibration_fed_reserved_peaks_lowers_only_once_settled(meter: xpm.CpuMeter) -> None:
+    """Reserved peaks move by whole segments with what the cache kept: a calibration that records
+    a caching meter's peak turns its early lowering off."""
+    calibration = xpm.Calibration(10_000_000)
+    assert calibration.lower_early
+    xpm.meters.start_peak(meter)
+    kept = torch.empty(1_000_000, dtype=torch.uint8)
+    calibration.record_meter_peak(1_000_000, meter, "first")
+    del kept
+    assert not calibration.lower_early
+    calibration.end_step(0)
+    calibration.record_peak(2_000_000, 1_700_000, "first")  # 15 % over-predicted
+    assert calibration.end_step(1) is None                   # not lowered after one step
+
+
 def binding_capacity(meter: xpm.CpuMeter) -> int:
     """Weights and optimizer state, plus 40 % of what a step at the largest shape adds, in
     reserved bytes measured from an emptied cache."""

@@ -45,7 +45,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
-from ..meters import Meter, planned_peak_bytes, start_peak
+from ..meters import Meter, start_peak
 from ..choices import MicrobatchPosition
 from ..sampler import PredictiveBatchSampler, Step
 
@@ -451,7 +451,7 @@ def _measured(sampler: PredictiveBatchSampler, round_robin: RoundRobinMicrobatch
               meter: Meter) -> None:
     """Feeds a trained microbatch's peak to the calibration; after a step's last, ends the step
     (collective) with the steps accelerate has read kept as they were planned."""
-    sampler.calibration.record_peak(microbatch.predicted_bytes, planned_peak_bytes(meter), microbatch.position)
+    sampler.calibration.record_meter_peak(microbatch.predicted_bytes, meter, microbatch.position)
     if microbatch.last:
         sampler.end_step(microbatch.step, replan_from=round_robin.taken_step + 1)
 

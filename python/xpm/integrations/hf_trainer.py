@@ -77,7 +77,7 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
 from ..choices import microbatch_position
-from ..meters import planned_peak_bytes, start_peak
+from ..meters import start_peak
 from ..planned_step import PlannedStep
 from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, PackerName
 from ..probe_options import ProbeOptions
@@ -435,8 +435,8 @@ class PlannedTrainerMixin:
             peak = None if self.xpm_meter is None else int(self.xpm_meter.peak_allocated_bytes)
             calibration = self.xpm_sampler.calibration
             if peak is not None and calibration is not None and not inputs.placeholder and inputs.predicted_bytes:
-                calibration.record_peak(inputs.predicted_bytes[k], planned_peak_bytes(self.xpm_meter),
-                                        microbatch_position(k, len(inputs.predicted_bytes)))
+                calibration.record_meter_peak(inputs.predicted_bytes[k], self.xpm_meter,
+                                              microbatch_position(k, len(inputs.predicted_bytes)))
             if self.on_microbatch is not None:
                 predicted = None if inputs.placeholder or not inputs.predicted_bytes else inputs.predicted_bytes[k]
                 self.on_microbatch(MicrobatchRecord(self.state.global_step + 1, inputs.epoch, tuple(records), peak,

@@ -67,7 +67,7 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
                       f"importing it failed: {_error}") from None
 
 from ..choices import microbatch_position
-from ..meters import planned_peak_bytes, start_peak
+from ..meters import start_peak
 from ..outside_probes import trainable_gradient_bytes
 from ..planned_step import PlannedStep
 from ..planning import CostFormula, MemoryModel
@@ -267,8 +267,8 @@ def microbatches(module: "pl.LightningModule", step: PlannedStep, *, sampler: Op
         else:
             yield moved, weight, True
         if calibrating and k < len(step.predicted_bytes):
-            sampler.calibration.record_peak(step.predicted_bytes[k], planned_peak_bytes(meter),
-                                            microbatch_position(k, len(step.predicted_bytes)))
+            sampler.calibration.record_meter_peak(step.predicted_bytes[k], meter,
+                                                  microbatch_position(k, len(step.predicted_bytes)))
     if calibrating:
         sampler.end_step(step.index)
 

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, RandomSampler
 import lightning.pytorch as pl
 
 from ..choices import microbatch_position
-from ..meters import Meter, planned_peak_bytes, start_peak
+from ..meters import Meter, start_peak
 from ..planned_step import PlannedStep
 from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, MemoryBudget, PackerName
 from ..probe_options import ProbeOptions
@@ -261,8 +261,8 @@ class PlannedMicrobatches(pl.Callback):
     def _record(self, step: PlannedStep, k: int) -> None:
         calibration = self.sampler.calibration
         if calibration is not None and k < len(step.predicted_bytes):
-            calibration.record_peak(step.predicted_bytes[k], planned_peak_bytes(self.meter),
-                                    microbatch_position(k, len(step.predicted_bytes)))
+            calibration.record_meter_peak(step.predicted_bytes[k], self.meter,
+                                          microbatch_position(k, len(step.predicted_bytes)))
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Refuses a fit resumed from a checkpoint saved in the middle of an epoch: Lightning

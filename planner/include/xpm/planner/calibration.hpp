@@ -163,6 +163,9 @@ class Calibration {
   /// peak_bytes must be a finite number of bytes >= 0, got nan").
   void record_peak(double predicted_bytes, double peak_bytes,
                    std::optional<MicrobatchPosition> position = std::nullopt);
+  /// From now on a lower line is taken only once settled (CalibrationOptions::lower_early
+  /// off): the peaks recorded are a caching allocator's reserved bytes.
+  void lower_only_once_settled() { options_.lower_early = false; }
 
   /// This rank's step so far, encoded for an element-wise MAX all-reduce over the ranks
   /// (row_size() numbers), with `replan_from`, the first step this rank could still plan anew.
