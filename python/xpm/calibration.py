@@ -183,6 +183,7 @@ class Calibration:
         self.window_steps = int(window_steps)
         self.settle_steps = int(settle_steps)
         self.lower_early = bool(lower_early)
+        self._initial = (float(start.intercept_bytes), float(start.slope))
         self.group = group
         self._warned = False
 
@@ -202,7 +203,8 @@ class Calibration:
     def __setstate__(self, saved: Dict[str, Any]) -> None:
         Calibration.__init__(self, saved["usable_bytes"], window_steps=saved["window_steps"],
                              settle_steps=saved["settle_steps"], group=saved["group"],
-                             lower_early=saved.get("lower_early", True))
+                             lower_early=saved.get("lower_early", True),
+                             initial=Correction(*saved.get("initial", (0.0, 0.0))))
         self.load_state_dict(saved["state"])
         self._warned = saved["warned"]
 
@@ -213,8 +215,8 @@ class Calibration:
 
     def _settings_and_state(self, group: Optional[Any]) -> Dict[str, Any]:
         return {"usable_bytes": self.usable_bytes, "window_steps": self.window_steps,
-                "settle_steps": self.settle_steps, "lower_early": self.lower_early, "group": group, "state": self.state_dict(),
-                "warned": self._warned}
+                "settle_steps": self.settle_steps, "lower_early": self.lower_early, "initial": self._initial,
+                "group": group, "state": self.state_dict(), "warned": self._warned}
 
     @property
     def correction(self) -> Correction:

@@ -775,6 +775,20 @@ def test_a_calibrated_sampler_copied_between_steps_yields_what_the_original_yiel
     assert copied.state_dict() == sampler.state_dict()
 
 
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda c: pickle.loads(pickle.dumps(c))], ids=["deepcopy", "pickle"])
+def test_a_copied_calibration_keeps_its_settings_and_its_initial_line(copy_of):
+    """A copy starts a position not yet measured from the same initial line (a model's reserved
+    gap), and lowers as the original does."""
+    calibration = xpm.Calibration(BUDGET, settle_steps=3, lower_early=False, initial=xpm.Correction(50_000.0, 0.01))
+    copied = copy_of(calibration)
+    assert (copied.settle_steps, copied.lower_early) == (3, False)
+    for c in (calibration, copied):
+        c.record_peak(1_000_000, 1_000_000, "middle")
+        c.end_step(0)
+    assert copied.correction == calibration.correction
+    assert copied.correction.bytes_for(1_000_000, "middle") == pytest.approx(60_000)
+
+
 def test_a_calibration_with_a_group_of_its_own_is_deep_copied_sharing_it_but_not_pickled():
     group = object()  # stands for a process group: a handle of this process
     calibration = xpm.Calibration(BUDGET, group=group)
