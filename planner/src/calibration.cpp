@@ -14,8 +14,6 @@ namespace xpm {
 namespace {
 
 constexpr std::size_t kSlopes = 101;
-constexpr double kHeadroomSlope = 0.0025;  // the grid's next slope: 0.25 % of the prediction
-constexpr double kEarlyHeadroomSlope = 0.01;  // a lower line's more, until settle_steps steps
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kEncodedMinusInf = -1e300;  // a MAX all-reduce carries finite numbers only
 
@@ -111,6 +109,15 @@ Correction with_early_headroom(Correction line, double usable_bytes) {
   return line;
 }
 
+double line_at(const CorrectionLine& line, double predicted_bytes) {
+  return line.intercept_bytes + line.slope * predicted_bytes;
+}
+
+// The share of a prediction `line` adds there (0 at a prediction of 0 bytes).
+double share_at(const CorrectionLine& line, double predicted_bytes) {
+  return predicted_bytes > 0 ? line_at(line, predicted_bytes) / predicted_bytes : 0.0;
+}
+
 void add_point(std::vector<double>& row, double predicted_bytes, double peak_bytes) {
   const std::vector<double>& slopes = correction_slopes();
   for (std::size_t j = 0; j < kSlopes; ++j) row[j] = std::max(row[j], peak_bytes - predicted_bytes * (1.0 + slopes[j]));
@@ -153,16 +160,15 @@ MicrobatchPosition parse_microbatch_position(const std::string& text, const std:
 double Correction::bytes_for(double predicted_bytes, MicrobatchPosition position) const {
   const std::optional<CorrectionLine>& own = positions[static_cast<std::size_t>(position)];
   if (!own) return bytes_for(predicted_bytes);
-  const auto own_at = [&own](double p) { return own->intercept_bytes + own->slope * p; };
-  if (own->low_bytes <= predicted_bytes && predicted_bytes <= own->high_bytes) return own_at(predicted_bytes);
+  const double bytes_own = line_at(*own, predicted_bytes);
+  if (own->low_bytes <= predicted_bytes && predicted_bytes <= own->high_bytes) return bytes_own;
   // Outside its range a line that lowers takes off no larger a share of the prediction than at
   // the nearest prediction it measured (a constant drawn over large microbatches would take most
   // of a small one's prediction away), and above its range that share holds: what a position
   // adds beyond the model (gradients, the optimizer step) grows slower than the prediction.
   const bool above = predicted_bytes > own->high_bytes;
-  const double end = above ? own->high_bytes : own->low_bytes;
-  const double share = own_at(end) / end;
-  const double bytes = share < 0 ? std::max(own_at(predicted_bytes), share * predicted_bytes) : own_at(predicted_bytes);
+  const double share = share_at(*own, above ? own->high_bytes : own->low_bytes);
+  const double bytes = share < 0 ? std::max(bytes_own, share * predicted_bytes) : bytes_own;
   if (above && share < 0) return bytes;
   // Else the larger of it and the common line, which below the range grows no further than at
   // its low end: the common line's slope mixes the positions (large first microbatches
@@ -180,8 +186,7 @@ double Correction::planning_bytes(double usable_bytes) const {
       least = std::min(least, (usable_bytes - own->intercept_bytes) / (1.0 + own->slope));
       // Outside its range a lowering line takes off its share at the nearest end, no more:
       // above the range, and below it where the budget lies below the range.
-      const auto share_at = [&own](double p) { return p > 0 ? (own->intercept_bytes + own->slope * p) / p : 0.0; };
-      const double high = share_at(own->high_bytes), low = share_at(own->low_bytes);
+      const double high = share_at(*own, own->high_bytes), low = share_at(*own, own->low_bytes);
       if (-1 < high && high < 0) least = std::min(least, usable_bytes / (1.0 + high));
       if (-1 < low && low < 0 && usable_bytes / (1.0 + low) < own->low_bytes)
         least = std::min(least, usable_bytes / (1.0 + low));
@@ -378,12 +383,11 @@ CorrectionLine Calibration::updated(const CorrectionLine& in_force, const Row& m
     low = std::min(low, row[kSlopes]);
     high = std::max(high, row[kSlopes + 1]);
   }
-  const auto at = [](const CorrectionLine& line, double p) { return line.intercept_bytes + line.slope * p; };
   const bool settled =
       measured_steps >= static_cast<std::size_t>(std::min(options_.settle_steps, options_.window_steps));
   if (!above && !settled) target = with_early_headroom(target, static_cast<double>(usable_bytes_));
   const bool lower = (settled || options_.lower_early) && measured_steps > 0 &&
-                     target.bytes_for(low) < at(in_force, low) && target.bytes_for(high) < at(in_force, high);
+                     target.bytes_for(low) < line_at(in_force, low) && target.bytes_for(high) < line_at(in_force, high);
   if (!(above || lower)) return in_force;
   CorrectionLine drawn = line_of(target);
   drawn.low_bytes = in_force.low_bytes;

@@ -519,6 +519,8 @@ PYBIND11_MODULE(_planner, m) {
         py::arg("planning_bytes"), py::arg("world_size"), py::arg("lockstep"), py::arg("only_rank"),
         py::arg("first_of_several") = nullptr, py::arg("first_alone") = nullptr, py::arg("synchronised") = nullptr);
   m.def("packer_names", &xpm::packer_names);
+  m.attr("HEADROOM_SLOPE") = xpm::kHeadroomSlope;  // the calibration's, for its Python docs and tests
+  m.attr("EARLY_HEADROOM_SLOPE") = xpm::kEarlyHeadroomSlope;
   // The planner's defaults, so the Python options start from the same values (one source).
   const xpm::PredictiveBatcherOptions batcher;
   m.attr("DEFAULTS") = py::dict(

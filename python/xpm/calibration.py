@@ -132,10 +132,10 @@ class Correction:
                                                   sorted(positions.items(), key=lambda item: _POSITION_ORDER[item[0]])))
 
 
-HEADROOM_SLOPE = 0.0025
+HEADROOM_SLOPE: float = _planner.HEADROOM_SLOPE
 """The headroom added to a new correction: the grid's next slope, 0.25 % of the prediction."""
 
-EARLY_HEADROOM_SLOPE = 0.01
+EARLY_HEADROOM_SLOPE: float = _planner.EARLY_HEADROOM_SLOPE
 """The headroom a lower correction adds besides, before ``settle_steps`` steps: 1 % of the prediction."""
 
 

@@ -106,6 +106,11 @@ struct Correction {
   bool operator!=(const Correction& o) const { return !(*this == o); }
 };
 
+/// The headroom a drawn line adds to its slope: the grid's next slope, 0.25 % of the prediction.
+inline constexpr double kHeadroomSlope = 0.0025;
+/// What a lower line adds besides until settle_steps steps lie under it (lower_early): 1 %.
+inline constexpr double kEarlyHeadroomSlope = 0.01;
+
 /// The slopes a correction may take: -0.05 to 0.20, 0.0025 apart (101 values, 0 included).
 const std::vector<double>& correction_slopes();
 
