@@ -306,7 +306,9 @@ class Calibration:
     def lower_only_once_settled(self) -> None:
         """From now on, a lower correction is taken only once ``settle_steps`` steps lie under it
         (``lower_early`` off): the peaks recorded are a caching allocator's reserved bytes, which
-        move by whole segments with what the cache kept."""
+        move by whole segments with what the cache kept. Every rank must call it before the same
+        ``end_step`` (``record_meter_peak`` does where every rank meters alike), else the ranks
+        draw different corrections from the rows they agree on."""
         self._native.lower_only_once_settled()
         self.lower_early = False
 

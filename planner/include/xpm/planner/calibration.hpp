@@ -169,7 +169,8 @@ class Calibration {
   void record_peak(double predicted_bytes, double peak_bytes,
                    std::optional<MicrobatchPosition> position = std::nullopt);
   /// From now on a lower line is taken only once settled (CalibrationOptions::lower_early
-  /// off): the peaks recorded are a caching allocator's reserved bytes.
+  /// off): the peaks recorded are a caching allocator's reserved bytes. Every rank must call
+  /// it before the same end_step, else the ranks draw different lines from the agreed rows.
   void lower_only_once_settled() { options_.lower_early = false; }
 
   /// This rank's step so far, encoded for an element-wise MAX all-reduce over the ranks
