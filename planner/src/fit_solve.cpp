@@ -23,6 +23,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -315,14 +316,34 @@ std::size_t violated_bounds(const CostFormula& formula, const std::vector<Infeas
 
 }  // namespace
 
-Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>& measurements,
-                      const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
-                      double weight, const std::vector<double>* start, bool exact_is_enough) {
+namespace {
+
+// The relative, scaled linear system of a linear formula: J x ~= -r0 with J_ik = B_ik * Y /
+// (s_k * y_i), so J and x are O(1) (with x in bytes, Ceres's projected-gradient test
+// x - P(x - g) rounds to 0 under the bounds and it stops at once); coefficient_k = x_k * Y / s_k.
+struct LinearSystem {
+  Eigen::MatrixXd jacobian;  // [n, k]
+  Eigen::VectorXd r0;        // [n]
+  Eigen::VectorXd scale;     // [k], s_k = max_i |B_ik|
+  double y_max = 0;          // Y
+
+  std::vector<double> coefficients(const Eigen::VectorXd& x, bool non_negative) const {
+    std::vector<double> out;
+    for (Eigen::Index j = 0; j < x.size(); ++j) {
+      const double c = x(j) * y_max / scale(j);
+      out.push_back(non_negative ? std::max(c, 0.0) : c);  // the bound holds exactly, even for -0
+    }
+    return out;
+  }
+};
+
+// Builds the system; throws IdentifiabilityError when the columns of J are dependent (the
+// measurements alone must identify every coefficient).
+LinearSystem linear_system(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                           const FitOptions& options) {
   const auto& coefs = formula.coefficient_names();
   const Eigen::Index n = static_cast<Eigen::Index>(measurements.size());
   const Eigen::Index k = static_cast<Eigen::Index>(coefs.size());
-
-  // Basis matrix B [n, k], offsets o [n].
   Eigen::MatrixXd basis(n, k);
   Eigen::VectorXd offset(n);
   for (Eigen::Index i = 0; i < n; ++i) {
@@ -335,54 +356,93 @@ Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>
                                   "measurement " + std::to_string(i));
     }
   }
-
-  // Column scales s_k = max_i |B_ik|.
-  Eigen::VectorXd scale(k);
+  LinearSystem system;
+  system.scale.resize(k);
   for (Eigen::Index j = 0; j < k; ++j) {
     if (!basis.col(j).allFinite()) {
       throw std::invalid_argument("fit: the term of coefficient '" +
                                   coefs[static_cast<std::size_t>(j)] +
                                   "' is not finite at some measurement (overflow?)");
     }
-    scale(j) = basis.col(j).cwiseAbs().maxCoeff();
+    system.scale(j) = basis.col(j).cwiseAbs().maxCoeff();
   }
-
-  // Relative, scaled linear system: J x ~= -r0 with J_ik = B_ik * y_max / (s_k * y_i), so J and
-  // x are O(1). (With x in bytes, Ceres's projected-gradient test x - P(x - g) rounds to 0
-  // under the bounds and it stops at once.)
   Eigen::VectorXd y(n);
   for (Eigen::Index i = 0; i < n; ++i) y(i) = measurements[static_cast<std::size_t>(i)].bytes;
-  const double y_max = y.maxCoeff();
-  Eigen::MatrixXd jacobian = (y_max * y.cwiseInverse()).asDiagonal() * basis;
+  system.y_max = y.maxCoeff();
+  system.jacobian = (system.y_max * y.cwiseInverse()).asDiagonal() * basis;
   for (Eigen::Index j = 0; j < k; ++j) {
-    if (scale(j) > 0) jacobian.col(j) /= scale(j);
+    if (system.scale(j) > 0) system.jacobian.col(j) /= system.scale(j);
   }
-  const Eigen::VectorXd r0 = (offset - y).cwiseQuotient(y);
-
-  if (const auto d = find_dependence(jacobian, options.identifiability_tolerance)) {
+  system.r0 = (offset - y).cwiseQuotient(y);
+  if (const auto d = find_dependence(system.jacobian, options.identifiability_tolerance)) {
     auto [message, names] = describe_dependence(formula, measurements, *d, "by the probe shapes");
     throw IdentifiabilityError("fit: " + message, std::move(names), coefs[d->dependent]);
   }
+  return system;
+}
 
+// Bound b as a constraint of the scaled system, row . x >= t0: the prediction at its dims is
+// exceeds * (1 - t0 + row . x) with t0 = (target - offset) / exceeds, target its hinge's.
+std::pair<Eigen::RowVectorXd, double> bound_row(const CostFormula& formula, const LinearSystem& system,
+                                                const InfeasibleBound& bound, std::size_t b) {
+  const Eigen::Index k = system.scale.size();
+  const std::vector<double> term = formula.basis(bound.dims);
+  const double bound_offset = formula.offset(bound.dims);
+  Eigen::RowVectorXd row(k);
+  for (Eigen::Index j = 0; j < k; ++j) {
+    row(j) = term[static_cast<std::size_t>(j)] * system.y_max / system.scale(j) / bound.exceeds_bytes;
+  }
+  if (!row.allFinite() || !std::isfinite(bound_offset)) {
+    throw std::invalid_argument("fit: the formula is not finite at infeasible bound " +
+                                std::to_string(b) + " (" + describe_dims(formula, bound.dims) + ")");
+  }
+  return {row, (hinge_target(bound) - bound_offset) / bound.exceeds_bytes};
+}
+
+// The least squares of the system with every bound's hinge target as a hard constraint (and
+// x >= 0 when non-negative): the limit of the hinges as their weight grows. nullopt when the
+// constraints cannot all hold.
+std::optional<Eigen::VectorXd> constrained_least_squares(const CostFormula& formula,
+                                                         const LinearSystem& system,
+                                                         const std::vector<InfeasibleBound>& bounds,
+                                                         bool non_negative) {
+  const Eigen::Index k = system.scale.size();
+  const Eigen::Index m = static_cast<Eigen::Index>(bounds.size()) + (non_negative ? k : 0);
+  Eigen::MatrixXd g = Eigen::MatrixXd::Zero(m, k);
+  Eigen::VectorXd h = Eigen::VectorXd::Zero(m);
+  for (std::size_t b = 0; b < bounds.size(); ++b) {
+    const auto [row, t0] = bound_row(formula, system, bounds[b], b);
+    g.row(static_cast<Eigen::Index>(b)) = row;
+    h(static_cast<Eigen::Index>(b)) = t0;
+  }
+  if (non_negative) g.bottomRows(k).setIdentity();
+  return least_squares_with_inequalities(system.jacobian, -system.r0, g, h, 1e-9);
+}
+
+}  // namespace
+
+Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>& measurements,
+                      const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
+                      double weight, const std::vector<double>* start, bool exact_is_enough) {
+  const LinearSystem system = linear_system(formula, measurements, options);
+  const Eigen::Index k = system.scale.size();
+  const bool no_loss = options.robust_loss == RobustLoss::kNone;
   // Initial point: the exact least-squares solution (non-negative least squares under the
   // bounds). Ceres then only has to account for the robust loss. Starting from the
   // unconstrained solution clipped to the bounds would not do: there, the projected Gauss-
   // Newton step can be zero and Ceres stops at a point that is not the constrained minimum.
-  Eigen::VectorXd x0 = options.non_negative ? non_negative_least_squares(jacobian, -r0)
-                                            : jacobian.colPivHouseholderQr().solve(-r0);
-  if (exact_is_enough && bounds.empty() && options.robust_loss == RobustLoss::kNone && x0.allFinite()) {
+  Eigen::VectorXd x0 = options.non_negative ? non_negative_least_squares(system.jacobian, -system.r0)
+                                            : system.jacobian.colPivHouseholderQr().solve(-system.r0);
+  if (exact_is_enough && bounds.empty() && no_loss && x0.allFinite()) {
     // Nothing for Ceres to add: the (non-negative) least-squares solution is the optimum.
     Solution s;
     s.summary.termination_type = ceres::CONVERGENCE;
-    for (Eigen::Index j = 0; j < k; ++j) {
-      s.coefficients.push_back(options.non_negative ? std::max(x0(j) * y_max / scale(j), 0.0)
-                                                    : x0(j) * y_max / scale(j));
-    }
+    s.coefficients = system.coefficients(x0, options.non_negative);
     return s;
   }
   if (start != nullptr) {
     for (Eigen::Index j = 0; j < k; ++j) {
-      x0(j) = (*start)[static_cast<std::size_t>(j)] * scale(j) / y_max;
+      x0(j) = (*start)[static_cast<std::size_t>(j)] * system.scale(j) / system.y_max;
     }
   }
   if (!x0.allFinite()) x0 = Eigen::VectorXd::Ones(k);
@@ -390,40 +450,35 @@ Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>
   std::vector<double> x(x0.data(), x0.data() + k);
 
   ceres::Problem problem;
-  for (Eigen::Index i = 0; i < n; ++i) {
-    problem.AddResidualBlock(new LinearRelativeResidual(jacobian.row(i), r0(i)),
+  for (Eigen::Index i = 0; i < system.jacobian.rows(); ++i) {
+    problem.AddResidualBlock(new LinearRelativeResidual(system.jacobian.row(i), system.r0(i)),
                              make_loss(options), x.data());
   }
-  // Hinge of bound b: weight * max(0, t0 - row . x), the prediction at its dims being
-  // exceeds * (1 - t0 + row . x) with t0 = (target - offset) / exceeds.
+  // Hinge of bound b: weight * max(0, t0 - row . x).
   for (std::size_t b = 0; b < bounds.size(); ++b) {
-    const InfeasibleBound& bound = bounds[b];
-    const std::vector<double> term = formula.basis(bound.dims);
-    const double bound_offset = formula.offset(bound.dims);
-    Eigen::RowVectorXd row(k);
-    for (Eigen::Index j = 0; j < k; ++j) {
-      row(j) = term[static_cast<std::size_t>(j)] * y_max / scale(j) / bound.exceeds_bytes;
-    }
-    if (!row.allFinite() || !std::isfinite(bound_offset)) {
-      throw std::invalid_argument("fit: the formula is not finite at infeasible bound " +
-                                  std::to_string(b) + " (" + describe_dims(formula, bound.dims) +
-                                  ")");
-    }
-    const double t0 = (hinge_target(bound) - bound_offset) / bound.exceeds_bytes;
-    problem.AddResidualBlock(new LinearHingeResidual(row, t0, weight), nullptr, x.data());
+    auto [row, t0] = bound_row(formula, system, bounds[b], b);
+    problem.AddResidualBlock(new LinearHingeResidual(std::move(row), t0, weight), nullptr, x.data());
   }
   if (options.non_negative) {
     for (int j = 0; j < static_cast<int>(k); ++j) problem.SetParameterLowerBound(x.data(), j, 0.0);
   }
   Solution s;
   ceres::Solve(solver_options(options), &problem, &s.summary);
-  s.coefficients.resize(static_cast<std::size_t>(k));
-  for (Eigen::Index j = 0; j < k; ++j) {
-    double c = x[static_cast<std::size_t>(j)] * y_max / scale(j);
-    if (options.non_negative) c = std::max(c, 0.0);  // the bound holds exactly, even for -0
-    s.coefficients[static_cast<std::size_t>(j)] = c;
-  }
+  s.coefficients = system.coefficients(Eigen::Map<const Eigen::VectorXd>(x.data(), k), options.non_negative);
   return s;
+}
+
+std::optional<std::vector<double>> solve_linear_constrained(const CostFormula& formula,
+                                                            const std::vector<Measurement>& measurements,
+                                                            const std::vector<InfeasibleBound>& bounds,
+                                                            const FitOptions& options) {
+  const LinearSystem system = linear_system(formula, measurements, options);
+  const auto x = constrained_least_squares(formula, system, bounds, options.non_negative);
+  if (!x) return std::nullopt;
+  std::vector<double> coefficients = system.coefficients(*x, options.non_negative);
+  // The constraints hold to rounding at the hinges' targets, a hair above exceeds_bytes.
+  if (violated_bounds(formula, bounds, coefficients) > 0) return std::nullopt;
+  return coefficients;
 }
 
 bool bounds_hold(const CostFormula& formula, const std::vector<InfeasibleBound>& bounds,
@@ -437,6 +492,21 @@ Solution solve(const CostFormula& formula, const std::vector<Measurement>& measu
                const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
                const std::vector<double>* start) {
   double weight = options.infeasible_bound_weight;
+  if (formula.is_linear() && options.robust_loss == RobustLoss::kNone && !bounds.empty()) {
+    // The hinges' limit, exactly: Ceres's steps across the hinges' kinks can stall short of it.
+    if (auto coefficients = solve_linear_constrained(formula, measurements, bounds, options)) {
+      Solution s;
+      s.coefficients = std::move(*coefficients);
+      s.summary.termination_type = ceres::CONVERGENCE;
+      s.summary.num_successful_steps = 0;  // no iterations (Ceres's default is -1)
+      s.summary.num_unsuccessful_steps = 0;
+      s.weight = weight;
+      s.exact_report = "exact least squares with the " + std::to_string(bounds.size()) +
+                       (bounds.size() == 1 ? " infeasible-probe bound" : " infeasible-probe bounds") +
+                       " as constraints (Lawson and Hanson's LSI, no Ceres)";
+      return s;
+    }
+  }
   Solution s = solve_at_weight(formula, measurements, bounds, options, weight, start);
   for (int round = 0; round < kBoundRounds && violated_bounds(formula, bounds, s.coefficients) > 0;
        ++round) {

@@ -3,6 +3,8 @@
 // held-out refits (fit_held_out.cpp).
 #pragma once
 
+#include <optional>
+#include <string>
 #include <vector>
 
 #include <ceres/ceres.h>
@@ -18,6 +20,7 @@ struct Solution {
   std::vector<double> coefficients;
   ceres::Solver::Summary summary;
   double weight = 0;  // hinge weight of the last solve
+  std::string exact_report;  // set when solved exactly without Ceres: how (summary unused)
 };
 
 /// Linear least squares with the bounds' hinges of weight `weight`, from `start` (coefficients)
@@ -30,6 +33,15 @@ Solution solve_linear(const CostFormula& formula, const std::vector<Measurement>
                       const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
                       double weight, const std::vector<double>* start, bool exact_is_enough = false);
 
+/// The exact least squares of a linear formula (no robust loss) with every bound's hinge target
+/// as a hard constraint, and coefficients >= 0 when non-negative: what the hinges tend to as
+/// their weight grows (Lawson and Hanson's LSI, no Ceres). nullopt when the constraints cannot
+/// all hold there. Throws IdentifiabilityError as solve_linear does.
+std::optional<std::vector<double>> solve_linear_constrained(const CostFormula& formula,
+                                                            const std::vector<Measurement>& measurements,
+                                                            const std::vector<InfeasibleBound>& bounds,
+                                                            const FitOptions& options);
+
 /// Whether no bound's hinge acts at `coefficients`: every bound predicted at or above the hinge's
 /// target (a hair above exceeds_bytes), so the least-squares optimum of the measurements alone is
 /// the optimum with the bounds.
@@ -38,6 +50,8 @@ bool bounds_hold(const CostFormula& formula, const std::vector<InfeasibleBound>&
 
 /// Solves (linear or not; `start` may be null for a linear formula only); while a bound is
 /// violated at the solution, solves again from it with 10x the hinge weight (a few times at most).
+/// A linear formula with bounds and no robust loss is solved exactly (solve_linear_constrained)
+/// when its constraints can all hold.
 Solution solve(const CostFormula& formula, const std::vector<Measurement>& measurements,
                const std::vector<InfeasibleBound>& bounds, const FitOptions& options,
                const std::vector<double>* start);

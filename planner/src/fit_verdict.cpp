@@ -46,6 +46,7 @@ std::pair<std::size_t, std::optional<std::size_t>> fill_statistics(
   s.infeasible_bound_weight = bounds.empty() ? 0.0 : solution.weight;
   s.solver_report = solution.summary.BriefReport();
   if (!solution.summary.message.empty()) s.solver_report += " (" + solution.summary.message + ")";
+  if (!solution.exact_report.empty()) s.solver_report = solution.exact_report;
   s.rel_errors.reserve(measurements.size());
   double sum_abs = 0;
   std::size_t worst = 0;

@@ -132,8 +132,11 @@ class Solver {
         h_values.push_back(0);
       }
     }
+    Eigen::MatrixXd g(static_cast<Eigen::Index>(g_rows.size()), k);
+    for (std::size_t c = 0; c < g_rows.size(); ++c) g.row(static_cast<Eigen::Index>(c)) = g_rows[c];
+    const Eigen::VectorXd h = Eigen::Map<const Eigen::VectorXd>(h_values.data(), g.rows());
     Restricted out;
-    const std::optional<Eigen::VectorXd> y = least_squares_with_inequalities(a, b, g_rows, h_values);
+    const std::optional<Eigen::VectorXd> y = least_squares_with_inequalities(a, b, g, h, kRegionSlack);
     if (!y) return out;
     out.feasible = true;
     out.x = *y;
@@ -161,48 +164,6 @@ class Solver {
       ++row;
     }
     a.bottomRows(k).diagonal().setConstant(std::sqrt(kRidge));
-  }
-
-  // min |a y - b| subject to g y >= h (Lawson and Hanson, "Solving Least Squares Problems",
-  // chapter 23: LSI to LDP to NNLS). `a` has full column rank (the ridge rows). nullopt when the
-  // constraints cannot all hold.
-  static std::optional<Eigen::VectorXd> least_squares_with_inequalities(
-      const Eigen::MatrixXd& a, const Eigen::VectorXd& b,
-      const std::vector<Eigen::RowVectorXd>& g_rows, const std::vector<double>& h_values) {
-    const Eigen::Index k = a.cols();
-    const Eigen::HouseholderQR<Eigen::MatrixXd> qr(a);
-    const Eigen::MatrixXd r = qr.matrixQR().topRows(k).triangularView<Eigen::Upper>();
-    const Eigen::VectorXd f = (qr.householderQ().transpose() * b).head(k);
-    // y = R^-1 (z + f): minimize |z| subject to E z >= e, E = G R^-1, e = h - E f.
-    const Eigen::Index m = static_cast<Eigen::Index>(g_rows.size());
-    Eigen::MatrixXd g(m, k);
-    Eigen::VectorXd h(m);
-    for (Eigen::Index c = 0; c < m; ++c) {
-      g.row(c) = g_rows[static_cast<std::size_t>(c)];
-      h(c) = h_values[static_cast<std::size_t>(c)];
-    }
-    const auto upper = r.triangularView<Eigen::Upper>();
-    const Eigen::MatrixXd e_matrix = upper.transpose().solve(g.transpose()).transpose();  // G R^-1
-    const Eigen::VectorXd e = h - e_matrix * f;
-    Eigen::VectorXd z = Eigen::VectorXd::Zero(k);
-    if (m > 0 && e.maxCoeff() > 0) {
-      // LDP by NNLS: u >= 0 minimizing |[E^T; e^T] u - (0, ..., 0, 1)|.
-      Eigen::MatrixXd system(k + 1, m);
-      system.topRows(k) = e_matrix.transpose();
-      system.row(k) = e.transpose();
-      Eigen::VectorXd target = Eigen::VectorXd::Zero(k + 1);
-      target(k) = 1;
-      const Eigen::VectorXd u = non_negative_least_squares(system, target);
-      const Eigen::VectorXd residual = system * u - target;
-      if (!(residual.norm() > 1e-12) || !(std::abs(residual(k)) > 1e-300)) return std::nullopt;
-      z = -residual.head(k) / residual(k);
-    }
-    const Eigen::VectorXd y = upper.solve(z + f);
-    if (!y.allFinite()) return std::nullopt;
-    if (m > 0 && ((g * y - h).minCoeff() < -kRegionSlack * std::max(1.0, h.cwiseAbs().maxCoeff()))) {
-      return std::nullopt;
-    }
-    return y;
   }
 
   const MaxAffineProblem& problem_;

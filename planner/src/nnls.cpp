@@ -2,6 +2,7 @@
 #include "nnls.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <limits>
 #include <vector>
@@ -65,6 +66,40 @@ Eigen::VectorXd non_negative_least_squares(const Eigen::MatrixXd& a, const Eigen
     }
   }
   return x;
+}
+
+std::optional<Eigen::VectorXd> least_squares_with_inequalities(const Eigen::MatrixXd& a,
+                                                               const Eigen::VectorXd& b,
+                                                               const Eigen::MatrixXd& g,
+                                                               const Eigen::VectorXd& h, double slack) {
+  const Eigen::Index k = a.cols();
+  const Eigen::Index m = g.rows();
+  const Eigen::HouseholderQR<Eigen::MatrixXd> qr(a);
+  const Eigen::MatrixXd r = qr.matrixQR().topRows(k).triangularView<Eigen::Upper>();
+  const Eigen::VectorXd f = (qr.householderQ().transpose() * b).head(k);
+  // y = R^-1 (z + f): minimize |z| subject to E z >= e, E = G R^-1, e = h - E f.
+  const auto upper = r.triangularView<Eigen::Upper>();
+  const Eigen::MatrixXd e_matrix = upper.transpose().solve(g.transpose()).transpose();
+  const Eigen::VectorXd e = h - e_matrix * f;
+  Eigen::VectorXd z = Eigen::VectorXd::Zero(k);
+  if (m > 0 && e.maxCoeff() > 0) {
+    // LDP by NNLS: u >= 0 minimizing |[E^T; e^T] u - (0, ..., 0, 1)|.
+    Eigen::MatrixXd system(k + 1, m);
+    system.topRows(k) = e_matrix.transpose();
+    system.row(k) = e.transpose();
+    Eigen::VectorXd target = Eigen::VectorXd::Zero(k + 1);
+    target(k) = 1;
+    const Eigen::VectorXd u = non_negative_least_squares(system, target);
+    const Eigen::VectorXd residual = system * u - target;
+    if (!(residual.norm() > 1e-12) || !(std::abs(residual(k)) > 1e-300)) return std::nullopt;
+    z = -residual.head(k) / residual(k);
+  }
+  const Eigen::VectorXd y = upper.solve(z + f);
+  if (!y.allFinite()) return std::nullopt;
+  if (m > 0 && (g * y - h).minCoeff() < -slack * std::max(1.0, h.cwiseAbs().maxCoeff())) {
+    return std::nullopt;
+  }
+  return y;
 }
 
 }  // namespace xpm::detail

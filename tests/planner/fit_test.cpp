@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -523,14 +524,75 @@ TEST_CASE("an infeasible probe raises a non-linear fit's prediction there to the
 
 TEST_CASE("a bound the formula cannot meet makes the fit not usable, naming the dims") {
   // a*bs*l is 0 at l = 0 whatever a is, so a probe out of memory there cannot be honored.
-  const CostFormula f("a*bs*l + c", {"a", "c"}, {"bs", "l"});
-  std::vector<Measurement> m = {{{1, 16}, 2e6}, {{2, 16}, 3e6}, {{4, 32}, 9e6}};
+  const CostFormula f("a*bs*l", {"a"}, {"bs", "l"});
   const FitResult r = xpm::fit_coefficients(f, {{{1, 16}, 2e6}, {{2, 16}, 3e6}},
                                             {{{8, 0}, 5e9}});
   CHECK_FALSE(r.summary.usable);
   CHECK_FALSE(r.summary.infeasible_bound_satisfied.at(0));
   CHECK(any_reason_contains(r.summary, "ran out of memory at bs = 8, l = 0"));
   CHECK(contains(r.summary.brief_report(), "1 violated"));
+}
+
+TEST_CASE("a bound met only by a large constant is met, exactly, and the fit says how far off it is") {
+  // Linear with bounds: the least squares with the bounds as constraints, no iterations. The
+  // constant alone can reach 5e9 at l = 0, so the fit does, and misses the measured points.
+  const CostFormula f("a*bs*l + c", {"a", "c"}, {"bs", "l"});
+  const FitResult r = xpm::fit_coefficients(f, {{{1, 16}, 2e6}, {{2, 16}, 3e6}}, {{{8, 0}, 5e9}});
+  CHECK(r.summary.converged);
+  CHECK(r.summary.iterations == 0);
+  CHECK(r.summary.infeasible_bound_satisfied.at(0));
+  CHECK(f.predict(r.coefficients, {8, 0}) == doctest::Approx(5e9).epsilon(1e-5));
+  CHECK_FALSE(r.summary.usable);
+  CHECK(any_reason_contains(r.summary, "max relative error"));
+  CHECK(contains(r.summary.solver_report, "exact least squares with the 1 infeasible-probe bound as constraints"));
+}
+
+TEST_CASE("a linear fit held up by out-of-memory probes is the least squares under them") {
+  // A small BART's forward-backward peaks above its optimizer step (bs, source and target
+  // length) and its probes that ran out of 40 MB. Ceres, with the bounds as hinges, stopped
+  // after 200 iterations without converging on these.
+  const CostFormula f("a1*bs + a2*bs*ls + a3*bs*lt + a4*bs*ls*lt + c", {"a1", "a2", "a3", "a4", "c"},
+                      {"bs", "ls", "lt"});
+  const std::vector<Measurement> peaks = {
+      {{1, 256, 96}, 31387336}, {{1, 36, 18}, 26859552}, {{2, 56, 24}, 28122688},
+      {{4, 75, 42}, 37436696},  {{3, 67, 41}, 32436360}, {{1, 56, 23}, 27178752},
+      {{2, 56, 23}, 28122688},  {{4, 56, 23}, 30675584}, {{1, 29, 28}, 26747832},
+      {{2, 39, 35}, 27554208},  {{4, 47, 23}, 29991008}, {{1, 36, 16}, 26859552},
+      {{2, 36, 16}, 27454848},  {{4, 36, 16}, 28624704}, {{6, 36, 16}, 30756232},
+      {{1, 24, 15}, 26668032},  {{2, 29, 28}, 27224128}, {{4, 32, 29}, 30526640},
+      {{8, 34, 23}, 37881472},  {{6, 33, 30}, 36248216}, {{3, 52, 23}, 28839648}};
+  const std::vector<xpm::InfeasibleBound> out_of_memory = {
+      {{2, 256, 96}, 4e7}, {{8, 56, 51}, 4e7}, {{6, 56, 51}, 4e7},
+      {{8, 50, 42}, 4e7},  {{6, 49, 37}, 4e7}, {{8, 36, 31}, 4e7}};
+  FitOptions options;
+  options.usable_max_rel_error = 0.1;
+  const FitResult r = xpm::fit_coefficients(f, peaks, out_of_memory, options);
+  CHECK(r.summary.converged);
+  for (std::size_t b = 0; b < out_of_memory.size(); ++b) CHECK(r.summary.infeasible_bound_satisfied.at(b));
+  const auto cost = [&](const std::vector<double>& coefficients) {
+    double sum = 0;
+    for (const Measurement& m : peaks) sum += std::pow((f.predict(coefficients, m.dims) - m.bytes) / m.bytes, 2);
+    return sum;
+  };
+  const auto feasible = [&](const std::vector<double>& coefficients) {
+    return std::all_of(coefficients.begin(), coefficients.end(), [](double c) { return c >= 0; }) &&
+           std::all_of(out_of_memory.begin(), out_of_memory.end(), [&](const xpm::InfeasibleBound& b) {
+             return f.predict(coefficients, b.dims) >= b.exceeds_bytes;
+           });
+  };
+  // The problem is convex: no feasible point nearby has a lower cost.
+  const double at_fit = cost(r.coefficients);
+  std::mt19937_64 random(7);
+  std::normal_distribution<double> step(0, 1e-3);
+  int tried = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<double> moved = r.coefficients;
+    for (double& c : moved) c = c * (1 + step(random)) + std::abs(step(random)) * 1e3;
+    if (!feasible(moved)) continue;
+    ++tried;
+    CHECK(cost(moved) >= at_fit * (1 - 1e-9));
+  }
+  CHECK(tried > 100);
 }
 
 TEST_CASE("fit rejects a malformed infeasible bound naming it") {

@@ -186,7 +186,7 @@ struct FitSummary {
   std::vector<std::vector<double>> leave_one_out_coefficients;
   bool usable = false;                 // converged, accurate enough, non-decreasing in bs
   std::vector<std::string> reasons;    // why not usable (one sentence each); empty when usable
-  std::string solver_report;           // Ceres BriefReport()
+  std::string solver_report;           // Ceres BriefReport(), or how it was solved exactly
   std::string start;                   // non-linear fits: where Ceres started ("" when linear)
   /// "" or a note that the residuals' signs are grouped along a variable (runs test), with a
   /// suggested max() of pieces; informative, it does not change `usable`.
