@@ -220,6 +220,7 @@ struct GlobalCandidate {
   Candidate candidate;
   std::int64_t nodes = 0;   // restricted least-squares problems solved
   bool exhaustive = false;  // branch and bound finished: the global optimum
+  bool stopped = false;     // branch and bound stopped at its budget of restricted problems
   std::size_t points = 0;
 };
 
@@ -302,6 +303,7 @@ class StartSearch {
     out.candidate.cost = cost(out.candidate.coefficients);
     out.nodes = solution.nodes;
     out.exhaustive = solution.exhaustive;
+    out.stopped = solution.stopped;
     out.points = measurements_.size();
     return out;
   }
@@ -492,7 +494,8 @@ AutomaticStart automatic_start(const CostFormula& formula,
                    ? " with max() resolved globally (branch and bound over the winning argument "
                      "at each of " + std::to_string(global.points) + " points, " +
                          std::to_string(global.nodes) + " restricted problems)"
-                   : " with max() resolved by assignment iteration from several starts (" +
+                   : std::string(" with max() resolved by assignment iteration from several starts") +
+                         (global.stopped ? " and a branch and bound stopped at its budget" : "") + " (" +
                          std::to_string(global.points) + " points, " +
                          std::to_string(global.nodes) + " restricted problems; not proven global)";
   }

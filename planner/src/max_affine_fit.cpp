@@ -346,6 +346,7 @@ MaxAffineSolution solve_max_affine(const MaxAffineProblem& problem,
   if (problem.points.size() <= options.exhaustive_max_points) {
     BranchAndBound search(solver, options, best);
     out.exhaustive = search.run();
+    out.stopped = !out.exhaustive;
     out.nodes += search.nodes();
   }
   if (best.y.size() == 0) best.y = Eigen::VectorXd::Zero(static_cast<Eigen::Index>(problem.coefficients));

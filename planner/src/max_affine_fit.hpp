@@ -26,7 +26,9 @@
 //    so far bounds every completion from below (more points add cost and constraints), so a node
 //    at or above the best full cost is pruned; the first child tried is the piece that wins at
 //    the node's solution, and the full cost at every node's solution updates the incumbent. The
-//    search is exact unless it hits max_nodes (MaxAffineSolution::exhaustive is false then).
+//    search is exact unless it hits max_nodes (MaxAffineSolution::exhaustive is false then;
+//    measured, 2,000 restricted problems: 110 searches of a three-variable selection took up to
+//    23,323 without it, and 34 % of the selection's time, for the same chosen fit).
 //  - Beyond: assignment iteration (fit every point to its assigned piece without the region
 //    constraints, reassign each point to the piece that wins at the fit, repeat while the cost
 //    falls) from several starts (the sum of the pieces, each piece alone at every point, and
@@ -58,7 +60,9 @@ struct MaxAffineProblem {
 
 struct MaxAffineSearchOptions {
   std::size_t exhaustive_max_points = 16;  // branch and bound up to this many points
-  std::int64_t max_nodes = 200000;         // restricted problems solved by branch and bound
+  /// Restricted problems branch and bound may solve: a budget in solver work, never in time, so
+  /// the same points give the same fit on any machine. Stopped there, the best found is kept.
+  std::int64_t max_nodes = 2000;
   int random_starts = 16;                  // beyond exhaustive_max_points: seeded random starts
   std::size_t flips_per_round = 24;        // after the starts: single-point reassignments tried
                                            // per round, those nearest the region's boundary
@@ -70,6 +74,7 @@ struct MaxAffineSolution {
   std::vector<std::size_t> assignment;  // the piece that wins at x, per point
   std::int64_t nodes = 0;               // restricted problems solved
   bool exhaustive = false;              // branch and bound finished: x is the global optimum
+  bool stopped = false;                 // branch and bound ran and stopped at max_nodes
 };
 
 /// Sum over points of the squared largest residual at `x`.

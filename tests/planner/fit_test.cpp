@@ -10,6 +10,8 @@
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/formula.hpp"
 
+#include "bart_probes.hpp"
+
 using xpm::CostFormula;
 using xpm::FitOptions;
 using xpm::FitResult;
@@ -548,22 +550,11 @@ TEST_CASE("a bound met only by a large constant is met, exactly, and the fit say
 }
 
 TEST_CASE("a linear fit held up by out-of-memory probes is the least squares under them") {
-  // A small BART's forward-backward peaks above its optimizer step (bs, source and target
-  // length) and its probes that ran out of 40 MB. Ceres, with the bounds as hinges, stopped
-  // after 200 iterations without converging on these.
+  // Ceres, with the bounds as hinges, stopped after 200 iterations without converging on these.
   const CostFormula f("a1*bs + a2*bs*ls + a3*bs*lt + a4*bs*ls*lt + c", {"a1", "a2", "a3", "a4", "c"},
                       {"bs", "ls", "lt"});
-  const std::vector<Measurement> peaks = {
-      {{1, 256, 96}, 31387336}, {{1, 36, 18}, 26859552}, {{2, 56, 24}, 28122688},
-      {{4, 75, 42}, 37436696},  {{3, 67, 41}, 32436360}, {{1, 56, 23}, 27178752},
-      {{2, 56, 23}, 28122688},  {{4, 56, 23}, 30675584}, {{1, 29, 28}, 26747832},
-      {{2, 39, 35}, 27554208},  {{4, 47, 23}, 29991008}, {{1, 36, 16}, 26859552},
-      {{2, 36, 16}, 27454848},  {{4, 36, 16}, 28624704}, {{6, 36, 16}, 30756232},
-      {{1, 24, 15}, 26668032},  {{2, 29, 28}, 27224128}, {{4, 32, 29}, 30526640},
-      {{8, 34, 23}, 37881472},  {{6, 33, 30}, 36248216}, {{3, 52, 23}, 28839648}};
-  const std::vector<xpm::InfeasibleBound> out_of_memory = {
-      {{2, 256, 96}, 4e7}, {{8, 56, 51}, 4e7}, {{6, 56, 51}, 4e7},
-      {{8, 50, 42}, 4e7},  {{6, 49, 37}, 4e7}, {{8, 36, 31}, 4e7}};
+  const std::vector<Measurement> peaks = xpm_test::bart_peaks();
+  const std::vector<xpm::InfeasibleBound> out_of_memory = xpm_test::bart_out_of_memory();
   FitOptions options;
   options.usable_max_rel_error = 0.1;
   const FitResult r = xpm::fit_coefficients(f, peaks, out_of_memory, options);
