@@ -456,12 +456,21 @@ def log_allocator_line(meter: Meter, log: logging.Logger) -> None:
         log.info("xpm: %s", allocator_settings_line())
 
 
+_LOOSE_FIT_REL_ERROR = 0.03  # a given formula missing its probes by more is said to
+
+
 def probes_summary(outcome: ProbeOutcome) -> str:
     """The probes in a drop-in's start-up line: "35 probes (9 out of memory) in 2.0 s, fit max
-    error 0.07 %"."""
+    error 0.07 %", and, where a formula given by the user misses its probes by over 3 %, that
+    plans miss by as much (the calibration corrects by the prediction, not by shape) and that
+    ``formula="auto"`` chooses one from the probes."""
     infeasible = sum(not p.feasible for p in outcome.probes)
+    error = abs(outcome.fit.max_rel_error)
     summary = (f"{len(outcome.probes)} probes ({infeasible} out of memory) in {outcome.probe_s:.1f} s, fit max error "
-               f"{100 * abs(outcome.fit.max_rel_error):.2f} %")
+               f"{100 * error:.2f} %")
+    if error > _LOOSE_FIT_REL_ERROR and not outcome.fit.formula_selection:
+        summary += (" (the formula's own error at its probes: plans can miss by as much where shapes of one "
+                    "prediction differ; formula='auto' chooses a formula from the probes)")
     if outcome.planned_bytes == "reserved" and outcome.reserved_ratios:
         summary += (f"; reserved bytes planned ({min(outcome.reserved_ratios):.3f}x to "
                     f"{max(outcome.reserved_ratios):.3f}x the allocated peak in the probes)")
@@ -472,6 +481,9 @@ __all__ = ["PlanningMode", "VARIABLES", "dataset_record_dims", "checked_custom_d
            "check_drop_in_arguments",
            "DROP_IN_USABLE_MAX_REL_ERROR", "PROBE_SAMPLE_RECORDS", "drop_in_probe_options", "check_device_meter",
            "device_meter", "TIME_MODEL_USABLE_MAX_REL_ERROR", "packer_for", "log_allocator_line", "probes_summary"]
+
+
+_NAMED_RECORDS = 8  # records over the budget named in the refusal
 
 
 def refuse_records_over_budget(who: str, model: MemoryModel, dims: np.ndarray, usable_bytes: int,
@@ -487,12 +499,15 @@ def refuse_records_over_budget(who: str, model: MemoryModel, dims: np.ndarray, u
         capacity: the meter's capacity, for the message.
 
     Raises:
-        ValueError: some record is predicted over the budget even alone (how many, the largest).
+        ValueError: some record is predicted over the budget even alone (how many, and the
+            indices of up to 8 of them, largest first, each with its prediction).
     """
     over, alone = records_over_budget(model, dims, usable_bytes)
     if len(over):
-        largest = int(over[np.argmax(alone[over])])
+        largest_first = [int(i) for i in over[np.argsort(-alone[over], kind="stable")]]
+        named = [f"[{i}] at {alone[i]:,.0f} bytes" for i in largest_first[:_NAMED_RECORDS]]
+        more = len(largest_first) - len(named)
         raise ValueError(f"{who}: {len(over)} of {len(dims)} records are predicted over the budget of "
-                         f"{usable_bytes:,} bytes even alone (train_dataset[{largest}] at {alone[largest]:,.0f} "
-                         f"bytes): no microbatch can hold them; raise the memory cap ({capacity:,} bytes) or "
-                         "memory_fraction, or shorten or drop those records")
+                         f"{usable_bytes:,} bytes even alone (largest first: train_dataset{', '.join(named)}"
+                         f"{f', and {more} more' if more else ''}): no microbatch can hold them; raise the memory "
+                         f"cap ({capacity:,} bytes) or memory_fraction, or shorten or drop those records")

@@ -386,7 +386,8 @@ def test_records_no_microbatch_can_hold_are_refused_before_training(meter, sente
     trainer = PlannedTrainer(model=model, args=_arguments(tmp_path, max_steps=3), train_dataset=_records(sentences[:300]),
                              data_collator=byte_llama.pad_collate)
     with pytest.raises(ValueError, match=r"^PlannedTrainer: \d+ of 300 records are predicted over the budget of "
-                                         r"3,600,000 bytes even alone \(train_dataset\[\d+\] at [\d,]+ bytes\): no "
+                                         r"3,600,000 bytes even alone \(largest first: train_dataset\[\d+\] at [\d,]+ bytes"
+                                         r"(, \[\d+\] at [\d,]+ bytes)*(, and \d+ more)?\): no "
                                          r"microbatch can hold them; raise the memory cap \(4,000,000 bytes\)"):
         trainer.train()
     assert trainer.state.global_step == 0
