@@ -603,6 +603,27 @@ def test_a_refused_fit_leaves_no_memory_behind_and_its_error_names_the_limit(tra
     assert str(kept).startswith("probe: the fitted memory model is not usable: "), str(kept)
 
 
+def test_a_given_formula_that_misses_its_probes_is_said_to_miss_plans_by_as_much(trained):
+    """The drop-ins' start-up line: a formula of the user's, here without the length, misses its
+    probes by over 3 %, and the line says plans can miss by as much and names formula='auto'; a
+    formula that fits says nothing more."""
+    from xpm.integrations.dataset_probes import probes_summary
+    model, optimizer = trained
+    lines = {}
+    METER.capacity_bytes = 400_000_000
+    try:
+        for name, formula in (("loose", xpm.CostFormula("a*bs + c", ["bs", "l"])), ("fitting", FORMULA)):
+            outcome = xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)), formula,
+                                meter=METER, variable_max={"bs": 16, "l": 48}, usable_max_rel_error=1.0)
+            lines[name] = (abs(outcome.fit.max_rel_error), probes_summary(outcome))
+    finally:
+        METER.capacity_bytes = 0
+    error, line = lines["loose"]
+    assert error > 0.03 and "plans can miss by as much" in line and "formula='auto'" in line, line
+    error, line = lines["fitting"]
+    assert error < 0.03 and line.endswith(f"fit max error {100 * error:.2f} %"), line
+
+
 def test_a_loss_function_error_is_raised_as_it_is_without_the_fit_limit_note(trained):
     model, optimizer = trained
     METER.capacity_bytes = 400_000_000
