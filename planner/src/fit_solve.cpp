@@ -412,8 +412,10 @@ std::optional<Eigen::VectorXd> constrained_least_squares(const CostFormula& form
   Eigen::VectorXd h = Eigen::VectorXd::Zero(m);
   for (std::size_t b = 0; b < bounds.size(); ++b) {
     const auto [row, t0] = bound_row(formula, system, bounds[b], b);
-    g.row(static_cast<Eigen::Index>(b)) = row;
-    h(static_cast<Eigen::Index>(b)) = t0;
+    const double norm = row.norm();  // unit rows: the solver's slack is then relative to each
+    const double unit = norm > 0 ? norm : 1.0;
+    g.row(static_cast<Eigen::Index>(b)) = row / unit;
+    h(static_cast<Eigen::Index>(b)) = t0 / unit;
   }
   if (non_negative) g.bottomRows(k).setIdentity();
   return least_squares_with_inequalities(system.jacobian, -system.r0, g, h, 1e-9);

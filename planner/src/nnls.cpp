@@ -79,8 +79,14 @@ std::optional<Eigen::VectorXd> least_squares_with_inequalities(const Eigen::Matr
   const Eigen::VectorXd f = (qr.householderQ().transpose() * b).head(k);
   // y = R^-1 (z + f): minimize |z| subject to E z >= e, E = G R^-1, e = h - E f.
   const auto upper = r.triangularView<Eigen::Upper>();
-  const Eigen::MatrixXd e_matrix = upper.transpose().solve(g.transpose()).transpose();
-  const Eigen::VectorXd e = h - e_matrix * f;
+  Eigen::MatrixXd e_matrix = upper.transpose().solve(g.transpose()).transpose();
+  Eigen::VectorXd e = h - e_matrix * f;
+  // Each constraint scaled to a unit row (the same half-space): NNLS's tolerance grows with its
+  // largest column, and one constraint 1e11 times another's size hid the small ones.
+  for (Eigen::Index c = 0; c < m; ++c) {
+    const double norm = e_matrix.row(c).norm();
+    if (norm > 0 && std::isfinite(norm)) e_matrix.row(c) /= norm, e(c) /= norm;
+  }
   Eigen::VectorXd z = Eigen::VectorXd::Zero(k);
   if (m > 0 && e.maxCoeff() > 0) {
     // LDP by NNLS: u >= 0 minimizing |[E^T; e^T] u - (0, ..., 0, 1)|.

@@ -586,6 +586,28 @@ TEST_CASE("a linear fit held up by out-of-memory probes is the least squares und
   CHECK(tried > 100);
 }
 
+TEST_CASE("a bound every fit meets, far from the points, leaves the exact fit as it is") {
+  // The far bound's constraint row is about 1e11 times the other's: unscaled, it set the
+  // solver's tolerance so high that b >= 0 never came into play, and Ceres, taking over, did
+  // not converge (a reviewer's case).
+  const CostFormula f("a*bs*l + b*l + c", {"a", "b", "c"}, {"bs", "l"});
+  std::vector<Measurement> peaks;
+  const double measured[4][3] = {{5131224, 5252528, 5529650}, {5258757, 5497237, 6034891},
+                                 {5547938, 6052526, 7023200}, {5985886, 7026036, 9097880}};
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 3; ++j) peaks.push_back({{2.0 * (1 << i), 64.0 * (1 << j)}, measured[i][j]});
+  }
+  const xpm::InfeasibleBound near{{32, 512}, 21.8e6};
+  const FitResult without = xpm::fit_coefficients(f, peaks, {near});
+  const FitResult with = xpm::fit_coefficients(f, peaks, {near, {{4096, 65536}, 1}});
+  INFO(with.summary.brief_report());
+  CHECK(with.summary.usable);
+  CHECK(with.summary.iterations == 0);
+  for (std::size_t k = 0; k < 3; ++k) {
+    CHECK(with.coefficients[k] == doctest::Approx(without.coefficients[k]).epsilon(1e-9).scale(1));
+  }
+}
+
 TEST_CASE("fit rejects a malformed infeasible bound naming it") {
   const CostFormula f("a*bs*l + c", {"a", "c"}, {"bs", "l"});
   const auto message = [&](const xpm::InfeasibleBound& bound) {
