@@ -31,10 +31,14 @@
 //    Identifiability is checked at the solution (numeric Jacobian); a coefficient the probes
 //    cannot identify there makes the fit not usable, with the reason.
 // Infeasible probes. A probe that ran out of memory at dims d under a capacity C says that the
-// true peak at d exceeds C. Each such InfeasibleBound adds a one-sided (hinge) residual
+// true peak at d exceeds C. A linear formula without a robust loss is then solved exactly as
+// least squares with every predicted(d) >= C (and coefficients >= 0 when non-negative) as
+// constraints (Lawson and Hanson's LSI; no Ceres, 0 iterations, solver_report says so). Else,
+// or when those constraints cannot all hold, each InfeasibleBound adds a one-sided (hinge)
+// residual
 //   w * max(0, (C - predicted(d)) / C)
 // (w = FitOptions::infeasible_bound_weight), zero when the prediction is at or above C, to the
-// same Ceres problem (linear and non-linear). When a bound is still violated at the solution
+// Ceres problem. When a bound is still violated at the solution
 // the fit is solved again with 10x the weight, up to 4 times. A bound still violated then makes
 // the fit not usable, with a reason naming its dims. Bounds never count as points for the
 // identifiability check, the error statistics or leave-one-out (each left-out refit keeps them).
@@ -143,8 +147,8 @@ struct FitOptions {
 
 /// Diagnostics of a fit on the fitted points.
 struct FitSummary {
-  bool converged = false;              // Ceres reported CONVERGENCE (not NO_CONVERGENCE/FAILURE)
-  int iterations = 0;                  // Ceres iterations
+  bool converged = false;              // Ceres reported CONVERGENCE, or solved exactly
+  int iterations = 0;                  // Ceres iterations (0 when solved exactly)
   bool linear = true;                  // linear least squares (else non-linear)
   std::size_t coefficient_count = 0;   // fitted coefficients
   RobustLoss robust_loss = RobustLoss::kNone;  // FitOptions::robust_loss used
