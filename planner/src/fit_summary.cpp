@@ -89,9 +89,13 @@ std::string FitSummary::held_out_sentence() const {
 std::string FitSummary::brief_report() const {
   std::ostringstream os;
   const std::size_t fitted = rel_errors.size() - left_out.size();
-  os << (converged ? "Fit converged" : "Fit did NOT converge") << " after " << iterations
-     << (iterations == 1 ? " iteration" : " iterations") << " on " << fitted
-     << (fitted == 1 ? " point" : " points");
+  if (converged && iterations == 0) {
+    os << "Fit solved exactly";  // a linear formula under its bounds, without iterations
+  } else {
+    os << (converged ? "Fit converged" : "Fit did NOT converge") << " after " << iterations
+       << (iterations == 1 ? " iteration" : " iterations");
+  }
+  os << " on " << fitted << (fitted == 1 ? " point" : " points");
   if (!left_out.empty()) {
     os << " (" << left_out.size() << " at " << batch_size_variable << " = 1 left out)";
   }

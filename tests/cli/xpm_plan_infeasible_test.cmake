@@ -44,6 +44,7 @@ xpm_plan_run(0 "fit text" fit --csv "${dir}/probes.csv" --variables bs,l --formu
 expect_match("fit text" "${OUT}" "1 probes ran out of memory and were not fitted: +\\[bs=32 l=512\\]")
 expect_match("fit text" "${OUT}" "bs=32 l=512: out of memory under 40000000 bytes, predicted [0-9]+: satisfied")
 expect_match("fit text" "${OUT}" "1 infeasible-probe bound: all satisfied")
+expect_match("fit text" "${OUT}" "Fit solved exactly on 9 points")
 
 # Without a recorded capacity the probe is reported, not used; --probe-capacity-bytes supplies it.
 string(REPLACE ",0,40000000\n" ",0,\n" no_capacity "${csv}")
