@@ -17,6 +17,7 @@ from numpy.typing import ArrayLike
 from .calibration import Calibration, Correction
 from .choices import PACKERS, GradientPhase, PackerName, _check_choice
 from .memory_model import MemoryModel, _checked_model
+from .meters import Meter
 from .record_dims import _record_dims
 from .sampler_calibration import (Corrections, calibration_state, correction_in_force, corrections_from,
                                   first_step_not_handed_out, loaded_corrections, new_calibration, planning_bytes)
@@ -317,6 +318,21 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         if self._calibration is not None and len(microbatch) > 0:
             self._calibration.record_peak(microbatch.predicted_bytes, peak_allocated_bytes,
                                           getattr(microbatch, "position", None))
+
+    def record_meter_peak(self, microbatch: Microbatch, meter: Meter) -> None:
+        """``record_peak`` with the peak ``meter`` measured since ``xpm.meters.start_peak``
+        (``Calibration.record_meter_peak``: reserved bytes where the plans bound them, and then
+        lower corrections only once settled). ``microbatch_loop(..., meter=...)`` calls it for
+        every microbatch.
+
+        Args:
+            microbatch: the ``Microbatch`` the sampler yielded (its ``predicted_bytes``).
+            meter: the meter that measured its forward and backward (and the optimizer step
+                after the step's last microbatch).
+        """
+        if self._calibration is not None and len(microbatch) > 0:
+            self._calibration.record_meter_peak(microbatch.predicted_bytes, meter,
+                                                getattr(microbatch, "position", None))
 
     def end_step(self, step: int, *, replan_from: Optional[int] = None) -> Optional[str]:
         """Ends optimizer step ``step`` for calibration: the ranks agree on the correction (one

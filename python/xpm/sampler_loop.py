@@ -10,7 +10,7 @@ from typing import Any, Iterable, Iterator, Optional, Tuple
 
 import torch
 
-from .meters import Meter, planned_bytes_kind, planned_peak_bytes, start_peak
+from .meters import Meter, start_peak
 from .predictive_batch_sampler import PredictiveBatchSampler
 from .sampler_pass import _MicrobatchIterator
 from .sampler_steps import Microbatch
@@ -32,7 +32,7 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
         meter: the meter the model was probed under; given, ``check_unplanned_memory`` runs
             before each step's first batch is fetched, and warns at most once per loop, and
             every microbatch's peak is measured (the meter's peak reset before it is handed out,
-            read when the loop is resumed) for the sampler's calibration: ``record_peak`` each
+            read when the loop is resumed) for the sampler's calibration: ``record_meter_peak`` each
             microbatch, ``end_step`` after each step's last (on every rank: one all-reduce).
         module: the trained module, for ``check_unplanned_memory`` (gradients set to None);
             given, a step that starts with gradients allocated (a loop that zeroes them in
@@ -63,13 +63,11 @@ def microbatch_loop(loader: Iterable[Any], sampler: PredictiveBatchSampler, *, m
     position: Optional[int] = None
     check, step_starts = meter is not None, True
     measuring = meter is not None and sampler.calibration is not None
-    if measuring and planned_bytes_kind(meter) == "reserved":
-        sampler.calibration.lower_only_once_settled()  # reserved peaks move by whole segments
     handed_out: Optional[Microbatch] = None  # the microbatch being trained on, when measuring
     started_steps = 0                         # steps whose first microbatch this loop handed out
     while True:
         if handed_out is not None:
-            sampler.record_peak(handed_out, planned_peak_bytes(meter))
+            sampler.record_meter_peak(handed_out, meter)
             if handed_out.last:
                 sampler.end_step(handed_out.step)
             handed_out = None

@@ -456,7 +456,7 @@ def log_allocator_line(meter: Meter, log: logging.Logger) -> None:
         log.info("xpm: %s", allocator_settings_line())
 
 
-_LOOSE_FIT_REL_ERROR = 0.03  # a given formula missing its probes by more is said to
+_LOOSE_FIT_REL_ERROR = 0.03  # a given formula missing its probes by more gets a note at start-up
 
 
 def probes_summary(outcome: ProbeOutcome) -> str:
