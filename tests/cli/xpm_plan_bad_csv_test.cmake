@@ -35,6 +35,11 @@ set(bad "${dir}/bad_cell.csv")
 file(WRITE "${bad}" "bs,l,bytes\n1,16,1000768\n2,64,1030000\n4,128,abc\n8,256,2600000\n")
 expect_input_error("non-numeric cell" "line 4, column 'bytes': 'abc'" fit --csv "${bad}" ${fit_args})
 
+# A capacity cell on a row that ran (not out of memory) is checked too: no cell is ignored.
+set(bad_capacity "${dir}/bad_capacity.csv")
+file(WRITE "${bad_capacity}" "bs,l,bytes,feasible,capacity_bytes\n1,16,1000768,1,\n2,64,1030000,1,abc\n4,128,1200000,1,\n8,256,2600000,1,\n")
+expect_input_error("capacity cell of a feasible row" "line 3, column 'capacity_bytes': 'abc'" fit --csv "${bad_capacity}" ${fit_args})
+
 # A row with a missing cell.
 set(short "${dir}/short_row.csv")
 file(WRITE "${short}" "bs,l,bytes\n1,16,1000768\n2,64\n4,128,1200000\n8,256,2600000\n")

@@ -63,16 +63,16 @@ MeasurementSet read_csv_measurements(const MeasurementRequest& req, const std::s
     nlohmann::json record = {{"dims", dims}};
     const bool feasible = feasible_column ? table.boolean(r, *feasible_column) : true;
     record["feasible"] = feasible;
-    if (!feasible) {
-      double capacity = 0;
-      if (capacity_column && !table.rows[r][*capacity_column].empty()) {
-        capacity = table.number(r, *capacity_column);
-        if (!(capacity > 0)) {
-          throw InputError(table.where(r, *capacity_column) + ": capacity must be > 0, got " +
-                           table.rows[r][*capacity_column]);
-        }
-        record["capacity_bytes"] = capacity;
+    double capacity = 0;  // checked on every row that has one: no cell is ignored
+    if (capacity_column && !table.rows[r][*capacity_column].empty()) {
+      capacity = table.number(r, *capacity_column);
+      if (!(capacity > 0)) {
+        throw InputError(table.where(r, *capacity_column) + ": capacity must be > 0, got " +
+                         table.rows[r][*capacity_column]);
       }
+      record["capacity_bytes"] = capacity;
+    }
+    if (!feasible) {
       set.infeasible.push_back(dims);
       set.infeasible_capacity_bytes.push_back(capacity);
       set.infeasible_records.push_back(record);
