@@ -47,6 +47,14 @@ if(NOT saved_probes EQUAL 17 OR NOT fitted_to STREQUAL "peak")
   message(FATAL_ERROR "saved model: ${saved_probes} probes, fitted to ${fitted_to}")
 endif()
 
+# An unusable fit's JSON reasons name this tool's option, not the library's field.
+xpm_plan_run(1 "unusable fit, JSON" fit "${dir}/list.json" --formula "a*bs + c" --variables bs,l
+             --bytes-column peak --json)
+string(JSON reason GET "${OUT}" reasons 0)
+if(NOT reason MATCHES "[(]--usable-max-rel-error[)]" OR reason MATCHES "FitOptions")
+  message(FATAL_ERROR "unusable fit, JSON reasons: ${reason}")
+endif()
+
 # Text output: the brief report and the infeasible probe.
 xpm_plan_run(0 "fit text" fit "${dir}/list.json" --formula "a*bs*l^2 + b*bs*l + c"
              --variables bs,l --bytes-column peak)

@@ -75,6 +75,13 @@ void set_verdict(FitOutcome& outcome) {
   }
 }
 
+// The fit's reasons with the library's option names read as this tool's options.
+std::vector<std::string> cli_reasons(const std::vector<std::string>& reasons) {
+  std::vector<std::string> out;
+  for (const std::string& reason : reasons) out.push_back(option_names(reason));
+  return out;
+}
+
 }  // namespace
 
 FitOutcome fit_automatic_formula(const std::vector<std::string>& variables, const MeasurementSet& set,
@@ -133,7 +140,7 @@ nlohmann::json fit_summary_json(const xpm::FitSummary& s, const FitOutcome& outc
   for (double e : s.leave_one_out_rel_errors) loo.push_back(finite_or_null(e));
   return {{"converged", s.converged},
           {"usable", outcome.usable},
-          {"reasons", s.reasons},
+          {"reasons", cli_reasons(s.reasons)},
           {"linear", s.linear},
           {"robust_loss", xpm::to_string(s.robust_loss)},
           {"iterations", s.iterations},
