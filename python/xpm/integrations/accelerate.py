@@ -110,10 +110,11 @@ class RoundRobinMicrobatches:
     ranks with fewer microbatches than the most get padding (empty, weight 0) at the end, so the
     length is a multiple of ``world_size`` and accelerate neither holds back nor repeats any.
     Without a ``batch_size`` (the sizes vary), as ``BatchSamplerShard`` needs. With a lockstep
-    sampler (the default at world size > 1: every rank the same count in every step) the slots
-    are made a step at a time, as accelerate reads them, so steps planned anew by the
-    calibration (``microbatch_loop(..., meter=...)``) are dealt as planned anew; ``taken_step``
-    is the last step whose slots were read.
+    sampler (the default at world size > 1: every rank the same count in every step) or at one
+    process the slots are made a step at a time, as accelerate reads them, with a padding slot
+    per rank between steps (read ahead while a step's last microbatch trains), so steps planned
+    anew by the calibration (``microbatch_loop(..., meter=...)``) are dealt as planned anew from
+    the next step on; ``taken_step`` is the last step whose slots were read.
 
     Args:
         sampler: this process's ``xpm.PredictiveBatchSampler``; its epoch and position
@@ -168,13 +169,25 @@ class RoundRobinMicrobatches:
 
     def _lockstep_order(self) -> Iterator[_PlannedIndices]:
         """Step by step, each planned when accelerate reads its first slot (every rank's step
-        has the same count: lockstep, or one process)."""
+        has the same count: lockstep, or one process), with one padding slot per rank between
+        steps: accelerate reads one batch ahead, so it reads that slot while a step's last
+        microbatch trains, and the next step's first only once the step has ended."""
         sampler = self.predictive_sampler
         for index in range(self._start_step(), sampler.steps_per_epoch()):
+            if self.taken_step >= 0:
+                yield from (self._padding(rank) for rank in range(self.world_size))
             self.taken_step = index
             per_rank = [self._planned(step, r, index) for r, step in enumerate(sampler.planned_steps(index))]
             for slot in zip(*per_rank):
                 yield from slot
+
+    @staticmethod
+    def _padding(rank: int) -> _PlannedIndices:
+        return _PlannedIndices([], weight=0.0, last=False, rank=rank, step=-1, predicted_bytes=0.0, padding=True)
+
+    def _step_by_step(self) -> bool:
+        """One process, or lockstep: each step planned when read, so corrections reach later steps."""
+        return self.predictive_sampler.lockstep or self.world_size == 1
 
     def _order(self) -> List[_PlannedIndices]:
         start = self._start_step()
@@ -184,9 +197,7 @@ class RoundRobinMicrobatches:
         order = []
         for k in range(slots):
             for rank, mine in enumerate(per_rank):
-                order.append(mine[k] if k < len(mine) else
-                             _PlannedIndices([], weight=0.0, last=False, rank=rank, step=-1, predicted_bytes=0.0,
-                                             padding=True))
+                order.append(mine[k] if k < len(mine) else self._padding(rank))
         return order
 
     def __iter__(self) -> Iterator[_PlannedIndices]:
@@ -196,13 +207,15 @@ class RoundRobinMicrobatches:
         if state["steps_done"] >= self.predictive_sampler.steps_per_epoch():
             self.predictive_sampler.set_epoch(state["epoch"])  # done: iterating again starts the epoch over
         self.taken_step = -1
-        # One process, or lockstep: each step planned when read, so corrections reach later steps.
-        step_by_step = self.predictive_sampler.lockstep or self.world_size == 1
-        yield from self._lockstep_order() if step_by_step else self._order()
+        yield from self._lockstep_order() if self._step_by_step() else self._order()
 
     def __len__(self) -> int:
-        """Slots of the rest of the epoch: ``world_size`` x the most microbatches of any rank."""
-        return self.world_size * max(sum(len(step.microbatches) for step in steps) for steps in self.steps_of_ranks())
+        """Slots of the rest of the epoch: ``world_size`` x the most microbatches of any rank,
+        and, step by step, the padding slot between steps."""
+        steps_of_ranks = self.steps_of_ranks()
+        between = max(0, len(steps_of_ranks[0]) - 1) if self._step_by_step() else 0
+        return self.world_size * (max(sum(len(step.microbatches) for step in steps) for steps in steps_of_ranks)
+                                  + between)
 
     def microbatches_per_process(self) -> int:
         """Microbatches (padding included) accelerate deals to each process over the rest of the epoch."""
