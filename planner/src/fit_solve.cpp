@@ -178,6 +178,72 @@ class LinearHingeResidual final : public ceres::CostFunction {
   double weight_;
 };
 
+// One infeasible bound's hinge of a formula that is the maximum of affine variants:
+// weight * max(0, (target - max_v (rows_v . (x .* s) + offset_v)) / exceeds), the winning
+// variant's row as Jacobian where it is active.
+class MaxAffineHingeResidual final : public ceres::CostFunction {
+ public:
+  // `rows` [variants, k + 1] in bytes (max_affine_variants at the bound's dims); `scales` [k].
+  MaxAffineHingeResidual(const Eigen::MatrixXd& rows, const InfeasibleBound& bound,
+                         const std::vector<double>& scales, double weight)
+      : rows_(rows.leftCols(rows.cols() - 1)),
+        offsets_(rows.col(rows.cols() - 1) / bound.exceeds_bytes),
+        target_(hinge_target(bound) / bound.exceeds_bytes),
+        weight_(weight) {
+    for (Eigen::Index j = 0; j < rows_.cols(); ++j) {
+      rows_.col(j) *= scales[static_cast<std::size_t>(j)] / bound.exceeds_bytes;
+    }
+    set_num_residuals(1);
+    mutable_parameter_block_sizes()->push_back(static_cast<int>(rows_.cols()));
+  }
+
+  bool Evaluate(double const* const* parameters, double* residuals,
+                double** jacobians) const override {
+    Eigen::Map<const Eigen::VectorXd> x(parameters[0], rows_.cols());
+    Eigen::Index winner = 0;
+    const double shortfall = target_ - (rows_ * x + offsets_).maxCoeff(&winner);
+    const bool active = shortfall > 0;
+    residuals[0] = active ? weight_ * shortfall : 0.0;
+    if (jacobians != nullptr && jacobians[0] != nullptr) {
+      Eigen::Map<Eigen::RowVectorXd> jacobian(jacobians[0], rows_.cols());
+      if (active) {
+        jacobian = -weight_ * rows_.row(winner);
+      } else {
+        jacobian.setZero();
+      }
+    }
+    return std::isfinite(shortfall);
+  }
+
+ private:
+  Eigen::MatrixXd rows_;     // [variants, k]: d(prediction / exceeds) / dx per variant
+  Eigen::VectorXd offsets_;  // [variants]: prediction / exceeds at x = 0
+  double target_;            // the hinge's target / exceeds
+  double weight_;
+};
+
+// The analytic hinges of `bounds` when `formula` is the maximum of affine variants that
+// reproduce its predictions at `start` there; else empty (numeric differences).
+std::vector<std::unique_ptr<ceres::CostFunction>> max_affine_hinges(const CostFormula& formula,
+                                                                    const std::vector<InfeasibleBound>& bounds,
+                                                                    const std::vector<double>& start,
+                                                                    const std::vector<double>& scales, double weight) {
+  std::vector<std::vector<double>> dims;
+  for (const InfeasibleBound& bound : bounds) dims.push_back(bound.dims);
+  const auto variants = max_affine_variants(formula, dims);
+  if (!variants) return {};
+  const Eigen::Map<const Eigen::VectorXd> at(start.data(), static_cast<Eigen::Index>(start.size()));
+  std::vector<std::unique_ptr<ceres::CostFunction>> out;
+  for (std::size_t i = 0; i < bounds.size(); ++i) {
+    const Eigen::MatrixXd& rows = (*variants)[i];
+    const double predicted = formula.predict(start, bounds[i].dims);
+    const double rebuilt = (rows.leftCols(rows.cols() - 1) * at + rows.col(rows.cols() - 1)).maxCoeff();
+    if (!(std::abs(rebuilt - predicted) <= 1e-9 * std::max(1.0, std::abs(predicted)))) return {};
+    out.push_back(std::make_unique<MaxAffineHingeResidual>(rows, bounds[i], scales, weight));
+  }
+  return out;
+}
+
 // One infeasible bound's hinge, any formula, for numeric differentiation:
 // weight * max(0, (target - predict) / exceeds).
 class PredictHingeResidual {
@@ -254,7 +320,10 @@ Solution solve_nonlinear(const CostFormula& formula, const std::vector<Measureme
     cost->SetNumResiduals(1);
     problem.AddResidualBlock(cost, make_loss(options), x.data());
   }
-  for (const InfeasibleBound& bound : bounds) {
+  std::vector<std::unique_ptr<ceres::CostFunction>> hinges =
+      bounds.empty() ? decltype(analytic){} : max_affine_hinges(formula, bounds, start, scales, weight);
+  for (std::unique_ptr<ceres::CostFunction>& cost : hinges) problem.AddResidualBlock(cost.release(), nullptr, x.data());
+  for (const InfeasibleBound& bound : hinges.empty() ? bounds : std::vector<InfeasibleBound>{}) {
     using Cost = ceres::DynamicNumericDiffCostFunction<PredictHingeResidual, ceres::CENTRAL>;
     auto* cost = new Cost(new PredictHingeResidual(formula, bound, scales, weight));
     cost->AddParameterBlock(static_cast<int>(k));
