@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <cmath>
 #include <set>
 #include <sstream>
@@ -119,6 +120,15 @@ void PredictiveBatcher::run_initial_design(ProbeExecutor& executor, double usabl
         }, usable_bytes);
       }
     }
+    for (std::size_t index : lopsided_records()) {
+      sweep_batch_size(executor, [&](double bs) {
+        ProbeShape shape{{}, std::vector<std::vector<double>>(static_cast<std::size_t>(bs),
+                                                              options_.record_dims_sample[index])};
+        const RecordDimsView sample(sample_rows_.data(), options_.record_dims_sample.size(), aggregation_.size());
+        shape.dims = aggregate_dims(sample, std::vector<std::size_t>(shape.records.size(), index), aggregation_);
+        return shape;
+      }, usable_bytes);
+    }
     return;
   }
   const std::size_t bs_index = options_.formula.variable_index(options_.batch_size_variable);
@@ -165,6 +175,42 @@ PredictiveBatcher::ProbeShape PredictiveBatcher::sample_mix(std::size_t records,
   const RecordDimsView sample(sample_rows_.data(), n, aggregation_.size());
   shape.dims = aggregate_dims(sample, indices, aggregation_);
   return shape;
+}
+
+// Per variable besides the batch size whose records combine by their max (with two or more
+// such), the sample's record whose share of that variable's largest value most exceeds its
+// largest share of another's, when by at least kLopsidedShare (the first in sample order on a
+// tie): the shapes the quantiles' mixes miss (predictive_batcher.hpp).
+std::vector<std::size_t> PredictiveBatcher::lopsided_records() const {
+  std::vector<std::size_t> lengths;
+  for (std::size_t v = 0; v < aggregation_.size(); ++v) {
+    if (aggregation_[v] == DimAggregation::kMax) lengths.push_back(v);
+  }
+  std::vector<std::size_t> chosen;
+  if (lengths.size() < 2) return chosen;
+  std::vector<double> largest(aggregation_.size(), 0.0);
+  for (const auto& record : options_.record_dims_sample) {
+    for (std::size_t v : lengths) largest[v] = std::max(largest[v], record[v]);
+  }
+  for (std::size_t v : lengths) {
+    if (largest[v] <= 0) continue;
+    double best = kLopsidedShare;
+    std::optional<std::size_t> pick;
+    for (std::size_t i : sample_order_) {
+      const auto& record = options_.record_dims_sample[i];
+      double others = 0;
+      for (std::size_t u : lengths) {
+        if (u != v && largest[u] > 0) others = std::max(others, record[u] / largest[u]);
+      }
+      const double lead = record[v] / largest[v] - others;
+      if (lead >= best && (!pick || lead > best)) {
+        best = lead;
+        pick = i;
+      }
+    }
+    if (pick) chosen.push_back(*pick);
+  }
+  return chosen;
 }
 
 // Grows the microbatch size by doubling toward the budget, then bisects once between the last

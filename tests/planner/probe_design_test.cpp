@@ -201,3 +201,80 @@ TEST_CASE("an aggregation that names no variable, or the batch size, is refused"
   options.aggregation = {{"bs", xpm::DimAggregation::kSum}};
   CHECK_THROWS_AS(xpm::PredictiveBatcher(options, std::make_shared<xpm::AdaptivePacker>()), std::invalid_argument);
 }
+
+namespace {
+
+// An encoder-decoder step over records (bs = 1, ls, lt), each length a microbatch's max: encoder
+// attention bs*ls^2, cross attention bs*ls*lt, decoder attention bs*lt^2, 400 bytes per padded
+// token of either side.
+class EncoderDecoderExecutor : public xpm::ProbeExecutor {
+ public:
+  static double activations_bytes(double bs, double ls, double lt) {
+    return bs * (30 * ls * ls + 12 * ls * lt + 20 * lt * lt + 400 * (ls + lt));
+  }
+  xpm::ProbeResult run_probe(const std::vector<double>& dims) override {
+    xpm::ProbeResult r;
+    r.dims = dims;
+    r.forward_backward_peak_bytes = kStatic + activations_bytes(dims[0], dims[1], dims[2]);
+    r.optimizer_step_peak_bytes = kStatic + 5000;
+    return r;
+  }
+  xpm::ProbeResult run_probe_records(const std::vector<std::vector<double>>& records) override {
+    double ls = 0, lt = 0;
+    for (const auto& record : records) {
+      ls = std::max(ls, record[1]);
+      lt = std::max(lt, record[2]);
+    }
+    return run_probe({static_cast<double>(records.size()), ls, lt});
+  }
+  double static_bytes() override { return kStatic; }
+  static constexpr double kStatic = 1e6;
+};
+
+// Targets about half their source (10..200 tokens), and `lopsided` records of the longest
+// source with a 2-token target (a classification label).
+xpm::PredictiveBatcher encoder_decoder_design(EncoderDecoderExecutor& executor, int lopsided) {
+  xpm::PredictiveBatcherOptions options;
+  options.formula = xpm::CostFormula::with_variables("a*bs*ls^2 + b*bs*ls*lt + d*bs*lt^2 + e*bs*ls + f*bs*lt + c",
+                                                     {"bs", "ls", "lt"});
+  options.variable_max = {{"bs", 16}};
+  std::mt19937 generator(5);
+  for (int i = 0; i < 400; ++i) {
+    const double ls = 10 + static_cast<double>(generator() % 191);
+    options.record_dims_sample.push_back({1, ls, std::floor(ls / 2) + static_cast<double>(generator() % 3)});
+  }
+  for (int i = 0; i < lopsided; ++i) options.record_dims_sample.push_back({1, 200, 2});
+  options.budget = {4'000'000'000, 0.9, 0};
+  options.adaptive.max_probes = 0;
+  xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
+  batcher.probe_and_fit(executor);
+  return batcher;
+}
+
+}  // namespace
+
+TEST_CASE("with two lengths, the record most lopsided toward each is swept on its own") {
+  EncoderDecoderExecutor executor;
+  const xpm::PredictiveBatcher batcher = encoder_decoder_design(executor, 1);
+  std::vector<std::vector<double>> lopsided;
+  for (const xpm::ProbeResult& probe : batcher.probes()) {
+    if (probe.dims[2] == 2) lopsided.push_back(probe.dims);
+  }
+  // Its sweep: 1, 2, 4, 8 and 16 copies of the long source with the 2-token target. No record
+  // leads in the target length by half its range: no sweep there.
+  CHECK(lopsided == std::vector<std::vector<double>>{{1, 200, 2}, {2, 200, 2}, {4, 200, 2}, {8, 200, 2},
+                                                     {16, 200, 2}});
+  // The lopsided shapes are predicted.
+  for (const std::vector<double>& dims : {std::vector<double>{1, 200, 2}, {3, 200, 2}, {5, 180, 4}}) {
+    const double measured = executor.run_probe(dims).step_peak_bytes();
+    CHECK(std::abs(batcher.model().predict_bytes(dims) - measured) / measured < 1e-3);
+  }
+}
+
+TEST_CASE("lengths that grow together add no lopsided sweep") {
+  EncoderDecoderExecutor executor;
+  const xpm::PredictiveBatcher with = encoder_decoder_design(executor, 1);
+  const xpm::PredictiveBatcher without = encoder_decoder_design(executor, 0);
+  CHECK(with.probes().size() == without.probes().size() + 5);
+  for (const xpm::ProbeResult& probe : without.probes()) CHECK(probe.dims[2] >= std::floor(probe.dims[1] / 2));
+}
