@@ -18,7 +18,8 @@
 What it derives, each overridable by a keyword: the outer batch, the loader's ``batch_size x
 gradient_accumulation_steps x num_processes`` records per optimizer step (the accelerator's
 accumulation count is then set to 1: the microbatch weights accumulate); each record's length
-from the dataset (a text, a token list, a tensor, or a mapping's ``input_ids``); probes of the
+from the dataset (a text, a token list, a tensor, or a mapping's ``input_ids``; for a model whose
+config says ``is_encoder_decoder``, the source's and the target's, variables ``bs, ls, lt``); probes of the
 prepared (DDP-wrapped) model in lockstep on every process, on the dataset's longest record cut or
 repeated through the loader's ``collate_fn``, under ``accelerator.autocast()``, its loss
 ``loss_fn(model, batch)``; the budget from the device (CUDA's memory, torch's per-process fraction
@@ -43,9 +44,9 @@ from ..probe_options import ProbeOptions
 from ..probing import probe
 from ..sampler import PredictiveBatchSampler
 from .accelerate import _round_robin_of, _check_processes, prepare_data_loader
-from .dataset_probes import (ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
-                             drop_in_probe_options, packer_for, probes_summary, refuse_records_over_budget,
-                             check_drop_in_arguments)
+from .dataset_probes import (VARIABLES, PlanningMode, ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims,
+                             dataset_record_dims, device_meter, drop_in_probe_options, packer_for, probes_summary,
+                             refuse_records_over_budget, check_drop_in_arguments)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,21 @@ class _WithPlaceholder:
 
 
 _DATASET = "xpm.integrations.accelerate.prepare: loader.dataset"
+
+
+def planning_mode(model: torch.nn.Module) -> PlanningMode:
+    """``"encoder_decoder"`` for a model whose config says ``is_encoder_decoder`` (BART, T5:
+    variables ``bs, ls, lt``, the source's and the target's lengths), else ``"padded"`` (``bs, l``).
+
+    Args:
+        model: the model, prepared or not.
+
+    Returns:
+        The mode (``dataset_probes.PlanningMode``).
+    """
+    inner = getattr(model, "module", model)  # DDP's wrapper
+    config = getattr(inner, "config", None)
+    return "encoder_decoder" if getattr(config, "is_encoder_decoder", False) is True else "padded"
 
 
 def _checked_loader(loader: Any) -> DataLoader:
@@ -107,10 +123,13 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
         loader: the ``DataLoader`` the loop would have used (map-style dataset, ``batch_size``,
             ``collate_fn``); not prepared.
         loss_fn: ``loss_fn(model, batch)``: a microbatch's mean loss (default ``default_loss``).
-        formula: the cost formula (variables ``bs, l``), or ``"auto"``.
+        formula: the cost formula (variables ``bs, l``; for an encoder-decoder, whose config
+            says ``is_encoder_decoder``, ``bs, ls, lt``: the source's and the target's lengths,
+            ``input_ids`` and ``labels``), or ``"auto"``.
         memory_fraction: the share of the device's memory or the CPU meter's cap (0.9).
         meter: the meter (default: made for ``accelerator.device``).
-        record_dims: ``record_dims(record) -> [1, l, ...]`` (default: a record's length).
+        record_dims: ``record_dims(record) -> [1, l, ...]`` (default: a record's length, or
+            for an encoder-decoder its source's and target's).
         units: ``units(record) -> float``, a record's loss units (tokens for a token-mean
             loss); default 1 each.
         probe_options: ``xpm.ProbeOptions`` to probe with (its ``record_dims``, ``variables`` and
@@ -131,8 +150,9 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
             accelerator knows of (torchrun without GPUs needs ``Accelerator(cpu=True)``), and what
             ``prepare_data_loader`` refuses.
     """
+    mode = planning_mode(model)
     seed = check_drop_in_arguments("xpm.integrations.accelerate.prepare", formula, record_dims, units, packer, seed,
-                                   "padded")
+                                   mode)
     _check_processes(accelerator, "xpm.integrations.accelerate.prepare")
     loader = _checked_loader(loader)
     if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
@@ -146,14 +166,14 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
     model, optimizer = accelerator.prepare(model, optimizer)
     meter = device_meter(accelerator.device, meter)
     dataset = loader.dataset
+    variables = list(formula.variable_names) if isinstance(formula, CostFormula) else list(VARIABLES[mode])
     if record_dims is not None:
-        width = len(formula.variable_names) if isinstance(formula, CostFormula) else 2
-        dims = checked_custom_dims(dataset, record_dims, width, _DATASET)
+        dims = checked_custom_dims(dataset, record_dims, len(variables), _DATASET)
     else:
-        dims = dataset_record_dims(dataset, "padded", _DATASET)
+        dims = dataset_record_dims(dataset, mode, _DATASET)
     budget = MemoryBudget(int(meter.capacity_bytes), float(memory_fraction))
     outcome = _probe(accelerator, model, optimizer, loader, loss_fn, formula, meter, dims, budget,
-                     probe_options, -(-outer // world))
+                     probe_options, -(-outer // world), mode, variables)
     memory_model = outcome.model
     refuse_records_over_budget("xpm.integrations.accelerate.prepare", memory_model, dims, budget.usable_bytes, budget.capacity_bytes)
     sampler = PredictiveBatchSampler(
@@ -163,7 +183,8 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
     planned = prepare_data_loader(accelerator, dataset, sampler, collate_fn=_WithPlaceholder(loader.collate_fn,
                                                                                                 dataset))
     _round_robin_of(planned).meter = meter
-    planned.xpm_report = (f"xpm: {probes_summary(outcome)}; formula {memory_model.formula.canonical}; budget {budget.usable_bytes:,} bytes; {outer} records "
+    records = "" if mode == "padded" else f"{mode} records; "
+    planned.xpm_report = (f"xpm: {records}{probes_summary(outcome)}; formula {memory_model.formula.canonical}; budget {budget.usable_bytes:,} bytes; {outer} records "
                           f"per optimizer step (batch_size {loader.batch_size} x {accumulation} accumulation steps x "
                           f"{world} process(es), the fixed batch it replaces)")
     logger.info("%s", planned.xpm_report)
@@ -172,15 +193,15 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
 
 
 def _probe(accelerator, model, optimizer, loader, loss_fn, formula, meter, dims: np.ndarray, budget: MemoryBudget,
-           probe_options: Optional[ProbeOptions], per_process_records: int):
-    records = ProbeRecords(loader.dataset, dims, "padded")
+           probe_options: Optional[ProbeOptions], per_process_records: int, mode: PlanningMode,
+           variables: Sequence[str]):
+    records = ProbeRecords(loader.dataset, dims, mode)
 
     def loss_of(rows):
         batch = accelerate.utils.send_to_device(loader.collate_fn(records.at(rows)), accelerator.device)
         with accelerator.autocast():
             return loss_fn(model, batch)
 
-    variables = list(formula.variable_names) if isinstance(formula, CostFormula) else ["bs", "l"]
     options = drop_in_probe_options(probe_options, variables, dims, budget, per_process_records,
                                     accelerator.num_processes)
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper steps only at synced steps

@@ -608,3 +608,60 @@ def test_torchrun_without_cpu_true_is_refused_before_probing(tmp_path):
     assert refused[0] == ("refused: xpm.integrations.accelerate.prepare: the accelerator runs 1 process(es) but "
                           "torch.distributed has 2 ranks, so accelerate set up no distributed run; without GPUs build "
                           "it with accelerate.Accelerator(cpu=True); models prepared 0")
+
+
+def test_one_call_plans_an_encoder_decoder_on_both_lengths():
+    """A model whose config says is_encoder_decoder is planned on its sources' and targets'
+    lengths (``bs, ls, lt``), as the HF Trainer drop-in plans it: a long source with a 2-token
+    target is predicted below the same source with a long target (before, only the source's
+    length was read, and the two got one prediction)."""
+    transformers = pytest.importorskip("transformers")
+    meter = xpm.CpuMeter.install()
+    torch.manual_seed(0)
+    meter.capacity_bytes = 0
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=160,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rng = np.random.default_rng(4)
+    sources = rng.integers(8, 150, 48)
+    targets = np.where(np.arange(48) % 8 == 0, 2, sources // 2 + 2)  # every 8th a 2-token label
+    records = [{"input_ids": rng.integers(3, 128, int(s)).tolist(), "labels": rng.integers(3, 128, int(t)).tolist()}
+               for s, t in zip(sources, targets)]
+
+    def collate(batch):
+        ls, lt = max(len(r["input_ids"]) for r in batch), max(len(r["labels"]) for r in batch)
+        ids, labels = torch.ones(len(batch), ls, dtype=torch.long), torch.full((len(batch), lt), -100)
+        for i, r in enumerate(batch):
+            ids[i, :len(r["input_ids"])] = torch.tensor(r["input_ids"])
+            labels[i, :len(r["labels"])] = torch.tensor(r["labels"])
+        return {"input_ids": ids, "attention_mask": ids.ne(1).long(), "labels": labels}
+
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    meter.capacity_bytes = 40_000_000
+    try:
+        ooms = meter.oom_count
+        model, optimizer, loader = xpm_accelerate.prepare(
+            accelerator, model, optimizer, torch.utils.data.DataLoader(records, batch_size=8, collate_fn=collate),
+            packer="adaptive")
+        probe_ooms = meter.oom_count - ooms
+        seen = []
+        for microbatch in xpm_accelerate.microbatch_loop(loader):
+            with xpm_accelerate.accumulate(accelerator, model, microbatch):
+                accelerator.backward(microbatch.weight * model(**microbatch.batch).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            seen += microbatch.indices
+        assert meter.oom_count - ooms == probe_ooms
+    finally:
+        meter.capacity_bytes = 0
+    assert loader.xpm_report.startswith("xpm: encoder_decoder records; "), loader.xpm_report
+    memory_model = xpm_accelerate._round_robin_of(loader).predictive_sampler._model
+    assert list(memory_model.formula.variable_names) == ["bs", "ls", "lt"]
+    longest = int(sources.max())
+    label, long_target = memory_model.predict([1, longest, 2]), memory_model.predict([1, longest, longest // 2 + 2])
+    assert label < long_target, (label, long_target)
+    assert sorted(seen) == list(range(48))
+    print(f"\n{loader.xpm_report}; a {longest}-token source predicted {float(label):,.0f} bytes with a 2-token target, "
+          f"{float(long_target):,.0f} with a {longest // 2 + 2}-token one")
