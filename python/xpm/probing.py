@@ -282,10 +282,11 @@ def _probe_and_fit(model, optimizer, loss_fn, meter, formula, budget, args, rank
         if error is executor.raised:  # a probe's own error (the loss function's): as it was raised
             raise
         # The planner's errors name its C++ class; the caller called probe.
-        message = re.sub(r"^PredictiveBatcher: ", "probe: ", str(error))
-        failure = type(error)(f"{message} (xpm.probe(..., usable_max_rel_error=...) sets that limit; this error's "
-                               f".probes holds the {len(executor.results)} probes, for xpm.fit)"
-                               if "usable_max_rel_error" in message else message)
+        message = re.sub(r"^PredictiveBatcher: ", "probe: ", str(error)).replace(" (FitOptions::usable_max_rel_error)", "")
+        failure = type(error)(f"{message} (xpm.probe(..., usable_max_rel_error=...) sets that limit, and a drop-in's "
+                               f"probe_options=xpm.ProbeOptions(usable_max_rel_error=...); this error's .probes holds "
+                               f"the {len(executor.results)} probes, for xpm.fit)"
+                               if "above the limit" in message else message)
         failure.probes = list(executor.results)
         raise failure from None
     finally:

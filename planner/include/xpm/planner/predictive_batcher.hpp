@@ -125,7 +125,7 @@ struct PredictiveBatcherOptions {
   /// short target (a classification label) is a shape the quantiles' mixes, whose lengths grow
   /// together, never reach, and a fit of them cannot tell the source's own terms (encoder
   /// attention, bs*ls^2) from terms of both (bs*ls*lt): measured on a T5, 39 % under at one
-  /// such record. The adaptive design probes such mixes too. A summed variable
+  /// such record. The adaptive design probes the quantiles' mixes too. A summed variable
   /// (DimAggregation::kSum, e.g. real tokens) needs it beside the padded length it moves
   /// with: equal records make the two proportional, so the fit cannot tell them apart, and a
   /// formula of the sum alone under-predicts mixes. The sample sets every variable's range
