@@ -649,8 +649,8 @@ class _RecurrentModule(_TokenMeanModule):
 
 
 class _StepPeaks(lightning.Callback):
-    """Per planned step: its microbatches' predictions, and the peak from its start to just
-    before its optimizer step."""
+    """Per planned step: its microbatches' predictions, and the peak of its last microbatch up to
+    its optimizer step (the callback restarts the meter's peak before each microbatch)."""
 
     def __init__(self):
         self.steps = []
