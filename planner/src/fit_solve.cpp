@@ -115,6 +115,23 @@ class MaxAffineRelativeResidual final : public ceres::CostFunction {
   Eigen::VectorXd offsets_;  // [variants]: the relative residual at x = 0
 };
 
+// max_affine_variants of `formula` at `dims` when they reproduce its predictions at `start`
+// (the analytic residuals below rest on them), else nullopt (numeric differences).
+std::optional<std::vector<Eigen::MatrixXd>> matching_variants(const CostFormula& formula,
+                                                              const std::vector<std::vector<double>>& dims,
+                                                              const std::vector<double>& start) {
+  auto variants = max_affine_variants(formula, dims);
+  if (!variants) return std::nullopt;
+  const Eigen::Map<const Eigen::VectorXd> at(start.data(), static_cast<Eigen::Index>(start.size()));
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    const Eigen::MatrixXd& rows = (*variants)[i];
+    const double predicted = formula.predict(start, dims[i]);
+    const double rebuilt = (rows.leftCols(rows.cols() - 1) * at + rows.col(rows.cols() - 1)).maxCoeff();
+    if (!(std::abs(rebuilt - predicted) <= 1e-9 * std::max(1.0, std::abs(predicted)))) return std::nullopt;
+  }
+  return variants;
+}
+
 // The analytic residuals of `formula` at the measurements when it is the maximum of affine
 // variants that reproduce its predictions at `start`; else empty (numeric differences).
 std::vector<std::unique_ptr<ceres::CostFunction>> max_affine_residuals(const CostFormula& formula,
@@ -123,16 +140,10 @@ std::vector<std::unique_ptr<ceres::CostFunction>> max_affine_residuals(const Cos
                                                                        const std::vector<double>& scales) {
   std::vector<std::vector<double>> dims;
   for (const Measurement& m : measurements) dims.push_back(m.dims);
-  const auto variants = max_affine_variants(formula, dims);
-  if (!variants) return {};
-  const Eigen::Map<const Eigen::VectorXd> at(start.data(), static_cast<Eigen::Index>(start.size()));
+  const auto variants = matching_variants(formula, dims, start);
   std::vector<std::unique_ptr<ceres::CostFunction>> out;
-  for (std::size_t i = 0; i < measurements.size(); ++i) {
-    const Eigen::MatrixXd& rows = (*variants)[i];
-    const double predicted = formula.predict(start, measurements[i].dims);
-    const double rebuilt = (rows.leftCols(rows.cols() - 1) * at + rows.col(rows.cols() - 1)).maxCoeff();
-    if (!(std::abs(rebuilt - predicted) <= 1e-9 * std::max(1.0, std::abs(predicted)))) return {};
-    out.push_back(std::make_unique<MaxAffineRelativeResidual>(rows, measurements[i].bytes, scales));
+  for (std::size_t i = 0; variants && i < measurements.size(); ++i) {
+    out.push_back(std::make_unique<MaxAffineRelativeResidual>((*variants)[i], measurements[i].bytes, scales));
   }
   return out;
 }
@@ -230,16 +241,10 @@ std::vector<std::unique_ptr<ceres::CostFunction>> max_affine_hinges(const CostFo
                                                                     const std::vector<double>& scales, double weight) {
   std::vector<std::vector<double>> dims;
   for (const InfeasibleBound& bound : bounds) dims.push_back(bound.dims);
-  const auto variants = max_affine_variants(formula, dims);
-  if (!variants) return {};
-  const Eigen::Map<const Eigen::VectorXd> at(start.data(), static_cast<Eigen::Index>(start.size()));
+  const auto variants = matching_variants(formula, dims, start);
   std::vector<std::unique_ptr<ceres::CostFunction>> out;
-  for (std::size_t i = 0; i < bounds.size(); ++i) {
-    const Eigen::MatrixXd& rows = (*variants)[i];
-    const double predicted = formula.predict(start, bounds[i].dims);
-    const double rebuilt = (rows.leftCols(rows.cols() - 1) * at + rows.col(rows.cols() - 1)).maxCoeff();
-    if (!(std::abs(rebuilt - predicted) <= 1e-9 * std::max(1.0, std::abs(predicted)))) return {};
-    out.push_back(std::make_unique<MaxAffineHingeResidual>(rows, bounds[i], scales, weight));
+  for (std::size_t i = 0; variants && i < bounds.size(); ++i) {
+    out.push_back(std::make_unique<MaxAffineHingeResidual>((*variants)[i], bounds[i], scales, weight));
   }
   return out;
 }
