@@ -17,32 +17,47 @@
 
 namespace {
 
-// A packed-sequence step over records (bs = 1, l, t = l): padded buffers 300 bytes per padded
-// position (bs * l, l the longest record), packed ones 2000 bytes per real token (t, summed),
-// 500 bytes per record; the optimizer step peaks at the static bytes plus 5000.
-class PackedStepExecutor : public xpm::ProbeExecutor {
+// A step whose forward/backward peaks at the static bytes plus `activations_bytes(dims)`; the
+// optimizer step peaks at the static bytes plus 5000. A mix of records combines their dims by
+// `mix_dims`.
+class StepExecutor : public xpm::ProbeExecutor {
  public:
-  static double activations_bytes(double bs, double l, double t) { return 300 * bs * l + 2000 * t + 500 * bs; }
-
   xpm::ProbeResult run_probe(const std::vector<double>& dims) override {
     xpm::ProbeResult r;
     r.dims = dims;
-    r.forward_backward_peak_bytes = kStatic + activations_bytes(dims[0], dims[1], dims[2]);
+    r.forward_backward_peak_bytes = kStatic + activations_bytes(dims);
     r.optimizer_step_peak_bytes = kStatic + 5000;
     return r;
   }
   xpm::ProbeResult run_probe_records(const std::vector<std::vector<double>>& records) override {
+    ++mixes;
+    return run_probe(mix_dims(records));
+  }
+  double static_bytes() override { return kStatic; }
+  static constexpr double kStatic = 1e6;
+  int mixes = 0;
+
+ protected:
+  virtual double activations_bytes(const std::vector<double>& dims) const = 0;
+  virtual std::vector<double> mix_dims(const std::vector<std::vector<double>>& records) const = 0;
+};
+
+// A packed-sequence step over records (bs = 1, l, t = l): padded buffers 300 bytes per padded
+// position (bs * l, l the longest record), packed ones 2000 bytes per real token (t, summed),
+// 500 bytes per record.
+class PackedStepExecutor : public StepExecutor {
+ protected:
+  double activations_bytes(const std::vector<double>& dims) const override {
+    return 300 * dims[0] * dims[1] + 2000 * dims[2] + 500 * dims[0];
+  }
+  std::vector<double> mix_dims(const std::vector<std::vector<double>>& records) const override {
     double l = 0, t = 0;
     for (const auto& record : records) {
       l = std::max(l, record[1]);
       t += record[2];
     }
-    ++mixes;
-    return run_probe({static_cast<double>(records.size()), l, t});
+    return {static_cast<double>(records.size()), l, t};
   }
-  double static_bytes() override { return kStatic; }
-  static constexpr double kStatic = 1e6;
-  int mixes = 0;
 };
 
 // Record lengths 2..96 skewed toward short ones, as sentence lengths are.
@@ -207,28 +222,20 @@ namespace {
 // An encoder-decoder step over records (bs = 1, ls, lt), each length a microbatch's max: encoder
 // attention bs*ls^2, cross attention bs*ls*lt, decoder attention bs*lt^2, 400 bytes per padded
 // token of either side.
-class EncoderDecoderExecutor : public xpm::ProbeExecutor {
- public:
-  static double activations_bytes(double bs, double ls, double lt) {
+class EncoderDecoderExecutor : public StepExecutor {
+ protected:
+  double activations_bytes(const std::vector<double>& dims) const override {
+    const double bs = dims[0], ls = dims[1], lt = dims[2];
     return bs * (30 * ls * ls + 12 * ls * lt + 20 * lt * lt + 400 * (ls + lt));
   }
-  xpm::ProbeResult run_probe(const std::vector<double>& dims) override {
-    xpm::ProbeResult r;
-    r.dims = dims;
-    r.forward_backward_peak_bytes = kStatic + activations_bytes(dims[0], dims[1], dims[2]);
-    r.optimizer_step_peak_bytes = kStatic + 5000;
-    return r;
-  }
-  xpm::ProbeResult run_probe_records(const std::vector<std::vector<double>>& records) override {
+  std::vector<double> mix_dims(const std::vector<std::vector<double>>& records) const override {
     double ls = 0, lt = 0;
     for (const auto& record : records) {
       ls = std::max(ls, record[1]);
       lt = std::max(lt, record[2]);
     }
-    return run_probe({static_cast<double>(records.size()), ls, lt});
+    return {static_cast<double>(records.size()), ls, lt};
   }
-  double static_bytes() override { return kStatic; }
-  static constexpr double kStatic = 1e6;
 };
 
 // Targets about half their source (10..200 tokens), and `lopsided` records of the longest
