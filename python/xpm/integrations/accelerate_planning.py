@@ -46,7 +46,7 @@ from ..sampler import PredictiveBatchSampler
 from .accelerate import _round_robin_of, _check_processes, prepare_data_loader
 from .dataset_probes import (VARIABLES, PlanningMode, ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims,
                              dataset_record_dims, device_meter, drop_in_probe_options, packer_for, probes_summary,
-                             refuse_records_over_budget, check_drop_in_arguments)
+                             refuse_records_over_budget, check_drop_in_arguments, model_planning_mode)
 
 logger = logging.getLogger(__name__)
 
@@ -74,21 +74,6 @@ class _WithPlaceholder:
 
 
 _DATASET = "xpm.integrations.accelerate.prepare: loader.dataset"
-
-
-def planning_mode(model: torch.nn.Module) -> PlanningMode:
-    """``"encoder_decoder"`` for a model whose config says ``is_encoder_decoder`` (BART, T5:
-    variables ``bs, ls, lt``, the source's and the target's lengths), else ``"padded"`` (``bs, l``).
-
-    Args:
-        model: the model, prepared or not.
-
-    Returns:
-        The mode (``dataset_probes.PlanningMode``).
-    """
-    inner = getattr(model, "module", model)  # DDP's wrapper
-    config = getattr(inner, "config", None)
-    return "encoder_decoder" if getattr(config, "is_encoder_decoder", False) is True else "padded"
 
 
 def _checked_loader(loader: Any) -> DataLoader:
@@ -150,7 +135,7 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
             accelerator knows of (torchrun without GPUs needs ``Accelerator(cpu=True)``), and what
             ``prepare_data_loader`` refuses.
     """
-    mode = planning_mode(model)
+    mode = model_planning_mode(model)
     seed = check_drop_in_arguments("xpm.integrations.accelerate.prepare", formula, record_dims, units, packer, seed,
                                    mode)
     _check_processes(accelerator, "xpm.integrations.accelerate.prepare")

@@ -48,6 +48,20 @@ VARIABLES: Dict[str, Tuple[str, ...]] = {"padded": ("bs", "l"), "encoder_decoder
 _TARGET_KEYS = ("labels", "decoder_input_ids", "decoder_attention_mask")
 
 
+def model_planning_mode(model: Any) -> PlanningMode:
+    """``"encoder_decoder"`` for a model whose config says ``is_encoder_decoder`` (BART, T5:
+    variables ``bs, ls, lt``), else ``"padded"`` (``bs, l``); a DDP wrapper is looked through.
+
+    Args:
+        model: the model, wrapped or not.
+
+    Returns:
+        The mode.
+    """
+    config = getattr(getattr(model, "module", model), "config", None)
+    return "encoder_decoder" if getattr(config, "is_encoder_decoder", False) else "padded"
+
+
 def _length(value: Any, where: str) -> int:
     if torch.is_tensor(value) or isinstance(value, np.ndarray):
         return int(value.shape[-1]) if value.ndim > 0 else 1

@@ -35,7 +35,7 @@ from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, MemoryBudget, Memor
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome
 from .dataset_probes import (VARIABLES, PlanningMode, check_device_meter, check_drop_in_arguments, checked_custom_dims,
-                             dataset_record_dims, device_meter, drop_in_probe_options)
+                             dataset_record_dims, device_meter, drop_in_probe_options, model_planning_mode)
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +57,7 @@ def planning_mode(trainer: Any) -> PlanningMode:
     if isinstance(inner, DataCollatorWithFlattening) or getattr(inner, "padding_free", False) is True \
             or getattr(trainer, "padding_free", False) is True:
         return "padding_free"
-    config = getattr(getattr(trainer, "model", None), "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        return "encoder_decoder"
-    return "padded"
+    return model_planning_mode(getattr(trainer, "model", None))
 
 
 def model_signature(model: torch.nn.Module) -> List[Tuple[str, Tuple[int, ...], str, bool]]:
