@@ -94,14 +94,30 @@ def _planned_errors(trainer, measured, smallest_share=0.5):
             if r.step >= 3 and not r.placeholder and r.peak_allocated_bytes > usable * smallest_share]
 
 
-def _assert_planned_within_the_goal(trainer, measured):
+def _unpadded(record_lengths, measured):
+    """The microbatches of several records that all have one length: collated without padding, so
+    without an attention mask (transformers leaves it out under sdpa), which the model, fitted on
+    padded microbatches and on records alone, plans as padded: on the safe side."""
+    return [r for r in measured if len(r.records) > 1 and len(set(record_lengths[list(r.records)])) == 1]
+
+
+def _assert_planned_within_the_goal(trainer, measured, record_lengths=None):
     """From the third step, every microbatch within -1 % / +3 % of its peak, the small ones too
-    (those above half the budget, where the budget binds, are printed apart)."""
-    errors, every = _planned_errors(trainer, measured), _planned_errors(trainer, measured, 0.0)
+    (those above half the budget, where the budget binds, are printed apart). With
+    ``record_lengths`` (padded records), the unpadded microbatches of several records, which the
+    fastest packer forms or not depending on its time model, are held to -1 % alone and printed."""
+    unpadded = _unpadded(record_lengths, measured) if record_lengths is not None else []
+    padded = [r for r in measured if all(r is not u for u in unpadded)]
+    errors, every = _planned_errors(trainer, padded), _planned_errors(trainer, padded, 0.0)
     print(f"planned vs measured from step 3 ({len(errors)} microbatches above half the budget): "
           f"{100 * min(errors):+.2f} % to {100 * max(errors):+.2f} %; all {len(every)}: "
           f"{100 * min(every):+.2f} % to {100 * max(every):+.2f} %")
     assert errors and -0.01 <= min(every) and max(every) <= 0.03
+    alike = _planned_errors(trainer, unpadded, 0.0)
+    if alike:
+        print(f"{len(alike)} unpadded microbatches of several records: "
+              f"{100 * min(alike):+.2f} % to {100 * max(alike):+.2f} %")
+    assert all(error >= -0.01 for error in alike)
 
 
 def _records_by_step(measured):
@@ -160,7 +176,7 @@ def test_drop_in_trains_the_users_arguments_under_the_cap_and_caches_its_model(m
     lengths = np.array([len(s) for s in sentences])
     tokens = sum(len(r.records) * int(lengths[list(r.records)].max()) for r in measured)
     assert trainer.state.num_input_tokens_seen == tokens
-    _assert_planned_within_the_goal(trainer, measured)
+    _assert_planned_within_the_goal(trainer, measured, lengths)
     cached = list((tmp_path / "xpm-memory-models").glob("memory-model-*.json"))
     assert len(cached) == 1
     # A record alone is not padded, so no attention mask: its probes lie below the trend and
@@ -464,10 +480,10 @@ def test_trl_sft_trainer_in_each_mode_trains_under_the_cap_and_accumulates_exact
     assert _training_ooms(meter, before, trainer) == 0 and trainer.state.global_step == 5
     first = [r for r in measured if r.step == 1]
     assert len(first) > 1, "the cap should split an outer batch"
-    _assert_planned_within_the_goal(trainer, measured)
-    # TRL's token count holds the training microbatches' tokens alone (the probes left no trace).
     dataset = trainer.train_dataset
     lengths = np.array([len(ids) for ids in dataset["input_ids"]])
+    _assert_planned_within_the_goal(trainer, measured, lengths if mode == "padded" else None)
+    # TRL's token count holds the training microbatches' tokens alone (the probes left no trace).
     assert trainer._total_train_tokens == sum(int(lengths[list(r.records)].sum()) for r in measured)
     # One outer batch's gradient equals its records run whole through the same loss, in fp32.
     # (TRL's loss needs its own model, the trainer's: its weights are put back to step 1's first.)
