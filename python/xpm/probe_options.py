@@ -21,7 +21,7 @@ from . import _planner
 from .meters import METERS, CpuMeter, DeviceKind, Meter
 from .choices import RECORD_AGGREGATIONS, RecordAggregation, _check_aggregation
 from .planning import CostFormula, MemoryBudget
-from .record_dims import _check_one_record_each, _matrix
+from .record_dims import _check_one_record_each, _matrix, _numbers
 from .probe_executor import _local_tensor
 
 
@@ -198,11 +198,8 @@ def _check_record_dims(record_dims, formula: CostFormula, batch_size_variable: s
     """``record_dims`` as a float64 [n, variables] array, one record each; warns when two length
     columns are equal on every record and neither is summed (``aggregation`` forgotten)."""
     variables = list(formula.variable_names)
-    try:
-        array = np.asarray(record_dims, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"probe: record_dims must be numbers, one row of {len(variables)} per record "
-                         f"({', '.join(variables)})") from None
+    array = _numbers(record_dims, f"probe: record_dims must be numbers, one row of {len(variables)} per record "
+                                  f"({', '.join(variables)})")
     array = _matrix(array, len(variables), "record_dims")
     if not len(array):
         raise ValueError("probe: record_dims is empty: give records like the training data's")

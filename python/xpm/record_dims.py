@@ -6,13 +6,27 @@ shapes the model was probed at).
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, List, Sequence
+from typing import TYPE_CHECKING, Any, List, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 if TYPE_CHECKING:
     from .memory_model import MemoryModel
+
+
+def _numbers(values: Any, what: str) -> np.ndarray:
+    """``values`` as float64, refusing what numpy would convert but is no number of a record (text
+    such as "3", booleans, None): ValueError "<what>: <error>"."""
+    try:
+        array = np.asarray(values)
+        if array.dtype.kind not in "iuf":
+            kind = "bool" if array.dtype.kind == "b" else "text" if array.dtype.kind in "US" else "non-numbers"
+            first = array.flat[0].item() if array.size else None
+            raise TypeError(f"got {kind} such as {first!r}")
+        return array.astype(np.float64)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{what}: {error}") from None
 
 
 def _matrix(values, width: int, what: str) -> np.ndarray:
@@ -52,10 +66,7 @@ def record_dims_from_lengths(lengths: ArrayLike, variables: Sequence[str] = ("bs
     if len(variables) < 2 or batch_size_variable not in variables:
         raise ValueError(f"record_dims_from_lengths: two variables or more, one of them '{batch_size_variable}', "
                          f"expected, got {variables}")
-    try:
-        lengths = np.asarray(lengths, dtype=np.float64)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"record_dims_from_lengths: lengths must be numbers: {error}") from None
+    lengths = _numbers(lengths, "record_dims_from_lengths: lengths must be numbers")
     if lengths.ndim != 1:
         raise ValueError(f"record_dims_from_lengths: lengths must be a 1-D array, got shape {list(lengths.shape)}")
     bad = np.flatnonzero(~np.isfinite(lengths) | (lengths < 0))

@@ -11,6 +11,7 @@ import torch
 import torch.distributed
 
 from .memory_model import MemoryModel
+from .record_dims import _numbers
 
 
 def _whole_number(name: str, value) -> int:
@@ -52,10 +53,7 @@ def _first_bad(values: np.ndarray) -> Optional[int]:
 
 
 def _checked_record_dims(record_dims) -> np.ndarray:
-    try:
-        array = np.asarray(record_dims, dtype=np.float64)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"record_dims must be numbers ([n] lengths or [n, variables] dims): {error}") from None
+    array = _numbers(record_dims, "record_dims must be numbers ([n] lengths or [n, variables] dims)")
     if array.ndim >= 1 and array.shape[0] == 0:
         raise ValueError("record_dims: no records")
     if array.ndim >= 1:
@@ -91,10 +89,8 @@ def _check_usable_bytes(usable_bytes: Any, model: MemoryModel) -> None:
 
 def _checked_units(units: Any, records: int) -> np.ndarray:
     """[records] loss units, finite and >= 0, not all 0 (default 1 each)."""
-    try:
-        array = np.ones(records) if units is None else np.asarray(units, dtype=np.float64)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"units must be {records} numbers >= 0 (one per record): {error}") from None
+    what = f"units must be {records} numbers >= 0 (one per record)"
+    array = np.ones(records) if units is None else _numbers(units, what)
     if array.shape != (records,):
         raise ValueError(f"units must be {records} values >= 0 (one per record), got shape {array.shape}")
     bad = _first_bad(array)

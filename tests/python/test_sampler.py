@@ -351,6 +351,13 @@ def test_bad_arguments_name_the_value(model, lengths):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, units=np.zeros(len(lengths)))
     with pytest.raises(ValueError, match="units must be .* numbers >= 0 .one per record.: "):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, units=["a"] * len(lengths))
+    # numpy would read text of digits and booleans as numbers; a record's units or dims are neither.
+    with pytest.raises(ValueError, match="^units must be .* numbers >= 0 .one per record.: got text such as '3'$"):
+        xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, units=["3"] * len(lengths))
+    with pytest.raises(ValueError, match="^units must be .*: got bool such as True$"):
+        xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, units=[True] * len(lengths))
+    with pytest.raises(ValueError, match=r"^record_dims must be numbers \(\[n\] lengths .*: got text such as '\d+'$"):
+        xpm.PredictiveBatchSampler([str(n) for n in lengths], model, 10**6, outer_batch_size=4)
     with pytest.raises(ValueError, match="^record_dims: no records$"):
         xpm.PredictiveBatchSampler(np.zeros((0, 2)), model, 10**6, outer_batch_size=4)
     with pytest.raises(ValueError, match="^record_dims_from_lengths: lengths must be numbers: "):
