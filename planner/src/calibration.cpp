@@ -400,6 +400,20 @@ double Calibration::correction_bytes() const {
   return usable - correction_.planning_bytes(usable);
 }
 
+void Calibration::redraw(const std::vector<CalibrationStep>& steps, const std::string& line) {
+  Calibration drawn(usable_bytes_, options_);
+  if (!steps.empty() && !steps.front().run_first) drawn.end_step(steps.front().step - 1, drawn.step_row(0));
+  for (const CalibrationStep& step : steps) {
+    for (const CalibrationPoint& point : step.points) drawn.record_peak(point.predicted_bytes, point.peak_bytes, point.position);
+    drawn.end_step(step.step, drawn.step_row(replan_from_));
+  }
+  correction_ = drawn.correction_;
+  window_ = std::move(drawn.window_);
+  position_windows_ = std::move(drawn.position_windows_);
+  steps_seen_ = std::max(steps_seen_, drawn.steps_seen_);
+  log_.push_back(line);
+}
+
 CalibrationState Calibration::state() const {
   return {correction_, window_, steps_seen_, log_, position_windows_};
 }

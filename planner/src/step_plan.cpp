@@ -55,37 +55,53 @@ void split_to(std::size_t target, MicrobatchPlan& plan, const std::vector<std::v
   }
 }
 
-// The prediction of `microbatch` by `phase` where it has a fit: never above the steady one.
-double phase_prediction(const Microbatch& microbatch, const MemoryModel* phase) {
-  return phase == nullptr ? microbatch.predicted_bytes
-                          : std::min(microbatch.predicted_bytes, phase->predict_bytes(microbatch.dims));
+// `steady_bytes` lowered to `phase`'s prediction at `dims` where it has a fit.
+double phase_prediction(double steady_bytes, const std::vector<double>& dims, const MemoryModel* phase) {
+  return phase == nullptr ? steady_bytes : std::min(steady_bytes, phase->predict_bytes(dims));
 }
 
 // `plan`'s first and last microbatches with records predicted in their phases (step_plan.hpp).
 void predict_phases(MicrobatchPlan& plan, const StepPhaseModels& phases) {
   std::vector<Microbatch>& microbatches = plan.microbatches;
   if (microbatches.empty()) return;
-  const bool alone = microbatches.size() == 1;
-  Microbatch& first = microbatches.front();
-  Microbatch& last = microbatches.back();
-  const double last_synchronised = phase_prediction(last, phases.synchronised);
-  if (!first.record_indices.empty()) {
-    first.predicted_bytes = phase_prediction(first, alone ? phases.first_alone : phases.first_of_several);
+  if (microbatches.size() == 1) {
+    Microbatch& alone = microbatches.front();
+    if (!alone.record_indices.empty())
+      alone.predicted_bytes = phase_predicted_bytes(alone.predicted_bytes, alone.dims, MicrobatchPosition::kAlone, phases);
+    return;
   }
-  if (last.record_indices.empty() || phases.synchronised == nullptr) return;
-  last.predicted_bytes = alone ? std::max(last.predicted_bytes, last_synchronised) : last_synchronised;
+  for (auto [microbatch, position] : {std::pair{&microbatches.front(), MicrobatchPosition::kFirst},
+                                      std::pair{&microbatches.back(), MicrobatchPosition::kLast}}) {
+    if (!microbatch->record_indices.empty())
+      microbatch->predicted_bytes = phase_predicted_bytes(microbatch->predicted_bytes, microbatch->dims, position, phases);
+  }
 }
 
 void check_phase_formulas(const StepPhaseModels& phases, const MemoryModel& model) {
   for (const MemoryModel* phase : {phases.first_of_several, phases.first_alone, phases.synchronised}) {
-    if (phase != nullptr && phase->formula().canonical() != model.formula().canonical()) {
+    if (phase != nullptr && phase->formula().variable_names() != model.formula().variable_names()) {
       throw std::invalid_argument("plan_step: a phase model's formula '" + phase->formula().canonical() +
-                                  "' is not the model's '" + model.formula().canonical() + "'");
+                                  "' is not over the model's variables ('" + model.formula().canonical() + "')");
     }
   }
 }
 
 }  // namespace
+
+double phase_predicted_bytes(double steady_bytes, const std::vector<double>& dims, MicrobatchPosition position,
+                             const StepPhaseModels& phases) {
+  switch (position) {
+    case MicrobatchPosition::kFirst: return phase_prediction(steady_bytes, dims, phases.first_of_several);
+    case MicrobatchPosition::kLast: return phase_prediction(steady_bytes, dims, phases.synchronised);
+    case MicrobatchPosition::kAlone: {
+      const double first = phase_prediction(steady_bytes, dims, phases.first_alone);
+      return phases.synchronised == nullptr ? first
+                                            : std::max(first, phase_prediction(steady_bytes, dims, phases.synchronised));
+    }
+    case MicrobatchPosition::kMiddle: break;
+  }
+  return steady_bytes;
+}
 
 StepPlan plan_step(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
                    const MicrobatchPacker& packer, std::int64_t planning_bytes, const StepPlanOptions& options) {

@@ -105,9 +105,9 @@ TEST_CASE("plan_step packs only the rank asked for without lockstep, and refuses
   options.world_size = 0;
   CHECK_THROWS_AS(xpm::plan_step(dims, model, *packer, 2'500'000, options), std::invalid_argument);
   CHECK_THROWS_AS(xpm::plan_step(dims, model, *packer, 0, {}), std::invalid_argument);
-  const xpm::MemoryModel other(xpm::CostFormula("a*bs*l + c", {"a", "c"}, {"bs", "l"}), {900.0, 1e6}, 0, "bs");
+  const xpm::MemoryModel other(xpm::CostFormula("a*bs*t + c", {"a", "c"}, {"bs", "t"}), {900.0, 1e6}, 0, "bs");
   options = {};
   options.phases.synchronised = &other;
   CHECK_THROWS_WITH_AS(xpm::plan_step(dims, model, *packer, 2'500'000, options),
-                       doctest::Contains("plan_step: a phase model's formula"), std::invalid_argument);
+                       doctest::Contains("is not over the model's variables"), std::invalid_argument);
 }

@@ -153,6 +153,21 @@ nlohmann::json to_json(const CalibrationState& state);
 /// The inverse of to_json. Throws std::invalid_argument naming the field that is missing or malformed.
 CalibrationState calibration_state_from_json(const nlohmann::json& json);
 
+/// One microbatch's measured peak against its prediction, at its position in the step (none:
+/// the correction's line alone), as record_peak takes it.
+struct CalibrationPoint {
+  double predicted_bytes = 0;
+  double peak_bytes = 0;
+  std::optional<MicrobatchPosition> position;
+};
+
+/// One optimizer step's points, every rank's (the same list on every rank), for redraw().
+struct CalibrationStep {
+  std::int64_t step = 0;     // its index, for the log
+  bool run_first = false;    // the run's first step (no optimizer state: it may only raise)
+  std::vector<CalibrationPoint> points;
+};
+
 class Calibration {
  public:
   /// Throws std::invalid_argument when usable_bytes <= 0 or an option is < 1 (message names it:
@@ -209,6 +224,13 @@ class Calibration {
   /// largest prediction measured).
   static std::vector<double> empty_row();
 
+  /// Draws the correction anew from `steps` (oldest first, every rank's points: the same on
+  /// every rank, so no collective), as if the run had measured them, e.g. predicted by a memory
+  /// model refitted since (TrainingRefit): the correction, its window and the positions' lines
+  /// replaced; the log, with `line` appended, and replan_from() kept. A first step that is not
+  /// the run's first is preceded by an empty one, so that it joins the window. Throws
+  /// std::invalid_argument as record_peak does.
+  void redraw(const std::vector<CalibrationStep>& steps, const std::string& line);
   /// The correction, its window and log (what a checkpoint keeps).
   CalibrationState state() const;
   /// Restores a state() (a window longer than window_steps keeps its last rows). Throws

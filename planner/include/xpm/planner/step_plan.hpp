@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "xpm/planner/calibration.hpp"
 #include "xpm/planner/memory_model.hpp"
 #include "xpm/planner/packer.hpp"
 #include "xpm/planner/rank_assignment.hpp"
@@ -34,7 +35,8 @@
 namespace xpm {
 
 /// Fits of the gradient phases a step's microbatches run in (the Python package probes them:
-/// docs/python.md), each a model of its own over the same formula; null: that phase is predicted
+/// docs/python.md), each a model of its own over the same variables (the same formula, or the
+/// probes' formula after a TrainingRefit chose another for the steady model); null: that phase is predicted
 /// by the steady model ("with gradients", what the probes measure). Not owned. A rank's first
 /// microbatch with records, when the step starts without gradients held (zero_grad(set_to_none)),
 /// is predicted by min(steady, first_of_several) when the plan has several microbatches (no
@@ -60,10 +62,16 @@ struct StepPlan {
   std::vector<MicrobatchPlan> rank_plans;  // world_size plans; record indices into the outer batch
 };
 
+/// The prediction plan_step gives a microbatch with records at `position` in its rank's plan,
+/// from its steady prediction `steady_bytes` (model.predict_bytes(dims)): kFirst by its first
+/// phase, kLast by its synchronised one, kAlone by both (StepPhaseModels), kMiddle steady. Bytes.
+double phase_predicted_bytes(double steady_bytes, const std::vector<double>& dims, MicrobatchPosition position,
+                             const StepPhaseModels& phases);
+
 /// The step's plan of the outer batch `record_dims` (one row per record, the formula's variable
 /// order) under `model` and `planning_bytes` (above). Throws std::invalid_argument when
 /// world_size < 1, only_rank is out of range, planning_bytes <= 0, or a row's width is not the
-/// formula's variable count, or a phase model's formula is not the model's.
+/// formula's variable count, or a phase model's formula is not over the model's variables.
 StepPlan plan_step(const std::vector<std::vector<double>>& record_dims, const MemoryModel& model,
                    const MicrobatchPacker& packer, std::int64_t planning_bytes, const StepPlanOptions& options);
 
