@@ -18,6 +18,11 @@
 //                                         selection (probes cost nothing here: all is fitting);
 //                                         noise up to 0.3 % or 2 % (the adaptive design adds
 //                                         probes where the candidates then disagree)
+//   BM_Calibration_T5Run                  the calibration of a T5's 20 training steps (its real
+//                                         peaks, tests/planner/t5_training_peaks.hpp): the
+//                                         baseline of the refit's cost per step
+//   BM_TrainingRefit_T5Run                those 20 steps through TrainingRefit::end_step (its
+//                                         tries: linear candidates with held-out refits)
 //   BM_MemoryModel_PredictBytes           one prediction
 //   BM_MemoryModel_MaxMicrobatchSize      the largest bs that fits at one length
 //
@@ -40,6 +45,9 @@
 #include "xpm/planner/memory_model.hpp"
 #include "xpm/planner/packer.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
+#include "xpm/planner/training_refit.hpp"
+
+#include "t5_training_peaks.hpp"
 
 namespace {
 
@@ -276,6 +284,31 @@ xpm::MemoryModel transformer_model() {
   return xpm::MemoryModel(xpm::CostFormula(kTransformer, {"a", "b", "c"}, {"bs", "l"}),
                           kTransformerCoefficients, 69570620.0, "bs", {{"l", xpm::DimAggregation::kMax}});
 }
+
+void BM_Calibration_T5Run(benchmark::State& state) {
+  const xpm::MemoryModel model = xpm::MemoryModel::from_json(nlohmann::json::parse(xpm_test::t5_probed_model_json()));
+  const auto steps = xpm_test::t5_training_steps();
+  for (auto _ : state) {
+    xpm::Calibration calibration(21'600'000);
+    for (std::size_t s = 0; s < steps.size(); ++s) {
+      for (const xpm::TrainingPoint& point : steps[s])
+        calibration.record_peak(model.predict_bytes(point.dims), point.peak_bytes, point.position);
+      benchmark::DoNotOptimize(calibration.end_step(static_cast<std::int64_t>(s), calibration.step_row(0)));
+    }
+  }
+}
+BENCHMARK(BM_Calibration_T5Run)->Unit(benchmark::kMillisecond);
+
+void BM_TrainingRefit_T5Run(benchmark::State& state) {
+  const xpm::MemoryModel model = xpm::MemoryModel::from_json(nlohmann::json::parse(xpm_test::t5_probed_model_json()));
+  const auto steps = xpm_test::t5_training_steps();
+  for (auto _ : state) {
+    xpm::TrainingRefit refit(model);
+    for (std::size_t s = 0; s < steps.size(); ++s)
+      benchmark::DoNotOptimize(refit.end_step(static_cast<std::int64_t>(s), steps[s]));
+  }
+}
+BENCHMARK(BM_TrainingRefit_T5Run)->Unit(benchmark::kMillisecond)->Iterations(3);
 
 void BM_MemoryModel_PredictBytes(benchmark::State& state) {
   const xpm::MemoryModel model = transformer_model();

@@ -1,0 +1,331 @@
+// The memory model refitted on training's peaks (training_refit.hpp).
+#include "xpm/planner/training_refit.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <stdexcept>
+#include <utility>
+
+#include "xpm/planner/fit.hpp"
+#include "xpm/planner/formula_selection.hpp"
+
+namespace xpm {
+namespace {
+
+constexpr double kFloorMargin = 0.01;  // a peak within 1 % of the floor: the optimizer step set it
+
+// (min, max) of the finite values; (inf, -inf) when none.
+std::pair<double, double> finite_range(const std::vector<double>& values) {
+  double low = std::numeric_limits<double>::infinity(), high = -low;
+  for (double v : values) {
+    if (!std::isfinite(v)) continue;
+    low = std::min(low, v);
+    high = std::max(high, v);
+  }
+  return {low, high};
+}
+
+std::size_t finite_count(const std::vector<double>& values) {
+  return static_cast<std::size_t>(std::count_if(values.begin(), values.end(), [](double v) { return std::isfinite(v); }));
+}
+
+std::string percent_range(std::pair<double, double> range) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%+.2f %% to %+.2f %%", 100 * range.first, 100 * range.second);
+  return buf;
+}
+
+nlohmann::json coefficients_json(const MemoryModel& model) {
+  nlohmann::json values = nlohmann::json::object();
+  for (std::size_t k = 0; k < model.coefficients().size(); ++k)
+    values[model.formula().coefficient_names()[k]] = model.coefficients()[k];
+  return values;
+}
+
+// The relative residuals of `points`' peaks from the line a + b x prediction closest to them
+// (least squares of the relative residuals): what remains of the model's errors once a
+// calibration line, an offset and a share of the prediction, has taken them off.
+std::vector<double> line_residuals(const std::vector<double>& predicted, const std::vector<Measurement>& points) {
+  double s11 = 0, s12 = 0, s22 = 0, t1 = 0, t2 = 0;  // normal equations of sum ((a + b p - y) / y)^2
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    const double u = 1 / points[i].bytes, v = predicted[i] / points[i].bytes;
+    s11 += u * u, s12 += u * v, s22 += v * v, t1 += u, t2 += v;
+  }
+  const double det = s11 * s22 - s12 * s12;
+  const double a = det != 0 ? (t1 * s22 - t2 * s12) / det : 0;
+  const double b = det != 0 ? (s11 * t2 - s12 * t1) / det : 1;
+  std::vector<double> residuals;
+  residuals.reserve(points.size());
+  for (std::size_t i = 0; i < points.size(); ++i)
+    residuals.push_back((a + b * predicted[i] - points[i].bytes) / points[i].bytes);
+  return residuals;
+}
+
+int position_code(const std::optional<MicrobatchPosition>& position) {
+  return position ? static_cast<int>(*position) : -1;
+}
+
+std::optional<MicrobatchPosition> position_of(int code, const std::string& field) {
+  if (code == -1) return std::nullopt;
+  if (code < 0 || code >= static_cast<int>(kMicrobatchPositions))
+    throw std::invalid_argument("training refit state: " + field + " must be -1 or a position 0 to 3, got " +
+                                std::to_string(code));
+  return static_cast<MicrobatchPosition>(code);
+}
+
+}  // namespace
+
+MemoryModel with_coefficients(const MemoryModel& model, const std::vector<double>& coefficients) {
+  const std::vector<std::string>& names = model.formula().coefficient_names();
+  if (coefficients.size() != names.size())
+    throw std::invalid_argument("with_coefficients: " + std::to_string(coefficients.size()) + " coefficients for " +
+                                std::to_string(names.size()));
+  nlohmann::json j = model.to_json();
+  nlohmann::json values = nlohmann::json::object();
+  for (std::size_t k = 0; k < names.size(); ++k) values[names[k]] = coefficients[k];
+  j["coefficients"] = std::move(values);
+  return MemoryModel::from_json(j);
+}
+
+namespace {
+
+MemoryModel with_formula(const MemoryModel& model, const CostFormula& formula, const std::vector<double>& coefficients) {
+  nlohmann::json j = model.to_json();
+  j["formula"] = {{"text", formula.text()},
+                  {"canonical", formula.canonical()},
+                  {"coefficient_names", formula.coefficient_names()},
+                  {"variable_names", formula.variable_names()}};
+  nlohmann::json values = nlohmann::json::object();
+  for (std::size_t k = 0; k < coefficients.size(); ++k) values[formula.coefficient_names().at(k)] = coefficients[k];
+  j["coefficients"] = std::move(values);
+  j.erase("single_record_factor");
+  j.erase("single_record_coefficients");
+  // The phases' fits keep the formula they were fitted with (plan_step takes a phase over the
+  // same variables): the probes measured those phases, training does not tell them apart.
+  if (auto phases = j["metadata"].find("phases"); phases != j["metadata"].end() && phases->is_object()) {
+    const nlohmann::json old_formula = model.to_json()["formula"];
+    for (auto& [name, record] : phases->items())
+      if (record.is_object() && !record.contains("formula")) record["formula"] = old_formula;
+  }
+  return MemoryModel::from_json(j);
+}
+
+}  // namespace
+
+MemoryModel refitted_model(const MemoryModel& model, const CostFormula& formula, const std::vector<double>& coefficients) {
+  if (formula.canonical() == model.formula().canonical()) return with_coefficients(model, coefficients);
+  if (coefficients.size() != formula.coefficient_names().size())
+    throw std::invalid_argument("refitted_model: " + std::to_string(coefficients.size()) + " coefficients for " +
+                                std::to_string(formula.coefficient_names().size()));
+  return with_formula(model, formula, coefficients);
+}
+
+MemoryModel refitted_model(const MemoryModel& model, const std::string& formula_text,
+                           const std::map<std::string, double>& coefficients) {
+  const CostFormula formula = formula_text == model.formula().text()
+                                  ? model.formula()
+                                  : CostFormula::with_variables(formula_text, model.formula().variable_names());
+  std::vector<double> values;
+  for (const std::string& name : formula.coefficient_names()) {
+    const auto it = coefficients.find(name);
+    if (it == coefficients.end()) throw std::invalid_argument("refitted_model: no value of coefficient '" + name + "'");
+    values.push_back(it->second);
+  }
+  return refitted_model(model, formula, values);
+}
+
+TrainingRefit::TrainingRefit(MemoryModel model, TrainingRefitOptions options)
+    : given_(model), model_(std::move(model)), options_(options) {
+  if (options_.window_steps < 1)
+    throw std::invalid_argument("TrainingRefit: window_steps must be >= 1, got " + std::to_string(options_.window_steps));
+  if (!(options_.points_per_coefficient >= 1))
+    throw std::invalid_argument("TrainingRefit: points_per_coefficient must be >= 1, got " +
+                                std::to_string(options_.points_per_coefficient));
+  if (!(options_.min_spread_gain >= 0))
+    throw std::invalid_argument("TrainingRefit: min_spread_gain must be >= 0, got " +
+                                std::to_string(options_.min_spread_gain));
+  next_try_points_ = static_cast<std::size_t>(
+      std::ceil(options_.points_per_coefficient * static_cast<double>(given_.formula().coefficient_names().size())));
+}
+
+void TrainingRefit::check_point(const TrainingPoint& point) const {
+  const std::size_t variables = given_.formula().variable_names().size();
+  if (point.dims.size() != variables)
+    throw std::invalid_argument("TrainingRefit.end_step: a point has " + std::to_string(point.dims.size()) +
+                                " dims, the formula " + std::to_string(variables) + " variables");
+  for (double d : point.dims)
+    if (!(std::isfinite(d) && d >= 0)) throw std::invalid_argument("TrainingRefit.end_step: dims must be finite and >= 0");
+  if (!(std::isfinite(point.peak_bytes) && point.peak_bytes >= 0))
+    throw std::invalid_argument("TrainingRefit.end_step: peak_bytes must be a finite number of bytes >= 0");
+}
+
+bool TrainingRefit::fitted(const TrainingPoint& point) const {
+  if (point.position != MicrobatchPosition::kMiddle && point.position != MicrobatchPosition::kLast) return false;
+  const bool own_single_fit = given_.single_record_factor() != 1 || !given_.single_record_coefficients().empty();
+  if (own_single_fit && point.dims[given_.batch_size_index()] <= 1) return false;
+  return point.peak_bytes > (1 + kFloorMargin) * given_.floor_bytes_at(point.dims);
+}
+
+std::vector<Measurement> TrainingRefit::fitted_points() const {
+  std::vector<Measurement> points;
+  for (const Step& step : window_) {
+    if (step.run_first) continue;
+    for (const TrainingPoint& point : step.points)
+      if (fitted(point)) points.push_back({point.dims, point.peak_bytes});
+  }
+  return points;
+}
+
+std::optional<std::string> TrainingRefit::end_step(std::int64_t step, std::vector<TrainingPoint> points) {
+  for (const TrainingPoint& point : points) check_point(point);
+  window_.push_back({step, ++steps_seen_ == 1, std::move(points)});
+  const auto counted = [this] {
+    return std::count_if(window_.begin(), window_.end(), [](const Step& s) { return !s.run_first; });
+  };
+  while (counted() > options_.window_steps) window_.erase(window_.begin());
+  const std::vector<Measurement> measured = fitted_points();
+  const std::size_t least = static_cast<std::size_t>(
+      std::ceil(options_.points_per_coefficient * static_cast<double>(given_.formula().coefficient_names().size())));
+  if (measured.size() < least) return std::nullopt;
+  const bool grown = measured.size() >= next_try_points_;
+  const bool turned_over = last_try_step_ >= 0 && step - last_try_step_ >= options_.window_steps;
+  if (!grown && !turned_over) return std::nullopt;
+  next_try_points_ = static_cast<std::size_t>(std::ceil(1.5 * static_cast<double>(measured.size())));
+  last_try_step_ = step;
+  return try_refit(step, measured);
+}
+
+std::optional<std::string> TrainingRefit::try_refit(std::int64_t step, const std::vector<Measurement>& points) {
+  FitOptions options;
+  options.batch_size_variable = given_.batch_size_variable();
+  options.single_record_regime = false;
+  FitResult fit;
+  std::optional<CostFormula> chosen;
+  try {
+    if (selects_formula()) {
+      FormulaSelection selection = select_formula(given_.formula().variable_names(), points,
+                                                  given_.infeasible_probes(), selection_options(options));
+      fit = std::move(selection.fit);
+      if (selection.formula.canonical() != given_.formula().canonical()) chosen = std::move(selection.formula);
+    } else {
+      fit = fit_coefficients(given_.formula(), points, given_.infeasible_probes(), options);
+    }
+  } catch (const std::invalid_argument&) {
+    return std::nullopt;  // the points cannot separate the coefficients: the model in force stays
+  }
+  const std::vector<double>& held_out = fit.summary.leave_one_out_rel_errors;
+  if (!fit.summary.converged || 2 * finite_count(held_out) < points.size()) return std::nullopt;
+  std::vector<double> predicted;
+  predicted.reserve(points.size());
+  for (const Measurement& m : points) predicted.push_back(model_.predict_bytes(m.dims));
+  const auto after = finite_range(held_out);
+  const auto before = finite_range(line_residuals(predicted, points));
+  if (after.second - after.first + options_.min_spread_gain >= before.second - before.first) return std::nullopt;
+  model_ = refitted_model(given_, chosen ? *chosen : given_.formula(), fit.coefficients);
+  refitted_ = true;
+  log_.push_back("step " + std::to_string(step) + ": memory model refitted on " + std::to_string(points.size()) +
+                 " training peaks (" + model_.formula().canonical() + "): leave-one-shape-out errors " +
+                 percent_range(after) + ", the model in force's " + percent_range(before) + " after a line");
+  return log_.back();
+}
+
+bool TrainingRefit::selects_formula() const {
+  // A formula of "auto", unless its fit of records alone (a regime of its own) would be lost.
+  return given_.metadata().contains("formula_selection") && given_.single_record_factor() == 1 &&
+         given_.single_record_coefficients().empty();
+}
+
+FormulaSelectionOptions TrainingRefit::selection_options(const FitOptions& fit) const {
+  FormulaSelectionOptions options;
+  options.batch_size_variable = given_.batch_size_variable();
+  const std::vector<std::string>& names = given_.formula().variable_names();
+  for (std::size_t v = 0; v < names.size(); ++v)
+    if (given_.aggregation()[v] == DimAggregation::kSum) options.summed_variables.push_back(names[v]);
+  options.max_pieces = 1;  // linear candidates: a few milliseconds each, tried again as the points grow
+  options.floor = false;   // the model's floor is kept
+  options.fit = fit;
+  return options;
+}
+
+std::vector<CalibrationStep> TrainingRefit::calibration_steps(const StepPhaseModels& phases) const {
+  std::vector<CalibrationStep> steps;
+  steps.reserve(window_.size());
+  for (const Step& step : window_) {
+    CalibrationStep out{step.step, step.run_first, {}};
+    for (const TrainingPoint& point : step.points) {
+      const double steady = model_.predict_bytes(point.dims);
+      const double predicted =
+          point.position ? phase_predicted_bytes(steady, point.dims, *point.position, phases) : steady;
+      out.points.push_back({predicted, point.peak_bytes, point.position});
+    }
+    steps.push_back(std::move(out));
+  }
+  return steps;
+}
+
+nlohmann::json TrainingRefit::state() const {
+  nlohmann::json window = nlohmann::json::array();
+  for (const Step& step : window_) {
+    nlohmann::json points = nlohmann::json::array();
+    for (const TrainingPoint& point : step.points) {
+      nlohmann::json row = point.dims;
+      row.push_back(point.peak_bytes);
+      row.push_back(position_code(point.position));
+      points.push_back(std::move(row));
+    }
+    window.push_back({{"step", step.step}, {"run_first", step.run_first}, {"points", std::move(points)}});
+  }
+  return {{"window", std::move(window)},
+          {"steps_seen", steps_seen_},
+          {"next_try_points", next_try_points_},
+          {"last_try_step", last_try_step_},
+          {"formula", refitted_ ? nlohmann::json(model_.formula().text()) : nlohmann::json(nullptr)},
+          {"coefficients", refitted_ ? coefficients_json(model_) : nlohmann::json(nullptr)},
+          {"log", log_}};
+}
+
+void TrainingRefit::load_state(const nlohmann::json& state) {
+  const std::size_t width = given_.formula().variable_names().size() + 2;
+  std::vector<Step> window;
+  try {
+    for (const nlohmann::json& entry : state.at("window")) {
+      Step step{entry.at("step").get<std::int64_t>(), entry.at("run_first").get<bool>(), {}};
+      for (const nlohmann::json& row : entry.at("points")) {
+        if (!row.is_array() || row.size() != width)
+          throw std::invalid_argument("a point of step " + std::to_string(step.step) + " is not " +
+                                      std::to_string(width) + " numbers (dims, peak_bytes, position)");
+        std::vector<double> values = row.get<std::vector<double>>();
+        TrainingPoint point{{values.begin(), values.end() - 2}, values[width - 2],
+                            position_of(static_cast<int>(values[width - 1]), "a point's position")};
+        check_point(point);
+        step.points.push_back(std::move(point));
+      }
+      window.push_back(std::move(step));
+    }
+    const nlohmann::json& coefficients = state.at("coefficients");
+    MemoryModel model = coefficients.is_null() ? given_
+                                               : refitted_model(given_, state.at("formula").get<std::string>(),
+                                                                coefficients.get<std::map<std::string, double>>());
+    const std::int64_t steps_seen = state.at("steps_seen").get<std::int64_t>();
+    const std::size_t next_try = state.at("next_try_points").get<std::size_t>();
+    const std::int64_t last_try = state.at("last_try_step").get<std::int64_t>();
+    std::vector<std::string> log = state.at("log").get<std::vector<std::string>>();
+    window_ = std::move(window);
+    model_ = std::move(model);
+    refitted_ = !coefficients.is_null();
+    steps_seen_ = steps_seen;
+    next_try_points_ = next_try;
+    last_try_step_ = last_try;
+    log_ = std::move(log);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(std::string("training refit state: ") + e.what());
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    throw std::invalid_argument(what.rfind("training refit state", 0) == 0 ? what : "training refit state: " + what);
+  }
+}
+
+}  // namespace xpm
