@@ -26,6 +26,7 @@
 #include "xpm/planner/predictive_batcher.hpp"
 #include "xpm/planner/rank_assignment.hpp"
 #include "xpm/planner/step_plan.hpp"
+#include "xpm/planner/training_refit.hpp"
 #include "xpm/planner/record_dims_view.hpp"
 
 namespace py = pybind11;
@@ -503,6 +504,53 @@ void bind_calibration(py::module_& m) {
       });
 }
 
+std::optional<xpm::MicrobatchPosition> position_named(const std::optional<std::string>& name) {
+  return name ? std::optional(xpm::parse_microbatch_position(*name, "position")) : std::nullopt;
+}
+
+// The refit of the model on training's peaks; its Python face is python/xpm/sampler_refit.py.
+void bind_training_refit(py::module_& m) {
+  py::class_<xpm::TrainingRefit>(m, "TrainingRefit")
+      .def(py::init([](const xpm::MemoryModel& model, int window_steps) {
+        xpm::TrainingRefitOptions options;
+        options.window_steps = window_steps;
+        return xpm::TrainingRefit(model, options);
+      }))
+      .def("end_step",
+           [](xpm::TrainingRefit& refit, std::int64_t step, const std::vector<std::vector<double>>& dims,
+              const std::vector<double>& peaks, const std::vector<std::optional<std::string>>& positions) {
+             if (dims.size() != peaks.size() || dims.size() != positions.size())
+               throw std::invalid_argument("TrainingRefit.end_step: dims, peaks and positions differ in length");
+             std::vector<xpm::TrainingPoint> points;
+             for (std::size_t i = 0; i < dims.size(); ++i) points.push_back({dims[i], peaks[i], position_named(positions[i])});
+             return refit.end_step(step, std::move(points));
+           })
+      .def_property_readonly("model", [](const xpm::TrainingRefit& refit) { return refit.model(); })
+      .def_property_readonly("refitted", &xpm::TrainingRefit::refitted)
+      .def_property_readonly("log", &xpm::TrainingRefit::log)
+      .def("redraw",
+           [](const xpm::TrainingRefit& refit, xpm::Calibration& calibration, const xpm::MemoryModel* first_of_several,
+              const xpm::MemoryModel* first_alone, const xpm::MemoryModel* synchronised, const std::string& line) {
+             calibration.redraw(refit.calibration_steps({first_of_several, first_alone, synchronised}), line);
+           },
+           py::arg("calibration"), py::arg("first_of_several").none(true), py::arg("first_alone").none(true),
+           py::arg("synchronised").none(true), py::arg("line"))
+      .def_static("refitted_model", [](const xpm::MemoryModel& model, const std::string& formula_text,
+                                       const std::map<std::string, double>& coefficients) {
+        return xpm::refitted_model(model, formula_text, coefficients);
+      })
+      .def("state_json", [](const xpm::TrainingRefit& refit) { return refit.state().dump(); })
+      .def("load_state_json", [](xpm::TrainingRefit& refit, const std::string& text) {
+        nlohmann::json parsed;
+        try {
+          parsed = nlohmann::json::parse(text);
+        } catch (const nlohmann::json::exception& error) {
+          throw std::invalid_argument(std::string("training refit state: ") + error.what());
+        }
+        refit.load_state(parsed);
+      });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_planner, m) {
@@ -514,6 +562,7 @@ PYBIND11_MODULE(_planner, m) {
   bind_probing(m);
   bind_fit(m);
   bind_calibration(m);
+  bind_training_refit(m);
   m.def("pack", &pack);
   m.def("plan_step", &plan_step, py::arg("packer"), py::arg("sort_by"), py::arg("record_dims"), py::arg("model"),
         py::arg("planning_bytes"), py::arg("world_size"), py::arg("lockstep"), py::arg("only_rank"),

@@ -90,11 +90,12 @@ class MemoryModel:
         phases = self._parsed().get("metadata", {}).get("phases", {})
         if not isinstance(phases, dict):
             raise ValueError(f"{source}: metadata.phases must be an object {{phase: record}}, got {phases!r}")
-        names = set(self.formula.coefficient_names)
         for phase, record in phases.items():
             if phase not in GRADIENT_PHASES[1:]:
                 raise ValueError(f"{source}: metadata.phases has {phase!r}; a phase fitted apart is "
                                  f"{_name_list(GRADIENT_PHASES[1:])}")
+            own = record.get("formula") if isinstance(record, dict) else None  # a refit chose another since
+            names = set(own.get("coefficient_names", ()) if isinstance(own, dict) else self.formula.coefficient_names)
             coefficients = record.get("coefficients") if isinstance(record, dict) else None
             if not _names_to_numbers(coefficients, names):
                 raise ValueError(f"{source}: metadata.phases[{phase!r}] must hold 'coefficients', a number of bytes "
@@ -257,15 +258,19 @@ class MemoryModel:
         if key not in self._phase_natives:
             self._phase_natives[key] = self._native_with(record["coefficients"],
                                                          record.get("single_record_factor", 1.0), floor,
-                                                         record.get("single_record_coefficients"))
+                                                         record.get("single_record_coefficients"),
+                                                         record.get("formula"))
         return self._phase_natives[key]
 
     def _native_with(self, coefficients: Dict[str, float], single_record_factor: float,
-                     floor: bool = True,
-                     single_record_coefficients: Optional[Dict[str, float]] = None) -> _planner.MemoryModel:
+                     floor: bool = True, single_record_coefficients: Optional[Dict[str, float]] = None,
+                     formula: Optional[Dict[str, Any]] = None) -> _planner.MemoryModel:
         """This model (formula, floor unless ``floor`` is False, ranges) with other coefficients,
-        single-record factor and single-record coefficients (None: none)."""
+        single-record factor and single-record coefficients (None: none), and another formula
+        over the same variables where ``formula`` (its JSON) is given."""
         parsed = dict(self._parsed())
+        if formula is not None:
+            parsed["formula"] = formula
         parsed["coefficients"] = coefficients
         parsed.pop("single_record_factor", None)
         parsed.pop("single_record_coefficients", None)

@@ -7,17 +7,19 @@ ranks and packed (``sampler_packing``), the calibration's corrections
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from numpy.typing import ArrayLike
 
+from . import _planner
 from .calibration import Calibration, Correction
-from .choices import PACKERS, GradientPhase, PackerName, _check_choice
+from .choices import PACKERS, GradientPhase, MicrobatchPosition, PackerName, _check_choice
 from .memory_model import MemoryModel, _checked_model
-from .meters import Meter
+from .meters import Meter, planned_bytes_kind, planned_peak_bytes
 from .record_dims import _record_dims
 from .sampler_calibration import (Corrections, calibration_state, correction_in_force, corrections_from,
                                   first_step_not_handed_out, loaded_corrections, new_calibration, planning_bytes)
@@ -26,6 +28,7 @@ from .sampler_checks import (_check_usable_bytes, _checked_outer_and_ranks, _che
 from .sampler_lightning import _refuse_lightning_training_loop
 from .sampler_order import outer_batch_count, outer_batches
 from .sampler_packing import StepPacking
+from .sampler_refit import TrainingRefit, microbatch_dims
 from .sampler_pass import _MicrobatchIterator
 from .sampler_state import check_settings, checked_steps_done, plan_fingerprint
 from .sampler_steps import Microbatch, Step, step_offsets
@@ -63,8 +66,10 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         calibrate: correct the model's predictions from the peaks training measures
             (``xpm.Calibration``): ``record_peak`` and ``end_step`` (which ``microbatch_loop(...,
             meter=...)`` calls) raise the correction at once after an under-prediction, and the
-            steps not yet handed out are planned anew with it, the same on every rank. False:
-            the plans follow the model alone.
+            steps not yet handed out are planned anew with it, the same on every rank; where
+            the model errs by shape more than that correction takes off, it is refitted on the
+            peaks of the recent steps (``xpm.sampler_refit``; not under a caching allocator).
+            False: the plans follow the model alone.
         gradients_set_to_none: the training loop frees the gradients between steps
             (``zero_grad(set_to_none=True)``, the default of torch 2.x, the HF Trainer, Lightning
             and accelerate), so each step's first microbatch runs without them: its
@@ -115,6 +120,13 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         # The correction each step of this epoch is planned with: (first step, correction), ...
         self._corrections: Corrections = [(0, self.correction)]
         self._packing = StepPacking(dims, self._units, model, packer, sort_by, world_size, self._lockstep)
+        # The model refitted on training's peaks (sampler_refit), and the packing each step of
+        # this epoch is planned with: (first step, packing), ...
+        self._given_model = model
+        # Not under a caching allocator: reserved peaks move by whole segments, no formula's shape.
+        self._refit = None if self._calibration is None or model.reserved_gap is not None else \
+            TrainingRefit(model, self._calibration.window_steps, self._calibration.group)
+        self._packings: List[Tuple[int, StepPacking]] = [(0, self._packing)]
         self._epoch = 0
         self._steps_done = 0                  # steps counted done (microbatch_loop, mark_step_done)
         self._start: Tuple[int, int] = (0, 0)  # where the next pass begins: (step, microbatch in it)
@@ -183,6 +195,7 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         if epoch != self._epoch:
             self._steps_cache = self._offsets_cache = None
             self._corrections = [(0, self.correction)]
+            self._packings = [(0, self._packing)]
         self._epoch = epoch
         self._generation += 1
 
@@ -202,7 +215,19 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         return {"epoch": self._epoch, "steps_done": self._steps_done, **self._settings(), **self._calibration_state()}
 
     def _calibration_state(self) -> Dict[str, Any]:
-        return calibration_state(self._corrections, self._calibration)
+        state = calibration_state(self._corrections, self._calibration)
+        if self._refit is not None:
+            state["training_refit"] = {"state": self._refit.state_dict(), "models": self._packings_state()}
+        return state
+
+    def _packings_state(self) -> List[List[Any]]:
+        """``[[first step, formula text, coefficients], ...]``: the model each step of the epoch is
+        planned with (``None, None``: the model given)."""
+        return [[first, *self._refit_of(p.model)] for first, p in self._packings]
+
+    def _refit_of(self, model: MemoryModel) -> Tuple[Optional[str], Optional[Dict[str, float]]]:
+        """``(formula text, coefficients)`` of a refit of the given model, ``(None, None)`` for it."""
+        return (None, None) if model is self._given_model else (model.formula.text, model.coefficients)
 
     def _load_calibration_state(self, state: Dict[str, Any], what: str) -> None:
         """The corrections each step was planned with, and the calibration's window
@@ -211,6 +236,26 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         if loaded != self._corrections:  # another plan: made anew on first use
             self._corrections = loaded
             self._steps_cache = self._offsets_cache = None
+        if self._refit is not None and state.get("training_refit") is not None:
+            self._load_refit_state(state["training_refit"], what)
+
+    def _load_refit_state(self, state: Dict[str, Any], what: str) -> None:
+        """The refit's window and model, and the model each step of the epoch is planned with."""
+        assert self._refit is not None
+        try:
+            self._refit.load_state_dict(state["state"])
+            if [list(entry) for entry in state["models"]] == self._packings_state():
+                return  # the plan as it is (the Trainer's drop-in loads its own state every step)
+            given = dataclasses.replace(self._packing, model=self._given_model)
+            packings = [(int(first), given if formula is None else dataclasses.replace(given, model=MemoryModel(
+                _planner.TrainingRefit.refitted_model(self._given_model._native, formula, coefficients))))
+                for first, formula, coefficients in state["models"]]
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{what} training_refit: {error}") from None
+        self._packings = packings or [(0, given)]
+        self._packing = self._packings[-1][1]
+        self._model = self._packing.model
+        self._steps_cache = self._offsets_cache = None
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resumes at ``state``'s step.
@@ -258,9 +303,10 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
     def _steps_of(self, records: np.ndarray, index: int, ranks: Sequence[int]) -> List[Step]:
         """Step ``index`` (an outer batch's ``records``) of each of ``ranks``; with lockstep
         every share is packed once, for the counts and for the ranks asked."""
-        plans = self._packing.packed_shares(records, ranks, self._planning_bytes(index), self._first_phase)
+        packing = [p for first, p in self._packings if first <= index][-1]
+        plans = packing.packed_shares(records, ranks, self._planning_bytes(index), self._first_phase)
         total_units, correction = float(self._units[records].sum()), self.planned_correction(index)
-        return [self._packing.step_of(plan, total_units, correction) for plan in plans]
+        return [packing.step_of(plan, total_units, correction) for plan in plans]
 
     def planned_correction(self, step: int) -> Correction:
         """The calibration's correction step ``step`` of this epoch is planned with (each of its
@@ -316,8 +362,9 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
                 optimizer step after the step's last microbatch).
         """
         if self._calibration is not None and len(microbatch) > 0:
-            self._calibration.record_peak(microbatch.predicted_bytes, peak_allocated_bytes,
-                                          getattr(microbatch, "position", None))
+            position = getattr(microbatch, "position", None)
+            self._calibration.record_peak(microbatch.predicted_bytes, peak_allocated_bytes, position)
+            self._record_refit_point(microbatch.dims, float(peak_allocated_bytes), position)
 
     def record_meter_peak(self, microbatch: Microbatch, meter: Meter) -> None:
         """``record_peak`` with the peak ``meter`` measured since ``xpm.meters.start_peak``
@@ -331,8 +378,42 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
                 after the step's last microbatch).
         """
         if self._calibration is not None and len(microbatch) > 0:
-            self._calibration.record_meter_peak(microbatch.predicted_bytes, meter,
-                                                getattr(microbatch, "position", None))
+            position = getattr(microbatch, "position", None)
+            self._calibration.record_meter_peak(microbatch.predicted_bytes, meter, position)
+            self._record_refit_point(microbatch.dims, meter, position)
+
+    def record_microbatch_peak(self, records: Sequence[int], predicted_bytes: float, meter: Meter,
+                               position: Optional[MicrobatchPosition]) -> None:
+        """``record_meter_peak`` of a microbatch the step loaders handed out by its records
+        (``xpm.PlannedStep``: ``records[k]``, ``predicted_bytes[k]``; the integrations call it).
+
+        Args:
+            records: its record indices (the dataset's, as the sampler's ``record_dims``).
+            predicted_bytes: its prediction, as its step was planned.
+            meter: the meter that measured its forward and backward.
+            position: its position in its step (``xpm.microbatch_position``), or None.
+        """
+        if self._calibration is None or len(records) == 0:
+            return
+        self._calibration.record_meter_peak(predicted_bytes, meter, position)
+        if self._refit is not None:
+            model = self._given_model
+            dims = microbatch_dims(self._dims, records, model._parsed().get("aggregation", {}),
+                                   list(model.formula.variable_names))
+            self._record_refit_point(dims, meter, position)
+
+    def _record_refit_point(self, dims: Sequence[float], peak: Union[float, Meter],
+                            position: Optional[MicrobatchPosition]) -> None:
+        """The refit's point of a microbatch: its peak, or the allocated peak ``peak`` (a meter)
+        measured (none where the plans bound reserved bytes)."""
+        if self._refit is None:
+            return
+        if not isinstance(peak, (int, float)):
+            if planned_bytes_kind(peak) != "allocated":
+                return
+            peak = planned_peak_bytes(peak)
+        if peak > 0:
+            self._refit.record(dims, float(peak), position)
 
     def end_step(self, step: int, *, replan_from: Optional[int] = None) -> Optional[str]:
         """Ends optimizer step ``step`` for calibration: the ranks agree on the correction (one
@@ -354,10 +435,24 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             return None
         first = self._first_step_not_handed_out(step) if replan_from is None else max(step + 1, int(replan_from))
         line = self._calibration.end_step(step, replan_from=first)
+        refitted = None if self._refit is None else self._refit.end_step(step)
+        if refitted is not None:
+            self._take_refit(refitted)
+            line = refitted if line is None else f"{line}; {refitted}"
         # A new line, or a position's line now holding for more predictions (no log line).
         if line is not None or self._calibration.correction != self._corrections[-1][1]:
             self._replan_from(self._calibration.replan_from, self._calibration.correction)
         return line
+
+    def _take_refit(self, line: str) -> None:
+        """Plans the steps from the calibration's ``replan_from`` on with the refitted model, the
+        calibration drawn anew over its window with that model's predictions."""
+        assert self._refit is not None and self._calibration is not None
+        self._model = self._refit.model
+        self._packing = dataclasses.replace(self._packing, model=self._model)
+        self._refit.redraw(self._calibration, self._packing._phase_models(self._first_phase), line)
+        first = self._calibration.replan_from
+        self._packings = [(f, p) for f, p in self._packings if f < first] + [(first, self._packing)]
 
     def _first_step_not_handed_out(self, step: int) -> int:
         return first_step_not_handed_out(step, self._plan()[1], self._current)
@@ -519,4 +614,4 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             yield steps[k].weights[j], j == len(steps[k].weights) - 1
 
     def _plan_fingerprint(self) -> dict:
-        return plan_fingerprint(self._rank, self._usable_bytes, self._sort_by, self._model)
+        return plan_fingerprint(self._rank, self._usable_bytes, self._sort_by, self._given_model)

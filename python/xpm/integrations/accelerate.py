@@ -464,7 +464,7 @@ def _measured(sampler: PredictiveBatchSampler, round_robin: RoundRobinMicrobatch
               meter: Meter) -> None:
     """Feeds a trained microbatch's peak to the calibration; after a step's last, ends the step
     (collective) with the steps accelerate has read kept as they were planned."""
-    sampler.calibration.record_meter_peak(microbatch.predicted_bytes, meter, microbatch.position)
+    sampler.record_microbatch_peak(microbatch.indices, microbatch.predicted_bytes, meter, microbatch.position)
     if microbatch.last:
         sampler.end_step(microbatch.step, replan_from=round_robin.taken_step + 1)
 

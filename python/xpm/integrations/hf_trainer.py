@@ -433,10 +433,9 @@ class PlannedTrainerMixin:
             finally:
                 self._microbatch_loss_scale = 1.0
             peak = None if self.xpm_meter is None else int(self.xpm_meter.peak_allocated_bytes)
-            calibration = self.xpm_sampler.calibration
-            if peak is not None and calibration is not None and not inputs.placeholder and inputs.predicted_bytes:
-                calibration.record_meter_peak(inputs.predicted_bytes[k], self.xpm_meter,
-                                              microbatch_position(k, len(inputs.predicted_bytes)))
+            if peak is not None and not inputs.placeholder and inputs.predicted_bytes:
+                self.xpm_sampler.record_microbatch_peak(records, inputs.predicted_bytes[k], self.xpm_meter,
+                                                        microbatch_position(k, len(inputs.predicted_bytes)))
             if self.on_microbatch is not None:
                 predicted = None if inputs.placeholder or not inputs.predicted_bytes else inputs.predicted_bytes[k]
                 self.on_microbatch(MicrobatchRecord(self.state.global_step + 1, inputs.epoch, tuple(records), peak,

@@ -267,8 +267,8 @@ def microbatches(module: "pl.LightningModule", step: PlannedStep, *, sampler: Op
         else:
             yield moved, weight, True
         if calibrating and k < len(step.predicted_bytes):
-            sampler.calibration.record_meter_peak(step.predicted_bytes[k], meter,
-                                                  microbatch_position(k, len(step.predicted_bytes)))
+            sampler.record_microbatch_peak(step.records[k], step.predicted_bytes[k], meter,
+                                           microbatch_position(k, len(step.predicted_bytes)))
     if calibrating:
         sampler.end_step(step.index)
 

@@ -262,10 +262,9 @@ class PlannedMicrobatches(pl.Callback):
         return batches[last][1] * _loss_of(original(_transfer(pl_module, batches[last][0]), batch_idx))
 
     def _record(self, step: PlannedStep, k: int) -> None:
-        calibration = self.sampler.calibration
-        if calibration is not None and k < len(step.predicted_bytes):
-            calibration.record_meter_peak(step.predicted_bytes[k], self.meter,
-                                          microbatch_position(k, len(step.predicted_bytes)))
+        if self.sampler.calibration is not None and k < len(step.predicted_bytes):
+            self.sampler.record_microbatch_peak(step.records[k], step.predicted_bytes[k], self.meter,
+                                                microbatch_position(k, len(step.predicted_bytes)))
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Refuses a fit resumed from a checkpoint saved in the middle of an epoch: Lightning
