@@ -152,6 +152,7 @@ EngineMemoryState PredictiveStepEngine::memory_state() const {
   if (batcher_.has_model()) saved.memory_model = batcher_.model().to_json();
   if (calibration_) {
     saved.calibration = to_json(calibration_->state());
+    if (refit_) saved.calibration["training_refit"] = refit_state();
   } else if (!restored_calibration_.is_null()) {  // resumed, no step run since
     saved.calibration = restored_calibration_;
   }
@@ -179,8 +180,10 @@ void PredictiveStepEngine::begin_step(const EngineLog& /*log*/) {
     calibration_.emplace(batcher_.options().budget.usable_bytes(), options);
     // The checkpoint's correction and window measured its model's predictions: kept when that
     // is the model planning now (not after probing again, e.g. at another world size).
-    if (!restored_calibration_.is_null() && restored_calibration_model_ == batcher_.model().to_json())
-      calibration_->load_state(calibration_state_from_json(restored_calibration_));
+    const bool restoring =
+        !restored_calibration_.is_null() && restored_calibration_model_ == batcher_.model().to_json();
+    if (restoring) calibration_->load_state(calibration_state_from_json(restored_calibration_));
+    start_refit(restoring ? restored_calibration_.value("training_refit", nlohmann::json()) : nlohmann::json());
     restored_calibration_ = nullptr;
     batcher_.set_correction(calibration_->correction());
   }
@@ -308,6 +311,45 @@ void PredictiveStepEngine::calibrate(const GlobalStepResult& result, std::int64_
   const std::optional<std::string> line = calibration_->end_step(step, row);
   batcher_.set_correction(calibration_->correction());
   if (line) log("calibration: " + *line);
+  if (refit_) refit_model(result, step, log);
+}
+
+// The refit (allocated bytes only) from the model planning now, or as the checkpoint left it:
+// {"given": the model it refits, "state": its state} (`saved`; null: a new one).
+void PredictiveStepEngine::start_refit(const nlohmann::json& saved) {
+  if (plans_reserved_bytes()) return;
+  if (saved.is_null()) {
+    refit_.emplace(batcher_.model());
+    return;
+  }
+  refit_.emplace(MemoryModel::from_json(saved.at("given")));
+  refit_->load_state(saved.at("state"));
+}
+
+nlohmann::json PredictiveStepEngine::refit_state() const {
+  return {{"given", refit_->given().to_json()}, {"state", refit_->state()}};
+}
+
+// Every rank holds every rank's peaks (all-reduced): the same points, the same refit. The
+// refitted coefficients (and formula) replace the batcher's, its floor and bounds kept; the
+// calibration is drawn anew over the refit's window with its predictions.
+void PredictiveStepEngine::refit_model(const GlobalStepResult& result, std::int64_t step, const EngineLog& log) {
+  std::vector<TrainingPoint> points;
+  if (!result.oom) {
+    const std::vector<std::optional<MicrobatchPosition>> positions = peak_positions(result);
+    for (std::size_t i = 0; i < result.microbatch_peaks.size(); ++i)
+      points.push_back({result.microbatch_peaks[i].dims, planned_peak(result.microbatch_peaks[i]), positions[i]});
+  }
+  const std::optional<std::string> line = refit_->end_step(step, std::move(points));
+  if (!line) return;
+  const MemoryModel& refitted = refit_->model();
+  std::map<std::string, double> coefficients;
+  for (std::size_t k = 0; k < refitted.coefficients().size(); ++k)
+    coefficients[refitted.formula().coefficient_names()[k]] = refitted.coefficients()[k];
+  batcher_.set_model(refitted_model(batcher_.model(), refitted.formula().text(), coefficients));
+  calibration_->redraw(refit_->calibration_steps({}), *line);
+  batcher_.set_correction(calibration_->correction());
+  log("calibration: " + *line);
 }
 
 void PredictiveStepEngine::add_step_metrics(const GlobalStepResult& result, nlohmann::json& line) const {

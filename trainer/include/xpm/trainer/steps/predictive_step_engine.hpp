@@ -21,6 +21,7 @@
 
 #include "xpm/planner/calibration.hpp"
 #include "xpm/planner/predictive_batcher.hpp"
+#include "xpm/planner/training_refit.hpp"
 #include "xpm/planner_torch/memory_meter.hpp"
 #include "xpm/trainer/distributed/distributed.hpp"
 #include "xpm/trainer/distributed/gradient_buckets.hpp"
@@ -74,6 +75,9 @@ class PredictiveStepEngine : public StepEngine {
   std::int64_t check_optimizer_step_reserved(const GlobalStepResult& result, std::int64_t step, double tolerance,
                                              const EngineLog& log);
   void calibrate(const GlobalStepResult& result, std::int64_t step, const EngineLog& log);
+  void refit_model(const GlobalStepResult& result, std::int64_t step, const EngineLog& log);
+  void start_refit(const nlohmann::json& saved);
+  nlohmann::json refit_state() const;
 
   PredictiveBatcher& batcher_;
   MemoryMeter* meter_;
@@ -85,6 +89,9 @@ class PredictiveStepEngine : public StepEngine {
   Correction step_correction_;               // the correction the last step was planned with
   nlohmann::json restored_calibration_;      // from the checkpoint resumed (null: none)
   nlohmann::json restored_calibration_model_;  // the memory model that checkpoint planned with
+  // Allocated bytes planned: the model refitted on training's peaks where the probes' fit misses
+  // shapes (training_refit.hpp, the Python sampler's policy); kept in the calibration's state.
+  std::optional<TrainingRefit> refit_;
   bool extrapolation_noted_ = false;         // logged once per run
 };
 
