@@ -610,3 +610,82 @@ TEST_CASE("under a caching allocator an optimizer step reserving above the floor
   meter.set_capacity_bytes(cap_before);
   meter.set_caching(std::nullopt);
 }
+
+namespace {
+
+// A step of the engine's: microbatches of 2 to 13 records of 40 to 240 tokens (one rank, in
+// order: first, middle..., last), their peaks those of a model with other coefficients than the
+// batcher's (6 bytes per bs*l^2, 1,200 per bs*l and 1.05 MB against 4, 2,000 and 1 MB): no line in
+// the prediction covers them without over-predicting most.
+xpm::GlobalStepResult shape_missed_step(std::int64_t step, const xpm::MemoryModel& model) {
+  xpm::GlobalStepResult result;
+  for (int k = 0; k < 5; ++k) {
+    const double records = 2 + (3 * k + step) % 12, length = 40 + (37 * k + 11 * step) % 200;
+    xpm::MicrobatchPeak peak;
+    peak.dims = {records, length};
+    peak.predicted_bytes = model.predict_bytes(peak.dims);
+    peak.forward_backward_peak_bytes = 6 * records * length * length + 1200 * records * length + 1.05e6;
+    result.microbatch_peaks.push_back(peak);
+    result.microbatch_peak_ranks.push_back(0);
+  }
+  result.optimizer_step_peak_bytes = 5e5;  // under the floor
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE("the Learner's engine refits a model that errs by shape, and a restored engine goes on alike") {
+  xpm::CpuMemoryMeter& meter = xpm::CpuMemoryMeter::install();  // allocated bytes: no caching
+  const std::int64_t cap_before = meter.capacity_bytes();
+  meter.set_capacity_bytes(kReservedCap);
+  torch::nn::Linear layer(4, 4);
+  torch::optim::SGD optimizer(layer->parameters(), torch::optim::SGDOptions(0.1));
+  const xpm::MemoryPlanOptions plan = wide_memory_plan();
+  const xpm::MemoryModel probed(xpm::CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"}),
+                                {4.0, 2000.0, 1e6}, 6e5, "bs");
+  const auto run = [&](xpm::PredictiveBatcher& batcher, xpm::PredictiveStepEngine& engine, std::int64_t from,
+                       std::int64_t to, std::vector<std::string>& lines) {
+    xpm::EngineLog log;
+    log.line = [&lines](const std::string& line) { lines.push_back(line); };
+    for (std::int64_t step = from; step < to; ++step) {
+      engine.begin_step(log);
+      CHECK(engine.learn_from_step(shape_missed_step(step, batcher.model()), step, log) >= 0);
+    }
+  };
+  xpm::DistributedContext dist;
+  xpm::PredictiveBatcher whole(plan.batcher_options(meter), xpm::make_packer(plan.packer, plan.sort_by));
+  whole.set_model(probed);
+  xpm::PredictiveStepEngine engine(optimizer, whole, &meter, dist, nullptr);
+  REQUIRE_FALSE(engine.plans_reserved_bytes());
+  std::vector<std::string> lines;
+  run(whole, engine, 0, 10, lines);
+  const auto refitted = std::find_if(lines.begin(), lines.end(), [](const std::string& line) {
+    return line.find("memory model refitted on") != std::string::npos;
+  });
+  REQUIRE(refitted != lines.end());
+  INFO(*refitted);
+  CHECK(refitted->find("xpm: calibration: step 3: memory model refitted on 12 training peaks") == 0);
+  const std::vector<double>& coefficients = whole.model().coefficients();
+  CHECK(coefficients[0] == doctest::Approx(6.0).epsilon(1e-6));
+  CHECK(coefficients[1] == doctest::Approx(1200.0).epsilon(1e-6));
+  CHECK(whole.model().floor_bytes() == 6e5);
+  // Its plans after it: the next step's microbatches predicted exactly, the correction a headroom.
+  const xpm::GlobalStepResult next = shape_missed_step(10, whole.model());
+  for (const xpm::MicrobatchPeak& peak : next.microbatch_peaks)
+    CHECK(peak.predicted_bytes == doctest::Approx(peak.forward_backward_peak_bytes).epsilon(1e-9));
+  // Stopped after step 5 and restored from its memory state: the same model and correction at step 10.
+  xpm::PredictiveBatcher first(plan.batcher_options(meter), xpm::make_packer(plan.packer, plan.sort_by));
+  first.set_model(probed);
+  xpm::PredictiveStepEngine stopped(optimizer, first, &meter, dist, nullptr);
+  std::vector<std::string> before, after;
+  run(first, stopped, 0, 5, before);
+  const nlohmann::json saved_model = first.model().to_json();
+  const nlohmann::json saved_calibration = nlohmann::json::parse(stopped.memory_state().calibration.dump());
+  xpm::PredictiveBatcher resumed(plan.batcher_options(meter), xpm::make_packer(plan.packer, plan.sort_by));
+  xpm::PredictiveStepEngine restored(optimizer, resumed, &meter, dist, nullptr);
+  CHECK(restored.restore_memory_state({saved_model, saved_calibration}, true));
+  run(resumed, restored, 5, 10, after);
+  CHECK(resumed.model().to_json() == whole.model().to_json());
+  CHECK(resumed.correction() == whole.correction());
+  meter.set_capacity_bytes(cap_before);
+}
