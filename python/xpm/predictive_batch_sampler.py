@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -380,7 +380,7 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         if self._calibration is not None and len(microbatch) > 0:
             position = getattr(microbatch, "position", None)
             self._calibration.record_meter_peak(microbatch.predicted_bytes, meter, position)
-            self._record_refit_point(microbatch.dims, meter, position)
+            self._record_refit_meter_point(microbatch.dims, meter, position)
 
     def record_microbatch_peak(self, records: Sequence[int], predicted_bytes: float, meter: Meter,
                                position: Optional[MicrobatchPosition]) -> None:
@@ -395,25 +395,28 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         """
         if self._calibration is None or len(records) == 0:
             return
+        indices = np.asarray(records)
+        if indices.dtype.kind not in "iu" or indices.min() < 0 or indices.max() >= len(self._dims):
+            raise ValueError(f"record_microbatch_peak: records must be indices of the sampler's {len(self._dims)} "
+                             f"records, got {list(records)[:8]}")
         self._calibration.record_meter_peak(predicted_bytes, meter, position)
         if self._refit is not None:
             model = self._given_model
-            dims = microbatch_dims(self._dims, records, model._parsed().get("aggregation", {}),
+            dims = microbatch_dims(self._dims, indices, model._parsed().get("aggregation", {}),
                                    list(model.formula.variable_names))
-            self._record_refit_point(dims, meter, position)
+            self._record_refit_meter_point(dims, meter, position)
 
-    def _record_refit_point(self, dims: Sequence[float], peak: Union[float, Meter],
+    def _record_refit_meter_point(self, dims: Sequence[float], meter: Meter,
+                                  position: Optional[MicrobatchPosition]) -> None:
+        """The refit's point of a microbatch ``meter`` measured: its allocated peak (none where the
+        plans bound reserved bytes)."""
+        if planned_bytes_kind(meter) == "allocated":
+            self._record_refit_point(dims, float(planned_peak_bytes(meter)), position)
+
+    def _record_refit_point(self, dims: Sequence[float], peak_bytes: float,
                             position: Optional[MicrobatchPosition]) -> None:
-        """The refit's point of a microbatch: its peak, or the allocated peak ``peak`` (a meter)
-        measured (none where the plans bound reserved bytes)."""
-        if self._refit is None:
-            return
-        if not isinstance(peak, (int, float)):
-            if planned_bytes_kind(peak) != "allocated":
-                return
-            peak = planned_peak_bytes(peak)
-        if peak > 0:
-            self._refit.record(dims, float(peak), position)
+        if self._refit is not None and peak_bytes > 0:
+            self._refit.record(dims, peak_bytes, position)
 
     def end_step(self, step: int, *, replan_from: Optional[int] = None) -> Optional[str]:
         """Ends optimizer step ``step`` for calibration: the ranks agree on the correction (one

@@ -146,3 +146,16 @@ def test_two_ranks_refit_alike_and_a_resumed_run_plans_what_the_uninterrupted_ru
              if peak]
     assert -0.01 <= min(later) and max(later) <= 0.03
     print(f"\ntwo ranks: {line}; resumed after 3 of 10 steps: identical plans")
+
+
+def test_a_microbatch_recorded_by_records_that_are_not_the_samplers_is_refused():
+    sampler = sampler_of(probed_model())
+    meter = xpm.CpuMeter.install()
+    for records in ([0, 1003], [-1], [0.5]):
+        try:
+            sampler.record_microbatch_peak(records, 1e6, meter, "middle")
+        except ValueError as error:
+            assert str(error).startswith("record_microbatch_peak: records must be indices of the sampler's 1003 "
+                                         "records, got ")
+        else:
+            raise AssertionError(f"{records} accepted")
