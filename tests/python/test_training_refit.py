@@ -14,15 +14,8 @@ import torch
 
 import xpm
 
-BUDGET = 6_000_000
-
-
-def probed_model():
-    """What the probes gave: 4 bytes per bs*l^2, 2,000 per bs*l and 1 MB."""
-    formula = xpm.CostFormula("a*bs*l^2 + b*bs*l + c", ["bs", "l"])
-    dims = np.array([[1, 8], [4, 64], [16, 128], [32, 16], [8, 200]], dtype=float)
-    fitted, _ = xpm.fit(formula, dims, 4 * dims[:, 0] * dims[:, 1] ** 2 + 2000 * dims[:, 0] * dims[:, 1] + 1e6)
-    return fitted
+# What the probes gave (the sampler tests' model): 4 bytes per bs*l^2, 2,000 per bs*l and 1 MB.
+from test_sampler import BUDGET, fitted_model as probed_model  # noqa: E402 - beside this file
 
 
 def training_peak_bytes(dims):
