@@ -11,6 +11,7 @@
 
 #include "xpm/planner/fit.hpp"
 #include "xpm/planner/formula_selection.hpp"
+#include "xpm/planner/stable_hash.hpp"
 
 namespace xpm {
 namespace {
@@ -38,12 +39,23 @@ std::string percent_range(std::pair<double, double> range) {
   return buf;
 }
 
-nlohmann::json coefficients_json(const MemoryModel& model) {
-  nlohmann::json values = nlohmann::json::object();
+std::map<std::string, double> coefficients_by_name(const MemoryModel& model) {
+  std::map<std::string, double> values;
   for (std::size_t k = 0; k < model.coefficients().size(); ++k)
     values[model.formula().coefficient_names()[k]] = model.coefficients()[k];
   return values;
 }
+
+// A count of `field` in a state: a whole number in [least, 2^53].
+std::int64_t state_count(const nlohmann::json& state, const char* field, std::int64_t least) {
+  const nlohmann::json& value = state.at(field);
+  if (!value.is_number_integer() || value.get<std::int64_t>() < least || value.get<std::int64_t>() > (1LL << 53))
+    throw std::invalid_argument(std::string(field) + " must be a whole number >= " + std::to_string(least) +
+                                ", got " + value.dump());
+  return value.get<std::int64_t>();
+}
+
+
 
 // The relative residuals of `points`' peaks from the line a + b x prediction closest to them
 // (least squares of the relative residuals): what remains of the model's errors once a
@@ -68,12 +80,14 @@ int position_code(const std::optional<MicrobatchPosition>& position) {
   return position ? static_cast<int>(*position) : -1;
 }
 
-std::optional<MicrobatchPosition> position_of(int code, const std::string& field) {
+std::optional<MicrobatchPosition> position_of(double code, const std::string& field) {
   if (code == -1) return std::nullopt;
-  if (code < 0 || code >= static_cast<int>(kMicrobatchPositions))
-    throw std::invalid_argument("training refit state: " + field + " must be -1 or a position 0 to 3, got " +
-                                std::to_string(code));
-  return static_cast<MicrobatchPosition>(code);
+  if (!(code >= 0 && code < static_cast<double>(kMicrobatchPositions) && code == std::floor(code))) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%g", code);
+    throw std::invalid_argument("training refit state: " + field + " must be -1 or a position 0 to 3, got " + buf);
+  }
+  return static_cast<MicrobatchPosition>(static_cast<int>(code));
 }
 
 }  // namespace
@@ -132,8 +146,14 @@ MemoryModel refitted_model(const MemoryModel& model, const std::string& formula_
   for (const std::string& name : formula.coefficient_names()) {
     const auto it = coefficients.find(name);
     if (it == coefficients.end()) throw std::invalid_argument("refitted_model: no value of coefficient '" + name + "'");
+    if (!(std::isfinite(it->second) && it->second >= 0))  // a refit's fit is non-negative
+      throw std::invalid_argument("refitted_model: coefficient '" + name + "' must be a finite number >= 0, got " +
+                                  std::to_string(it->second));
     values.push_back(it->second);
   }
+  if (coefficients.size() != values.size())
+    throw std::invalid_argument("refitted_model: " + std::to_string(coefficients.size()) + " coefficients given for " +
+                                "the formula's " + std::to_string(values.size()));
   return refitted_model(model, formula, values);
 }
 
@@ -190,11 +210,12 @@ std::optional<std::string> TrainingRefit::end_step(std::int64_t step, std::vecto
   const std::size_t least = static_cast<std::size_t>(
       std::ceil(options_.points_per_coefficient * static_cast<double>(given_.formula().coefficient_names().size())));
   if (measured.size() < least) return std::nullopt;
+  // Counted in steps seen, not in `step` (an index within the epoch, which starts over).
   const bool grown = measured.size() >= next_try_points_;
-  const bool turned_over = last_try_step_ >= 0 && step - last_try_step_ >= options_.window_steps;
+  const bool turned_over = last_try_seen_ >= 0 && steps_seen_ - last_try_seen_ >= options_.window_steps;
   if (!grown && !turned_over) return std::nullopt;
   next_try_points_ = static_cast<std::size_t>(std::ceil(1.5 * static_cast<double>(measured.size())));
-  last_try_step_ = step;
+  last_try_seen_ = steps_seen_;
   return try_refit(step, measured);
 }
 
@@ -224,7 +245,10 @@ std::optional<std::string> TrainingRefit::try_refit(std::int64_t step, const std
   const auto after = finite_range(held_out);
   const auto before = finite_range(line_residuals(predicted, points));
   if (after.second - after.first + options_.min_spread_gain >= before.second - before.first) return std::nullopt;
-  model_ = refitted_model(given_, chosen ? *chosen : given_.formula(), fit.coefficients);
+  // From the formula's text and the coefficients by name, as a restored state builds it: the
+  // same model bit for bit (a formula parsed anew may order its terms otherwise).
+  const MemoryModel fitted = refitted_model(given_, chosen ? *chosen : given_.formula(), fit.coefficients);
+  model_ = refitted_model(given_, fitted.formula().text(), coefficients_by_name(fitted));
   refitted_ = true;
   log_.push_back("step " + std::to_string(step) + ": memory model refitted on " + std::to_string(points.size()) +
                  " training peaks (" + model_.formula().canonical() + "): leave-one-shape-out errors " +
@@ -249,6 +273,8 @@ FormulaSelectionOptions TrainingRefit::selection_options(const FitOptions& fit) 
   options.fit = fit;
   return options;
 }
+
+std::string TrainingRefit::digest(const MemoryModel& model) { return stable_hash_hex(model.to_json().dump()); }
 
 std::vector<CalibrationStep> TrainingRefit::calibration_steps(const StepPhaseModels& phases) const {
   std::vector<CalibrationStep> steps;
@@ -281,9 +307,10 @@ nlohmann::json TrainingRefit::state() const {
   return {{"window", std::move(window)},
           {"steps_seen", steps_seen_},
           {"next_try_points", next_try_points_},
-          {"last_try_step", last_try_step_},
+          {"last_try_steps_seen", last_try_seen_},
           {"formula", refitted_ ? nlohmann::json(model_.formula().text()) : nlohmann::json(nullptr)},
-          {"coefficients", refitted_ ? coefficients_json(model_) : nlohmann::json(nullptr)},
+          {"coefficients", refitted_ ? nlohmann::json(coefficients_by_name(model_)) : nlohmann::json(nullptr)},
+          {"given", digest(given_)},
           {"log", log_}};
 }
 
@@ -291,6 +318,9 @@ void TrainingRefit::load_state(const nlohmann::json& state) {
   const std::size_t width = given_.formula().variable_names().size() + 2;
   std::vector<Step> window;
   try {
+    if (state.at("given") != digest(given_))
+      throw std::invalid_argument("written for another memory model (digest " + state.at("given").dump() +
+                                  "), not the one this refit was given (" + digest(given_) + ")");
     for (const nlohmann::json& entry : state.at("window")) {
       Step step{entry.at("step").get<std::int64_t>(), entry.at("run_first").get<bool>(), {}};
       for (const nlohmann::json& row : entry.at("points")) {
@@ -299,7 +329,7 @@ void TrainingRefit::load_state(const nlohmann::json& state) {
                                       std::to_string(width) + " numbers (dims, peak_bytes, position)");
         std::vector<double> values = row.get<std::vector<double>>();
         TrainingPoint point{{values.begin(), values.end() - 2}, values[width - 2],
-                            position_of(static_cast<int>(values[width - 1]), "a point's position")};
+                            position_of(values[width - 1], "a point's position")};
         check_point(point);
         step.points.push_back(std::move(point));
       }
@@ -309,16 +339,16 @@ void TrainingRefit::load_state(const nlohmann::json& state) {
     MemoryModel model = coefficients.is_null() ? given_
                                                : refitted_model(given_, state.at("formula").get<std::string>(),
                                                                 coefficients.get<std::map<std::string, double>>());
-    const std::int64_t steps_seen = state.at("steps_seen").get<std::int64_t>();
-    const std::size_t next_try = state.at("next_try_points").get<std::size_t>();
-    const std::int64_t last_try = state.at("last_try_step").get<std::int64_t>();
+    const std::int64_t steps_seen = state_count(state, "steps_seen", 0);
+    const auto next_try = static_cast<std::size_t>(state_count(state, "next_try_points", 0));
+    const std::int64_t last_try = state_count(state, "last_try_steps_seen", -1);
     std::vector<std::string> log = state.at("log").get<std::vector<std::string>>();
     window_ = std::move(window);
     model_ = std::move(model);
     refitted_ = !coefficients.is_null();
     steps_seen_ = steps_seen;
     next_try_points_ = next_try;
-    last_try_step_ = last_try;
+    last_try_seen_ = last_try;
     log_ = std::move(log);
   } catch (const nlohmann::json::exception& e) {
     throw std::invalid_argument(std::string("training refit state: ") + e.what());

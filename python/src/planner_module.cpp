@@ -535,6 +535,7 @@ void bind_training_refit(py::module_& m) {
            },
            py::arg("calibration"), py::arg("first_of_several").none(true), py::arg("first_alone").none(true),
            py::arg("synchronised").none(true), py::arg("line"))
+      .def_static("digest", &xpm::TrainingRefit::digest)
       .def_static("refitted_model", [](const xpm::MemoryModel& model, const std::string& formula_text,
                                        const std::map<std::string, double>& coefficients) {
         return xpm::refitted_model(model, formula_text, coefficients);

@@ -28,7 +28,7 @@ from .sampler_checks import (_check_usable_bytes, _checked_outer_and_ranks, _che
 from .sampler_lightning import _refuse_lightning_training_loop
 from .sampler_order import outer_batch_count, outer_batches
 from .sampler_packing import StepPacking
-from .sampler_refit import TrainingRefit, microbatch_dims
+from .sampler_refit import TrainingRefit, checked_models, microbatch_dims
 from .sampler_pass import _MicrobatchIterator
 from .sampler_state import check_settings, checked_steps_done, plan_fingerprint
 from .sampler_steps import Microbatch, Step, step_offsets
@@ -240,19 +240,31 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             self._load_refit_state(state["training_refit"], what)
 
     def _load_refit_state(self, state: Dict[str, Any], what: str) -> None:
-        """The refit's window and model, and the model each step of the epoch is planned with."""
+        """The refit's window and model, and the model each step of the epoch is planned with.
+        Raises ValueError naming what is malformed (``sampler_refit.checked_models``)."""
         assert self._refit is not None
+        models = checked_models(state, f"{what} training_refit")
+        if isinstance(state["state"], dict) and \
+                state["state"].get("given") != _planner.TrainingRefit.digest(self._given_model._native):
+            # Measured against another model (probed again): the refit starts anew, as the C++
+            # Learner's does, and the plans follow the model given.
+            warnings.warn(f"xpm: {what}'s model refit was measured against another memory model (probed again?); "
+                          "the refit starts anew from this sampler's model", RuntimeWarning, stacklevel=4)
+            return
         try:
             self._refit.load_state_dict(state["state"])
-            if [list(entry) for entry in state["models"]] == self._packings_state():
-                return  # the plan as it is (the Trainer's drop-in loads its own state every step)
-            given = dataclasses.replace(self._packing, model=self._given_model)
-            packings = [(int(first), given if formula is None else dataclasses.replace(given, model=MemoryModel(
-                _planner.TrainingRefit.refitted_model(self._given_model._native, formula, coefficients))))
-                for first, formula, coefficients in state["models"]]
-        except (KeyError, TypeError, ValueError) as error:
+        except ValueError as error:
             raise ValueError(f"{what} training_refit: {error}") from None
-        self._packings = packings or [(0, given)]
+        if [list(entry) for entry in models] == self._packings_state():
+            return  # the plan as it is (the Trainer's drop-in loads its own state every step)
+        given = dataclasses.replace(self._packing, model=self._given_model)
+        try:
+            packings = [(first, given if formula is None else dataclasses.replace(given, model=MemoryModel(
+                _planner.TrainingRefit.refitted_model(self._given_model._native, formula, coefficients))))
+                for first, formula, coefficients in models]
+        except ValueError as error:
+            raise ValueError(f"{what} training_refit models: {error}") from None
+        self._packings = packings
         self._packing = self._packings[-1][1]
         self._model = self._packing.model
         self._steps_cache = self._offsets_cache = None

@@ -173,3 +173,38 @@ def microbatch_dims(record_dims: np.ndarray, records: Sequence[int], aggregation
     how = {"count": lambda column: float(len(rows)), "max": lambda column: float(rows[:, column].max()),
            "sum": lambda column: float(rows[:, column].sum())}
     return [how[aggregation.get(name, "max")](v) for v, name in enumerate(variables)]
+
+
+def checked_models(state: Any, what: str) -> List[Tuple[int, Optional[str], Optional[Dict[str, float]]]]:
+    """The ``models`` of a sampler state's ``training_refit``: ``[[first step, formula text,
+    {coefficient: bytes}], ...]`` (``None, None``: the model given), the first steps from 0,
+    increasing.
+
+    Args:
+        state: the ``training_refit`` entry of a state dict.
+        what: where it came from, for the error.
+
+    Returns:
+        The entries as tuples.
+
+    Raises:
+        ValueError: one line naming what is malformed.
+    """
+    expected = (f"{what} must be {{'state': ..., 'models': [[first step, formula text or None, "
+                "{coefficient: bytes} or None], ...]}")
+    try:
+        entries = [(first, formula, coefficients) for first, formula, coefficients in state["models"]]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{expected}, got {str(state)[:120]}") from None
+    firsts = [first for first, _, _ in entries]
+    if not entries or any(isinstance(f, bool) or not isinstance(f, int) for f in firsts) or firsts[0] != 0 \
+            or any(b <= a for a, b in zip(firsts, firsts[1:])):
+        raise ValueError(f"{what}: the models' first steps must be whole numbers from 0, increasing; got {firsts}")
+    for _, formula, coefficients in entries:
+        given = formula is None and coefficients is None
+        refitted = isinstance(formula, str) and isinstance(coefficients, dict) and all(
+            isinstance(name, str) and isinstance(value, (int, float)) and not isinstance(value, bool)
+            for name, value in coefficients.items())
+        if not (given or refitted):
+            raise ValueError(f"{expected}, got the entry {[formula, coefficients]!r:.160}")
+    return entries

@@ -139,3 +139,56 @@ TEST_CASE("bad points and options are refused, naming them") {
   CHECK_THROWS_WITH_AS(refit.load_state(nlohmann::json::parse(R"({"window": 3})")),
                        doctest::Contains("training refit state: "), std::invalid_argument);
 }
+
+TEST_CASE("a refit is tried again every window of steps seen, across epochs of fewer steps") {
+  // 130 steps in epochs of 10: the peaks follow the model until step 60, then a law of another
+  // shape. The points stop growing once the window (32 steps) is full, so only the tries every
+  // 32 steps seen can take the refit; counted by the epoch's step index they never came.
+  const MemoryModel model(xpm::CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"}),
+                          {4.0, 2000.0, 1e6}, 0, "bs");
+  TrainingRefit refit(model);
+  std::optional<std::size_t> taken;
+  for (std::size_t seen = 0; seen < 130; ++seen) {
+    std::vector<TrainingPoint> points;
+    for (int k = 0; k < 4; ++k) {
+      const double records = 2 + static_cast<double>((3 * k + seen) % 12), length = 40 + (37 * k + 11 * seen) % 200;
+      const double peak = seen < 60 ? model.predict_bytes({records, length})
+                                    : 6 * records * length * length + 1200 * records * length + 1.05e6;
+      points.push_back({{records, length}, peak, xpm::microbatch_position(static_cast<std::size_t>(k), 4)});
+    }
+    if (refit.end_step(static_cast<std::int64_t>(seen % 10), points) && !taken) taken = seen;
+  }
+  REQUIRE(taken.has_value());
+  CHECK(*taken >= 60);
+  CHECK(*taken < 60 + 32 + 1);
+  CHECK(refit.model().coefficients()[0] == doctest::Approx(6.0).epsilon(1e-6));
+}
+
+TEST_CASE("a state written for another model, or with values a refit cannot have, is refused") {
+  TrainingRefit refit(t5_model());
+  feed(refit, 12);
+  const nlohmann::json state = refit.state();
+  const MemoryModel other(xpm::CostFormula("a*bs*ls + b*bs*lt + c", {"a", "b", "c"}, {"bs", "ls", "lt"}),
+                          {10.0, 10.0, 1e6}, 0, "bs");
+  TrainingRefit elsewhere(other);
+  CHECK_THROWS_WITH_AS(elsewhere.load_state(state),
+                       doctest::Contains("training refit state: written for another memory model"),
+                       std::invalid_argument);
+  const auto refused = [&](const char* field, const nlohmann::json& value, const char* says) {
+    nlohmann::json spoiled = state;
+    spoiled[field] = value;
+    TrainingRefit fresh(t5_model());
+    CHECK_THROWS_WITH_AS(fresh.load_state(spoiled), doctest::Contains(says), std::invalid_argument);
+    CHECK(fresh.state() == TrainingRefit(t5_model()).state());  // nothing changed
+  };
+  refused("next_try_points", -1, "next_try_points must be a whole number >= 0, got -1");
+  refused("steps_seen", 2.5, "steps_seen must be a whole number >= 0, got 2.5");
+  nlohmann::json negative = state["coefficients"];
+  negative[negative.begin().key()] = -1e9;
+  refused("coefficients", negative, "must be a finite number >= 0");
+  nlohmann::json position = state;
+  position["window"][1]["points"][0].back() = 1e10;
+  TrainingRefit fresh(t5_model());
+  CHECK_THROWS_WITH_AS(fresh.load_state(position), doctest::Contains("must be -1 or a position 0 to 3, got 1e+10"),
+                       std::invalid_argument);
+}

@@ -10,6 +10,7 @@ import pathlib
 import pickle
 
 import numpy as np
+import pytest
 import torch
 
 import xpm
@@ -152,3 +153,33 @@ def test_a_microbatch_recorded_by_records_that_are_not_the_samplers_is_refused()
                                          "records, got ")
         else:
             raise AssertionError(f"{records} accepted")
+
+
+def test_a_state_whose_refit_is_malformed_or_of_another_model_is_refused_in_one_line():
+    sampler = sampler_of(probed_model())
+    trained_steps(sampler, 5)
+    state = json.loads(json.dumps(sampler.state_dict()))
+    other = xpm.fit(xpm.CostFormula("a*bs*l + c", ["bs", "l"]), np.array([[1, 8], [4, 64], [16, 128]], dtype=float),
+                    np.array([2e6, 3e6, 9e6]))[0]
+    cases = [({"training_refit": "garbage"}, "state_dict training_refit must be {'state': ..., 'models': "),
+             ({"training_refit": {**state["training_refit"], "models": 5}}, "training_refit must be"),
+             ({"training_refit": {**state["training_refit"], "models": [[0, "a*bs*l + c", None]]}},
+              "got the entry ['a*bs*l + c', None]"),
+             ({"training_refit": {**state["training_refit"], "models": [[0, None, None], [5.7, None, None]]}},
+              "the models' first steps must be whole numbers from 0, increasing; got [0, 5.7]"),
+             ({"training_refit": {**state["training_refit"],
+                                  "models": [[0, None, None], [4, "a*bs*l + c", {"a": -1e9, "c": -5.0}]]}},
+              "coefficient 'a' must be a finite number >= 0")]
+    for change, says in cases:
+        resumed = sampler_of(probed_model())
+        try:
+            resumed.load_state_dict({**state, **change})
+        except ValueError as error:
+            assert says in str(error) and "\n" not in str(error), str(error)
+        else:
+            raise AssertionError(f"{change} accepted")
+    # A state measured against another model (probed again): the refit starts anew, with a warning.
+    elsewhere = xpm.PredictiveBatchSampler(lengths(), other, BUDGET, outer_batch_size=64, seed=7, units=lengths())
+    with pytest.warns(RuntimeWarning, match="model refit was measured against another memory model"):
+        elsewhere.load_state_dict(state)
+    assert elsewhere._model is other

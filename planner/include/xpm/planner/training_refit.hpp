@@ -81,6 +81,8 @@ class TrainingRefit {
   const MemoryModel& model() const { return model_; }
   /// The model given to the constructor (what a restored state must be loaded against).
   const MemoryModel& given() const { return given_; }
+  /// The fingerprint of `model` a state records as "given" (16 hex digits of its JSON).
+  static std::string digest(const MemoryModel& model);
   bool refitted() const { return refitted_; }
   /// The window's steps, each point predicted by model() at its position as plan_step
   /// predicts it (`phases`: model()'s phase fits), for Calibration::redraw.
@@ -89,13 +91,15 @@ class TrainingRefit {
   const std::vector<std::string>& log() const { return log_; }
 
   /// {"window": [{"step", "run_first", "points": [[dims..., peak_bytes, position], ...]}, ...],
-  ///  "steps_seen", "next_try_points", "last_try_step", "formula" (text) and "coefficients" ({name:
-///  value}) of the refit in force (null: none), "log"}
+  ///  "steps_seen", "next_try_points", "last_try_steps_seen", "formula" (text) and "coefficients"
+///  ({name: value}) of the refit in force (null: none), "given" (a digest of the model given),
+///  "log"}
   /// (position -1: none): what a checkpoint keeps, so that a resumed run refits as the
   /// uninterrupted one did.
   nlohmann::json state() const;
   /// Restores a state() taken with the same model given to the constructor. Throws
-  /// std::invalid_argument naming what is malformed, changing nothing.
+  /// std::invalid_argument naming what is malformed or that it was written for another model,
+  /// changing nothing.
   void load_state(const nlohmann::json& state);
 
  private:
@@ -117,7 +121,7 @@ class TrainingRefit {
   std::vector<Step> window_;  // oldest first
   std::int64_t steps_seen_ = 0;
   std::size_t next_try_points_ = 0;
-  std::int64_t last_try_step_ = -1;
+  std::int64_t last_try_seen_ = -1;  // steps_seen_ at the last try (-1: none)
   bool refitted_ = false;
   std::vector<std::string> log_;
 };
@@ -132,7 +136,8 @@ MemoryModel with_coefficients(const MemoryModel& model, const std::vector<double
 /// out. What a refit builds. Throws std::invalid_argument (the coefficients' count).
 MemoryModel refitted_model(const MemoryModel& model, const CostFormula& formula, const std::vector<double>& coefficients);
 /// The same from the formula's text and its coefficients by name (a restored state). Throws
-/// FormulaError, or std::invalid_argument naming a coefficient without a value.
+/// FormulaError, or std::invalid_argument naming a coefficient without a value or one that is
+/// negative or not finite (a refit's are non-negative), or a value of no coefficient.
 MemoryModel refitted_model(const MemoryModel& model, const std::string& formula_text,
                            const std::map<std::string, double>& coefficients);
 
