@@ -13,10 +13,11 @@
 //
 // The probes measure a few shapes and the fit extrapolates between them; training measures the
 // shapes it runs, step after step. Where the probes' fit errs by a different amount at each shape
-// (a T5 under Seq2SeqTrainer: -5.3 % to +4.3 % on the microbatches of a step's middle and end,
-// while its formula fitted to those microbatches predicts the later steps' within -0.8 % to
-// +2.5 %), the calibration's lines, an offset and a share of the prediction per position, over-
-// predict most shapes by what the worst one needs. The refit replaces the coefficients.
+// (a T5 under Seq2SeqTrainer: -5.35 % to +4.31 % on the microbatches of a step's middle), the
+// calibration's lines, an offset and a share of the prediction per position, over-predict most
+// shapes by what the worst one needs. The refit replaces the model's coefficients (that T5's,
+// refitted at step 8 on 31 peaks: the later middle microbatches -0.22 % to +5.34 %, the last
+// ones -0.15 % to +0.16 %; tests/planner/training_refit_test.cpp).
 //
 // Fitted points: the microbatches in the middle or at the end of a step of several (a step's
 // first allocates the gradients among its activations; a step's only one holds both ends), from
@@ -24,12 +25,16 @@
 // record when the model fits records alone apart, nor those peaking within 1 % of the model's
 // floor there (the optimizer step, not the formula, sets them). A refit is tried once the
 // window holds points_per_coefficient fitted points per coefficient, then each time they grew
-// by half, and every window_steps steps once they stop growing. It fits the model's formula to
-// them (fit_coefficients: relative residuals, non-negative, the probes that ran out of memory as
-// bounds) and is taken when the spread (max - min) of its leave-one-shape-out errors is at
-// least min_spread_gain below the spread of the model in force's errors at the same points:
-// the spread is what the lines, which take off an offset and a share, cannot. The floor, the
-// phases' fits, the single-record fit and the bounds of the model are kept.
+// by half, and every window_steps steps seen (not the epoch's step index) once they stop
+// growing. It fits the model's formula to them (fit_coefficients: relative residuals,
+// non-negative, the probes that ran out of memory as bounds); a formula "auto" chose (the
+// model's metadata has "formula_selection") is chosen again among the linear candidates
+// (select_formula), unless the model fits records alone apart. The refit is taken when the
+// spread (max - min) of its leave-one-shape-out errors is at least min_spread_gain below the
+// spread of the model in force's errors once the best line in the prediction has taken off
+// what a calibration line can. The floor, the bounds and the phases' fits are kept (a phase
+// keeps the probes' formula when the steady one changes: plan_step takes a phase over the
+// same variables).
 //
 // Every rank must call end_step once per optimizer step with the same points (gathered in rank
 // order); the answer is a pure function of them: no clock, no randomness. Units: bytes. Not
@@ -132,9 +137,11 @@ MemoryModel with_coefficients(const MemoryModel& model, const std::vector<double
 
 /// `model` with `formula` (over its variables) and `coefficients` (its coefficient order):
 /// with_coefficients when the formula is its own, else the new formula with the floor, ranges,
-/// bounds and metadata kept and the fits of the old one (its phases, its single-record fit) left
-/// out. What a refit builds. Throws std::invalid_argument (the coefficients' count).
-MemoryModel refitted_model(const MemoryModel& model, const CostFormula& formula, const std::vector<double>& coefficients);
+/// bounds and metadata kept, each phase's fit with the old formula it was fitted with, and the
+/// single-record fit left out. What a refit builds. Throws std::invalid_argument (the
+/// coefficients' count).
+MemoryModel refitted_model(const MemoryModel& model, const CostFormula& formula,
+                           const std::vector<double>& coefficients);
 /// The same from the formula's text and its coefficients by name (a restored state). Throws
 /// FormulaError, or std::invalid_argument naming a coefficient without a value or one that is
 /// negative or not finite (a refit's are non-negative), or a value of no coefficient.
