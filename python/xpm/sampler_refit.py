@@ -6,12 +6,13 @@ Where the probes' fit misses shapes by amounts that differ from shape to shape, 
 calibration's lines (an offset and a share of the prediction per position in the step) over-
 predict most microbatches by what the worst one needs. Every step, every rank's microbatches
 (dims, peak, position) are gathered (one ``all_gather_object`` under a process group of more
-than one rank); once the window of the last steps holds three points per coefficient, and again
-each time they grew by half, the model's formula (re-chosen among linear formulas when
-``"auto"`` chose it) is fitted to the microbatches of a step's middle and end, and taken when
-the spread of its leave-one-shape-out errors is at least 1 % of the peak below that of the
-model in force. The calibration is then drawn anew over the same window with the new model's
-predictions, and the steps not yet handed out are planned with both.
+than one rank); once the window of the last steps holds three points per coefficient, again
+each time they grew by half, and every 32 steps seen once they stop growing, the model's formula
+(re-chosen among linear formulas when ``"auto"`` chose it) is fitted to the microbatches of a
+step's middle and end, and taken when the spread of its leave-one-shape-out errors is at least
+1 % of the peak below that of the model in force once the best line in the prediction (what a
+calibration line can correct) is taken off. The calibration is then drawn anew over the same
+window with the new model's predictions, and the steps not yet handed out are planned with both.
 """
 from __future__ import annotations
 
