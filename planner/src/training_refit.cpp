@@ -39,13 +39,6 @@ std::string percent_range(std::pair<double, double> range) {
   return buf;
 }
 
-std::map<std::string, double> coefficients_by_name(const MemoryModel& model) {
-  std::map<std::string, double> values;
-  for (std::size_t k = 0; k < model.coefficients().size(); ++k)
-    values[model.formula().coefficient_names()[k]] = model.coefficients()[k];
-  return values;
-}
-
 // A count of `field` in a state: a whole number in [least, 2^53].
 std::int64_t state_count(const nlohmann::json& state, const char* field, std::int64_t least) {
   const nlohmann::json& value = state.at(field);
@@ -128,6 +121,13 @@ MemoryModel with_formula(const MemoryModel& model, const CostFormula& formula, c
 }
 
 }  // namespace
+
+std::map<std::string, double> coefficients_by_name(const MemoryModel& model) {
+  std::map<std::string, double> values;
+  for (std::size_t k = 0; k < model.coefficients().size(); ++k)
+    values[model.formula().coefficient_names()[k]] = model.coefficients()[k];
+  return values;
+}
 
 MemoryModel refitted_model(const MemoryModel& model, const CostFormula& formula, const std::vector<double>& coefficients) {
   if (formula.canonical() == model.formula().canonical()) return with_coefficients(model, coefficients);

@@ -569,6 +569,11 @@ PYBIND11_MODULE(_planner, m) {
         py::arg("planning_bytes"), py::arg("world_size"), py::arg("lockstep"), py::arg("only_rank"),
         py::arg("first_of_several") = nullptr, py::arg("first_alone") = nullptr, py::arg("synchronised") = nullptr);
   m.def("packer_names", &xpm::packer_names);
+  m.def("aggregate_dims", [](const xpm::MemoryModel& model, const DoubleArray& record_dims,
+                             const std::vector<std::size_t>& indices) {
+    return xpm::aggregate_dims(view_of(record_dims, model.formula().variable_names().size(), "record_dims"), indices,
+                               model);
+  });
   m.attr("HEADROOM_SLOPE") = xpm::kHeadroomSlope;  // the calibration's, for its Python docs and tests
   m.attr("EARLY_HEADROOM_SLOPE") = xpm::kEarlyHeadroomSlope;
   // The planner's defaults, so the Python options start from the same values (one source).

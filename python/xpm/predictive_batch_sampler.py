@@ -28,7 +28,7 @@ from .sampler_checks import (_check_usable_bytes, _checked_outer_and_ranks, _che
 from .sampler_lightning import _refuse_lightning_training_loop
 from .sampler_order import outer_batch_count, outer_batches
 from .sampler_packing import StepPacking
-from .sampler_refit import TrainingRefit, checked_models, microbatch_dims
+from .sampler_refit import TrainingRefit, checked_models
 from .sampler_pass import _MicrobatchIterator
 from .sampler_state import check_settings, checked_steps_done, plan_fingerprint
 from .sampler_steps import Microbatch, Step, step_offsets
@@ -412,10 +412,8 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             raise ValueError(f"record_microbatch_peak: records must be indices of the sampler's {len(self._dims)} "
                              f"records, got {list(records)[:8]}")
         self._calibration.record_meter_peak(predicted_bytes, meter, position)
-        if self._refit is not None:
-            model = self._given_model
-            dims = microbatch_dims(self._dims, indices, model._parsed().get("aggregation", {}),
-                                   list(model.formula.variable_names))
+        if self._refit is not None:  # the dims as the packers aggregate them
+            dims = _planner.aggregate_dims(self._given_model._native, self._dims, [int(i) for i in indices])
             self._record_refit_meter_point(dims, meter, position)
 
     def _record_refit_meter_point(self, dims: Sequence[float], meter: Meter,

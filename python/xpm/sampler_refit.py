@@ -20,7 +20,6 @@ import copy
 import json
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch.distributed as dist
 
 from . import _planner
@@ -155,25 +154,6 @@ class TrainingRefit:
         self._native.load_state_json(json.dumps(state, allow_nan=False))
         self._model = MemoryModel(self._native.model) if self._native.refitted else self._given
         self._pending = []
-
-
-def microbatch_dims(record_dims: np.ndarray, records: Sequence[int], aggregation: Dict[str, str],
-                    variables: Sequence[str]) -> List[float]:
-    """The dims of a microbatch of ``records``, as the packers aggregate them.
-
-    Args:
-        record_dims: [n, variables] every record's dims.
-        records: the microbatch's record indices.
-        aggregation: each variable's aggregation ("count", "max" or "sum"), the model's.
-        variables: the formula's variables, in order.
-
-    Returns:
-        One value per variable.
-    """
-    rows = record_dims[np.asarray(records, dtype=np.int64)]
-    how = {"count": lambda column: float(len(rows)), "max": lambda column: float(rows[:, column].max()),
-           "sum": lambda column: float(rows[:, column].sum())}
-    return [how[aggregation.get(name, "max")](v) for v, name in enumerate(variables)]
 
 
 def checked_models(state: Any, what: str) -> List[Tuple[int, Optional[str], Optional[Dict[str, float]]]]:

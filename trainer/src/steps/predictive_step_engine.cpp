@@ -343,10 +343,7 @@ void PredictiveStepEngine::refit_model(const GlobalStepResult& result, std::int6
   const std::optional<std::string> line = refit_->end_step(step, std::move(points));
   if (!line) return;
   const MemoryModel& refitted = refit_->model();
-  std::map<std::string, double> coefficients;
-  for (std::size_t k = 0; k < refitted.coefficients().size(); ++k)
-    coefficients[refitted.formula().coefficient_names()[k]] = refitted.coefficients()[k];
-  batcher_.set_model(refitted_model(batcher_.model(), refitted.formula().text(), coefficients));
+  batcher_.set_model(refitted_model(batcher_.model(), refitted.formula().text(), coefficients_by_name(refitted)));
   calibration_->redraw(refit_->calibration_steps({}), *line);
   batcher_.set_correction(calibration_->correction());
   log("calibration: " + *line);

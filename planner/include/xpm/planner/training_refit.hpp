@@ -142,6 +142,8 @@ MemoryModel with_coefficients(const MemoryModel& model, const std::vector<double
 /// coefficients' count).
 MemoryModel refitted_model(const MemoryModel& model, const CostFormula& formula,
                            const std::vector<double>& coefficients);
+/// `model`'s coefficients by name (what a state and refitted_model's second form take).
+std::map<std::string, double> coefficients_by_name(const MemoryModel& model);
 /// The same from the formula's text and its coefficients by name (a restored state). Throws
 /// FormulaError, or std::invalid_argument naming a coefficient without a value or one that is
 /// negative or not finite (a refit's are non-negative), or a value of no coefficient.
