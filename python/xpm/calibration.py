@@ -139,6 +139,20 @@ EARLY_HEADROOM_SLOPE: float = _planner.EARLY_HEADROOM_SLOPE
 """The headroom a lower correction adds besides, before ``settle_steps`` steps: 1 % of the prediction."""
 
 
+def _bytes_number(value: Any, name: str) -> float:
+    """A number of bytes given to ``Calibration.record_peak``: text and booleans are refused (the
+    native check refuses what is not finite or negative)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"Calibration.record_peak: {name} must be a finite number of bytes, got {value!r}")
+    return float(value)
+
+
+def _step_number(value: Any, name: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"Calibration.end_step: {name} must be a whole number >= 0, got {value!r}")
+    return int(value)
+
+
 class Calibration:
     """The correction of a memory model's predictions from measured peaks (module docstring).
 
@@ -283,7 +297,8 @@ class Calibration:
         """
         if position is not None:
             _check_choice(position, MICROBATCH_POSITIONS, "Calibration.record_peak: position")
-        self._native.record_peak(float(predicted_bytes), float(peak_bytes), position)
+        self._native.record_peak(_bytes_number(predicted_bytes, "predicted_bytes"),
+                                 _bytes_number(peak_bytes, "peak_bytes"), position)
 
     def record_meter_peak(self, predicted_bytes: float, meter: Meter,
                           position: Optional[MicrobatchPosition] = None) -> None:
@@ -328,13 +343,15 @@ class Calibration:
             the budget (+25,600 bytes + 0.50 % of the prediction)"), else None.
 
         Raises:
-            ValueError: on every rank, when the ranks' ``usable_bytes`` differ (their plans would).
+            ValueError: on every rank, when the ranks' ``usable_bytes`` differ (their plans would);
+                ``step`` or ``replan_from`` is not a whole number >= 0.
 
         Warns:
             RuntimeWarning: once, when the model under-predicts by more than half the budget.
         """
-        row = self._agreed(self._native.step_row(int(replan_from)))
-        line = self._native.end_step(int(step), row)
+        step, replan_from = _step_number(step, "step"), _step_number(replan_from, "replan_from")
+        row = self._agreed(self._native.step_row(replan_from))
+        line = self._native.end_step(step, row)
         if line is not None:
             self._warn_beyond_bound()
         return line

@@ -430,7 +430,13 @@ def planned_peak_bytes(meter: Meter) -> int:
 
     Returns:
         Bytes.
+
+    Raises:
+        TypeError: ``meter`` has no ``peak_allocated_bytes`` (None, or not a meter).
     """
+    if not hasattr(meter, "peak_allocated_bytes"):
+        raise TypeError(f"meter must be a meter (xpm.CpuMeter.install(), xpm.CudaMeter(...) or one with "
+                        f"peak_allocated_bytes), got {meter!r}")
     return int(meter.peak_reserved_bytes if planned_bytes_kind(meter) == "reserved" else meter.peak_allocated_bytes)
 
 

@@ -372,6 +372,9 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             microbatch: the ``Microbatch`` the sampler yielded (its ``predicted_bytes``).
             peak_allocated_bytes: the meter's peak over its forward and backward (and the
                 optimizer step after the step's last microbatch).
+
+        Raises:
+            ValueError: the peak is not a finite number of bytes >= 0 (``Calibration.record_peak``).
         """
         if self._calibration is not None and len(microbatch) > 0:
             position = getattr(microbatch, "position", None)
@@ -404,6 +407,11 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             predicted_bytes: its prediction, as its step was planned.
             meter: the meter that measured its forward and backward.
             position: its position in its step (``xpm.microbatch_position``), or None.
+
+        Raises:
+            ValueError: ``records`` are not indices of the sampler's records, or
+                ``predicted_bytes`` is not a finite number of bytes >= 0.
+            TypeError: ``meter`` is not a meter.
         """
         if self._calibration is None or len(records) == 0:
             return
@@ -443,7 +451,13 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
 
         Returns:
             The calibration's log line when the correction changed, else None.
+
+        Raises:
+            ValueError: ``step`` or ``replan_from`` is not a whole number >= 0.
         """
+        step = _whole_number("end_step: step", step)
+        if replan_from is not None:
+            replan_from = _whole_number("end_step: replan_from", replan_from)
         if self._calibration is None:
             return None
         first = self._first_step_not_handed_out(step) if replan_from is None else max(step + 1, int(replan_from))

@@ -366,6 +366,23 @@ def test_bad_arguments_name_the_value(model, lengths):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4).set_epoch(-1)
 
 
+def test_what_training_reports_is_checked_naming_the_value(model, lengths):
+    """A peak given as text, a missing meter or a step that is not a whole number is refused in
+    one line, before the calibration or the refit keeps anything of it."""
+    sampler = xpm.PredictiveBatchSampler(lengths, model, BUDGET, outer_batch_size=64, seed=3, units=lengths)
+    microbatch = next(iter(sampler))
+    with pytest.raises(ValueError, match="^Calibration.record_peak: peak_bytes must be a finite number of bytes, "
+                                         "got '1000000'$"):
+        sampler.record_peak(microbatch, "1000000")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="^meter must be a meter .*, got None$"):
+        sampler.record_microbatch_peak([0, 1], 1e6, None, "first")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^end_step: step must be a whole number, got 'a'$"):
+        sampler.end_step("a")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^end_step: replan_from must be a whole number, got 2.5$"):
+        sampler.end_step(0, replan_from=2.5)  # type: ignore[arg-type]
+    assert sampler.calibration.measured_microbatches == 0
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
 def test_nan_infinite_or_negative_records_and_units_name_the_first_bad_index(model, lengths, bad):
     units = lengths.astype(float)
@@ -631,9 +648,13 @@ def test_calibration_fits_a_line_over_the_peaks_constant_or_proportional(missed,
 def test_calibration_refuses_a_peak_that_is_not_a_number_of_bytes():
     calibration = xpm.Calibration(BUDGET)
     for predicted, peak, name in ((1e6, float("nan"), "peak_bytes"), (float("inf"), 1e6, "predicted_bytes"),
-                                  (1e6, -1.0, "peak_bytes")):
+                                  (1e6, -1.0, "peak_bytes"), (1e6, "1000000", "peak_bytes"),
+                                  (True, 1e6, "predicted_bytes")):
         with pytest.raises(ValueError, match=f"^Calibration.record_peak: {name} must be a finite number of bytes"):
             calibration.record_peak(predicted, peak)
+    for step, replan_from in (("a", 0), (-1, 0), (0, 1.5)):
+        with pytest.raises(ValueError, match="^Calibration.end_step: (step|replan_from) must be a whole number"):
+            calibration.end_step(step, replan_from=replan_from)
     calibration.record_peak(0, 1e6)  # an empty microbatch's prediction: skipped
     assert calibration.measured_microbatches == 0
 
