@@ -112,22 +112,41 @@ FloorFormula floor_formula_from_json(const nlohmann::json& jf,
   return out;
 }
 
+// Every variable of `dims` within its range.
+bool inside(const std::vector<ProbedRange>& ranges, const std::vector<double>& dims) {
+  for (std::size_t v = 0; v < ranges.size() && v < dims.size(); ++v) {
+    if (dims[v] < ranges[v].min || dims[v] > ranges[v].max) return false;
+  }
+  return true;
+}
+
+nlohmann::json ranges_to_json(const std::vector<ProbedRange>& ranges, const std::vector<std::string>& var_names) {
+  nlohmann::json out = nlohmann::json::object();
+  for (std::size_t v = 0; v < ranges.size(); ++v) out[var_names[v]] = {ranges[v].min, ranges[v].max};
+  return out;
+}
+
+// {variable: [min, max]} for every variable, `field` naming it in errors.
+std::vector<ProbedRange> ranges_from_json(const nlohmann::json& j, const std::vector<std::string>& var_names,
+                                          const std::string& field) {
+  if (!j.is_object()) bad_field(field, "expected an object variable -> [min, max]");
+  std::vector<ProbedRange> ranges;
+  for (const std::string& name : var_names) {
+    const std::string at = field + "." + name;
+    const nlohmann::json& range = required(j, name, at);
+    if (!range.is_array() || range.size() != 2) bad_field(at, "expected [min, max], got " + brief(range));
+    ranges.push_back({get_number(range[0], at + "[0]"), get_number(range[1], at + "[1]")});
+  }
+  return ranges;
+}
+
 // probed_ranges {variable: [min, max]}; without it, the range of the feasible probes in
 // metadata.probes (files written before the field existed); empty when neither.
 std::vector<ProbedRange> probed_ranges_from_json(const nlohmann::json& j,
                                                  const nlohmann::json& metadata,
                                                  const std::vector<std::string>& var_names) {
   std::vector<ProbedRange> ranges;
-  if (auto it = j.find("probed_ranges"); it != j.end()) {
-    if (!it->is_object()) bad_field("probed_ranges", "expected an object variable -> [min, max]");
-    for (const std::string& name : var_names) {
-      const std::string field = "probed_ranges." + name;
-      const nlohmann::json& range = required(*it, name, field);
-      if (!range.is_array() || range.size() != 2) bad_field(field, "expected [min, max], got " + brief(range));
-      ranges.push_back({get_number(range[0], field + "[0]"), get_number(range[1], field + "[1]")});
-    }
-    return ranges;
-  }
+  if (auto it = j.find("probed_ranges"); it != j.end()) return ranges_from_json(*it, var_names, "probed_ranges");
   const auto probes = metadata.find("probes");
   if (probes == metadata.end() || !probes->is_array()) return ranges;
   std::vector<std::vector<double>> dims_list;
@@ -146,6 +165,23 @@ std::vector<ProbedRange> probed_ranges_from_json(const nlohmann::json& j,
   }
   if (!dims_list.empty()) ranges = MemoryModel::ranges_of(dims_list);
   return ranges;
+}
+
+// refit_region {training_ranges, outside}, its errors naming the field within it.
+RefitRegion refit_region_from_json(const nlohmann::json& j, const std::vector<std::string>& var_names) {
+  if (!j.is_object()) bad_field("refit_region", "expected an object {training_ranges, outside}");
+  RefitRegion region;
+  region.training_ranges = ranges_from_json(required(j, "training_ranges", "refit_region.training_ranges"), var_names,
+                                          "refit_region.training_ranges");
+  try {
+    region.outside = std::make_shared<const MemoryModel>(
+        MemoryModel::from_json(required(j, "outside", "refit_region.outside")));
+  } catch (const std::invalid_argument& e) {  // "memory model: field 'x': ..." -> "... field 'refit_region.outside.x'"
+    const std::string what = e.what(), prefix = "memory model: field '";
+    if (what.rfind(prefix, 0) != 0) bad_field("refit_region.outside", what);
+    throw std::invalid_argument(prefix + "refit_region.outside." + what.substr(prefix.size()));
+  }
+  return region;
 }
 
 }  // namespace
@@ -217,7 +253,27 @@ double MemoryModel::predict_bytes(const std::vector<double>& dims) const {
     if (!single_record_coefficients_.empty())
       formula_bytes = std::min(formula_bytes, formula_.predict(single_record_coefficients_, dims));
   }
-  return std::max(floor_bytes_at(dims), formula_bytes);
+  const double bytes = std::max(floor_bytes_at(dims), formula_bytes);
+  if (refit_region_ && !inside(refit_region_->training_ranges, dims))
+    return std::max(bytes, refit_region_->outside->predict_bytes(dims));
+  return bytes;
+}
+
+void MemoryModel::set_refit_region(RefitRegion region) {
+  const std::vector<std::string>& variables = formula_.variable_names();
+  if (region.outside == nullptr || region.outside->formula().variable_names() != variables)
+    throw std::invalid_argument("MemoryModel: a refit region needs the model outside it, over the same variables");
+  if (region.training_ranges.size() != variables.size())
+    throw std::invalid_argument("MemoryModel: " + std::to_string(region.training_ranges.size()) +
+                                " refit region ranges for " + std::to_string(variables.size()) + " variables");
+  for (std::size_t v = 0; v < variables.size(); ++v) {
+    const ProbedRange& range = region.training_ranges[v];
+    if (!(std::isfinite(range.min) && std::isfinite(range.max) && range.min <= range.max))
+      throw std::invalid_argument("MemoryModel: refit region range of " + variables[v] + " [" +
+                                  format_double(range.min) + ", " + format_double(range.max) +
+                                  "] is not finite with min <= max");
+  }
+  refit_region_ = std::move(region);
 }
 
 double MemoryModel::added_bytes(const std::vector<double>& dims) const {
@@ -500,18 +556,16 @@ nlohmann::json MemoryModel::to_json() const {
                           {"coefficient_names", f.coefficient_names()},
                           {"coefficients", std::move(floor_coefs)}};
   }
-  if (!probed_ranges_.empty()) {
-    nlohmann::json ranges = nlohmann::json::object();
-    for (std::size_t v = 0; v < vars.size(); ++v) {
-      ranges[vars[v]] = {probed_ranges_[v].min, probed_ranges_[v].max};
-    }
-    j["probed_ranges"] = std::move(ranges);
-  }
+  if (!probed_ranges_.empty()) j["probed_ranges"] = ranges_to_json(probed_ranges_, vars);
   if (single_record_factor_ != 1) j["single_record_factor"] = single_record_factor_;
   if (!single_record_coefficients_.empty()) {
     nlohmann::json single = nlohmann::json::object();
     for (std::size_t k = 0; k < coef_names.size(); ++k) single[coef_names[k]] = single_record_coefficients_[k];
     j["single_record_coefficients"] = std::move(single);
+  }
+  if (refit_region_) {
+    j["refit_region"] = {{"training_ranges", ranges_to_json(refit_region_->training_ranges, vars)},
+                         {"outside", refit_region_->outside->to_json()}};
   }
   j["metadata"] = metadata_;
   return j;
@@ -612,6 +666,7 @@ MemoryModel MemoryModel::from_json(const nlohmann::json& j) {
   if (auto it = j.find("single_record_coefficients"); it != j.end()) {
     model.set_single_record_coefficients(coefficients_from_json(*it, coef_names, "single_record_coefficients"));
   }
+  if (auto it = j.find("refit_region"); it != j.end()) model.set_refit_region(refit_region_from_json(*it, var_names));
   model.metadata_ = std::move(metadata);
   return model;
 }

@@ -55,9 +55,14 @@ void split_to(std::size_t target, MicrobatchPlan& plan, const std::vector<std::v
   }
 }
 
-// `steady_bytes` lowered to `phase`'s prediction at `dims` where it has a fit.
-double phase_prediction(double steady_bytes, const std::vector<double>& dims, const MemoryModel* phase) {
-  return phase == nullptr ? steady_bytes : std::min(steady_bytes, phase->predict_bytes(dims));
+// `steady_bytes` lowered to `phase`'s prediction at `dims` where it has a fit, or by what it
+// lowers `fitted_with`'s (StepPhaseModels).
+double phase_prediction(double steady_bytes, const std::vector<double>& dims, const MemoryModel* phase,
+                        const MemoryModel* fitted_with) {
+  if (phase == nullptr) return steady_bytes;
+  if (fitted_with == nullptr) return std::min(steady_bytes, phase->predict_bytes(dims));
+  const double lowered_bytes = std::max(0.0, fitted_with->predict_bytes(dims) - phase->predict_bytes(dims));
+  return std::max(0.0, steady_bytes - lowered_bytes);
 }
 
 // `plan`'s first and last microbatches with records predicted in their phases (step_plan.hpp).
@@ -78,7 +83,7 @@ void predict_phases(MicrobatchPlan& plan, const StepPhaseModels& phases) {
 }
 
 void check_phase_formulas(const StepPhaseModels& phases, const MemoryModel& model) {
-  for (const MemoryModel* phase : {phases.first_of_several, phases.first_alone, phases.synchronised}) {
+  for (const MemoryModel* phase : {phases.first_of_several, phases.first_alone, phases.synchronised, phases.fitted_with}) {
     if (phase != nullptr && phase->formula().variable_names() != model.formula().variable_names()) {
       throw std::invalid_argument("plan_step: a phase model's formula '" + phase->formula().canonical() +
                                   "' is not over the model's variables ('" + model.formula().canonical() + "')");
@@ -88,15 +93,23 @@ void check_phase_formulas(const StepPhaseModels& phases, const MemoryModel& mode
 
 }  // namespace
 
+StepPhaseModels phases_beside(const MemoryModel& model, StepPhaseModels phases) {
+  if (phases.fitted_with == nullptr && model.refit_region() != nullptr)
+    phases.fitted_with = model.refit_region()->outside.get();
+  return phases;
+}
+
 double phase_predicted_bytes(double steady_bytes, const std::vector<double>& dims, MicrobatchPosition position,
                              const StepPhaseModels& phases) {
   switch (position) {
-    case MicrobatchPosition::kFirst: return phase_prediction(steady_bytes, dims, phases.first_of_several);
-    case MicrobatchPosition::kLast: return phase_prediction(steady_bytes, dims, phases.synchronised);
+    case MicrobatchPosition::kFirst:
+      return phase_prediction(steady_bytes, dims, phases.first_of_several, phases.fitted_with);
+    case MicrobatchPosition::kLast: return phase_prediction(steady_bytes, dims, phases.synchronised, phases.fitted_with);
     case MicrobatchPosition::kAlone: {
-      const double first = phase_prediction(steady_bytes, dims, phases.first_alone);
-      return phases.synchronised == nullptr ? first
-                                            : std::max(first, phase_prediction(steady_bytes, dims, phases.synchronised));
+      const double first = phase_prediction(steady_bytes, dims, phases.first_alone, phases.fitted_with);
+      return phases.synchronised == nullptr
+                 ? first
+                 : std::max(first, phase_prediction(steady_bytes, dims, phases.synchronised, phases.fitted_with));
     }
     case MicrobatchPosition::kMiddle: break;
   }
@@ -115,7 +128,8 @@ StepPlan plan_step(const std::vector<std::vector<double>>& record_dims, const Me
   if (planning_bytes <= 0) {
     throw std::invalid_argument("plan_step: planning_bytes must be > 0, got " + std::to_string(planning_bytes));
   }
-  check_phase_formulas(options.phases, model);
+  const StepPhaseModels phases = phases_beside(model, options.phases);
+  check_phase_formulas(phases, model);
   const auto world = static_cast<std::int64_t>(options.world_size);
   const std::int64_t share_records =
       std::max<std::int64_t>(1, (static_cast<std::int64_t>(record_dims.size()) + world - 1) / world);
@@ -134,7 +148,7 @@ StepPlan plan_step(const std::vector<std::vector<double>>& record_dims, const Me
     for (const MicrobatchPlan& plan : step.rank_plans) target = std::max(target, plan.microbatches.size());
     for (MicrobatchPlan& plan : step.rank_plans) split_to(target, plan, record_dims, model);
   }
-  for (MicrobatchPlan& plan : step.rank_plans) predict_phases(plan, options.phases);
+  for (MicrobatchPlan& plan : step.rank_plans) predict_phases(plan, phases);
   return step;
 }
 

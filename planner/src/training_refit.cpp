@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <utility>
 
@@ -46,6 +47,23 @@ std::int64_t state_count(const nlohmann::json& state, const char* field, std::in
     throw std::invalid_argument(std::string(field) + " must be a whole number >= " + std::to_string(least) +
                                 ", got " + value.dump());
   return value.get<std::int64_t>();
+}
+
+// A refit region's ranges in a state: [[min, max], ...] in variable order.
+nlohmann::json ranges_json(const std::vector<ProbedRange>& ranges) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const ProbedRange& range : ranges) out.push_back({range.min, range.max});
+  return out;
+}
+
+std::vector<ProbedRange> ranges_of_json(const nlohmann::json& value) {
+  std::vector<ProbedRange> ranges;
+  for (const nlohmann::json& range : value) {
+    if (!range.is_array() || range.size() != 2)
+      throw std::invalid_argument("training_ranges must be [min, max] per variable, got " + value.dump());
+    ranges.push_back({range[0].get<double>(), range[1].get<double>()});
+  }
+  return ranges;
 }
 
 
@@ -157,6 +175,14 @@ MemoryModel refitted_model(const MemoryModel& model, const std::string& formula_
   return refitted_model(model, formula, values);
 }
 
+MemoryModel refitted_model(const MemoryModel& model, const std::string& formula_text,
+                           const std::map<std::string, double>& coefficients,
+                           std::vector<ProbedRange> training_ranges) {
+  MemoryModel refitted = refitted_model(model, formula_text, coefficients);
+  refitted.set_refit_region({std::move(training_ranges), std::make_shared<const MemoryModel>(model)});
+  return refitted;
+}
+
 TrainingRefit::TrainingRefit(MemoryModel model, TrainingRefitOptions options)
     : given_(model), model_(std::move(model)), options_(options) {
   if (options_.window_steps < 1)
@@ -248,7 +274,11 @@ std::optional<std::string> TrainingRefit::try_refit(std::int64_t step, const std
   // From the formula's text and the coefficients by name, as a restored state builds it: the
   // same model bit for bit (a formula parsed anew may order its terms otherwise).
   const MemoryModel fitted = refitted_model(given_, chosen ? *chosen : given_.formula(), fit.coefficients);
-  model_ = refitted_model(given_, fitted.formula().text(), coefficients_by_name(fitted));
+  std::vector<std::vector<double>> seen_dims;  // every shape of the window, its first microbatches' too
+  for (const Step& seen : window_)
+    for (const TrainingPoint& point : seen.points) seen_dims.push_back(point.dims);
+  model_ = refitted_model(given_, fitted.formula().text(), coefficients_by_name(fitted),
+                          MemoryModel::ranges_of(seen_dims));
   refitted_ = true;
   log_.push_back("step " + std::to_string(step) + ": memory model refitted on " + std::to_string(points.size()) +
                  " training peaks (" + model_.formula().canonical() + "): leave-one-shape-out errors " +
@@ -276,7 +306,8 @@ FormulaSelectionOptions TrainingRefit::selection_options(const FitOptions& fit) 
 
 std::string TrainingRefit::digest(const MemoryModel& model) { return stable_hash_hex(model.to_json().dump()); }
 
-std::vector<CalibrationStep> TrainingRefit::calibration_steps(const StepPhaseModels& phases) const {
+std::vector<CalibrationStep> TrainingRefit::calibration_steps(const StepPhaseModels& given_phases) const {
+  const StepPhaseModels phases = phases_beside(model_, given_phases);
   std::vector<CalibrationStep> steps;
   steps.reserve(window_.size());
   for (const Step& step : window_) {
@@ -310,6 +341,7 @@ nlohmann::json TrainingRefit::state() const {
           {"last_try_steps_seen", last_try_seen_},
           {"formula", refitted_ ? nlohmann::json(model_.formula().text()) : nlohmann::json(nullptr)},
           {"coefficients", refitted_ ? nlohmann::json(coefficients_by_name(model_)) : nlohmann::json(nullptr)},
+          {"training_ranges", refitted_ ? ranges_json(model_.refit_region()->training_ranges) : nlohmann::json(nullptr)},
           {"given", digest(given_)},
           {"log", log_}};
 }
@@ -336,9 +368,11 @@ void TrainingRefit::load_state(const nlohmann::json& state) {
       window.push_back(std::move(step));
     }
     const nlohmann::json& coefficients = state.at("coefficients");
-    MemoryModel model = coefficients.is_null() ? given_
-                                               : refitted_model(given_, state.at("formula").get<std::string>(),
-                                                                coefficients.get<std::map<std::string, double>>());
+    MemoryModel model = coefficients.is_null()
+                            ? given_
+                            : refitted_model(given_, state.at("formula").get<std::string>(),
+                                             coefficients.get<std::map<std::string, double>>(),
+                                             ranges_of_json(state.at("training_ranges")));
     const std::int64_t steps_seen = state_count(state, "steps_seen", 0);
     const auto next_try = static_cast<std::size_t>(state_count(state, "next_try_points", 0));
     const std::int64_t last_try = state_count(state, "last_try_steps_seen", -1);

@@ -340,6 +340,19 @@ void bind_model(py::module_& m) {
       .def_property_readonly("batch_size_variable", &xpm::MemoryModel::batch_size_variable)
       .def_property_readonly("single_record_factor", &xpm::MemoryModel::single_record_factor)
       .def_property_readonly("single_record_coefficients", &xpm::MemoryModel::single_record_coefficients)
+      .def_property_readonly("refit_outside",
+                             [](const xpm::MemoryModel& model) -> std::optional<xpm::MemoryModel> {
+                               if (model.refit_region() == nullptr) return std::nullopt;
+                               return *model.refit_region()->outside;
+                             })
+      .def_property_readonly("refit_training_ranges",
+                             [](const xpm::MemoryModel& model) -> std::optional<std::vector<std::pair<double, double>>> {
+                               if (model.refit_region() == nullptr) return std::nullopt;
+                               std::vector<std::pair<double, double>> out;
+                               for (const xpm::ProbedRange& r : model.refit_region()->training_ranges)
+                                 out.emplace_back(r.min, r.max);
+                               return out;
+                             })
       .def("predict_bytes", &xpm::MemoryModel::predict_bytes, py::arg("dims"))
       .def("prediction_budget_bytes", &xpm::MemoryModel::prediction_budget_bytes, py::arg("usable_bytes"))
       .def("max_microbatch_size", &xpm::MemoryModel::max_microbatch_size, py::arg("dims"), py::arg("usable_bytes"),
@@ -537,8 +550,11 @@ void bind_training_refit(py::module_& m) {
            py::arg("synchronised").none(true), py::arg("line"))
       .def_static("digest", &xpm::TrainingRefit::digest)
       .def_static("refitted_model", [](const xpm::MemoryModel& model, const std::string& formula_text,
-                                       const std::map<std::string, double>& coefficients) {
-        return xpm::refitted_model(model, formula_text, coefficients);
+                                       const std::map<std::string, double>& coefficients,
+                                       const std::vector<std::pair<double, double>>& training_ranges) {
+        std::vector<xpm::ProbedRange> ranges;
+        for (const auto& [low, high] : training_ranges) ranges.push_back({low, high});
+        return xpm::refitted_model(model, formula_text, coefficients, std::move(ranges));
       })
       .def("state_json", [](const xpm::TrainingRefit& refit) { return refit.state().dump(); })
       .def("load_state_json", [](xpm::TrainingRefit& refit, const std::string& text) {

@@ -274,6 +274,7 @@ class MemoryModel:
         parsed["coefficients"] = coefficients
         parsed.pop("single_record_factor", None)
         parsed.pop("single_record_coefficients", None)
+        parsed.pop("refit_region", None)  # a refit's guard is of its steady prediction, not of a phase's
         if single_record_factor != 1.0:
             parsed["single_record_factor"] = single_record_factor
         if single_record_coefficients:
@@ -316,8 +317,9 @@ class MemoryModel:
                 probes measure), "without_gradients" (a step's first microbatch after
                 ``zero_grad(set_to_none=True)``) or "synchronised" (the last microbatch of a
                 step under FSDP2's accumulation): the phase's own fit, never above the
-                "with_gradients" prediction; the "with_gradients" prediction when the model has
-                no fit of it (``phases``).
+                "with_gradients" prediction (for a model refitted on training's peaks, that
+                prediction lowered by what the phase lowers the probes' model); the
+                "with_gradients" prediction when the model has no fit of it (``phases``).
             floor: False: the phase's fit without the model's floor (``floor_bytes``, the
                 optimizer step's peak), for a microbatch with no optimizer step in it (a step's
                 first of several); only where the model has a fit of ``phase`` other than
@@ -340,7 +342,10 @@ class MemoryModel:
         if phase_native is not None and not floor:
             phase_native = self._phase_native(phase, floor=False)
         if phase_native is not None:
-            out = np.minimum(out, _planner.predict(phase_native, rows))
+            phase_bytes = _planner.predict(phase_native, rows)
+            beside = self._native.refit_outside  # a refit: lowered by what the phase lowered the probes' model
+            out = np.minimum(out, phase_bytes) if beside is None else \
+                np.maximum(0.0, out - np.maximum(0.0, _planner.predict(beside, rows) - phase_bytes))
         return float(out[0]) if single else out
 
     def max_batch(self, dims: Sequence[float], usable_bytes: int, max_size: int = 1 << 40) -> int:

@@ -221,13 +221,17 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         return state
 
     def _packings_state(self) -> List[List[Any]]:
-        """``[[first step, formula text, coefficients], ...]``: the model each step of the epoch is
-        planned with (``None, None``: the model given)."""
+        """``[[first step, formula text, coefficients, training ranges], ...]``: the model each
+        step of the epoch is planned with (``None, None, None``: the model given)."""
         return [[first, *self._refit_of(p.model)] for first, p in self._packings]
 
-    def _refit_of(self, model: MemoryModel) -> Tuple[Optional[str], Optional[Dict[str, float]]]:
-        """``(formula text, coefficients)`` of a refit of the given model, ``(None, None)`` for it."""
-        return (None, None) if model is self._given_model else (model.formula.text, model.coefficients)
+    def _refit_of(self, model: MemoryModel) -> Tuple[Optional[str], Optional[Dict[str, float]],
+                                                     Optional[List[List[float]]]]:
+        """``(formula text, coefficients, [[min, max] per variable])`` of a refit of the given
+        model (its region: ``refit_training_ranges``), ``(None, None, None)`` for it."""
+        if model is self._given_model:
+            return None, None, None
+        return model.formula.text, model.coefficients, [list(r) for r in model._native.refit_training_ranges]
 
     def _load_calibration_state(self, state: Dict[str, Any], what: str) -> None:
         """The corrections each step was planned with, and the calibration's window
@@ -259,9 +263,10 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             return  # the plan as it is (the Trainer's drop-in loads its own state every step)
         given = dataclasses.replace(self._packing, model=self._given_model)
         try:
-            packings = [(first, given if formula is None else dataclasses.replace(given, model=MemoryModel(
-                _planner.TrainingRefit.refitted_model(self._given_model._native, formula, coefficients))))
-                for first, formula, coefficients in models]
+            packings = [(first, given if formula is None else dataclasses.replace(
+                given, model=MemoryModel(_planner.TrainingRefit.refitted_model(
+                    self._given_model._native, formula, coefficients, ranges))))
+                for first, formula, coefficients, ranges in models]
         except ValueError as error:
             raise ValueError(f"{what} training_refit models: {error}") from None
         self._packings = packings

@@ -156,10 +156,11 @@ class TrainingRefit:
         self._pending = []
 
 
-def checked_models(state: Any, what: str) -> List[Tuple[int, Optional[str], Optional[Dict[str, float]]]]:
+def checked_models(state: Any, what: str) -> List[Tuple[int, Optional[str], Optional[Dict[str, float]],
+                                                        Optional[List[List[float]]]]]:
     """The ``models`` of a sampler state's ``training_refit``: ``[[first step, formula text,
-    {coefficient: bytes}], ...]`` (``None, None``: the model given), the first steps from 0,
-    increasing.
+    {coefficient: bytes}, [[min, max] per variable]], ...]`` (``None, None, None``: the model
+    given), the first steps from 0, increasing.
 
     Args:
         state: the ``training_refit`` entry of a state dict.
@@ -172,20 +173,25 @@ def checked_models(state: Any, what: str) -> List[Tuple[int, Optional[str], Opti
         ValueError: one line naming what is malformed.
     """
     expected = (f"{what} must be {{'state': ..., 'models': [[first step, formula text or None, "
-                "{coefficient: bytes} or None], ...]}")
+                "{coefficient: bytes} or None, [[min, max] per variable] or None], ...]}")
     try:
-        entries = [(first, formula, coefficients) for first, formula, coefficients in state["models"]]
+        entries = [(first, formula, coefficients, ranges) for first, formula, coefficients, ranges in state["models"]]
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"{expected}, got {str(state)[:120]}") from None
-    firsts = [first for first, _, _ in entries]
+    firsts = [entry[0] for entry in entries]
     if not entries or any(isinstance(f, bool) or not isinstance(f, int) for f in firsts) or firsts[0] != 0 \
             or any(b <= a for a, b in zip(firsts, firsts[1:])):
         raise ValueError(f"{what}: the models' first steps must be whole numbers from 0, increasing; got {firsts}")
-    for _, formula, coefficients in entries:
-        given = formula is None and coefficients is None
+    for _, formula, coefficients, ranges in entries:
+        given = formula is None and coefficients is None and ranges is None
         refitted = isinstance(formula, str) and isinstance(coefficients, dict) and all(
-            isinstance(name, str) and isinstance(value, (int, float)) and not isinstance(value, bool)
-            for name, value in coefficients.items())
+            isinstance(name, str) and _plain_number(value) for name, value in coefficients.items()) and \
+            isinstance(ranges, list) and all(isinstance(r, list) and len(r) == 2 and all(map(_plain_number, r))
+                                             for r in ranges)
         if not (given or refitted):
-            raise ValueError(f"{expected}, got the entry {[formula, coefficients]!r:.160}")
+            raise ValueError(f"{expected}, got the entry {[formula, coefficients, ranges]!r:.160}")
     return entries
+
+
+def _plain_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

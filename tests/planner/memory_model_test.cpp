@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -175,6 +176,35 @@ TEST_CASE("model round-trips through JSON") {
   CHECK(back.formula().canonical() == model.formula().canonical());
   CHECK(back.metadata()["device"] == "cpu");
   CHECK(back.to_json() == j);
+}
+
+TEST_CASE("a refitted model predicts its own formula inside its region and at least the outside model's beyond") {
+  // The refit halves the quadratic term; it was fitted on bs in [2, 8] and l in [16, 64].
+  MemoryModel refitted(CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"}), {1.0, 10.0, 1000.0}, 0,
+                       "bs", {{"l", DimAggregation::kMax}});
+  refitted.set_refit_region({{{2, 8}, {16, 64}}, std::make_shared<const MemoryModel>(quadratic_model())});
+  CHECK(refitted.predict_bytes({4, 64}) == doctest::Approx(1 * 4 * 64 * 64 + 10 * 4 * 64 + 1000));  // inside
+  CHECK(refitted.predict_bytes({1, 64}) == doctest::Approx(cost(1, 64)));    // bs below its range
+  CHECK(refitted.predict_bytes({4, 128}) == doctest::Approx(cost(4, 128)));  // l above its range
+  // The region travels with the model's JSON, its outside model inside it.
+  const nlohmann::json j = refitted.to_json();
+  CHECK(j["refit_region"]["training_ranges"]["l"] == nlohmann::json{16.0, 64.0});
+  const MemoryModel back = MemoryModel::from_json(j);
+  REQUIRE(back.refit_region() != nullptr);
+  CHECK(back.predict_bytes({1, 64}) == refitted.predict_bytes({1, 64}));
+  CHECK(back.to_json() == j);
+  // Bad regions are refused, naming the field.
+  nlohmann::json bad = j;
+  bad["refit_region"]["training_ranges"].erase("l");
+  CHECK_THROWS_WITH_AS(MemoryModel::from_json(bad), doctest::Contains("refit_region.training_ranges.l"),
+                       std::invalid_argument);
+  bad = j;
+  bad["refit_region"]["outside"]["coefficients"].erase("b");
+  CHECK_THROWS_WITH_AS(MemoryModel::from_json(bad), "memory model: field 'refit_region.outside.coefficients.b': missing",
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(refitted.set_refit_region({{{8, 2}, {16, 64}}, std::make_shared<const MemoryModel>(quadratic_model())}),
+                       doctest::Contains("refit region range of bs [8, 2]"), std::invalid_argument);
+  CHECK_THROWS_AS(refitted.set_refit_region({{{2, 8}, {16, 64}}, nullptr}), std::invalid_argument);
 }
 
 TEST_CASE("model from JSON names a missing or bad field") {

@@ -37,6 +37,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -79,6 +80,18 @@ struct Extrapolation {
   std::string describe() const;
 };
 
+class MemoryModel;
+
+/// Where a model refitted on training's peaks (TrainingRefit) is known to hold: the range of
+/// each variable over the shapes training had measured when it was refitted. Outside that box
+/// (any variable outside its range) the model predicts at least what `outside` predicts (the
+/// model the refit started from): a refit does not extrapolate below the probes to shapes
+/// training has not shown it.
+struct RefitRegion {
+  std::vector<ProbedRange> training_ranges;  // variable_names() order
+  std::shared_ptr<const MemoryModel> outside;
+};
+
 class MemoryModel {
  public:
   /// `batch_size_variable` must be a declared variable (aggregation kCount); every other
@@ -97,7 +110,8 @@ class MemoryModel {
 
   /// max(floor_bytes, floor formula(dims) when set, formula(dims)); at batch size 1 the
   /// formula's part is times single_record_factor(), and the smaller of that and the formula
-  /// with single_record_coefficients() when set (below); dims in variable_names() order.
+  /// with single_record_coefficients() when set (below); dims in variable_names() order. Outside
+  /// a refit_region(), at least its outside model's prediction.
   double predict_bytes(const std::vector<double>& dims) const;
   /// The bytes `dims`' records add: formula(dims) less formula(dims at batch size 0), at least
   /// 0 (floor and single-record factor and coefficients aside); dims in variable_names() order. Throws
@@ -118,6 +132,12 @@ class MemoryModel {
   /// Sets them (empty: none). Throws std::invalid_argument unless one finite number per
   /// coefficient.
   void set_single_record_coefficients(std::vector<double> coefficients);
+
+  /// The region a refit was fitted on (RefitRegion), or nullptr (every model the probes fit).
+  const RefitRegion* refit_region() const { return refit_region_ ? &*refit_region_ : nullptr; }
+  /// Sets it. Throws std::invalid_argument when the ranges are not one finite [min, max] per
+  /// variable, or the outside model is missing or over other variables.
+  void set_refit_region(RefitRegion region);
 
   /// The floor formula, or nullptr when the floor is the constant floor_bytes() alone.
   const FloorFormula* floor_formula() const { return floor_formula_ ? &*floor_formula_ : nullptr; }
@@ -183,7 +203,9 @@ class MemoryModel {
   /// floor_formula {text, canonical, coefficient_names, coefficients {name: bytes}} (optional),
   /// probed_ranges {variable: [min, max]} (optional; when missing, taken from the feasible
   /// metadata.probes[].dims if there are any), single_record_factor (optional, default 1),
-  /// single_record_coefficients {name: bytes} (optional, default none), metadata {...}.
+  /// single_record_coefficients {name: bytes} (optional, default none), refit_region
+  /// {training_ranges {variable: [min, max]}, outside {a model's JSON}} (optional, default none),
+  /// metadata {...}.
   nlohmann::json to_json() const;
   /// Throws std::invalid_argument naming the missing or bad field (e.g. "coefficients.b").
   /// formula.text is re-parsed with the stored names; formula.canonical is informative only.
@@ -206,6 +228,7 @@ class MemoryModel {
   std::vector<ProbedRange> probed_ranges_;
   double single_record_factor_ = 1;
   std::vector<double> single_record_coefficients_;
+  std::optional<RefitRegion> refit_region_;
   nlohmann::json metadata_ = nlohmann::json::object();
 };
 

@@ -48,7 +48,17 @@ struct StepPhaseModels {
   const MemoryModel* first_of_several = nullptr;
   const MemoryModel* first_alone = nullptr;
   const MemoryModel* synchronised = nullptr;
+  /// The steady model the phases were fitted beside (the probes'), where the steady model is a
+  /// TrainingRefit's: a phase then lowers the refit's prediction by what it lowered that
+  /// model's, steady - max(0, fitted_with(dims) - phase(dims)), not to min(steady, phase), so
+  /// that the refit's correction of a shape reaches its first microbatch too. Null: min();
+  /// plan_step takes the model's refit region's outside model (phases_beside).
+  const MemoryModel* fitted_with = nullptr;
 };
+
+/// `phases` with fitted_with, where null, the model `model` was refitted from (its
+/// RefitRegion's outside model; none when it is not a refit).
+StepPhaseModels phases_beside(const MemoryModel& model, StepPhaseModels phases);
 
 struct StepPlanOptions {
   int world_size = 1;     // ranks sharing the outer batch, >= 1
