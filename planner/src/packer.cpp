@@ -184,7 +184,7 @@ FitTest::FitTest(const MemoryModel& model, double usable_bytes)
     : model_(model),
       usable_bytes_(usable_bytes),
       direct_(model.formula().is_linear() && model.infeasible_probes().empty() &&
-              model.floor_formula() == nullptr),
+              model.floor_formula() == nullptr && model.refit_region() == nullptr),
       single_record_own_(model.single_record_factor() != 1 || !model.single_record_coefficients().empty()) {
   if (!direct_) return;
   for (const Monomial& m : model.formula().monomials()) {

@@ -12,7 +12,7 @@
 namespace xpm::packer_internal {
 
 /// model.fits(dims, usable_bytes) for one model and budget, many times: for a linear formula and
-/// a model without infeasible probes or floor formula (and at batch size 1 without a
+/// a model without infeasible probes, floor formula or refit region (and at batch size 1 without a
 /// single-record factor or coefficients) it evaluates the expanded monomials directly, with the
 /// same operations in the same order as CostFormula::predict (so the same result, bit for
 /// bit) but without its per-call argument checks; otherwise it calls model.fits. The model must

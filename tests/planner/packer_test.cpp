@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -13,6 +14,7 @@
 
 #include "xpm/planner/ffd_packer.hpp"
 #include "xpm/planner/packer.hpp"
+#include "xpm/planner/packer_kind.hpp"
 #include "xpm/planner/record_dims_view.hpp"
 
 using xpm::AdaptivePacker;
@@ -537,5 +539,23 @@ TEST_CASE("a record that fits alone by the single-record fit is not over budget 
     REQUIRE(plan.microbatches.size() == 1);
     CHECK_FALSE(plan.microbatches[0].over_budget);
     CHECK(plan.microbatches[0].predicted_bytes == doctest::Approx(3'024'000));
+  }
+}
+
+TEST_CASE("the packers plan a refitted model's shapes beyond its region by the model outside it") {
+  // A refit with a smaller quadratic term, fitted where l <= 120; at l = 200 the model it was
+  // refitted from predicts more, and that is what the plans must fit.
+  MemoryModel refitted(CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"}), {0.5, 64.0, 5000.0}, 0,
+                       "bs", {{"l", DimAggregation::kMax}});
+  refitted.set_refit_region({{{1, 16}, {10, 120}}, std::make_shared<const MemoryModel>(quadratic_model())});
+  const Records records = records_of_lengths(std::vector<double>(40, 200.0));
+  const std::int64_t usable = 300'000;  // quadratic_model: 3 records of 200 (283,400 bytes); the refit alone: 8
+  for (const std::string name : {"adaptive", "uniform", "ffd"}) {  // "fastest" packs as adaptive does, by time
+    CAPTURE(name);
+    const auto packer = xpm::make_packer(xpm::parse_packer_kind(name, "packer"));
+    const MicrobatchPlan plan = packer->pack(records, refitted, usable);
+    check_each_record_once(plan, records.size());
+    check_budget_respected(plan, usable);
+    for (const auto& mb : plan.microbatches) CHECK(mb.record_indices.size() <= 3);
   }
 }
