@@ -142,14 +142,15 @@ EARLY_HEADROOM_SLOPE: float = _planner.EARLY_HEADROOM_SLOPE
 def _bytes_number(value: Any, name: str) -> float:
     """A number of bytes given to ``Calibration.record_peak``: text and booleans are refused (the
     native check refuses what is not finite or negative)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"Calibration.record_peak: {name} must be a finite number of bytes, got {value!r}")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) or \
+            abs(value) >= 2 ** 63:
+        raise ValueError(f"Calibration.record_peak: {name} must be a finite number of bytes, got {value!r:.40}")
     return float(value)
 
 
 def _step_number(value: Any, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"Calibration.end_step: {name} must be a whole number >= 0, got {value!r}")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2 ** 63:
+        raise ValueError(f"Calibration.end_step: {name} must be a whole number >= 0, got {value!r:.40}")
     return int(value)
 
 

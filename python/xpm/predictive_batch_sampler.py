@@ -296,8 +296,9 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         self._before_load = (self._generation, before)
 
     def mark_step_done(self) -> None:
-        """Counts one optimizer step as done (``microbatch_loop`` counts them itself; call it after
-        each step when you iterate ``steps()``)."""
+        """Counts one optimizer step as done, where ``state_dict`` resumes (``microbatch_loop``
+        counts them itself; call it after each step when you iterate ``steps()`` or
+        ``iter(sampler)`` in a loop of your own)."""
         self._steps_done += 1
         self._start = (self._steps_done, 0)
 

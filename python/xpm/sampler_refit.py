@@ -175,6 +175,8 @@ def checked_models(state: Any, what: str) -> List[Tuple[int, Optional[str], Opti
     expected = (f"{what} must be {{'state': ..., 'models': [[first step, formula text or None, "
                 "{coefficient: bytes} or None, [[min, max] per variable] or None], ...]}")
     try:
+        if "state" not in state:
+            raise KeyError("state")
         entries = [(first, formula, coefficients, ranges) for first, formula, coefficients, ranges in state["models"]]
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"{expected}, got {str(state)[:120]}") from None

@@ -649,10 +649,10 @@ def test_calibration_refuses_a_peak_that_is_not_a_number_of_bytes():
     calibration = xpm.Calibration(BUDGET)
     for predicted, peak, name in ((1e6, float("nan"), "peak_bytes"), (float("inf"), 1e6, "predicted_bytes"),
                                   (1e6, -1.0, "peak_bytes"), (1e6, "1000000", "peak_bytes"),
-                                  (True, 1e6, "predicted_bytes")):
+                                  (True, 1e6, "predicted_bytes"), (1e6, 10 ** 400, "peak_bytes")):
         with pytest.raises(ValueError, match=f"^Calibration.record_peak: {name} must be a finite number of bytes"):
             calibration.record_peak(predicted, peak)
-    for step, replan_from in (("a", 0), (-1, 0), (0, 1.5)):
+    for step, replan_from in (("a", 0), (-1, 0), (0, 1.5), (10 ** 30, 0)):
         with pytest.raises(ValueError, match="^Calibration.end_step: (step|replan_from) must be a whole number"):
             calibration.end_step(step, replan_from=replan_from)
     calibration.record_peak(0, 1e6)  # an empty microbatch's prediction: skipped

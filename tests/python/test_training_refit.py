@@ -170,6 +170,7 @@ def test_a_state_whose_refit_is_malformed_or_of_another_model_is_refused_in_one_
                     np.array([2e6, 3e6, 9e6]))[0]
     cases = [({"training_refit": "garbage"}, "state_dict training_refit must be {'state': ..., 'models': "),
              ({"training_refit": {**state["training_refit"], "models": 5}}, "training_refit must be"),
+             ({"training_refit": {"models": state["training_refit"]["models"]}}, "training_refit must be"),
              ({"training_refit": {**state["training_refit"], "models": [[0, "a*bs*l + c", None, None]]}},
               "got the entry ['a*bs*l + c', None, None]"),
              ({"training_refit": {**state["training_refit"],
