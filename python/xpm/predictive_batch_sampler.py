@@ -360,6 +360,12 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         return self._calibration
 
     @property
+    def model(self) -> MemoryModel:
+        """The memory model the next steps are planned with: the one given, or its last refit on
+        training's peaks (its JSON, ``to_json()``, then holds the ``refit_region``)."""
+        return self._model
+
+    @property
     def correction(self) -> Correction:
         """The correction the next steps are planned with (``xpm.Correction``: bytes added to a
         prediction, a constant and a share of it)."""

@@ -87,6 +87,16 @@ def test_a_model_that_errs_by_shape_is_refitted_and_its_plans_follow_the_trainin
     assert -1e-4 < min(alone) and max(alone) < 1e-4
     assert -0.01 <= min(planned) and max(planned) <= 0.03
     assert all(p + c <= BUDGET for _, p, c, _ in later)
+    # The sampler plans with the refit, which holds where training measured: beyond the longest
+    # record seen, at least the model given; its JSON carries the region and reads back alike.
+    refitted = sampler.model
+    region = json.loads(refitted.to_json())["refit_region"]["training_ranges"]  # {variable: [min, max]}
+    longest = float(lengths().max())
+    assert refitted.predict([2, longest + 50]) >= model.predict([2, longest + 50])
+    inside = [round((low + high) / 2) for low, high in (region[name] for name in ("bs", "l"))]
+    assert refitted.predict(inside) == pytest.approx(training_peak_bytes(inside), rel=1e-4)
+    again = xpm.MemoryModel.from_json(refitted.to_json())
+    assert again.predict([2, longest + 50]) == refitted.predict([2, longest + 50])
     print(f"\n{line}\nbefore, the model alone {100 * min(before):+.2f} % to {100 * max(before):+.2f} %; after, "
           f"planned {100 * min(planned):+.2f} % to {100 * max(planned):+.2f} %")
 

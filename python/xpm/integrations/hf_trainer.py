@@ -414,7 +414,7 @@ class PlannedTrainerMixin:
         # step is by 1; the sampler's weights (or num_items_in_batch) do the accumulation.
         self.current_gradient_accumulation_steps = 1
         if self.xpm_meter is not None and not self._unplanned_warned:
-            message = _unplanned_memory(self.xpm_meter, self.xpm_sampler._model, self.xpm_sampler._usable_bytes,
+            message = _unplanned_memory(self.xpm_meter, self.xpm_sampler.model, self.xpm_sampler._usable_bytes,
                                         model)[1]
             if message is not None:
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
