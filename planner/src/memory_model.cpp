@@ -112,14 +112,6 @@ FloorFormula floor_formula_from_json(const nlohmann::json& jf,
   return out;
 }
 
-// Every variable of `dims` within its range.
-bool inside(const std::vector<ProbedRange>& ranges, const std::vector<double>& dims) {
-  for (std::size_t v = 0; v < ranges.size() && v < dims.size(); ++v) {
-    if (dims[v] < ranges[v].min || dims[v] > ranges[v].max) return false;
-  }
-  return true;
-}
-
 nlohmann::json ranges_to_json(const std::vector<ProbedRange>& ranges, const std::vector<std::string>& var_names) {
   nlohmann::json out = nlohmann::json::object();
   for (std::size_t v = 0; v < ranges.size(); ++v) out[var_names[v]] = {ranges[v].min, ranges[v].max};
@@ -254,9 +246,16 @@ double MemoryModel::predict_bytes(const std::vector<double>& dims) const {
       formula_bytes = std::min(formula_bytes, formula_.predict(single_record_coefficients_, dims));
   }
   const double bytes = std::max(floor_bytes_at(dims), formula_bytes);
-  if (refit_region_ && !inside(refit_region_->training_ranges, dims))
-    return std::max(bytes, refit_region_->outside->predict_bytes(dims));
-  return bytes;
+  return beyond_refit_region(dims) ? std::max(bytes, refit_region_->outside->predict_bytes(dims)) : bytes;
+}
+
+bool MemoryModel::beyond_refit_region(const std::vector<double>& dims) const {
+  if (!refit_region_) return false;
+  const std::vector<ProbedRange>& ranges = refit_region_->training_ranges;
+  for (std::size_t v = 0; v < ranges.size() && v < dims.size(); ++v) {
+    if (dims[v] < ranges[v].min || dims[v] > ranges[v].max) return true;
+  }
+  return false;
 }
 
 void MemoryModel::set_refit_region(RefitRegion region) {

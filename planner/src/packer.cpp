@@ -184,7 +184,7 @@ FitTest::FitTest(const MemoryModel& model, double usable_bytes)
     : model_(model),
       usable_bytes_(usable_bytes),
       direct_(model.formula().is_linear() && model.infeasible_probes().empty() &&
-              model.floor_formula() == nullptr && model.refit_region() == nullptr),
+              model.floor_formula() == nullptr),
       single_record_own_(model.single_record_factor() != 1 || !model.single_record_coefficients().empty()) {
   if (!direct_) return;
   for (const Monomial& m : model.formula().monomials()) {
@@ -198,7 +198,7 @@ FitTest::FitTest(const MemoryModel& model, double usable_bytes)
 }
 
 bool FitTest::operator()(const std::vector<double>& dims) const {
-  if (!direct_ || (single_record_own_ && dims[model_.batch_size_index()] == 1))
+  if (!direct_ || (single_record_own_ && dims[model_.batch_size_index()] == 1) || model_.beyond_refit_region(dims))
     return model_.fits(dims, usable_bytes_);
   // CostFormula::predict computes out += scale * term_value(m, dims), term_value = factor x
   // prod_v integer_power(dims[v], powers[v]) with integer_power = 1.0 x d x d ...; leaving out

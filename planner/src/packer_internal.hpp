@@ -12,11 +12,12 @@
 namespace xpm::packer_internal {
 
 /// model.fits(dims, usable_bytes) for one model and budget, many times: for a linear formula and
-/// a model without infeasible probes, floor formula or refit region (and at batch size 1 without a
+/// a model without infeasible probes or floor formula (and at batch size 1 without a
 /// single-record factor or coefficients) it evaluates the expanded monomials directly, with the
 /// same operations in the same order as CostFormula::predict (so the same result, bit for
-/// bit) but without its per-call argument checks; otherwise it calls model.fits. The model must
-/// outlive it; dims must have one entry per variable (the packers' inputs are validated).
+/// bit) but without its per-call argument checks; otherwise, and beyond a refit's region
+/// (MemoryModel::beyond_refit_region), it calls model.fits. The model must outlive it; dims
+/// must have one entry per variable (the packers' inputs are validated).
 class FitTest {
  public:
   FitTest(const MemoryModel& model, double usable_bytes);

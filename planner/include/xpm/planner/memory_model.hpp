@@ -138,6 +138,9 @@ class MemoryModel {
   /// Sets it. Throws std::invalid_argument when the ranges are not one finite [min, max] per
   /// variable, or the outside model is missing or over other variables.
   void set_refit_region(RefitRegion region);
+  /// Whether `dims` (variable_names() order) lie outside the refit region in some variable,
+  /// where predict_bytes takes the outside model's prediction as a floor; false without one.
+  bool beyond_refit_region(const std::vector<double>& dims) const;
 
   /// The floor formula, or nullptr when the floor is the constant floor_bytes() alone.
   const FloorFormula* floor_formula() const { return floor_formula_ ? &*floor_formula_ : nullptr; }
