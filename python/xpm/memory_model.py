@@ -28,7 +28,7 @@ class MemoryModel:
     def __init__(self, native: _planner.MemoryModel) -> None:
         self._native = native
         self._json: Optional[dict] = None  # to_json() parsed, on first use
-        self._phase_natives: Dict[str, _planner.MemoryModel] = {}  # each phase's, built on first use
+        self._phase_natives: Dict[str, Optional[_planner.MemoryModel]] = {}  # each phase's, built on first use
         self._floor: Optional[_planner.MemoryModel] = None  # the model with its formula at 0, on first use
 
     def __reduce__(self) -> Tuple[Any, Tuple[str]]:
@@ -262,6 +262,13 @@ class MemoryModel:
                                                          record.get("formula"))
         return self._phase_natives[key]
 
+    def _refit_outside(self) -> Optional[_planner.MemoryModel]:
+        """The model this one was refitted from (its refit region's outside model), or None;
+        built once (the binding copies it)."""
+        if "refit outside" not in self._phase_natives:
+            self._phase_natives["refit outside"] = self._native.refit_outside
+        return self._phase_natives["refit outside"]
+
     def _native_with(self, coefficients: Dict[str, float], single_record_factor: float,
                      floor: bool = True, single_record_coefficients: Optional[Dict[str, float]] = None,
                      formula: Optional[Dict[str, Any]] = None) -> _planner.MemoryModel:
@@ -343,7 +350,7 @@ class MemoryModel:
             phase_native = self._phase_native(phase, floor=False)
         if phase_native is not None:
             phase_bytes = _planner.predict(phase_native, rows)
-            beside = self._native.refit_outside  # a refit: lowered by what the phase lowered the probes' model
+            beside = self._refit_outside()  # a refit: lowered by what the phase lowered the probes' model
             out = np.minimum(out, phase_bytes) if beside is None else \
                 np.maximum(0.0, out - np.maximum(0.0, _planner.predict(beside, rows) - phase_bytes))
         return float(out[0]) if single else out
