@@ -37,7 +37,7 @@ std::vector<std::vector<double>> held_out_refits(const CostFormula& formula,
     return {from_full.coefficients};
   }
   const std::vector<double> ones(formula.coefficient_names().size(), 1.0);
-  const AutomaticStart start = automatic_start(formula, rest, options, ones);
+  const AutomaticStart start = automatic_start(formula, rest, options, ones, &full.coefficients);
   const Solution from_start = solve(formula, rest, bounds, options, &start.coefficients);
   const double a = objective(formula, rest, bounds, options, from_full.coefficients);
   const double b = objective(formula, rest, bounds, options, from_start.coefficients);

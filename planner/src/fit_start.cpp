@@ -263,7 +263,9 @@ class StartSearch {
 
   // The linear coefficients of `base` by the global least-squares fit over the winning variant
   // at every point (max_affine_fit.hpp); requires global_max().
-  GlobalCandidate global_least_squares(const std::vector<double>& base) const {
+  // `near`: the coefficients of a fit of nearly the same points, whose winning variants seed the
+  // search (nullptr: none).
+  GlobalCandidate global_least_squares(const std::vector<double>& base, const std::vector<double>* near) const {
     const std::size_t k = linear_.size();
     std::vector<double> zero = base;
     for (std::size_t c : linear_) zero[c] = 0.0;
@@ -294,7 +296,13 @@ class StartSearch {
       for (std::size_t v = 0; v < rows.size(); ++v) point.residuals.row(static_cast<Eigen::Index>(v)) = rows[v];
       problem.points.push_back(std::move(point));
     }
-    const MaxAffineSolution solution = solve_max_affine(problem);
+    MaxAffineSearchOptions search;
+    if (near != nullptr && near->size() == base.size()) {
+      Eigen::VectorXd seed(static_cast<Eigen::Index>(k));
+      for (std::size_t j = 0; j < k; ++j) seed(static_cast<Eigen::Index>(j)) = (*near)[linear_[j]];
+      search.seeds.push_back(std::move(seed));
+    }
+    const MaxAffineSolution solution = solve_max_affine(problem, search);
     GlobalCandidate out;
     out.candidate.coefficients = base;
     for (std::size_t j = 0; j < k; ++j) {
@@ -443,7 +451,8 @@ std::optional<std::vector<Eigen::MatrixXd>> max_affine_variants(const CostFormul
 
 AutomaticStart automatic_start(const CostFormula& formula,
                                const std::vector<Measurement>& measurements,
-                               const FitOptions& options, const std::vector<double>& fallback) {
+                               const FitOptions& options, const std::vector<double>& fallback,
+                               const std::vector<double>* near) {
   const StartSearch search(formula, measurements, options);
   Candidate best = search.complete(fallback);
 
@@ -488,7 +497,7 @@ AutomaticStart automatic_start(const CostFormula& formula,
   // max(): the global optimum over the winning argument at every point, at the best exponents.
   std::string max_note = " with max() resolved per point";
   if (search.global_max()) {
-    const GlobalCandidate global = search.global_least_squares(best.coefficients);
+    const GlobalCandidate global = search.global_least_squares(best.coefficients, near);
     if (global.candidate.cost <= best.cost) best = global.candidate;
     max_note = global.exhaustive
                    ? " with max() resolved globally (branch and bound over the winning argument "

@@ -42,10 +42,14 @@ struct AutomaticStart {
 
 /// The automatic start of a non-linear fit of `formula` to `measurements` (validated by the
 /// caller). `fallback` (declared order) gives the values of the fixed coefficients and is
-/// returned, with its cost, when no candidate beats it. Honors options.non_negative.
+/// returned, with its cost, when no candidate beats it. Honors options.non_negative. `near`
+/// (declared order, or nullptr): the coefficients of a fit of nearly the same measurements (the
+/// full fit, for a held-out refit); where max() is resolved globally, the arguments that win
+/// under them start one more search, so the search begins near that fit's optimum.
 AutomaticStart automatic_start(const CostFormula& formula,
                                const std::vector<Measurement>& measurements,
-                               const FitOptions& options, const std::vector<double>& fallback);
+                               const FitOptions& options, const std::vector<double>& fallback,
+                               const std::vector<double>* near = nullptr);
 
 /// A formula whose every coefficient enters linearly, possibly inside max() (max(a*bs*l + c1,
 /// b*bs + c2), max(f, a*bs*l^2 + c)), at most 64 combinations of max() arguments: at each of

@@ -32,7 +32,8 @@
 //  - Beyond: assignment iteration (fit every point to its assigned piece without the region
 //    constraints, reassign each point to the piece that wins at the fit, repeat while the cost
 //    falls) from several starts (the sum of the pieces, each piece alone at every point, and
-//    seeded random assignments), then the restricted problem of the best assignment and
+//    seeded random assignments, and the winners at MaxAffineSearchOptions::seeds), then the
+//    restricted problem of the best assignment and
 //    single-point reassignments while one lowers the cost (each round the flips_per_round
 //    nearest the region's boundary: the smallest gaps between a point's assigned and another
 //    piece's residual). Not guaranteed global; documented as such in docs/formula.md.
@@ -66,6 +67,12 @@ struct MaxAffineSearchOptions {
   int random_starts = 16;                  // beyond exhaustive_max_points: seeded random starts
   std::size_t flips_per_round = 24;        // after the starts: single-point reassignments tried
                                            // per round, those nearest the region's boundary
+  /// Coefficient vectors ([k] each) whose winning pieces start one more assignment iteration,
+  /// after the others: a refit of nearly the same points (a held-out refit) starts from the
+  /// pieces of the fit it departs from, so the reassignments that follow begin near its optimum.
+  /// Only the pieces are taken, not the values: a coefficient the points leave free is not
+  /// carried over from the seed (a held-out refit learns nothing of the point it leaves out).
+  std::vector<Eigen::VectorXd> seeds;
 };
 
 struct MaxAffineSolution {

@@ -184,4 +184,6 @@ TEST_CASE("beyond 16 points, assignment iteration from several starts still fits
   CHECK(r.summary.max_rel_error < 1e-6);
   check_coefficients(r, {kA, kB, kC, kF}, 1e-4);
   CHECK(contains(r.summary.start, "assignment iteration"));
+  // Each held-out refit (63 points) starts from the full fit's pieces too, and is exact.
+  CHECK(r.summary.leave_one_out_max_rel_error < 1e-6);
 }
