@@ -33,10 +33,10 @@
 //    constraints, reassign each point to the piece that wins at the fit, repeat while the cost
 //    falls) from several starts (the sum of the pieces, each piece alone at every point, and
 //    seeded random assignments, and the winners at MaxAffineSearchOptions::seeds), then the
-//    restricted problem of the best assignment and
-//    single-point reassignments while one lowers the cost (each round the flips_per_round
-//    nearest the region's boundary: the smallest gaps between a point's assigned and another
-//    piece's residual). Not guaranteed global; documented as such in docs/formula.md.
+//    restricted problem of the best assignment and single-point reassignments while one
+//    lowers the cost (each round the flips_per_round nearest the region's boundary: the
+//    smallest gaps between a point's assigned and another piece's residual). Not guaranteed
+//    global; documented as such in docs/formula.md.
 #pragma once
 
 #include <cstddef>
@@ -71,7 +71,7 @@ struct MaxAffineSearchOptions {
   /// after the others: a refit of nearly the same points (a held-out refit) starts from the
   /// pieces of the fit it departs from, so the reassignments that follow begin near its optimum.
   /// Only the pieces are taken, not the values: a coefficient the points leave free is not
-  /// carried over from the seed (a held-out refit learns nothing of the point it leaves out).
+  /// carried over from the seed (a held-out refit takes no value from the point it leaves out).
   std::vector<Eigen::VectorXd> seeds;
 };
 
