@@ -60,9 +60,7 @@ class Solver {
   Eigen::Index pieces(std::size_t i) const { return points_[i].rows(); }
   std::size_t coefficient_count() const { return k_; }
   Eigen::VectorXd unscale(const Eigen::VectorXd& y) const { return y.cwiseQuotient(scales_); }
-  Eigen::VectorXd scale(const Eigen::VectorXd& x) const {
-    return x.size() == scales_.size() ? Eigen::VectorXd(x.cwiseProduct(scales_)) : Eigen::VectorXd();
-  }
+  Eigen::VectorXd scale(const Eigen::VectorXd& x) const { return x.cwiseProduct(scales_); }  // x: [k]
 
   double residual(std::size_t i, Eigen::Index v, const Eigen::VectorXd& y) const {
     const Eigen::Index k = static_cast<Eigen::Index>(k_);
@@ -248,8 +246,8 @@ void multi_start(const Solver& solver, const MaxAffineSearchOptions& options, Be
     iterate_assignments(solver, start, best);
   }
   for (const Eigen::VectorXd& seed : options.seeds) {
+    if (seed.size() != static_cast<Eigen::Index>(solver.coefficient_count()) || !seed.allFinite()) continue;
     const Eigen::VectorXd y = solver.scale(seed);
-    if (y.size() != static_cast<Eigen::Index>(solver.coefficient_count()) || !y.allFinite()) continue;
     iterate_assignments(solver, solver.winners(y), best);  // its pieces, not its values
   }
   // The best assignment's restricted problem, then single-point reassignments while one helps.
