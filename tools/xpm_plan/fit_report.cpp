@@ -4,11 +4,26 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <regex>
 
 #include "common.hpp"
 #include "xpm/planner/formula_selection.hpp"
 
 namespace xpm_plan {
+
+std::string cli_text(std::string text, const std::vector<std::string>& labels) {
+  static const std::regex point(R"(\bpoint (\d+) \()");
+  std::string out;
+  auto from = text.cbegin();
+  for (std::sregex_iterator it(text.begin(), text.end(), point), end; it != end; ++it) {
+    const std::size_t index = std::stoul((*it)[1].str());
+    out.append(from, (*it)[0].first);
+    out += index < labels.size() ? labels[index] + " (" : it->str();
+    from = (*it)[0].second;
+  }
+  out.append(from, text.cend());
+  return option_names(std::move(out));
+}
 
 FitRequest fit_request_from(const boost::program_options::variables_map& vm) {
   FitRequest r;
@@ -67,18 +82,19 @@ xpm::FitOptions fit_options_of(const FitRequest& request, const std::string& bat
   return options;
 }
 
-void set_verdict(FitOutcome& outcome) {
+void set_verdict(FitOutcome& outcome, const MeasurementSet& set) {
   const xpm::FitSummary& s = outcome.result.summary;
+  outcome.labels = set.labels;
   outcome.usable = s.usable;
   for (const std::string& reason : s.reasons) {
-    outcome.unusable_reason += (outcome.unusable_reason.empty() ? "" : "; ") + option_names(reason);
+    outcome.unusable_reason += (outcome.unusable_reason.empty() ? "" : "; ") + cli_text(reason, outcome.labels);
   }
 }
 
-// The fit's reasons with the library's option names read as this tool's options.
-std::vector<std::string> cli_reasons(const std::vector<std::string>& reasons) {
+// The fit's reasons in this tool's words (cli_text).
+std::vector<std::string> cli_reasons(const std::vector<std::string>& reasons, const std::vector<std::string>& labels) {
   std::vector<std::string> out;
-  for (const std::string& reason : reasons) out.push_back(option_names(reason));
+  for (const std::string& reason : reasons) out.push_back(cli_text(reason, labels));
   return out;
 }
 
@@ -103,7 +119,7 @@ FitOutcome fit_automatic_formula(const std::vector<std::string>& variables, cons
   } catch (const std::invalid_argument& e) {
     throw InputError(set.path + ": --formula auto: " + first_line(e.what()));
   }
-  set_verdict(outcome);
+  set_verdict(outcome, set);
   return outcome;
 }
 
@@ -128,7 +144,7 @@ FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSe
   } catch (const std::invalid_argument& e) {  // includes IdentifiabilityError
     throw InputError(set.path + ": " + first_line(e.what()));
   }
-  set_verdict(outcome);
+  set_verdict(outcome, set);
   return outcome;
 }
 
@@ -140,7 +156,7 @@ nlohmann::json fit_summary_json(const xpm::FitSummary& s, const FitOutcome& outc
   for (double e : s.leave_one_out_rel_errors) loo.push_back(finite_or_null(e));
   return {{"converged", s.converged},
           {"usable", outcome.usable},
-          {"reasons", cli_reasons(s.reasons)},
+          {"reasons", cli_reasons(s.reasons, outcome.labels)},
           {"linear", s.linear},
           {"robust_loss", xpm::to_string(s.robust_loss)},
           {"iterations", s.iterations},
@@ -149,18 +165,18 @@ nlohmann::json fit_summary_json(const xpm::FitSummary& s, const FitOutcome& outc
           {"rel_errors", s.rel_errors},
           {"leave_one_out_max_rel_error", finite_or_null(s.leave_one_out_max_rel_error)},
           {"leave_one_out_rel_errors", std::move(loo)},
-          {"leave_one_out_note", s.leave_one_out_note},
+          {"leave_one_out_note", cli_text(s.leave_one_out_note, outcome.labels)},
           {"surrounded_held_out_max_rel_error", finite_or_null(s.surrounded_held_out_max_rel_error)},
           {"extrapolated_held_out_max_rel_error", finite_or_null(s.extrapolated_held_out_max_rel_error)},
           {"held_out_extrapolated", s.held_out_extrapolated},
           {"held_out_undetermined", s.held_out_undetermined},
-          {"held_out_note", s.held_out_note},
+          {"held_out_note", cli_text(s.held_out_note, outcome.labels)},
           {"solver_report", s.solver_report},
           {"start", s.start},
           {"residual_structure", s.residual_structure},
           {"left_out_note", s.left_out_note},
           {"infeasible_bound_count", s.infeasible_bound_count},
-          {"brief_report", option_names(s.brief_report())}};
+          {"brief_report", cli_text(s.brief_report(), outcome.labels)}};
 }
 
 namespace {
@@ -365,12 +381,12 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
   }
   print_formula_and_floor(os, model);
   os << outcome.selection_report;
-  os << option_names(s.brief_report()) << "\n";
+  os << cli_text(s.brief_report(), outcome.labels) << "\n";
   print_residuals(os, model, set, s);
   print_infeasible(os, model, set, s);
   if (!s.start.empty()) os << "start: " << s.start << "\n";
   if (!s.residual_structure.empty()) os << "note: " << s.residual_structure << "\n";
-  if (!s.left_out_note.empty()) os << "note: " << s.left_out_note << "\n";
+  if (!s.left_out_note.empty()) os << "note: " << cli_text(s.left_out_note, outcome.labels) << "\n";
   if (!s.converged) os << "solver: " << s.solver_report << "\n";
   if (!output.empty()) os << "saved memory model to " << output << "\n";
   if (!figure.empty()) os << "wrote figure " << figure << "\n";

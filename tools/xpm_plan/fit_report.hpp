@@ -40,7 +40,13 @@ struct FitOutcome {
   std::string unusable_reason;   // FitSummary::reasons joined, when !usable
   std::optional<xpm::CostFormula> chosen_formula;  // --formula auto: the formula chosen
   std::string selection_report;  // --formula auto: xpm::FormulaSelection::report()
+  std::vector<std::string> labels;  // where each fitted point came from (MeasurementSet::labels)
 };
+
+/// The planner's text for this tool: its option names (option_names) and each "point N (" (N
+/// an index into `labels`, counted from 0) as where that point came from: "line 31 (",
+/// "metadata.probes[16] (".
+std::string cli_text(std::string text, const std::vector<std::string>& labels);
 
 /// Fits; the planner's input errors (identifiability, too few points) become InputError.
 /// The fit refuses a prediction that decreases as `batch_size_variable` grows (not usable).
