@@ -65,3 +65,12 @@ expect_input_error("unknown option" "--frobnicate" fit --csv "${good}" ${fit_arg
 expect_input_error("unknown command" "unknown command 'fitt'" fitt --csv "${good}")
 expect_input_error("missing required option" "bytes-column" fit --csv "${good}"
                    --formula "a*bs" --coefficients a --variables bs)
+
+# A name of the formula that is a column of the file but not in --variables: a variable left out,
+# not a coefficient to fit (unless --coefficients declares it).
+set(heads "${dir}/heads.csv")
+file(WRITE "${heads}" "bs,l,h,bytes\n1,16,8,1000768\n2,64,8,1030000\n4,128,8,1200000\n8,256,8,2600000\n")
+expect_input_error("column fitted as a coefficient"
+                   "'h' is a column of .*heads[.]csv but not one of --variables, so it would be fitted as a coefficient"
+                   fit --csv "${heads}" --formula "h*bs*l + c" --variables bs,l --bytes-column bytes
+                   --output "${model}")

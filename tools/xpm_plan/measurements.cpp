@@ -38,6 +38,7 @@ MeasurementSet read_csv_measurements(const MeasurementRequest& req, const std::s
   set.path = req.path;
   set.format = MeasurementFormat::kCsv;
   set.variables = req.variables;
+  set.columns = table.header;
   std::vector<std::size_t> var_columns;
   for (const auto& v : req.variables) var_columns.push_back(table.column(v));
   const std::size_t bytes_column = table.column(req.bytes_column);

@@ -51,6 +51,7 @@ struct MeasurementSet {
   std::string path;
   MeasurementFormat format = MeasurementFormat::kCsv;  // as read: kCsv or kJson
   std::vector<std::string> variables;         // order of every dims vector below
+  std::vector<std::string> columns;           // CSV: every column the header names
   std::vector<xpm::Measurement> measurements; // feasible ones, fitted
   std::vector<std::string> labels;            // where each came from: "line 3", "probes[2]"
   std::vector<nlohmann::json> records;        // each feasible one as a probe record (for saving)

@@ -154,6 +154,20 @@ std::vector<std::string> coefficients_of(const po::variables_map& vm, const std:
   return coefficients;
 }
 
+// A coefficient named like a column of the file is most likely a variable left out of
+// --variables ('h*bs*l + c' with --variables bs,l and a column h): refused unless --coefficients
+// declares it.
+void refuse_column_coefficients(const po::variables_map& vm, const std::string& formula_text,
+                                const std::vector<std::string>& coefficients, const MeasurementSet& set) {
+  if (vm.count("coefficients")) return;
+  for (const std::string& name : coefficients) {
+    if (std::find(set.columns.begin(), set.columns.end(), name) == set.columns.end()) continue;
+    throw InputError("--formula '" + formula_text + "': '" + name + "' is a column of " + set.path +
+                     " but not one of --variables, so it would be fitted as a coefficient; add it to "
+                     "--variables, or declare the coefficients with --coefficients");
+  }
+}
+
 // The floor the fit sits on: --floor-bytes, or fitted to --floor-column.
 struct Floor {
   double bytes = 0;
@@ -360,6 +374,7 @@ int run_fit(const po::variables_map& vm) {
   // variables, the floor formula derived from it).
   const std::string given_text = automatic ? all_terms_text(variables, bs_variable) : formula_text;
   const std::vector<std::string> coefficients = coefficients_of(vm, formula_text, given_text, variables);
+  if (!automatic) refuse_column_coefficients(vm, formula_text, coefficients, set);
   const xpm::CostFormula formula = make_formula(given_text, coefficients, variables, fit_request);
   const auto aggregation = vm.count("aggregation")
                                ? parse_aggregation(vm["aggregation"].as<std::vector<std::string>>())
