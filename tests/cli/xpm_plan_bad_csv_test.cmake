@@ -74,3 +74,5 @@ expect_input_error("column fitted as a coefficient"
                    "'h' is a column of .*heads[.]csv but not one of --variables, so it would be fitted as a coefficient"
                    fit --csv "${heads}" --formula "h*bs*l + c" --variables bs,l --bytes-column bytes
                    --output "${model}")
+expect_input_error("empty formula" "--formula is empty: give a cost formula in bytes"
+                   fit --csv "${heads}" --formula " " --variables bs,l --bytes-column bytes --output "${model}")

@@ -357,6 +357,9 @@ int run_fit(const po::variables_map& vm) {
   const std::string formula_text = vm["formula"].as<std::string>();
   const double probe_capacity_bytes = probe_capacity_option(vm);
 
+  if (formula_text.find_first_not_of(" \t\r\n") == std::string::npos) {
+    throw InputError("--formula is empty: give a cost formula in bytes, e.g. 'a*bs*l^2 + b*bs*l + c', or auto");
+  }
   const bool automatic = formula_text == "auto";
   std::string lower = formula_text;
   std::transform(lower.begin(), lower.end(), lower.begin(),
