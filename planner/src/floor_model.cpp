@@ -125,6 +125,19 @@ constexpr EnumNames<FloorMode, 3> kFloorModeNames{
     {{FloorMode::kAutomatic, "auto"}, {FloorMode::kConstant, "constant"}, {FloorMode::kFormula, "formula"}}};
 }  // namespace
 
+std::optional<PeakPlateau> find_peak_plateau(const std::vector<double>& forward_backward_peak_bytes,
+                                             double constant_floor_bytes, double fraction) {
+  if (forward_backward_peak_bytes.empty()) return std::nullopt;
+  PeakPlateau plateau;
+  plateau.floor_bytes = *std::min_element(forward_backward_peak_bytes.begin(), forward_backward_peak_bytes.end());
+  plateau.top_bytes = plateau.floor_bytes * (1 + fraction);
+  plateau.measurements = static_cast<std::size_t>(
+      std::count_if(forward_backward_peak_bytes.begin(), forward_backward_peak_bytes.end(),
+                    [&](double bytes) { return bytes <= plateau.top_bytes; }));
+  if (plateau.measurements < 2 || !(plateau.floor_bytes > constant_floor_bytes)) return std::nullopt;
+  return plateau;
+}
+
 std::string to_string(FloorMode mode) { return enum_name(kFloorModeNames, mode); }
 
 FloorMode parse_floor_mode(const std::string& text, const std::string& source) {

@@ -410,27 +410,15 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
 PredictiveBatcher::FitCandidate PredictiveBatcher::choose_fit(
     const CostFormula& formula, const std::vector<InfeasibleBound>& infeasible, double usable_bytes,
     const std::vector<std::string>& among) const {
-  // Below some size the forward/backward peak stops following the activations: a
-  // shape-independent moment of backward sets it (the dense gradient of the largest parameter,
-  // e.g. the tagger's 10.24 MB embedding gradient, alive while it is added into .grad). Several
-  // probes then peak within kPlateauFraction of the smallest peak, whatever their dims. That
-  // plateau may be a floor too, when it lies above the optimizer peaks (measured: a rank
-  // holding 1/3 of the AdamW state, plateau 43.28 MB vs optimizer step 41.04 MB), or a piece of
-  // the formula (max() of pieces). Both are fitted; the one whose model misses the probes'
-  // step peaks least is kept.
-  constexpr double kPlateauFraction = 0.01;
-  double smallest_peak_bytes = std::numeric_limits<double>::infinity();
+  // A plateau of the forward/backward peaks (floor_model.hpp: PeakPlateau) is fitted as a floor
+  // and as a piece of the formula; the one whose model misses the probes' step peaks least is kept.
+  std::vector<double> peaks;
   for (const ProbeResult& probe : probes_) {
-    if (probe.feasible) smallest_peak_bytes = std::min(smallest_peak_bytes, probe.forward_backward_peak_bytes);
+    if (probe.feasible) peaks.push_back(probe.forward_backward_peak_bytes);
   }
-  const double plateau_top_bytes = smallest_peak_bytes * (1 + kPlateauFraction);
-  const auto on_plateau = std::count_if(probes_.begin(), probes_.end(), [&](const ProbeResult& probe) {
-    return probe.feasible && probe.forward_backward_peak_bytes <= plateau_top_bytes;
-  });
   const double floor_bytes = floor_fit_.constant_bytes;
-  const double plateau_floor_bytes = std::max(floor_bytes, smallest_peak_bytes);
-  const bool plateau = on_plateau >= 2 && plateau_floor_bytes > floor_bytes;
-  const double highest_floor_bytes = plateau ? plateau_floor_bytes : floor_bytes;
+  const std::optional<PeakPlateau> plateau = find_peak_plateau(peaks, floor_bytes);
+  const double highest_floor_bytes = plateau ? plateau->floor_bytes : floor_bytes;
   if (highest_floor_bytes >= usable_bytes) {
     throw std::invalid_argument(
         "PredictiveBatcher: the optimizer step alone peaks at " +
@@ -442,7 +430,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::choose_fit(
   const auto try_fit = [&](double floor, bool with_plateau) {
     try {
       FitCandidate c = fit_candidate(formula, infeasible, floor, [&](const ProbeResult& probe) {
-        return !with_plateau || probe.forward_backward_peak_bytes > plateau_top_bytes;
+        return !with_plateau || probe.forward_backward_peak_bytes > plateau->top_bytes;
       }, among);
       c.plateau = with_plateau;
       candidates.push_back(std::move(c));
@@ -450,7 +438,7 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::choose_fit(
       if (first_error.empty()) first_error = e.what();
     }
   };
-  if (plateau) try_fit(plateau_floor_bytes, true);
+  if (plateau) try_fit(plateau->floor_bytes, true);
   try_fit(floor_bytes, false);
   if (candidates.empty()) throw IdentifiabilityError(first_error, {}, "");
   FitCandidate* best = nullptr;

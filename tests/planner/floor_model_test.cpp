@@ -2,6 +2,7 @@
 // peaks do not move, a fitted formula when they grow with the dims (floor_model.hpp).
 #include <doctest/doctest.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -95,4 +96,17 @@ TEST_CASE("floor options and modes reject bad values") {
   CHECK(xpm::parse_floor_mode("auto", "--floor-model") == xpm::FloorMode::kAutomatic);
   CHECK(xpm::to_string(xpm::FloorMode::kFormula) == "formula");
   CHECK_THROWS_AS(xpm::fit_floor(kFormula, {}, 0), std::invalid_argument);
+}
+
+TEST_CASE("a plateau of the peaks: two or more within 1 % of the smallest, above the floor") {
+  const std::vector<double> peaks = {1'200'004, 1'337'920, 1'200'016, 1'675'840, 1'200'064};
+  const std::optional<xpm::PeakPlateau> plateau = xpm::find_peak_plateau(peaks, 1'005'000);
+  REQUIRE(plateau.has_value());
+  CHECK(plateau->floor_bytes == 1'200'004);
+  CHECK(plateau->top_bytes == doctest::Approx(1'212'004.04));
+  CHECK(plateau->measurements == 3);
+  // None at or below the floor, with one peak alone near the smallest, or without peaks.
+  CHECK_FALSE(xpm::find_peak_plateau(peaks, 1'200'004).has_value());
+  CHECK_FALSE(xpm::find_peak_plateau({1'200'004, 1'337'920, 1'675'840}, 1'005'000).has_value());
+  CHECK_FALSE(xpm::find_peak_plateau({}, 0).has_value());
 }

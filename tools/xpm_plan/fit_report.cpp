@@ -335,8 +335,9 @@ void print_residuals(std::ostream& os, const xpm::MemoryModel& model, const Meas
     os << "  (" << set.labels[i] << ")\n";
   }
   if (!set.below_floor.empty()) {
-    os << set.below_floor.size() << " measurements at or below the floor were not fitted "
-       << "(--above-floor-only; the prediction there is the floor):";
+    const bool plateau = model.metadata().contains("floor") && model.metadata()["floor"].value("plateau", false);
+    os << set.below_floor.size() << " measurements at or below the floor" << (plateau ? " (within 1 % of it)" : "")
+       << " were not fitted (--above-floor-only; the prediction there is the floor):";
     for (const auto& m : set.below_floor) os << "  [" << dims_text(model, m.dims) << "]";
     os << "\n";
   }

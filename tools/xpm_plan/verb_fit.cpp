@@ -172,6 +172,7 @@ void refuse_column_coefficients(const po::variables_map& vm, const std::string& 
 struct Floor {
   double bytes = 0;
   std::optional<xpm::FloorFit> fit;
+  std::optional<xpm::PeakPlateau> plateau;  // the floor is this plateau of the peaks
   bool moving() const { return fit && fit->formula; }
 };
 
@@ -226,6 +227,13 @@ std::vector<xpm::InfeasibleBound> infeasible_bounds(const MeasurementSet& set,
   return bounds;
 }
 
+// The floor report of a plateau chosen as the floor.
+std::string plateau_report(const xpm::PeakPlateau& plateau, double measured_floor_bytes) {
+  return "floor: the plateau of the peaks, " + bytes_text(plateau.floor_bytes) + " bytes (" +
+         std::to_string(plateau.measurements) + " measurements within 1 % of the smallest; not fitted), above the " +
+         "floor column's " + bytes_text(measured_floor_bytes) + " bytes: its fit missed the step peaks least";
+}
+
 // The fitted model's metadata: the probes' setup, the fit, the floor, the probes themselves and
 // the formula selection (--formula auto).
 void set_fit_metadata(xpm::MemoryModel& model, const MeasurementSet& set, const FitOutcome& outcome,
@@ -246,7 +254,9 @@ void set_fit_metadata(xpm::MemoryModel& model, const MeasurementSet& set, const 
   if (floor.fit) {
     model.metadata()["floor"] = {{"report", floor.fit->report},
                                  {"spread", floor.fit->spread},
-                                 {"moving", floor.fit->formula.has_value()}};
+                                 {"moving", floor.fit->formula.has_value()},
+                                 {"plateau", floor.plateau.has_value()}};
+    if (floor.plateau) model.metadata()["floor"]["report"] = plateau_report(*floor.plateau, floor.fit->constant_bytes);
   }
   model.metadata()["probes"] = std::move(probes);
   if (automatic) {
@@ -275,6 +285,70 @@ int report_and_write(const po::variables_map& vm, const xpm::MemoryModel& model,
   print_fit_report(std::cout, model, set, s, outcome, vm["json"].as<bool>(), output, figure);
   if (!s.converged) std::cerr << "xpm-plan: warning: the fit did not converge\n";
   return 0;
+}
+
+// What every fit of one command shares.
+struct FitInputs {
+  const po::variables_map& vm;
+  const MeasurementRequest& request;
+  const FitRequest& fit_request;
+  const xpm::CostFormula& formula;  // --formula auto: every candidate term
+  const std::vector<std::string>& coefficients;
+  const std::vector<std::string>& variables;
+  const std::string& bs_variable;
+  const std::map<std::string, xpm::DimAggregation>& aggregation;
+  const std::vector<xpm::ProbedRange>& probed_ranges;
+  bool automatic;
+  double probe_capacity_bytes;
+};
+
+// A fit over one floor: the measurements it fitted, its outcome and its model.
+struct FloorFitted {
+  MeasurementSet set;
+  FitOutcome outcome;
+  xpm::MemoryModel model;
+};
+
+FloorFitted fit_over_floor(const FitInputs& in, const Floor& floor, MeasurementSet set) {
+  // Not fitted: the measurements at or below the floor, and those on its plateau (within 1 %).
+  Floor excluded = floor;
+  if (floor.plateau) excluded.bytes = floor.plateau->top_bytes;
+  const xpm::MemoryModel floor_model =
+      floor_only_model(in.formula, in.coefficients.size(), excluded, in.bs_variable, in.aggregation);
+  if (in.vm["above-floor-only"].as<bool>()) keep_above_floor(floor_model, floor, in.coefficients.size(), set);
+  if (set.measurements.empty()) {
+    throw InfeasibleError(set.path + ": no feasible measurement to fit (" +
+                          std::to_string(set.infeasible.size()) + " ran out of memory)");
+  }
+  const std::vector<xpm::InfeasibleBound> bounds = infeasible_bounds(set, in.probe_capacity_bytes);
+  std::vector<std::string> summed;
+  for (const auto& [name, how] : in.aggregation) {
+    if (how == xpm::DimAggregation::kSum) summed.push_back(name);
+  }
+  FitOutcome outcome =
+      in.automatic ? fit_automatic_formula(in.variables, set, in.fit_request, in.bs_variable, bounds,
+                                           floor.bytes > 0 || floor.moving(), summed)
+                   : fit_measurements(in.formula, set, in.fit_request, in.bs_variable, bounds);
+  xpm::MemoryModel model(in.automatic ? *outcome.chosen_formula : in.formula, outcome.result.coefficients,
+                         floor.bytes, in.bs_variable, in.aggregation);
+  model.set_infeasible_probes(bounds);
+  model.set_single_record_factor(outcome.result.summary.single_record_factor);
+  model.set_single_record_coefficients(outcome.result.summary.single_record_coefficients);
+  if (floor.moving()) model.set_floor_formula(*floor.fit->formula);
+  model.set_probed_ranges(in.probed_ranges);
+  set_fit_metadata(model, set, outcome, in.request, bounds.size(), floor, in.automatic);
+  return {std::move(set), std::move(outcome), std::move(model)};
+}
+
+// The largest relative error of `model` over every feasible measurement's step peak (the larger
+// of its bytes and its floor column's value), each point's floor included.
+double step_peak_error(const xpm::MemoryModel& model, const MeasurementSet& all) {
+  double worst = 0;
+  for (std::size_t i = 0; i < all.measurements.size(); ++i) {
+    const double peak = std::max(all.measurements[i].bytes, i < all.floor_peaks.size() ? all.floor_peaks[i].bytes : 0.0);
+    worst = std::max(worst, std::abs(model.predict_bytes(all.measurements[i].dims) - peak) / peak);
+  }
+  return worst;
 }
 
 }  // namespace
@@ -388,32 +462,31 @@ int run_fit(const po::variables_map& vm) {
   floor.bytes = vm.count("floor-bytes") ? vm["floor-bytes"].as<double>() : 0.0;
   floor.fit = fit_floor_column(vm, formula, set);
   if (floor.fit) floor.bytes = floor.fit->constant_bytes;
-  const xpm::MemoryModel floor_model =
-      floor_only_model(formula, coefficients.size(), floor, bs_variable, aggregation);
-  if (vm["above-floor-only"].as<bool>()) keep_above_floor(floor_model, floor, coefficients.size(), set);
-  if (set.measurements.empty()) {
-    throw InfeasibleError(set.path + ": no feasible measurement to fit (" +
-                          std::to_string(set.infeasible.size()) + " ran out of memory)");
+  const FitInputs inputs{vm,          request,     fit_request, formula,       coefficients, variables,
+                         bs_variable, aggregation, probed_ranges, automatic, probe_capacity_bytes};
+  // Above a measured floor, a plateau of the peaks is a floor too: fitted both ways, the fit
+  // that misses the step peaks (the larger of the two columns) least is kept, as in training.
+  std::optional<xpm::PeakPlateau> plateau;
+  if (floor.fit && vm["above-floor-only"].as<bool>()) {
+    std::vector<double> peaks;
+    for (const xpm::Measurement& m : set.measurements) peaks.push_back(m.bytes);
+    plateau = xpm::find_peak_plateau(peaks, floor.bytes);
   }
-
-  const std::vector<xpm::InfeasibleBound> bounds = infeasible_bounds(set, probe_capacity_bytes);
-  std::vector<std::string> summed;
-  for (const auto& [name, how] : aggregation) {
-    if (how == xpm::DimAggregation::kSum) summed.push_back(name);
+  if (!plateau) {
+    FloorFitted fitted = fit_over_floor(inputs, floor, set);
+    return report_and_write(vm, fitted.model, fitted.set, fitted.outcome, request);
   }
-  const FitOutcome outcome =
-      automatic ? fit_automatic_formula(variables, set, fit_request, bs_variable, bounds,
-                                        floor.bytes > 0 || floor.moving(), summed)
-                : fit_measurements(formula, set, fit_request, bs_variable, bounds);
-  xpm::MemoryModel model(automatic ? *outcome.chosen_formula : formula, outcome.result.coefficients,
-                         floor.bytes, bs_variable, aggregation);
-  model.set_infeasible_probes(bounds);
-  model.set_single_record_factor(outcome.result.summary.single_record_factor);
-  model.set_single_record_coefficients(outcome.result.summary.single_record_coefficients);
-  if (floor.moving()) model.set_floor_formula(*floor.fit->formula);
-  model.set_probed_ranges(probed_ranges);
-  set_fit_metadata(model, set, outcome, request, bounds.size(), floor, automatic);
-  return report_and_write(vm, model, set, outcome, request);
+  Floor on_plateau = floor;
+  on_plateau.bytes = plateau->floor_bytes;
+  on_plateau.plateau = plateau;
+  FloorFitted over_plateau = fit_over_floor(inputs, on_plateau, set);
+  FloorFitted over_floor = fit_over_floor(inputs, floor, set);
+  const FloorFitted& kept =
+      over_floor.outcome.usable && (!over_plateau.outcome.usable || step_peak_error(over_floor.model, set) <
+                                                                        step_peak_error(over_plateau.model, set))
+          ? over_floor
+          : over_plateau;
+  return report_and_write(vm, kept.model, kept.set, kept.outcome, request);
 }
 
 }  // namespace xpm_plan

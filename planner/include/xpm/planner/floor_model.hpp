@@ -75,6 +75,25 @@ CostFormula floor_formula_for(const CostFormula& formula, const FloorOptions& op
 FloorFit fit_floor(const CostFormula& formula, const std::vector<Measurement>& optimizer_step_peaks,
                    double static_bytes, const FloorOptions& options = {});
 
+/// A plateau of the forward/backward peaks. Below some size a shape-independent moment of
+/// backward sets the peak (the dense gradient of the largest parameter, alive while it is added
+/// into .grad: the bundled tagger's 10.24 MB embedding gradient), so several probes peak within
+/// a small fraction of the smallest peak whatever their dims. Above the constant floor it is a
+/// floor of its own (measured: a rank holding 1/3 of the AdamW state, plateau 43.28 MB against
+/// an optimizer step of 41.04 MB), or a piece of the formula: a fit tries both (PredictiveBatcher
+/// and `xpm-plan fit --above-floor-only` keep the one whose model misses the step peaks least).
+struct PeakPlateau {
+  double floor_bytes = 0;        // the smallest forward/backward peak
+  double top_bytes = 0;          // floor_bytes * (1 + fraction): peaks up to it lie on the plateau
+  std::size_t measurements = 0;  // how many peaks lie on it (>= 2)
+};
+
+/// The plateau of `forward_backward_peak_bytes` (the feasible probes' peaks, bytes): when at
+/// least two lie within `fraction` of the smallest and the smallest lies above
+/// `constant_floor_bytes`; none otherwise (or without peaks). Pure function.
+std::optional<PeakPlateau> find_peak_plateau(const std::vector<double>& forward_backward_peak_bytes,
+                                             double constant_floor_bytes, double fraction = 0.01);
+
 std::string to_string(FloorMode mode);  // "auto" | "constant" | "formula"
 /// Throws std::invalid_argument "<source> must be 'auto', 'constant' or 'formula', got '<text>'".
 FloorMode parse_floor_mode(const std::string& text, const std::string& source);
