@@ -479,13 +479,20 @@ int run_fit(const po::variables_map& vm) {
   Floor on_plateau = floor;
   on_plateau.bytes = plateau->floor_bytes;
   on_plateau.plateau = plateau;
-  FloorFitted over_plateau = fit_over_floor(inputs, on_plateau, set);
+  std::optional<FloorFitted> over_plateau;
+  try {
+    over_plateau = fit_over_floor(inputs, on_plateau, set);
+  } catch (const InputError&) {  // too few measurements above the plateau: the floor column's fit alone
+  } catch (const InfeasibleError&) {
+  }
   FloorFitted over_floor = fit_over_floor(inputs, floor, set);
-  const FloorFitted& kept =
-      over_floor.outcome.usable && (!over_plateau.outcome.usable || step_peak_error(over_floor.model, set) <
-                                                                        step_peak_error(over_plateau.model, set))
-          ? over_floor
-          : over_plateau;
+  // As training chooses: the usable fit that misses the step peaks least, the plateau's on a tie
+  // or when neither is usable.
+  const bool plateau_kept =
+      over_plateau && (over_plateau->outcome.usable || !over_floor.outcome.usable) &&
+      (!over_plateau->outcome.usable || !over_floor.outcome.usable ||
+       step_peak_error(over_plateau->model, set) <= step_peak_error(over_floor.model, set));
+  const FloorFitted& kept = plateau_kept ? *over_plateau : over_floor;
   return report_and_write(vm, kept.model, kept.set, kept.outcome, request);
 }
 
