@@ -76,3 +76,39 @@ expect_input_error("column fitted as a coefficient"
                    --output "${model}")
 expect_input_error("empty formula" "--formula is empty: give a cost formula in bytes"
                    fit --csv "${heads}" --formula " " --variables bs,l --bytes-column bytes --output "${model}")
+
+# Files a fit would write that lose something: the measurements file itself, one file for the
+# model and the figure, an empty name. The measurements file is left as it was.
+set(keep "${dir}/keep.csv")
+file(WRITE "${keep}" "bs,l,bytes,opt\n1,16,1000768,900000\n2,64,1030000,900000\n4,128,1200000,900000\n8,256,2600000,900000\n")
+set(keep_args --formula "a*bs*l^2 + b*bs*l + c" --variables bs,l --bytes-column bytes)
+expect_input_error("output is the input" "--output '.*keep[.]csv' is the measurements file: writing it would lose it"
+                   fit "${keep}" ${keep_args} --output "${dir}/./keep.csv")
+file(READ "${keep}" kept)
+if(NOT kept MATCHES "^bs,l,bytes,opt")
+  message(FATAL_ERROR "output is the input: the measurements file was overwritten: ${kept}")
+endif()
+expect_input_error("model and figure in one file" "--output and --figure name one file"
+                   fit "${keep}" ${keep_args} --output "${model}" --figure "${model}")
+# Options that would be ignored or misread, refused in one line.
+expect_input_error("auto with spaces" "is a constant named  auto ; for a formula chosen"
+                   fit "${keep}" --formula " auto " --variables bs,l --bytes-column bytes)
+expect_input_error("aggregation twice" "--aggregation: l is given twice"
+                   fit "${keep}" ${keep_args} --aggregation l=sum --aggregation l=max)
+expect_input_error("robust scale without a loss" "--robust-scale applies to a robust loss only"
+                   fit "${keep}" ${keep_args} --robust-scale 0.05)
+expect_input_error("a variable as a coefficient" "--coefficients: 'l' is a variable"
+                   fit "${keep}" ${keep_args} --coefficients a,b,l)
+expect_input_error("a variable no term uses" "--variables: 'opt' does not appear in --formula"
+                   fit "${keep}" --formula "a*bs*l + c" --variables bs,l,opt --bytes-column bytes)
+expect_input_error("a floor formula that does not parse" "--floor-formula 'f [+]'"
+                   fit "${keep}" ${keep_args} --floor-column opt --floor-formula "f +")
+expect_input_error("an unknown floor model" "^xpm-plan: error: --floor-model must be"
+                   fit "${keep}" ${keep_args} --floor-column opt --floor-model bogus)
+expect_input_error("a directory" "'.*' is a directory, not a file" fit "${dir}" ${keep_args})
+
+# A byte-order mark before the header (spreadsheets write one) is not part of the first column.
+set(bom "${dir}/bom.csv")
+string(ASCII 239 187 191 mark)
+file(WRITE "${bom}" "${mark}bs,l,bytes\n1,16,1000768\n2,64,1030000\n4,128,1200000\n8,256,2600000\n")
+xpm_plan_run(0 "byte-order mark" fit "${bom}" --formula "a*bs*l^2 + b*bs*l + c" --variables bs,l --bytes-column bytes)

@@ -1,12 +1,15 @@
 // xpm-plan shared pieces (see common.hpp).
 #include "common.hpp"
 
+#include <filesystem>
+
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -194,6 +197,8 @@ void write_file_atomically(const std::string& path, const std::string& text) {
 }
 
 std::string read_file(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw InputError(what + ": '" + path + "' is a directory, not a file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(what + ": cannot read '" + path + "': " + std::strerror(errno));
   std::ostringstream os;
@@ -270,9 +275,42 @@ std::string extrapolation_text(const xpm::MemoryModel& model, const std::vector<
   return out;
 }
 
+namespace {
+
+// Whether two paths name one file: the same file when both exist, else the same normalised path.
+bool same_file(const std::string& a, const std::string& b) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(a, ec) && fs::exists(b, ec)) return fs::equivalent(a, b, ec);
+  return fs::weakly_canonical(a, ec) == fs::weakly_canonical(b, ec);
+}
+
+}  // namespace
+
+void check_written_files(const std::vector<std::pair<std::string, std::string>>& outputs,
+                         const std::vector<std::pair<std::string, std::string>>& inputs) {
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const auto& [option, path] = outputs[i];
+    if (path.empty()) throw InputError(option + " is empty: give the name of the file to write");
+    for (const auto& [read_option, read_path] : inputs) {
+      if (same_file(path, read_path)) {
+        throw InputError(option + " '" + path + "' is " + read_option + ": writing it would lose it; "
+                         "give another file name");
+      }
+    }
+    for (std::size_t j = 0; j < i; ++j) {
+      if (same_file(path, outputs[j].second)) {
+        throw InputError(outputs[j].first + " and " + option + " name one file, '" + path + "': give two file names");
+      }
+    }
+  }
+}
+
 std::string option_names(std::string text) {
   static const std::vector<std::pair<std::string, std::string>> renamed = {
       {"FitOptions::usable_max_rel_error", "--usable-max-rel-error"},
+      {"FitOptions::initial_values", "--initial"},
+      {" but non_negative is set", " but coefficients are >= 0 without --allow-negative"},
       {"MemoryModel: floor_bytes", "--floor-bytes"},
       {"MemoryModel: batch-size variable", "--batch-size-variable"},
       {"MemoryModel: aggregation given for", "--aggregation given for"},

@@ -6,6 +6,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <boost/program_options.hpp>
@@ -32,6 +33,13 @@ struct InfeasibleError : std::runtime_error {
 /// ("FitOptions::usable_max_rel_error" -> "--usable-max-rel-error", "MemoryModel: floor_bytes"
 /// -> "--floor-bytes", ...): for messages of the planner shown at the command line.
 std::string option_names(std::string text);
+
+/// Refuses files a command would write that lose something: an empty name, the same file named
+/// by two options, or a file the command reads (it would be overwritten). `outputs`: {option,
+/// path} of each given one; `inputs`: {what it is ("the measurements file"), path}. InputError
+/// naming the option and the file.
+void check_written_files(const std::vector<std::pair<std::string, std::string>>& outputs,
+                         const std::vector<std::pair<std::string, std::string>>& inputs);
 
 /// A whole byte count from `text` ("196362432", "2e8"); InputError naming `option` otherwise.
 std::int64_t byte_count(const std::string& text, const std::string& option);

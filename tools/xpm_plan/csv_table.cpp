@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cmath>
 #include <sstream>
+#include <string_view>
 
 #include "common.hpp"
 
@@ -119,7 +120,9 @@ std::vector<std::string> split_csv_line(const std::string& line, const std::stri
 }  // namespace
 
 CsvTable parse_csv(const std::string& text, const std::string& path) {
-  std::istringstream in(text);
+  // A UTF-8 byte-order mark (spreadsheets write one) is not part of the first column's name.
+  const std::string_view bom = "\xEF\xBB\xBF";
+  std::istringstream in(text.compare(0, bom.size(), bom) == 0 ? text.substr(bom.size()) : text);
   CsvTable table;
   table.path = path;
   std::string line;

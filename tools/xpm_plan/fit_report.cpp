@@ -38,6 +38,9 @@ FitRequest fit_request_from(const boost::program_options::variables_map& vm) {
     throw InputError(e.what());
   }
   r.robust_scale = vm["robust-scale"].as<double>();
+  if (!vm["robust-scale"].defaulted() && r.robust_loss == xpm::RobustLoss::kNone) {
+    throw InputError("--robust-scale applies to a robust loss only: give --robust-loss huber or cauchy");
+  }
   r.usable_max_rel_error = vm["usable-max-rel-error"].as<double>();
   if (!(r.robust_scale > 0) || !std::isfinite(r.robust_scale)) {
     throw InputError("--robust-scale must be > 0, got " + number_text(r.robust_scale));
@@ -117,7 +120,7 @@ FitOutcome fit_automatic_formula(const std::vector<std::string>& variables, cons
     outcome.selection_report = chosen.report();
     outcome.chosen_formula = std::move(chosen.formula);
   } catch (const std::invalid_argument& e) {
-    throw InputError(set.path + ": --formula auto: " + first_line(e.what()));
+    throw InputError(set.path + ": --formula auto: " + option_names(first_line(e.what())));
   }
   set_verdict(outcome, set);
   return outcome;
@@ -142,7 +145,7 @@ FitOutcome fit_measurements(const xpm::CostFormula& formula, const MeasurementSe
   try {
     outcome.result = xpm::fit_coefficients(formula, set.measurements, bounds, options);
   } catch (const std::invalid_argument& e) {  // includes IdentifiabilityError
-    throw InputError(set.path + ": " + first_line(e.what()));
+    throw InputError(set.path + ": " + option_names(first_line(e.what())));
   }
   set_verdict(outcome, set);
   return outcome;

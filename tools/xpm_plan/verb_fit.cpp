@@ -5,6 +5,7 @@
 #include <cmath>
 #include <iostream>
 #include <optional>
+#include <regex>
 
 #include "common.hpp"
 #include "figures.hpp"
@@ -43,8 +44,10 @@ std::map<std::string, xpm::DimAggregation> parse_aggregation(const std::vector<s
       if (eq == std::string::npos) {
         throw InputError("--aggregation: expected VAR=count|max|sum, got '" + item + "'");
       }
+      const std::string name = trim(item.substr(0, eq));
+      if (out.count(name)) throw InputError("--aggregation: " + name + " is given twice");
       try {
-        out[trim(item.substr(0, eq))] = xpm::parse_dim_aggregation(trim(item.substr(eq + 1)), "the aggregation");
+        out[name] = xpm::parse_dim_aggregation(trim(item.substr(eq + 1)), "the aggregation");
       } catch (const std::invalid_argument& e) {
         throw InputError("--aggregation " + item + ": " + first_line(e.what()));
       }
@@ -68,7 +71,7 @@ std::optional<xpm::FloorFit> fit_floor_column(const po::variables_map& vm,
   try {
     options.mode = xpm::parse_floor_mode(vm["floor-model"].as<std::string>(), "--floor-model");
   } catch (const std::invalid_argument& e) {
-    throw InputError("--floor-model: " + first_line(e.what()));
+    throw InputError(first_line(e.what()));  // names --floor-model
   }
   if (vm.count("floor-formula")) options.formula = vm["floor-formula"].as<std::string>();
   if (!set.floor_bytes) {
@@ -80,6 +83,7 @@ std::optional<xpm::FloorFit> fit_floor_column(const po::variables_map& vm,
   }
   if (set.floor_peaks.empty()) return std::nullopt;  // no feasible measurement: refused later
   try {
+    if (!options.formula.empty()) (void)xpm::floor_formula_for(formula, options);  // checked even when unused
     return xpm::fit_floor(formula, set.floor_peaks, 0.0, options);
   } catch (const xpm::FormulaError& e) {
     throw InputError("--floor-formula '" + options.formula + "': " + first_line(e.what()));
@@ -120,9 +124,13 @@ MeasurementRequest measurement_request_from(const po::variables_map& vm) {
   if (vm.count("floor-column")) {
     if (vm.count("floor-bytes")) throw InputError("give --floor-bytes or --floor-column, not both");
     request.floor_column = vm["floor-column"].as<std::string>();
+    if (trim(request.floor_column).empty()) throw InputError("--floor-column is empty: give the column's name");
   }
   request.verb = "fit";
   request.count_variable = vm["batch-size-variable"].as<std::string>();
+  if (!vm["batch-size-variable"].defaulted() && trim(request.count_variable).empty()) {
+    throw InputError("--batch-size-variable is empty: give a variable's name, or leave it out (the first variable)");
+  }
   return request;
 }
 
@@ -146,6 +154,9 @@ std::vector<std::string> coefficients_of(const po::variables_map& vm, const std:
       split_list(vm["coefficients"].as<std::string>(), "coefficients");
   const std::vector<std::string> used = infer_coefficients(formula_text, variables);
   for (const std::string& name : coefficients) {
+    if (std::find(variables.begin(), variables.end(), name) != variables.end()) {
+      throw InputError("--coefficients: '" + name + "' is a variable (--variables), not a coefficient");
+    }
     if (std::find(used.begin(), used.end(), name) == used.end()) {
       throw InputError("--coefficients: '" + name + "' does not appear in --formula '" +
                        formula_text + "'");
@@ -165,6 +176,16 @@ void refuse_column_coefficients(const po::variables_map& vm, const std::string& 
     throw InputError("--formula '" + formula_text + "': '" + name + "' is a column of " + set.path +
                      " but not one of --variables, so it would be fitted as a coefficient; add it to "
                      "--variables, or declare the coefficients with --coefficients");
+  }
+}
+
+// A variable the formula does not use (other than the batch size, which counts records) would be
+// asked of every prediction and change none: --variables bs,l,opt for 'a*bs*l + c'.
+void refuse_unused_variables(const xpm::CostFormula& formula, const std::string& bs_variable) {
+  for (const std::string& name : formula.variable_names()) {
+    if (name == bs_variable || std::regex_search(formula.canonical(), std::regex("\\b" + name + "\\b"))) continue;
+    throw InputError("--variables: '" + name + "' does not appear in --formula '" + formula.text() +
+                     "': every prediction would need it and none would change with it; leave it out");
   }
 }
 
@@ -203,8 +224,9 @@ void keep_above_floor(const xpm::MemoryModel& floor_model, const Floor& floor,
   if (set.measurements.size() < coefficient_count) {
     throw InputError(set.path + ": --above-floor-only keeps " +
                      std::to_string(set.measurements.size()) + " of " +
-                     std::to_string(feasible) + " measurements (above the floor of " +
-                     bytes_text(floor.bytes) + " bytes), fewer than the " +
+                     std::to_string(feasible) + " measurements (above the " +
+                     (floor.moving() ? std::string("floor formula") : "floor of " + bytes_text(floor.bytes) + " bytes") +
+                     "), fewer than the " +
                      std::to_string(coefficient_count) +
                      " coefficients: probe larger shapes");
   }
@@ -315,11 +337,11 @@ FloorFitted fit_over_floor(const FitInputs& in, const Floor& floor, MeasurementS
   if (floor.plateau) excluded.bytes = floor.plateau->top_bytes;
   const xpm::MemoryModel floor_model =
       floor_only_model(in.formula, in.coefficients.size(), excluded, in.bs_variable, in.aggregation);
-  if (in.vm["above-floor-only"].as<bool>()) keep_above_floor(floor_model, floor, in.coefficients.size(), set);
   if (set.measurements.empty()) {
     throw InfeasibleError(set.path + ": no feasible measurement to fit (" +
                           std::to_string(set.infeasible.size()) + " ran out of memory)");
   }
+  if (in.vm["above-floor-only"].as<bool>()) keep_above_floor(floor_model, floor, in.coefficients.size(), set);
   const std::vector<xpm::InfeasibleBound> bounds = infeasible_bounds(set, in.probe_capacity_bytes);
   std::vector<std::string> summed;
   for (const auto& [name, how] : in.aggregation) {
@@ -430,6 +452,10 @@ int run_fit(const po::variables_map& vm) {
   const FitRequest fit_request = fit_request_from(vm);
   const std::string formula_text = vm["formula"].as<std::string>();
   const double probe_capacity_bytes = probe_capacity_option(vm);
+  std::vector<std::pair<std::string, std::string>> written;
+  for (const char* option : {"output", "figure"})
+    if (vm.count(option)) written.emplace_back(std::string("--") + option, vm[option].as<std::string>());
+  check_written_files(written, {{"the measurements file", request.path}});
 
   if (formula_text.find_first_not_of(" \t\r\n") == std::string::npos) {
     throw InputError("--formula is empty: give a cost formula in bytes, e.g. 'a*bs*l^2 + b*bs*l + c', or auto");
@@ -438,9 +464,9 @@ int run_fit(const po::variables_map& vm) {
   std::string lower = formula_text;
   std::transform(lower.begin(), lower.end(), lower.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  if (!automatic && lower == "auto") {  // a formula of one coefficient named so: a typo
+  if (!automatic && trim(lower) == "auto") {  // a formula of one coefficient named so: a typo
     throw InputError("--formula '" + formula_text + "' is a constant named " + formula_text +
-                     "; for a formula chosen from the measurements write --formula auto (lower case)");
+                     "; for a formula chosen from the measurements write --formula auto (lower case, nothing around it)");
   }
   if (automatic && vm.count("coefficients")) throw InputError("--coefficients does not apply to --formula auto");
   MeasurementSet set = read_measurements(request);
@@ -453,6 +479,7 @@ int run_fit(const po::variables_map& vm) {
   const std::vector<std::string> coefficients = coefficients_of(vm, formula_text, given_text, variables);
   if (!automatic) refuse_column_coefficients(vm, formula_text, coefficients, set);
   const xpm::CostFormula formula = make_formula(given_text, coefficients, variables, fit_request);
+  if (!automatic) refuse_unused_variables(formula, bs_variable);
   const auto aggregation = vm.count("aggregation")
                                ? parse_aggregation(vm["aggregation"].as<std::vector<std::string>>())
                                : std::map<std::string, xpm::DimAggregation>{};

@@ -86,6 +86,10 @@ po::options_description plan_options() {
 }
 
 int run_plan(const po::variables_map& vm) {
+  if (vm.count("figure")) {
+    check_written_files({{"--figure", vm["figure"].as<std::string>()}},
+                        {{"the --model file", vm["model"].as<std::string>()}, {"the --csv file", vm["csv"].as<std::string>()}});
+  }
   const std::int64_t usable_given = usable_bytes_from(vm);
   const std::string packer_name = vm["packer"].as<std::string>();
   const std::string sort_by = vm["sort-by"].as<std::string>();
