@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -136,6 +137,19 @@ std::optional<PeakPlateau> find_peak_plateau(const std::vector<double>& forward_
                     [&](double bytes) { return bytes <= plateau.top_bytes; }));
   if (plateau.measurements < 2 || !(plateau.floor_bytes > constant_floor_bytes)) return std::nullopt;
   return plateau;
+}
+
+bool plateau_fit_kept(double plateau_error, double floor_error) {
+  return plateau_error <= floor_error + 1e-9 * std::max(plateau_error, floor_error);
+}
+
+std::string plateau_floor_report(const PeakPlateau& plateau, double constant_floor_bytes) {
+  char text[256];
+  std::snprintf(text, sizeof text,
+                "floor: the plateau of the forward/backward peaks, %.0f bytes (%zu probes within 1 %% of the "
+                "smallest, not fitted), above the optimizer-step peaks' %.0f bytes",
+                plateau.floor_bytes, plateau.measurements, constant_floor_bytes);
+  return text;
 }
 
 std::string to_string(FloorMode mode) { return enum_name(kFloorModeNames, mode); }

@@ -287,7 +287,7 @@ void PredictiveBatcher::store_model(FitCandidate chosen, double static_bytes) {
   MemoryModel model = std::move(*chosen.model);
   model.set_probed_ranges(chosen.probed_ranges);
   const std::vector<InfeasibleBound>& infeasible = chosen.infeasible;
-  model.metadata()["floor"] = {{"report", floor_fit_.report},
+  model.metadata()["floor"] = {{"report", chosen.plateau_report.empty() ? floor_fit_.report : chosen.plateau_report},
                                {"spread", floor_fit_.spread},
                                {"moving", floor_fit_.formula.has_value()},
                                {"plateau", chosen.plateau}};
@@ -417,7 +417,9 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::choose_fit(
     if (probe.feasible) peaks.push_back(probe.forward_backward_peak_bytes);
   }
   const double floor_bytes = floor_fit_.constant_bytes;
-  const std::optional<PeakPlateau> plateau = find_peak_plateau(peaks, floor_bytes);
+  const std::optional<PeakPlateau> plateau = options_.floor.mode == FloorMode::kAutomatic
+                                                  ? find_peak_plateau(peaks, floor_bytes)
+                                                  : std::nullopt;
   const double highest_floor_bytes = plateau ? plateau->floor_bytes : floor_bytes;
   if (highest_floor_bytes >= usable_bytes) {
     throw std::invalid_argument(
@@ -441,10 +443,11 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::choose_fit(
   if (plateau) try_fit(plateau->floor_bytes, true);
   try_fit(floor_bytes, false);
   if (candidates.empty()) throw IdentifiabilityError(first_error, {}, "");
-  FitCandidate* best = nullptr;
+  FitCandidate* best = nullptr;  // the plateau's first: it wins a tie (plateau_fit_kept)
   for (FitCandidate& c : candidates) {
-    if (c.model && (best == nullptr || c.probe_error < best->probe_error)) best = &c;
+    if (c.model && (best == nullptr || !plateau_fit_kept(best->probe_error, c.probe_error))) best = &c;
   }
+  if (best != nullptr && best->plateau) best->plateau_report = plateau_floor_report(*plateau, floor_bytes);
   // None usable: the caller may probe more (adaptive design) before it refuses.
   return std::move(best == nullptr ? candidates.front() : *best);
 }

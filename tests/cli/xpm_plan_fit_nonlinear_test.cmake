@@ -166,4 +166,11 @@ if(NOT floor EQUAL 1200004 OR NOT below EQUAL 3)
 endif()
 expect_between("plateau a" "${a}" 9.999 10.001)
 expect_between("plateau b" "${b}" 999.9 1000.1)
-expect_match("plateau floor" "${floor_report}" "the plateau of the peaks, 1200004 bytes [(]3 measurements")
+expect_match("plateau floor" "${floor_report}" "the plateau of the forward/backward peaks, 1200004 bytes [(]3 probes within 1 % of the smallest")
+# --floor-model constant keeps the floor column's largest value: no plateau.
+xpm_plan_run(1 "constant floor, no plateau" fit "${plateau}" --formula "a*bs*l^2 + b*bs*l + c" --variables bs,l
+             --bytes-column fb --floor-column opt --floor-model constant --above-floor-only --json)
+string(JSON floor GET "${OUT}" floor_bytes)
+if(NOT floor EQUAL 1005000)
+  message(FATAL_ERROR "constant floor: floor ${floor}, expected the column's 1005000: ${OUT}")
+endif()

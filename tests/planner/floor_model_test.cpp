@@ -110,3 +110,15 @@ TEST_CASE("a plateau of the peaks: two or more within 1 % of the smallest, above
   CHECK_FALSE(xpm::find_peak_plateau({1'200'004, 1'337'920, 1'675'840}, 1'005'000).has_value());
   CHECK_FALSE(xpm::find_peak_plateau({}, 0).has_value());
 }
+
+TEST_CASE("a fit over the plateau is kept when it misses the step peaks least, or ties within rounding") {
+  CHECK(xpm::plateau_fit_kept(0.03, 0.04));
+  CHECK_FALSE(xpm::plateau_fit_kept(0.04, 0.03));
+  // A T5's two fits: the same worst shape, predicted alike but for the last digits.
+  CHECK(xpm::plateau_fit_kept(0.03865193016253439, 0.03865193016253404));
+  CHECK_FALSE(xpm::plateau_fit_kept(0.0386520, 0.0386519));
+  const xpm::PeakPlateau plateau{6340180, 6403581.8, 2};
+  CHECK(xpm::plateau_floor_report(plateau, 4691084) ==
+        "floor: the plateau of the forward/backward peaks, 6340180 bytes (2 probes within 1 % of the smallest, not "
+        "fitted), above the optimizer-step peaks' 4691084 bytes");
+}

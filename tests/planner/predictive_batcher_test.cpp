@@ -93,6 +93,9 @@ TEST_CASE("a forward/backward plateau above the optimizer peak becomes the floor
   CHECK(model.coefficients()[1] == doctest::Approx(1000).epsilon(1e-6));
   CHECK(model.floor_bytes() >= FakeExecutor::kStatic + 200000);
   CHECK(model.floor_bytes() <= FakeExecutor::kStatic + 202000);
+  CHECK(model.metadata()["floor"]["plateau"] == true);
+  CHECK(model.metadata()["floor"]["report"].get<std::string>().rfind(
+            "floor: the plateau of the forward/backward peaks, ", 0) == 0);
   for (const auto& probe : batcher.probes()) {
     const double predicted = model.predict_bytes(probe.dims);
     CHECK(std::abs(predicted - probe.forward_backward_peak_bytes) / probe.forward_backward_peak_bytes < 0.01);

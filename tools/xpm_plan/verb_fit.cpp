@@ -249,13 +249,6 @@ std::vector<xpm::InfeasibleBound> infeasible_bounds(const MeasurementSet& set,
   return bounds;
 }
 
-// The floor report of a plateau chosen as the floor.
-std::string plateau_report(const xpm::PeakPlateau& plateau, double measured_floor_bytes) {
-  return "floor: the plateau of the peaks, " + bytes_text(plateau.floor_bytes) + " bytes (" +
-         std::to_string(plateau.measurements) + " measurements within 1 % of the smallest; not fitted), above the " +
-         "floor column's " + bytes_text(measured_floor_bytes) + " bytes: its fit missed the step peaks least";
-}
-
 // The fitted model's metadata: the probes' setup, the fit, the floor, the probes themselves and
 // the formula selection (--formula auto).
 void set_fit_metadata(xpm::MemoryModel& model, const MeasurementSet& set, const FitOutcome& outcome,
@@ -278,7 +271,9 @@ void set_fit_metadata(xpm::MemoryModel& model, const MeasurementSet& set, const 
                                  {"spread", floor.fit->spread},
                                  {"moving", floor.fit->formula.has_value()},
                                  {"plateau", floor.plateau.has_value()}};
-    if (floor.plateau) model.metadata()["floor"]["report"] = plateau_report(*floor.plateau, floor.fit->constant_bytes);
+    if (floor.plateau) {
+      model.metadata()["floor"]["report"] = xpm::plateau_floor_report(*floor.plateau, floor.fit->constant_bytes);
+    }
   }
   model.metadata()["probes"] = std::move(probes);
   if (automatic) {
@@ -494,7 +489,8 @@ int run_fit(const po::variables_map& vm) {
   // Above a measured floor, a plateau of the peaks is a floor too: fitted both ways, the fit
   // that misses the step peaks (the larger of the two columns) least is kept, as in training.
   std::optional<xpm::PeakPlateau> plateau;
-  if (floor.fit && vm["above-floor-only"].as<bool>()) {
+  if (floor.fit && vm["above-floor-only"].as<bool>() && 
+      xpm::parse_floor_mode(vm["floor-model"].as<std::string>(), "--floor-model") == xpm::FloorMode::kAutomatic) {
     std::vector<double> peaks;
     for (const xpm::Measurement& m : set.measurements) peaks.push_back(m.bytes);
     plateau = xpm::find_peak_plateau(peaks, floor.bytes);
@@ -518,7 +514,7 @@ int run_fit(const po::variables_map& vm) {
   const bool plateau_kept =
       over_plateau && (over_plateau->outcome.usable || !over_floor.outcome.usable) &&
       (!over_plateau->outcome.usable || !over_floor.outcome.usable ||
-       step_peak_error(over_plateau->model, set) <= step_peak_error(over_floor.model, set));
+       xpm::plateau_fit_kept(step_peak_error(over_plateau->model, set), step_peak_error(over_floor.model, set)));
   const FloorFitted& kept = plateau_kept ? *over_plateau : over_floor;
   return report_and_write(vm, kept.model, kept.set, kept.outcome, request);
 }

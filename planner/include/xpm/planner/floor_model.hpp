@@ -90,9 +90,21 @@ struct PeakPlateau {
 
 /// The plateau of `forward_backward_peak_bytes` (the feasible probes' peaks, bytes): when at
 /// least two lie within `fraction` of the smallest and the smallest lies above
-/// `constant_floor_bytes`; none otherwise (or without peaks). Pure function.
+/// `constant_floor_bytes`; none otherwise (or without peaks). Tried only under
+/// FloorMode::kAutomatic (kConstant and kFormula keep the floor they name). Pure function.
 std::optional<PeakPlateau> find_peak_plateau(const std::vector<double>& forward_backward_peak_bytes,
                                              double constant_floor_bytes, double fraction = 0.01);
+
+/// Whether a fit over the plateau is kept against one over the floor: `plateau_error` and
+/// `floor_error` are each model's largest relative error over the step peaks. The smaller
+/// wins; within 1e-9 of each other (rounding: the worst shape is often one both fits predict
+/// alike) the plateau's.
+bool plateau_fit_kept(double plateau_error, double floor_error);
+
+/// The floor report of a plateau kept as the floor: "floor: the plateau of the forward/backward
+/// peaks, 6340180 bytes (2 probes within 1 % of the smallest, not fitted), above the
+/// optimizer-step peaks' 4691084 bytes".
+std::string plateau_floor_report(const PeakPlateau& plateau, double constant_floor_bytes);
 
 std::string to_string(FloorMode mode);  // "auto" | "constant" | "formula"
 /// Throws std::invalid_argument "<source> must be 'auto', 'constant' or 'formula', got '<text>'".

@@ -238,6 +238,7 @@ class PredictiveBatcher {
   struct FitCandidate {
     double floor_bytes = 0;
     bool plateau = false;             // the forward/backward plateau is the floor
+    std::string plateau_report;       // its floor report, when kept
     bool fitted_above_floor = false;  // else every feasible probe was fitted
     std::vector<Measurement> measurements;
     FitResult fit;
