@@ -166,6 +166,10 @@ if(NOT floor EQUAL 1200004 OR NOT below EQUAL 3)
 endif()
 expect_between("plateau a" "${a}" 9.999 10.001)
 expect_between("plateau b" "${b}" 999.9 1000.1)
+string(JSON on_plateau GET "${OUT}" below_floor_sources 0)
+if(NOT on_plateau STREQUAL "line 2")
+  message(FATAL_ERROR "plateau floor: the first measurement not fitted is from ${on_plateau}, expected line 2")
+endif()
 expect_match("plateau floor" "${floor_report}" "the plateau of the forward/backward peaks, 1200004 bytes [(]3 probes within 1 % of the smallest")
 # --floor-model constant keeps the floor column's largest value: no plateau.
 xpm_plan_run(1 "constant floor, no plateau" fit "${plateau}" --formula "a*bs*l^2 + b*bs*l + c" --variables bs,l

@@ -271,9 +271,11 @@ nlohmann::json fit_report_json(const xpm::MemoryModel& model, const MeasurementS
   nlohmann::json infeasible = nlohmann::json::array();
   for (const auto& d : set.infeasible) infeasible.push_back(dims_json(model, d));
   j["infeasible_probes"] = std::move(infeasible);
+  j["infeasible_probe_sources"] = set.infeasible_labels;  // where each came from: "line 38"
   j["infeasible_bounds"] = infeasible_bounds_json(model, s);
   nlohmann::json below = nlohmann::json::array();
   for (const auto& m : set.below_floor) below.push_back(dims_json(model, m.dims));
+  j["below_floor_sources"] = set.below_floor_labels;
   j["below_floor_not_fitted"] = std::move(below);
   if (!outcome.usable) j["unusable_reason"] = outcome.unusable_reason;
   j["formula_selection"] = outcome.selection_report.empty() ? nlohmann::json(nullptr)
@@ -339,9 +341,12 @@ void print_residuals(std::ostream& os, const xpm::MemoryModel& model, const Meas
   }
   if (!set.below_floor.empty()) {
     const bool plateau = model.metadata().contains("floor") && model.metadata()["floor"].value("plateau", false);
-    os << set.below_floor.size() << " measurements at or below the floor" << (plateau ? " (within 1 % of it)" : "")
+    os << set.below_floor.size() << " measurements " << (plateau ? "on the floor's plateau (up to 1 % above it)" : "at or below the floor")
        << " were not fitted (--above-floor-only; the prediction there is the floor):";
-    for (const auto& m : set.below_floor) os << "  [" << dims_text(model, m.dims) << "]";
+    for (std::size_t i = 0; i < set.below_floor.size(); ++i) {
+      os << "  [" << dims_text(model, set.below_floor[i].dims) << "]"
+         << (i < set.below_floor_labels.size() ? " (" + set.below_floor_labels[i] + ")" : "");
+    }
     os << "\n";
   }
 }
@@ -351,7 +356,10 @@ void print_infeasible(std::ostream& os, const xpm::MemoryModel& model, const Mea
                       const xpm::FitSummary& s) {
   if (set.infeasible.empty()) return;
   os << set.infeasible.size() << " probes ran out of memory and were not fitted:";
-  for (const auto& d : set.infeasible) os << "  [" << dims_text(model, d) << "]";
+  for (std::size_t i = 0; i < set.infeasible.size(); ++i) {
+    os << "  [" << dims_text(model, set.infeasible[i]) << "]"
+       << (i < set.infeasible_labels.size() ? " (" + set.infeasible_labels[i] + ")" : "");
+  }
   os << "\n";
   const auto& bounds = model.infeasible_probes();
   if (!bounds.empty()) {

@@ -75,6 +75,7 @@ MeasurementSet read_csv_measurements(const MeasurementRequest& req, const std::s
     }
     if (!feasible) {
       set.infeasible.push_back(dims);
+      set.infeasible_labels.push_back("line " + std::to_string(table.line_numbers[r]));
       set.infeasible_capacity_bytes.push_back(capacity);
       set.infeasible_records.push_back(record);
       set.all_records.push_back(std::move(record));
@@ -245,8 +246,8 @@ bool json_feasible(const nlohmann::json& e, const std::string& where) {
 }
 
 // An entry whose probe ran out of memory: an infeasible bound (with its capacity, if any).
-void add_json_infeasible(const nlohmann::json& e, const std::string& where, std::vector<double> dims,
-                         nlohmann::json record, MeasurementSet& set) {
+void add_json_infeasible(const nlohmann::json& e, const std::string& where, const std::string& label,
+                         std::vector<double> dims, nlohmann::json record, MeasurementSet& set) {
   if (e.contains("error") && e["error"].is_string()) record["error"] = e["error"];
   double capacity = 0;
   if (e.contains("capacity_bytes")) {
@@ -255,6 +256,7 @@ void add_json_infeasible(const nlohmann::json& e, const std::string& where, std:
     if (capacity > 0) record["capacity_bytes"] = capacity;
   }
   set.infeasible.push_back(std::move(dims));
+  set.infeasible_labels.push_back(label);
   set.infeasible_capacity_bytes.push_back(capacity);
   set.infeasible_records.push_back(record);
   set.all_records.push_back(std::move(record));
@@ -309,7 +311,7 @@ void read_json_entry(const MeasurementRequest& req, const JsonEntries& found, st
   if (feasible) {
     add_json_measurement(req, e, where, label, std::move(dims), std::move(record), set);
   } else {
-    add_json_infeasible(e, where, std::move(dims), std::move(record), set);
+    add_json_infeasible(e, where, label, std::move(dims), std::move(record), set);
   }
 }
 

@@ -56,6 +56,7 @@ struct MeasurementSet {
   std::vector<std::string> labels;            // where each came from: "line 3", "probes[2]"
   std::vector<nlohmann::json> records;        // each feasible one as a probe record (for saving)
   std::vector<std::vector<double>> infeasible;// dims of probes that ran out of memory
+  std::vector<std::string> infeasible_labels; // where each came from, as `labels`
   std::vector<double> infeasible_capacity_bytes;  // capacity each ran under; 0: not recorded
   std::vector<nlohmann::json> infeasible_records;
   std::vector<nlohmann::json> all_records;    // feasible and infeasible, in file order
