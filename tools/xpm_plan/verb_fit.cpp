@@ -417,7 +417,9 @@ po::options_description fit_options() {
        "(default: the formula with its coefficients renamed floor_<name>)")
       ("above-floor-only", po::bool_switch()->default_value(false),
        "fit only the measurements above the floor (where the prediction is the formula, not the "
-       "floor); the others are reported")
+       "floor); the others are reported. With --floor-column and --floor-model auto, a plateau of "
+       "the peaks (two or more within 1 % of the smallest) is tried as the floor too, as training "
+       "does")
       ("aggregation", po::value<std::vector<std::string>>()->composing(),
        "VAR=count|max|sum, how records combine per variable (repeatable; default: max)")
       ("allow-negative", po::bool_switch()->default_value(false),
@@ -489,7 +491,7 @@ int run_fit(const po::variables_map& vm) {
   // Above a measured floor, a plateau of the peaks is a floor too: fitted both ways, the fit
   // that misses the step peaks (the larger of the two columns) least is kept, as in training.
   std::optional<xpm::PeakPlateau> plateau;
-  if (floor.fit && vm["above-floor-only"].as<bool>() && 
+  if (floor.fit && vm["above-floor-only"].as<bool>() &&
       xpm::parse_floor_mode(vm["floor-model"].as<std::string>(), "--floor-model") == xpm::FloorMode::kAutomatic) {
     std::vector<double> peaks;
     for (const xpm::Measurement& m : set.measurements) peaks.push_back(m.bytes);
