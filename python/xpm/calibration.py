@@ -148,6 +148,15 @@ def _bytes_number(value: Any, name: str) -> float:
     return float(value)
 
 
+def _usable_bytes(value: Any) -> int:
+    """``Calibration``'s budget: a whole number of bytes > 0 (a float with a whole value is taken;
+    text, booleans and fractions are refused)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) or \
+            not np.isfinite(value) or value != int(value) or not 0 < value < 2 ** 63:
+        raise ValueError(f"Calibration: usable_bytes must be a whole number of bytes > 0, got {value!r:.40}")
+    return int(value)
+
+
 def _step_number(value: Any, name: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2 ** 63:
         raise ValueError(f"Calibration.end_step: {name} must be a whole number >= 0, got {value!r:.40}")
@@ -177,15 +186,22 @@ class Calibration:
             allocator starts from its ``reserved_gap``.
 
     Raises:
-        ValueError: ``usable_bytes`` is not positive, ``window_steps`` or ``settle_steps`` is
-            not a whole number >= 1, ``initial`` has ``positions``, or ``lower_early`` is not a bool.
+        ValueError: ``usable_bytes`` is not a whole number of bytes > 0 (named with the value:
+            ``Calibration: usable_bytes must be a whole number of bytes > 0, got 1.5``),
+            ``window_steps`` or ``settle_steps`` is not a whole number >= 1, ``initial`` has
+            ``positions``, or ``lower_early`` is not a bool.
+        TypeError: ``initial`` is neither a ``Correction`` nor None.
     """
 
     def __init__(self, usable_bytes: int, *, window_steps: int = 32, settle_steps: int = 8,
                  group: Optional[Any] = None, initial: Optional[Correction] = None, lower_early: bool = True) -> None:
+        usable_bytes = _usable_bytes(usable_bytes)
         for name, value in (("window_steps", window_steps), ("settle_steps", settle_steps)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise ValueError(f"Calibration: {name} must be a whole number >= 1, got {value!r}")
+        if initial is not None and not isinstance(initial, Correction):
+            raise TypeError(f"Calibration: initial must be an xpm.Correction or None, got {type(initial).__name__} "
+                            f"{initial!r:.60}")
         start = Correction() if initial is None else initial
         if start.positions:
             raise ValueError("Calibration: initial must be a line (intercept_bytes, slope), without positions; got "

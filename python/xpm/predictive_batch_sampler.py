@@ -24,11 +24,12 @@ from .record_dims import _record_dims
 from .sampler_calibration import (Corrections, calibration_state, correction_in_force, corrections_from,
                                   first_step_not_handed_out, loaded_corrections, new_calibration, planning_bytes)
 from .sampler_checks import (_check_usable_bytes, _checked_outer_and_ranks, _checked_record_dims, _checked_units,
-                             _seed_number, _whole_number, records_over_budget)
+                             _seed_number, _whole_number, check_step_to_end, checked_microbatch, checked_records,
+                             records_over_budget)
 from .sampler_lightning import _refuse_lightning_training_loop
 from .sampler_order import outer_batch_count, outer_batches
 from .sampler_packing import StepPacking
-from .sampler_refit import TrainingRefit, checked_models
+from .sampler_refit import ModelEntry, TrainingRefit, checked_training_refit
 from .sampler_pass import _MicrobatchIterator
 from .sampler_state import check_settings, checked_steps_done, plan_fingerprint
 from .sampler_steps import Microbatch, Step, step_offsets
@@ -129,6 +130,7 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         self._packings: List[Tuple[int, StepPacking]] = [(0, self._packing)]
         self._epoch = 0
         self._steps_done = 0                  # steps counted done (microbatch_loop, mark_step_done)
+        self._last_ended: Optional[int] = None  # the last step end_step ended in this pass over the epoch
         self._start: Tuple[int, int] = (0, 0)  # where the next pass begins: (step, microbatch in it)
         self._generation = 0                  # bumped by set_epoch / load_state_dict
         self._current: Optional[_MicrobatchIterator] = None  # the latest pass
@@ -189,7 +191,7 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             ValueError: ``epoch`` is not a whole number >= 0.
         """
         self._enter_epoch(_seed_number("epoch", epoch))
-        self._steps_done, self._start = 0, (0, 0)
+        self._steps_done, self._start, self._last_ended = 0, (0, 0), None
 
     def _enter_epoch(self, epoch: int) -> None:
         if epoch != self._epoch:
@@ -198,6 +200,12 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             self._packings = [(0, self._packing)]
         self._epoch = epoch
         self._generation += 1
+        self._last_ended = None  # its steps ended anew (load_state_dict keeps those of the same epoch)
+
+    def _may_end_from(self, first: int) -> None:
+        """Steps ``first`` on may be ended again (a pass that begins there, a state loaded)."""
+        if self._last_ended is not None and self._last_ended >= first:
+            self._last_ended = first - 1 if first > 0 else None
 
     def _settings(self) -> dict:
         return {"seed": self._seed, "outer_batch_size": self._outer, "world_size": self._world,
@@ -235,21 +243,37 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
 
     def _load_calibration_state(self, state: Dict[str, Any], what: str) -> None:
         """The corrections each step was planned with, and the calibration's window
-        (``sampler_calibration.loaded_corrections``)."""
-        loaded = loaded_corrections(state, what, self._calibration)
+        (``sampler_calibration.loaded_corrections``), and the refit's (``_load_refit_state``),
+        its entry checked first."""
+        models = self._checked_refit_models(state, what)
+        loaded = loaded_corrections(state, what, self._calibration, self.steps_per_epoch())
         if loaded != self._corrections:  # another plan: made anew on first use
             self._corrections = loaded
             self._steps_cache = self._offsets_cache = None
-        if self._refit is not None and state.get("training_refit") is not None:
-            self._load_refit_state(state["training_refit"], what)
+        if models is not None:
+            self._load_refit_state(state["training_refit"], models, what)
 
-    def _load_refit_state(self, state: Dict[str, Any], what: str) -> None:
-        """The refit's window and model, and the model each step of the epoch is planned with.
-        Raises ValueError naming what is malformed (``sampler_refit.checked_models``)."""
+    def _checked_refit_models(self, state: Dict[str, Any], what: str) -> Optional[List[ModelEntry]]:
+        """The models of ``state``'s ``training_refit``, checked with it
+        (``sampler_refit.checked_training_refit``); None where there is nothing to load: this
+        sampler does not refit, or the state has no calibration (written without one). Raises
+        ValueError naming what is malformed, or a state that calibrated without its refit."""
+        if self._refit is None or state.get("calibration") is None:
+            return None
+        if state.get("training_refit") is None:
+            held = "is None" if "training_refit" in state else "is missing"
+            raise ValueError(f"{what} training_refit {held} but the state has a calibration: a calibrating sampler "
+                             f"of this model writes both (its refit's window and the model each step was planned "
+                             f"with), and without it the steps would be planned with the model given, not as the "
+                             f"run that wrote it planned them")
+        return checked_training_refit(state["training_refit"], f"{what} training_refit",
+                                      self._given_model.formula.variable_names, self.steps_per_epoch())
+
+    def _load_refit_state(self, state: Dict[str, Any], models: List[ModelEntry], what: str) -> None:
+        """The refit's window and model, and the model each step of the epoch is planned with
+        (``models``: ``state``'s, checked)."""
         assert self._refit is not None
-        models = checked_models(state, f"{what} training_refit")
-        if isinstance(state["state"], dict) and \
-                state["state"].get("given") != _planner.TrainingRefit.digest(self._given_model._native):
+        if state["state"]["given"] != _planner.TrainingRefit.digest(self._given_model._native):
             # Measured against another model (probed again): the refit starts anew, as the C++
             # Learner's does, and the plans follow the model given.
             warnings.warn(f"xpm: {what}'s model refit was measured against another memory model (probed again?); "
@@ -283,17 +307,23 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         Raises:
             ValueError: ``state`` was written by a sampler with other settings (seed, outer batch
                 size, world size, records, shuffle, drop_last, packer, units), or its
-                ``steps_done`` is out of range. The state is the same on every rank: any rank's
-                loads on every rank.
+                ``steps_done`` is out of range, or its corrections or ``training_refit`` are
+                malformed (the field named, with its value), or it has a calibration but no
+                ``training_refit`` where this sampler refits. The state is the same on every
+                rank: any rank's loads on every rank.
         """
         check_settings(state, "state_dict", self._settings())
         steps_done = checked_steps_done(state, self.steps_per_epoch())
         epoch = _whole_number("state_dict epoch", state.get("epoch"))
+        self._checked_refit_models(state, "state_dict")  # before anything changes (checked again as loaded)
         before = (self._epoch, self._steps_done, self._start)
+        ended = self._last_ended if epoch == self._epoch else None
         self._enter_epoch(epoch)
         self._load_calibration_state(state, "state_dict")
         self._steps_done, self._start = steps_done, (steps_done, 0)
         self._before_load = (self._generation, before)
+        self._last_ended = ended  # the same epoch (the HF Trainer's drop-in loads its state every step)
+        self._may_end_from(steps_done)
 
     def mark_step_done(self) -> None:
         """Counts one optimizer step as done, where ``state_dict`` resumes (``microbatch_loop``
@@ -386,8 +416,11 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
                 optimizer step after the step's last microbatch).
 
         Raises:
+            TypeError: ``microbatch`` is not a ``Microbatch`` (a plain list of records:
+                ``record_microbatch_peak``).
             ValueError: the peak is not a finite number of bytes >= 0 (``Calibration.record_peak``).
         """
+        checked_microbatch(microbatch, "record_peak")
         if self._calibration is not None and len(microbatch) > 0:
             position = getattr(microbatch, "position", None)
             self._calibration.record_peak(microbatch.predicted_bytes, peak_allocated_bytes, position)
@@ -403,7 +436,11 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             microbatch: the ``Microbatch`` the sampler yielded (its ``predicted_bytes``).
             meter: the meter that measured its forward and backward (and the optimizer step
                 after the step's last microbatch).
+
+        Raises:
+            TypeError: ``microbatch`` is not a ``Microbatch``, or ``meter`` is not a meter.
         """
+        checked_microbatch(microbatch, "record_meter_peak")
         if self._calibration is not None and len(microbatch) > 0:
             position = getattr(microbatch, "position", None)
             self._calibration.record_meter_peak(microbatch.predicted_bytes, meter, position)
@@ -415,22 +452,22 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         (``xpm.PlannedStep``: ``records[k]``, ``predicted_bytes[k]``; the integrations call it).
 
         Args:
-            records: its record indices (the dataset's, as the sampler's ``record_dims``).
+            records: its record indices (the dataset's, as the sampler's ``record_dims``); none for
+                an empty microbatch (lockstep's, weight 0: skipped).
             predicted_bytes: its prediction, as its step was planned.
             meter: the meter that measured its forward and backward.
-            position: its position in its step (``xpm.microbatch_position``), or None.
+            position: its position in its step (``xpm.microbatch_position``), or None (always
+                for an empty microbatch).
 
         Raises:
-            ValueError: ``records`` are not indices of the sampler's records, or
-                ``predicted_bytes`` is not a finite number of bytes >= 0.
+            ValueError: ``records`` are not indices of the sampler's records, or none with a
+                ``position`` (an empty microbatch has none), or ``predicted_bytes`` is not a
+                finite number of bytes >= 0.
             TypeError: ``meter`` is not a meter.
         """
-        if self._calibration is None or len(records) == 0:
+        indices = checked_records(records, len(self._dims), position)
+        if self._calibration is None or len(indices) == 0:
             return
-        indices = np.asarray(records)
-        if indices.dtype.kind not in "iu" or indices.min() < 0 or indices.max() >= len(self._dims):
-            raise ValueError(f"record_microbatch_peak: records must be indices of the sampler's {len(self._dims)} "
-                             f"records, got {list(records)[:8]}")
         self._calibration.record_meter_peak(predicted_bytes, meter, position)
         if self._refit is not None:  # the dims as the packers aggregate them
             dims = _planner.aggregate_dims(self._given_model._native, self._dims, [int(i) for i in indices])
@@ -465,15 +502,22 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             The calibration's log line when the correction changed, else None.
 
         Raises:
-            ValueError: ``step`` or ``replan_from`` is not a whole number >= 0.
+            ValueError: ``step`` or ``replan_from`` is not a whole number >= 0; ``step`` is beyond
+                the epoch's steps, or not after the last step ended in this pass over the epoch
+                (each step is ended once, in order; ``set_epoch``, a new pass or a state loaded
+                starts them over, and so does step 0 while no pass of this sampler is under way).
         """
         step = _whole_number("end_step: step", step)
         if replan_from is not None:
             replan_from = _whole_number("end_step: replan_from", replan_from)
+        check_step_to_end(step, self.steps_per_epoch(), self._last_ended,
+                          self._current is not None and self._current._is_current())
         if self._calibration is None:
+            self._last_ended = step
             return None
         first = self._first_step_not_handed_out(step) if replan_from is None else max(step + 1, int(replan_from))
         line = self._calibration.end_step(step, replan_from=first)
+        self._last_ended = step
         refitted = None if self._refit is None else self._refit.end_step(step)
         if refitted is not None:
             self._take_refit(refitted)
@@ -525,11 +569,13 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         steps, offsets = self._plan()
         step, offset = self._start
         position = offsets[min(step, len(steps))] + offset
-        if position < offsets[-1]:
-            return position
-        if begin_pass:
-            self._steps_done, self._start = 0, (0, 0)
-        return 0
+        if position >= offsets[-1]:
+            position = 0
+            if begin_pass:
+                self._steps_done, self._start = 0, (0, 0)
+        if begin_pass:  # its steps may be ended (again)
+            self._may_end_from(bisect.bisect_right(offsets, position) - 1)
+        return position
 
     def steps(self, rank: Optional[int] = None) -> Iterator[Step]:
         """The remaining steps of the epoch, in order (a step resumed in its middle is given

@@ -112,7 +112,8 @@ def calibration_state(corrections: Corrections, calibration: Optional[Calibratio
             "calibration": None if calibration is None else calibration.state_dict()}
 
 
-def loaded_corrections(state: Dict[str, Any], what: str, calibration: Optional[Calibration]) -> Corrections:
+def loaded_corrections(state: Dict[str, Any], what: str, calibration: Optional[Calibration],
+                       steps_per_epoch: int) -> Corrections:
     """The corrections each step was planned with, read from ``state``, and the calibration's
     window loaded into ``calibration`` (states written before calibration existed have neither:
     the plan of the model alone).
@@ -121,19 +122,27 @@ def loaded_corrections(state: Dict[str, Any], what: str, calibration: Optional[C
         state: a ``state_dict`` of the sampler or of its iterator.
         what: the state's name, for the errors.
         calibration: the sampler's calibration, or None.
+        steps_per_epoch: the epoch's steps (a correction drawn at the last step is planned from
+            the step after it: at most this).
 
     Returns:
         The corrections.
 
     Raises:
-        ValueError: malformed corrections.
+        ValueError: malformed corrections, or their first steps not whole numbers from 0,
+            increasing, at most ``steps_per_epoch``.
     """
     corrections = state.get("corrections", [[0, 0.0, 0.0]])
     try:  # [step, intercept bytes, slope, {position: line}], [step, intercept bytes, slope], or [step, bytes]
-        loaded = [(int(entry[0]), _correction_of(entry[1:])) for entry in corrections]
+        loaded = [(entry[0], _correction_of(entry[1:])) for entry in corrections]
     except (TypeError, ValueError, KeyError, IndexError):
         raise ValueError(f"{what} corrections must be [[step, intercept_bytes, slope, {{position: [intercept_bytes, "
                          f"slope, low_bytes, high_bytes]}}], ...], got {corrections!r}") from None
+    firsts = [first for first, _ in loaded]
+    if not firsts or any(isinstance(f, bool) or not isinstance(f, int) for f in firsts) or firsts[0] != 0 or \
+            any(b <= a for a, b in zip(firsts, firsts[1:])) or firsts[-1] > steps_per_epoch:
+        raise ValueError(f"{what} corrections' first steps must be whole numbers from 0, increasing, at most the "
+                         f"epoch's {steps_per_epoch} steps; got {firsts!r:.120}")
     if calibration is not None and state.get("calibration") is not None:
         calibration.load_state_dict(state["calibration"])
     return loaded

@@ -1,6 +1,7 @@
 """The checks of ``PredictiveBatchSampler``'s arguments: whole numbers, the rank and world size
 (torch.distributed's when its process group is initialised), the records' dims and units (finite,
->= 0, named with the first bad index) and the budget, each a one-line ``ValueError``.
+>= 0, named with the first bad index) and the budget, each a one-line ``ValueError``; and of what
+training reports back (the microbatch a peak is recorded for, the step ended).
 """
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import numpy as np
 import torch
 import torch.distributed
 
+from .choices import MicrobatchPosition
 from .memory_model import MemoryModel
 from .record_dims import _numbers
+from .sampler_steps import Microbatch
 
 
 def _whole_number(name: str, value) -> int:
@@ -115,3 +118,82 @@ def records_over_budget(model: MemoryModel, dims: np.ndarray, usable_bytes: floa
     """
     alone = np.asarray(model.predict(dims))
     return np.flatnonzero(alone > usable_bytes), alone
+
+
+def checked_microbatch(microbatch: Any, what: str) -> Microbatch:
+    """The ``Microbatch`` a peak is recorded for.
+
+    Args:
+        microbatch: what the caller gave.
+        what: the method, for the error (``"record_peak"``).
+
+    Returns:
+        ``microbatch``.
+
+    Raises:
+        TypeError: not a ``Microbatch`` (its ``dims`` and ``predicted_bytes`` are what is recorded).
+    """
+    if not isinstance(microbatch, Microbatch):
+        got = "None" if microbatch is None else f"a {type(microbatch).__name__}: {microbatch!r:.60}"
+        raise TypeError(f"{what}: microbatch must be a Microbatch the sampler yielded (iter(sampler), with its dims "
+                        f"and predicted_bytes), got {got}; a microbatch known by its records: "
+                        "record_microbatch_peak(records, predicted_bytes, meter, position)")
+    return microbatch
+
+
+def checked_records(records: Any, count: int, position: Optional[MicrobatchPosition]) -> np.ndarray:
+    """The record indices ``record_microbatch_peak`` is given: indices of the sampler's records,
+    or none for an empty microbatch (lockstep's, of weight 0), which has no position in its step.
+
+    Args:
+        records: what the caller gave.
+        count: the sampler's records.
+        position: the microbatch's position given with them.
+
+    Returns:
+        The indices ([k] integers; none for an empty microbatch).
+
+    Raises:
+        ValueError: not a flat list of indices in [0, count), or none with a position.
+    """
+    try:
+        indices = np.asarray(records) if records is not None and not isinstance(records, (str, bytes)) else None
+    except (TypeError, ValueError):  # a ragged list
+        indices = None
+    if indices is None or indices.ndim != 1 or (len(indices) and (
+            indices.dtype.kind not in "iu" or indices.min() < 0 or indices.max() >= count)):
+        shown = indices[:8].tolist() if indices is not None and indices.ndim == 1 else records
+        raise ValueError(f"record_microbatch_peak: records must be indices of the sampler's {count} records, got "
+                         f"{shown!r:.80}")
+    if len(indices) == 0 and position is not None:
+        raise ValueError(f"record_microbatch_peak: records is empty but position is {position!r}: an empty microbatch "
+                         "(lockstep's, weight 0) has no position in its step and no peak of its own; give the "
+                         "records of the microbatch measured, or position None for an empty one")
+    return indices
+
+
+def check_step_to_end(step: int, steps_per_epoch: int, last_ended: Optional[int], passing: bool) -> None:
+    """Raises unless ``step`` is a step of the epoch that ``end_step`` may end now: after the last
+    one it ended in this pass over the epoch, or, with no pass of the sampler under way, 0 (an
+    epoch started over: Lightning's ``planned_dataloader`` with worker processes iterates their
+    copies of the sampler, so this one ends every epoch's steps without a ``set_epoch``).
+
+    Args:
+        step: the step to end (a whole number).
+        steps_per_epoch: the epoch's steps.
+        last_ended: the last step ended in this pass over the epoch, or None.
+        passing: a pass of the sampler (``iter(sampler)``) is under way.
+
+    Raises:
+        ValueError: ``step`` is negative or beyond the epoch, was ended already, or comes before
+            the last one ended.
+    """
+    if step < 0:
+        raise ValueError(f"end_step: step must be a whole number >= 0, got {step}")
+    if step >= steps_per_epoch:
+        raise ValueError(f"end_step: step {step} is beyond the epoch's {steps_per_epoch} steps (0 to "
+                         f"{steps_per_epoch - 1})")
+    if last_ended is not None and step <= last_ended and (step > 0 or passing):
+        done = "was ended already" if step == last_ended else f"comes before the last step ended, {last_ended}"
+        raise ValueError(f"end_step: step {step} {done}: each step of an epoch is ended once, in order "
+                         "(set_epoch starts another epoch)")

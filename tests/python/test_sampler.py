@@ -862,3 +862,147 @@ def _index_and_count(sampler, microbatch):
     step = list(sampler.steps())[microbatch.step]
     kept = [list(mb) for mb in step.microbatches if len(mb)]
     return kept.index(list(microbatch)), len(kept)
+
+
+def test_a_peak_recorded_for_what_is_not_a_microbatch_the_sampler_yielded_is_refused(model, lengths):
+    """``record_peak`` and ``record_meter_peak`` take the ``Microbatch`` the sampler yielded (its
+    dims and prediction are what is recorded): a plain list of records or None is refused in one
+    line naming it, and nothing is recorded."""
+    sampler = sampler_for(model, lengths)
+    meter = xpm.CpuMeter.install()
+    expected = ("{}: microbatch must be a Microbatch the sampler yielded (iter(sampler), with its dims and "
+                "predicted_bytes), got {}; a microbatch known by its records: record_microbatch_peak(records, "
+                "predicted_bytes, meter, position)")
+    for bad, shown in (([1, 2, 3], "a list: [1, 2, 3]"), (None, "None")):
+        with pytest.raises(TypeError) as caught:
+            sampler.record_peak(bad, 1e6)  # type: ignore[arg-type]
+        assert str(caught.value) == expected.format("record_peak", shown)
+        with pytest.raises(TypeError) as caught:
+            sampler.record_meter_peak(bad, meter)  # type: ignore[arg-type]
+        assert str(caught.value) == expected.format("record_meter_peak", shown)
+    assert sampler.calibration.measured_microbatches == 0
+
+
+def test_a_microbatch_recorded_by_records_must_hold_indices_and_only_lockstep_empty_ones_none(model, lengths):
+    """``record_microbatch_peak`` refuses records that are no list of indices, and an empty list
+    given a position (an empty microbatch, lockstep's of weight 0, has none); the empty
+    microbatches lockstep packs, with no position, are skipped as accelerate's loop records every
+    microbatch it trains."""
+    sampler = sampler_for(model, lengths)
+    meter = xpm.CpuMeter.install()
+    with pytest.raises(ValueError) as caught:
+        sampler.record_microbatch_peak([], 1e6, meter, "middle")
+    assert str(caught.value) == ("record_microbatch_peak: records is empty but position is 'middle': an empty "
+                                 "microbatch (lockstep's, weight 0) has no position in its step and no peak of its "
+                                 "own; give the records of the microbatch measured, or position None for an empty one")
+    for bad, shown in ((None, "None"), ([[1, 2]], "[[1, 2]]"), ([[1], [1, 2]], "[[1], [1, 2]]"), ("12", "'12'")):
+        with pytest.raises(ValueError) as caught:
+            sampler.record_microbatch_peak(bad, 1e6, meter, "middle")  # type: ignore[arg-type]
+        assert str(caught.value) == f"record_microbatch_peak: records must be indices of the sampler's 1003 records, " \
+                                    f"got {shown}"
+    assert sampler.calibration.measured_microbatches == 0
+    # Rank 0 packs its two records into two microbatches; rank 1 its one and an empty one.
+    locked = xpm.PredictiveBatchSampler([790, 790, 10], model, BUDGET, outer_batch_size=3, rank=1, world_size=2)
+    microbatches = list(locked)
+    assert [(list(m), m.position) for m in microbatches] == [([1], "alone"), ([], None)]
+    for m in microbatches:
+        xpm.meters.start_peak(meter)
+        held = torch.ones(10_000)  # a peak of 40 kB
+        locked.record_microbatch_peak(list(m), m.predicted_bytes, meter, m.position)
+        del held
+    assert locked.calibration.measured_microbatches == sum(1 for m in microbatches if len(m))
+
+
+def test_a_calibration_budget_that_is_not_a_whole_number_of_bytes_is_refused_naming_it():
+    for bad in (True, 1.5, "1e6", 0, -5, None, float("nan")):
+        with pytest.raises(ValueError) as caught:
+            xpm.Calibration(bad)  # type: ignore[arg-type]
+        assert str(caught.value) == f"Calibration: usable_bytes must be a whole number of bytes > 0, got {bad!r}"
+    assert xpm.Calibration(6e6).usable_bytes == 6_000_000  # a float of a whole value, as MemoryBudget takes
+    assert xpm.Calibration(np.int64(BUDGET)).usable_bytes == BUDGET
+    with pytest.raises(TypeError, match=r"^Calibration: initial must be an xpm.Correction or None, got tuple "
+                                        r"\(1.0, 0.0\)$"):
+        xpm.Calibration(BUDGET, initial=(1.0, 0.0))  # type: ignore[arg-type]
+
+
+def _ended_steps(sampler, count):
+    """Ends the first ``count`` steps of a pass over ``sampler``, each microbatch's predicted peak
+    recorded, and returns the pass (under way)."""
+    passing = iter(sampler)
+    for microbatch in passing:
+        sampler.record_peak(microbatch, microbatch.predicted_bytes)
+        if microbatch.last:
+            sampler.mark_step_done()
+            sampler.end_step(microbatch.step)
+            if microbatch.step == count - 1:
+                return passing
+    return passing
+
+
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_end_step_refuses_a_step_ended_twice_out_of_order_or_beyond_the_epoch(model, lengths, calibrate):
+    """Each step ended counts for the calibration and the refit's schedule: a step ended again,
+    one before the last ended, or one beyond the epoch is refused in one line, counting nothing."""
+    sampler = sampler_for(model, lengths, calibrate=calibrate)
+    _ended_steps(sampler, 3)
+    before = None if sampler.calibration is None else sampler.calibration.state_dict()
+    again = "each step of an epoch is ended once, in order (set_epoch starts another epoch)"
+    for step, says in ((2, f"end_step: step 2 was ended already: {again}"),
+                       (1, f"end_step: step 1 comes before the last step ended, 2: {again}"),
+                       (0, f"end_step: step 0 comes before the last step ended, 2: {again}"),
+                       (16, "end_step: step 16 is beyond the epoch's 16 steps (0 to 15)"),
+                       (-1, "end_step: step must be a whole number >= 0, got -1")):
+        with pytest.raises(ValueError) as caught:
+            sampler.end_step(step)
+        assert str(caught.value) == says
+    assert (None if sampler.calibration is None else sampler.calibration.state_dict()) == before
+    sampler.end_step(3)  # the next one
+
+
+def test_end_step_takes_the_steps_again_in_another_epoch_pass_or_state(model, lengths):
+    """The steps start over with ``set_epoch``, a pass that begins before them (the epoch
+    iterated again), a state loaded from before them; and step 0, with no pass of the sampler
+    under way, starts the epoch over (Lightning's planned_dataloader with worker processes: their
+    copies iterate the epochs, the trainer's sampler ends every epoch's steps)."""
+    sampler = sampler_for(model, lengths)
+    _ended_steps(sampler, 3)
+    state = sampler.state_dict()
+    sampler.set_epoch(1)
+    _ended_steps(sampler, 2)
+    resumed = sampler_for(model, lengths)
+    resumed.load_state_dict(state)  # epoch 0, steps_done 3
+    resumed.end_step(3)
+    with pytest.raises(ValueError, match="^end_step: step 3 was ended already"):
+        resumed.end_step(3)
+    resumed.load_state_dict({**state, "steps_done": 1})  # from before step 1: steps 1 on again
+    resumed.end_step(1)
+    # The drop-in HF Trainer ends a step and loads the state saying it is done: the same step
+    # again is refused, the next one taken.
+    resumed.load_state_dict({**resumed.state_dict(), "steps_done": 2})
+    with pytest.raises(ValueError, match="^end_step: step 1 was ended already"):
+        resumed.end_step(1)
+    resumed.end_step(2)
+    # A finished epoch iterated again (no set_epoch): its steps from 0 again.
+    whole = sampler_for(model, lengths)
+    for _ in range(2):
+        _ended_steps(whole, whole.steps_per_epoch())
+    # No pass under way: every epoch's steps ended from 0 without set_epoch.
+    ended = sampler_for(model, lengths)
+    for _ in range(2):
+        for step in range(ended.steps_per_epoch()):
+            ended.end_step(step)
+    with pytest.raises(ValueError, match="^end_step: step 3 comes before the last step ended, 15"):
+        ended.end_step(3)
+
+
+def test_a_state_whose_corrections_do_not_start_at_step_0_or_leave_the_epoch_is_refused(model, lengths):
+    """Each correction is planned from its first step, the first from step 0; one drawn at the
+    epoch's last step plans from the step after it, the epoch's step count, at most."""
+    state = sampler_for(model, lengths).state_dict()
+    line = [0.0, 0.0, {}]
+    for firsts in ([3], [], [0, -2], [0, 17], [0, 5, 5], [0, 2.5], [0, "3"]):
+        with pytest.raises(ValueError) as caught:
+            sampler_for(model, lengths).load_state_dict({**state, "corrections": [[f, *line] for f in firsts]})
+        assert str(caught.value) == ("state_dict corrections' first steps must be whole numbers from 0, increasing, "
+                                     f"at most the epoch's 16 steps; got {firsts!r}")
+    sampler_for(model, lengths).load_state_dict({**state, "corrections": [[0, *line], [16, 1000.0, 0.0, {}]]})

@@ -195,17 +195,95 @@ def test_a_state_whose_refit_is_malformed_or_of_another_model_is_refused_in_one_
               "1 refit region ranges for 2 variables"),
              ({"training_refit": {**state["training_refit"],
                                   "models": [[0, None, None, None], [4, "a*bs*l + c", {"a": 1.0, "c": 5.0}, None]]}},
-              "got the entry ['a*bs*l + c', {'a': 1.0, 'c': 5.0}, None]")]
+              "got the entry ['a*bs*l + c', {'a': 1.0, 'c': 5.0}, None]")] + _more_malformed_refits(state)
     for change, says in cases:
         resumed = sampler_of(probed_model())
+        before = resumed.state_dict()
         try:
-            resumed.load_state_dict({**state, **change})
+            resumed.load_state_dict({key: value for key, value in {**state, **change}.items() if value is not _GONE})
         except ValueError as error:
             assert says in str(error) and "\n" not in str(error), str(error)
         else:
             raise AssertionError(f"{change} accepted")
+        assert resumed.state_dict() == before, change  # refused before anything changed
     # A state measured against another model (probed again): the refit starts anew, with a warning.
     elsewhere = xpm.PredictiveBatchSampler(lengths(), other, BUDGET, outer_batch_size=64, seed=7, units=lengths())
     with pytest.warns(RuntimeWarning, match="model refit was measured against another memory model"):
         elsewhere.load_state_dict(state)
     assert elsewhere._model is other
+
+
+_GONE = object()
+"""A key taken out of a state (``_more_malformed_refits``)."""
+
+
+def _more_malformed_refits(state):
+    """``(change, what the error says)`` of a state's ``training_refit`` removed, corrupted in its
+    models or in the planner refit's state, each refused in one line naming the field."""
+    refit = state["training_refit"]
+    given, last = refit["models"]  # the model given from step 0, the refit from step 4
+    coefficients = {name: 2 * value for name, value in last[2].items()}
+    (low, high), lengths_range = last[3]
+
+    def models(*entries):
+        return {"training_refit": {**refit, "models": list(entries)}}
+
+    def native(**change):
+        return {"training_refit": {**refit, "state": {key: value for key, value in {**refit["state"], **change}.items()
+                                                      if value is not _GONE}}}
+    missing = "but the state has a calibration: a calibrating sampler of this model writes both"
+    return [({"training_refit": None}, f"state_dict training_refit is None {missing}"),
+            ({"training_refit": _GONE}, f"state_dict training_refit is missing {missing}"),
+            (models(given, [last[0], last[1], last[2], [[high, low], lengths_range]]),
+             f"state_dict training_refit models[1]: the training range of 'bs' is [{high}, {low}]: it must be "
+             "[min, max] with 0 <= min <= max"),
+            (models(given, [last[0], last[1], last[2], [[-3.0, high], lengths_range]]),
+             "models[1]: the training range of 'bs' is [-3.0, "),
+            (models(given, [500, *last[1:]]),
+             "state_dict training_refit: the models' first steps must be at most the epoch's 16 steps; got [0, 500]"),
+            (models(given, [last[0], last[1], coefficients, last[3]]),
+             "state_dict training_refit models[1] (the model the latest steps are planned with) must be the refit its "
+             "state holds, but its coefficients "),
+            (models(given), "models[0] (the model the latest steps are planned with) must be the refit its state "
+                            "holds, but its formula None and the state's 'a*bs*l^2 + b*bs*l + c' differ"),
+            (native(coefficients=_GONE), "state_dict training_refit state has no 'coefficients' (a refit's state "
+                                         "holds window, steps_seen, "),
+            (native(coefficients="x"), "state_dict training_refit state formula, coefficients and training_ranges "
+                                       "must be None (no refit) or "),
+            (native(given=_GONE), "state_dict training_refit state has no 'given'"),
+            (native(log="x"), "state_dict training_refit state log must be a list of lines of text, got 'x'"),
+            (native(steps_seen=-2), "state_dict training_refit state steps_seen must be a whole number >= 0, got -2"),
+            (native(window="x"), "state_dict training_refit state window must be a list of steps, got 'x'"),
+            (native(window=[{"step": 0, "points": []}]), "state_dict training_refit state window[0] must be "
+                                                         "{'step': whole number >= 0, 'run_first': bool, 'points': "),
+            (native(window=[{**refit["state"]["window"][0], "points": [[8.0, "199", 1.0, 0]]}]),
+             "state_dict training_refit state window[0] points[0] must be 4 numbers: 2 dims and the peak bytes "
+             "(finite, >= 0), then the position (-1: none, 0 to 3), got [8.0, '199', 1.0, 0]"),
+            (native(training_ranges=[[low, high]]),
+             "state_dict training_refit state: 1 refit region ranges for 2 variables ['bs', 'l']")]
+
+
+def test_states_a_sampler_writes_load_with_a_refit_first_or_at_the_epochs_end_or_no_calibration():
+    """What a sampler writes loads: a refit taken at the epoch's last step plans from the step
+    after it (the epoch's step count), the next epoch starts with the refit in force (its first
+    model a refit), and a state written without calibration has no refit to load."""
+    model = probed_model()
+
+    def fresh(**kwargs):
+        return xpm.PredictiveBatchSampler(lengths(), model, BUDGET, outer_batch_size=128, seed=7, units=lengths(),
+                                          **kwargs)
+    sampler = fresh()
+    trained_steps(sampler, sampler.steps_per_epoch())
+    state = json.loads(json.dumps(sampler.state_dict()))
+    assert [entry[0] for entry in state["training_refit"]["models"]] == [0, 3, 8] == [0, 3, sampler.steps_per_epoch()]
+    fresh().load_state_dict(state)
+    sampler.set_epoch(1)
+    state = json.loads(json.dumps(sampler.state_dict()))
+    (first,) = state["training_refit"]["models"]
+    assert first[0] == 0 and first[1] is not None
+    resumed = fresh()
+    resumed.load_state_dict(state)
+    assert [list(m) for m in resumed] == [list(m) for m in sampler]
+    plain = fresh(calibrate=False).state_dict()
+    assert plain["calibration"] is None and "training_refit" not in plain
+    fresh().load_state_dict(plain)
