@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -316,13 +316,36 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         steps_done = checked_steps_done(state, self.steps_per_epoch())
         epoch = _whole_number("state_dict epoch", state.get("epoch"))
         self._checked_refit_models(state, "state_dict")  # before anything changes (checked again as loaded)
+        self._move_to(epoch, steps_done, lambda: self._load_calibration_state(state, "state_dict"))
+
+    def resume_at(self, epoch: int, steps_done: int) -> None:
+        """Sets where ``state_dict`` resumes, ``steps_done`` steps into ``epoch``, keeping the
+        calibration and the refit as they are: what ``load_state_dict`` of this sampler's own
+        ``state_dict`` with those two fields changed does, without writing and reading its window
+        (the HF Trainer's drop-in calls it after every step).
+
+        Args:
+            epoch: the epoch (a whole number >= 0).
+            steps_done: its steps done, in [0, steps_per_epoch()].
+
+        Raises:
+            ValueError: ``epoch`` or ``steps_done`` out of range.
+        """
+        epoch = _whole_number("resume_at: epoch", epoch)
+        count = self.steps_per_epoch()
+        if isinstance(steps_done, bool) or not isinstance(steps_done, (int, np.integer)) or not 0 <= steps_done <= count:
+            raise ValueError(f"resume_at: steps_done must be in [0, {count}], got {steps_done!r}")
+        self._move_to(epoch, int(steps_done), lambda: None)
+
+    def _move_to(self, epoch: int, steps_done: int, load: Callable[[], None]) -> None:
+        """Enters ``epoch`` (``load`` then loads what a state holds), ``steps_done`` steps in."""
         before = (self._epoch, self._steps_done, self._start)
         ended = self._last_ended if epoch == self._epoch else None
         self._enter_epoch(epoch)
-        self._load_calibration_state(state, "state_dict")
+        load()
         self._steps_done, self._start = steps_done, (steps_done, 0)
         self._before_load = (self._generation, before)
-        self._last_ended = ended  # the same epoch (the HF Trainer's drop-in loads its state every step)
+        self._last_ended = ended  # the same epoch: its steps ended stay ended
         self._may_end_from(steps_done)
 
     def mark_step_done(self) -> None:

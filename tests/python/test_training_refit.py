@@ -287,3 +287,21 @@ def test_states_a_sampler_writes_load_with_a_refit_first_or_at_the_epochs_end_or
     plain = fresh(calibrate=False).state_dict()
     assert plain["calibration"] is None and "training_refit" not in plain
     fresh().load_state_dict(plain)
+
+
+def test_resume_at_is_the_own_state_loaded_at_another_step():
+    """``resume_at`` moves where the state resumes and keeps the calibration and the refit, as
+    loading the sampler's own state with its position changed does (the HF drop-in calls it
+    after every step instead of writing and reading the refit's window)."""
+    loaded = sampler_of(probed_model())
+    trained_steps(loaded, 5)
+    moved = pickle.loads(pickle.dumps(loaded))
+    state = loaded.state_dict()
+    state.update(epoch=0, steps_done=3)
+    loaded.load_state_dict(state)
+    moved.resume_at(0, 3)
+    assert moved.state_dict() == loaded.state_dict()
+    ahead = [[(r, p, c) for r, p, c, _ in step] for step in trained_steps(loaded, 4)]
+    assert [[(r, p, c) for r, p, c, _ in step] for step in trained_steps(moved, 4)] == ahead
+    with pytest.raises(ValueError, match=rf"resume_at: steps_done must be in \[0, {moved.steps_per_epoch()}\], got 99"):
+        moved.resume_at(0, 99)

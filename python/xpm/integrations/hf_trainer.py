@@ -445,9 +445,7 @@ class PlannedTrainerMixin:
             line = self.xpm_sampler.end_step(inputs.index)
             if line is not None:
                 logger.info("xpm calibration: %s", line)
-        state = self.xpm_sampler.state_dict()
-        state.update(epoch=inputs.epoch, steps_done=inputs.index + 1)
-        self.xpm_sampler.load_state_dict(state)
+        self.xpm_sampler.resume_at(inputs.epoch, inputs.index + 1)  # where a checkpoint of this step resumes
         return torch.stack(losses).sum()
 
     def floating_point_ops(self, inputs) -> int:
