@@ -59,6 +59,12 @@ inline std::size_t free_positions(const po::parsed_options& parsed,
   return free;
 }
 
+/// Boost's command-line style without guessing: an option is written in full (--variables, not
+/// --var), so a shortened or mistyped name is refused instead of read as another option.
+inline int exact_option_style() {
+  return po::command_line_style::default_style & ~po::command_line_style::allow_guessing;
+}
+
 /// po::command_line_parser(args).options(options).positional(positional).run(), once the
 /// positional arguments beyond the free positions of `positional` have been refused (by name,
 /// with `hint`). Throws po::error for an unknown option or a bad value.
@@ -66,9 +72,10 @@ inline po::parsed_options parse_command_line(const std::vector<std::string>& arg
                                              const po::options_description& options,
                                              const po::positional_options_description& positional,
                                              const std::string& hint) {
-  const po::parsed_options unplaced = po::command_line_parser(args).options(options).run();
+  const po::parsed_options unplaced =
+      po::command_line_parser(args).options(options).style(exact_option_style()).run();
   refuse_positional_arguments(unplaced, hint, free_positions(unplaced, positional));
-  return po::command_line_parser(args).options(options).positional(positional).run();
+  return po::command_line_parser(args).options(options).positional(positional).style(exact_option_style()).run();
 }
 
 }  // namespace xpm_cli

@@ -200,7 +200,7 @@ int main(int argc, char** argv) {
   xpm::GenreRankingData data;
   try {
     po::variables_map vm;
-    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(options).run();
+    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(options).style(xpm_cli::exact_option_style()).run();
     xpm_cli::refuse_positional_arguments(parsed, "xpm-rank-example takes no positional arguments; see --help");
     po::store(parsed, vm);
     if (vm.count("help") != 0U) {

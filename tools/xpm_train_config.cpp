@@ -390,7 +390,7 @@ std::string help_text(const po::options_description& all) {
 // The command line into `vm`; Boost's errors (and a value given to --resume) as invalid_argument.
 void store_command_line(int argc, char** argv, const po::options_description& all, po::variables_map& vm) {
   try {
-    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(all).run();
+    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(all).style(xpm_cli::exact_option_style()).run();
     refuse_positional_arguments(parsed);
     po::store(parsed, vm);
   } catch (const po::error& error) {
