@@ -112,3 +112,5 @@ set(bom "${dir}/bom.csv")
 string(ASCII 239 187 191 mark)
 file(WRITE "${bom}" "${mark}bs,l,bytes\n1,16,1000768\n2,64,1030000\n4,128,1200000\n8,256,2600000\n")
 xpm_plan_run(0 "byte-order mark" fit "${bom}" --formula "a*bs*l^2 + b*bs*l + c" --variables bs,l --bytes-column bytes)
+expect_input_error("unbalanced formula" "--formula 'max[(]': formula error at column 4"
+                   fit "${keep}" --formula "max(" --variables bs,l --bytes-column bytes)

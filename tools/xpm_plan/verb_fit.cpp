@@ -31,7 +31,16 @@ std::vector<std::string> infer_coefficients(const std::string& text,
     throw InputError("--formula '" + text + "': " + e.brief());
   }
   if (names.empty()) {
-    throw InputError("--formula '" + text + "': no coefficient to fit (every name is a variable)");
+    try {  // a formula that does not parse says where, before its (missing) coefficients are counted
+      (void)xpm::CostFormula::with_variables(text, variables);
+    } catch (const xpm::FormulaError& e) {
+      throw InputError("--formula '" + text + "': " + e.brief());
+    } catch (const std::invalid_argument&) {
+    }
+    std::string listed;
+    for (const std::string& v : variables) listed += (listed.empty() ? "" : ", ") + v;
+    throw InputError("--formula '" + text + "': no coefficient to fit (no name in it besides the variables " + listed +
+                     ")");
   }
   return names;
 }
