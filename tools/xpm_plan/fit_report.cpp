@@ -382,6 +382,18 @@ void print_infeasible(std::ostream& os, const xpm::MemoryModel& model, const Mea
   }
 }
 
+// With a floor but every measurement fitted: the ones at or below the floor were fitted by the
+// formula (their errors above are the formula's), while the model predicts the floor there.
+void print_floor_note(std::ostream& os, const xpm::MemoryModel& model, const MeasurementSet& set) {
+  if (!set.below_floor.empty()) return;  // --above-floor-only left them out
+  std::size_t at_floor = 0;
+  for (const xpm::Measurement& m : set.measurements) at_floor += m.bytes <= model.floor_bytes_at(m.dims) ? 1 : 0;
+  if (at_floor == 0) return;
+  os << "note: " << at_floor << " measurements lie at or below the floor and were fitted by the formula (the "
+     << "errors above are the formula's, the model predicts the floor there); --above-floor-only leaves them out "
+     << "of the fit\n";
+}
+
 }  // namespace
 
 void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const MeasurementSet& set,
@@ -400,6 +412,7 @@ void print_fit_report(std::ostream& os, const xpm::MemoryModel& model, const Mea
   if (!s.residual_structure.empty()) os << "note: " << s.residual_structure << "\n";
   if (!s.left_out_note.empty()) os << "note: " << cli_text(s.left_out_note, outcome.labels) << "\n";
   if (!s.converged) os << "solver: " << s.solver_report << "\n";
+  print_floor_note(os, model, set);
   if (!output.empty()) os << "saved memory model to " << output << "\n";
   if (!figure.empty()) os << "wrote figure " << figure << "\n";
 }
