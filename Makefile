@@ -55,7 +55,8 @@ wheel: setup
 # budget (bench/python_batching_throughput.py), and the HF Trainer drop-in against what its users
 # do today (bench/hf_dropin_throughput.py); the order of a step's microbatches on the emulated
 # caching allocator (bench/allocator_order.py: printed to $(BENCH_DIR), its table in
-# docs/benchmarks.md written by hand). Raw outputs go to $(BENCH_DIR). About 23 minutes on the
+# docs/benchmarks.md written by hand); what setting the sampler's position costs per step
+# (bench/sampler_resume_cost.py, likewise). Raw outputs go to $(BENCH_DIR). About 23 minutes on the
 # 2-core machine.
 BENCH_DIR ?= runs/bench
 BENCH_STEPS ?= 150
@@ -106,3 +107,5 @@ bench: setup configure
 	  --json $(BENCH_DIR)/allocator-order.json > $(BENCH_DIR)/allocator-order.txt
 	PYTHONPATH=$(BUILD_DIR)/python OMP_NUM_THREADS=1 $(PYTHON) bench/allocator_order.py --expandable-segments \
 	  --json $(BENCH_DIR)/allocator-order-expandable.json > $(BENCH_DIR)/allocator-order-expandable.txt
+	PYTHONPATH=$(BUILD_DIR)/python OMP_NUM_THREADS=1 $(PYTHON) bench/sampler_resume_cost.py \
+	  > $(BENCH_DIR)/sampler-resume-cost.txt
