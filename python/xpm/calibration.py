@@ -152,7 +152,7 @@ def _usable_bytes(value: Any) -> int:
     """``Calibration``'s budget: a whole number of bytes > 0 (a float with a whole value is taken;
     text, booleans and fractions are refused)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) or \
-            not np.isfinite(value) or value != int(value) or not 0 < value < 2 ** 63:
+            not 0 < value < 2 ** 63 or value != int(value):  # NaN fails the range; a huge int never reaches int()
         raise ValueError(f"Calibration: usable_bytes must be a whole number of bytes > 0, got {value!r:.40}")
     return int(value)
 

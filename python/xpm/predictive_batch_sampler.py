@@ -329,9 +329,9 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             steps_done: its steps done, in [0, steps_per_epoch()].
 
         Raises:
-            ValueError: ``epoch`` or ``steps_done`` out of range.
+            ValueError: ``epoch`` not a whole number >= 0, or ``steps_done`` out of range.
         """
-        epoch = _whole_number("resume_at: epoch", epoch)
+        epoch = _seed_number("resume_at: epoch", epoch)
         count = self.steps_per_epoch()
         if isinstance(steps_done, bool) or not isinstance(steps_done, (int, np.integer)) or not 0 <= steps_done <= count:
             raise ValueError(f"resume_at: steps_done must be in [0, {count}], got {steps_done!r}")
@@ -351,7 +351,15 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
     def mark_step_done(self) -> None:
         """Counts one optimizer step as done, where ``state_dict`` resumes (``microbatch_loop``
         counts them itself; call it after each step when you iterate ``steps()`` or
-        ``iter(sampler)`` in a loop of your own)."""
+        ``iter(sampler)`` in a loop of your own).
+
+        Raises:
+            ValueError: every step of the epoch is done already (a state saved then could not be
+                loaded).
+        """
+        if self._steps_done >= self.steps_per_epoch():
+            raise ValueError(f"mark_step_done: the epoch's {self.steps_per_epoch()} steps are all done already "
+                             "(set_epoch starts the next one)")
         self._steps_done += 1
         self._start = (self._steps_done, 0)
 
@@ -525,14 +533,18 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             The calibration's log line when the correction changed, else None.
 
         Raises:
-            ValueError: ``step`` or ``replan_from`` is not a whole number >= 0; ``step`` is beyond
-                the epoch's steps, or not after the last step ended in this pass over the epoch
+            ValueError: ``step`` is not a whole number >= 0, ``replan_from`` not one in [0,
+                steps_per_epoch()]; ``step`` is beyond the epoch's steps, or not after the last
+                step ended in this pass over the epoch
                 (each step is ended once, in order; ``set_epoch``, a new pass or a state loaded
                 starts them over, and so does step 0 while no pass of this sampler is under way).
         """
         step = _whole_number("end_step: step", step)
         if replan_from is not None:
             replan_from = _whole_number("end_step: replan_from", replan_from)
+            if not 0 <= replan_from <= self.steps_per_epoch():
+                raise ValueError(f"end_step: replan_from must be a step in [0, {self.steps_per_epoch()}] (the epoch's "
+                                 f"steps, or its end), got {replan_from}")
         check_step_to_end(step, self.steps_per_epoch(), self._last_ended,
                           self._current is not None and self._current._is_current())
         if self._calibration is None:

@@ -5,6 +5,8 @@ part of the sampler's ``state_dict``.
 """
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from .calibration import Calibration, Correction
@@ -159,4 +161,7 @@ def _correction_of(entry: List[Any]) -> Correction:
                                               for p in positions):
         raise ValueError
     lines = tuple((p, *(float(v) for v in positions[p])) for p in MICROBATCH_POSITIONS if p in positions)
-    return Correction(float(entry[0]), float(entry[1]) if len(entry) > 1 else 0.0, lines)  # type: ignore[arg-type]
+    line = (float(entry[0]), float(entry[1]) if len(entry) > 1 else 0.0)
+    if not all(math.isfinite(v) for v in line) or not all(math.isfinite(v) for _, *values in lines for v in values):
+        raise ValueError  # a NaN or infinite correction plans nothing
+    return Correction(*line, lines)  # type: ignore[arg-type]

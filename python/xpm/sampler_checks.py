@@ -82,8 +82,8 @@ def _checked_outer_and_ranks(outer_batch_size: Any, rank: Optional[int],
 def _check_usable_bytes(usable_bytes: Any, model: MemoryModel) -> None:
     """A number of bytes > 0, at least the model's ``floor_bytes`` (else no microbatch can fit)."""
     if isinstance(usable_bytes, bool) or not isinstance(usable_bytes, (int, float, np.integer, np.floating)) \
-            or not usable_bytes > 0:
-        raise ValueError(f"usable_bytes must be a number of bytes > 0, got {usable_bytes!r}")
+            or not 1 <= usable_bytes < 2 ** 63:  # NaN fails the range; a fraction of a byte is dropped
+        raise ValueError(f"usable_bytes must be a number of bytes in [1, 2**63), got {usable_bytes!r:.40}")
     if usable_bytes < model.floor_bytes:
         raise ValueError(f"usable_bytes {int(usable_bytes)} is below the model's floor_bytes "
                          f"{model.floor_bytes:.0f} (its steady state and optimizer step): no microbatch can fit; "

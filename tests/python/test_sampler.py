@@ -418,7 +418,7 @@ def test_a_finished_epoch_starts_over_and_bad_states_are_refused(model, lengths)
                                      f"'uniform', got {packer!r}")
     with pytest.raises(ValueError, match="outer_batch_size must be a whole number"):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=2.5)
-    with pytest.raises(ValueError, match="^usable_bytes must be a number of bytes > 0, got '8e5'$"):
+    with pytest.raises(ValueError, match=r"^usable_bytes must be a number of bytes in \[1, 2\*\*63\), got '8e5'$"):
         xpm.PredictiveBatchSampler(lengths, model, "8e5", outer_batch_size=2)
     floored = json.loads(model.to_json())
     floored["floor_bytes"] = 2_000_000.0
@@ -1006,3 +1006,30 @@ def test_a_state_whose_corrections_do_not_start_at_step_0_or_leave_the_epoch_is_
         assert str(caught.value) == ("state_dict corrections' first steps must be whole numbers from 0, increasing, "
                                      f"at most the epoch's 16 steps; got {firsts!r}")
     sampler_for(model, lengths).load_state_dict({**state, "corrections": [[0, *line], [16, 1000.0, 0.0, {}]]})
+
+
+def test_what_would_make_a_state_unloadable_or_fail_later_is_refused_at_once(model, lengths):
+    """A newcomer's finds: each was accepted and then broke a later load or plan."""
+    sampler = sampler_for(model, lengths)
+    _ended_steps(sampler, 1)
+    steps = sampler.steps_per_epoch()
+    with pytest.raises(ValueError, match=rf"^end_step: replan_from must be a step in \[0, {steps}\] \(the epoch's "
+                                         r"steps, or its end\), got 1000$"):
+        sampler.end_step(1, replan_from=1000)
+    with pytest.raises(ValueError, match=r"^resume_at: epoch must be a whole number >= 0 \(it seeds the shuffle\), "
+                                         r"got -1$"):
+        sampler.resume_at(-1, 0)
+    state = sampler.state_dict()
+    nan_line = [[0, float("nan"), 0.0, {}]]
+    with pytest.raises(ValueError, match=r"^state_dict corrections must be \[\[step, intercept_bytes, slope"):
+        sampler_for(model, lengths).load_state_dict({**state, "corrections": nan_line})
+    sampler.resume_at(0, steps - 1)
+    sampler.mark_step_done()
+    with pytest.raises(ValueError, match=rf"^mark_step_done: the epoch's {steps} steps are all done already"):
+        sampler.mark_step_done()
+    sampler_for(model, lengths).load_state_dict(sampler.state_dict())  # what it wrote loads
+    for budget in (1e30, 2 ** 70, 0.5, float("nan")):
+        with pytest.raises(ValueError, match=r"^usable_bytes must be a number of bytes in \[1, 2\*\*63\), got "):
+            xpm.PredictiveBatchSampler(lengths, model, budget, outer_batch_size=64)
+        with pytest.raises(ValueError, match=r"^Calibration: usable_bytes must be a whole number of bytes > 0"):
+            xpm.Calibration(budget)  # type: ignore[arg-type]
