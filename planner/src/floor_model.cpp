@@ -139,6 +139,13 @@ std::optional<PeakPlateau> find_peak_plateau(const std::vector<double>& forward_
   return plateau;
 }
 
+double max_step_peak_rel_error(const MemoryModel& model, const std::vector<Measurement>& step_peaks) {
+  double worst = 0;
+  for (const Measurement& peak : step_peaks)
+    worst = std::max(worst, std::abs(model.predict_bytes(peak.dims) - peak.bytes) / peak.bytes);
+  return worst;
+}
+
 bool plateau_fit_kept(double plateau_error, double floor_error) {
   return plateau_error <= floor_error + 1e-9 * std::max(plateau_error, floor_error);
 }

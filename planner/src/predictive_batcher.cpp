@@ -398,11 +398,11 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
   model.set_single_record_coefficients(c.fit.summary.single_record_coefficients);
   if (floor_fit_.formula) model.set_floor_formula(*floor_fit_.formula);
   // Score: the largest relative error of the model over every feasible probe's step peak.
+  std::vector<Measurement> step_peaks;
   for (const ProbeResult& probe : probes_) {
-    if (!probe.feasible) continue;
-    const double peak = probe.step_peak_bytes();
-    c.probe_error = std::max(c.probe_error, std::abs(model.predict_bytes(probe.dims) - peak) / peak);
+    if (probe.feasible) step_peaks.push_back({probe.dims, probe.step_peak_bytes()});
   }
+  c.probe_error = max_step_peak_rel_error(model, step_peaks);
   c.model = std::move(model);
   return c;
 }

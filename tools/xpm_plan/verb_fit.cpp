@@ -366,15 +366,14 @@ FloorFitted fit_over_floor(const FitInputs& in, const Floor& floor, MeasurementS
   return {std::move(set), std::move(outcome), std::move(model)};
 }
 
-// The largest relative error of `model` over every feasible measurement's step peak (the larger
-// of its bytes and its floor column's value), each point's floor included.
-double step_peak_error(const xpm::MemoryModel& model, const MeasurementSet& all) {
-  double worst = 0;
+// Every feasible measurement's step peak: the larger of its bytes and its floor column's value.
+std::vector<xpm::Measurement> step_peaks_of(const MeasurementSet& all) {
+  std::vector<xpm::Measurement> peaks;
   for (std::size_t i = 0; i < all.measurements.size(); ++i) {
-    const double peak = std::max(all.measurements[i].bytes, i < all.floor_peaks.size() ? all.floor_peaks[i].bytes : 0.0);
-    worst = std::max(worst, std::abs(model.predict_bytes(all.measurements[i].dims) - peak) / peak);
+    const double floor = i < all.floor_peaks.size() ? all.floor_peaks[i].bytes : 0.0;
+    peaks.push_back({all.measurements[i].dims, std::max(all.measurements[i].bytes, floor)});
   }
-  return worst;
+  return peaks;
 }
 
 }  // namespace
@@ -525,7 +524,8 @@ int run_fit(const po::variables_map& vm) {
   const bool plateau_kept =
       over_plateau && (over_plateau->outcome.usable || !over_floor.outcome.usable) &&
       (!over_plateau->outcome.usable || !over_floor.outcome.usable ||
-       xpm::plateau_fit_kept(step_peak_error(over_plateau->model, set), step_peak_error(over_floor.model, set)));
+       xpm::plateau_fit_kept(xpm::max_step_peak_rel_error(over_plateau->model, step_peaks_of(set)),
+                             xpm::max_step_peak_rel_error(over_floor.model, step_peaks_of(set))));
   const FloorFitted& kept = plateau_kept ? *over_plateau : over_floor;
   return report_and_write(vm, kept.model, kept.set, kept.outcome, request);
 }

@@ -95,6 +95,11 @@ struct PeakPlateau {
 std::optional<PeakPlateau> find_peak_plateau(const std::vector<double>& forward_backward_peak_bytes,
                                              double constant_floor_bytes, double fraction = 0.01);
 
+/// The largest relative error of `model` over `step_peaks` (each shape's step peak, bytes > 0:
+/// the larger of its forward/backward and optimizer-step peaks), the floor included: what
+/// plateau_fit_kept compares. 0 without peaks. Pure function.
+double max_step_peak_rel_error(const MemoryModel& model, const std::vector<Measurement>& step_peaks);
+
 /// Whether a fit over the plateau is kept against one over the floor: `plateau_error` and
 /// `floor_error` are each model's largest relative error over the step peaks. The smaller
 /// wins; within 1e-9 of each other (rounding: the worst shape is often one both fits predict
