@@ -322,7 +322,8 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         """Sets where ``state_dict`` resumes, ``steps_done`` steps into ``epoch``, keeping the
         calibration and the refit as they are: what ``load_state_dict`` of this sampler's own
         ``state_dict`` with those two fields changed does, without writing and reading its window
-        (the HF Trainer's drop-in calls it after every step).
+        (the HF Trainer's drop-in calls it after every step). No communication: each rank
+        calls it on its own sampler, with the same values as the other ranks.
 
         Args:
             epoch: the epoch (a whole number >= 0).
