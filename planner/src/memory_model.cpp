@@ -239,14 +239,29 @@ MemoryModel::MemoryModel(CostFormula formula, std::vector<double> coefficients, 
 }
 
 double MemoryModel::predict_bytes(const std::vector<double>& dims) const {
+  const double own = own_prediction_bytes(dims);
+  if (!beyond_refit_region(dims)) return own;
+  // Beyond the region: the outside model, raised by the refit's excess over it where both its
+  // own formula there and its excess at the nearest shape inside (each variable clamped to its
+  // range) say it is higher, by the smaller of the two.
+  const std::vector<ProbedRange>& ranges = refit_region_->training_ranges;
+  std::vector<double> nearest = dims;
+  for (std::size_t v = 0; v < ranges.size() && v < nearest.size(); ++v)
+    nearest[v] = std::clamp(nearest[v], ranges[v].min, ranges[v].max);
+  const MemoryModel& outside = *refit_region_->outside;
+  const double outside_bytes = outside.predict_bytes(dims);
+  const double excess_at_edge = own_prediction_bytes(nearest) - outside.predict_bytes(nearest);
+  return outside_bytes + std::max(0.0, std::min(own - outside_bytes, excess_at_edge));
+}
+
+double MemoryModel::own_prediction_bytes(const std::vector<double>& dims) const {
   double formula_bytes = formula_.predict(coefficients_, dims);
   if (dims.size() > batch_size_index_ && dims[batch_size_index_] == 1) {
     formula_bytes *= single_record_factor_;
     if (!single_record_coefficients_.empty())
       formula_bytes = std::min(formula_bytes, formula_.predict(single_record_coefficients_, dims));
   }
-  const double bytes = std::max(floor_bytes_at(dims), formula_bytes);
-  return beyond_refit_region(dims) ? std::max(bytes, refit_region_->outside->predict_bytes(dims)) : bytes;
+  return std::max(floor_bytes_at(dims), formula_bytes);
 }
 
 bool MemoryModel::beyond_refit_region(const std::vector<double>& dims) const {

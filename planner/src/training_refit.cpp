@@ -2,6 +2,7 @@
 #include "xpm/planner/training_refit.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -28,6 +29,13 @@ std::pair<double, double> finite_range(const std::vector<double>& values) {
     high = std::max(high, v);
   }
   return {low, high};
+}
+
+// The median of `values` (not empty): the mean of the middle two when their count is even.
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const std::size_t half = values.size() / 2;
+  return values.size() % 2 ? values[half] : (values[half - 1] + values[half]) / 2;
 }
 
 std::size_t finite_count(const std::vector<double>& values) {
@@ -274,16 +282,45 @@ std::optional<std::string> TrainingRefit::try_refit(std::int64_t step, const std
   // From the formula's text and the coefficients by name, as a restored state builds it: the
   // same model bit for bit (a formula parsed anew may order its terms otherwise).
   const MemoryModel fitted = refitted_model(given_, chosen ? *chosen : given_.formula(), fit.coefficients);
-  std::vector<std::vector<double>> seen_dims;  // every shape of the window, its first microbatches' too
-  for (const Step& seen : window_)
-    for (const TrainingPoint& point : seen.points) seen_dims.push_back(point.dims);
   model_ = refitted_model(given_, fitted.formula().text(), coefficients_by_name(fitted),
-                          MemoryModel::ranges_of(seen_dims));
+                          MemoryModel::ranges_of(region_shapes(fitted, after)));
   refitted_ = true;
   log_.push_back("step " + std::to_string(step) + ": memory model refitted on " + std::to_string(points.size()) +
                  " training peaks (" + model_.formula().canonical() + "): leave-one-shape-out errors " +
                  percent_range(after) + ", the model in force's " + percent_range(before) + " after a line");
   return log_.back();
+}
+
+std::vector<std::vector<double>> TrainingRefit::region_shapes(const MemoryModel& refit,
+                                                              std::pair<double, double> held_out) const {
+  // Every shape of the window's fitted steps, their first microbatches' too.
+  std::vector<std::vector<double>> shapes;
+  std::array<std::vector<const TrainingPoint*>, kMicrobatchPositions + 1> run_first;  // by position, then none
+  for (const Step& seen : window_)
+    for (const TrainingPoint& point : seen.points) {
+      if (seen.run_first)
+        run_first[point.position ? static_cast<std::size_t>(*point.position) : kMicrobatchPositions].push_back(&point);
+      else
+        shapes.push_back(point.dims);
+    }
+  // The run's first step peaks without the optimizer's state (its first microbatch without the
+  // gradients either): a shape of it joins where the refit, less its median excess over that
+  // step's peaks at the same position, errs as little as where it was checked (its
+  // leave-one-shape-out range, widened by min_spread_gain).
+  for (const std::vector<const TrainingPoint*>& points : run_first) {
+    if (points.empty()) continue;
+    std::vector<double> excess;
+    for (const TrainingPoint* point : points) excess.push_back(refit.predict_bytes(point->dims) - point->peak_bytes);
+    const double offset_bytes = median(excess);
+    for (std::size_t k = 0; k < points.size(); ++k) {
+      const double steady_bytes = points[k]->peak_bytes + offset_bytes;
+      const double error = (excess[k] - offset_bytes) / steady_bytes;
+      if (steady_bytes > 0 && error >= held_out.first - options_.min_spread_gain &&
+          error <= held_out.second + options_.min_spread_gain)
+        shapes.push_back(points[k]->dims);
+    }
+  }
+  return shapes;
 }
 
 bool TrainingRefit::selects_formula() const {

@@ -178,7 +178,7 @@ TEST_CASE("model round-trips through JSON") {
   CHECK(back.to_json() == j);
 }
 
-TEST_CASE("a refitted model predicts its own formula inside its region and at least the outside model's beyond") {
+TEST_CASE("a refitted model predicts its own formula inside its region and the outside model's beyond") {
   // The refit halves the quadratic term; it was fitted on bs in [2, 8] and l in [16, 64].
   MemoryModel refitted(CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"}), {1.0, 10.0, 1000.0}, 0,
                        "bs", {{"l", DimAggregation::kMax}});
@@ -186,6 +186,19 @@ TEST_CASE("a refitted model predicts its own formula inside its region and at le
   CHECK(refitted.predict_bytes({4, 64}) == doctest::Approx(1 * 4 * 64 * 64 + 10 * 4 * 64 + 1000));  // inside
   CHECK(refitted.predict_bytes({1, 64}) == doctest::Approx(cost(1, 64)));    // bs below its range
   CHECK(refitted.predict_bytes({4, 128}) == doctest::Approx(cost(4, 128)));  // l above its range
+  // A refit above the outside model raises it beyond the region by the smaller of its excess
+  // there and its excess at the nearest shape inside: here its constant is 50,000 bytes higher
+  // and its linear term half, so its own excess shrinks as l grows.
+  MemoryModel higher(CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"}), {2.0, 5.0, 51000.0}, 0, "bs",
+                     {{"l", DimAggregation::kMax}});
+  higher.set_refit_region({{{2, 8}, {16, 64}}, std::make_shared<const MemoryModel>(quadratic_model())});
+  const auto own = [](double bs, double l) { return 2 * bs * l * l + 5 * bs * l + 51000.0; };
+  CHECK(higher.predict_bytes({4, 128}) == doctest::Approx(own(4, 128)));  // its own excess the smaller
+  CHECK(own(4, 128) - cost(4, 128) < own(4, 64) - cost(4, 64));
+  CHECK(higher.predict_bytes({1, 8}) == doctest::Approx(cost(1, 8) + own(2, 16) - cost(2, 16)));  // the edge's
+  CHECK(own(2, 16) - cost(2, 16) < own(1, 8) - cost(1, 8));
+  // Never below the outside model: a refit far below it beyond the region.
+  CHECK(higher.predict_bytes({8, 4096}) == doctest::Approx(cost(8, 4096)));
   // The region travels with the model's JSON, its outside model inside it.
   const nlohmann::json j = refitted.to_json();
   CHECK(j["refit_region"]["training_ranges"]["l"] == nlohmann::json{16.0, 64.0});

@@ -244,3 +244,51 @@ TEST_CASE("a state written for another model, or with values a refit cannot have
   CHECK_THROWS_WITH_AS(fresh.load_state(position), doctest::Contains("must be -1 or a position 0 to 3, got 1e+10"),
                        std::invalid_argument);
 }
+
+TEST_CASE("a refit's region takes in the run's first step's shapes only where the refit holds there") {
+  // The model in force misses by shape (its quadratic term is half the truth). The run's first
+  // step (no optimizer state: 300,000 bytes lower) holds a microbatch of 4-token records, the
+  // later steps 32 to 128 tokens.
+  const auto peak = [](double bs, double l) { return 40.0 * bs * l * l + 900.0 * bs * l + 2e6; };
+  MemoryModel given(xpm::CostFormula("a*bs*l^2 + b*bs*l + c", {"a", "b", "c"}, {"bs", "l"}), {20.0, 900.0, 2e6}, 0,
+                    "bs", {{"l", xpm::DimAggregation::kMax}});
+  const auto step_points = [&](std::vector<std::vector<double>> shapes, double offset_bytes, double short_factor) {
+    std::vector<TrainingPoint> points;
+    for (std::size_t k = 0; k < shapes.size(); ++k) {
+      const MicrobatchPosition position = k == 0 ? MicrobatchPosition::kFirst
+                                                 : k + 1 == shapes.size() ? MicrobatchPosition::kLast
+                                                                          : MicrobatchPosition::kMiddle;
+      const double factor = shapes[k][1] < 32 ? short_factor : 1.0;
+      points.push_back({shapes[k], factor * peak(shapes[k][0], shapes[k][1]) - offset_bytes, position});
+    }
+    return points;
+  };
+  // short_factor: what the 4-token microbatch of the run's first step peaks at, against the formula.
+  const auto refitted_after = [&](double short_factor) {
+    TrainingRefit refit(given);
+    CHECK_FALSE(refit.end_step(0, step_points({{2, 128}, {3, 64}, {8, 4}, {2, 96}}, 300000, short_factor)));
+    std::optional<std::string> line;
+    for (std::int64_t s = 1; s <= 4 && !line; ++s)
+      line = refit.end_step(s, step_points({{2, 128}, {3, 100 - 8.0 * static_cast<double>(s)},
+                                            {4, 64 + static_cast<double>(s)}, {6, 48}, {8, 32}},
+                                           0, 1.0));
+    REQUIRE(line.has_value());
+    REQUIRE(refit.model().refit_region() != nullptr);
+    return refit;
+  };
+  // Where the refit, less the step's median excess (its optimizer state), predicts the step's
+  // peaks, their shapes join the region: here down to 4 tokens.
+  const TrainingRefit consistent = refitted_after(1.0);
+  CHECK(consistent.model().refit_region()->training_ranges[1].min == 4);
+  CHECK(consistent.model().predict_bytes({8, 4}) == doctest::Approx(peak(8, 4)).epsilon(1e-9));
+  // Where it misses (that microbatch peaked 30 % above the formula, a shape the refit was not
+  // fitted on), the shape stays out, and so does the first step's first microbatch (not fitted).
+  const TrainingRefit refit = refitted_after(1.3);
+  const xpm::RefitRegion* region = refit.model().refit_region();
+  CHECK(region->training_ranges[1].min == 32);
+  CHECK(region->training_ranges[1].max == 128);
+  // Beyond it, the model given raised by the smaller of the refit's excess there (2,560 bytes: the
+  // refit is exact) and at the nearest shape inside, (8, 32) (163,840 bytes).
+  CHECK(refit.model().predict_bytes({8, 32}) - given.predict_bytes({8, 32}) == doctest::Approx(163840).epsilon(1e-6));
+  CHECK(refit.model().predict_bytes({8, 4}) == doctest::Approx(peak(8, 4)).epsilon(1e-9));
+}
