@@ -56,7 +56,8 @@ wheel: setup
 # do today (bench/hf_dropin_throughput.py); the order of a step's microbatches on the emulated
 # caching allocator (bench/allocator_order.py: printed to $(BENCH_DIR), its table in
 # docs/benchmarks.md written by hand); what setting the sampler's position costs per step
-# (bench/sampler_resume_cost.py, likewise). Raw outputs go to $(BENCH_DIR). About 23 minutes on the
+# (bench/sampler_resume_cost.py, likewise); plans of reserved bytes with tensors of tens of MB
+# (bench/reserved_planning_scale.py, likewise). Raw outputs go to $(BENCH_DIR). About 23 minutes on the
 # 2-core machine.
 BENCH_DIR ?= runs/bench
 BENCH_STEPS ?= 150
@@ -109,3 +110,8 @@ bench: setup configure
 	  --json $(BENCH_DIR)/allocator-order-expandable.json > $(BENCH_DIR)/allocator-order-expandable.txt
 	PYTHONPATH=$(BUILD_DIR)/python OMP_NUM_THREADS=1 $(PYTHON) bench/sampler_resume_cost.py \
 	  > $(BENCH_DIR)/sampler-resume-cost.txt
+	for segments in "" --expandable-segments; do \
+	  PYTHONPATH=$(BUILD_DIR)/python OMP_NUM_THREADS=1 $(PYTHON) bench/reserved_planning_scale.py $$segments \
+	    --json $(BENCH_DIR)/reserved-planning-scale$$segments.json > $(BENCH_DIR)/reserved-planning-scale$$segments.txt \
+	    || exit 1; \
+	done
