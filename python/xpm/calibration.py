@@ -51,6 +51,7 @@ C++ Learner uses too; this module adds the collective (``torch.distributed``) an
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -83,11 +84,23 @@ class Correction:
             ``low_bytes`` grows no further than at it); a position not listed takes the line
             above. The rule is the
             planner's C++ ``xpm::Correction``, which ``bytes_for`` and ``planning_bytes`` call.
+
+    Raises:
+        ValueError: ``intercept_bytes`` or ``slope`` is not a finite number (text, a bool, NaN
+            or an infinity: ``Correction: slope must be a finite number, got nan``).
     """
 
     intercept_bytes: float = 0.0
     slope: float = 0.0
     positions: Tuple[Tuple[MicrobatchPosition, float, float, float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        """Raises ValueError when ``intercept_bytes`` or ``slope`` is not a finite number (text,
+        a bool, NaN or an infinity), named with its value."""
+        for name, unit in (("intercept_bytes", " of bytes"), ("slope", "")):
+            value = getattr(self, name)
+            if not _finite_number(value):
+                raise ValueError(f"Correction: {name} must be a finite number{unit}, got {value!r:.40}")
 
     def bytes_for(self, predicted_bytes: float, position: Optional[MicrobatchPosition] = None) -> float:
         """The correction of one prediction.
@@ -139,12 +152,22 @@ EARLY_HEADROOM_SLOPE: float = _planner.EARLY_HEADROOM_SLOPE
 """The headroom a lower correction adds besides, before ``settle_steps`` steps: 1 % of the prediction."""
 
 
+def _finite_number(value: Any) -> bool:
+    """Whether ``value`` is a finite number: an int, or a float neither NaN nor infinite (not a
+    bool, text or None)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    return isinstance(value, (int, np.integer)) or math.isfinite(value)
+
+
 def _bytes_number(value: Any, name: str) -> float:
-    """A number of bytes given to ``Calibration.record_peak``: text and booleans are refused (the
-    native check refuses what is not finite or negative)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) or \
-            abs(value) >= 2 ** 63:
+    """A number of bytes given to ``Calibration.record_peak``: text, booleans and what is not
+    finite are refused, and so is 2**63 or more (the native check refuses a negative one)."""
+    if not _finite_number(value):
         raise ValueError(f"Calibration.record_peak: {name} must be a finite number of bytes, got {value!r:.40}")
+    if abs(value) >= 2 ** 63:
+        raise ValueError(f"Calibration.record_peak: {name} must be a number of bytes below 2**63 (8 EiB, the most "
+                         f"the planner counts), got {value!r:.40}")
     return float(value)
 
 
@@ -155,6 +178,26 @@ def _usable_bytes(value: Any) -> int:
             not 0 < value < 2 ** 63 or value != int(value):  # NaN fails the range; a huge int never reaches int()
         raise ValueError(f"Calibration: usable_bytes must be a whole number of bytes > 0, got {value!r:.40}")
     return int(value)
+
+
+DEFAULT_SETTLE_STEPS = 8
+"""``Calibration``'s ``settle_steps`` when none is given (fewer when the window holds fewer)."""
+
+
+def _checked_steps(window_steps: Any, settle_steps: Any) -> int:
+    """``Calibration``'s ``window_steps`` and ``settle_steps`` checked: whole numbers (the native
+    check refuses one < 1), ``settle_steps`` at most ``window_steps`` (else the window could
+    never hold that many steps). Returns ``settle_steps``, None becoming min(8, window_steps)."""
+    if settle_steps is None and isinstance(window_steps, (int, np.integer)) and not isinstance(window_steps, bool):
+        settle_steps = min(DEFAULT_SETTLE_STEPS, int(window_steps))
+    for name, value in (("window_steps", window_steps), ("settle_steps", settle_steps)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"Calibration: {name} must be a whole number >= 1, got {value!r:.40}")
+    if settle_steps > window_steps:
+        raise ValueError(f"Calibration: settle_steps {settle_steps} is more than window_steps {window_steps} (a "
+                         f"lower correction is taken as drawn once settle_steps steps are in the window, which "
+                         f"holds window_steps): give settle_steps <= {window_steps}")
+    return int(settle_steps)
 
 
 def _step_number(value: Any, name: str) -> int:
@@ -171,8 +214,10 @@ class Calibration:
             corrections as shares of it.
         window_steps: the steps whose measurements the correction covers.
         settle_steps: the steps measured (besides the run's first) before a lower correction is
-            taken as drawn (a higher one is taken at once). Fewer lower an over-prediction sooner,
-            at the risk of under-predicting steps whose peaks vary from one step to the next.
+            taken as drawn (a higher one is taken at once), at most ``window_steps``; None: 8, or
+            ``window_steps`` when that is fewer. Fewer lower
+            an over-prediction sooner, at the risk of under-predicting steps whose peaks vary
+            from one step to the next.
         lower_early: before ``settle_steps`` steps, take a lower correction after one step with
             1 % of the prediction more headroom (``EARLY_HEADROOM_SLOPE``). For allocated bytes,
             which repeat from step to step (TRL's SFTTrainer over-predicted by 7.7 % to 9.4 %
@@ -188,17 +233,17 @@ class Calibration:
     Raises:
         ValueError: ``usable_bytes`` is not a whole number of bytes > 0 (named with the value:
             ``Calibration: usable_bytes must be a whole number of bytes > 0, got 1.5``),
-            ``window_steps`` or ``settle_steps`` is not a whole number >= 1, ``initial`` has
+            ``window_steps`` or ``settle_steps`` is not a whole number >= 1, ``settle_steps`` is
+            more than ``window_steps`` (``Calibration: settle_steps 8 is more than window_steps
+            4 ...``), ``initial`` has
             ``positions``, or ``lower_early`` is not a bool.
         TypeError: ``initial`` is neither a ``Correction`` nor None.
     """
 
-    def __init__(self, usable_bytes: int, *, window_steps: int = 32, settle_steps: int = 8,
+    def __init__(self, usable_bytes: int, *, window_steps: int = 32, settle_steps: Optional[int] = None,
                  group: Optional[Any] = None, initial: Optional[Correction] = None, lower_early: bool = True) -> None:
         usable_bytes = _usable_bytes(usable_bytes)
-        for name, value in (("window_steps", window_steps), ("settle_steps", settle_steps)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise ValueError(f"Calibration: {name} must be a whole number >= 1, got {value!r}")
+        settle_steps = _checked_steps(window_steps, settle_steps)
         if initial is not None and not isinstance(initial, Correction):
             raise TypeError(f"Calibration: initial must be an xpm.Correction or None, got {type(initial).__name__} "
                             f"{initial!r:.60}")
@@ -308,9 +353,9 @@ class Calibration:
                 correction's line alone.
 
         Raises:
-            ValueError: either value is not a number, not finite or negative (0, an empty
-                microbatch's prediction or a peak not measured, is skipped), or ``position`` is
-                not a ``MicrobatchPosition``.
+            ValueError: either value is not a number, not finite, negative or 2**63 or more (0,
+                an empty microbatch's prediction or a peak not measured, is skipped), or
+                ``position`` is not a ``MicrobatchPosition``.
         """
         if position is not None:
             _check_choice(position, MICROBATCH_POSITIONS, "Calibration.record_peak: position")
@@ -329,11 +374,13 @@ class Calibration:
             position: as ``record_peak``'s.
 
         Raises:
-            ValueError: as ``record_peak``.
+            ValueError: as ``record_peak``, or the meter's peak is not a number of bytes in [0,
+                2**63) (``xpm.meters.planned_peak_bytes``).
+            TypeError: ``meter`` is not a meter.
         """
-        if self.lower_early and planned_bytes_kind(meter) == "reserved":
+        self.record_peak(predicted_bytes, planned_peak_bytes(meter), position)  # checked before anything changes
+        if self.lower_early and planned_bytes_kind(meter) == "reserved":  # from end_step on
             self.lower_only_once_settled()
-        self.record_peak(predicted_bytes, planned_peak_bytes(meter), position)
 
     def lower_only_once_settled(self) -> None:
         """From now on, a lower correction is taken only once ``settle_steps`` steps lie under it

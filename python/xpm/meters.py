@@ -433,11 +433,19 @@ def planned_peak_bytes(meter: Meter) -> int:
 
     Raises:
         TypeError: ``meter`` has no ``peak_allocated_bytes`` (None, or not a meter).
+        ValueError: the peak it reads is not a number of bytes in [0, 2**63) (NaN, None, text),
+            named with the attribute and the meter.
     """
     if not hasattr(meter, "peak_allocated_bytes"):
         raise TypeError(f"meter must be a meter (xpm.CpuMeter.install(), xpm.CudaMeter(...) or one with "
                         f"peak_allocated_bytes), got {meter!r}")
-    return int(meter.peak_reserved_bytes if planned_bytes_kind(meter) == "reserved" else meter.peak_allocated_bytes)
+    attribute = "peak_reserved_bytes" if planned_bytes_kind(meter) == "reserved" else "peak_allocated_bytes"
+    peak = getattr(meter, attribute)
+    if isinstance(peak, (bool, np.bool_)) or not isinstance(peak, (int, float, np.integer, np.floating)) or \
+            not 0 <= peak < 2 ** 63:  # NaN fails the range
+        raise ValueError(f"meter.{attribute} must be a number of bytes in [0, 2**63), got {peak!r:.40} from "
+                         f"{_shown_meter(meter)}")
+    return int(peak)
 
 
 def allocator_settings(environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -24,8 +24,8 @@ from .record_dims import _record_dims
 from .sampler_calibration import (Corrections, calibration_state, correction_in_force, corrections_from,
                                   first_step_not_handed_out, loaded_corrections, new_calibration, planning_bytes)
 from .sampler_checks import (_check_usable_bytes, _checked_outer_and_ranks, _checked_record_dims, _checked_units,
-                             _seed_number, _whole_number, check_step_to_end, checked_microbatch, checked_records,
-                             records_over_budget)
+                             _seed_number, _true_or_false, _whole_number, check_step_to_end, checked_microbatch,
+                             checked_records, records_over_budget)
 from .sampler_lightning import _refuse_lightning_training_loop
 from .sampler_order import outer_batch_count, outer_batches
 from .sampler_packing import StepPacking
@@ -80,9 +80,13 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             way (every microbatch fits with gradients held).
 
     Raises:
-        TypeError: ``model`` is not an ``xpm.MemoryModel`` (a path: ``xpm.MemoryModel.load`` reads it).
+        TypeError: ``model`` is not an ``xpm.MemoryModel`` (a path: ``xpm.MemoryModel.load`` reads it),
+            or ``record_dims`` is None.
         ValueError: a bad argument (named, with its value: ``PredictiveBatchSampler: packer must
-            be 'adaptive', 'fastest', 'ffd' or 'uniform', got 'FFD'``); a NaN, infinite or negative entry of
+            be 'adaptive', 'fastest', 'ffd' or 'uniform', got 'FFD'``), a bool option
+            (``shuffle``, ``drop_last``, ``calibrate``, ``gradients_set_to_none``) given anything
+            but True or False (``PredictiveBatchSampler: calibrate must be True or False, got
+            'no'``); a NaN, infinite or negative entry of
             ``record_dims`` or ``units`` (named with the first bad index); a record whose
             batch-size entry is not 1 (dims in the wrong order or the wrong batch-size variable;
             named with its index, its dims and the formula's variable order); a rank or world
@@ -106,13 +110,17 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             raise ValueError("record_dims: no records")
         outer_batch_size, rank, world_size = _checked_outer_and_ranks(outer_batch_size, rank, world_size)
         _check_usable_bytes(usable_bytes, model)
-        if lockstep is not None and not isinstance(lockstep, bool):
+        if lockstep is not None and not isinstance(lockstep, (bool, np.bool_)):
             raise ValueError(f"lockstep must be True, False or None (at world size > 1: True), got {lockstep!r}")
+        shuffle, drop_last, calibrate, gradients_set_to_none = (
+            _true_or_false(f"PredictiveBatchSampler: {name}", value) for name, value in (
+                ("shuffle", shuffle), ("drop_last", drop_last), ("calibrate", calibrate),
+                ("gradients_set_to_none", gradients_set_to_none)))
         _check_choice(packer, PACKERS, "PredictiveBatchSampler: packer")
         self._dims, self._units = dims, _checked_units(units, len(dims))
         self._model, self._usable_bytes = model, int(usable_bytes)
         self._outer, self._rank, self._world = outer_batch_size, rank, world_size
-        self._seed, self._shuffle, self._drop_last = _seed_number("seed", seed), bool(shuffle), bool(drop_last)
+        self._seed, self._shuffle, self._drop_last = _seed_number("seed", seed), shuffle, drop_last
         self._packer, self._sort_by = packer, sort_by
         self._lockstep = world_size > 1 if lockstep is None else bool(lockstep)
         self._calibration = new_calibration(self._usable_bytes, model, calibrate)
@@ -330,13 +338,14 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             steps_done: its steps done, in [0, steps_per_epoch()].
 
         Raises:
-            ValueError: ``epoch`` not a whole number >= 0, or ``steps_done`` out of range.
+            ValueError: ``epoch`` not a whole number >= 0, or ``steps_done`` not a whole number
+                (``resume_at: steps_done must be a whole number, got 2.0``) or out of range.
         """
         epoch = _seed_number("resume_at: epoch", epoch)
-        count = self.steps_per_epoch()
-        if isinstance(steps_done, bool) or not isinstance(steps_done, (int, np.integer)) or not 0 <= steps_done <= count:
-            raise ValueError(f"resume_at: steps_done must be in [0, {count}], got {steps_done!r}")
-        self._move_to(epoch, int(steps_done), lambda: None)
+        steps_done, count = _whole_number("resume_at: steps_done", steps_done), self.steps_per_epoch()
+        if not 0 <= steps_done <= count:
+            raise ValueError(f"resume_at: steps_done must be in [0, {count}], got {steps_done}")
+        self._move_to(epoch, steps_done, lambda: None)
 
     def _move_to(self, epoch: int, steps_done: int, load: Callable[[], None]) -> None:
         """Enters ``epoch`` (``load`` then loads what a state holds), ``steps_done`` steps in."""
@@ -450,7 +459,8 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
         Raises:
             TypeError: ``microbatch`` is not a ``Microbatch`` (a plain list of records:
                 ``record_microbatch_peak``).
-            ValueError: the peak is not a finite number of bytes >= 0 (``Calibration.record_peak``).
+            ValueError: the peak is not a finite number of bytes >= 0, or is 2**63 or more
+                (``Calibration.record_peak``).
         """
         checked_microbatch(microbatch, "record_peak")
         if self._calibration is not None and len(microbatch) > 0:
@@ -471,6 +481,9 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
 
         Raises:
             TypeError: ``microbatch`` is not a ``Microbatch``, or ``meter`` is not a meter.
+            ValueError: the meter's peak is not a number of bytes in [0, 2**63) (NaN, None, text:
+                ``meter.peak_allocated_bytes must be a number of bytes in [0, 2**63), got nan
+                from a CudaMeter of cuda:0``), or as ``record_peak``.
         """
         checked_microbatch(microbatch, "record_meter_peak")
         if self._calibration is not None and len(microbatch) > 0:
@@ -493,8 +506,8 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
 
         Raises:
             ValueError: ``records`` are not indices of the sampler's records, or none with a
-                ``position`` (an empty microbatch has none), or ``predicted_bytes`` is not a
-                finite number of bytes >= 0.
+                ``position`` (an empty microbatch has none), or ``predicted_bytes`` or the
+                meter's peak is not a finite number of bytes >= 0 (below 2**63).
             TypeError: ``meter`` is not a meter.
         """
         indices = checked_records(records, len(self._dims), position)

@@ -22,7 +22,8 @@ def _numbers(values: Any, what: str) -> np.ndarray:
         array = np.asarray(values)
         if array.dtype.kind not in "iuf":
             kind = "bool" if array.dtype.kind == "b" else "text" if array.dtype.kind in "US" else "non-numbers"
-            first = array.flat[0].item() if array.size else None
+            first = array.flat[0] if array.size else None
+            first = first.item() if isinstance(first, np.generic) else first  # an object array holds Python values
             raise TypeError(f"got {kind} such as {first!r}")
         return array.astype(np.float64)
     except (TypeError, ValueError) as error:

@@ -23,6 +23,14 @@ def _whole_number(name: str, value) -> int:
     return int(value)
 
 
+def _true_or_false(name: str, value: Any) -> bool:
+    """A bool option: ``True`` or ``False`` (numpy's too); anything else, whose truth would pick
+    the option silently (``"no"`` is true), is a ValueError naming ``name`` and the value."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r:.40}")
+    return bool(value)
+
+
 def _seed_number(name: str, value) -> int:
     """A shuffle's seed or epoch: a whole number >= 0 (numpy's generator takes no negative seed)."""
     number = _whole_number(name, value)
@@ -55,7 +63,12 @@ def _first_bad(values: np.ndarray) -> Optional[int]:
     return int(hits[0]) if len(hits) else None
 
 
-def _checked_record_dims(record_dims) -> np.ndarray:
+def _checked_record_dims(record_dims: Any) -> np.ndarray:
+    """The records' dims as float64, each finite and >= 0; TypeError for None, ValueError (the
+    first bad record named) for anything else that is no dims."""
+    if record_dims is None:
+        raise TypeError("PredictiveBatchSampler: record_dims must be the records' dims ([n] lengths or "
+                        "[n, variables] dims), got None")
     array = _numbers(record_dims, "record_dims must be numbers ([n] lengths or [n, variables] dims)")
     if array.ndim >= 1 and array.shape[0] == 0:
         raise ValueError("record_dims: no records")
@@ -185,11 +198,14 @@ def check_step_to_end(step: int, steps_per_epoch: int, last_ended: Optional[int]
         passing: a pass of the sampler (``iter(sampler)``) is under way.
 
     Raises:
-        ValueError: ``step`` is negative or beyond the epoch, was ended already, or comes before
-            the last one ended.
+        ValueError: ``step`` is negative or beyond the epoch (or the epoch has no steps), was
+            ended already, or comes before the last one ended.
     """
     if step < 0:
         raise ValueError(f"end_step: step must be a whole number >= 0, got {step}")
+    if steps_per_epoch == 0:
+        raise ValueError(f"end_step: step {step}: the epoch has no steps (drop_last left out its only outer batch, "
+                         "shorter than outer_batch_size), so there is none to end")
     if step >= steps_per_epoch:
         raise ValueError(f"end_step: step {step} is beyond the epoch's {steps_per_epoch} steps (0 to "
                          f"{steps_per_epoch - 1})")

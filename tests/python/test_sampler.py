@@ -649,7 +649,7 @@ def test_calibration_refuses_a_peak_that_is_not_a_number_of_bytes():
     calibration = xpm.Calibration(BUDGET)
     for predicted, peak, name in ((1e6, float("nan"), "peak_bytes"), (float("inf"), 1e6, "predicted_bytes"),
                                   (1e6, -1.0, "peak_bytes"), (1e6, "1000000", "peak_bytes"),
-                                  (True, 1e6, "predicted_bytes"), (1e6, 10 ** 400, "peak_bytes")):
+                                  (True, 1e6, "predicted_bytes")):
         with pytest.raises(ValueError, match=f"^Calibration.record_peak: {name} must be a finite number of bytes"):
             calibration.record_peak(predicted, peak)
     for step, replan_from in (("a", 0), (-1, 0), (0, 1.5), (10 ** 30, 0)):
@@ -1033,3 +1033,98 @@ def test_what_would_make_a_state_unloadable_or_fail_later_is_refused_at_once(mod
             xpm.PredictiveBatchSampler(lengths, model, budget, outer_batch_size=64)
         with pytest.raises(ValueError, match=r"^Calibration: usable_bytes must be a whole number of bytes > 0"):
             xpm.Calibration(budget)  # type: ignore[arg-type]
+
+
+class _ReadingMeter:
+    """A meter whose peak reads ``peak`` (a meter of one's own, with a bug)."""
+
+    def __init__(self, peak, reserves_segments=False):
+        self.peak_allocated_bytes = self.peak_reserved_bytes = peak
+        self.reserves_segments = reserves_segments
+
+
+@pytest.mark.parametrize("name", ["shuffle", "drop_last", "calibrate", "gradients_set_to_none"])
+def test_a_bool_option_given_anything_but_true_or_false_is_refused(model, lengths, name):
+    """A newcomer's find: ``calibrate='no'`` calibrated, the string being true."""
+    for value in ("no", 0, None):
+        with pytest.raises(ValueError, match=rf"^PredictiveBatchSampler: {name} must be True or False, "
+                                             rf"got {value!r}$"):
+            sampler_for(model, lengths, **{name: value})
+    numpy_false = sampler_for(model, lengths, **{name: np.False_})  # numpy's bools are bools
+    assert numpy_false.state_dict() == sampler_for(model, lengths, **{name: False}).state_dict()
+    assert sampler_for(model, lengths, calibrate=np.False_).calibration is None
+
+
+def test_a_correction_that_is_not_a_finite_number_is_refused():
+    """A newcomer's find: ``Correction('a', 'b')`` and ``Correction(nan)`` were kept."""
+    for intercept, slope, says in (("a", "b", "intercept_bytes must be a finite number of bytes, got 'a'"),
+                                   (float("nan"), 0.0, "intercept_bytes must be a finite number of bytes, got nan"),
+                                   (True, 0.0, "intercept_bytes must be a finite number of bytes, got True"),
+                                   (0.0, float("inf"), "slope must be a finite number, got inf"),
+                                   (0.0, None, "slope must be a finite number, got None")):
+        with pytest.raises(ValueError, match=f"^Correction: {says}$"):
+            xpm.Correction(intercept, slope)
+    correction = xpm.Correction(np.float64(1000.0), np.int64(0))
+    assert correction.bytes_for(1e6) == 1000.0
+
+
+def test_calibration_refuses_more_settle_steps_than_its_window_holds():
+    """A newcomer's find: ``settle_steps=8, window_steps=4`` was settled at 4 steps silently."""
+    with pytest.raises(ValueError, match=r"^Calibration: settle_steps 8 is more than window_steps 4 \(a lower "
+                                         r"correction .*\): give settle_steps <= 4$"):
+        xpm.Calibration(BUDGET, settle_steps=8, window_steps=4)
+    # Without settle_steps: 8, or the window's steps when it holds fewer.
+    assert xpm.Calibration(BUDGET, window_steps=4).settle_steps == 4
+    assert xpm.Calibration(BUDGET).settle_steps == 8
+    calibration = xpm.Calibration(BUDGET, settle_steps=4, window_steps=4)
+    assert (calibration.settle_steps, calibration.window_steps) == (4, 4)
+
+
+def test_a_sampler_without_record_dims_is_a_type_error_naming_the_argument(model, lengths):
+    """A newcomer's find: ``PredictiveBatchSampler(None, ...)`` raised an AttributeError inside."""
+    with pytest.raises(TypeError, match=r"^PredictiveBatchSampler: record_dims must be the records' dims \(\[n\] "
+                                        r"lengths or \[n, variables\] dims\), got None$"):
+        xpm.PredictiveBatchSampler(None, model, BUDGET, outer_batch_size=64)
+    with pytest.raises(ValueError, match="^record_dims must be numbers .*: got non-numbers such as None$"):
+        xpm.PredictiveBatchSampler([None, None], model, BUDGET, outer_batch_size=64)
+
+
+@pytest.mark.parametrize("peak", [float("nan"), None, "1000000"])
+def test_a_meter_whose_peak_is_not_a_number_of_bytes_is_refused_naming_its_attribute(model, lengths, peak):
+    """A newcomer's find: a meter's NaN, None or text peak reached a bare ``int()``. Refused in one
+    line, nothing kept (a reserving meter leaves ``lower_early`` as it was)."""
+    sampler = sampler_for(model, lengths)
+    microbatch = next(iter(sampler))
+    with pytest.raises(ValueError, match=rf"^meter.peak_allocated_bytes must be a number of bytes in \[0, 2\*\*63\), "
+                                         rf"got {peak!r} from a _ReadingMeter$"):
+        sampler.record_meter_peak(microbatch, _ReadingMeter(peak))
+    calibration = xpm.Calibration(BUDGET)
+    with pytest.raises(ValueError, match=r"^meter.peak_reserved_bytes must be a number of bytes in "):
+        calibration.record_meter_peak(1e6, _ReadingMeter(peak, reserves_segments=True))
+    assert calibration.lower_early and calibration.measured_microbatches == 0
+    assert sampler.calibration.measured_microbatches == 0
+    sampler.record_meter_peak(microbatch, _ReadingMeter(microbatch.predicted_bytes))  # it still records
+    assert sampler.calibration.measured_microbatches == 1
+
+
+def test_messages_say_the_limit_a_whole_number_and_an_epoch_without_steps(model, lengths):
+    """A newcomer's finds: 1e30 bytes was called not finite, ``steps_done=2.0`` out of range, and an
+    epoch without steps a range of "(0 to -1)"."""
+    sampler = sampler_for(model, lengths)
+    microbatch = next(iter(sampler))
+    for peak in (1e30, 10 ** 400):
+        with pytest.raises(ValueError, match=r"^Calibration.record_peak: peak_bytes must be a number of bytes below "
+                                             r"2\*\*63 \(8 EiB, the most the planner counts\), got 1"):
+            sampler.record_peak(microbatch, peak)
+    assert sampler.calibration.measured_microbatches == 0
+    state = sampler.state_dict()
+    with pytest.raises(ValueError, match=r"^resume_at: steps_done must be a whole number, got 2.0$"):
+        sampler.resume_at(0, 2.0)  # type: ignore[arg-type]
+    assert sampler.state_dict() == state
+    sampler.resume_at(0, 2)
+    assert sampler.state_dict()["steps_done"] == 2
+    empty = xpm.PredictiveBatchSampler(lengths[:10], model, BUDGET, outer_batch_size=64, drop_last=True)
+    assert empty.steps_per_epoch() == 0
+    with pytest.raises(ValueError, match=r"^end_step: step 0: the epoch has no steps \(drop_last left out its only "
+                                         r"outer batch, shorter than outer_batch_size\), so there is none to end$"):
+        empty.end_step(0)
