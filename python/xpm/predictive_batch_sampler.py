@@ -460,9 +460,9 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             TypeError: ``microbatch`` is not a ``Microbatch`` (a plain list of records:
                 ``record_microbatch_peak``).
             ValueError: the peak is not a finite number of bytes >= 0, or is 2**63 or more
-                (``Calibration.record_peak``).
+                (``Calibration.record_peak``), or the microbatch's step was ended already.
         """
-        checked_microbatch(microbatch, "record_peak")
+        self._check_not_ended(checked_microbatch(microbatch, "record_peak"), "record_peak")
         if self._calibration is not None and len(microbatch) > 0:
             position = getattr(microbatch, "position", None)
             self._calibration.record_peak(microbatch.predicted_bytes, peak_allocated_bytes, position)
@@ -483,13 +483,20 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             TypeError: ``microbatch`` is not a ``Microbatch``, or ``meter`` is not a meter.
             ValueError: the meter's peak is not a number of bytes in [0, 2**63) (NaN, None, text:
                 ``meter.peak_allocated_bytes must be a number of bytes in [0, 2**63), got nan
-                from a CudaMeter of cuda:0``), or as ``record_peak``.
+                from a CudaMeter of cuda:0``), or as ``record_peak`` (its step ended already).
         """
-        checked_microbatch(microbatch, "record_meter_peak")
+        self._check_not_ended(checked_microbatch(microbatch, "record_meter_peak"), "record_meter_peak")
         if self._calibration is not None and len(microbatch) > 0:
             position = getattr(microbatch, "position", None)
             self._calibration.record_meter_peak(microbatch.predicted_bytes, meter, position)
             self._record_refit_meter_point(microbatch.dims, meter, position)
+
+    def _check_not_ended(self, microbatch: Microbatch, what: str) -> None:
+        """Raises ValueError when ``microbatch``'s step was ended already in this pass: its peak
+        would count in the next step's calibration and refit (a peak recorded late, or twice)."""
+        if self._last_ended is not None and microbatch.step <= self._last_ended:
+            raise ValueError(f"{what}: the microbatch is of step {microbatch.step}, which end_step ended already "
+                             f"(the last ended: step {self._last_ended}); record a step's peaks before its end_step")
 
     def record_microbatch_peak(self, records: Sequence[int], predicted_bytes: float, meter: Meter,
                                position: Optional[MicrobatchPosition]) -> None:

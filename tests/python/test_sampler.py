@@ -959,6 +959,31 @@ def test_end_step_refuses_a_step_ended_twice_out_of_order_or_beyond_the_epoch(mo
     sampler.end_step(3)  # the next one
 
 
+def test_a_peak_recorded_after_its_step_ended_is_refused(model, lengths):
+    """A peak recorded after ``end_step`` (late, or a second time) would count in the next step's
+    calibration and refit: refused in one line, nothing recorded; the next step's are taken."""
+    sampler = sampler_for(model, lengths)
+    passing = iter(sampler)
+    kept = []
+    for microbatch in passing:
+        sampler.record_peak(microbatch, microbatch.predicted_bytes)
+        kept.append(microbatch)
+        if microbatch.last:
+            sampler.end_step(microbatch.step)
+            break
+    before = sampler.calibration.state_dict()
+    for record in (lambda mb: sampler.record_peak(mb, mb.predicted_bytes),
+                   lambda mb: sampler.record_meter_peak(mb, xpm.CpuMeter.install())):
+        with pytest.raises(ValueError, match=r"^record_(meter_)?peak: the microbatch is of step 0, which end_step "
+                                             r"ended already \(the last ended: step 0\); record a step's peaks "
+                                             r"before its end_step$"):
+            record(kept[0])
+    assert sampler.calibration.state_dict() == before
+    following = next(passing)
+    assert following.step == 1
+    sampler.record_peak(following, following.predicted_bytes)
+
+
 def test_end_step_takes_the_steps_again_in_another_epoch_pass_or_state(model, lengths):
     """The steps start over with ``set_epoch``, a pass that begins before them (the epoch
     iterated again), a state loaded from before them; and step 0, with no pass of the sampler
