@@ -108,6 +108,21 @@ bool covered_by_siblings(const CostFormula& formula, const std::set<int>& zeroed
   return std::includes(covered.begin(), covered.end(), zeroed.begin(), zeroed.end());
 }
 
+// Whether coefficient `index`'s term is zero at shapes no measurement picked (each variable
+// at a few values no formula singles out): the formula's terms for it cancel.
+bool zero_for_any_dims(const CostFormula& formula, std::size_t index) {
+  const std::size_t variables = formula.variable_names().size();
+  std::vector<Measurement> generic;
+  for (double base : {1.37, 2.91, 7.53}) {
+    Measurement m{std::vector<double>(variables), 1.0};
+    for (std::size_t v = 0; v < variables; ++v) m.dims[v] = base + 1.11 * static_cast<double>(v);
+    generic.push_back(std::move(m));
+  }
+  const std::vector<double> ones(formula.coefficient_names().size(), 1.0);
+  return numeric_jacobian(formula, generic, ones).col(static_cast<Eigen::Index>(index)).cwiseAbs().maxCoeff() <
+         1e-9;
+}
+
 }  // namespace
 
 std::optional<Dependence> find_dependence(const Eigen::MatrixXd& jacobian, double tolerance) {
@@ -169,7 +184,10 @@ std::pair<std::string, std::vector<std::string>> describe_dependence(
 
   std::string message;
   if (d.partners.empty()) {
-    if (formula.is_linear()) {
+    if (formula.is_linear() && zero_for_any_dims(formula, d.dependent)) {
+      message = "coefficient '" + dependent + "' multiplies a term that is zero for any dims (its terms in '" +
+                formula.text() + "' cancel); drop it from the formula";
+    } else if (formula.is_linear()) {
       message = "coefficient '" + dependent + "' multiplies a term that is zero at every " +
                 "measurement; the probe points cannot identify it" +
                 (hint.empty() ? "" : " (" + hint + ")");

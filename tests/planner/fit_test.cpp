@@ -270,6 +270,24 @@ TEST_CASE("identifiability error names a coefficient whose term moves with anoth
   CHECK(contains(e.what(), "linearly dependent"));
 }
 
+TEST_CASE("identifiability error blames the formula where a coefficient's terms cancel") {
+  // a*bs - a*bs is zero whatever the probes: the formula, not the data, leaves 'a' free.
+  const CostFormula f("a*bs - a*bs + b*l + c", {"a", "b", "c"}, {"bs", "l"});
+  std::vector<Measurement> m;
+  for (double x : {1.0, 2.0, 3.0, 5.0}) m.push_back({{x, 2 * x + 1}, 7.0 * x + 100.0});
+  const IdentifiabilityError e = identifiability_error(f, m);
+  CHECK(e.dependent() == "a");
+  CHECK_MESSAGE(contains(e.what(), "coefficient 'a' multiplies a term that is zero for any dims (its terms in "
+                                   "'a*bs - a*bs + b*l + c' cancel); drop it from the formula"),
+                e.what());
+  // A term zero only at the probes (every probe has l = 0) is still the probes' doing.
+  std::vector<Measurement> flat;
+  for (double x : {1.0, 2.0, 3.0, 5.0}) flat.push_back({{x, 0.0}, 7.0 * x + 100.0});
+  const IdentifiabilityError at_probes = identifiability_error(CostFormula("a*bs + b*l + c", {"a", "b", "c"},
+                                                                           {"bs", "l"}), flat);
+  CHECK_MESSAGE(contains(at_probes.what(), "zero at every measurement"), at_probes.what());
+}
+
 TEST_CASE("identifiability error names every coefficient when every dim is fixed") {
   std::vector<Measurement> m(4, Measurement{{4.0, 64.0}, 1e6});
   const IdentifiabilityError e = identifiability_error(quadratic(), m);
