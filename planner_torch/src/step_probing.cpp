@@ -59,6 +59,12 @@ void backward_draining_on_oom(const std::function<torch::Tensor()>& forward, Mem
     if (!loss.defined() || loss.numel() != 1) {
       throw std::invalid_argument("the loss function must return a scalar tensor");
     }
+    if (!torch::isfinite(loss.detach()).all().item<bool>()) {
+      // 0 x NaN is NaN: its gradients would change the parameters at learning rate 0.
+      throw std::invalid_argument("the loss is not finite (" + std::to_string(loss.detach().item<double>()) +
+                                  "): its gradients would turn the parameters into NaN at the probes' "
+                                  "optimizer steps, learning rate 0 or not");
+    }
     loss.backward();
   } catch (const c10::OutOfMemoryError&) {
     drain_autograd_buffers(meter);

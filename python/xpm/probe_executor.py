@@ -46,6 +46,15 @@ def _drain_autograd_buffers(meter: Meter) -> None:
             meter.capacity_bytes = capacity
 
 
+def _check_finite(loss: torch.Tensor) -> torch.Tensor:
+    """``loss``, when finite. Raises ValueError otherwise: its backward would turn the parameters
+    into NaN at the probes' optimizer steps, learning rate 0 or not (0 x NaN is NaN)."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        raise ValueError(f"the loss is not finite ({float(loss.detach().float().sum())}): its gradients would "
+                         "turn the parameters into NaN at the probes' optimizer steps, learning rate 0 or not")
+    return loss
+
+
 def _zero_gradients_in_place(parameters: Sequence[torch.Tensor]) -> None:
     with torch.no_grad():
         for p in parameters:
@@ -222,7 +231,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
                 self._release_accumulated_gradient(batch)
             elif self.accumulating and self.accumulation_batch is None:
                 self.steady.model.set_requires_gradient_sync(False)
-                self.loss_fn(batch).backward()
+                _check_finite(self.loss_fn(batch)).backward()
                 self.accumulation_batch = batch
                 _zero_gradients_in_place(self.steady.parameters)
             if self.measure_without_gradients:
@@ -287,7 +296,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
         step's first microbatch, measured next; its backward allocates the held gradient anew
         for the steady measurement after it."""
         self.steady.model.set_requires_gradient_sync(True)
-        self.loss_fn(batch).backward()
+        _check_finite(self.loss_fn(batch)).backward()
         self.steady.model.set_requires_gradient_sync(False)
         if self.accumulation_batch is None:
             self.accumulation_batch = batch  # released once more at the end (end_accumulation)
@@ -299,6 +308,7 @@ class _TorchExecutor(_planner.ProbeExecutor):
         loss = self.loss_fn(batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("the loss function must return a scalar tensor")
+        _check_finite(loss)
         loss.backward()
         del loss
         self._reserved_peak = self._reserved()

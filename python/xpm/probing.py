@@ -184,7 +184,9 @@ def probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             device that is not CPU or CUDA, a ``meter`` of another device (or None with
             ``"cpu"``, or with no ``device``), the model's parameters on another device, a
             ``batch_size_variable`` in which the formula grows faster than linearly (a length
-            named as the batch size).
+            named as the batch size); a loss that is not finite (``probing at bs=8 l=64: the loss
+            is not finite (nan): ...``: its gradients would turn the parameters into NaN at the
+            probes' optimizer steps, learning rate 0 or not; the parameters are left as they were).
         RuntimeError: an unusable fit (its ``probes`` attribute holds the probes, so ``xpm.fit``
             can refit them; the note on ``usable_max_rel_error`` only where a reason is that
             limit). With ``lockstep``, every rank raises when one does: that rank its own error,

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -193,6 +194,19 @@ TEST_CASE("probe_and_fit shares rank 0's model or its error with the other ranks
                        "rank 0: probing at bs=1 l=48: the loss function must return a scalar tensor",
                        std::invalid_argument);
   CHECK(f.optimizer.param_groups()[0].options().get_lr() == doctest::Approx(1e-2));
+  // A loss that is not finite would turn the parameters into NaN at learning rate 0: refused,
+  // the parameters as they were.
+  std::vector<torch::Tensor> before;
+  for (const torch::Tensor& p : f.model->parameters()) before.push_back(p.detach().clone());
+  const xpm::ProbeLossFn not_finite = [&f](const std::vector<double>& dims) {
+    return f.model->embedding(random_chars(dims)).sum() * std::numeric_limits<double>::quiet_NaN();
+  };
+  CHECK_THROWS_WITH_AS(xpm::probe_and_fit(*f.model, f.optimizer, not_finite, rank0),
+                       doctest::Contains("probing at bs=1 l=48: the loss is not finite (nan): its gradients would turn "
+                                         "the parameters into NaN"),
+                       std::invalid_argument);
+  std::size_t k = 0;
+  for (const torch::Tensor& p : f.model->parameters()) CHECK(torch::equal(p.detach(), before[k++]));
   xpm::StepProbeOptions alone = gru_options();
   alone.rank = 1;
   CHECK_THROWS_AS(xpm::probe_and_fit(*f.model, f.optimizer, f.loss_fn(), alone), std::invalid_argument);

@@ -645,6 +645,24 @@ def test_a_loss_function_error_is_raised_as_it_is_without_the_fit_limit_note(tra
     assert METER.current_allocated_bytes == before, "the loss function's frame still holds its graph"
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_loss_that_is_not_finite_is_refused_and_leaves_the_parameters_as_they_were(trained, bad):
+    """0 x NaN is NaN: the probes' optimizer steps at learning rate 0 turned every parameter an
+    infinite or NaN loss reached into NaN, and the fit came out usable all the same."""
+    model, optimizer = trained
+    before = [p.detach().clone() for p in model.parameters()]
+    METER.capacity_bytes = 400_000_000
+    try:
+        with pytest.raises(ValueError, match=r"^probing at bs=\d+ l=\d+: the loss is not finite \((nan|inf)\): its "
+                                             r"gradients would turn the parameters into NaN at the probes' optimizer "
+                                             r"steps, learning rate 0 or not$"):
+            xpm.probe(model, optimizer, lambda dims: model.loss_sum(random_chars(dims)) * bad, FORMULA, meter=METER,
+                      variable_max={"bs": 16, "l": 48})
+    finally:
+        METER.capacity_bytes = 0
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
 def test_a_length_named_as_the_batch_size_variable_is_refused_in_one_line(trained):
     model, optimizer = trained
     METER.capacity_bytes = 400_000_000
