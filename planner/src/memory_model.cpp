@@ -238,7 +238,22 @@ MemoryModel::MemoryModel(CostFormula formula, std::vector<double> coefficients, 
   aggregation_[batch_size_index_] = DimAggregation::kCount;
 }
 
+void MemoryModel::check_dims(const std::vector<double>& dims, const char* where) const {
+  const auto& names = formula_.variable_names();
+  if (dims.size() != names.size()) {
+    throw std::invalid_argument(std::string(where) + ": got " + std::to_string(dims.size()) + " dims, expected " +
+                                std::to_string(names.size()) + " (" + formula_.text() + ")");
+  }
+  for (std::size_t v = 0; v < names.size(); ++v) {
+    if (!(std::isfinite(dims[v]) && dims[v] >= 0)) {
+      throw std::invalid_argument(std::string(where) + ": " + names[v] + " = " + format_double(dims[v]) +
+                                  "; dims must be finite and >= 0");
+    }
+  }
+}
+
 double MemoryModel::predict_bytes(const std::vector<double>& dims) const {
+  check_dims(dims, "MemoryModel::predict_bytes");
   const double own = own_prediction_bytes(dims);
   if (!beyond_refit_region(dims)) return own;
   // Beyond the region: the outside model, raised by the refit's excess over it where both its

@@ -1,6 +1,7 @@
 // packer.cpp — UniformPacker and AdaptivePacker (see packer.hpp).
 #include "xpm/planner/packer.hpp"
 
+#include "number_format.hpp"
 #include "packer_internal.hpp"
 
 #include <algorithm>
@@ -34,9 +35,9 @@ void validate_pack_inputs(RecordDimsView record_dims, const MemoryModel& model, 
   for (std::size_t i = 0; i < record_dims.records; ++i) {
     const double* r = record_dims.row(i);
     for (std::size_t v = 0; v < vars.size(); ++v) {
-      if (v != bs && !std::isfinite(r[v])) {
+      if (v != bs && !(std::isfinite(r[v]) && r[v] >= 0)) {
         throw std::invalid_argument("pack: record " + std::to_string(i) + " has " + vars[v] +
-                                    " = " + std::to_string(r[v]) + "; dims must be finite");
+                                    " = " + detail::format_double(r[v]) + "; dims must be finite and >= 0");
       }
     }
   }

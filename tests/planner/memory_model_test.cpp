@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -53,6 +54,20 @@ TEST_CASE("prediction is the formula or the floor, whichever is larger") {
   const MemoryModel model = quadratic_model(/*floor_bytes=*/5000);
   CHECK(model.predict_bytes({1, 8}) == 5000);  // formula gives 1208
   CHECK(model.predict_bytes({4, 64}) == doctest::Approx(cost(4, 64)));
+}
+
+TEST_CASE("a prediction of dims that are NaN, infinite, negative or of the wrong width is refused") {
+  // Before: predict_bytes({1, NaN}) was 0, fits() true, max_microbatch_size 2^40.
+  const MemoryModel model = quadratic_model();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_WITH_AS(model.predict_bytes({1, nan}),
+                       "MemoryModel::predict_bytes: l = nan; dims must be finite and >= 0", std::invalid_argument);
+  CHECK_THROWS_WITH_AS(model.predict_bytes({1, -50}),
+                       "MemoryModel::predict_bytes: l = -50; dims must be finite and >= 0", std::invalid_argument);
+  CHECK_THROWS_WITH_AS(model.predict_bytes({1}), doctest::Contains("got 1 dims, expected 2"), std::invalid_argument);
+  CHECK_THROWS_AS(model.fits({1, std::numeric_limits<double>::infinity()}, 1e9), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(model.max_microbatch_size({1, -50}, 1'000'000),
+                       doctest::Contains("l = -50; dims must be finite and >= 0"), std::invalid_argument);
 }
 
 TEST_CASE("a reserved gap in the metadata turns a reserved budget into the predictions' one") {

@@ -416,7 +416,7 @@ TEST_CASE("every packer gives the same plan from a view of 3,000 records as from
   }
 }
 
-TEST_CASE("a view's record dims are checked: its width, finite dims, a positive budget") {
+TEST_CASE("a view's record dims are checked: its width, finite dims >= 0, a positive budget") {
   const std::vector<double> three_wide = {1, 8, 0, 1, 9, 0};
   CHECK_THROWS_WITH_AS(AdaptivePacker().pack(xpm::RecordDimsView(three_wide.data(), 2, 3), square_model(), 1000),
                        doctest::Contains("3 value(s) per record, expected 2"), std::invalid_argument);
@@ -425,6 +425,10 @@ TEST_CASE("a view's record dims are checked: its width, finite dims, a positive 
   const std::vector<double> infinite = {1, 8, 1, 9, 1, std::numeric_limits<double>::infinity()};
   CHECK_THROWS_WITH_AS(sorted_by("l").pack(xpm::RecordDimsView(infinite.data(), 3, 2), square_model(), 1000),
                        doctest::Contains("record 2 has l"), std::invalid_argument);
+  const std::vector<double> negative = {1, 8, 1, -9};  // planned before, under-predicted
+  CHECK_THROWS_WITH_AS(AdaptivePacker().pack(xpm::RecordDimsView(negative.data(), 2, 2), square_model(), 1000),
+                       doctest::Contains("record 1 has l = -9; dims must be finite and >= 0"),
+                       std::invalid_argument);
   const std::vector<double> lengths = {1, 8, 1, 9};
   CHECK_THROWS_WITH_AS(UniformPacker().pack(xpm::RecordDimsView(lengths.data(), 2, 2), square_model(), 0),
                        doctest::Contains("usable_bytes"), std::invalid_argument);

@@ -116,7 +116,9 @@ class MemoryModel {
   /// max(floor_bytes, floor formula(dims) when set, formula(dims)); at batch size 1 the
   /// formula's part is times single_record_factor(), and the smaller of that and the formula
   /// with single_record_coefficients() when set (below); dims in variable_names() order. Outside
-  /// a refit_region(), its outside model's prediction, raised as RefitRegion says.
+  /// a refit_region(), its outside model's prediction, raised as RefitRegion says. Throws
+  /// std::invalid_argument for dims of the wrong width, not finite or negative (so do fits()
+  /// and max_microbatch_size(), which call it).
   double predict_bytes(const std::vector<double>& dims) const;
   /// The bytes `dims`' records add: formula(dims) less formula(dims at batch size 0), at least
   /// 0 (floor and single-record factor and coefficients aside); dims in variable_names() order. Throws
@@ -225,6 +227,8 @@ class MemoryModel {
   static MemoryModel load(const std::string& path);
 
  private:
+  // Throws std::invalid_argument "<where>: l = -4; dims must be finite and >= 0" (or the width).
+  void check_dims(const std::vector<double>& dims, const char* where) const;
   // predict_bytes without the refit region: this model's own floor and formula.
   double own_prediction_bytes(const std::vector<double>& dims) const;
   CostFormula formula_;
