@@ -17,6 +17,14 @@ message(STATUS "whole run:\n${OUT}")
 expect("whole run" "OOM 0,")
 expect("whole run" "validation at step 8: accuracy")
 
+# A cap below what the model and its optimizer hold: bad input (exit 2) naming the flag, not an
+# internal error.
+execute_process(COMMAND "${program}" ${common} --run-dir "${WORK_DIR}/tiny_cap" --memory-cap-bytes 1000
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "error: --memory-cap-bytes 1000: the model and its optimizer alone run out of memory under it")
+  message(FATAL_ERROR "tiny cap: exit code ${rc}, expected 2 naming --memory-cap-bytes\nstderr: ${err}")
+endif()
+
 run("stopped run" "${program}" ${common} --run-dir "${WORK_DIR}/resumed" --stop-after-steps 4)
 expect("stopped run" "stopped after step 4")
 run("resumed run" "${program}" ${common} --run-dir "${WORK_DIR}/resumed" --resume)

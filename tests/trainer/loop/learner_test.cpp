@@ -379,6 +379,11 @@ TEST_CASE("the Learner builds its plan from MemoryPlanOptions, validates the tas
   CHECK(brief.find(", OOM 0, ") != std::string::npos);
   CHECK(brief.find("; validation: loss ") != std::string::npos);
   CHECK(brief.find("; finished") != std::string::npos);
+  CHECK(brief.find("not trained") == std::string::npos);
+  xpm::LearnerOutcome skipping = outcome;  // records over the budget even alone: said, not only counted
+  skipping.counters.skipped_records = 70;
+  CHECK(skipping.brief_report().find(", underpredictions 0; 70 record(s) not trained, predicted over the budget "
+                                     "even alone; validation: ") != std::string::npos);
   CHECK(outcome.full_report().find("\nmemory model: a*bs + c, floor ") != std::string::npos);
 }
 

@@ -153,7 +153,7 @@ TEST_CASE("a listener voting continue overrides early stopping's stop (combine_v
   CHECK(xpm::should_stop({kNo, kStop}));
 }
 
-TEST_CASE("early stopping names the missing metric and the metrics the validation reported") {
+TEST_CASE("a missing validation metric is named with the metrics the validation reported") {
   xpm::ValidationSettings settings;
   settings.metric = "loss";
   settings.mode = xpm::MetricMode::kMin;
@@ -169,7 +169,8 @@ TEST_CASE("early stopping names the missing metric and the metrics the validatio
     FAIL("no error");
   } catch (const std::invalid_argument& error) {
     const std::string message = error.what();
-    CHECK(message.find("'validation/loss' is missing") != std::string::npos);
+    CHECK(message.find("validation: the metric 'validation/loss' (set_validation_every's, which picks the best "
+                       "parameters) is missing") != std::string::npos);
     CHECK(message.find("validation/token_accuracy") != std::string::npos);
   }
 }

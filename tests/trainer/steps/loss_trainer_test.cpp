@@ -236,6 +236,18 @@ TEST_CASE("LossTrainer keeps every gradient tensor between steps, zeroed in plac
   }
 }
 
+TEST_CASE("a loss that is not a scalar is refused naming its shape, not LibTorch's backward message") {
+  NineSentenceStep f;
+  const torch::Tensor before = f.model->parameters()[0].detach().clone();
+  const auto per_token = [&](const std::vector<std::size_t>& ids) {
+    return named_sums(f.model, f.sentences, ids).at("tagging").reshape({1}).expand({3});
+  };
+  CHECK_THROWS_WITH_AS(f.trainer.train_step(f.dims, f.ones, per_token),
+                       "the microbatch's loss must be a scalar tensor (the task's loss_sum), got one of shape [3]",
+                       std::invalid_argument);
+  CHECK(torch::equal(f.model->parameters()[0].detach(), before));  // no optimizer step
+}
+
 TEST_CASE("weighted losses refuse bad weights, names and a loss function that returns other losses, naming the loss") {
   xpm::WeightedLosses losses;
   CHECK_THROWS_AS(losses.validate(), std::invalid_argument);

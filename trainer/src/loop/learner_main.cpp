@@ -3,11 +3,13 @@
 
 #include <csignal>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <vector>
 
 #include <boost/program_options.hpp>
+#include <c10/util/Exception.h>
 
 #include "xpm/planner_torch/device_meter.hpp"
 #include "xpm/trainer/distributed/local_launcher.hpp"
@@ -37,7 +39,8 @@ po::options_description describe_flags(const LearnerProgram& program, SharedFlag
       ("stop-after-steps", po::value(&shared.stop_after_steps)->default_value(0), "stop with a checkpoint after step N")
       ("resume", po::bool_switch(&shared.resume), "continue from the newest valid checkpoint")
       ("memory-cap-bytes", po::value(&shared.memory_cap_bytes)->default_value(shared.memory_cap_bytes),
-       "the memory cap the plan and the steps run under (0: none)")
+       "the memory cap in bytes (a whole number) the plan and the steps run under; 0: none (on a GPU, the "
+       "device's memory; on the CPU a memory plan needs one)")
       ("device", po::value(&shared.device)->default_value("cpu"), "cpu, cuda (cuda:LOCAL_RANK) or cuda:N")
       ("backend", po::value(&shared.backend)->default_value("auto"), "auto, gloo or nccl (auto: nccl on CUDA)")
       ("nproc", po::value(&shared.nproc)->default_value(1), "local worker processes")
@@ -84,6 +87,19 @@ void apply_flags(LearnerOptions& options, const SharedFlags& shared, const std::
   }
 }
 
+// `build()`'s value; an out-of-memory error while the model, its optimizer and the Learner are
+// built is the cap's: too small for the model itself (bad input, not an internal error).
+template <typename Build>
+auto under_the_cap(const SharedFlags& shared, Build build) -> decltype(build()) {
+  try {
+    return build();
+  } catch (const c10::OutOfMemoryError& error) {
+    throw std::invalid_argument("--memory-cap-bytes " + std::to_string(shared.memory_cap_bytes) +
+                                ": the model and its optimizer alone run out of memory under it, before any "
+                                "step (" + error.what_without_backtrace() + ")");
+  }
+}
+
 int train(const LearnerProgram& program, const SharedFlags& shared, const std::map<std::string, std::string>& flags) {
   const auto worker = WorkerEnvironment::from_environment();
   const torch::Device device = training_device(shared.device, "--device", worker ? worker->local_rank : 0);
@@ -92,7 +108,7 @@ int train(const LearnerProgram& program, const SharedFlags& shared, const std::m
   const std::shared_ptr<MemoryMeter> meter = make_device_meter(device, shared.memory_cap_bytes);
   torch::manual_seed(static_cast<std::uint64_t>(shared.seed));
   LearnerRun run{device, &dist, flags};
-  LearnerJob job = program.make_job(run);
+  LearnerJob job = under_the_cap(shared, [&] { return program.make_job(run); });
   if (!job.task || !job.optimizer) throw std::logic_error(program.name + ": make_job returned no task or no optimizer");
   apply_flags(job.options, shared, flags, worker, device);
   if (job.options.memory_plan && device.is_cpu() && shared.memory_cap_bytes == 0) {
@@ -102,8 +118,9 @@ int train(const LearnerProgram& program, const SharedFlags& shared, const std::m
   LearnerComponents parts;
   parts.dist = &dist;
   parts.meter = meter.get();
-  Learner learner(*job.task, *job.optimizer, job.options, parts);
-  const LearnerOutcome outcome = learner.run();
+  const std::unique_ptr<Learner> learner = under_the_cap(
+      shared, [&] { return std::make_unique<Learner>(*job.task, *job.optimizer, job.options, parts); });
+  const LearnerOutcome outcome = learner->run();
   if (dist.is_main()) {
     if (program.report) {
       program.report(outcome, job);

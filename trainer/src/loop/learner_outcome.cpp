@@ -34,6 +34,9 @@ std::string LearnerOutcome::brief_report() const {
                      std::to_string(c.microbatches) + ", OOM " + std::to_string(c.ooms) +
                      ", max step prediction error " + fixed(100 * c.max_prediction_rel_error, 2) +
                      " %, underpredictions " + std::to_string(c.underpredictions);
+  if (c.skipped_records > 0) {
+    line += "; " + std::to_string(c.skipped_records) + " record(s) not trained, predicted over the budget even alone";
+  }
   if (!last_validation.empty()) line += "; validation: " + metrics_text(last_validation);
   return line + "; " + ending(*this);
 }

@@ -76,7 +76,8 @@ LearnerVote EarlyStopping::on_validation(const TrainerContext& context) {
     std::string present;
     for (const auto& [name, value] : metrics) present += (present.empty() ? "" : ", ") + name;
     throw std::invalid_argument(
-        "early stopping: validation metric '" + key + "' " +
+        "validation: the metric '" + key + "' (set_validation_every's, which picks the best parameters" +
+        (settings_.patience > 0 ? " and stops early" : "") + ") " +
         (it == metrics.end() ? "is missing" : "is not finite (" + std::to_string(it->second) + ")") +
         "; the validation reported: " + (present.empty() ? "nothing" : present));
   }

@@ -102,6 +102,10 @@ void LossTrainer::run_microbatches(const MicrobatchPlan& plan,
     }
     try {
       torch::Tensor loss = microbatch_loss(microbatch);
+      if (!loss.defined() || loss.numel() != 1) {
+        throw std::invalid_argument("the microbatch's loss must be a scalar tensor (the task's loss_sum), got " +
+                                    (loss.defined() ? "one of shape " + c10::str(loss.sizes()) : "an undefined one"));
+      }
       loss.backward();
       result.loss += loss.item<double>();
     } catch (const c10::OutOfMemoryError&) {

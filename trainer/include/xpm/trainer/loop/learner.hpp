@@ -237,7 +237,8 @@ struct LearnerOutcome {
   std::string memory_formula;           // the memory model's formula at the end (predictive)
   double floor_bytes = 0;               // its floor (bytes)
 
-  /// One line: steps, microbatches, OOMs, the largest step prediction error, the last
+  /// One line: steps, microbatches, OOMs, the largest step prediction error, the records not
+  /// trained (predicted over the budget even alone) where there were any, the last
   /// validation's metrics and how the run ended ("finished", "stopped after step 4: resume").
   std::string brief_report() const;
   /// Several lines: the brief report, then the memory model, probing, resume, checkpoints,
