@@ -42,7 +42,12 @@ std::optional<MemoryModel> MemoryModelCache::lookup(const nlohmann::json& identi
 }
 
 std::string MemoryModelCache::store(const nlohmann::json& identity, MemoryModel model) const {
-  std::filesystem::create_directories(folder_);
+  try {
+    std::filesystem::create_directories(folder_);
+  } catch (const std::filesystem::filesystem_error& error) {
+    throw std::runtime_error("memory-model cache: cannot create the folder '" + folder_ + "': " +
+                             error.code().message());
+  }
   model.metadata()["identity"] = identity;
   const std::string path = path_for(identity);
   model.save(path);

@@ -137,7 +137,21 @@ void PredictiveBatcherOptions::validate() const {
     }
   }
   validate_record_dims_sample(*this);
+  for (std::size_t i = 0; i < probe_points.size(); ++i) {
+    const std::string where = "PredictiveBatcherOptions.probe_points[" + std::to_string(i) + "]";
+    const std::vector<double> point = formula.dims_from_map(probe_points[i].values, where);  // names checked
+    for (std::size_t v = 0; v < point.size(); ++v) {
+      if (!(std::isfinite(point[v]) && point[v] >= 0)) {
+        throw std::invalid_argument(where + " has " + variable_names[v] + " = " + detail::format_double(point[v]) +
+                                    "; dims must be finite and >= 0");
+      }
+    }
+  }
   if (probe_points.empty()) {
+    if (design_fractions.empty()) {
+      throw std::invalid_argument("PredictiveBatcherOptions.design_fractions is empty: the automatic probe design "
+                                  "(no probe points given) needs at least one share of the budget, e.g. {1, 0.5}");
+    }
     for (const std::string& name : variable_names) {
       if (!record_dims_sample.empty() && name != batch_size_variable) continue;  // the sample's range
       auto it = variable_max.find(name);
@@ -381,6 +395,14 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
   c.fitted_above_floor = c.measurements.size() >= needed;
   if (!c.fitted_above_floor) c.measurements = all_feasible;
   if (c.measurements.size() < needed) {
+    const auto out_of_memory = std::count_if(probes_.begin(), probes_.end(), [](const ProbeResult& p) {
+      return !p.feasible;
+    });
+    if (out_of_memory == 0) {
+      throw std::invalid_argument("PredictiveBatcher: " + std::to_string(probes_.size()) + " probe(s) for " +
+                                  std::to_string(needed) + " coefficients: give more probe points, at least " +
+                                  std::to_string(needed) + " shapes, or let the automatic design choose them");
+    }
     throw std::invalid_argument(
         "PredictiveBatcher: only " + std::to_string(c.measurements.size()) + " of " +
         std::to_string(probes_.size()) + " probes fit under the capacity of " +
@@ -553,7 +575,8 @@ const MemoryModel& PredictiveBatcher::model() const {
 }
 
 MicrobatchPlan PredictiveBatcher::plan(const std::vector<std::vector<double>>& record_dims) const {
-  return packer_->pack(record_dims, model(), planning_bytes());
+  const MemoryModel& planned_with = model();  // first: without a model, that is the error to give
+  return packer_->pack(record_dims, planned_with, planning_bytes());
 }
 
 }  // namespace xpm

@@ -68,3 +68,13 @@ TEST_CASE("a cache file made for another identity is reported as a mismatch and 
   CHECK_FALSE(cache.lookup(id, &warning).has_value());
   CHECK(warning.find("identity mismatch") != std::string::npos);
 }
+
+TEST_CASE("a cache folder that is a file is refused naming the folder, the model not stored") {
+  const std::string file = fresh_folder("xpm_cache_a_file");
+  std::ofstream(file) << "not a folder";
+  const xpm::MemoryModelCache cache(file + "/models");
+  CHECK_THROWS_WITH_AS(cache.store({{"formula", "a*bs*l + c"}}, small_model()),
+                       ("memory-model cache: cannot create the folder '" + file + "/models': Not a directory").c_str(),
+                       std::runtime_error);
+  std::filesystem::remove(file);
+}

@@ -109,6 +109,34 @@ TEST_CASE("a budget below the static memory is an error before any probe") {
   CHECK(executor.calls == 0);
 }
 
+TEST_CASE("a plan before probe_and_fit says there is no model yet") {
+  xpm::PredictiveBatcher batcher(options_with_cap(5'000'000), std::make_shared<xpm::AdaptivePacker>());
+  CHECK_THROWS_WITH_AS(batcher.plan({{1, 8}}), "PredictiveBatcher: no model yet; call probe_and_fit first",
+                       std::logic_error);
+}
+
+TEST_CASE("probe options a newcomer got wrong are named, not blamed on the capacity") {
+  const auto packer = std::make_shared<xpm::AdaptivePacker>();
+  xpm::PredictiveBatcherOptions no_fractions = options_with_cap(5'000'000);
+  no_fractions.design_fractions.clear();
+  CHECK_THROWS_WITH_AS(xpm::PredictiveBatcher(no_fractions, packer),
+                       doctest::Contains("PredictiveBatcherOptions.design_fractions is empty"), std::invalid_argument);
+  xpm::PredictiveBatcherOptions nan_point = options_with_cap(5'000'000);
+  nan_point.probe_points = {{{{"bs", 1}, {"l", 8}}}, {{{"bs", 2}, {"l", std::nan("")}}}};
+  CHECK_THROWS_WITH_AS(xpm::PredictiveBatcher(nan_point, packer),
+                       "PredictiveBatcherOptions.probe_points[1] has l = nan; dims must be finite and >= 0",
+                       std::invalid_argument);
+  // One probe point for three coefficients, none out of memory: more points, not more capacity.
+  xpm::PredictiveBatcherOptions one_point = options_with_cap(5'000'000);
+  one_point.probe_points = {{{{"bs", 2}, {"l", 16}}}};
+  xpm::PredictiveBatcher batcher(one_point, packer);
+  FakeExecutor executor(1e12);
+  CHECK_THROWS_WITH_AS(batcher.probe_and_fit(executor),
+                       "PredictiveBatcher: 1 probe(s) for 3 coefficients: give more probe points, at least 3 shapes, "
+                       "or let the automatic design choose them",
+                       std::invalid_argument);
+}
+
 TEST_CASE("online correction refits with a measurement above the prediction") {
   xpm::PredictiveBatcherOptions o = options_with_cap(100'000'000);
   xpm::PredictiveBatcher batcher(o, std::make_shared<xpm::AdaptivePacker>());

@@ -201,9 +201,13 @@ class PredictiveBatcher {
   bool has_model() const { return model_.has_value(); }
   /// Throws std::logic_error before probe_and_fit() or set_model().
   const MemoryModel& model() const;
+  /// The fit of this batcher's own probe_and_fit(). A batcher given its model by set_model()
+  /// (probe_and_fit's StepProbeResult::batcher, a model from a cache or a file) fitted nothing
+  /// itself: its summary is the empty default ("did NOT converge", no fit); the model's own
+  /// record is model().metadata()["fit"] (and ["formula_selection"]).
   const FitSummary& fit_summary() const { return fit_summary_; }
   /// FormulaChoice::kAutomatic: the candidates tried and the one chosen (FormulaSelection::
-  /// report()); "" otherwise.
+  /// report()) by this batcher's probe_and_fit(); "" otherwise, and after set_model().
   const std::string& selection_report() const { return selection_report_; }
   /// What the adaptive design of the last probe_and_fit() did.
   const AdaptiveDesignReport& adaptive_report() const { return adaptive_report_; }
