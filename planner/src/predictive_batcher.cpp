@@ -349,6 +349,15 @@ void PredictiveBatcher::store_model(FitCandidate chosen, double static_bytes) {
 }
 
 // The given formula's fit, or the formula chosen from the candidates (FormulaChoice::kAutomatic).
+std::string PredictiveBatcher::too_few_fit_message(std::size_t fitted, const std::string& needed) const {
+  return "PredictiveBatcher: only " + std::to_string(fitted) + " of " + std::to_string(probes_.size()) +
+         " probes fit under the capacity of " + std::to_string(options_.budget.capacity_bytes) +
+         " bytes (the others ran out of memory), too few for " + needed +
+         "; the floor (static memory, optimizer step) is " +
+         std::to_string(static_cast<long long>(floor_fit_.constant_bytes)) +
+         " bytes: raise the capacity or give probe points that fit it";
+}
+
 void PredictiveBatcher::fit_formula(FitCandidate& c, const std::vector<InfeasibleBound>& infeasible,
                                     const std::vector<std::string>& among) const {
   if (options_.formula_choice == FormulaChoice::kGiven) {
@@ -394,24 +403,25 @@ PredictiveBatcher::FitCandidate PredictiveBatcher::fit_candidate(
   const std::size_t needed = choosing ? 3 : formula.coefficient_names().size();
   c.fitted_above_floor = c.measurements.size() >= needed;
   if (!c.fitted_above_floor) c.measurements = all_feasible;
+  const auto out_of_memory = std::count_if(probes_.begin(), probes_.end(), [](const ProbeResult& p) {
+    return !p.feasible;
+  });
   if (c.measurements.size() < needed) {
-    const auto out_of_memory = std::count_if(probes_.begin(), probes_.end(), [](const ProbeResult& p) {
-      return !p.feasible;
-    });
     if (out_of_memory == 0) {
       throw std::invalid_argument("PredictiveBatcher: " + std::to_string(probes_.size()) + " probe(s) for " +
                                   std::to_string(needed) + " coefficients: give more probe points, at least " +
                                   std::to_string(needed) + " shapes, or let the automatic design choose them");
     }
-    throw std::invalid_argument(
-        "PredictiveBatcher: only " + std::to_string(c.measurements.size()) + " of " +
-        std::to_string(probes_.size()) + " probes fit under the capacity of " +
-        std::to_string(options_.budget.capacity_bytes) + " bytes (the others ran out of memory), for " +
-        std::to_string(needed) + " coefficients; the floor (static memory, optimizer step) is " +
-        std::to_string(static_cast<long long>(floor_fit_.constant_bytes)) +
-        " bytes: raise the capacity or give probe points that fit it");
+    throw std::invalid_argument(too_few_fit_message(c.measurements.size(), std::to_string(needed) + " coefficients"));
   }
-  fit_formula(c, infeasible, among);
+  try {
+    fit_formula(c, infeasible, among);
+  } catch (const std::invalid_argument& error) {
+    // No candidate of "auto" could be fitted to the few probes the capacity let run.
+    if (out_of_memory == 0 || options_.formula_choice != FormulaChoice::kAutomatic) throw;
+    throw std::invalid_argument(too_few_fit_message(c.measurements.size(), std::string("any formula (") +
+                                                                               error.what() + ")"));
+  }
   if (!c.fit.summary.usable) return c;
   MemoryModel model(*c.formula, c.fit.coefficients, floor_bytes, options_.batch_size_variable,
                     options_.aggregation);

@@ -137,6 +137,23 @@ TEST_CASE("probe options a newcomer got wrong are named, not blamed on the capac
                        std::invalid_argument);
 }
 
+TEST_CASE("a capacity that leaves too few probes for any formula of auto is named, not the selection") {
+  // Three probes fit, all of one shape (no formula's terms can be told apart there), the large one not.
+  FakeExecutor executor(1'010'000);
+  xpm::PredictiveBatcherOptions options = options_with_cap(1'010'000);
+  options.budget.memory_fraction = 1.0;
+  options.formula_choice = xpm::FormulaChoice::kAutomatic;
+  options.formula = xpm::CostFormula::with_variables("c", {"bs", "l", "lt"});  // the variables
+  options.variable_max["lt"] = 64;
+  options.probe_points = {{{{"bs", 1}, {"l", 4}, {"lt", 4}}}, {{{"bs", 1}, {"l", 4}, {"lt", 4}}},
+                          {{{"bs", 1}, {"l", 4}, {"lt", 4}}}, {{{"bs", 8}, {"l", 128}, {"lt", 64}}}};
+  xpm::PredictiveBatcher batcher(options, std::make_shared<xpm::AdaptivePacker>());
+  CHECK_THROWS_WITH_AS(batcher.probe_and_fit(executor),
+                       doctest::Contains("PredictiveBatcher: only 3 of 4 probes fit under the capacity of 1010000 "
+                                         "bytes (the others ran out of memory), too few for any formula (select_formula"),
+                       std::invalid_argument);
+}
+
 TEST_CASE("online correction refits with a measurement above the prediction") {
   xpm::PredictiveBatcherOptions o = options_with_cap(100'000'000);
   xpm::PredictiveBatcher batcher(o, std::make_shared<xpm::AdaptivePacker>());

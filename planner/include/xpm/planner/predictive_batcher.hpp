@@ -275,6 +275,8 @@ class PredictiveBatcher {
   std::vector<ProbeShape> adaptive_grid() const;
   double candidate_prediction(const CostFormula& formula, const std::vector<double>& coefficients,
                               double floor_bytes, const std::vector<double>& dims) const;
+  /// "only N of M probes fit under the capacity ..., too few for <needed>; the floor ...".
+  std::string too_few_fit_message(std::size_t fitted, const std::string& needed) const;
   void fit_formula(FitCandidate& c, const std::vector<InfeasibleBound>& infeasible,
                    const std::vector<std::string>& among) const;
   void store_model(FitCandidate chosen, double static_bytes);
