@@ -115,9 +115,22 @@ def dataset_record_dims(dataset: Any, mode: PlanningMode,
     dims = np.column_stack([np.ones(n)] + [np.asarray(c, dtype=np.float64) for c in columns])
     empty = np.flatnonzero((dims[:, 1:] == 0).any(axis=1))
     if len(empty):
-        raise ValueError(f"{where}[{int(empty[0])}] is empty (length 0; {len(empty)} such record(s)): no microbatch of "
-                         "it can run; leave empty records out of the dataset")
+        names = _column_names(first, mode)
+        field = names[int(np.flatnonzero(dims[empty[0], 1:] == 0)[0])]
+        raise ValueError(f"{where}[{int(empty[0])}] is empty (its {field} has length 0; {len(empty)} such record(s)): "
+                         "no microbatch of it can run; leave empty records out of the dataset")
     return dims
+
+
+def _column_names(first: Any, mode: PlanningMode) -> List[str]:
+    """What each length column of ``mode``'s dims counts, for errors: "'input_ids'" (and the
+    target's key), or "sequence" for records that are sequences themselves."""
+    if not isinstance(first, Mapping):
+        return ["sequence"]
+    names = ["'input_ids'"]
+    if mode == "encoder_decoder":
+        names.append(f"'{_target_key(first, 'the first record')}'")
+    return names
 
 
 def _mapping_lengths(dataset: Any, mode: PlanningMode, where: str) -> List[List[int]]:
@@ -249,6 +262,18 @@ class ProbeRecords:
         self.source_length = _length(self.source if self.plain else self.source["input_ids"], "input_ids")
         key = _target_key(self.source, "the longest record") if mode == "encoder_decoder" else None
         self.target_length = _length(self.source[key], key) if key else None
+        if key is not None and record_dims is not None:
+            self._check_order(record_dims[source_index], key)
+
+    def _check_order(self, dims: np.ndarray, key: str) -> None:
+        """Refuses dims whose source and target lengths are the record's the other way round: the
+        probes would make records of swapped lengths (and fit well), training would not."""
+        given, lengths = [float(dims[1]), float(dims[2])], [float(self.source_length), float(self.target_length)]
+        if given != lengths and given == lengths[::-1]:
+            raise ValueError(f"record_dims gave {[float(d) for d in dims]} for the dataset's record "
+                             f"{self.source_index}, whose 'input_ids' hold {self.source_length} tokens and '{key}' "
+                             f"{self.target_length}: the dims of an encoder-decoder's record are [1, source length, "
+                             f"target length], in that order (the probes make records of those lengths)")
 
     def record(self, dims: Sequence[float]) -> Any:
         """One record of ``dims`` (variable order, batch-size entry 1).
@@ -391,13 +416,19 @@ def check_device_meter(device: torch.device, meter: Optional[Meter], where: str,
 
     Raises:
         ValueError: a device other than CPU or CUDA; on the CPU, no ``xpm.CpuMeter`` installed or
-            one without a cap.
+            one without a cap, or a cap not above the bytes allocated already; a ``meter`` that is
+            not a meter (a number given for the cap) or has no capacity.
     """
     if meter is not None:
+        if not all(hasattr(meter, name) for name in ("capacity_bytes", "peak_allocated_bytes", "reset_peak")):
+            raise ValueError(f"{where}: meter= must be a meter (xpm.CpuMeter.install(), xpm.CudaMeter(...), or one "
+                             f"with capacity_bytes, peak_allocated_bytes and reset_peak), got {meter!r:.60}; the "
+                             "budget is the meter's capacity_bytes")
         if int(meter.capacity_bytes) <= 0:
             raise ValueError(f"{where}: meter={type(meter).__name__} has no capacity (capacity_bytes "
                              f"{int(meter.capacity_bytes)}): set the CPU meter's capacity_bytes, the budget, before "
                              "training")
+        _check_cap_above_allocated(meter, where)
         return
     if device.type == "cpu":
         installed = CpuMeter.installed()
@@ -406,9 +437,19 @@ def check_device_meter(device: torch.device, meter: Optional[Meter], where: str,
             raise ValueError(f"{where}: training on the CPU but {what}: the budget is the CPU meter's cap; call "
                              f"xpm.CpuMeter.install() before building the model and set its capacity_bytes (or pass "
                              f"{instead})")
+        _check_cap_above_allocated(installed, where)
     elif device.type != "cuda":
         raise ValueError(f"{where}: plans memory on CPU or CUDA devices, not '{device}' (pass meter= and {instead} "
                          "to plan yourself)")
+
+
+def _check_cap_above_allocated(meter: Meter, where: str) -> None:
+    """Refuses a ``CpuMeter`` whose cap is not above what is allocated already (the model's
+    weights): the Trainer's first allocation would run out of memory."""
+    if isinstance(meter, CpuMeter) and meter.capacity_bytes <= meter.current_allocated_bytes:
+        raise ValueError(f"{where}: the xpm.CpuMeter's capacity_bytes {meter.capacity_bytes:,} is not above the "
+                         f"{meter.current_allocated_bytes:,} bytes allocated already (the model's weights, at least): "
+                         "raise the cap (it is in bytes)")
 
 
 def device_meter(device: torch.device, meter: Optional[Meter]) -> Meter:

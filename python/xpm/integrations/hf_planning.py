@@ -234,9 +234,17 @@ class AutomaticPlanning:
         Raises:
             ValueError: a formula that is neither ``"auto"`` nor a ``CostFormula``, a
                 ``memory_fraction`` outside (0, 1], a ``record_dims`` that is not callable, a
-                ``probe_options`` that is not a ``ProbeOptions``, an unknown packer.
+                ``probe_options`` that is not a ``ProbeOptions``, an unknown packer, a
+                ``cache_dir`` that is neither a path (of a folder, where one exists), None nor False.
         """
         check_drop_in_arguments("PlannedTrainer", self.formula, self.record_dims, None, self.packer)
+        if self.cache_dir is not None and self.cache_dir is not False:
+            if not isinstance(self.cache_dir, (str, os.PathLike)):
+                raise ValueError(f"PlannedTrainer: cache_dir must be a folder's path, None or False, got "
+                                 f"{self.cache_dir!r:.60}")
+            if os.path.exists(self.cache_dir) and not os.path.isdir(self.cache_dir):
+                raise ValueError(f"PlannedTrainer: cache_dir '{os.fspath(self.cache_dir)}' is a file, not a folder "
+                                 "(the memory models are cached there); give a folder, or False for no cache")
         if isinstance(self.memory_fraction, bool) or not isinstance(self.memory_fraction, (int, float)) \
                 or not 0 < self.memory_fraction <= 1:
             raise ValueError(f"PlannedTrainer: memory_fraction must be in (0, 1], got {self.memory_fraction!r}")

@@ -141,7 +141,8 @@ class PlannedTrainerMixin:
     Raises:
         TypeError: the class is not a ``transformers.Trainer`` (the mixin listed without one; a
             class that lists it after one is refused where it is defined).
-        ValueError: ``batch_sampler`` is not a ``PredictiveBatchSampler``, or a setting named in
+        ValueError: ``on_microbatch`` is not callable; ``batch_sampler`` is not a
+            ``PredictiveBatchSampler``, or a setting named in
             the module docstring would break the step accounting; without ``batch_sampler``, a
             bad planning keyword or what cannot be planned (``AutomaticPlanning.check`` and
             ``refuse_unplannable``: on the CPU no ``xpm.CpuMeter`` installed or no cap, ...).
@@ -161,6 +162,9 @@ class PlannedTrainerMixin:
                  probe_options: Optional[ProbeOptions] = None, packer: PackerName = "fastest", **kwargs):
         if not isinstance(self, transformers.Trainer):
             raise TypeError(_MIXIN_ORDER.format(name=type(self).__name__))
+        if on_microbatch is not None and not callable(on_microbatch):
+            raise ValueError(f"PlannedTrainer: on_microbatch must be a function given each MicrobatchRecord (e.g. "
+                             f"a_list.append), or None, got {on_microbatch!r:.60}")
         args, kwargs, accumulation_steps = _one_item_per_step(args, kwargs, planned=batch_sampler is None)
         super().__init__(*args, **kwargs)
         self.xpm_sampler: Optional[PredictiveBatchSampler] = None

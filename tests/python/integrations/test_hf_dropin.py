@@ -367,6 +367,20 @@ def test_probes_hold_no_padding_at_the_one_length_nearly_all_records_have():
     assert [len(r["input_ids"]) for r in truncated.at([[1, 64], [1, 64]])] == [64, 63]
 
 
+def test_record_dims_with_source_and_target_swapped_are_refused_before_probing():
+    """``record_dims`` giving ``[1, len(labels), len(input_ids)]``: the probes would make records of
+    swapped lengths, fit them well, and training would run out of memory (a newcomer's BART did)."""
+    from xpm.integrations.dataset_probes import ProbeRecords
+
+    dataset = [{"input_ids": list(range(120)), "labels": list(range(80))},
+               {"input_ids": list(range(100)), "labels": list(range(60))}]
+    with pytest.raises(ValueError, match=r"^record_dims gave \[1.0, 80.0, 120.0\] for the dataset's record 0, whose "
+                                         r"'input_ids' hold 120 tokens and 'labels' 80: the dims of an encoder-decoder's "
+                                         r"record are \[1, source length, target length\], in that order"):
+        ProbeRecords(dataset, np.array([[1.0, 80.0, 120.0], [1.0, 60.0, 100.0]]), "encoder_decoder")
+    ProbeRecords(dataset, np.array([[1.0, 120.0, 80.0], [1.0, 100.0, 60.0]]), "encoder_decoder")  # the right order
+
+
 def test_records_in_blocks_of_one_length_are_planned_without_padding(meter, sentences, tmp_path):
     """``group_texts``' records (the text cut into 128-byte blocks): no microbatch holds padding,
     so neither do the probes; the model alone is within 1 % of every peak from the second step
@@ -425,8 +439,27 @@ def test_what_cannot_be_planned_is_refused_at_construction(meter, sentences, tmp
     with_empty = records[:5] + [{"input_ids": []}] + records[5:]
     trainer = PlannedTrainer(model=model, args=_arguments(tmp_path, max_steps=1), train_dataset=with_empty,
                              data_collator=byte_llama.pad_collate)
-    with pytest.raises(ValueError, match=r"^PlannedTrainer: train_dataset\[5\] is empty \(length 0; 1 such record"):
+    with pytest.raises(ValueError, match=r"^PlannedTrainer: train_dataset\[5\] is empty \(its 'input_ids' has length 0; "
+                                         r"1 such record"):
         trainer.train()
+    # A newcomer's mistakes, refused before anything is probed:
+    with pytest.raises(ValueError, match=r"^PlannedTrainer: meter= must be a meter \(.*got 16000000; the budget is the "
+                                         r"meter's capacity_bytes$"):
+        PlannedTrainer(model=model, args=_arguments(tmp_path), train_dataset=records,
+                       data_collator=byte_llama.pad_collate, meter=16_000_000)
+    with pytest.raises(ValueError, match=r"^PlannedTrainer: on_microbatch must be a function .*got \[\]$"):
+        PlannedTrainer(model=model, args=_arguments(tmp_path), train_dataset=records,
+                       data_collator=byte_llama.pad_collate, on_microbatch=[])
+    (tmp_path / "models.txt").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"^PlannedTrainer: cache_dir '.*models.txt' is a file, not a folder"):
+        PlannedTrainer(model=model, args=_arguments(tmp_path), train_dataset=records,
+                       data_collator=byte_llama.pad_collate, cache_dir=tmp_path / "models.txt")
+    meter.capacity_bytes = 16  # meant as megabytes: below the model's weights
+    with pytest.raises(ValueError, match=r"^PlannedTrainer: the xpm.CpuMeter's capacity_bytes 16 is not above "
+                                         r"the [\d,]+ bytes allocated already"):
+        PlannedTrainer(model=model, args=_arguments(tmp_path), train_dataset=records,
+                       data_collator=byte_llama.pad_collate)
+    meter.capacity_bytes = CAP_BYTES
 
 
 def test_records_no_microbatch_can_hold_are_refused_before_training(meter, sentences, tmp_path):
