@@ -23,7 +23,7 @@ from .meters import Meter, planned_bytes_kind, planned_peak_bytes
 from .record_dims import _record_dims
 from .sampler_calibration import (Corrections, calibration_state, correction_in_force, corrections_from,
                                   first_step_not_handed_out, loaded_corrections, new_calibration, planning_bytes)
-from .sampler_checks import (_check_usable_bytes, _checked_outer_and_ranks, _checked_record_dims, _checked_units,
+from .sampler_checks import (_check_sort_by, _check_usable_bytes, _checked_outer_and_ranks, _checked_record_dims, _checked_units,
                              _seed_number, _true_or_false, _whole_number, check_step_to_end, checked_microbatch,
                              checked_records, records_over_budget)
 from .sampler_lightning import _refuse_lightning_training_loop
@@ -91,7 +91,9 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
             batch-size entry is not 1 (dims in the wrong order or the wrong batch-size variable;
             named with its index, its dims and the formula's variable order); a rank or world
             size that contradicts an initialised torch.distributed process group; a
-            ``usable_bytes`` below the model's ``floor_bytes`` (no microbatch can fit).
+            ``usable_bytes`` below the model's ``floor_bytes`` (no microbatch can fit), or not a
+            number (a ``MemoryBudget``: its ``.usable_bytes``); a ``sort_by`` that is not a
+            variable of the formula.
 
     Warns:
         RuntimeWarning: a column of ``record_dims`` reaches more than 4 times the largest value
@@ -117,6 +119,7 @@ class PredictiveBatchSampler(torch.utils.data.Sampler[List[int]]):
                 ("shuffle", shuffle), ("drop_last", drop_last), ("calibrate", calibrate),
                 ("gradients_set_to_none", gradients_set_to_none)))
         _check_choice(packer, PACKERS, "PredictiveBatchSampler: packer")
+        _check_sort_by(sort_by, model)
         self._dims, self._units = dims, _checked_units(units, len(dims))
         self._model, self._usable_bytes = model, int(usable_bytes)
         self._outer, self._rank, self._world = outer_batch_size, rank, world_size

@@ -87,13 +87,26 @@ def _checked_outer_and_ranks(outer_batch_size: Any, rank: Optional[int],
     if outer_batch_size < 1:
         raise ValueError(f"outer_batch_size must be >= 1, got {outer_batch_size}")
     rank, world_size = _rank_and_world_size(rank, world_size)
-    if world_size < 1 or not 0 <= rank < world_size:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1 (the number of ranks), got {world_size}")
+    if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
     return outer_batch_size, rank, world_size
 
 
+def _check_sort_by(sort_by: Any, model: MemoryModel) -> None:
+    """None, or one of the formula's variables (the packers sort by it)."""
+    variables = list(model.formula.variable_names)
+    if sort_by is not None and (not isinstance(sort_by, str) or sort_by not in variables):
+        raise ValueError(f"PredictiveBatchSampler: sort_by {sort_by!r:.40} is not a variable of the formula "
+                         f"({', '.join(variables)}); give one of them, or None (the first that is not the batch size)")
+
+
 def _check_usable_bytes(usable_bytes: Any, model: MemoryModel) -> None:
     """A number of bytes > 0, at least the model's ``floor_bytes`` (else no microbatch can fit)."""
+    if hasattr(usable_bytes, "usable_bytes") and not isinstance(usable_bytes, (int, float)):
+        raise ValueError(f"usable_bytes must be a number of bytes, got a {type(usable_bytes).__name__}: pass its "
+                         ".usable_bytes")
     if isinstance(usable_bytes, bool) or not isinstance(usable_bytes, (int, float, np.integer, np.floating)) \
             or not 1 <= usable_bytes < 2 ** 63:  # NaN fails the range; a fraction of a byte is dropped
         raise ValueError(f"usable_bytes must be a number of bytes in [1, 2**63), got {usable_bytes!r:.40}")

@@ -364,6 +364,15 @@ def test_bad_arguments_name_the_value(model, lengths):
         xpm.record_dims_from_lengths(["a", "b"], ["bs", "l"])
     with pytest.raises(ValueError, match="epoch must be a whole number >= 0 .*, got -1"):
         xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4).set_epoch(-1)
+    # A newcomer's: a name that is not the formula's, no ranks, the budget object itself.
+    with pytest.raises(ValueError, match=r"^PredictiveBatchSampler: sort_by 'length' is not a variable of the formula "
+                                         r"\(bs, l\); give one of them"):
+        xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, sort_by="length")
+    with pytest.raises(ValueError, match=r"^world_size must be >= 1 \(the number of ranks\), got 0$"):
+        xpm.PredictiveBatchSampler(lengths, model, 10**6, outer_batch_size=4, rank=0, world_size=0)
+    with pytest.raises(ValueError, match=r"^usable_bytes must be a number of bytes, got a MemoryBudget: pass its "
+                                         r"\.usable_bytes$"):
+        xpm.PredictiveBatchSampler(lengths, model, xpm.MemoryBudget(10**7), outer_batch_size=4)
 
 
 def test_what_training_reports_is_checked_naming_the_value(model, lengths):
