@@ -10,6 +10,7 @@ from typing import Callable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
+from ..choices import MicrobatchPosition
 from ..planned_step import PlannedStep
 from ..sampler import PredictiveBatchSampler
 
@@ -41,6 +42,8 @@ class MicrobatchRecord:
         placeholder: True for the zero-weight batch of a rank whose share is empty.
         predicted_bytes: the memory model's prediction of its peak (None for a placeholder).
         correction_bytes: the calibration's correction of its prediction, as its step was planned.
+        position: its ``MicrobatchPosition`` in its step ("first", "middle", "last", "alone"),
+            whose calibration line ``correction_bytes`` is (None for a placeholder).
     """
 
     step: int
@@ -50,6 +53,7 @@ class MicrobatchRecord:
     placeholder: bool
     predicted_bytes: Optional[float] = None
     correction_bytes: float = 0.0
+    position: Optional[MicrobatchPosition] = None
 
 
 class _StepDataset(torch.utils.data.Dataset):

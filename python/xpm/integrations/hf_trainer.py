@@ -441,10 +441,12 @@ class PlannedTrainerMixin:
                 self.xpm_sampler.record_microbatch_peak(records, inputs.predicted_bytes[k], self.xpm_meter,
                                                         microbatch_position(k, len(inputs.predicted_bytes)))
             if self.on_microbatch is not None:
-                predicted = None if inputs.placeholder or not inputs.predicted_bytes else inputs.predicted_bytes[k]
-                self.on_microbatch(MicrobatchRecord(self.state.global_step + 1, inputs.epoch, tuple(records), peak,
-                                                    inputs.placeholder, predicted,
-                                                    inputs.correction_bytes[k] if inputs.correction_bytes else 0.0))
+                planned = not inputs.placeholder and inputs.predicted_bytes
+                self.on_microbatch(MicrobatchRecord(
+                    self.state.global_step + 1, inputs.epoch, tuple(records), peak, inputs.placeholder,
+                    inputs.predicted_bytes[k] if planned else None,
+                    inputs.correction_bytes[k] if inputs.correction_bytes else 0.0,
+                    microbatch_position(k, len(inputs.predicted_bytes)) if planned else None))
         if self.xpm_meter is not None:  # every rank, once per step: the correction agreed
             line = self.xpm_sampler.end_step(inputs.index)
             if line is not None:

@@ -171,6 +171,10 @@ def test_drop_in_trains_the_users_arguments_under_the_cap_and_caches_its_model(m
     assert sorted(steps) == [1, 2, 3, 4, 5, 6]
     assert all(sum(len(m) for m in microbatches) == OUTER for microbatches in steps.values())
     assert max(len(m) for m in steps.values()) > 1, "the cap should split an outer batch"
+    for step in steps:  # each record says its position in its step, whose calibration line it has
+        count = len(steps[step])
+        assert [r.position for r in measured if r.step == step] == \
+            [xpm.microbatch_position(k, count) for k in range(count)]
     assert f"{OUTER} records per optimizer step" in trainer.xpm_report and "probes" in trainer.xpm_report
     # Probes leave no trace: the Trainer counted the training microbatches' tokens alone.
     lengths = np.array([len(s) for s in sentences])
