@@ -46,7 +46,7 @@ from ..sampler import PredictiveBatchSampler
 from .accelerate import _round_robin_of, _check_processes, prepare_data_loader
 from .dataset_probes import (VARIABLES, PlanningMode, ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims,
                              dataset_record_dims, device_meter, drop_in_probe_options, packer_for, probes_summary,
-                             refuse_records_over_budget, check_drop_in_arguments, model_planning_mode)
+                             records_units, refuse_records_over_budget, check_drop_in_arguments, model_planning_mode)
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,8 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
         model: the model, not yet prepared.
         optimizer: its optimizer, not yet prepared.
         loader: the ``DataLoader`` the loop would have used (map-style dataset, ``batch_size``,
-            ``collate_fn``); not prepared.
+            ``collate_fn``; its ``num_workers`` and ``pin_memory`` carry over to the planned
+            loader); not prepared.
         loss_fn: ``loss_fn(model, batch)``: a microbatch's mean loss (default ``default_loss``).
         formula: the cost formula (variables ``bs, l``; for an encoder-decoder, whose config
             says ``is_encoder_decoder``, ``bs, ls, lt``: the source's and the target's lengths,
@@ -157,6 +158,7 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
     else:
         dims = dataset_record_dims(dataset, mode, _DATASET)
     budget = MemoryBudget(int(meter.capacity_bytes), float(memory_fraction))
+    record_units = records_units(dataset, units, _DATASET)
     outcome = _probe(accelerator, model, optimizer, loader, loss_fn, formula, meter, dims, budget,
                      probe_options, -(-outer // world), mode, variables)
     memory_model = outcome.model
@@ -164,9 +166,9 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
     sampler = PredictiveBatchSampler(
         dims, memory_model, budget.usable_bytes, outer_batch_size=outer, rank=accelerator.process_index,
         world_size=world, seed=seed, packer=packer_for(packer, memory_model), shuffle=isinstance(loader.sampler, RandomSampler),
-        units=None if units is None else [float(units(dataset[i])) for i in range(len(dims))])
-    planned = prepare_data_loader(accelerator, dataset, sampler, collate_fn=_WithPlaceholder(loader.collate_fn,
-                                                                                                dataset))
+        units=record_units)
+    planned = prepare_data_loader(accelerator, dataset, sampler, collate_fn=_WithPlaceholder(loader.collate_fn, dataset),
+                                  num_workers=loader.num_workers, pin_memory=loader.pin_memory)
     _round_robin_of(planned).meter = meter
     records = "" if mode == "padded" else f"{mode} records; "
     planned.xpm_report = (f"xpm: {records}{probes_summary(outcome)}; formula {memory_model.formula.canonical}; budget {budget.usable_bytes:,} bytes; {outer} records "

@@ -65,9 +65,22 @@ def model_planning_mode(model: Any) -> PlanningMode:
 def _length(value: Any, where: str) -> int:
     if torch.is_tensor(value) or isinstance(value, np.ndarray):
         return int(value.shape[-1]) if value.ndim > 0 else 1
+    if isinstance(value, (list, tuple)) and len(value) > 0 and _has_items(value[0]):
+        raise ValueError(f"{where} is a {type(value).__name__} of {len(value)} items, the first a "
+                         f"{type(value[0]).__name__}: a record of several fields (a TensorDataset's (inputs, targets)?), "
+                         "not a sequence of token ids; the probes' records are cut from the token ids of one, so "
+                         "give records that are token ids or mappings with 'input_ids' (and 'labels')")
     if isinstance(value, (list, tuple, str, bytes)):
         return len(value)
     raise ValueError(f"{where} is a {type(value).__name__}, not a sequence of token ids")
+
+
+def _has_items(value: Any) -> bool:
+    """Whether ``value`` is a field of several items (a sequence, a mapping, a tensor or array
+    of one dimension or more), not a token (a number, or a word)."""
+    if torch.is_tensor(value) or isinstance(value, np.ndarray):
+        return value.ndim > 0
+    return isinstance(value, (list, tuple, Mapping))
 
 
 def _column_lengths(dataset: Any, key: str) -> Optional[List[int]]:
@@ -365,6 +378,35 @@ def _with_shorter_records(sample: np.ndarray) -> np.ndarray:
     if len(combined) <= PROBE_SAMPLE_RECORDS:
         return combined
     return combined[np.random.default_rng(1).choice(len(combined), PROBE_SAMPLE_RECORDS, replace=False)]
+
+
+def records_units(dataset: Any, units: Optional[Callable[[Any], float]], where: str) -> Optional[List[float]]:
+    """Every record's loss units, ``units(record)``, each checked to be a number (the sampler
+    then refuses a negative or non-finite one, by index).
+
+    Args:
+        dataset: the map-style training dataset.
+        units: the user's ``units(record) -> float``, or None.
+        where: how errors name the dataset (``"... : loader.dataset"``).
+
+    Returns:
+        One number per record, or None without ``units``.
+
+    Raises:
+        ValueError: ``units`` gave something else than a number for a record (None, text, a
+            bool), named with its index and value.
+    """
+    if units is None:
+        return None
+    values = []
+    for i in range(len(dataset)):
+        value = units(dataset[i])
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) and \
+                not (torch.is_tensor(value) and value.numel() == 1):
+            raise ValueError(f"{where}[{i}]: units gave {value!r:.40}, not a number (a record's loss units, e.g. its "
+                             "tokens)")
+        values.append(float(value))
+    return values
 
 
 def check_drop_in_arguments(where: str, formula: Any, record_dims: Any, units: Any, packer: Any, seed: Any = 0,

@@ -54,7 +54,7 @@ from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome, probe
 from ..sampler import PredictiveBatchSampler
 from .dataset_probes import (ProbeRecords, log_allocator_line, check_device_meter, checked_custom_dims, dataset_record_dims, device_meter,
-                             drop_in_probe_options, packer_for, probes_summary, refuse_records_over_budget,
+                             drop_in_probe_options, packer_for, probes_summary, records_units, refuse_records_over_budget,
                              check_drop_in_arguments)
 from .lightning import _transfer, planned_dataloader
 
@@ -169,16 +169,20 @@ class PlannedMicrobatches(pl.Callback):
         outer = loader.batch_size * trainer.accumulate_grad_batches * trainer.world_size
         self.meter = device_meter(pl_module.device, self.meter)
         dims = self._record_dims(loader.dataset)
+        units = records_units(loader.dataset, self.units, _DATASET)
         memory_model, budget, outcome = self._probe(trainer, pl_module, loader, dims, outer)
         self.outcome = outcome
         refuse_records_over_budget("PlannedMicrobatches", memory_model, dims, budget.usable_bytes,
                                    budget.capacity_bytes)
-        units = None if self.units is None else [float(self.units(loader.dataset[i])) for i in range(len(dims))]
         self.sampler = PredictiveBatchSampler(dims, memory_model, budget.usable_bytes, outer_batch_size=outer,
                                               rank=trainer.global_rank, world_size=trainer.world_size,
                                               seed=self.seed, units=units,
                                               packer=packer_for(self.packer, memory_model),
                                               shuffle=isinstance(loader.sampler, RandomSampler))
+        if loader.num_workers:
+            logger.warning("xpm: the planned loader collates in the training process, not in the train loader's %d "
+                           "worker(s): workers would plan from a copy of the sampler that the calibration reaches "
+                           "only at the next epoch", loader.num_workers)
         source.instance = planned_dataloader(trainer, loader.dataset, self.sampler, loader.collate_fn)
         self._placeholder = loader.collate_fn([loader.dataset[0]])
         accumulation = trainer.accumulate_grad_batches

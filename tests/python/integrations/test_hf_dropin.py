@@ -385,6 +385,29 @@ def test_record_dims_with_source_and_target_swapped_are_refused_before_probing()
     ProbeRecords(dataset, np.array([[1.0, 120.0, 80.0], [1.0, 100.0, 60.0]]), "encoder_decoder")  # the right order
 
 
+def test_records_of_several_fields_are_not_read_as_token_sequences():
+    """A ``TensorDataset``'s (inputs, targets) was read as a record of 2 tokens: the probes fitted
+    that well and training ran out of memory. Refused; token lists and lists of words are read."""
+    from xpm.integrations.dataset_probes import dataset_record_dims
+
+    pairs = torch.utils.data.TensorDataset(torch.zeros(4, 30, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^ds\[0\] is a tuple of 2 items, the first a Tensor: a record of several "
+                                         r"fields .*give records that are token ids or mappings with 'input_ids'"):
+        dataset_record_dims(pairs, "padded", "ds")
+    with pytest.raises(ValueError, match=r"^ds\[0\] is a list of 2 items, the first a list"):
+        dataset_record_dims([[[1, 2, 3], [4]]], "padded", "ds")
+    assert dataset_record_dims([[5, 6, 7], ["a", "b"]], "padded", "ds")[:, 1].tolist() == [3.0, 2.0]
+
+
+def test_units_that_are_not_numbers_are_named_before_probing():
+    from xpm.integrations.dataset_probes import records_units
+
+    records = [{"input_ids": [1, 2]}, {"input_ids": [3]}]
+    assert records_units(records, lambda r: len(r["input_ids"]), "ds") == [2.0, 1.0]
+    with pytest.raises(ValueError, match=r"^ds\[0\]: units gave None, not a number"):
+        records_units(records, lambda r: None, "ds")
+
+
 def test_records_in_blocks_of_one_length_are_planned_without_padding(meter, sentences, tmp_path):
     """``group_texts``' records (the text cut into 128-byte blocks): no microbatch holds padding,
     so neither do the probes; the model alone is within 1 % of every peak from the second step
