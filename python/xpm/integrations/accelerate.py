@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 import accelerate
 import accelerate.data_loader as accelerate_data_loader
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
@@ -434,7 +435,10 @@ def microbatch_loop(loader, *, meter: Optional[Meter] = None) -> Iterator[Planne
         ValueError: ``loader`` is not one of this module's loaders; ``meter`` with a sampler
             that packs without lockstep at more than one process (its steps are dealt from a
             plan made at the start of the epoch, which the calibration would change under it).
-        RuntimeError: accelerate dealt this process a microbatch planned for another rank.
+        RuntimeError: accelerate dealt this process a microbatch planned for another rank; an
+            optimizer steps (any ``torch.optim`` optimizer, before its step: the parameters are
+            unchanged) after a microbatch that does not end its step, as under
+            ``accelerator.accumulate(model)`` in place of ``accumulate``.
     """
     round_robin = _round_robin_of(loader)
     sampler = round_robin.predictive_sampler
@@ -445,19 +449,37 @@ def microbatch_loop(loader, *, meter: Optional[Meter] = None) -> Iterator[Planne
                          "packing at more than one process: build it with lockstep=True (the default) or "
                          "calibrate=False")
     process_index = accelerate.PartialState().process_index
-    for microbatch in loader:
-        if microbatch.rank != process_index:
-            raise RuntimeError(f"process {process_index} was dealt rank {microbatch.rank}'s microbatch (step "
-                               f"{microbatch.step}): the loader was re-sharded after preparation; {_HOW_TO}")
-        if microbatch.padding:
-            continue
-        if microbatch.last:
-            sampler.mark_step_done()
-        if measuring:
-            start_peak(meter)
-        yield microbatch
-        if measuring:  # trained: measured before accelerate reads (and moves) the next batch ahead
-            _measured(sampler, round_robin, microbatch, meter)
+    handed_out: List[PlannedMicrobatch] = []
+    guard = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: _refuse_step_within(handed_out))
+    try:
+        for microbatch in loader:
+            if microbatch.rank != process_index:
+                raise RuntimeError(f"process {process_index} was dealt rank {microbatch.rank}'s microbatch (step "
+                                   f"{microbatch.step}): the loader was re-sharded after preparation; {_HOW_TO}")
+            if microbatch.padding:
+                continue
+            if microbatch.last:
+                sampler.mark_step_done()
+            if measuring:
+                start_peak(meter)
+            handed_out[:] = [microbatch]
+            yield microbatch
+            if measuring:  # trained: measured before accelerate reads (and moves) the next batch ahead
+                _measured(sampler, round_robin, microbatch, meter)
+    finally:
+        guard.remove()
+
+
+def _refuse_step_within(handed_out: List[PlannedMicrobatch]) -> None:
+    """Before any optimizer steps while ``microbatch_loop`` runs: refused after a microbatch that
+    does not end its step (the outer batch would be stepped microbatch by microbatch)."""
+    if handed_out and not handed_out[0].last:
+        microbatch = handed_out[0]
+        raise RuntimeError(f"microbatch_loop: the optimizer stepped after a microbatch of step {microbatch.step} that "
+                           "is not its last, so the outer batch would be stepped microbatch by microbatch "
+                           "(accelerator.accumulate(model) does that at gradient_accumulation_steps=1): train each "
+                           "microbatch under xpm.integrations.accelerate.accumulate(accelerator, model, microbatch), "
+                           "or step only after microbatch.last")
 
 
 def _measured(sampler: PredictiveBatchSampler, round_robin: RoundRobinMicrobatches, microbatch: PlannedMicrobatch,

@@ -54,12 +54,30 @@ __all__ = ["prepare", "default_loss"]
 
 
 def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """A Hugging Face model's loss: ``model(**batch).loss`` for a mapping with labels, else
-    ``model(batch)`` (a module whose forward returns its loss)."""
+    """A Hugging Face model's loss: ``model(**batch).loss`` (or ``["loss"]``, or the output
+    itself where it is a scalar tensor) for a mapping with labels, else ``model(batch)`` (a
+    module whose forward returns its loss).
+
+    Raises:
+        ValueError: the model's output holds no loss (no ``loss`` attribute or key), or is not
+            a scalar tensor: ``prepare(..., loss_fn=...)`` says how to get it.
+    """
     if isinstance(batch, Mapping):
         output = model(**batch)
-        return output.loss if hasattr(output, "loss") else output["loss"]
-    return model(batch)
+        loss = output if torch.is_tensor(output) and output.numel() == 1 else getattr(output, "loss", None)
+        if loss is None and isinstance(output, Mapping):
+            loss = output.get("loss")
+        if loss is None:
+            raise ValueError(f"the default loss_fn reads model(**batch).loss, but the model returned a "
+                             f"{type(output).__name__} without a loss (labels missing from the batch?): pass "
+                             "loss_fn=callable(model, batch) -> the scalar loss")
+    else:
+        loss = model(batch)
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if torch.is_tensor(loss) else f"a {type(loss).__name__}"
+        raise ValueError(f"the default loss_fn takes the model's output as the loss, but it is {what}: pass "
+                         "loss_fn=callable(model, batch) -> the scalar loss")
+    return loss
 
 
 class _WithPlaceholder:

@@ -375,6 +375,64 @@ def test_one_process_calibration_reaches_the_next_step(memory_model, lengths):
                corrections[1] + corrections[2] + corrections[3]), corrections
 
 
+def test_the_default_loss_takes_a_scalar_output_and_names_loss_fn_otherwise():
+    from xpm.integrations.accelerate_planning import default_loss
+
+    class Returns(torch.nn.Module):
+        def __init__(self, make):
+            super().__init__()
+            self.make = make
+
+        def forward(self, input_ids):
+            return self.make(input_ids.float())
+
+    batch = {"input_ids": torch.ones(2, 3)}
+    assert default_loss(Returns(lambda x: x.sum()), batch).item() == 6.0
+    assert default_loss(Returns(lambda x: {"loss": x.mean()}), batch).item() == 1.0
+    with pytest.raises(ValueError, match=r"^the default loss_fn reads model\(\*\*batch\).loss, but the model returned "
+                                         r"a tuple without a loss .*: pass loss_fn=callable\(model, batch\)"):
+        default_loss(Returns(lambda x: (x, x)), batch)
+    with pytest.raises(ValueError, match=r"^the default loss_fn takes the model's output as the loss, but it is a "
+                                         r"tensor of shape \(2, 3\): pass loss_fn="):
+        default_loss(Returns(lambda x: x), torch.ones(2, 3))
+
+
+def test_an_optimizer_step_within_an_outer_batch_is_refused_before_it_steps(memory_model, lengths):
+    """``with accelerator.accumulate(model)`` (accelerate's own pattern) at the
+    gradient_accumulation_steps=1 xpm needs steps after every microbatch: refused before the
+    first such step, the parameters unchanged; stepping after ``microbatch.last`` alone is fine."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def train(microbatch):
+        accelerator.backward(microbatch.weight * model(microbatch.batch[..., :1]).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+
+    loader = xpm_accelerate.prepare_data_loader(accelerator, _records(lengths), _sampler(memory_model, lengths),
+                                                collate_fn=_pad)
+    microbatches = xpm_accelerate.microbatch_loop(loader)
+    first = next(microbatches)
+    assert not first.last
+    with pytest.raises(RuntimeError, match=r"^microbatch_loop: the optimizer stepped after a microbatch of step 0 "
+                                           r"that is not its last"):
+        with accelerator.accumulate(model):
+            train(first)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    microbatches.close()
+    steps = 0
+    for microbatch in xpm_accelerate.microbatch_loop(loader):
+        with xpm_accelerate.accumulate(accelerator, model, microbatch):
+            train(microbatch)
+        steps += microbatch.last
+        if steps == 2:
+            break
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 @pytest.mark.parametrize("setting, config, named", [
     ("world_size", {}, "world_size"),
     ("gradient_accumulation_steps", {"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=1"),
