@@ -95,7 +95,10 @@ _DATASET = "xpm.integrations.accelerate.prepare: loader.dataset"
 
 
 def _checked_loader(loader: Any) -> DataLoader:
-    if not isinstance(loader, DataLoader):
+    if isinstance(loader, accelerate.data_loader.DataLoaderAdapter):
+        problem = (f"got a {type(loader).__name__}, a loader accelerator.prepare made already: give the loader "
+                   "itself, not prepared (prepare plans and prepares it)")
+    elif not isinstance(loader, DataLoader):
         problem = f"got a {type(loader).__name__}"
     elif isinstance(loader.dataset, IterableDataset):
         problem = f"its dataset is an IterableDataset ({type(loader.dataset).__name__})"

@@ -428,8 +428,8 @@ def check_drop_in_arguments(where: str, formula: Any, record_dims: Any, units: A
         The seed.
 
     Raises:
-        ValueError: any of them of another kind, or a formula with another number of
-            variables than the records' dims of ``dims_mode`` without ``record_dims``.
+        ValueError: any of them of another kind, or a formula with other variables (in number
+            or names) than the records' dims of ``dims_mode`` without ``record_dims``.
     """
     if not (isinstance(formula, str) and formula == "auto" or isinstance(formula, CostFormula)):
         raise ValueError(f"{where}: formula must be 'auto' or an xpm.CostFormula, got {formula!r}")
@@ -444,6 +444,10 @@ def check_drop_in_arguments(where: str, formula: Any, record_dims: Any, units: A
                              f"{len(formula.variable_names)}, but without record_dims= each record's dims are "
                              f"{len(read)} ({', '.join(read)}): give record_dims=, a function of a record that returns "
                              f"its {len(formula.variable_names)} dims in the formula's order")
+        if tuple(formula.variable_names) != tuple(read):
+            raise ValueError(f"{where}: the formula's variables {list(formula.variable_names)} are not the names of the "
+                             f"records' dims read without record_dims= ({', '.join(read)}): name them so, or give "
+                             "record_dims=")
     return _seed_number(f"{where}: seed", seed)
 
 

@@ -466,6 +466,10 @@ def test_prepares_arguments_are_refused_before_anything_is_prepared():
             xpm_accelerate.prepare(accelerator, model, optimizer, loader, **keywords)
         assert str(caught.value).startswith(f"xpm.integrations.accelerate.prepare: {expected}"), caught.value
     assert accelerator._models == []  # nothing prepared
+    prepared = accelerator.prepare(torch.utils.data.DataLoader([torch.zeros(4)] * 8, batch_size=4))
+    with pytest.raises(ValueError, match=r"^xpm.integrations.accelerate.prepare: loader must be .*got a "
+                                         r"DataLoaderShard, a loader accelerator.prepare made already"):
+        xpm_accelerate.prepare(accelerator, model, optimizer, prepared)
 
 
 def test_a_loader_prepared_without_this_module_is_refused(memory_model, lengths):

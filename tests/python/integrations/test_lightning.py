@@ -446,7 +446,10 @@ def test_errors_name_the_fix():
                                ({"seed": "3"}, "seed must be a whole number, got '3'"),
                                ({"formula": xpm.CostFormula("a*bs + c", ["bs"])},
                                 "the formula's variables ['bs'] are 1, but without record_dims= each record's dims "
-                                "are 2 (bs, l): give record_dims=")):
+                                "are 2 (bs, l): give record_dims="),
+                               ({"formula": xpm.CostFormula("a*n*t + c", ["n", "t"])},
+                                "the formula's variables ['n', 't'] are not the names of the records' dims read "
+                                "without record_dims= (bs, l)")):
         with pytest.raises(ValueError) as caught:
             xpm_lightning.PlannedMicrobatches(**keywords)
         assert str(caught.value).startswith(f"PlannedMicrobatches: {expected}"), caught.value
