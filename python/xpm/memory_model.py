@@ -100,6 +100,10 @@ class MemoryModel:
             if not _names_to_numbers(coefficients, names):
                 raise ValueError(f"{source}: metadata.phases[{phase!r}] must hold 'coefficients', a number of bytes "
                                  f"for each of {', '.join(sorted(names))}; got {record!r}")
+            lowest = record.get("lowest_peak_bytes", 0.0)
+            if isinstance(lowest, bool) or not isinstance(lowest, (int, float)) or not 0 <= lowest < 2 ** 63:
+                raise ValueError(f"{source}: metadata.phases[{phase!r}].lowest_peak_bytes must be a number of bytes "
+                                 f">= 0, got {lowest!r:.40}")
             single = record.get("single_record_coefficients")
             if single is not None and not _names_to_numbers(single, names):
                 raise ValueError(f"{source}: metadata.phases[{phase!r}].single_record_coefficients must hold a "
@@ -216,14 +220,16 @@ class MemoryModel:
 
     def _with_phase(self, phase: GradientPhase, coefficients: Sequence[float], single_record_factor: float,
                     max_rel_error: float, fitted_points: int,
-                    single_record_coefficients: Sequence[float] = ()) -> "MemoryModel":
+                    single_record_coefficients: Sequence[float] = (), lowest_peak_bytes: float = 0.0) -> "MemoryModel":
         """This model with a fit of ``phase``: the same formula and floor, its own coefficients
-        (kept in the JSON, so the phase travels with ``to_json`` and ``save``)."""
+        (kept in the JSON, so the phase travels with ``to_json`` and ``save``), and the lowest
+        peak the phase measured, the floor of its predictions where the model's floor (the
+        optimizer step's) does not hold (a step's first microbatch of several)."""
         parsed = json.loads(self.to_json())
         names = self.formula.coefficient_names
         record = {"coefficients": dict(zip(names, map(float, coefficients))),
                   "single_record_factor": float(single_record_factor), "max_rel_error": float(max_rel_error),
-                  "fitted_points": int(fitted_points)}
+                  "fitted_points": int(fitted_points), "lowest_peak_bytes": float(lowest_peak_bytes)}
         if len(single_record_coefficients):
             record["single_record_coefficients"] = dict(zip(names, map(float, single_record_coefficients)))
         parsed.setdefault("metadata", {}).setdefault("phases", {})[phase] = record
@@ -259,7 +265,8 @@ class MemoryModel:
             self._phase_natives[key] = self._native_with(record["coefficients"],
                                                          record.get("single_record_factor", 1.0), floor,
                                                          record.get("single_record_coefficients"),
-                                                         record.get("formula"))
+                                                         record.get("formula"),
+                                                         float(record.get("lowest_peak_bytes", 0.0)))
         return self._phase_natives[key]
 
     def _refit_outside(self) -> Optional[_planner.MemoryModel]:
@@ -271,10 +278,10 @@ class MemoryModel:
 
     def _native_with(self, coefficients: Dict[str, float], single_record_factor: float,
                      floor: bool = True, single_record_coefficients: Optional[Dict[str, float]] = None,
-                     formula: Optional[Dict[str, Any]] = None) -> _planner.MemoryModel:
-        """This model (formula, floor unless ``floor`` is False, ranges) with other coefficients,
-        single-record factor and single-record coefficients (None: none), and another formula
-        over the same variables where ``formula`` (its JSON) is given."""
+                     formula: Optional[Dict[str, Any]] = None, floor_bytes: float = 0.0) -> _planner.MemoryModel:
+        """This model (formula, floor unless ``floor`` is False, then ``floor_bytes``, ranges)
+        with other coefficients, single-record factor and single-record coefficients (None:
+        none), and another formula over the same variables where ``formula`` (its JSON) is given."""
         parsed = dict(self._parsed())
         if formula is not None:
             parsed["formula"] = formula
@@ -287,7 +294,7 @@ class MemoryModel:
         if single_record_coefficients:
             parsed["single_record_coefficients"] = single_record_coefficients
         if not floor:
-            parsed["floor_bytes"] = 0.0
+            parsed["floor_bytes"] = float(floor_bytes)
             parsed.pop("floor_formula", None)
         return _planner.MemoryModel.from_json(json.dumps(parsed))
 

@@ -398,7 +398,15 @@ def test_a_malformed_phase_record_is_refused_in_one_line_naming_it():
     with_single = xpm.MemoryModel.from_json(json.dumps(parsed))
     assert with_single.predict([1, 10], "without_gradients") == pytest.approx(80 * 10 + 30 + 1000)
     assert with_single.predict([2, 10], "without_gradients") == pytest.approx(90 * 20 + 60 + 1000)
+    # Without the model's floor (a first microbatch of several), the phase's lowest measured peak
+    # bounds its prediction below (and the steady prediction above, as always).
+    parsed["metadata"]["phases"] = {"without_gradients": dict(good, lowest_peak_bytes=2900.0)}
+    with_lowest = xpm.MemoryModel.from_json(json.dumps(parsed))
+    assert with_lowest.predict([2, 10], "without_gradients", floor=False) == 2900.0
+    assert with_lowest.predict([8, 40], "without_gradients", floor=False) == pytest.approx(90 * 320 + 240 + 1000)
     for phases, expected in (
+            ({"without_gradients": dict(good, lowest_peak_bytes=-1)},
+             "metadata.phases['without_gradients'].lowest_peak_bytes must be a number of bytes >= 0, got -1"),
             ({"without_gradients": 5}, "metadata.phases['without_gradients'] must hold 'coefficients', a number "
                                        "of bytes for each of a, b, c; got 5"),
             ({"without_gradients": {"coefficients": {"a": 1.0}}}, "for each of a, b, c; got {'coefficients'"),
