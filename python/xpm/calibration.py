@@ -51,7 +51,6 @@ C++ Learner uses too; this module adds the collective (``torch.distributed``) an
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -63,6 +62,7 @@ import torch.distributed as dist
 from . import _planner
 from .choices import MICROBATCH_POSITIONS, MicrobatchPosition, _check_choice
 from .meters import Meter, planned_bytes_kind, planned_peak_bytes
+from .record_dims import _finite_number
 
 _POSITION_ORDER = {name: k for k, name in enumerate(MICROBATCH_POSITIONS)}
 
@@ -152,14 +152,6 @@ EARLY_HEADROOM_SLOPE: float = _planner.EARLY_HEADROOM_SLOPE
 """The headroom a lower correction adds besides, before ``settle_steps`` steps: 1 % of the prediction."""
 
 
-def _finite_number(value: Any) -> bool:
-    """Whether ``value`` is a finite number: an int, or a float neither NaN nor infinite (not a
-    bool, text or None)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        return False
-    return isinstance(value, (int, np.integer)) or math.isfinite(value)
-
-
 def _bytes_number(value: Any, name: str) -> float:
     """A number of bytes given to ``Calibration.record_peak``: text, booleans and what is not
     finite are refused, and so is 2**63 or more (the native check refuses a negative one)."""
@@ -174,8 +166,7 @@ def _bytes_number(value: Any, name: str) -> float:
 def _usable_bytes(value: Any) -> int:
     """``Calibration``'s budget: a whole number of bytes > 0 (a float with a whole value is taken;
     text, booleans and fractions are refused)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) or \
-            not 0 < value < 2 ** 63 or value != int(value):  # NaN fails the range; a huge int never reaches int()
+    if not _finite_number(value) or not 0 < value < 2 ** 63 or value != int(value):  # a huge int never reaches int()
         raise ValueError(f"Calibration: usable_bytes must be a whole number of bytes > 0, got {value!r:.40}")
     return int(value)
 

@@ -21,13 +21,13 @@ classmethod like these) and one entry there.
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 from typing import Any, Dict, Literal, Optional, Protocol, Union, runtime_checkable
 
-import numpy as np
 import torch
+
+from .record_dims import _finite_number
 
 
 _installed_cpu_meter: Optional["CpuMeter"] = None
@@ -167,8 +167,7 @@ class CpuMeter:
 
     @capacity_bytes.setter
     def capacity_bytes(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or \
-                not math.isfinite(value) or value < 0 or value != int(value) or value >= 2 ** 63:
+        if not _finite_number(value) or value < 0 or value != int(value) or value >= 2 ** 63:
             raise ValueError(f"CpuMeter.capacity_bytes must be a whole number of bytes >= 0 (0: no cap) and below "
                              f"2**63, got {value!r}")
         self._native.capacity_bytes = int(value)
@@ -441,8 +440,7 @@ def planned_peak_bytes(meter: Meter) -> int:
                         f"peak_allocated_bytes), got {meter!r}")
     attribute = "peak_reserved_bytes" if planned_bytes_kind(meter) == "reserved" else "peak_allocated_bytes"
     peak = getattr(meter, attribute)
-    if isinstance(peak, (bool, np.bool_)) or not isinstance(peak, (int, float, np.integer, np.floating)) or \
-            not 0 <= peak < 2 ** 63:  # NaN fails the range
+    if not _finite_number(peak) or not 0 <= peak < 2 ** 63:
         raise ValueError(f"meter.{attribute} must be a number of bytes in [0, 2**63), got {peak!r:.40} from "
                          f"{_shown_meter(meter)}")
     return int(peak)

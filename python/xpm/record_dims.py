@@ -5,6 +5,7 @@ shapes the model was probed at).
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import TYPE_CHECKING, Any, List, Sequence
 
@@ -13,6 +14,14 @@ from numpy.typing import ArrayLike
 
 if TYPE_CHECKING:
     from .memory_model import MemoryModel
+
+
+def _finite_number(value: Any) -> bool:
+    """Whether ``value`` is a finite number: an int, or a float neither NaN nor infinite (not a
+    bool, text or None)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    return isinstance(value, (int, np.integer)) or math.isfinite(value)
 
 
 def _numbers(values: Any, what: str) -> np.ndarray:

@@ -36,6 +36,7 @@ from ..cost_formula import CostFormula
 from ..planning import MemoryBudget, MemoryModel, PackerName
 from ..probe_options import ProbeOptions
 from ..probing import ProbeOutcome
+from ..record_dims import _finite_number
 from ..sampler_checks import _seed_number, records_over_budget
 
 PlanningMode = Literal["padded", "encoder_decoder", "padding_free"]
@@ -401,8 +402,9 @@ def records_units(dataset: Any, units: Optional[Callable[[Any], float]], where: 
     values = []
     for i in range(len(dataset)):
         value = units(dataset[i])
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) and \
-                not (torch.is_tensor(value) and value.numel() == 1):
+        if torch.is_tensor(value) and value.numel() == 1:
+            value = value.item()
+        if not _finite_number(value):
             raise ValueError(f"{where}[{i}]: units gave {value!r:.40}, not a number (a record's loss units, e.g. its "
                              "tokens)")
         values.append(float(value))
