@@ -437,16 +437,15 @@ class PlannedTrainerMixin:
             finally:
                 self._microbatch_loss_scale = 1.0
             peak = None if self.xpm_meter is None else int(self.xpm_meter.peak_allocated_bytes)
-            if peak is not None and not inputs.placeholder and inputs.predicted_bytes:
-                self.xpm_sampler.record_microbatch_peak(records, inputs.predicted_bytes[k], self.xpm_meter,
-                                                        microbatch_position(k, len(inputs.predicted_bytes)))
+            planned = not inputs.placeholder and bool(inputs.predicted_bytes)
+            position = microbatch_position(k, len(inputs.predicted_bytes)) if planned else None
+            if peak is not None and planned:
+                self.xpm_sampler.record_microbatch_peak(records, inputs.predicted_bytes[k], self.xpm_meter, position)
             if self.on_microbatch is not None:
-                planned = not inputs.placeholder and inputs.predicted_bytes
                 self.on_microbatch(MicrobatchRecord(
                     self.state.global_step + 1, inputs.epoch, tuple(records), peak, inputs.placeholder,
                     inputs.predicted_bytes[k] if planned else None,
-                    inputs.correction_bytes[k] if inputs.correction_bytes else 0.0,
-                    microbatch_position(k, len(inputs.predicted_bytes)) if planned else None))
+                    inputs.correction_bytes[k] if inputs.correction_bytes else 0.0, position))
         if self.xpm_meter is not None:  # every rank, once per step: the correction agreed
             line = self.xpm_sampler.end_step(inputs.index)
             if line is not None:
