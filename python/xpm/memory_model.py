@@ -220,16 +220,20 @@ class MemoryModel:
 
     def _with_phase(self, phase: GradientPhase, coefficients: Sequence[float], single_record_factor: float,
                     max_rel_error: float, fitted_points: int,
-                    single_record_coefficients: Sequence[float] = (), lowest_peak_bytes: float = 0.0) -> "MemoryModel":
-        """This model with a fit of ``phase``: the same formula and floor, its own coefficients
-        (kept in the JSON, so the phase travels with ``to_json`` and ``save``), and the lowest
-        peak the phase measured, the floor of its predictions where the model's floor (the
-        optimizer step's) does not hold (a step's first microbatch of several)."""
+                    single_record_coefficients: Sequence[float] = (), lowest_peak_bytes: float = 0.0,
+                    formula: Optional[Dict[str, Any]] = None) -> "MemoryModel":
+        """This model with a fit of ``phase``: the same formula (or ``formula``, the JSON of
+        another over the same variables) and floor, its own coefficients (kept in the JSON, so
+        the phase travels with ``to_json`` and ``save``), and the lowest peak the phase measured,
+        the floor of its predictions where the model's floor (the optimizer step's) does not hold
+        (a step's first microbatch of several)."""
         parsed = json.loads(self.to_json())
-        names = self.formula.coefficient_names
+        names = self.formula.coefficient_names if formula is None else formula["coefficient_names"]
         record = {"coefficients": dict(zip(names, map(float, coefficients))),
                   "single_record_factor": float(single_record_factor), "max_rel_error": float(max_rel_error),
                   "fitted_points": int(fitted_points), "lowest_peak_bytes": float(lowest_peak_bytes)}
+        if formula is not None:
+            record["formula"] = formula
         if len(single_record_coefficients):
             record["single_record_coefficients"] = dict(zip(names, map(float, single_record_coefficients)))
         parsed.setdefault("metadata", {}).setdefault("phases", {})[phase] = record
