@@ -382,14 +382,14 @@ def _phase_fit(model: MemoryModel, shapes: List[List[float]], peaks_at: Dict[tup
     training's first microbatches -13.5 % to +1.4 %; with two regimes 0.20 % and -0.12 % to
     +0.22 %."""
     single = _fit_phase_formula(model, model.formula, shapes, peaks_at, aggregation, usable_max_rel_error)
+    plain = None if single is None else (single[0], single[1], None)
     two = _two_regimes(model.formula)
-    gain_possible = single is None or single[2] >= TWO_REGIMES_MIN_GAIN
-    if two is None or not gain_possible or len(shapes) <= len(two.coefficient_names):
-        return None if single is None else (single[0], single[1], None)
-    regimes = _fit_phase_formula(model, two, shapes, peaks_at, aggregation, usable_max_rel_error)
+    if two is None or len(shapes) <= len(two.coefficient_names) or (single and single[2] < TWO_REGIMES_MIN_GAIN):
+        return plain
+    regimes = _fit_phase_formula(model, two, shapes, peaks_at, aggregation, usable_max_rel_error, require_usable=True)
     if regimes is not None and (single is None or regimes[2] <= single[2] - TWO_REGIMES_MIN_GAIN):
         return regimes[0], regimes[1], json.loads(regimes[0].to_json())["formula"]
-    return None if single is None else (single[0], single[1], None)
+    return plain
 
 
 def _two_regimes(formula: CostFormula) -> Optional[CostFormula]:
@@ -410,10 +410,12 @@ def _two_regimes(formula: CostFormula) -> Optional[CostFormula]:
 
 def _fit_phase_formula(model: MemoryModel, formula: CostFormula, shapes: List[List[float]],
                        peaks_at: Dict[tuple, float], aggregation: Optional[Dict[str, RecordAggregation]],
-                       usable_max_rel_error: float) -> Optional[Tuple[_planner.MemoryModel, float, float]]:
+                       usable_max_rel_error: float,
+                       require_usable: bool = False) -> Optional[Tuple[_planner.MemoryModel, float, float]]:
     """``formula`` fitted to the phase's peaks at ``shapes``: the fit, its max relative error
     and its leave-one-shape-out max error; None when too few shapes, not identifiable, or not
-    within ``usable_max_rel_error``."""
+    within ``usable_max_rel_error`` (with ``require_usable``, also when the fit's summary says
+    it is not usable: terms the shapes cannot separate, a held-out error above the limit)."""
     width = len(model.formula.variable_names)
     if len(shapes) < len(formula.coefficient_names):
         return None
@@ -428,6 +430,8 @@ def _fit_phase_formula(model: MemoryModel, formula: CostFormula, shapes: List[Li
     except (ValueError, RuntimeError):
         return None
     if not np.isfinite(summary["max_rel_error"]) or abs(summary["max_rel_error"]) > usable_max_rel_error:
+        return None
+    if require_usable and not summary["usable"]:
         return None
     held_out = summary.get("leave_one_out_max_rel_error", float("nan"))
     return native, float(summary["max_rel_error"]), abs(float(held_out)) if np.isfinite(held_out) else float("inf")
