@@ -94,8 +94,10 @@ class MemoryModel:
             if phase not in GRADIENT_PHASES[1:]:
                 raise ValueError(f"{source}: metadata.phases has {phase!r}; a phase fitted apart is "
                                  f"{_name_list(GRADIENT_PHASES[1:])}")
-            own = record.get("formula") if isinstance(record, dict) else None  # a refit chose another since
-            names = set(own.get("coefficient_names", ()) if isinstance(own, dict) else self.formula.coefficient_names)
+            own = record.get("formula") if isinstance(record, dict) else None  # two regimes, or a refit's other
+            if own is not None:
+                self._check_phase_formula(source, phase, own)
+            names = set(own["coefficient_names"] if own is not None else self.formula.coefficient_names)
             coefficients = record.get("coefficients") if isinstance(record, dict) else None
             if not _names_to_numbers(coefficients, names):
                 raise ValueError(f"{source}: metadata.phases[{phase!r}] must hold 'coefficients', a number of bytes "
@@ -108,6 +110,23 @@ class MemoryModel:
             if single is not None and not _names_to_numbers(single, names):
                 raise ValueError(f"{source}: metadata.phases[{phase!r}].single_record_coefficients must hold a "
                                  f"number of bytes for each of {', '.join(sorted(names))}; got {single!r}")
+
+    def _check_phase_formula(self, source: str, phase: str, formula: Any) -> None:
+        """Raises ValueError naming ``metadata.phases[phase].formula`` unless it is a formula's
+        JSON (``text``, ``coefficient_names``) over this model's variables that parses."""
+        where = f"{source}: metadata.phases[{phase!r}].formula"
+        if not isinstance(formula, dict) or not isinstance(formula.get("text"), str) \
+                or not isinstance(formula.get("coefficient_names"), list):
+            raise ValueError(f"{where} must be a formula's JSON object with 'text' and 'coefficient_names', "
+                             f"got {formula!r:.80}")
+        variables = list(self.formula.variable_names)
+        if formula.get("variable_names", variables) != variables:
+            raise ValueError(f"{where} is over {formula.get('variable_names')!r}, not the model's variables {variables}")
+        try:
+            _planner.CostFormula(formula["text"], variables, [str(n) for n in formula["coefficient_names"]], False)
+        except (ValueError, RuntimeError) as error:
+            first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ValueError(f"{where} {formula['text']!r:.80} does not parse over {variables}: {first_line}") from None
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Writes the model (temporary file, then rename: never half-written).

@@ -367,6 +367,10 @@ TWO_REGIMES_MIN_GAIN = 0.005
 """How much lower (a share of the peak) the leave-one-shape-out max error of a phase's fit with
 two regimes (``_two_regimes``) must be than the model's formula's for the phase to take it."""
 
+FITTING_REVISION = 2
+"""Raised whenever probing fits a memory model differently from the same probes (2: a phase in
+two regimes); a cache of fitted models keys on it, so an upgrade never reuses an older fit."""
+
 
 def _phase_fit(model: MemoryModel, shapes: List[List[float]], peaks_at: Dict[tuple, float],
                aggregation: Optional[Dict[str, RecordAggregation]],
@@ -394,14 +398,16 @@ def _phase_fit(model: MemoryModel, shapes: List[List[float]], peaks_at: Dict[tup
 
 def _two_regimes(formula: CostFormula) -> Optional[CostFormula]:
     """``max(F, F')`` of a formula F linear in its coefficients, F' the same terms with their
-    own coefficients (each name with "_2" appended); None for a formula that is not linear or
-    whose names would collide."""
+    own coefficients (each name with "_2" appended, or "_3", ... where "_2" would repeat a name
+    of the formula); None for a formula that is not linear."""
     if not formula.is_linear or "max(" in formula.canonical:
         return None
     names = list(formula.coefficient_names)
-    renamed = {name: f"{name}_2" for name in names}
-    if set(renamed.values()) & (set(names) | set(formula.variable_names)):
-        return None
+    taken = set(names) | set(formula.variable_names)
+    suffix = 2
+    while any(f"{name}_{suffix}" in taken for name in names):
+        suffix += 1
+    renamed = {name: f"{name}_{suffix}" for name in names}
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
     second = pattern.sub(lambda match: renamed[match.group(1)], formula.canonical)
     return CostFormula(f"max({formula.canonical}, {second})", list(formula.variable_names),

@@ -277,10 +277,25 @@ def random_lstm_tokens(dims):
     return torch.randint(1, LSTM_VOCAB, (int(dims[0]), int(dims[1])))
 
 
-def test_two_regimes_of_a_formula_rename_the_second_pieces_coefficients_and_skip_what_they_cannot_double():
+def test_two_regimes_of_a_formula_rename_the_second_pieces_coefficients_apart_from_every_name():
     from xpm.probing import _two_regimes
     two = _two_regimes(xpm.CostFormula("a*bs*l + c", ["bs", "l"]))
     assert two.canonical == "max(a*bs*l + c, a_2*bs*l + c_2)"
     assert list(two.coefficient_names) == ["a", "c", "a_2", "c_2"]
-    assert _two_regimes(xpm.CostFormula("a*bs*l + a_2*bs + c", ["bs", "l"])) is None  # the names would collide
+    other = _two_regimes(xpm.CostFormula("a*bs*l + a_2*bs + c", ["bs", "l"]))  # "_2" would repeat a name
+    assert other.canonical == "max(a*bs*l + a_2*bs + c, a_2_3*bs + a_3*bs*l + c_3)"
     assert _two_regimes(xpm.CostFormula("max(a*bs*l + c, b*bs + d)", ["bs", "l"])) is None  # already in pieces
+
+
+@pytest.mark.parametrize("formula, message", [
+    ("a1*bs*l + c", "must be a formula's JSON object"),
+    ({"text": "a1*bs*x + c", "coefficient_names": ["a1", "c"], "variable_names": ["bs", "x"]}, "not the model's variables"),
+    ({"text": "a1*bs*x + c", "coefficient_names": ["a1", "c"]}, "does not parse over ['bs', 'l']"),
+])
+def test_a_phase_formula_that_is_no_formula_of_the_model_is_refused_on_load_naming_it(trained, formula, message):
+    parsed = json.loads(trained[0].model.to_json())
+    parsed["metadata"]["phases"]["without_gradients"]["formula"] = formula
+    with pytest.raises(ValueError) as error:
+        xpm.MemoryModel.from_json(json.dumps(parsed))
+    assert "metadata.phases['without_gradients'].formula" in str(error.value) and message in str(error.value)
+    assert "\n" not in str(error.value)

@@ -33,7 +33,7 @@ from ..lockstep import Lockstep
 from ..meters import Meter
 from ..planning import DEFAULT_MEMORY_FRACTION, CostFormula, MemoryBudget, MemoryModel, PackerName
 from ..probe_options import ProbeOptions
-from ..probing import ProbeOutcome
+from ..probing import FITTING_REVISION, ProbeOutcome
 from .dataset_probes import (VARIABLES, PlanningMode, check_device_meter, check_drop_in_arguments, checked_custom_dims,
                              dataset_record_dims, device_meter, drop_in_probe_options, model_planning_mode)
 
@@ -328,11 +328,12 @@ def save_cached(model: MemoryModel, path: str) -> None:
     model.save(path)
 
 
-def environment_parts() -> Dict[str, str]:
-    """The versions a memory model depends on."""
+def environment_parts() -> Dict[str, Any]:
+    """The versions a memory model depends on (xpm's fitting revision among them)."""
     import transformers
 
-    return {"xpm": VERSION, "torch": torch.__version__, "transformers": transformers.__version__}
+    return {"xpm": VERSION, "fitting": FITTING_REVISION, "torch": torch.__version__,
+            "transformers": transformers.__version__}
 
 
 __all__ = ["planning_mode", "model_signature", "cache_key", "optimizer_identity", "TrainerSnapshot",

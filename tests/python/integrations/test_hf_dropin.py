@@ -669,3 +669,13 @@ def test_the_integrations_take_the_planners_memory_fraction():
 if __name__ == "__main__":
     _ddp_worker(sys.argv[1])
 
+
+
+def test_a_model_cached_by_an_older_fitting_revision_is_not_reused(monkeypatch):
+    """The cache keys on xpm's fitting revision: the same job after an upgrade that fits the same
+    probes differently probes anew instead of reusing the older fit."""
+    from xpm.integrations import hf_planning
+    parts = hf_planning.environment_parts()
+    assert parts["fitting"] == xpm.probing.FITTING_REVISION
+    monkeypatch.setattr(hf_planning, "FITTING_REVISION", parts["fitting"] + 1)
+    assert hf_planning.cache_key(hf_planning.environment_parts()) != hf_planning.cache_key(parts)
