@@ -148,7 +148,9 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
 
     Returns:
         ``(model, optimizer, loader)``: the prepared model and optimizer, and the planned loader
-        (``microbatch_loop`` it; its ``xpm_report`` attribute is the start-up line).
+        (``microbatch_loop`` it). The loader's ``xpm_report`` attribute is the start-up line,
+        ``xpm_outcome`` the probes' ``xpm.ProbeOutcome`` (its ``model``: the memory model, with
+        its phases) and ``xpm_sampler`` the ``xpm.PredictiveBatchSampler`` (its ``calibration``).
 
     Raises:
         ValueError: a loader without ``batch_size`` or over an iterable dataset, a
@@ -191,6 +193,7 @@ def prepare(accelerator: "accelerate.Accelerator", model: torch.nn.Module, optim
     planned = prepare_data_loader(accelerator, dataset, sampler, collate_fn=_WithPlaceholder(loader.collate_fn, dataset),
                                   num_workers=loader.num_workers, pin_memory=loader.pin_memory)
     _round_robin_of(planned).meter = meter
+    planned.xpm_outcome, planned.xpm_sampler = outcome, sampler
     records = "" if mode == "padded" else f"{mode} records; "
     planned.xpm_report = (f"xpm: {records}{probes_summary(outcome)}; formula {memory_model.formula.canonical}; budget {budget.usable_bytes:,} bytes; {outer} records "
                           f"per optimizer step (batch_size {loader.batch_size} x {accumulation} accumulation steps x "

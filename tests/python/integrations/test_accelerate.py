@@ -719,7 +719,8 @@ def test_one_call_plans_an_encoder_decoder_on_both_lengths():
     finally:
         meter.capacity_bytes = 0
     assert loader.xpm_report.startswith("xpm: encoder_decoder records; "), loader.xpm_report
-    memory_model = xpm_accelerate._round_robin_of(loader).predictive_sampler._model
+    memory_model = loader.xpm_outcome.model
+    assert loader.xpm_sampler is xpm_accelerate._round_robin_of(loader).predictive_sampler
     assert list(memory_model.formula.variable_names) == ["bs", "ls", "lt"]
     longest = int(sources.max())
     label, long_target = memory_model.predict([1, longest, 2]), memory_model.predict([1, longest, longest // 2 + 2])
