@@ -113,17 +113,19 @@ class MemoryModel:
 
     def _check_phase_formula(self, source: str, phase: str, formula: Any) -> None:
         """Raises ValueError naming ``metadata.phases[phase].formula`` unless it is a formula's
-        JSON (``text``, ``coefficient_names``) over this model's variables that parses."""
+        JSON (``text``, ``coefficient_names``, ``variable_names``) over this model's variables that
+        parses."""
         where = f"{source}: metadata.phases[{phase!r}].formula"
         if not isinstance(formula, dict) or not isinstance(formula.get("text"), str) \
                 or not isinstance(formula.get("coefficient_names"), list):
             raise ValueError(f"{where} must be a formula's JSON object with 'text' and 'coefficient_names', "
                              f"got {formula!r:.80}")
         variables = list(self.formula.variable_names)
-        if formula.get("variable_names", variables) != variables:
-            raise ValueError(f"{where} is over {formula.get('variable_names')!r}, not the model's variables {variables}")
-        try:
-            _planner.CostFormula(formula["text"], variables, [str(n) for n in formula["coefficient_names"]], False)
+        if formula.get("variable_names") != variables:
+            raise ValueError(f"{where} must name the model's variables {variables} in 'variable_names', got "
+                             f"{formula.get('variable_names')!r:.80}")
+        try:  # as a model file's own formula is read: non-linear terms allowed (already fitted)
+            _planner.CostFormula(formula["text"], variables, [str(n) for n in formula["coefficient_names"]], True)
         except (ValueError, RuntimeError) as error:
             first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise ValueError(f"{where} {formula['text']!r:.80} does not parse over {variables}: {first_line}") from None

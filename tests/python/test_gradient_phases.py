@@ -289,8 +289,9 @@ def test_two_regimes_of_a_formula_rename_the_second_pieces_coefficients_apart_fr
 
 @pytest.mark.parametrize("formula, message", [
     ("a1*bs*l + c", "must be a formula's JSON object"),
-    ({"text": "a1*bs*x + c", "coefficient_names": ["a1", "c"], "variable_names": ["bs", "x"]}, "not the model's variables"),
-    ({"text": "a1*bs*x + c", "coefficient_names": ["a1", "c"]}, "does not parse over ['bs', 'l']"),
+    ({"text": "a1*bs*x + c", "coefficient_names": ["a1", "c"], "variable_names": ["bs", "x"]}, "must name the model's"),
+    ({"text": "a1*bs*l + c", "coefficient_names": ["a1", "c"]}, "must name the model's variables ['bs', 'l']"),
+    ({"text": "a1*bs*x + c", "coefficient_names": ["a1", "c"], "variable_names": ["bs", "l"]}, "does not parse over"),
 ])
 def test_a_phase_formula_that_is_no_formula_of_the_model_is_refused_on_load_naming_it(trained, formula, message):
     parsed = json.loads(trained[0].model.to_json())
